@@ -1,0 +1,3 @@
+from dataio.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The ``dataio`` command: one entry point, one subcommand per tool module.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their subcommand runs, so ``dataio --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "shard": ("dataio.commands.shard", "turn corpora into indexed WebDataset shards"),
+    "index": ("dataio.commands.index", "write .nv-meta index/metadata for tar shards written elsewhere"),
+    "inspect": ("dataio.commands.inspect", "summarise a shard directory"),
+    "verify": ("dataio.commands.verify", "re-read every shard and check index, counts and members"),
+    "bench": ("dataio.commands.bench", "loader throughput benchmark against peer loaders"),
+}
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed as one line, exit status 2 (or ``exit_code``)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dataio", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.set_defaults(_module=module)
+        # Argument definitions are cheap to import; the heavy work is imported inside run().
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except CommandError as e:
+        print(f"dataio {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,1 @@
+"""headrace.training: config, device mesh, parallelisms, model, train loop, checkpoints, metrics."""
