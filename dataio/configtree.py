@@ -1,0 +1,142 @@
+"""Typed config trees: ``@dataclass(kw_only=True)`` classes built from YAML dicts.
+
+One small function does the checking for every config in the project (the loader's ``data:`` section,
+the trainer's whole file): unknown keys and wrong types fail at load time with the key's full dotted
+path, e.g. ``data.datasets[1].weight: expected float, got 'heavy'``. Dotted CLI overrides
+(``optim.lr=3e-4``) are applied to the raw dict before checking, so they get the same errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message starts with the dotted path."""
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data`` (a dict, or already a ``cls``), checking keys and types."""
+    return _convert(cls, data, path or cls.__name__)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain dict/list/scalars of a config tree (what ``yaml.safe_dump`` writes)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def load_yaml(path: str) -> dict:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides in place; values are parsed as YAML scalars/lists."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(option, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: expected {' | '.join(_type_name(o) for o in options)}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: expected one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+        hints = get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ConfigError(f"{path}.{unknown[0]}: unknown key (valid: {', '.join(sorted(fields))})")
+        kwargs = {k: _convert(hints[k], v, f"{path}.{k}") for k, v in value.items()}
+        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"{path}.{missing[0]}: required key is missing")
+        try:
+            return tp(**kwargs)
+        except (TypeError, ValueError) as e:  # __post_init__ validation
+            raise ConfigError(f"{path}: {e}") from e
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        return [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        _, val_tp = get_args(tp) or (Any, Any)
+        return {k: _convert(val_tp, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {value!r}")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    if isinstance(tp, type):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported config type {tp!r}")
+
+
+__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_yaml", "to_dict"]
