@@ -1,0 +1,126 @@
+"""``dataio index DIR``: index and Megatron-Energon metadata for tar shards written elsewhere.
+
+Finds ``DIR/**/*.tar`` (sorted, as ``energon prepare`` lists them; hidden temp files are ignored).
+Shards that already have a ``.nv-meta/parts/<shard>.npz`` sidecar (left by ``dataio shard`` on any
+number of nodes, or by an earlier ``dataio index`` run) whose byte count still matches are merged as
+they are; the others get one header scan each (``dataio.tarscan``) in ``--workers`` processes, and
+leave a sidecar so an interrupted run resumes where it stopped. Then ``dataio.metadata`` writes
+energon's ``.nv-meta`` set, the ``.tar.idx`` files and the headrace index in one pass over the rows:
+non-interactive, and no tar is read twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import TypeVar
+
+from dataio.cli import CommandError
+
+T = TypeVar("T")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="directory holding the .tar shards")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes scanning shards in parallel")
+    parser.add_argument("--checksum", action="store_true",
+                        help="record each scanned shard's sha256 (reads every byte; `dataio verify` checks it)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def track(items: Iterable[T], *, total: int, description: str, quiet: bool = False) -> Iterator[T]:
+    """``items`` with a rich progress bar on stderr, unless ``quiet`` or stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        yield from items
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)
+
+
+def find_shards(root: Path) -> list[str]:
+    """Shard names relative to ``root``, in energon's order; temp files (``.name``) are skipped."""
+    found = sorted(p for p in root.glob("**/*.tar") if p.is_file())
+    names = [p.relative_to(root) for p in found]
+    return [n.as_posix() for n in names if not any(part.startswith(".") for part in n.parts)]
+
+
+def load_parts(root: Path, names: list[str]) -> dict:
+    """The usable sidecar part of each shard: present and recorded for the shard's current size."""
+    from dataio.index import PARTS_DIR, ShardPart
+
+    parts = {}
+    for name in names:
+        path = root / PARTS_DIR / f"{name}.npz"
+        if path.is_file():
+            part = ShardPart.load(path)
+            if part.info.bytes == (root / name).stat().st_size and part.info.name == name:
+                parts[name] = part
+    return parts
+
+
+def _scan(root: Path, name: str, checksum: bool):
+    from dataio.tarscan import scan_shard
+
+    part = scan_shard(root, name, checksum=checksum)
+    part.save(root)
+    return part
+
+
+def build_index(root: Path, *, workers: int = 1, checksum: bool = False, quiet: bool = True):
+    """Scan what needs scanning, merge all parts, write the metadata; returns (index, parts reused)."""
+    from dataio.index import INDEX_DIR, merge_parts
+    from dataio.metadata import write_dataset_metadata
+    from dataio.tarscan import TarFormatError
+
+    names = find_shards(root)
+    if not names:
+        raise CommandError(f"{root}: no .tar shards found")
+    parts = load_parts(root, names)
+    todo = [n for n in names if n not in parts]
+    try:
+        if workers > 1 and len(todo) > 1:
+            with ProcessPoolExecutor(min(workers, len(todo))) as pool:
+                futures = [pool.submit(_scan, root, n, checksum) for n in todo]
+                for future in track(as_completed(futures), total=len(todo), description="indexing", quiet=quiet):
+                    part = future.result()
+                    parts[part.info.name] = part
+        else:
+            for name in track(todo, total=len(todo), description="indexing", quiet=quiet):
+                parts[name] = _scan(root, name, checksum)
+    except TarFormatError as e:
+        raise CommandError(str(e)) from None
+    manifest = root / INDEX_DIR / "manifest.json"
+    job = json.loads(manifest.read_text()).get("job", {}) if manifest.is_file() else {}
+    index = merge_parts([parts[n] for n in names], job=job)
+    try:
+        write_dataset_metadata(root, index, workers=workers)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    return index, len(names) - len(todo)
+
+
+def run(args: argparse.Namespace) -> int:
+    root = args.dir
+    if not root.is_dir():
+        raise CommandError(f"{root}: not a directory")
+    start = time.perf_counter()
+    index, reused = build_index(root, workers=max(1, args.workers), checksum=args.checksum, quiet=args.quiet)
+    total_bytes = sum(s.bytes for s in index.shards)
+    print(f"indexed {len(index.shards)} shards ({reused} from parts, {len(index.shards) - reused} scanned), "
+          f"{len(index)} samples, {total_bytes / 1e6:.1f} MB in {time.perf_counter() - start:.1f}s "
+          f"-> {root / '.nv-meta'}")
+    return 0

@@ -1,0 +1,63 @@
+"""The ``data:`` section: one typed config for loading everywhere (bench, training, tests).
+
+Loaded with ``dataio.configtree.from_dict(DataConfig, section)`` so an unknown key or a wrong type
+fails at load time with its dotted path (``data.datasets[1].weight: expected float, got 'x'``).
+Runtime coordinates (DP rank and size, the process group) are arguments of ``build_loader``, never
+fields here. The packing / bucketing fields belong to the batching stage (``dataio.packing``,
+``dataio.bucketing``); decode options to ``dataio.decode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dataio.bucketing import BucketingConfig
+from dataio.decode import DecodeConfig
+
+
+@dataclass(kw_only=True)
+class DatasetSpec:
+    path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), or see dataio.interop
+    weight: float = 1.0  # relative share of the blended stream
+    split: str = "train"  # which shards of the directory (the manifest's split of each shard)
+
+    def __post_init__(self):
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    datasets: list[DatasetSpec]
+    seed: int | Literal["randomized"] = 0  # "randomized": a fresh seed, logged and kept in the state
+    shuffle: bool = True
+    shuffle_window: int = 8192  # samples permuted together after the shard shuffle (no buffer)
+    epochs: int | None = None  # None: endless; N: the stream ends after N passes (see dataio.blend)
+    stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
+    batch_size: int = 32
+    num_workers: int = 2
+    prefetch: int = 2  # batches in flight per worker
+    pin_memory: bool = False
+    worker_timeout: float = 120.0  # seconds without a batch before a worker counts as hung
+    max_bad_samples: int = 0  # undecodable / corrupt samples skipped (per DP rank) before it is an error
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    # The batching stage (dataio.packing / dataio.bucketing).
+    packing: Literal["none", "greedy", "best_fit"] = "none"
+    seq_len: int = 2048
+    packing_buffer: int = 1000
+    bucketing: BucketingConfig | None = None
+
+    def __post_init__(self):
+        if not self.datasets:
+            raise ValueError("datasets: at least one dataset is needed")
+        for name in ("batch_size", "shuffle_window", "prefetch", "seq_len", "packing_buffer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 0 or self.max_bad_samples < 0:
+            raise ValueError("num_workers and max_bad_samples must be >= 0")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1 or null (endless), got {self.epochs}")
+
+
+__all__ = ["DataConfig", "DatasetSpec"]

@@ -1,0 +1,330 @@
+"""``build_loader``: the resumable, rank-aware stream of batches the trainer iterates.
+
+The whole stream is a pure function of position, composed of small stages:
+
+1. ``dataio.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form.
+2. ``dataio.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``, shuffled
+   by shard order and in-window permutation from the seed -> a global sample index.
+3. ``dataio.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
+   ``[j0 + b*B, j0 + (b+1)*B)``.
+4. ``dataio.sources`` reads the samples by offset, ``dataio.decode`` decodes them, ``dataio.collate``
+   (``packing: none``) or ``dataio.packing`` (``greedy`` / ``best_fit``) makes the batch.
+5. ``dataio.workers`` computes batches in DataLoader worker processes, read back in batch order.
+
+So the state is tiny -- the layout (a start position and, rarely, a few skip ranges), the rank-local
+position ``j`` the trainer has consumed, the bad-sample count, the seed, and the packer's document
+references -- and restoring it in a new process with any ``dp_size`` / ``num_workers`` continues the
+stream with nothing lost or repeated (see ``dataio.split`` for the re-layout rule). Memory is bounded
+by the index (memory-mapped) plus one shuffle window per worker, independent of the epoch length.
+
+Sample references (``__ref__``, packing ``ref``): ``dataset << 40 | global sample index``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from dataio.blend import BlendSchedule
+from dataio.collate import collate
+from dataio.config import DataConfig
+from dataio.configtree import from_dict
+from dataio.decode import SampleDecodeError, decode_sample
+from dataio.order import EpochOrder
+from dataio.seeding import fresh_seed
+from dataio.sources import ShardSource
+from dataio.split import Layout, relayout
+from dataio.workers import RankBatches, iterate
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+REF_BITS = 40
+
+
+def make_ref(dataset: int | np.ndarray, index: int | np.ndarray):
+    """The int64 reference of sample ``index`` of dataset ``dataset`` (vectorised)."""
+    return (np.asarray(dataset, dtype=np.int64) << REF_BITS) | np.asarray(index, dtype=np.int64)
+
+
+def split_ref(ref: int) -> tuple[int, int]:
+    return int(ref) >> REF_BITS, int(ref) & ((1 << REF_BITS) - 1)
+
+
+def _token_ext(source: ShardSource) -> str | None:
+    from dataio.tarscan import is_token_member
+
+    return next((e for e in source.index.extensions if is_token_member(e)), None)
+
+
+class BatchMaker:
+    """Batch ``b`` of one rank's stream; picklable and stateless except for its bad-sample count."""
+
+    def __init__(self, *, cfg: DataConfig, sources: list[ShardSource], seed: int, layout: Layout,
+                 dp_rank: int, first_local: int, end: int | None, bad_so_far: int):
+        self.cfg, self.sources, self.layout, self.dp_rank = cfg, sources, layout, dp_rank
+        self.first_local, self.batch_size = first_local, cfg.batch_size
+        self.local_end = layout.local_count(dp_rank, end)
+        self.blend = BlendSchedule([d.weight for d in cfg.datasets], [len(s) for s in sources],
+                                   epochs=cfg.epochs, stop_on_first_exhausted=cfg.stop_on_first_exhausted)
+        self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
+                                  window=cfg.shuffle_window) for i, s in enumerate(sources)]
+        self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
+
+    def refs(self, positions: np.ndarray) -> np.ndarray:
+        """Sample references at global ``positions``."""
+        dataset, draw = self.blend.locate(positions)
+        index = np.empty(len(positions), dtype=np.int64)
+        for d in np.unique(dataset):
+            at = np.flatnonzero(dataset == d)
+            epoch, pos = np.divmod(draw[at], len(self.sources[d]))
+            for e in np.unique(epoch):
+                sel = epoch == e
+                index[at[sel]] = self.orders[d].indices(int(e), pos[sel])
+        return make_ref(dataset, index)
+
+    def __call__(self, b: int) -> dict:
+        lo = self.first_local + b * self.batch_size
+        hi = lo + self.batch_size if self.local_end is None else min(lo + self.batch_size, self.local_end)
+        local = np.arange(lo, max(lo, hi), dtype=np.int64)
+        positions = self.layout.positions(self.dp_rank, local)
+        keep = ~self.layout.skipped(positions) if self.layout.skips else slice(None)
+        local, positions = local[keep], positions[keep]
+        refs = self.refs(positions)
+        samples, keys, kept, bad = self._read(refs)
+        valid = torch.ones(len(samples), dtype=torch.bool)
+        if not samples:  # a rank left without a sample at the tail: one flagged padding sample
+            refs = self.refs(np.array([self.layout.start]))
+            samples, keys, kept, _ = self._read(refs)
+            valid = torch.zeros(len(samples), dtype=torch.bool)
+            local = np.full(len(samples), -1)
+        batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=max(lo, hi))
+        batch["__pos__"] = torch.from_numpy(local[kept])
+        batch["__bad__"] = bad
+        return batch
+
+    def _read(self, refs: np.ndarray) -> tuple[list[dict], list[str], np.ndarray, int]:
+        """Decoded samples of ``refs`` in order, skipping (and counting) bad ones."""
+        dataset, index = refs >> REF_BITS, refs & ((1 << REF_BITS) - 1)
+        raw: list[tuple[str, str, dict] | SampleDecodeError] = [None] * len(refs)  # type: ignore[list-item]
+        for d in np.unique(dataset):
+            at = np.flatnonzero(dataset == d)
+            source = self.sources[d]
+            try:
+                for i, item in zip(at, source.read(index[at])):
+                    raw[i] = item
+            except SampleDecodeError:  # find which samples are bad, one by one
+                for i in at:
+                    try:
+                        raw[i] = source.read(index[i : i + 1])[0]
+                    except SampleDecodeError as e:
+                        raw[i] = e
+        samples, keys, kept, bad = [], [], [], 0
+        for i, item in enumerate(raw):
+            if not isinstance(item, SampleDecodeError):
+                key, shard, members = item
+                try:
+                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard))
+                    keys.append(key)
+                    kept.append(i)
+                    continue
+                except SampleDecodeError as e:
+                    item = e
+            bad += 1
+            self.bad += 1
+            if self.bad > self.cfg.max_bad_samples:
+                budget = f" (more than max_bad_samples={self.cfg.max_bad_samples} bad samples on this rank)"
+                raise type(item)(item.reason + budget * bool(self.cfg.max_bad_samples), shard=item.shard,
+                                 key=item.key, member=item.member) from item
+            log.warning("skipping bad sample (%d of max_bad_samples=%d): %s", self.bad, self.cfg.max_bad_samples, item)
+        return samples, keys, np.asarray(kept, dtype=np.int64), bad
+
+
+class Loader:
+    """Iterable of batches for one DP rank; ``state_dict()`` / ``load_state_dict()`` for exact resume."""
+
+    def __init__(self, cfg: DataConfig, *, dp_rank: int, dp_size: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.sources = [open_source(d) for d in cfg.datasets]
+        self.seed = _resolve_seed(cfg.seed, dp_size)
+        self.layout = Layout(start=0, dp_size=dp_size)
+        self.consumed = 0  # rank-local positions handed to the trainer (or to the packer)
+        self.bad_samples = 0
+        self.packer = None
+        if cfg.packing != "none":
+            from dataio.packing import Packer, PackingConfig
+
+            self.packer = Packer(PackingConfig(seq_len=cfg.seq_len, packing=cfg.packing,
+                                               packing_buffer=cfg.packing_buffer), rows_per_batch=cfg.batch_size)
+            self._token_exts = [_token_ext(s) for s in self.sources]
+            if None in self._token_exts:
+                bad = cfg.datasets[self._token_exts.index(None)].path
+                raise ValueError(f"packing: {cfg.packing} needs token members (*.npy); {bad} has none")
+        self._fingerprint = self._make_fingerprint()
+        self._maker: BatchMaker | None = None
+
+    # -- iteration -----------------------------------------------------------------------------
+    def _batch_maker(self) -> BatchMaker:
+        return BatchMaker(cfg=self.cfg, sources=self.sources, seed=self.seed, layout=self.layout,
+                          dp_rank=self.dp_rank, first_local=self.consumed, end=self.end, bad_so_far=self.bad_samples)
+
+    @property
+    def end(self) -> int | None:
+        """The global position where a finite stream (``epochs: N``) ends; None when endless."""
+        return BlendSchedule([d.weight for d in self.cfg.datasets], [len(s) for s in self.sources],
+                             epochs=self.cfg.epochs, stop_on_first_exhausted=self.cfg.stop_on_first_exhausted).end
+
+    def __len__(self) -> int:
+        """Batches left in a finite stream (``packing: none``); the same on every DP rank."""
+        n = self.layout.num_batches(self.end, self.consumed, self.cfg.batch_size)
+        if n is None or self.packer is not None:
+            raise TypeError("len() of an endless (epochs: null) or packed stream")
+        return n
+
+    def __iter__(self) -> Iterator[dict]:
+        maker = self._maker = self._batch_maker()
+        start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
+        batches = RankBatches(maker, first=0, last=self.layout.num_batches(self.end, self.consumed, self.cfg.batch_size),
+                              seed=self.seed, dp_rank=self.dp_rank, epoch=maker.blend.epoch_at(start_pos))
+        stream = iterate(batches, num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
+                         pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0)
+        for batch in stream:
+            self.bad_samples += batch.pop("__bad__")
+            if self.bad_samples > self.cfg.max_bad_samples:  # the workers' counts together
+                raise SampleDecodeError(f"more than max_bad_samples={self.cfg.max_bad_samples} bad samples on DP rank "
+                                        f"{self.dp_rank} (see the warnings above for which)")
+            if self.packer is None:
+                self.consumed = batch.pop("__end__")
+                yield batch
+            else:
+                yield from self._pack(batch)
+        if self.packer is not None:
+            self.packer.flush()
+            while (packed := self.packer.pop()) is not None:
+                yield packed
+
+    def _pack(self, chunk: dict) -> Iterator[dict]:
+        refs, positions = chunk["__ref__"].tolist(), chunk["__pos__"].tolist()
+        valid = chunk["__valid__"].tolist()
+        docs: dict[str, list] = {}
+        for ext in set(self._token_exts):
+            lengths = chunk["__lengths__"].get(ext)
+            docs[ext] = list(torch.split(chunk[ext], lengths.tolist())) if lengths is not None else list(chunk[ext])
+        for i, (ref, pos) in enumerate(zip(refs, positions)):
+            if not valid[i]:
+                continue
+            self.packer.push(ref, docs[self._token_exts[ref >> REF_BITS]][i].numpy())
+            self.consumed = pos + 1
+            while (packed := self.packer.pop()) is not None:
+                yield packed
+        self.consumed = max(self.consumed, chunk["__end__"])
+
+    def fetch(self, ref: int) -> Any:
+        """The decoded token array of document ``ref`` (for the packer's resume)."""
+        d, index = split_ref(ref)
+        key, shard, members = self.sources[d].read(np.array([index]))[0]
+        decoded = decode_sample(members, self.cfg.decode, key=key, shard=shard)
+        return decoded[self._token_exts[d]].numpy()
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Positions and counters (JSON-serialisable, a few hundred bytes plus the packer's references)."""
+        state = {"version": STATE_VERSION, "fingerprint": self._fingerprint, "seed": self.seed,
+                 "dp_rank": self.dp_rank, "dp_size": self.dp_size, "layout": self.layout.to_dict(),
+                 "consumed": self.consumed, "bad_samples": self.bad_samples}
+        if self.packer is not None:
+            state["packing"] = self.packer.state_dict()
+        return state
+
+    def load_state_dict(self, states: dict | list[dict]) -> None:
+        """Restore from every old rank's ``state_dict()`` (or just this rank's, same layout)."""
+        states = [states] if isinstance(states, dict) else list(states)
+        if not states:
+            raise ValueError("load_state_dict: no state given")
+        for s in states:
+            if s.get("version") != STATE_VERSION:
+                raise ValueError(f"loader state version {s.get('version')!r}, expected {STATE_VERSION}")
+            if s["fingerprint"] != self._fingerprint:
+                raise ValueError("loader state comes from other data (datasets, weights, shuffle, shuffle_window "
+                                 "or epochs differ); positions would mean other samples")
+        old_size = states[0]["dp_size"]
+        by_rank = {s["dp_rank"]: s for s in states}
+        self.seed = states[0]["seed"]
+        if old_size == self.dp_size and self.dp_rank in by_rank:  # same layout: exact continuation
+            own = by_rank[self.dp_rank]
+            self.layout, self.consumed = Layout.from_dict(own["layout"]), own["consumed"]
+            self.bad_samples = own["bad_samples"]
+            if self.packer is not None:
+                self.packer.load_state_dict(own["packing"], self.fetch)
+            return
+        if sorted(by_rank) != list(range(old_size)):
+            raise ValueError(f"changing dp_size {old_size} -> {self.dp_size} needs the state of every old rank, "
+                             f"got ranks {sorted(by_rank)}")
+        old = [by_rank[r] for r in range(old_size)]
+        self.layout = relayout(Layout.from_dict(old[0]["layout"]), [s["consumed"] for s in old])
+        self.layout.dp_size = self.dp_size
+        self.consumed = 0
+        self.bad_samples = max(s["bad_samples"] for s in old)
+        if self.packer is not None:
+            from dataio.packing import reshard_states
+
+            self.packer.load_state_dict(reshard_states([s["packing"] for s in old], self.dp_rank, self.dp_size),
+                                        self.fetch)
+
+    def _make_fingerprint(self) -> str:
+        what = {"data": [(d.path, d.split, d.weight, len(s)) for d, s in zip(self.cfg.datasets, self.sources)],
+                "shuffle": self.cfg.shuffle, "window": self.cfg.shuffle_window, "epochs": self.cfg.epochs,
+                "stop_on_first_exhausted": self.cfg.stop_on_first_exhausted}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def open_source(spec) -> ShardSource:
+    """The sample source of one ``datasets:`` entry: a headrace index, else an energon-prepared
+    directory's ``index.sqlite`` (``dataio.interop``)."""
+    from dataio.index import INDEX_DIR
+    from dataio.interop import energon_index, is_energon_dir
+
+    local = "://" not in spec.path
+    if local and not (Path(spec.path) / INDEX_DIR).exists() and is_energon_dir(spec.path):
+        return ShardSource(spec.path, split=spec.split, index=energon_index(spec.path))
+    return ShardSource(spec.path, split=spec.split)
+
+
+def _resolve_seed(seed: int | str, dp_size: int) -> int:
+    if seed != "randomized":
+        return int(seed)
+    value = fresh_seed()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)  # every rank must shuffle alike
+        value = box[0]
+    elif dp_size > 1:
+        raise ValueError("seed: randomized with dp_size > 1 needs an initialised process group (to share the seed)")
+    log.info("data seed: randomized -> %d (stored in the loader state)", value)
+    return value
+
+
+def build_loader(data_cfg: dict | DataConfig, dp_rank: int | None = None, dp_size: int | None = None) -> Loader:
+    """The loader of one DP rank from the ``data:`` section (dict or ``DataConfig``).
+
+    ``dp_rank``/``dp_size`` default to the default process group's rank and world size when
+    torch.distributed is initialised (pass them explicitly when TP/PP/CP peers share a DP index)."""
+    cfg = from_dict(DataConfig, data_cfg, "data")
+    if dp_rank is None or dp_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
+        else:
+            dp_rank, dp_size = 0, 1
+    return Loader(cfg, dp_rank=dp_rank, dp_size=dp_size)
+
+
+__all__ = ["BatchMaker", "Loader", "build_loader", "make_ref", "split_ref"]

@@ -1,0 +1,243 @@
+"""Megatron-Energon metadata for a shard directory, written from a ``DatasetIndex`` (no tar is re-read).
+
+Writes what ``energon prepare --non-interactive --sample-type CrudeWebdataset`` writes with
+megatron-energon 7.x, so ``megatron.energon`` opens the directory as it is:
+
+- ``SHARD.tar.idx`` beside each shard: native uint64 byte offsets of each sample's first tar header,
+  then the end-of-data offset (energon's ``TarIndexWriter``);
+- ``.nv-meta/index.sqlite``: tables ``samples`` and ``sample_parts`` with energon's DDL and indices
+  (random access by key, sample-part lookups, ``list_all_samples``);
+- ``.nv-meta/index.uuid``, ``.nv-meta/split.yaml`` (split parts from ``ShardInfo.split``, shard names
+  brace-collapsed), ``.nv-meta/dataset.yaml`` (``CrudeWebdataset``), ``.nv-meta/.info.json``
+  (``shard_counts``);
+- the headrace index (``DatasetIndex.save``).
+
+Energon's byte spans follow from the headrace rows: a sample spans from its first header to the next
+sample's first header; the last one ends at the shard's end-of-data offset (its span rounded up to the
+512-byte block). ``index.uuid`` is derived from the index content instead of ``uuid4``, so it still
+changes whenever the index does but re-running on the same shards writes identical bytes.
+
+Atomicity: every file is written under a temporary name, fsynced and renamed. ``.info.json`` is what
+makes energon treat a directory as prepared, so it is removed first and written last: a reader sees
+either no metadata set or a complete one. Cost: one ``executemany`` per table (~1 us per row) plus
+one small file per shard; no payload byte is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from dataio.index import META_DIR, DatasetIndex
+
+ITAR_SUFFIX = ".idx"  # shard.tar -> shard.tar.idx
+DEFAULT_SPLITS = ("train", "val", "test")  # energon prepare always writes these three parts
+TAR_BLOCK = 512
+
+# Energon's DDL, verbatim: sqlite keeps the statement text in sqlite_master, so the schema of our
+# index.sqlite is identical to the one ``energon prepare`` writes.
+SAMPLES_DDL = """
+                CREATE TABLE IF NOT EXISTS samples (
+                    tar_file_id INTEGER NOT NULL,
+                    sample_key TEXT NOT NULL UNIQUE,
+                    sample_index INTEGER NOT NULL,
+                    byte_offset INTEGER,
+                    byte_size INTEGER
+                )
+                """
+SAMPLE_PARTS_DDL = """
+                CREATE TABLE IF NOT EXISTS sample_parts (
+                    tar_file_id INTEGER,
+                    sample_index INTEGER,
+                    part_name TEXT,
+                    content_byte_offset INTEGER,
+                    content_byte_size INTEGER
+                )
+                """
+INDEX_DDL = (
+    "CREATE INDEX IF NOT EXISTS idx_samples_by_tar_and_idx ON samples(tar_file_id, sample_index)",
+    "CREATE INDEX IF NOT EXISTS idx_sample_parts_seq ON sample_parts(tar_file_id, sample_index, content_byte_offset)",
+    "CREATE INDEX IF NOT EXISTS idx_sample_parts_full ON sample_parts(tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size)",
+)
+
+
+def energon_spans(index: DatasetIndex) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sample: ``sample_index`` within its shard and energon's ``byte_size``; per shard: the
+    end-of-data offset (the last ``.tar.idx`` entry)."""
+    shard = index.samples["shard"].astype(np.int64)
+    offset = index.samples["offset"].astype(np.int64)
+    n_shards = len(index.shards)
+    counts = np.bincount(shard, minlength=n_shards)
+    first = np.cumsum(counts) - counts
+    sample_index = np.arange(len(shard)) - first[shard]
+    last_of_shard = np.ones(len(shard), bool)
+    last_of_shard[:-1] = shard[1:] != shard[:-1]
+    sample_end = offset + index.samples["size"].astype(np.int64)
+    shard_end = np.zeros(n_shards, np.int64)
+    shard_end[shard[last_of_shard]] = -(-sample_end[last_of_shard] // TAR_BLOCK) * TAR_BLOCK
+    next_offset = np.empty_like(offset)
+    next_offset[:-1] = offset[1:]
+    byte_size = np.where(last_of_shard, shard_end[shard] - offset, next_offset - offset)
+    return sample_index, byte_size, shard_end
+
+
+def collapse_names(names: list[str]) -> list[str]:
+    """Brace-collapse runs of names that differ in one number counting up by one, keeping order
+    (``s-000.tar, s-001.tar`` -> ``s-{000..001}.tar``), as energon writes split parts."""
+    out: list[str] = []
+    run = None  # (literals, numbers of the last name, varying slot or None, first value of the slot)
+
+    def flush():
+        if run is not None:
+            lits, nums, slot, first = run
+            if slot is not None:
+                nums = nums[:slot] + [f"{{{first}..{nums[slot]}}}"] + nums[slot + 1 :]
+            out.append("".join(x for pair in zip(lits, nums + [""]) for x in pair))
+
+    for name in names:
+        nums, lits = re.findall(r"\d+", name), re.split(r"\d+", name)
+        if run is not None and run[0] == lits and len(run[1]) == len(nums):
+            diff = [i for i, (a, b) in enumerate(zip(run[1], nums)) if a != b]
+            if (len(diff) == 1 and run[2] in (None, diff[0])
+                    and len(nums[diff[0]]) == len(run[1][diff[0]])
+                    and int(nums[diff[0]]) == int(run[1][diff[0]]) + 1):
+                slot = diff[0]
+                run = (lits, nums, slot, run[3] if run[2] is not None else run[1][slot])
+                continue
+        flush()
+        run = (lits, nums, None, None)
+    flush()
+    return out
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byte_size: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    keys = [k.decode("utf-8", "surrogateescape") for k in index.keys.tolist()]
+    shard = index.samples["shard"].tolist()
+    counts = index.samples["member_count"].astype(np.int64)
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(counts)), counts)
+    excl = np.cumsum(counts) - counts
+    member_rows = index.members[np.repeat(index.samples["member_start"].astype(np.int64) - excl, counts)
+                                + np.arange(total)]
+    part_names = np.array(index.extensions, dtype=object)[member_rows["ext"]].tolist() if total else []
+    db = sqlite3.connect(tmp)
+    try:
+        db.execute("PRAGMA journal_mode = OFF")  # a temp file: durability comes from fsync + rename
+        db.execute("PRAGMA synchronous = OFF")
+        db.execute(SAMPLES_DDL)
+        db.execute(SAMPLE_PARTS_DDL)
+        try:
+            db.executemany(
+                "INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) VALUES (?, ?, ?, ?, ?)",
+                zip(shard, keys, sample_index.tolist(), index.samples["offset"].tolist(), byte_size.tolist()))
+        except sqlite3.IntegrityError:
+            raise ValueError(_duplicate_key_message(index, keys)) from None
+        db.executemany(
+            "INSERT INTO sample_parts (tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size) VALUES (?, ?, ?, ?, ?)",
+            zip(index.samples["shard"][owner].tolist(), sample_index[owner].tolist(), part_names,
+                member_rows["offset"].tolist(), member_rows["size"].tolist()))
+        for ddl in INDEX_DDL:
+            db.execute(ddl)
+        db.commit()
+    except BaseException:
+        db.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    db.close()
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _duplicate_key_message(index: DatasetIndex, keys: list[str]) -> str:
+    seen: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if key in seen:
+            a, b = (index.shards[int(index.samples["shard"][j])].name for j in (seen[key], i))
+            return (f"duplicate sample key {key!r} (in {a} and {b}): energon and webdataset need keys "
+                    f"unique across the dataset")
+        seen[key] = i
+    return "duplicate sample key"
+
+
+def _content_uuid(index: DatasetIndex, byte_size: np.ndarray) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([(s.name, s.samples, s.split) for s in index.shards]).encode())
+    h.update(np.ascontiguousarray(index.samples["offset"]).tobytes())
+    h.update(np.ascontiguousarray(byte_size).tobytes())
+    h.update(index.keys.astype(np.bytes_).tobytes())
+    return str(uuid.UUID(bytes=h.digest()[:16], version=4))
+
+
+def split_parts(index: DatasetIndex) -> dict[str, list[str]]:
+    """``{split: [collapsed shard names]}`` with energon's train/val/test always present."""
+    parts: dict[str, list[str]] = {name: [] for name in DEFAULT_SPLITS}
+    for shard in index.shards:
+        parts.setdefault(shard.split, []).append(shard.name)
+    return {name: collapse_names(shards) for name, shards in parts.items()}
+
+
+def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, workers: int = 1) -> None:
+    """Write energon's ``.nv-meta`` set, the per-shard ``.tar.idx`` files and the headrace index for
+    the shards of ``index`` under ``root`` (``workers`` threads write the ``.tar.idx`` files)."""
+    root = Path(root)
+    meta = root / META_DIR
+    meta.mkdir(parents=True, exist_ok=True)
+    counts = np.bincount(index.samples["shard"].astype(np.int64), minlength=len(index.shards))
+    for shard, count in zip(index.shards, counts.tolist()):
+        if count == 0:
+            raise ValueError(f"{root / shard.name}: shard has no samples (energon cannot index an empty shard)")
+        if count != shard.samples:
+            raise ValueError(f"{root / shard.name}: index has {count} samples but ShardInfo says {shard.samples}")
+    sample_index, byte_size, shard_end = energon_spans(index)
+
+    info_path = meta / ".info.json"
+    info_path.unlink(missing_ok=True)  # the "prepared" marker goes first and comes back last
+
+    offsets = index.samples["offset"].astype(np.uint64)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+
+    def write_itar(i: int) -> None:
+        entries = np.append(offsets[bounds[i] : bounds[i + 1]], np.uint64(shard_end[i]))
+        shard_path = root / index.shards[i].name
+        _write_atomic(shard_path.with_name(shard_path.name + ITAR_SUFFIX), entries.astype("=u8").tobytes())
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(write_itar, range(len(index.shards))))
+
+    _write_sqlite(meta / "index.sqlite", index, sample_index, byte_size)
+    _write_atomic(meta / "index.uuid", _content_uuid(index, byte_size).encode())
+    splits = {"split_parts": split_parts(index), "exclude": []}
+    _write_atomic(meta / "split.yaml", yaml.dump(splits, sort_keys=False).encode())
+    dataset = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+    _write_atomic(meta / "dataset.yaml", yaml.dump(dataset, sort_keys=False).encode())
+    index.save(root)
+    info = {"energon_version": version("megatron-energon"),
+            "shard_counts": {s.name: int(c) for s, c in zip(index.shards, counts.tolist())}}
+    _write_atomic(info_path, json.dumps(info, indent=2).encode())
+    dir_fd = os.open(meta, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

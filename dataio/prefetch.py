@@ -1,0 +1,152 @@
+"""Device prefetch: pinned, non-blocking host-to-device copies on a side stream, with data-wait timing.
+
+``DevicePrefetcher(batches, device)`` wraps any iterable of batches (nested dicts/lists/tuples of
+tensors; other values pass through). On CUDA:
+
+- a background thread of the main process pulls batches from the loader and pins them, once, into
+  page-locked memory (tensors the loader already pinned are kept as they are); DataLoader workers
+  never pin, so there are no per-worker pinned copies;
+- the main thread issues each copy with ``non_blocking=True`` on a dedicated CUDA stream, ``depth``
+  batches ahead of the one the consumer is using, so the copy overlaps the previous step's compute;
+- before handing a batch over, the consumer's stream ``wait_stream``s the copy stream (a GPU-side
+  dependency, the host does not block), and every device tensor is ``record_stream``ed on the
+  consumer's stream so the caching allocator does not reuse its memory while the step still reads it.
+
+Elsewhere (CPU) it is a pass-through that only moves tensors with ``.to(device)`` (a no-op on CPU).
+
+Either way it measures the *data wait*: host time the consumer spent inside ``next()`` waiting for a
+batch, per batch and in total, and as a fraction of the wall time since the first batch was asked for
+(``stats()``). Without a GPU the wait includes the loader's own work; with the side stream it is the
+time the queue from the loader was empty.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+_DONE = object()
+
+
+def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """Apply ``fn`` to every tensor of a nested dict/list/tuple; other leaves are returned as they are."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: tree_map(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(tree_map(fn, v) for v in batch)
+    return batch
+
+
+def pin(batch: Any) -> Any:
+    """Page-locked copies of the batch's tensors (already pinned tensors are kept)."""
+    return tree_map(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+
+
+class DevicePrefetcher:
+    """Iterate ``batches`` with their tensors on ``device``; see the module docstring."""
+
+    def __init__(self, batches: Iterable, device: str | torch.device, *, depth: int = 1):
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+        self.device = torch.device(device)
+        self.depth = depth
+        self.waits: list[float] = []
+        self._source = iter(batches)
+        self._started: float | None = None
+        self._finished: float | None = None
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._in_flight: list[Any] = []
+            self._pinned: queue.Queue = queue.Queue(maxsize=depth + 1)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._pin_loop, name="headrace-pin", daemon=True)
+            self._thread.start()
+
+    # -- host side: loader -> pinned memory, in a thread of the main process ---------------------
+    def _pin_loop(self) -> None:
+        try:
+            for batch in self._source:
+                if not self._put(pin(batch)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # surfaces in the consumer's next()
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._pinned.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- device side ------------------------------------------------------------------------------
+    def _issue_copy(self) -> bool:
+        """Start the copy of the next pinned batch on the side stream; False at the end of the stream."""
+        item = self._pinned.get()
+        if item is _DONE:
+            self._pinned.put(_DONE)  # keep the end visible to later calls
+            return False
+        if isinstance(item, BaseException):
+            raise item
+        with torch.cuda.stream(self._stream):
+            self._in_flight.append(tree_map(lambda t: t.to(self.device, non_blocking=True), item))
+        return True
+
+    def _next_cuda(self) -> Any:
+        while len(self._in_flight) < self.depth + 1 and self._issue_copy():
+            pass
+        if not self._in_flight:
+            raise StopIteration
+        batch = self._in_flight.pop(0)
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_stream(self._stream)
+
+        def hand_over(t: torch.Tensor) -> torch.Tensor:
+            t.record_stream(consumer)
+            return t
+
+        return tree_map(hand_over, batch)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        if self._started is None:
+            self._started = start
+        try:
+            batch = self._next_cuda() if self._cuda else tree_map(lambda t: t.to(self.device), next(self._source))
+        except StopIteration:
+            self._finished = time.perf_counter()
+            self.close()
+            raise
+        now = time.perf_counter()
+        self.waits.append(now - start)
+        self._finished = now
+        return batch
+
+    def stats(self) -> dict:
+        """``batches``, ``wait_s`` (total data wait), ``elapsed_s`` (since the first request) and
+        ``wait_fraction`` = wait_s / elapsed_s."""
+        elapsed = (self._finished - self._started) if self._started is not None else 0.0
+        wait = sum(self.waits)
+        return {"batches": len(self.waits), "wait_s": wait, "elapsed_s": elapsed,
+                "wait_fraction": wait / elapsed if elapsed > 0 else 0.0}
+
+    def close(self) -> None:
+        """Stop the pinning thread (also called at the end of the stream)."""
+        if self._cuda:
+            self._stop.set()
+            self._thread.join(timeout=5)
+
+
+__all__ = ["DevicePrefetcher", "pin", "tree_map"]

@@ -1,0 +1,180 @@
+"""Random access to the samples of one indexed dataset, local or remote, by byte offset.
+
+A local shard is memory-mapped once per process: reading sample ``i`` is a slice of the map at the
+offset the index gives (no syscall, no tar parsing, no copy; the page cache does the block reads and
+the kernel's read-ahead turns a window of nearby samples into large sequential reads). The map is
+``ACCESS_COPY`` (private, copy-on-write): reading shares the page cache exactly like a read-only map,
+but the buffers are writable, so numpy/torch views need no read-only special case. A remote shard
+(any fsspec URL: ``s3://`` with the ``s3`` extra, ``gs://``, ``http(s)://``, ``file://``) is read through
+an fsspec file with a block cache of ``REMOTE_BLOCK`` bytes, so nearby samples come from one ranged
+GET; transient storage errors (``OSError``, timeouts) are retried with exponential backoff before they
+count as failures.
+
+Every read checks that the tar header right before the sample's first payload names the sample's key
+(one short ``bytes`` compare), so an index that disagrees with its tar is an error naming the shard and
+key instead of silently wrong data; a shard shorter than its index says is reported when it is opened.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from dataio.decode import SampleDecodeError
+from dataio.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
+
+REMOTE_BLOCK = 8 << 20
+RETRIES = 5
+BACKOFF_S = 0.5
+OPEN_REMOTE_SHARDS = 8
+
+
+class ShardFormatError(SampleDecodeError):
+    """A shard is broken where a sample lives: truncated, or its tar disagrees with its index. A
+    ``SampleDecodeError``, so the loader counts it against ``max_bad_samples`` like any bad sample."""
+
+
+def retry(fn, what: str):
+    """Call ``fn()``; on a transient storage error retry with backoff 0.5, 1, 2, 4 s, then re-raise."""
+    for attempt in range(RETRIES):
+        try:
+            return fn()
+        except (OSError, TimeoutError) as e:
+            if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)) or attempt == RETRIES - 1:
+                raise OSError(f"{what}: {type(e).__name__}: {e} (after {attempt + 1} attempts)") from e
+            time.sleep(BACKOFF_S * 2**attempt)
+
+
+def load_remote_index(url: str) -> DatasetIndex:
+    """The headrace index of a dataset behind an fsspec URL (a few small files, read whole)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    d = f"{root.rstrip('/')}/{INDEX_DIR}"
+    manifest = json.loads(retry(lambda: fs.cat_file(f"{d}/manifest.json"), f"{url}: reading the index"))
+    arrays = {name: np.load(io.BytesIO(retry(lambda n=name: fs.cat_file(f"{d}/{n}.npy"), url)), allow_pickle=False)
+              for name in ("samples", "members", "keys")}
+    return DatasetIndex(shards=[ShardInfo(**s) for s in manifest["shards"]], extensions=list(manifest["extensions"]),
+                        job=manifest.get("job", {}), **arrays)
+
+
+class ShardSource:
+    """One dataset (one split of an indexed directory or URL): sample indices -> raw member bytes."""
+
+    def __init__(self, path: str, *, split: str = "train", index: DatasetIndex | None = None):
+        self.path = path
+        self.remote = "://" in path and not path.startswith("file://")
+        if index is None:
+            index = load_remote_index(path) if "://" in path else load_index(path)
+        self.index = index
+        shard_ids = [i for i, s in enumerate(index.shards) if s.split == split]
+        if not shard_ids:
+            splits = sorted({s.split for s in index.shards})
+            raise ValueError(f"{path}: no shards in split {split!r} (splits: {', '.join(splits) or 'none'})")
+        counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.shard_starts, self.shard_sizes = starts[shard_ids], counts[shard_ids]
+        self._needed = {  # bytes each shard must have for its indexed samples
+            s: int(index.samples["offset"][starts[s] + counts[s] - 1] + index.samples["size"][starts[s] + counts[s] - 1])
+            for s in shard_ids if counts[s]
+        }
+        self._ext_names = list(index.extensions)
+        self._maps: dict[int, object] = {}
+        self._remote_files: OrderedDict[int, object] = OrderedDict()
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return int(self.shard_sizes.sum())
+
+    def shard_path(self, shard: int) -> str:
+        return f"{self.path.rstrip('/')}/{self.index.shards[shard].name}"
+
+    def read(self, indices: np.ndarray) -> list[tuple[str, str, dict[str, memoryview | bytes]]]:
+        """``(key, shard path, {ext: payload})`` of each global sample index; payloads are views where possible."""
+        idx = np.asarray(indices, dtype=np.int64)
+        rows = self.index.samples[idx]
+        counts = rows["member_count"].astype(np.int64)
+        first = np.repeat(rows["member_start"].astype(np.int64), counts)
+        member_rows = first + np.arange(len(first)) - np.repeat(np.cumsum(counts) - counts, counts)
+        members = self.index.members[member_rows]
+        exts = [self._ext_names[e] for e in members["ext"].tolist()]
+        offsets, sizes = members["offset"].tolist(), members["size"].tolist()
+        keys = self.index.keys[idx].tolist()
+        out = []
+        m = 0
+        for shard, start, key, n in zip(rows["shard"].tolist(), rows["offset"].tolist(), keys, counts.tolist()):
+            if self.remote:
+                buf, base = self._read_remote(shard, start, offsets[m + n - 1] + sizes[m + n - 1] - start), start
+            else:
+                buf, base = self._map(shard), 0
+            first_payload = offsets[m] - base
+            header = first_payload - 512
+            if (bytes(buf[header : header + len(key) + 1]) != key + b"."  # fast path: the ustar name field
+                    and key.rpartition(b"/")[2] + b"." not in bytes(buf[start - base : first_payload])):  # long names
+                raise ShardFormatError(
+                    f"the tar at byte {start} does not hold this sample, which the index places there"
+                    f"  (index out of date? run `dataio index {self.path}`)",
+                    shard=self.shard_path(shard), key=key.decode(errors="replace"))
+            out.append((key.decode(errors="surrogateescape"), self.shard_path(shard),
+                        {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}))
+            m += n
+        return out
+
+    def _map(self, shard: int):
+        if self._pid != os.getpid():  # forked into a worker: maps are per process
+            self._maps, self._remote_files, self._pid = {}, OrderedDict(), os.getpid()
+        buf = self._maps.get(shard)
+        if buf is None:
+            path = self.shard_path(shard)
+            if path.startswith("file://"):
+                path = path[len("file://"):]
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._check_size(shard, size)
+                buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)) if size else memoryview(b"")
+            self._maps[shard] = buf
+        return buf
+
+    def _check_size(self, shard: int, size: int) -> None:
+        needed = self._needed.get(shard, 0)
+        if size < needed:
+            raise ShardFormatError(f"truncated shard: {size} bytes, the index needs {needed}",
+                                   shard=self.shard_path(shard))
+
+    def _read_remote(self, shard: int, start: int, size: int) -> bytes:
+        if self._pid != os.getpid():
+            self._maps, self._remote_files, self._pid = {}, OrderedDict(), os.getpid()
+
+        def attempt():
+            f = self._remote_files.get(shard)
+            if f is None:
+                import fsspec
+
+                f = fsspec.open(self.shard_path(shard), "rb", block_size=REMOTE_BLOCK, cache_type="blockcache").open()
+                self._check_size(shard, f.size)
+                self._remote_files[shard] = f
+                if len(self._remote_files) > OPEN_REMOTE_SHARDS:
+                    self._remote_files.popitem(last=False)[1].close()
+            self._remote_files.move_to_end(shard)
+            try:
+                f.seek(start)
+                data = f.read(size)
+            except Exception:
+                self._remote_files.pop(shard, None)  # reopen on the next attempt
+                raise
+            if len(data) != size:
+                raise ShardFormatError(f"truncated shard: short read at byte {start}",
+                                       shard=self.shard_path(shard))
+            return data
+
+        return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")
+
+
+__all__ = ["ShardFormatError", "ShardSource", "load_remote_index", "retry"]

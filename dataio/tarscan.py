@@ -1,0 +1,285 @@
+"""Index a tar shard someone else wrote: parse its headers, group members into samples, read lengths.
+
+Algorithm: walk the 512-byte header blocks of a memory-mapped tar, jumping over each payload (only the
+header pages are touched, plus the first bytes of ``.npy`` members and the audio members whose duration
+is wanted). GNU longname/longlink (``L``/``K``) and PAX (``x``/``g``) headers are folded into the member
+that follows them, the way ``tarfile`` does, so ``header_offset`` is where a member's *first* header
+starts (what ``tarfile.TarInfo.offset`` and Megatron-Energon's ``.tar.idx`` record). Every header's
+checksum is checked and a payload running past the end of the file is an error, so a truncated or
+damaged tar is reported at its byte offset instead of being indexed short.
+
+Members become samples the way webdataset's ``base_plus_ext`` and energon's ``split_name_re`` split a
+name: key = path up to the first dot of the basename, extension = the rest; consecutive members with
+the same key form one sample; ``__*__`` metadata entries, names without a dot and non-regular entries
+are skipped (they still count toward the byte span of the sample before them, as in energon).
+
+Cost: a Python loop per header (~2 us) -- ~0.5 s for 100k members -- versus ``tarfile``'s ~15 us per
+member; a second scan of payload bytes happens only for audio durations (one ``soundfile.info`` call
+per audio member on the in-memory bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.lib import format as npy_format
+
+from dataio.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
+
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
+REGULAR_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous (tarfile.REGULAR_TYPES)
+NO_PAYLOAD_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # link/symlink/char/block/dir/fifo: size not skipped
+NPY_HEADER_MAX = 4096
+AUDIO_EXTENSIONS = frozenset({"flac", "wav", "mp3", "opus", "ogg", "sph", "aiff", "aif"})
+
+# webdataset.tariterators.base_plus_ext == megatron.energon...config.split_name_re
+SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+SKIP_META = re.compile(r"__[^/]*__($|/)")  # energon skips these (e.g. __meta__/...)
+
+
+class TarFormatError(ValueError):
+    """A tar that cannot be indexed: names the file and the byte offset of the broken header."""
+
+    def __init__(self, path: str | os.PathLike, offset: int, reason: str):
+        super().__init__(f"{path}: byte {offset}: {reason}")
+        self.path, self.offset, self.reason = str(path), offset, reason
+
+    def __reduce__(self):  # crosses process boundaries (parallel `dataio index`)
+        return type(self), (self.path, self.offset, self.reason)
+
+
+@dataclass(frozen=True, slots=True)
+class TarMember:
+    name: str
+    header_offset: int  # first header block of this member (longname / PAX headers included)
+    offset: int  # payload
+    size: int
+
+
+def _number(field: bytes) -> int:
+    """A numeric header field: octal text, or GNU base-256 when the top bit is set (tarfile.nti)."""
+    if field[0] & 0x80:
+        value = int.from_bytes(field[1:], "big")
+        return -value if field[0] == 0xFF else value
+    text = field.split(b"\0", 1)[0].strip()
+    return int(text, 8) if text else 0
+
+
+def _text(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _pax_records(data: bytes, path, offset: int) -> dict[str, str]:
+    records, pos = {}, 0
+    while pos < len(data) and data[pos] != 0:
+        space = data.find(b" ", pos)
+        try:
+            length = int(data[pos:space])
+        except ValueError:
+            raise TarFormatError(path, offset, "malformed PAX header record") from None
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        records[key.decode()] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return records
+
+
+def scan_members(buf, *, path: str | os.PathLike = "<tar>") -> tuple[list[TarMember], int]:
+    """Regular-file members of the tar in ``buf`` (bytes / mmap), and the end-of-data offset.
+
+    The end offset is where the end-of-archive zero blocks start (the file size when they are
+    missing, which ``tarfile`` also accepts). Raises ``TarFormatError`` on a bad header checksum,
+    an unsupported (sparse) member or a payload that runs past the end of the file.
+    """
+    members: list[TarMember] = []
+    size_total = len(buf)
+    pos = 0
+    first_header: int | None = None  # start of pending longname / PAX headers
+    pending: dict[str, str] = {}  # path / size overrides for the next member
+    global_pax: dict[str, str] = {}
+    while pos + BLOCK <= size_total:
+        block = bytes(buf[pos : pos + BLOCK])
+        if block == ZERO_BLOCK:
+            return members, pos
+        try:
+            checksum = _number(block[148:156])
+        except ValueError:
+            raise TarFormatError(path, pos, "tar header has an unreadable checksum field") from None
+        unsigned = sum(block) - sum(block[148:156]) + 256
+        if checksum != unsigned:
+            raise TarFormatError(path, pos, f"bad tar header checksum ({checksum} != {unsigned})")
+        kind = block[156:157]
+        size = _number(block[124:136])
+        data = pos + BLOCK
+        padded_end = data + -(-size // BLOCK) * BLOCK
+        if kind in (b"L", b"K", b"x", b"X", b"g"):
+            if data + size > size_total:
+                raise TarFormatError(path, pos, "extended header runs past the end of the file (truncated tar)")
+            payload = bytes(buf[data : data + size])
+            if kind == b"L":
+                pending["path"] = _text(payload)
+            elif kind == b"g":
+                global_pax.update(_pax_records(payload, path, pos))
+            elif kind != b"K":
+                pending.update(_pax_records(payload, path, pos))
+            first_header = pos if first_header is None else first_header
+            pos = padded_end
+            continue
+        fields = {**global_pax, **pending}
+        name = fields.get("path")
+        if name is None:
+            name = _text(block[0:100])
+            prefix = _text(block[345:500]) if block[257:263] == b"ustar\0" else ""
+            name = f"{prefix}/{name}" if prefix else name
+        if "size" in fields:
+            size = int(fields["size"])
+            padded_end = data + -(-size // BLOCK) * BLOCK
+        if kind == b"S" or any(k.startswith("GNU.sparse") for k in fields):
+            raise TarFormatError(path, pos, f"member {name!r} is a sparse file (not supported in shards)")
+        header_offset = pos if first_header is None else first_header
+        first_header, pending = None, {}
+        if kind in NO_PAYLOAD_TYPES:
+            pos = data
+            continue
+        if data + size > size_total:
+            raise TarFormatError(
+                path, header_offset,
+                f"member {name!r} needs bytes {data}..{data + size} but the file has {size_total} (truncated tar)")
+        if kind in REGULAR_TYPES and not (kind == b"\0" and name.endswith("/")):
+            members.append(TarMember(name=name, header_offset=header_offset, offset=data, size=size))
+        pos = padded_end
+    if pos != size_total or first_header is not None:
+        raise TarFormatError(path, pos, "tar ends inside a header block (truncated tar)")
+    return members, pos
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """``(key, extension)`` of a member name as webdataset/energon group it, or None when skipped."""
+    if SKIP_META.match(name):
+        return None
+    m = SPLIT_NAME.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def npy_shape(payload) -> tuple[tuple[int, ...], np.dtype, int]:
+    """Shape, dtype and header length of a ``.npy`` payload, parsed without unpickling anything."""
+    f = io.BytesIO(bytes(payload[:NPY_HEADER_MAX]))
+    read_header = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
+    version = npy_format.read_magic(f)
+    if version not in read_header:
+        raise ValueError(f"unsupported .npy version {version}")
+    shape, _, dtype = read_header[version](f, max_header_size=NPY_HEADER_MAX)
+    return shape, dtype, f.tell()
+
+
+def audio_duration(payload) -> float:
+    """Duration in seconds of an audio member, from its header (soundfile / libsndfile)."""
+    import soundfile
+
+    info = soundfile.info(io.BytesIO(bytes(payload)))
+    return info.frames / info.samplerate
+
+
+def is_token_member(ext: str) -> bool:
+    return ext == "npy" or ext.endswith(".npy")
+
+
+def open_tar(path: str | os.PathLike):
+    """A read-only memory map of a tar file (``b""`` for an empty file)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def scan_shard(root: str | os.PathLike, name: str, *, split: str = "train", lengths: bool = True,
+               checksum: bool = False) -> ShardPart:
+    """The index part of shard ``root/name``: samples, members, keys and (``lengths``) per-sample
+    token counts from ``.npy`` headers and audio durations from audio headers."""
+    path = Path(root) / name
+    buf = open_tar(path)
+    try:
+        members, end = scan_members(buf, path=path)
+        exts: dict[str, int] = {}
+        keys: list[str] = []
+        starts: list[int] = []
+        member_rows: list[tuple[int, int, int]] = []
+        member_starts: list[int] = []
+        tokens: list[int] = []
+        durations: list[float] = []
+        for m in members:
+            split_ = split_name(m.name)
+            if split_ is None:
+                continue
+            key, ext = split_
+            if not keys or keys[-1] != key:
+                keys.append(key)
+                starts.append(m.header_offset)
+                member_starts.append(len(member_rows))
+                tokens.append(-1)
+                durations.append(float("nan"))
+            member_rows.append((exts.setdefault(ext, len(exts)), m.offset, m.size))
+            if not lengths:
+                continue
+            payload = buf[m.offset : m.offset + m.size]
+            try:
+                if is_token_member(ext) and tokens[-1] < 0:
+                    tokens[-1] = int(np.prod(npy_shape(payload)[0]))
+                elif ext.rsplit(".", 1)[-1].lower() in AUDIO_EXTENSIONS and durations[-1] != durations[-1]:
+                    durations[-1] = audio_duration(payload)
+            except (ValueError, RuntimeError, OSError, TypeError):
+                pass  # an undecodable member is `dataio verify`'s business; the index records "unknown"
+        samples = np.zeros(len(keys), SAMPLE_DTYPE)
+        samples["offset"] = starts
+        samples["size"] = np.diff(np.asarray(starts + [end], dtype=np.uint64))
+        samples["member_start"] = member_starts
+        samples["member_count"] = np.diff(np.asarray(member_starts + [len(member_rows)]))
+        samples["tokens"] = tokens
+        samples["duration"] = durations
+        sha = None
+        if checksum:
+            sha = hashlib.sha256(buf).hexdigest()
+        info = ShardInfo(name=str(name), split=split, bytes=len(buf), samples=len(keys), sha256=sha)
+        return ShardPart(
+            info=info,
+            extensions=list(exts),
+            samples=samples,
+            members=np.array(member_rows, dtype=MEMBER_DTYPE) if member_rows else np.zeros(0, MEMBER_DTYPE),
+            keys=np.array([k.encode("utf-8", "surrogateescape") for k in keys], dtype=np.bytes_)
+            if keys else np.zeros(0, "S1"),
+        )
+    finally:
+        if isinstance(buf, mmap.mmap):
+            buf.close()
+
+
+def decode_check(ext: str, payload) -> str | None:
+    """Why a member does not decode (None when it does): audio header via soundfile, ``.npy`` header
+    without pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
+    last = ext.rsplit(".", 1)[-1].lower()
+    try:
+        if last in AUDIO_EXTENSIONS:
+            if audio_duration(payload) <= 0:
+                return "audio has no frames"
+        elif last == "npy":
+            shape, dtype, header = npy_shape(payload)
+            if dtype.hasobject:
+                return "npy holds Python objects (would need pickle)"
+            expected = header + int(np.prod(shape)) * dtype.itemsize
+            if expected != len(payload):
+                return f"npy header says {expected} bytes, member has {len(payload)}"
+        elif last == "json":
+            json.loads(bytes(payload))
+        elif last == "txt":
+            bytes(payload).decode("utf-8")
+    except Exception as e:  # soundfile raises its own LibsndfileError (a RuntimeError)
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -1,0 +1,160 @@
+"""A WebDataset tar writer that records every member's offset as it writes.
+
+Each member is one 512-byte POSIX ustar header, the payload, and zero padding to a 512-byte block,
+so member ``i``'s payload offset is known before its bytes hit the disk and the shard index needs no
+second read of the tar. Headers are filled into a prebuilt template (fixed mode 0644, uid/gid 0,
+mtime 0, empty user/group names), so the same samples always give the same bytes: a resumed job is
+byte-identical to an uninterrupted one. ``tarfile`` and ``webdataset.ShardWriter`` instead build
+headers through ``TarInfo`` (pax/gnu logic, several encodes per member) and stamp the wall clock; this
+writer costs one template copy and one checksum per member and writes payloads without copying them.
+
+Limits (checked, never silently broken): a member name of at most 100 bytes, or 255 split at a ``/``
+into ustar's prefix and name fields; a member of less than 8 GiB (11 octal digits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import BinaryIO
+
+BLOCK = 512
+MAX_MEMBER_SIZE = 8**11 - 1
+
+_CHECKSUM_BLANK = b" " * 8
+_EOF = b"\0" * (2 * BLOCK)
+
+
+def _template() -> bytes:
+    h = bytearray(BLOCK)
+    h[100:108] = b"0000644\0"  # mode
+    h[108:116] = b"0000000\0"  # uid
+    h[116:124] = b"0000000\0"  # gid
+    h[136:148] = b"00000000000\0"  # mtime: fixed, so reruns are byte-identical
+    h[148:156] = _CHECKSUM_BLANK
+    h[156:157] = b"0"  # regular file
+    h[257:263] = b"ustar\0"
+    h[263:265] = b"00"
+    return bytes(h)
+
+
+_TEMPLATE = _template()
+
+
+def _split_name(name: bytes) -> tuple[bytes, bytes]:
+    """ustar ``(prefix, name)`` fields for a member name, or ValueError when it does not fit."""
+    if len(name) <= 100:
+        return b"", name
+    # The prefix holds the leading directories (<= 155 bytes), the name field the rest (<= 100).
+    cut = name.rfind(b"/", 0, 156)  # the last '/' that leaves a prefix of <= 155 bytes
+    if cut <= 0 or len(name) - cut - 1 > 100:
+        raise ValueError(f"tar member name too long for one ustar header ({len(name)} bytes): {name[:60]!r}...")
+    return name[:cut], name[cut + 1 :]
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The 512-byte ustar header of a regular file ``name`` of ``size`` bytes."""
+    if not 0 <= size <= MAX_MEMBER_SIZE:
+        raise ValueError(f"tar member {name!r}: size {size} exceeds the ustar limit of {MAX_MEMBER_SIZE} bytes")
+    prefix, short = _split_name(name.encode())
+    h = bytearray(_TEMPLATE)
+    h[0 : len(short)] = short
+    h[124:136] = b"%011o\0" % size
+    if prefix:
+        h[345 : 345 + len(prefix)] = prefix
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+@dataclass(kw_only=True)
+class MemberSpan:
+    """Where a member's payload landed: absolute byte offset in the tar and payload size."""
+
+    offset: int
+    size: int
+
+
+class BackgroundSha256:
+    """sha256 computed on another thread: hashlib releases the GIL on large buffers, so hashing
+    overlaps the writer's I/O and Python work instead of adding to it (payloads must not mutate)."""
+
+    def __init__(self):
+        self._hash = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=256)  # backpressure bounds the memory held
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._hash.update(data)
+
+    def update(self, data) -> None:
+        self._queue.put(data)
+
+    def hexdigest(self) -> str:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        return self._hash.hexdigest()
+
+
+class TarWriter:
+    """Append regular-file members to a binary stream, tracking absolute offsets.
+
+    ``add(name, payload)`` returns the payload's span; ``close()`` writes the end-of-archive blocks
+    and returns the total size. With ``sha256=True`` every byte written is also hashed on a
+    background thread (roughly 1 s of one core per 0.5-2 GB, overlapped with the writing).
+    """
+
+    def __init__(self, stream: BinaryIO, *, sha256: bool = False):
+        self._stream = stream
+        self._hash = BackgroundSha256() if sha256 else None
+        self.position = 0
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._stream.write(data)
+        if self._hash is not None:
+            self._hash.update(data)
+        self.position += len(data)
+
+    def add(self, name: str, payload: bytes | bytearray | memoryview) -> MemberSpan:
+        size = len(payload)
+        self._write(tar_header(name, size))
+        span = MemberSpan(offset=self.position, size=size)
+        self._write(payload)
+        pad = -size % BLOCK
+        if pad:
+            self._write(_EOF[:pad])
+        return span
+
+    def close(self) -> int:
+        """Write the two zero blocks that end a tar; returns the archive's size in bytes."""
+        self._write(_EOF)
+        return self.position
+
+    def hexdigest(self) -> str | None:
+        return self._hash.hexdigest() if self._hash is not None else None
+
+
+def write_atomically(path: str | os.PathLike, write, *, tmp_suffix: str) -> object:
+    """Call ``write(stream)`` on ``path`` + ``tmp_suffix``, fsync, then rename onto ``path``.
+
+    The file becomes visible under its final name only once complete; on any exception the
+    temporary file is removed and the exception propagates.
+    """
+    path = os.fspath(path)
+    tmp = path + tmp_suffix
+    try:
+        with open(tmp, "wb", buffering=1 << 20) as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return result

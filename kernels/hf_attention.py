@@ -1,0 +1,116 @@
+"""``headrace_varlen``: document-masked attention for transformers models trained on packed batches.
+
+Usage (the trainer does exactly this)::
+
+    from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
+
+    attn = register_varlen_attention()            # -> "headrace_varlen"; idempotent
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)   # or model.set_attn_implementation(attn)
+    out = model.model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))   # hidden states
+    # batch = dataio packing's {input_ids, labels, position_ids, cu_seqlens, max_seqlen}; labels are
+    # already next-token, so compute the loss with kernels.loss.linear_cross_entropy, not labels=.
+
+``packed_attention_kwargs`` returns ``position_ids`` (rotary positions restart per document) plus
+HF's own varlen names ``cu_seq_lens_q/k`` and ``max_length_q/k`` — the same kwargs HF's
+``flash_attention_2`` uses for padding-free batches, so a model switched to that implementation
+takes the same call. Every decoder layer forwards these kwargs to the attention function unchanged.
+
+Masks: transformers builds a mask only for implementations registered in
+``AttentionMaskInterface``. ``headrace_varlen`` is deliberately not registered there, so
+``create_causal_mask`` returns None and no (possibly document-crossing) dense mask is ever built;
+the attention function refuses any mask it is given. The document structure comes only from
+``cu_seq_lens_q`` (or, if absent, from ``position_ids`` restarting at 0).
+
+Scope: training and full-sequence forward. Decoding with a KV cache, sliding-window layers,
+softcapping and attention dropout raise NotImplementedError naming the reason; use ``sdpa`` there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kernels.varlen_attention import cached_per_batch, cu_seqlens_from_position_ids, validate_cu_seqlens, varlen_attention
+
+ATTENTION_NAME = "headrace_varlen"
+
+
+def register_varlen_attention(name: str = ATTENTION_NAME) -> str:
+    """Register ``hf_varlen_attention`` with transformers' AttentionInterface; return the name to use."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, hf_varlen_attention)
+    return name
+
+
+def packed_attention_kwargs(batch: Mapping[str, object]) -> dict[str, object]:
+    """Model kwargs carrying the packing metadata of a THD batch (see the module docstring).
+
+    ``batch`` needs ``position_ids`` ``(B, S)``; ``cu_seqlens`` (int32 over the B*S flattened tokens,
+    padding included as its own segment) and ``max_seqlen`` are used when present, else derived from
+    ``position_ids``. Call it once per micro-batch: the attention plan is cached on the returned
+    ``cu_seqlens`` tensor and shared by all layers.
+    """
+    position_ids = batch["position_ids"]
+    total = position_ids.numel()
+    cu = batch.get("cu_seqlens")
+    cu = cu_seqlens_from_position_ids(position_ids) if cu is None else cu.to(position_ids.device, torch.int32)
+    validate_cu_seqlens(cu, total)
+    max_seqlen = batch.get("max_seqlen")
+    max_seqlen = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else int(max_seqlen)
+    return {
+        "position_ids": position_ids,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_seqlen,
+        "max_length_k": max_seqlen,
+    }
+
+
+def hf_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` ``(B, H, S, D)``, ``key``/``value`` ``(B, H_kv, S, D)``
+    -> ``((B, S, H, D), None)``, attention confined to each document of the flattened B*S tokens."""
+    if attention_mask is not None:
+        raise ValueError(
+            f"{ATTENTION_NAME} takes document boundaries from cu_seq_lens_q/position_ids, not from a mask; "
+            "do not pass attention_mask (padding belongs in its own cu_seqlens segment)"
+        )
+    if dropout:
+        raise NotImplementedError(f"{ATTENTION_NAME}: attention dropout is not supported (set attention_dropout=0)")
+    if sliding_window is not None or softcap is not None:
+        raise NotImplementedError(f"{ATTENTION_NAME}: sliding-window and softcapped attention are not supported")
+    batch, heads, seq, dim = query.shape
+    if key.shape[2] != seq:
+        raise NotImplementedError(
+            f"{ATTENTION_NAME} is for training on full packed sequences (query length {seq} != key length "
+            f"{key.shape[2]}, e.g. decoding with a KV cache); use attn_implementation='sdpa' for generation"
+        )
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+        raise ValueError(f"{ATTENTION_NAME} is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
+    cu = cu_seq_lens_q
+    if cu is None:
+        if position_ids is None:
+            raise ValueError(f"{ATTENTION_NAME} needs cu_seq_lens_q or position_ids; see kernels.hf_attention")
+        cu = cached_per_batch(
+            "cu_from_position_ids", position_ids, batch * seq,
+            lambda: cu_seqlens_from_position_ids(position_ids.expand(batch, -1)),
+        )
+    q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
+    out = varlen_attention(q, k, v, cu, max_length_q, scale=scaling)
+    return out.view(batch, seq, heads, value.shape[-1]), None

@@ -1,0 +1,166 @@
+"""torchrun script: every parallel layout trains like one process; checkpoints resume and reshard.
+
+``torchrun --nproc-per-node 4 tests/dist/train_layouts.py WORKDIR layouts`` (WORKDIR holds ``pretrained/``):
+FSDP2, HSDP(+activation checkpointing), DDP, TP+SP and FSDP2+TP+SP each train STEPS steps on the same
+global batches from the same weights; losses, gradient norms and final weights (read back from the
+``hf/`` export) must match an independent single-process reference computed on every rank. Then a run
+stopped at step 2 and resumed must reproduce the uninterrupted losses, and the exported model's logits
+must equal the checkpointed sharded model's.
+
+``torchrun --nproc-per-node 2 tests/dist/train_layouts.py WORKDIR reshard``: the 4-rank FSDP2 checkpoint
+at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses.
+Prints ``OK <check>`` per passed check; any mismatch raises.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_common import ListLoader, packed_batches  # noqa: E402
+
+from training import checkpoint  # noqa: E402
+from training.config import load_job_config  # noqa: E402
+from training.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from training.parallel_dims import ParallelDims  # noqa: E402
+from training.train import build_model, forward_loss_sum, train  # noqa: E402
+
+STEPS, GLOBAL_MICRO = 4, 4  # 4 micro-batches of 2 x 32 tokens per step
+OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_decay=0.1)
+
+
+def job(workdir: Path, name: str, distributed: dict, grad_accum: int, max_steps: int = STEPS, **trainer):
+    return load_job_config(None, base=dict(
+        model=dict(pretrained_path=str(workdir / "pretrained"), attn_implementation="headrace_varlen"),
+        data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2),
+        distributed=distributed, optim=OPTIM,
+        trainer=dict(max_steps=max_steps, grad_accum=grad_accum, output_dir=str(workdir / name), **trainer),
+        checkpoint=dict(interval=2, export_hf=True), logging=dict(console=False, tensorboard=False)))
+
+
+def loaders(batches, grad_accum):
+    return lambda dp_rank, dp_size: ListLoader(batches, dp_rank, dp_size, grad_accum)
+
+
+def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
+    """Plain single-process training: HF model, summed CE / tokens, torch's clip, AdamW, same schedule."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.hf_attention import register_varlen_attention
+    from training.config import OptimConfig
+
+    register_varlen_attention()
+    model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation="headrace_varlen")
+    cfg = OptimConfig(**OPTIM)
+    opt = build_optimizer(model, cfg)
+    losses, norms = [], []
+    for step in range(1, STEPS + 1):
+        micro = batches[(step - 1) * GLOBAL_MICRO: step * GLOBAL_MICRO]
+        tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro)
+        total = sum(forward_loss_sum(model, mb, autocast=False) for mb in micro) / tokens
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+        set_lr(opt, lr_at(step, cfg, STEPS))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def exported_params(out_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out_dir / "hf" / "model.safetensors")
+
+
+def check_close(name: str, got, want, tol: float) -> None:
+    got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    diff = (got - want).abs().max().item()
+    if not diff <= tol:
+        raise AssertionError(f"{name}: max diff {diff:.3g} > {tol:g}\n got {got.tolist()}\nwant {want.tolist()}"
+                             if got.numel() < 10 else f"{name}: max diff {diff:.3g} > {tol:g}")
+
+
+def run_layouts(workdir: Path, batches) -> None:
+    ref_losses, ref_norms, ref_params = reference(workdir, batches)
+    layouts = {
+        "fsdp2": (dict(strategy="fsdp2"), 1),
+        "hsdp_ac": (dict(strategy="fsdp2", dp_replicate_size=2, activation_checkpointing=True,
+                         activation_checkpointing_every=2), 1),
+        "ddp": (dict(strategy="ddp"), 1),
+        "tp_sp": (dict(strategy="fsdp2", tp_size=4, sequence_parallel=True), 4),
+        "fsdp2_tp_sp": (dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 2),
+    }
+    results = {}
+    for name, (distributed, k) in layouts.items():
+        history = train(job(workdir, name, distributed, k), loaders(batches, k))
+        check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
+        check_close(f"{name} grad norms", [r["grad_norm"] for r in history], ref_norms, 1e-4)
+        if dist.get_rank() == 0:
+            params = exported_params(workdir / name)
+            assert params.keys() == ref_params.keys(), sorted(params.keys() ^ ref_params.keys())
+            for key, value in params.items():
+                check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
+        results[name] = history
+        print(f"OK {name} matches the single-process reference", flush=True)
+
+    # Resume: stop at step 2 (the run's final checkpoint), start again with max_steps=4.
+    resumed = workdir / "resumed"
+    train(job(workdir, "resumed", dict(strategy="fsdp2"), 1, max_steps=2), loaders(batches, 1))
+    history = train(job(workdir, "resumed", dict(strategy="fsdp2"), 1), loaders(batches, 1))
+    assert [r["step"] for r in history] == [3, 4], history
+    check_close("resumed losses", [r["loss"] for r in history], [r["loss"] for r in results["fsdp2"][2:]], 1e-6)
+    assert checkpoint.latest(resumed / "checkpoints").name == "step-00000004"
+    print("OK resume reproduces the uninterrupted losses", flush=True)
+
+    # Export == trained model: reload the final checkpoint into a sharded model and compare logits.
+    cfg = job(workdir, "fsdp2", dict(strategy="fsdp2"), 1)
+    dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
+    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    checkpoint.load(workdir / "fsdp2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
+    batch = batches[0]
+    with torch.no_grad():
+        sharded = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(workdir / "fsdp2" / "hf")
+        with torch.no_grad():
+            exported = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        check_close("exported logits", exported, sharded, 1e-5)
+    print("OK hf export logits equal the trained model's", flush=True)
+    if dist.get_rank() == 0:
+        (workdir / "expected.json").write_text(json.dumps([r["loss"] for r in results["fsdp2"]]))
+
+
+def run_reshard(workdir: Path, batches) -> None:
+    expected = json.loads((workdir / "expected.json").read_text())
+    for name, distributed, k in (("reshard_dp2", dict(strategy="fsdp2"), 2),
+                                 ("reshard_tp2", dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 4)):
+        if dist.get_rank() == 0:
+            shutil.copytree(workdir / "fsdp2" / "checkpoints" / "step-00000002",
+                            workdir / name / "checkpoints" / "step-00000002")
+        dist.barrier()
+        history = train(job(workdir, name, distributed, k), loaders(batches, k))
+        assert [r["step"] for r in history] == [3, 4], history
+        check_close(f"{name} losses", [r["loss"] for r in history], expected[2:], 2e-5)
+        print(f"OK 4-rank checkpoint resumes on 2 ranks as {name}", flush=True)
+
+
+def main() -> None:
+    workdir, mode = Path(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    batches = packed_batches(STEPS * GLOBAL_MICRO)
+    {"layouts": run_layouts, "reshard": run_reshard}[mode](workdir, batches)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+import numpy as np
+import pytest
+
+from dataio.blend import BlendSchedule, integer_weights
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 1], [0.123, 0.3, 0.577], [5, 1], [0.01, 0.99]])
+def test_realized_proportions_within_one_percent_over_10k(weights):
+    blend = BlendSchedule(weights, [1000] * len(weights))
+    dataset, _ = blend.locate(np.arange(10_000))
+    realized = np.bincount(dataset, minlength=len(weights)) / 10_000
+    assert np.abs(realized - np.array(weights) / sum(weights)).max() < 0.01
+    # ... and at every prefix each count is within about one sample of its share.
+    counts = np.stack([np.cumsum(dataset == d) for d in range(len(weights))])
+    ideal = np.outer(np.array(weights) / sum(weights), np.arange(1, 10_001))
+    assert np.abs(counts - ideal).max() <= 2
+
+
+def test_draw_numbers_count_each_dataset_and_match_draws_before():
+    blend = BlendSchedule([0.6, 0.4], [10, 3])
+    dataset, draw = blend.locate(np.arange(500))
+    for d in range(2):
+        assert np.array_equal(draw[dataset == d], np.arange(np.sum(dataset == d)))
+        for p in (0, 1, 7, 123, 499):
+            assert blend.draws_before(d, p) == np.sum(dataset[:p] == d)
+        assert blend.position_of_draw(d, 17) == np.flatnonzero(dataset == d)[17]
+
+
+def test_small_dataset_repeats_large_one_does_not_restart_and_stream_ends():
+    blend = BlendSchedule([0.5, 0.5], [100, 10], epochs=1)
+    assert blend.leader == 0
+    dataset, draw = blend.locate(np.arange(blend.end))
+    assert np.sum(dataset == 0) == 100  # exactly one pass of the large dataset
+    assert np.sum(dataset == 1) >= 99  # the small one went round ~10 times
+    first = BlendSchedule([0.5, 0.5], [100, 10], epochs=1, stop_on_first_exhausted=True)
+    dataset, _ = first.locate(np.arange(first.end))
+    assert np.sum(dataset == 1) == 10 and first.end <= 21
+
+
+def test_integer_weights_are_exact_for_simple_ratios():
+    assert integer_weights([0.7, 0.3]).tolist() == [7, 3]
+    assert integer_weights([2, 2, 4]).tolist() == [1, 1, 2]

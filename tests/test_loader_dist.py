@@ -1,0 +1,34 @@
+"""Real gloo process group: ranks take their DP coordinates from it and together cover the data once."""
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist.loader_ranks import main  # noqa: E402
+from loader_util import make_text_dataset  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gloo_ranks_disjoint_exact_coverage_and_elastic_resume(tmp_path):
+    keys = make_text_dataset(tmp_path / "data", [7, 5, 3, 1, 6])
+    expected = tmp_path / "expected.json"
+    expected.write_text(json.dumps(keys))
+    result = tmp_path / "result.json"
+    world = 4
+    mp.start_processes(main, args=(world, free_port(), str(tmp_path / "data"), str(expected), str(result)),
+                       nprocs=world, join=True, start_method="spawn")
+    checks = json.loads(result.read_text())
+    assert checks == {"exactly_once": True, "equal_batches": True, "same_seed": True,
+                      "elastic_exactly_once": True, "elastic_equal_batches": True}

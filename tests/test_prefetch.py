@@ -1,0 +1,88 @@
+"""dataio.prefetch: same batches as the input, data-wait accounting, CUDA stream path on a GPU."""
+
+import time
+
+import pytest
+import torch
+
+from dataio.prefetch import DevicePrefetcher, pin, tree_map
+
+CUDA = torch.cuda.is_available()
+
+
+def batches(n, sleep=0.0):
+    for i in range(n):
+        if sleep:
+            time.sleep(sleep)
+        yield {"input_ids": torch.arange(i, i + 64).view(2, 32), "cu_seqlens": torch.tensor([0, 32, 64], dtype=torch.int32),
+               "meta": {"fill": 0.5 + i / 100, "__key__": [f"k{i}"]}, "pair": (torch.full((3,), float(i)), i)}
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_cpu_pass_through_yields_the_same_batches_and_measures_wait():
+    prefetcher = DevicePrefetcher(batches(6, sleep=0.02), "cpu")
+    got = list(prefetcher)
+    for a, b in zip(got, batches(6), strict=True):
+        assert_same(a, b)
+    stats = prefetcher.stats()
+    assert stats["batches"] == 6 and len(prefetcher.waits) == 6
+    # the source sleeps 20 ms per batch and the consumer does nothing: the wait is most of the time
+    assert stats["wait_s"] >= 6 * 0.02 and 0.5 < stats["wait_fraction"] <= 1.0
+
+
+def test_wait_fraction_drops_when_the_consumer_is_the_bottleneck():
+    prefetcher = DevicePrefetcher(batches(5), "cpu")
+    for _ in prefetcher:
+        time.sleep(0.02)  # a "compute step" much longer than producing a batch
+    assert prefetcher.stats()["wait_fraction"] < 0.5
+
+
+def test_tree_map_and_pin_keep_structure():
+    b = next(batches(1))
+    assert_same(tree_map(lambda t: t.clone(), b), b)
+    if CUDA:
+        assert pin(b)["input_ids"].is_pinned()
+    with pytest.raises(ValueError, match="depth"):
+        DevicePrefetcher([], "cpu", depth=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("depth", [1, 3])
+def test_cuda_prefetch_same_batches_on_device(depth):
+    prefetcher = DevicePrefetcher(batches(20), "cuda", depth=depth)
+    got = []
+    for batch in prefetcher:
+        assert batch["input_ids"].is_cuda and batch["meta"]["__key__"][0].startswith("k")
+        # use the batch on the consumer stream, as a training step would
+        got.append(tree_map(lambda t: (t * 1).cpu(), batch))
+    for a, b in zip(got, batches(20), strict=True):
+        assert_same(a, b)
+    assert prefetcher.stats()["batches"] == 20 and not prefetcher._thread.is_alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_prefetch_surfaces_loader_errors():
+    def broken():
+        yield from batches(2)
+        raise OSError("shard-000003.tar: truncated")
+
+    prefetcher = DevicePrefetcher(broken(), "cuda")
+    with pytest.raises(OSError, match="truncated"):
+        list(prefetcher)

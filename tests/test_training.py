@@ -1,0 +1,222 @@
+"""Trainer pieces in one process: config, schedule, checkpoint bookkeeping, packed-batch loss, gradient
+accumulation, and end-to-end runs on the real loader (CLI run, exact resume, every debug recipe).
+The multi-rank layouts are in test_training_dist.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from loader_util import make_text_dataset  # noqa: E402
+from train_common import TINY_LLAMA, ListLoader, packed_batches, save_pretrained_tiny  # noqa: E402
+
+from dataio.configtree import ConfigError  # noqa: E402
+from training import checkpoint  # noqa: E402
+from training.config import OptimConfig, load_job_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def base_job(tmp_path, **sections) -> dict:
+    job = dict(model=dict(config=dict(TINY_LLAMA), attn_implementation="headrace_varlen"),
+               data=dict(datasets=[dict(path=str(tmp_path / "data"))], seq_len=32, batch_size=2, num_workers=0),
+               logging=dict(console=False, tensorboard=False))
+    for key, value in sections.items():
+        job.setdefault(key, {}).update(value)
+    return job
+
+
+# -- config --------------------------------------------------------------------------------------------
+
+def test_config_errors_name_the_dotted_path(tmp_path):
+    job = base_job(tmp_path)
+    with pytest.raises(ConfigError, match=r"JobConfig\.optim\.lrr: unknown key"):
+        load_job_config(None, ["optim.lrr=1"], base=job)
+    with pytest.raises(ConfigError, match=r"JobConfig\.trainer\.max_steps: expected int, got 'many'"):
+        load_job_config(None, ["trainer.max_steps=many"], base=job)
+    with pytest.raises(ConfigError, match=r"JobConfig\.distributed\.strategy: expected one of"):
+        load_job_config(None, ["distributed.strategy=zero3"], base=job)
+    with pytest.raises(ConfigError, match="set exactly one of config / config_path / pretrained_path"):
+        load_job_config(None, ["model.pretrained_path=/x"], base=job)
+    cfg = load_job_config(None, ["optim.lr=0.001", "distributed.tp_size=2"], base=job)
+    assert cfg.optim.lr == 0.001 and cfg.distributed.tp_size == 2 and cfg.data.seq_len == 32
+
+
+@pytest.mark.parametrize("name", ["debug_llama", "debug_qwen2", "debug_qwen3", "demo"])
+def test_recipes_load(name):
+    cfg = load_job_config(str(REPO / "configs" / f"{name}.yaml"))
+    assert cfg.model.config["model_type"] in ("llama", "qwen2", "qwen3")
+
+
+def test_unsupported_layouts_fail_before_building():
+    from transformers import AutoConfig
+
+    from training.config import DistributedConfig
+    from training.parallel_dims import ParallelDims
+    from training.parallelize import check_supported
+
+    fields = dict(TINY_LLAMA)
+    hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with pytest.raises(ValueError, match="tp_size 8 must divide .* num_key_value_heads 4"):
+        check_supported(ParallelDims.from_config(DistributedConfig(tp_size=8), 8), hf)
+    hf.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), hf)
+    with pytest.raises(NotImplementedError, match="pp_size=2"):
+        check_supported(ParallelDims.from_config(DistributedConfig(pp_size=2), 2), hf)
+
+
+def test_warmup_then_cosine():
+    from training.optim import lr_at
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(s, cfg, 104) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert lr_at(54, cfg, 104) == pytest.approx(0.55)  # half way down the cosine
+    assert lr_at(104, cfg, 104) == pytest.approx(0.1) and lr_at(500, cfg, 104) == pytest.approx(0.1)
+
+
+def test_latest_ignores_partial_checkpoints(tmp_path):
+    for name, complete in (("step-00000002", True), ("step-00000004", True), ("step-00000006.tmp", True),
+                           ("step-00000008", False)):
+        (tmp_path / name).mkdir()
+        if complete:
+            (tmp_path / name / checkpoint.STATE_FILE).write_text("{}")
+    assert checkpoint.latest(tmp_path).name == "step-00000004"
+    assert checkpoint.latest(tmp_path / "missing") is None
+
+
+# -- the loss --------------------------------------------------------------------------------------------
+
+def test_packed_loss_equals_documents_run_one_by_one(tmp_path):
+    """headrace_varlen keeps attention (and RoPE positions) inside each document of a packed row."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.hf_attention import register_varlen_attention
+    from training.train import forward_loss_sum
+
+    save_pretrained_tiny(tmp_path / "m")
+    packed = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation=register_varlen_attention())
+    alone = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa")
+    batch = packed_batches(1, seq_len=64, rows=2)[0]
+    with torch.no_grad():
+        got = forward_loss_sum(packed, batch, autocast=False)
+        want, cu = torch.zeros((), dtype=torch.float64), batch["cu_seqlens"].tolist()
+        ids, labels = batch["input_ids"].view(1, -1), batch["labels"].view(-1)
+        for a, b in zip(cu[:-1], cu[1:]):
+            logits = alone(input_ids=ids[:, a:b]).logits[0]
+            want += torch.nn.functional.cross_entropy(logits, labels[a:b], ignore_index=-100, reduction="sum")
+    assert len(cu) > 3  # several documents per row
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+# -- with a one-rank process group --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def process_group():
+    saved = dict(os.environ)
+    from training.train import init_distributed
+
+    init_distributed("cpu")
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def concat(batches: list[dict]) -> dict:
+    """k micro-batches as one batch of k times the rows (cu_seqlens offset into the flattened whole)."""
+    cu, offset = [batches[0]["cu_seqlens"][:1]], 0
+    for b in batches:
+        cu.append(b["cu_seqlens"][1:] + offset)
+        offset += b["input_ids"].numel()
+    out = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "position_ids")}
+    return out | {"cu_seqlens": torch.cat(cu), "max_seqlen": max(b["max_seqlen"] for b in batches)}
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
+    from training.config import DistributedConfig
+    from training.optim import build_optimizer
+    from training.parallel_dims import ParallelDims
+    from training.train import build_model, train_step
+
+    save_pretrained_tiny(tmp_path / "m")
+    cfg = load_job_config(None, base=base_job(tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m"))))
+    dims = ParallelDims.from_config(DistributedConfig(), 1)
+    meshes = dims.build_meshes("cpu")
+    micro = packed_batches(8)
+    results = []
+    for batches in ([micro[:4], micro[4:]], [[concat(micro[:4])], [concat(micro[4:])]]):
+        model, _ = build_model(cfg, dims, meshes, torch.device("cpu"))
+        opt = build_optimizer(model, cfg.optim)
+        losses = [train_step(model, opt, step, meshes["dp_cp"], max_grad_norm=1.0, defer_grad_sync=True,
+                             autocast=False)["loss"] for step in batches]
+        results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (acc_losses, acc_params), (big_losses, big_params) = results
+    assert acc_losses == pytest.approx(big_losses, rel=1e-6)
+    torch.testing.assert_close(acc_params, big_params, rtol=1e-5, atol=1e-6)
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "training", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, process_group):
+    """`python -m training` on packed shards: outputs, HF export, and stop-at-3 + resume == 6 straight steps
+    (so the loader continued with exactly the batches the uninterrupted run saw next)."""
+    from transformers import AutoModelForCausalLM
+
+    from training.train import train
+
+    make_text_dataset(tmp_path / "data", [60, 60])
+    overrides = [f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "data.packing_buffer=16",
+                 "trainer.max_steps=6", "optim.decay_steps=6", "checkpoint.interval=3", "logging.console=false"]
+    straight = tmp_path / "straight"
+    proc = run_cli("--config", "configs/debug_llama.yaml", f"trainer.output_dir={straight}", *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "tokens_per_s", "mfu", "data_wait_frac", "pack_fill", "max_mem"} <= records[0].keys()
+    assert [r["step"] for r in records] == list(range(1, 7)) and records[0]["mfu"] is None
+    assert 0.5 < records[0]["pack_fill"] <= 1.0
+    assert (straight / "config.yaml").is_file() and (straight / "summary.json").is_file()
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    hf = AutoModelForCausalLM.from_pretrained(straight / "hf")
+    assert hf.config.model_type == "llama" and hf.config.hidden_size == TINY_LLAMA["hidden_size"]
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    cfg = load_job_config(str(REPO / "configs" / "debug_llama.yaml"), [f"trainer.output_dir={resumed}", *overrides])
+    history = train(cfg)
+    assert [r["step"] for r in history] == [4, 5, 6]
+    want = losses(straight)
+    assert [r["loss"] for r in history] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["debug_qwen2", "debug_qwen3"])
+def test_qwen_recipes_train(tmp_path, process_group, recipe):
+    from training.train import train
+
+    make_text_dataset(tmp_path / "data", [40])
+    cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
+        f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "trainer.max_steps=8",
+        f"trainer.output_dir={tmp_path / 'out'}", "optim.lr=1e-2", "logging.console=false",
+        "checkpoint.interval=0", "data.packing_buffer=8"])
+    history = train(cfg)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()

@@ -1,0 +1,166 @@
+"""Decoded-audio throughput: soundfile (1 process, N worker processes) vs NVIDIA DALI CPU (N threads).
+
+All paths decode the same FLAC utterances (speech-like synthetic audio, ~4.5 s at 16 kHz, ~90 KB each)
+from one memory-mapped blob in page cache into padded ``[B, T]`` float32 batches in the main process:
+
+- ``soundfile``: ``dataio.decode.decode_sample`` in a torch ``DataLoader`` (num_workers=0, then N):
+  worker batches reach the main process through torch's shared-memory tensors.
+- ``dali``: ``dataio.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only).
+
+Prints samples/s (median of ``--repeats`` epochs, timed from the first batch so worker start-up is not
+counted) and the ratio soundfile-with-N-workers / DALI-N-threads, measured in the same run.
+
+    .venv/bin/python tools/bench_decode.py --utterances 3000 --workers 2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import mmap
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataio.decode import DaliConfig, DecodeConfig, decode_sample  # noqa: E402
+
+RATE = 16000
+
+
+def speech_like(rng: np.random.Generator, seconds: float) -> np.ndarray:
+    """Voiced harmonics with a gliding pitch under a ~4 Hz syllable envelope, plus breath noise."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    f0 = rng.uniform(90, 220) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.3, 1.0) * t))
+    phase = 2 * np.pi * np.cumsum(f0) / RATE
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 13))
+    envelope = np.abs(np.sin(2 * np.pi * rng.uniform(3, 5) * t + rng.uniform(0, np.pi))) ** 2
+    wave = 0.25 * voiced * envelope + 0.0015 * rng.standard_normal(len(t))
+    return (wave / np.max(np.abs(wave)) * 0.8).astype(np.float32)
+
+
+def build_corpus(directory: Path, count: int, seed: int = 0) -> tuple[Path, np.ndarray]:
+    """One blob of FLAC payloads + an offsets table (cached in ``directory`` between runs)."""
+    blob, table = directory / f"utterances-{count}.bin", directory / f"utterances-{count}.json"
+    if blob.exists() and table.exists():
+        return blob, np.array(json.loads(table.read_text()), dtype=np.int64)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    offsets = [0]
+    with open(blob.with_suffix(".tmp"), "wb") as f:
+        for _ in range(count):
+            buf = io.BytesIO()
+            soundfile.write(buf, speech_like(rng, rng.uniform(3.0, 6.0)), RATE, format="FLAC", subtype="PCM_16")
+            offsets.append(offsets[-1] + f.write(buf.getvalue()))
+    os.replace(blob.with_suffix(".tmp"), blob)
+    table.write_text(json.dumps(offsets))
+    return blob, np.array(offsets, dtype=np.int64)
+
+
+class Utterances(torch.utils.data.Dataset):
+    """Sample i = the decoded FLAC payload i of the blob (memory-mapped per process)."""
+
+    def __init__(self, blob: Path, offsets: np.ndarray, cfg: DecodeConfig):
+        self.blob, self.offsets, self.cfg, self._view = blob, offsets, cfg, None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def payload(self, i: int) -> memoryview:
+        if self._view is None:  # opened lazily so that each worker maps the file itself
+            with open(self.blob, "rb") as f:
+                self._view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        return self._view[self.offsets[i] : self.offsets[i + 1]]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return decode_sample({"flac": self.payload(i)}, self.cfg, key=str(i))["flac"].waveform
+
+
+def pad_collate(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(w) for w in waves])
+    batch = torch.zeros(len(waves), int(lengths.max()))
+    for row, wave in enumerate(waves):
+        batch[row, : len(wave)] = wave
+    return batch, lengths
+
+
+def time_epoch(batches) -> tuple[float, int]:
+    """Seconds from the first batch to the last, and the samples after the first batch."""
+    iterator = iter(batches)
+    next(iterator)
+    start, samples = time.perf_counter(), 0
+    for _, lengths in iterator:
+        samples += len(lengths)
+    return time.perf_counter() - start, samples
+
+
+def soundfile_rate(dataset: Utterances, batch_size: int, workers: int, repeats: int) -> float:
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, num_workers=workers, collate_fn=pad_collate, persistent_workers=workers > 0
+    )
+    rates = [samples / seconds for seconds, samples in (time_epoch(loader) for _ in range(repeats))]
+    return statistics.median(rates)
+
+
+def dali_rate(dataset: Utterances, batch_size: int, threads: int, repeats: int) -> float:
+    from dataio.dali import DaliAudioDecoder
+
+    cfg = DecodeConfig(audio="dali", sample_rate=dataset.cfg.sample_rate, dali=DaliConfig(num_threads=threads, max_batch_size=batch_size))
+    decoder = DaliAudioDecoder(cfg)
+
+    def batches():
+        for start in range(0, len(dataset), batch_size):
+            out = decoder([dataset.payload(i) for i in range(start, min(start + batch_size, len(dataset)))])
+            yield out.data, out.lengths
+
+    rates = [samples / seconds for seconds, samples in (time_epoch(batches()) for _ in range(repeats))]
+    return statistics.median(rates)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--utterances", type=int, default=3000)
+    parser.add_argument("--workers", type=int, default=2, help="soundfile worker processes = DALI threads")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="epochs per path; the median is reported")
+    parser.add_argument("--sample-rate", type=int, default=RATE, help="decode target (16000: no resampling)")
+    parser.add_argument("--data", type=Path, default=Path("/tmp/headrace-bench-decode"))
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    blob, offsets = build_corpus(args.data, args.utterances)
+    sizes, seconds = np.diff(offsets), []
+    dataset = Utterances(blob, offsets, DecodeConfig(sample_rate=args.sample_rate))
+    for i in range(0, len(dataset), max(1, len(dataset) // 50)):
+        seconds.append(soundfile.info(io.BytesIO(dataset.payload(i))).duration)
+    results = {
+        "utterances": len(dataset),
+        "mean_kb": float(sizes.mean() / 1000),
+        "mean_seconds": float(np.mean(seconds)),
+        "sample_rate": args.sample_rate,
+        "soundfile_1_process": soundfile_rate(dataset, args.batch_size, 0, args.repeats),
+        f"soundfile_{args.workers}_workers": soundfile_rate(dataset, args.batch_size, args.workers, args.repeats),
+    }
+    try:
+        results[f"dali_cpu_{args.workers}_threads"] = dali_rate(dataset, args.batch_size, args.workers, args.repeats)
+        results["ratio_soundfile_workers_to_dali"] = results[f"soundfile_{args.workers}_workers"] / results[f"dali_cpu_{args.workers}_threads"]
+    except ImportError as e:
+        print(f"DALI skipped: {e}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for name, value in results.items():
+            print(f"{name:34s} {value:,.2f}" if isinstance(value, float) else f"{name:34s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Loader throughput: headrace beside webdataset and the page-cache read limit, in one run.
+
+Data: real text (the demo corpus's documents: package READMEs and standard-library docstrings, a
+natural long-tailed length distribution), byte-level tokenised to int32 ``tokens.npy`` members and
+written as WebDataset tars with ``webdataset.TarWriter``, then indexed with ``dataio.tarscan``. Built
+once under ``--data-dir``.
+
+Measured, each for one epoch, median of ``--repeats`` (warm page cache, after one untimed warm-up):
+- ``page cache``: every tar read into one preallocated buffer (``readinto``): the ceiling.
+- ``webdataset``: ``wds.WebDataset(tars).decode()`` (``.npy`` to numpy), one process.
+- ``headrace``: ``build_loader`` with batch_size 256, in one process and with 2 workers, unshuffled
+  and shuffled; plus time to the first batch and peak RSS of the main process and of the workers.
+
+    .venv/bin/python tools/bench_loader.py --docs 50000 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_corpus(root: Path, docs: int, per_shard: int) -> None:
+    import io
+
+    import webdataset as wds
+
+    from dataio.index import merge_parts
+    from dataio.tarscan import scan_shard
+    from tools.demo_corpus import select_documents
+
+    texts = [d.text for d in select_documents(docs)]
+    while len(texts) < docs:  # the installed docs run out: repeat them (same length distribution)
+        texts += texts[: docs - len(texts)]
+    root.mkdir(parents=True, exist_ok=True)
+    for s in range(0, docs, per_shard):
+        with wds.TarWriter(str(root / f"text-{s // per_shard:06d}.tar")) as w:
+            for i in range(s, min(s + per_shard, docs)):
+                buf = io.BytesIO()
+                np.save(buf, np.frombuffer(texts[i].encode(), np.uint8).astype(np.int32))
+                w.write({"__key__": f"d{i:08d}", "tokens.npy": buf.getvalue()})
+    names = sorted(p.name for p in root.glob("*.tar"))
+    merge_parts([scan_shard(root, n) for n in names]).save(root)
+
+
+def page_cache(tars: list[Path]) -> float:
+    buf = bytearray(max(p.stat().st_size for p in tars))
+    t = time.perf_counter()
+    for p in tars:
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(buf)
+    return time.perf_counter() - t
+
+
+def webdataset_epoch(tars: list[Path]) -> tuple[float, int]:
+    import webdataset as wds
+
+    t = time.perf_counter()
+    n = sum(1 for _ in wds.WebDataset([str(p) for p in tars], shardshuffle=False).decode())
+    return time.perf_counter() - t, n
+
+
+def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
+    from dataio import build_loader
+
+    t = time.perf_counter()
+    loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 256, "epochs": 1,
+                           "num_workers": workers, "shuffle": shuffle, "prefetch": 4})
+    n, first, rss = 0, None, []
+    for i, batch in enumerate(loader):
+        if first is None:
+            first = time.perf_counter() - t
+        n += len(batch["__key__"])
+        if i % 40 == 0:
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return {"seconds": time.perf_counter() - t, "samples": n, "first_batch_s": first, "rss_mb": rss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", default="/tmp/headrace-bench/text")
+    ap.add_argument("--docs", type=int, default=50000)
+    ap.add_argument("--per-shard", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args()
+    root = Path(args.data_dir)
+    if not (root / ".nv-meta/headrace/manifest.json").exists():
+        build_corpus(root, args.docs, args.per_shard)
+    tars = sorted(root.glob("*.tar"))
+    total_bytes = sum(p.stat().st_size for p in tars)
+    from dataio.index import load_index
+
+    n = len(load_index(root))
+    page_cache(tars)  # warm the page cache
+    results = {"samples": n, "mean_sample_kb": total_bytes / n / 1024,
+               "page cache": statistics.median(n / page_cache(tars) for _ in range(args.repeats))}
+    results["webdataset"] = statistics.median(n / webdataset_epoch(tars)[0] for _ in range(args.repeats))
+    details = {}
+    for name, workers, shuffle in [("headrace, 1 process", 0, False), ("headrace, 2 workers", 2, False),
+                                   ("headrace, shuffled, 1 process", 0, True),
+                                   ("headrace, shuffled, 2 workers", 2, True)]:
+        runs = [headrace_epoch(root, workers=workers, shuffle=shuffle) for _ in range(args.repeats)]
+        assert all(r["samples"] == n for r in runs), "an epoch must serve every sample once"
+        results[name] = statistics.median(r["samples"] / r["seconds"] for r in runs)
+        details[name] = {"first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
+                         "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)]}
+    details["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    if args.json:
+        print(json.dumps({"samples_per_s": results, "details": details}, indent=1))
+        return
+    print(f"{n} samples, mean {results['mean_sample_kb']:.1f} KB, {len(tars)} shards, {os.cpu_count()} cores")
+    for k, v in results.items():
+        if k not in ("samples", "mean_sample_kb"):
+            print(f"{k:32s} {v:12,.0f} samples/s")
+    for k, v in details.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

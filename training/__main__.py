@@ -1,0 +1,37 @@
+"""``torchrun --nproc-per-node N -m training --config configs/X.yaml [a.b=c ...]`` (or ``python -m training``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dataio.configtree import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser.add_argument("--config", required=True, help="job YAML (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 trainer.max_steps=20")
+    args = parser.parse_args(argv)
+
+    from training.config import load_job_config
+
+    try:
+        cfg = load_job_config(args.config, args.overrides)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    from training.train import train
+
+    try:
+        train(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

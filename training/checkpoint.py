@@ -1,0 +1,167 @@
+"""Checkpoints: DCP for model + optimizer, a small JSON for everything else, and the consolidated HF export.
+
+Layout: ``checkpoints/step-00000100/`` holds the DCP files (each rank writes its own shards, so saving
+is parallel and a checkpoint loads into any world size or layout: DCP reshards by FQN and DTensor
+placement) plus ``trainer_state.json``: the step, every data-parallel rank's loader state (a list ordered
+by dp rank, so a different dp world can redistribute the stream) and every rank's RNG state.
+
+Atomicity: everything is written under ``step-N.tmp``; after a barrier rank 0 writes the JSON last
+(temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N`` directories
+holding ``trainer_state.json``, so a crash at any moment leaves the previous checkpoint as the latest.
+
+The HF export gathers a full state dict to rank 0's CPU (``get_model_state_dict(full_state_dict=True,
+cpu_offload=True)``) and writes ``model.safetensors`` + ``config.json`` (+ tokenizer files): fine up to a
+few billion parameters; beyond that DCP's ``HuggingFaceStorageWriter`` consolidation is the scalable path.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_dir(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step:08d}"
+
+
+def latest(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``folder`` (``*.tmp`` and ones without the state file are ignored)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    done = [p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    return max(done, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
+
+
+def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         loader_states: list, keep_last: int | None = None) -> Path:
+    """Write checkpoint ``step`` atomically (a collective: every rank calls it)."""
+    final = checkpoint_dir(folder, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # leftovers of a crashed save
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    rng = _gather(_rng_state())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _write_json(tmp / STATE_FILE, {"step": step, "loader": loader_states, "rng": rng})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(Path(folder), keep_last)
+    dist.barrier()
+    return final
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model and optimizer from ``path`` into the current layout; returns the trainer state dict,
+    after restoring this rank's RNG when the world size is unchanged."""
+    path = Path(path)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(path / STATE_FILE) as f:
+        trainer_state = json.load(f)
+    if len(trainer_state["rng"]) == dist.get_world_size():
+        torch.set_rng_state(_decode(trainer_state["rng"][dist.get_rank()]["cpu"]))
+        cuda = trainer_state["rng"][dist.get_rank()].get("cuda")
+        if cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(_decode(cuda))
+    return trainer_state
+
+
+def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None) -> Path | None:
+    """Consolidated ``model.safetensors`` + ``config.json`` (+ tokenizer) that
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        full.pop("lm_head.weight", None)  # shared with the embedding; transformers re-ties on load
+    save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(tmp)
+    if tokenizer:
+        _copy_tokenizer(tokenizer, tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _copy_tokenizer(tokenizer: str, dest: Path) -> None:
+    src = Path(tokenizer)
+    if src.is_dir():
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (src / name).is_file():
+                shutil.copy(src / name, dest / name)
+    else:
+        shutil.copy(src, dest / "tokenizer.json")
+    if not (dest / "tokenizer_config.json").exists():  # lets AutoTokenizer.from_pretrained(hf/) find it
+        _write_json(dest / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"})
+
+
+def _rng_state() -> dict:
+    state = {"cpu": _encode(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = _encode(torch.cuda.get_rng_state())
+    return state
+
+
+def _encode(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _decode(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _gather(obj) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(folder: Path, keep_last: int | None) -> None:
+    if not keep_last:
+        return
+    done = sorted(p for p in folder.iterdir() if _STEP_DIR.match(p.name))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old)
+
+
+__all__ = ["STATE_FILE", "checkpoint_dir", "export_hf", "latest", "load", "save"]

@@ -1,0 +1,130 @@
+"""The trainer's job config: one ``@dataclass(kw_only=True)`` tree loaded from YAML plus ``a.b=c`` overrides.
+
+Sections: ``model`` (which transformers model and how to build it), ``data`` (the loader's own ``data:``
+section, passed to ``dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
+its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. Loading and checking is
+``dataio.configtree`` (unknown keys and wrong types fail with the full dotted path); consistency rules
+between degrees live in ``training.parallel_dims`` because they need the world size.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dataio.configtree import apply_overrides, from_dict, load_yaml
+
+from dataio.config import DataConfig
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which transformers causal LM to train. Exactly one of ``config`` / ``config_path`` / ``pretrained_path``
+    describes the architecture; ``pretrained_path`` also gives the initial weights (safetensors)."""
+
+    config: dict[str, Any] | None = None  # inline HF config fields, must include model_type
+    config_path: str | None = None  # a local config.json or a directory holding one
+    pretrained_path: str | None = None  # a local directory with config.json + *.safetensors
+    tokenizer: str | None = None  # tokenizer.json (or a directory) copied into the hf/ export
+    attn_implementation: str = "sdpa"  # any name registered with transformers.AttentionInterface
+    init_std: float | None = None  # overrides config.initializer_range for fresh models
+
+    def __post_init__(self):
+        given = [n for n in ("config", "config_path", "pretrained_path") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """Pipeline-parallel settings (used once pp_size > 1 is implemented)."""
+
+    pp_schedule: str = "1f1b"
+    pp_microbatch_size: int = 1
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    """NeMo-Automodel-shaped ``distributed:`` section. ``dp_size: null`` means world / (tp * pp * cp)."""
+
+    strategy: Literal["fsdp2", "ddp"] = "fsdp2"
+    dp_size: int | None = None
+    dp_replicate_size: int | None = None  # HSDP: replicate groups; must divide dp_size
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    activation_checkpointing_every: int = 1  # checkpoint every N-th block (1 = all blocks)
+    compile: bool = False  # torch.compile each block
+    reshard_after_forward: bool = True
+    defer_fsdp_grad_sync: bool = True  # reduce gradients only on the last micro-step
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # default: trainer.max_steps - warmup_steps
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The loop. Global batch = data batch per rank x grad_accum x dp_size."""
+
+    max_steps: int = 100
+    grad_accum: int = 1
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: FSDP2 MixedPrecisionPolicy / autocast, fp32 reduce
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output_dir: str = "runs/debug"
+    log_every: int = 1
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    interval: int = 0  # save every N steps (0: only at the end)
+    save_final: bool = True
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir when there is one
+    keep_last: int | None = None  # delete older checkpoints beyond this many
+    export_hf: bool = True  # write output_dir/hf (config.json + model.safetensors [+ tokenizer]) at the end
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    console: bool = True
+    tensorboard: bool = True
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    model: ModelConfig
+    data: DataConfig
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:
+    """Read ``path`` (YAML) or ``base``, apply dotted overrides, check types: the one way to get a JobConfig."""
+    raw = load_yaml(path) if path else copy.deepcopy(base or {})
+    apply_overrides(raw, list(overrides))
+    return from_dict(JobConfig, raw, "")
+
+
+__all__ = [
+    "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
+    "PipelineConfig", "TrainerConfig", "load_job_config",
+]

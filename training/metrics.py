@@ -1,0 +1,140 @@
+"""Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console and TensorBoard.
+
+Model FLOPs per token follow the PaLM/torchtitan count: ``6 * N`` for the matmuls of forward + backward
+over the non-embedding parameters (lm_head included) plus ``12 * layers * hidden * seq_len`` for attention
+scores and values (an upper bound for packed batches, whose documents attend only within themselves).
+MFU divides achieved FLOP/s per device by the device's dense bf16 peak from ``PEAK_FLOPS``; on CPU there
+is no meaningful peak, so ``mfu`` is null and ``flops_per_s`` is reported instead.
+Only rank 0 writes; every figure it logs is already reduced over ranks where that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is 756e12
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "B200": 2250e12,
+    "GB200": 2500e12,
+}
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    from training.model import count_params
+
+    _, non_embedding = count_params(hf_config)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        non_embedding += hf_config.vocab_size * hf_config.hidden_size  # lm_head matmul still runs
+    return 6.0 * non_embedding + 12.0 * hf_config.num_hidden_layers * hf_config.hidden_size * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of ``device`` when it is a known accelerator, else None (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def max_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # bytes on macOS, KiB on Linux
+
+
+class MetricsLogger:
+    """Rank 0's sink for per-step metrics and the end-of-run summary."""
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, console: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.history: list[dict] = []
+        if not enabled:
+            return
+        self.output_dir = Path(output_dir)
+        self.file = open(self.output_dir / "metrics.jsonl", "a")
+        self.console = None
+        if console:
+            from rich.console import Console
+
+            self.console = Console(stderr=True, highlight=False)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        self.history.append(record)
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+        if self.console is not None:
+            mfu = f"mfu {record['mfu']:5.1%}" if record.get("mfu") is not None else \
+                f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s"
+            self.console.print(
+                f"[bold]step {record['step']:>5}[/]  loss [cyan]{record['loss']:.4f}[/]  lr {record['lr']:.2e}  "
+                f"gnorm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s "
+                f"({record['tokens_per_s_per_device']:,.0f}/dev)  {mfu}  data wait {record['data_wait_frac']:.1%}  "
+                f"pack fill {record['pack_fill']:.1%}  mem {record['max_mem']:.2f} GiB", soft_wrap=True)
+
+    def summary(self, skip_first: int = 1) -> dict:
+        """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""
+        if not self.history:
+            return {}
+        steady = self.history[skip_first:] or self.history
+        mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
+        result = {
+            "steps": self.history[-1]["step"],
+            "first_loss": self.history[0]["loss"],
+            "last_loss": self.history[-1]["loss"],
+            "tokens_per_s": mean("tokens_per_s"),
+            "tokens_per_s_per_device": mean("tokens_per_s_per_device"),
+            "data_wait_frac": mean("data_wait_frac"),
+            "pack_fill": mean("pack_fill"),
+            "max_mem": max(r["max_mem"] for r in self.history),
+            "mfu": mean("mfu") if steady[0].get("mfu") is not None else None,
+            "flops_per_s": mean("flops_per_s"),
+        }
+        if self.enabled:
+            with open(self.output_dir / "summary.json", "w") as f:
+                json.dump(result, f, indent=1)
+            if self.console is not None:
+                mfu = f"MFU {result['mfu']:.1%}" if result["mfu"] is not None else \
+                    f"{result['flops_per_s'] / 1e9:.2f} GFLOP/s (no MFU on CPU)"
+                self.console.rule("summary")
+                self.console.print(
+                    f"{result['steps']} steps, loss {result['first_loss']:.4f} -> {result['last_loss']:.4f}; "
+                    f"{result['tokens_per_s']:,.0f} tok/s ({result['tokens_per_s_per_device']:,.0f} per device), "
+                    f"{mfu}, data wait {result['data_wait_frac']:.1%}, pack fill {result['pack_fill']:.1%}, "
+                    f"peak mem {result['max_mem']:.2f} GiB", soft_wrap=True)
+        return result
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+__all__ = ["PEAK_FLOPS", "MetricsLogger", "flops_per_token", "max_memory_gib", "peak_flops"]

@@ -1,0 +1,149 @@
+"""Apply parallelism to a model on the meta device, one function per model family, in a fixed order:
+
+1. tensor parallel (+ sequence parallel) on the ``tp`` mesh,
+2. activation checkpointing (every block, or every N-th),
+3. ``torch.compile`` per block (optional),
+4. FSDP2 ``fully_shard`` per block then the root, on the ``dp_shard_cp`` mesh, or HSDP on the 2-D
+   ``(dp_replicate, dp_shard_cp)`` mesh; DDP instead is applied by ``apply_ddp`` after materialization
+   because it broadcasts real weights at construction.
+
+Pipeline (pp), context (cp) and expert (ep) parallelism slot in as steps 0 (stage split), 1b (attention
+over the cp mesh) and 1c (expert dispatch); until then a degree > 1 fails early in ``check_supported``.
+
+Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
+entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
+write the torch-native plan (the same module names) and keep it beside the function that applies it.
+HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
+q_norm/k_norm act on head_dim and need no plan. Position ids must be passed explicitly under SP (HF
+would derive them from the sequence-sharded embeddings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from training.config import DistributedConfig
+from training.parallel_dims import ParallelDims
+
+
+def check_supported(dims: ParallelDims, hf_config) -> None:
+    """Fail before building anything when the layout asks for what is not implemented or cannot split."""
+    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp), ("ep_size", dims.ep)):
+        if degree > 1:
+            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context / expert parallelism "
+                                      "are not implemented yet (set it to 1)")
+    if dims.tp > 1:
+        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
+        if heads % dims.tp or kv_heads % dims.tp:
+            raise ValueError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
+                             f"num_key_value_heads {kv_heads}")
+        if getattr(hf_config, "tie_word_embeddings", False):
+            raise ValueError("tp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head "
+                             "shard the shared weight differently); set model.config.tie_word_embeddings=false")
+
+
+def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
+                           param_dtype: torch.dtype) -> nn.Module:
+    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2."""
+    if dims.tp > 1:
+        apply_tp(model, meshes["tp"], dims.sequence_parallel)
+    blocks = model.model.layers
+    if cfg.activation_checkpointing:
+        for i, block in enumerate(blocks):
+            if i % cfg.activation_checkpointing_every == 0:
+                blocks[i] = checkpoint_wrapper(block)
+    if cfg.compile:
+        for block in blocks:
+            block.compile()
+    if cfg.strategy == "fsdp2" and dims.dp_replicate * dims.dp_shard * dims.cp > 1:
+        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
+    return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
+    stream are sharded over the sequence dim and all-gathered just before attention / MLP."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    })
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        layer_plan |= {
+            "input_layernorm": SequenceParallel(),
+            "post_attention_layernorm": SequenceParallel(),
+            # self_attn is called with keyword arguments; gather the sequence before q/k/v.
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+        }
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, layer_plan)
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,
+               reshard_after_forward: bool) -> None:
+    """fully_shard each block (its all-gather overlaps the previous block's compute), then the root
+    (embeddings, final norm, lm_head: tied weights stay in one group). Gradients reduce in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for i, block in enumerate(blocks):
+        # The last block's params are needed again right away by backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> nn.Module:
+    """Classic DDP over the whole dp mesh (model already materialized: DDP broadcasts rank 0's weights)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dims.dp == 1:
+        return model
+    device_ids = None if next(model.parameters()).device.type == "cpu" else [torch.cuda.current_device()]
+    return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
+
+
+PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
+    "llama": parallelize_decoder_lm,
+    "qwen2": parallelize_decoder_lm,
+    "qwen3": parallelize_decoder_lm,
+}
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
+                param_dtype: torch.dtype) -> nn.Module:
+    """Dispatch on ``config.model_type`` to the family's parallelize function."""
+    model_type = model.config.model_type
+    if model_type not in PARALLELIZE_FNS:
+        raise ValueError(f"no parallelize function for model_type {model_type!r} ({', '.join(PARALLELIZE_FNS)})")
+    check_supported(dims, model.config)
+    return PARALLELIZE_FNS[model_type](model, dims, meshes, cfg, param_dtype)
+
+
+__all__ = ["PARALLELIZE_FNS", "apply_ddp", "apply_fsdp", "apply_tp", "check_supported", "parallelize"]

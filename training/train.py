@@ -1,0 +1,244 @@
+"""The training loop: read top to bottom to see everything a step does.
+
+``train(cfg)`` sets up the process group and the device mesh (``ParallelDims``), builds the model on
+the meta device, parallelizes it (TP/SP -> AC -> compile -> FSDP2/HSDP, or DDP), materializes each
+rank's shard, resumes from the newest checkpoint if any, and runs ``train_step`` until ``max_steps``.
+
+One step = ``grad_accum`` packed THD micro-batches. The loss is a sum of token cross-entropies divided
+by the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over
+the loss mesh (dp x cp) *before* the first backward, so every micro-step's gradient is already correctly
+scaled and the result does not depend on how tokens split across micro-steps or ranks. FSDP2 and DDP
+average gradients over dp, so each rank's loss is multiplied by the dp x cp size to make that average a
+sum. Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
+
+Attention stays inside each document: the model runs kernels' ``headrace_varlen`` attention (registered
+with transformers' AttentionInterface) fed by ``cu_seq_lens_q`` / ``position_ids`` from the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from dataio.configtree import to_dict
+from dataio.prefetch import DevicePrefetcher
+from kernels.hf_attention import ATTENTION_NAME, packed_attention_kwargs, register_varlen_attention
+from training import checkpoint
+from training.config import JobConfig
+from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
+from training.model import build_hf_config, build_meta_model, materialize
+from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
+from training.parallelize import apply_ddp, parallelize
+
+IGNORE_INDEX = -100
+MODEL_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+
+
+def init_distributed(device_type: str) -> None:
+    """Join the torchrun process group; a plain ``python -m training`` becomes a 1-rank group."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def seed_for_rank(seed: int, dp_rank: int) -> int:
+    """Training-time RNG seed: distinct per data-parallel rank, shared by its TP/CP/PP peers."""
+    return seed + 1_000_003 * dp_rank
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Reduce gradients in this backward only when ``enabled`` (FSDP2 and DDP; a no-op otherwise)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    elif isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
+    """Summed next-token cross-entropy of one packed micro-batch (labels are already shifted)."""
+    ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        logits = model(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
+               *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool) -> dict:
+    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count."""
+    group = loss_mesh.get_group()
+    local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
+    global_tokens = local_tokens.detach().clone().to(torch.float64)
+    dist.all_reduce(global_tokens, group=group)
+    scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=global_tokens.device)
+    for i, mb in enumerate(micro_batches):
+        with gradient_sync(model, i == len(micro_batches) - 1 or not defer_grad_sync):
+            loss = forward_loss_sum(model, mb, autocast)
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum, group=group)
+    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
+            "tokens": int(global_tokens.item())}
+
+
+def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
+    """The next ``count`` batches (already on the device), keeping only what the step reads."""
+    return [{k: v for k, v in next(batches).items() if k in MODEL_INPUTS or k in ("max_seqlen", "fill")}
+            for _ in range(count)]
+
+
+def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
+    """meta -> parallelize -> allocate this rank's shards -> init or load (-> DDP). Returns (model, hf_config)."""
+    if cfg.model.attn_implementation == ATTENTION_NAME:
+        register_varlen_attention()
+    hf_config = build_hf_config(cfg.model)
+    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+    model = parallelize(build_meta_model(hf_config), dims, meshes, cfg.distributed, param_dtype)
+    materialize(model, device, cfg.model.pretrained_path)
+    if cfg.distributed.strategy == "ddp":
+        model = apply_ddp(model, dims, meshes)
+    return model, hf_config
+
+
+def gather_loader_states(loader, dp_mesh: DeviceMesh) -> list:
+    """Every dp rank's loader state, ordered by dp rank (TP/CP/PP peers hold identical ones)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dp_mesh.get_local_rank(), loader.state_dict()))
+    by_dp = dict(everyone)
+    return [by_dp[r] for r in range(len(by_dp))]
+
+
+def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = None) -> list[dict]:
+    """Run the job described by ``cfg``; returns the logged metric records (global figures, on every rank).
+
+    ``make_loader(dp_rank, dp_size)`` (an iterable of batch dicts with ``state_dict`` / ``load_state_dict``)
+    replaces ``dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
+    """
+    device = pick_device(cfg.trainer.device)
+    init_distributed(device.type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims.from_config(cfg.distributed, world)
+    meshes = dims.build_meshes(device.type)
+    coords = rank_coordinates(meshes["world"])
+    out_dir = Path(cfg.trainer.output_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}",
+              flush=True)
+        with open(out_dir / "config.yaml", "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+    torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
+    model, hf_config = build_model(cfg, dims, meshes, device)
+    autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # FSDP2 casts via its policy
+    optimizer = build_optimizer(model, cfg.optim)
+
+    dp_rank, dp_size = meshes["dp"].get_local_rank(), dims.dp
+    if make_loader is None:
+        from dataio import build_loader
+
+        make_loader = functools.partial(build_loader, cfg.data)
+    loader = make_loader(dp_rank, dp_size)
+    torch.manual_seed(seed_for_rank(cfg.trainer.seed, dp_rank))
+    ckpt_dir = out_dir / "checkpoints"
+    step = 0
+    resume_from = checkpoint.latest(ckpt_dir) if cfg.checkpoint.resume else None
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, model, optimizer)
+        loader.load_state_dict(state["loader"])
+        step = state["step"]
+        if rank == 0:
+            print(f"resumed from {resume_from} at step {step}", flush=True)
+
+    logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
+                           tensorboard=cfg.logging.tensorboard)
+    flops_tok = flops_per_token(hf_config, cfg.data.seq_len)
+    peak = peak_flops(device)
+    batches = DevicePrefetcher(loader, device)
+    window_start, window_batches, window_tokens, window_fill = time.perf_counter(), 0, 0, []
+    while step < cfg.trainer.max_steps:
+        try:
+            micro = next_micro_batches(batches, cfg.trainer.grad_accum)
+        except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
+            if rank == 0:
+                print(f"data exhausted after step {step}", flush=True)
+            break
+        step += 1
+        set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
+        stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
+                           defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast)
+        window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
+        window_fill += [float(mb["fill"]) if "fill" in mb else
+                        float((mb["labels"] != IGNORE_INDEX).float().mean()) for mb in micro]
+        if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_tokens / elapsed
+            flops_per_s = tokens_per_s * flops_tok / world
+            logger.log({
+                "step": step, "loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": stats["grad_norm"], "tokens": stats["tokens"],
+                "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world,
+                "flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
+                "data_wait_frac": sum(batches.waits[window_batches:]) / elapsed,
+                "pack_fill": sum(window_fill) / len(window_fill),
+                "max_mem": max_memory_gib(device),
+            })
+            window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
+        interval = cfg.checkpoint.interval
+        if interval and step % interval == 0 and step < cfg.trainer.max_steps:
+            saving = time.perf_counter()
+            checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(loader, meshes["dp"]),
+                            keep_last=cfg.checkpoint.keep_last)
+            window_start += time.perf_counter() - saving  # checkpoint time is not training throughput
+
+    batches.close()
+    if cfg.checkpoint.save_final and step > 0 and checkpoint.latest(ckpt_dir) != checkpoint.checkpoint_dir(ckpt_dir, step):
+        checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(loader, meshes["dp"]),
+                        keep_last=cfg.checkpoint.keep_last)
+    if cfg.checkpoint.export_hf:
+        checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer)
+    logger.summary()
+    logger.close()
+    return logger.history
+
+
+__all__ = ["build_model", "gradient_sync", "init_distributed", "seed_for_rank", "train", "train_step"]
