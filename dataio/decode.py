@@ -12,8 +12,8 @@ module-level table, built once at import:
   /``count`` -> ``int``.
 - audio (``flac wav ogg opus mp3``, what libsndfile decodes) -> ``Audio(waveform, sample_rate)``
   through soundfile, downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With
-  ``cfg.audio == "dali"`` audio members pass through as raw buffers for ``dataio.dali`` to decode in
-  batches.
+  ``cfg.audio == "dali"`` audio members pass through as raw buffers for
+  ``dataio.dali.decode_audio_members`` to decode in batches.
 - ``pyd pickle pkl pth pt``: refused with ``UnsafeMemberError``; nothing here ever unpickles.
 - anything else: passed through as ``bytes``.
 
@@ -208,7 +208,8 @@ _DECODERS: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {
     "json": lambda buf, cfg: decode_json(buf),
     "txt": lambda buf, cfg: decode_text(buf),
     **{ext: lambda buf, cfg: decode_int(buf) for ext in ("cls", "cls2", "class", "index", "id", "count")},
-    **{ext: lambda buf, cfg: decode_audio(buf, cfg) if cfg.audio == "soundfile" else buf for ext in AUDIO_EXTENSIONS},
+    # With audio: dali the raw buffer stays for dataio.dali.decode_audio_members to decode a batch at once.
+    **{ext: lambda buf, cfg: buf if cfg.audio == "dali" else decode_audio(buf, cfg) for ext in AUDIO_EXTENSIONS},
 }
 
 
@@ -220,7 +221,8 @@ def _pass_bytes(buf: Buffer, cfg: DecodeConfig) -> bytes:
     return bytes(buf)  # no copy when buf is already bytes; a copy detaches views of a reusable block
 
 
-_decoder_by_ext: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {}  # full extension -> decoder, filled on first use
+# Full extension -> decoder, filled on first use, so the hot path is one dict lookup per member.
+_decoder_by_ext: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {}
 
 
 def decoder_for(ext: str) -> Callable[[Buffer, DecodeConfig], Any]:
@@ -248,6 +250,8 @@ def decode_sample(
             out[ext] = decoder_for(ext)(buf, cfg)
         except SampleDecodeError as e:
             raise type(e)(e.reason, shard=shard, key=key, member=ext) from None
+        except MemoryError:
+            raise
         except Exception as e:  # any library's complaint about a bad payload becomes one error type
             raise SampleDecodeError(f"{type(e).__name__}: {e}", shard=shard, key=key, member=ext) from e
     return out

@@ -141,8 +141,7 @@ def _auto_backend(q: torch.Tensor) -> str:
 
 @dataclass(frozen=True)
 class _Bucket:
-    gather: torch.Tensor  # (docs * L,) token index per slot; padding slots repeat the document's first token
-    valid: torch.Tensor  # (docs * L,) bool, False on padding slots
+    gather: torch.Tensor  # (docs * length,) token index of each slot; padding slots repeat the document's first token
     docs: int
     length: int
 
@@ -150,7 +149,7 @@ class _Bucket:
 @dataclass(frozen=True)
 class _BucketPlan:
     buckets: tuple[_Bucket, ...]
-    inverse: torch.Tensor  # (T,) position of each token in the concatenated valid bucket outputs
+    token_slot: torch.Tensor  # (T,) each token's slot in the concatenation of all bucket outputs
 
 
 def bucket_length(length: int) -> int:
@@ -161,25 +160,22 @@ def bucket_length(length: int) -> int:
 
 def _plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
     validate_cu_seqlens(cu_seqlens, total_tokens)
-    device = cu_seqlens.device
     starts = cu_seqlens[:-1].long().cpu()
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
     padded = torch.tensor([bucket_length(n) for n in lengths.tolist()], dtype=torch.long)
-    buckets, order = [], []
+    buckets, token_slot, first_slot = [], torch.empty(total_tokens, dtype=torch.long), 0
     for size in padded.unique().tolist():
         sel = padded == size
         s, n = starts[sel], lengths[sel]
         offsets = torch.arange(size)
         valid = offsets[None, :] < n[:, None]
         gather = torch.where(valid, s[:, None] + offsets[None, :], s[:, None])
-        order.append(gather[valid])
-        buckets.append(_Bucket(gather.reshape(-1).to(device), valid.reshape(-1).to(device), int(sel.sum()), size))
-    perm = torch.cat(order)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel())
-    return _BucketPlan(tuple(buckets), inverse.to(device))
+        token_slot[gather[valid]] = first_slot + valid.reshape(-1).nonzero().view(-1)
+        first_slot += gather.numel()
+        buckets.append(_Bucket(gather.reshape(-1).to(cu_seqlens.device), int(sel.sum()), size))
+    return _BucketPlan(tuple(buckets), token_slot.to(cu_seqlens.device))
 
 
 def _bucketed(q, k, v, cu_seqlens, scale):
@@ -187,11 +183,11 @@ def _bucketed(q, k, v, cu_seqlens, scale):
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for b in plan.buckets:
-        # (docs*L, H, D) -> (docs, H, L, D)
+        # (docs * L, H, D) -> (docs, H, L, D); padding slots sit after each document's last token.
         qb, kb, vb = (x.index_select(0, b.gather).view(b.docs, b.length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
-        outs.append(ob.transpose(1, 2).reshape(b.docs * b.length, *ob.shape[1:2], ob.shape[-1])[b.valid])
-    return torch.cat(outs).index_select(0, plan.inverse)
+        outs.append(ob.transpose(1, 2).reshape(-1, ob.shape[1], ob.shape[3]))
+    return torch.cat(outs).index_select(0, plan.token_slot)
 
 
 # --- dense block-diagonal mask (comparison point) --------------------------------------------------
@@ -207,11 +203,12 @@ def document_causal_mask(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.T
 
 def _dense_mask(q, k, v, cu_seqlens, scale):
     mask = cached_per_batch("dense_mask", cu_seqlens, q.shape[0], lambda: document_causal_mask(cu_seqlens, q.shape[0]))
+    # 4-D inputs: with 3-D ones CPU SDPA falls back to the unfused math kernel.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 # --- GPU paths -------------------------------------------------------------------------------------
@@ -287,13 +284,7 @@ def cached_per_batch(kind: str, key: torch.Tensor, total_tokens: int, build):
     return plan
 
 
-def attention_flops(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int) -> int:
-    """Forward FLOPs of causal document attention (QK^T and PV, causal half): 2 * H * D * sum(n_i^2)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
-    return int(2 * num_heads * head_dim * float((lengths * lengths).sum()))
-
-
 __all__ = [
-    "BACKENDS", "attention_flops", "bucket_length", "cached_per_batch", "cu_seqlens_from_position_ids", "document_causal_mask",
+    "BACKENDS", "bucket_length", "cached_per_batch", "cu_seqlens_from_position_ids", "document_causal_mask",
     "document_ids", "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
 ]

@@ -85,7 +85,8 @@ def test_corrupt_member_is_dropped_and_named_the_rest_kept(dali):
     decoder = dali.DaliAudioDecoder(DecodeConfig(audio="dali"))
     batch = decoder([good, b"RIFF" + bytes(300), good[:40], good], keys=["u0", "u1", "u2", "u3"], shard="a-000002.tar")
     assert batch.index == [0, 3] and batch.data.shape == (2, 8000)
-    assert {i: (e.key, e.shard) for i, e in batch.errors.items()} == {1: ("u1", "a-000002.tar"), 2: ("u2", "a-000002.tar")}
+    labels = {i: (e.key, e.shard) for i, e in batch.errors.items()}
+    assert labels == {1: ("u1", "a-000002.tar"), 2: ("u2", "a-000002.tar")}
     assert all(isinstance(e, SampleDecodeError) and "DALI" in str(e) for e in batch.errors.values())
     assert decoder([good]).data.shape == (1, 8000)  # the decoder is usable again
     all_bad = decoder([b"junk" * 50], keys=["x"])
@@ -107,7 +108,8 @@ def test_loader_hook_replaces_raw_audio_members_in_place(dali):
         {"wav": encode(16000, 0.25, 440.0, 2, "WAV")},
     ]
     samples = [decode_sample(members, cfg, key=f"k{i}", shard="s.tar") for i, members in enumerate(raw)]
-    failed = dali.decode_audio_members(dali.DaliAudioDecoder(cfg), samples, ["k0", "k1", "k2"], ["s.tar", "t.tar", "s.tar"])
+    keys, shards = ["k0", "k1", "k2"], ["s.tar", "t.tar", "s.tar"]
+    failed = dali.decode_audio_members(dali.DaliAudioDecoder(cfg), samples, keys, shards)
     assert list(failed) == [1] and (failed[1].key, failed[1].shard, failed[1].member) == ("k1", "t.tar", "flac")
     assert samples[0]["json"] == {"text": "a"}
     for sample, ext, n in ((samples[0], "flac", 8000), (samples[2], "wav", 4000)):

@@ -19,6 +19,10 @@ from dataio.decode import (
     decode_sample,
 )
 
+# decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/decode.py); pytest resets
+# the module's own filter for torch's "not writable" warning, so it is restated here.
+pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+
 
 def npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()

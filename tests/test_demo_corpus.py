@@ -120,3 +120,11 @@ def test_sentence_picker_keeps_plain_prose_only():
                                       "Open the file_name now. This one is plain and fine!")]
     picked = [s for s, _ in demo_corpus.pick_sentences(docs, 10)]
     assert sorted(picked) == ["This one is plain and fine!"]
+
+
+def test_readmes_come_from_our_dependency_tree_only():
+    """Only headrace's runtime dependency tree feeds the corpus, so extra packages in an environment
+    (dev tools, DALI) do not change it."""
+    names = {d.metadata["Name"].lower() for d in demo_corpus._dependency_closure()}
+    assert {"torch", "transformers", "numpy", "tokenizers", "huggingface-hub"} <= names
+    assert not names & {"headrace", "pytest", "hypothesis", "nvidia-dali-cuda130"}

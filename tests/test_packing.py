@@ -13,7 +13,7 @@ from dataio.packing import IGNORE_INDEX, Packer, PackingConfig, pack, reshard_st
 ALGOS = ["none", "greedy", "best_fit"]
 
 
-def make_docs(lengths, seed=0):
+def make_docs(lengths):
     """Documents whose token ids encode (document, position) so any misplacement is visible."""
     return {ref: (np.arange(n, dtype=np.int64) + 1000 * ref).astype(np.int32) for ref, n in enumerate(lengths)}
 

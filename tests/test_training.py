@@ -215,7 +215,7 @@ def test_qwen_recipes_train(tmp_path, process_group, recipe):
     make_text_dataset(tmp_path / "data", [40])
     cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
         f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "trainer.max_steps=8",
-        f"trainer.output_dir={tmp_path / 'out'}", "optim.lr=1e-2", "logging.console=false",
+        f"trainer.output_dir={tmp_path / 'out'}", "optim.lr=0.01", "logging.console=false",
         "checkpoint.interval=0", "data.packing_buffer=8"])
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]

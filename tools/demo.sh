@@ -48,3 +48,20 @@ done
 
 # training: (issue 5, item 8) the trainer appends the demo run here: 2 CPU processes under FSDP2 on
 # demo/shards/text with demo/corpus/tokenizer.json, a few dozen steps, loss + metrics, export to hf/.
+
+# ---- training (issue 5, trainer) ------------------------------------------------------------------
+step "train the demo model: 2 CPU processes, FSDP2, packed rows, 40 steps -> runs/demo (metrics, checkpoints, hf/)"
+rm -rf runs/demo
+OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m training --config configs/demo.yaml
+"$PY" - <<'PY'
+import json
+records = [json.loads(line) for line in open("runs/demo/metrics.jsonl")]
+first, last = records[0]["loss"], records[-1]["loss"]
+print(f"loss {first:.3f} -> {last:.3f} over {records[-1]['step']} steps")
+assert last < first, "the demo loss did not fall"
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("runs/demo/hf")
+tok = AutoTokenizer.from_pretrained("runs/demo/hf")
+print(f"runs/demo/hf loads: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+      f"tokenizer vocab {tok.vocab_size}")
+PY

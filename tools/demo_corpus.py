@@ -1,8 +1,9 @@
 """Build the embedded demo corpus: real English text, speech synthesized from it, a BPE tokenizer.
 
 Nothing is downloaded. The text is documentation that ships inside every install of the stack:
-the long descriptions (READMEs) in the ``METADATA`` of the installed distributions, and the docstrings
-of the Python standard library (read with ``ast``, never imported). Together they have the natural
+the long descriptions (READMEs) in the ``METADATA`` of headrace's installed dependency tree (torch,
+transformers, numpy, ... and what they pull in) and the docstrings of the Python standard library
+(read with ``ast``, never imported). Together they have the natural
 long-tailed length distribution of real corpora: thousands of one-line docstrings, a few hundred
 paragraph-long ones, and a few dozen READMEs of 10-100 kB.
 
@@ -19,8 +20,9 @@ Algorithm:
      ``<|bos|> <|eos|> <|pad|>``), saved as ``tokenizer.json``.
 
 The output appears atomically: it is built in a hidden sibling folder and renamed into place.
-Two builds in the same environment are byte-identical. Cost: ~10-20 s on 2 cores for the defaults
-(3000 documents, 300 utterances, 4096 tokens), most of it parsing the standard library.
+Two builds with the same Python and dependency versions are byte-identical (other packages in the
+environment do not matter). Cost: ~10 s on 2 cores for the defaults (3000 documents, 300
+utterances, 4096 tokens), about half of it parsing the standard library.
 
     python -m tools.demo_corpus --out demo/corpus
 """
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
@@ -45,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 16_000
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 # Standard-library folders that hold tests, GUIs or vendored copies rather than documentation.
@@ -80,18 +84,38 @@ class Document:
 
 
 def package_readmes() -> list[Document]:
-    """Long descriptions of the distributions installed in this interpreter's site-packages."""
-    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    """Long descriptions of headrace's runtime dependency tree, as installed in this interpreter.
+
+    Only the dependency tree (not whatever else the environment holds), so that every install of the
+    same versions builds the same corpus.
+    """
     docs = []
-    for dist in metadata.distributions(path=paths):
-        name = dist.metadata["Name"] or ""
-        if name.lower() == "headrace":  # our own README changes with every edit; keep the corpus stable
-            continue
+    for dist in _dependency_closure():
         body = dist.metadata.get_payload() or _unindent(dist.metadata.get("Description") or "")
         text = _clean(body)
         if len(text) >= 200:
-            docs.append(Document(f"pypi:{name}=={dist.version}", text))
+            docs.append(Document(f"pypi:{dist.metadata['Name']}=={dist.version}", text))
     return docs
+
+
+def _dependency_closure() -> list[metadata.Distribution]:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    todo = list(project["dependencies"])
+    found: dict[str, metadata.Distribution] = {}
+    while todo:
+        req = Requirement(todo.pop())
+        name = canonicalize_name(req.name)
+        if name in found or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            found[name] = metadata.distribution(name)
+        except metadata.PackageNotFoundError:  # an optional platform dependency
+            continue
+        todo += found[name].requires or []
+    return [found[name] for name in sorted(found)]
 
 
 def stdlib_docstrings() -> list[Document]:
