@@ -45,7 +45,7 @@ def collate_field(values: list[Any]) -> tuple[Any, torch.Tensor | None]:
         return torch.stack(values, out=out), None
     if all(v.ndim == 1 for v in values):
         dtype = functools.reduce(torch.promote_types, {v.dtype for v in values})
-        lengths = torch.tensor([len(v) for v in values], dtype=torch.int64)
+        lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
         out = _empty((int(lengths.sum()),), dtype)
         return torch.cat(values, out=out), lengths
     return values, None

@@ -168,6 +168,11 @@ class Loader:
             if None in self._token_exts:
                 bad = cfg.datasets[self._token_exts.index(None)].path
                 raise ValueError(f"packing: {cfg.packing} needs token members (*.npy); {bad} has none")
+        if cfg.bucketing is not None and (len(self.sources) != 1 or self.packer is not None):
+            raise ValueError("bucketing: needs exactly one dataset and packing: none (bucketing makes the batches)")
+        # Bucketing: the epoch, the earlier layouts of this epoch ([dp_size, steps done] each), and the
+        # steps of the current plan consumed.
+        self.bucket_epoch, self.bucket_history, self.bucket_step = 0, [], 0
         self._fingerprint = self._make_fingerprint()
         self._maker: BatchMaker | None = None
 
@@ -190,6 +195,9 @@ class Loader:
         return n
 
     def __iter__(self) -> Iterator[dict]:
+        if self.cfg.bucketing is not None:
+            yield from self._iter_bucketed()
+            return
         maker = self._maker = self._batch_maker()
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
         batches = RankBatches(maker, first=0, last=self.layout.num_batches(self.end, self.consumed, self.cfg.batch_size),
@@ -197,10 +205,7 @@ class Loader:
         stream = iterate(batches, num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
                          pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0)
         for batch in stream:
-            self.bad_samples += batch.pop("__bad__")
-            if self.bad_samples > self.cfg.max_bad_samples:  # the workers' counts together
-                raise SampleDecodeError(f"more than max_bad_samples={self.cfg.max_bad_samples} bad samples on DP rank "
-                                        f"{self.dp_rank} (see the warnings above for which)")
+            self._count_bad(batch.pop("__bad__"))
             if self.packer is None:
                 self.consumed = batch.pop("__end__")
                 yield batch
@@ -210,6 +215,60 @@ class Loader:
             self.packer.flush()
             while (packed := self.packer.pop()) is not None:
                 yield packed
+
+    def _count_bad(self, bad: int) -> None:
+        self.bad_samples += bad
+        if self.bad_samples > self.cfg.max_bad_samples:  # the workers' counts together
+            raise SampleDecodeError(f"more than max_bad_samples={self.cfg.max_bad_samples} bad samples on DP rank "
+                                    f"{self.dp_rank} (see the warnings above for which)")
+
+    def _bucket_plan(self, epoch: int, history: list[list[int]]):
+        """This rank's batches of ``epoch``: the plan over the samples the earlier layouts of this
+        epoch (``history``: ``[dp_size, steps done]`` each) left, for the current dp_size."""
+        from dataio.bucketing import consumed_indices, plan_epoch
+
+        source = self.sources[0]
+        indices = np.concatenate([np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)])
+        durations = np.asarray(source.index.samples["duration"], dtype=np.float64)
+        edges = None
+        for dp_size, steps in [*history, [self.dp_size, 0]]:
+            plan = plan_epoch(indices, durations[indices], seed=self.seed, epoch=epoch, dp_size=dp_size,
+                              cfg=self.cfg.bucketing, edges=edges)
+            edges = plan.edges  # the same buckets for the whole epoch
+            indices = np.setdiff1d(indices, consumed_indices(plan, steps))
+        return plan.rank_batches(self.dp_rank)
+
+    def _iter_bucketed(self) -> Iterator[dict]:
+        """Duration-bucketed batches (``dataio.bucketing``), epoch by epoch, each rank-synced."""
+        from dataio.bucketing import collate_audio
+        from dataio.decode import AUDIO_EXTENSIONS
+
+        exts = self.sources[0].index.extensions
+        audio_ext = next((e for e in exts if e.rpartition(".")[2].lower() in AUDIO_EXTENSIONS), None)
+        if audio_ext is None:
+            raise ValueError(f"bucketing: {self.cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
+        token_ext = _token_ext(self.sources[0])
+        maker = self._batch_maker()
+        while self.cfg.epochs is None or self.bucket_epoch < self.cfg.epochs:
+            batches = self._bucket_plan(self.bucket_epoch, self.bucket_history)
+
+            def make(b: int, batches=batches) -> dict:
+                refs = make_ref(0, batches[b])
+                samples, keys, kept, bad = maker._read(refs)
+                rows = [{"audio": s[audio_ext].waveform, "__key__": k,
+                         **({"tokens": s[token_ext]} if token_ext else {})} for s, k in zip(samples, keys)]
+                return {**collate_audio(rows, tokens_key="tokens" if token_ext else None),
+                        "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
+
+            stream = iterate(RankBatches(make, first=self.bucket_step, last=len(batches), seed=self.seed, dp_rank=self.dp_rank,
+                                         epoch=self.bucket_epoch),
+                             num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
+                             pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0)
+            for batch in stream:
+                self._count_bad(batch.pop("__bad__"))
+                self.bucket_step += 1
+                yield batch
+            self.bucket_epoch, self.bucket_history, self.bucket_step = self.bucket_epoch + 1, [], 0
 
     def _pack(self, chunk: dict) -> Iterator[dict]:
         refs, positions = chunk["__ref__"].tolist(), chunk["__pos__"].tolist()
@@ -242,6 +301,8 @@ class Loader:
                  "consumed": self.consumed, "bad_samples": self.bad_samples}
         if self.packer is not None:
             state["packing"] = self.packer.state_dict()
+        if self.cfg.bucketing is not None:
+            state["bucketing"] = {"epoch": self.bucket_epoch, "history": self.bucket_history, "step": self.bucket_step}
         return state
 
     def load_state_dict(self, states: dict | list[dict]) -> None:
@@ -264,6 +325,9 @@ class Loader:
             self.bad_samples = own["bad_samples"]
             if self.packer is not None:
                 self.packer.load_state_dict(own["packing"], self.fetch)
+            if self.cfg.bucketing is not None:  # the same plan: continue at the step
+                b = own["bucketing"]
+                self.bucket_epoch, self.bucket_history, self.bucket_step = b["epoch"], b["history"], b["step"]
             return
         if sorted(by_rank) != list(range(old_size)):
             raise ValueError(f"changing dp_size {old_size} -> {self.dp_size} needs the state of every old rank, "
@@ -273,6 +337,12 @@ class Loader:
         self.layout.dp_size = self.dp_size
         self.consumed = 0
         self.bad_samples = max(s["bad_samples"] for s in old)
+        if self.cfg.bucketing is not None:  # re-plan what the old layout left of the epoch
+            b = old[0]["bucketing"]
+            if any(s["bucketing"] != b for s in old):
+                raise ValueError("bucketing states of the old ranks differ (ranks must step together)")
+            self.bucket_epoch, self.bucket_step = b["epoch"], 0
+            self.bucket_history = [*b["history"], [old_size, b["step"]]]
         if self.packer is not None:
             from dataio.packing import reshard_states
 

@@ -125,6 +125,6 @@ def test_sentence_picker_keeps_plain_prose_only():
 def test_readmes_come_from_our_dependency_tree_only():
     """Only headrace's runtime dependency tree feeds the corpus, so extra packages in an environment
     (dev tools, DALI) do not change it."""
-    names = {d.metadata["Name"].lower() for d in demo_corpus._dependency_closure()}
+    names = {d.metadata["Name"].lower().replace("_", "-") for d in demo_corpus._dependency_closure()}
     assert {"torch", "transformers", "numpy", "tokenizers", "huggingface-hub"} <= names
     assert not names & {"headrace", "pytest", "hypothesis", "nvidia-dali-cuda130"}

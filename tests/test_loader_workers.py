@@ -1,0 +1,49 @@
+"""Worker processes: batches come back in order for any worker count; a dead or hung worker is an error."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from dataio.workers import RankBatches, iterate
+
+
+def make_batch(b):
+    return {"b": b, "x": torch.full((3,), b)}
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_batches_in_order_whatever_the_worker_count(workers):
+    batches = RankBatches(make_batch, first=0, last=10, seed=0, dp_rank=0, epoch=0)
+    out = list(iterate(batches, num_workers=workers, prefetch=2, pin_memory=False, timeout=30 if workers else 0))
+    assert [b["b"] for b in out] == list(range(10))
+    assert all(torch.equal(b["x"], torch.full((3,), i)) for i, b in enumerate(out))
+
+
+def die_at_3(b):
+    if b == 3:
+        os._exit(1)
+    return make_batch(b)
+
+
+def hang_at_2(b):
+    if b == 2:
+        time.sleep(60)
+    return make_batch(b)
+
+
+def test_crashed_worker_is_an_error_in_the_main_process():
+    batches = RankBatches(die_at_3, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=30):
+            pass
+
+
+def test_hung_worker_is_an_error_within_the_timeout():
+    batches = RankBatches(hang_at_2, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=2):
+            pass
+    assert time.monotonic() - start < 30
