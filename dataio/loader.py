@@ -357,15 +357,20 @@ class Loader:
 
 
 def open_source(spec) -> ShardSource:
-    """The sample source of one ``datasets:`` entry: a headrace index, else an energon-prepared
-    directory's ``index.sqlite`` (``dataio.interop``)."""
+    """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
+    ``dataio.interop``) an energon-prepared directory, a Lhotse cuts manifest or a Lhotse Shar directory."""
+    from dataio import interop
     from dataio.index import INDEX_DIR
-    from dataio.interop import energon_index, is_energon_dir
 
-    local = "://" not in spec.path
-    if local and not (Path(spec.path) / INDEX_DIR).exists() and is_energon_dir(spec.path):
-        return ShardSource(spec.path, split=spec.split, index=energon_index(spec.path))
-    return ShardSource(spec.path, split=spec.split)
+    if "://" in spec.path or (Path(spec.path) / INDEX_DIR).exists():
+        return ShardSource(spec.path, split=spec.split)
+    if interop.is_lhotse_manifest(spec.path):
+        return interop.LhotseCutSource(spec.path)
+    if interop.is_energon_dir(spec.path):
+        return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path))
+    if interop.is_lhotse_shar(spec.path):
+        return ShardSource(spec.path, index=interop.shar_index(spec.path))
+    return ShardSource(spec.path, split=spec.split)  # raises: no index, with the `dataio index` hint
 
 
 def _resolve_seed(seed: int | str, dp_size: int) -> int:

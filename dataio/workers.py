@@ -4,7 +4,8 @@ Worker ``w`` of ``num_workers`` computes batches ``first + w, first + w + num_wo
 rank's stream with ``make_batch(b)``; torch's DataLoader asks its workers round-robin and returns
 results in request order, so the main process sees batches ``first, first + 1, ...`` whatever the
 worker timing. Batches cross the process boundary as shared-memory tensors (``dataio.collate``
-allocates them there), and the main process pins them once if ``pin_memory``.
+allocates them there); tensors of at most 64 KB (keys' bookkeeping, lengths) travel by value instead,
+which is cheaper than a shared-memory file each. The main process pins batches once if ``pin_memory``.
 
 Why not torchdata's ``StatefulDataLoader``: it resumes by snapshotting each worker's iterator state
 and needs the same worker count to restore it. Here a batch is a pure function of its number, so the
@@ -27,6 +28,35 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from dataio.seeding import derive_seed
 
 
+SMALL_TENSOR_BYTES = 64 << 10
+
+
+class _Inline:
+    """A small tensor travelling by value: pickling a few KB is cheaper than a shared-memory file and
+    a file descriptor per tensor, which is what torch's queue does for every tensor otherwise."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def _to_wire(value):
+    if isinstance(value, torch.Tensor) and value.nbytes <= SMALL_TENSOR_BYTES and not value.is_shared():
+        return _Inline(value.numpy())
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _from_wire(value):
+    if isinstance(value, _Inline):
+        return torch.from_numpy(value.array)
+    if isinstance(value, dict):
+        return {k: _from_wire(v) for k, v in value.items()}
+    return value
+
+
 class RankBatches(IterableDataset):
     """Batches ``first .. last-1`` (``last=None``: endless) of one rank, split over DataLoader workers."""
 
@@ -45,7 +75,8 @@ class RankBatches(IterableDataset):
             random.seed(s)
         b = self.first + worker
         while self.last is None or b < self.last:
-            yield self.make_batch(b)
+            batch = self.make_batch(b)
+            yield _to_wire(batch) if info is not None else batch
             b += num_workers
 
 
@@ -57,7 +88,7 @@ def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory
     loader = DataLoader(batches, batch_size=None, num_workers=num_workers, prefetch_factor=prefetch,
                         pin_memory=pin_memory and torch.cuda.is_available(), timeout=timeout,
                         persistent_workers=False)
-    return iter(loader)
+    return map(_from_wire, loader)
 
 
 __all__ = ["RankBatches", "iterate"]

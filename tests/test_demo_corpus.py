@@ -128,3 +128,10 @@ def test_readmes_come_from_our_dependency_tree_only():
     names = {d.metadata["Name"].lower().replace("_", "-") for d in demo_corpus._dependency_closure()}
     assert {"torch", "transformers", "numpy", "tokenizers", "huggingface-hub"} <= names
     assert not names & {"headrace", "pytest", "hypothesis", "nvidia-dali-cuda130"}
+
+
+def test_without_espeak_auto_falls_back_and_espeak_is_refused(monkeypatch):
+    monkeypatch.setattr(demo_corpus, "espeak_binary", lambda: None)
+    assert demo_corpus.resolve_engine("auto") == "synthetic"
+    with pytest.raises(SystemExit, match="espeak-ng is not on PATH"):
+        demo_corpus.resolve_engine("espeak")

@@ -25,8 +25,8 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 def _python(code: str, extra_path: list[Path] = (), timeout: float = 120) -> dict:
     """Run ``code`` in a fresh interpreter with the repo on sys.path; return the JSON it prints last."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(map(str, [*extra_path, REPO, os.environ.get("PYTHONPATH", "")])))
+    path = [*map(str, extra_path), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in path if p))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -44,7 +44,7 @@ def _fake_installed_metadata(root: Path) -> Path:
 
 
 TRANSFORMERS_PROBE = """
-    import importlib.util, json, sys
+    import importlib.metadata, importlib.util, json
     spec = importlib.util.find_spec("kernels")
     import torch
     import transformers
@@ -79,7 +79,7 @@ def test_transformers_works_beside_our_kernels_package(layout, tmp_path):
     assert Path(result["kernels_origin"]) == REPO / "kernels" / "__init__.py"
     assert result["kernels_available"] is False
     if layout == "installed":
-        assert result["distributions"] == ["headrace"]
+        assert set(result["distributions"]) == {"headrace"}
         assert result["kernels_probe"] == [True, PYPROJECT["project"]["version"]]
     # A transformers model still trains: forward, loss, finite gradients everywhere.
     assert result["logits_shape"] == [2, 16, 128]

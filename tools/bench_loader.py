@@ -10,6 +10,8 @@ Measured, each for one epoch, median of ``--repeats`` (warm page cache, after on
 - ``webdataset``: ``wds.WebDataset(tars).decode()`` (``.npy`` to numpy), one process.
 - ``headrace``: ``build_loader`` with batch_size 256, in one process and with 2 workers, unshuffled
   and shuffled; plus time to the first batch and peak RSS of the main process and of the workers.
+- shuffle quality of headrace's window permutation beside webdataset's shard shuffle + buffer of the
+  same size (see ``shuffle_quality``).
 
     .venv/bin/python tools/bench_loader.py --docs 50000 --repeats 5
 """
@@ -86,6 +88,31 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
     return {"seconds": time.perf_counter() - t, "samples": n, "first_batch_s": first, "rss_mb": rss}
 
 
+def shuffle_quality(source_order: np.ndarray) -> dict:
+    """How well an epoch is mixed: the mean distance, in source (tar) order, between consecutive output
+    samples (as a fraction of the epoch; a uniform random permutation gives ~1/3), and the rank
+    correlation between output position and source position (0 for a uniform permutation)."""
+    n = len(source_order)
+    gap = float(np.abs(np.diff(source_order)).mean() / n)
+    corr = float(np.corrcoef(np.arange(n), source_order)[0, 1])
+    return {"mean_gap": round(gap, 4), "position_correlation": round(corr, 4)}
+
+
+def headrace_shuffle_order(root: Path, window: int) -> np.ndarray:
+    from dataio import build_loader
+
+    loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 1024, "epochs": 1, "num_workers": 0,
+                           "shuffle": True, "shuffle_window": window})
+    return np.concatenate([b["__ref__"].numpy() for b in loader])
+
+
+def webdataset_shuffle_order(tars: list[Path], buffer: int) -> np.ndarray:
+    import webdataset as wds
+
+    ds = wds.WebDataset([str(p) for p in tars], shardshuffle=len(tars), seed=0).shuffle(buffer, initial=buffer)
+    return np.array([int(s["__key__"][1:]) for s in ds])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="/tmp/headrace-bench/text")
@@ -116,6 +143,9 @@ def main() -> None:
         details[name] = {"first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
                          "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)]}
     details["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    for window in (1000, 8192):
+        details[f"shuffle quality, headrace window {window}"] = shuffle_quality(headrace_shuffle_order(root, window))
+        details[f"shuffle quality, webdataset buffer {window}"] = shuffle_quality(webdataset_shuffle_order(tars, window))
     if args.json:
         print(json.dumps({"samples_per_s": results, "details": details}, indent=1))
         return

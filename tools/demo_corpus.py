@@ -33,7 +33,6 @@ import argparse
 import ast
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess

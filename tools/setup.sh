@@ -12,7 +12,7 @@ fi
 stamp=.venv/.headrace-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 installed() {  # headrace and the pinned torch are in the venv (cheap: metadata only, no imports)
-    .venv/bin/python -c "from importlib.metadata import version as v; v('headrace'); assert v('torch').startswith('2.13.0')" 2>/dev/null
+    .venv/bin/python -I -c "from importlib.metadata import version as v; v('headrace'); assert v('torch').startswith('2.13.0')" 2>/dev/null
 }
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && installed; then
     exit 0

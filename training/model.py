@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -42,6 +43,8 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     if cfg.init_std is not None:
         config.initializer_range = cfg.init_std
+    if cfg.attn_implementation == ATTENTION_NAME:
+        register_varlen_attention()
     config._attn_implementation = cfg.attn_implementation
     return config
 

@@ -22,7 +22,7 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dataio.configtree import to_dict
 from dataio.prefetch import DevicePrefetcher
-from kernels.hf_attention import ATTENTION_NAME, packed_attention_kwargs, register_varlen_attention
+from kernels.hf_attention import packed_attention_kwargs
 from training import checkpoint
 from training.config import JobConfig
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
@@ -128,8 +128,6 @@ def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
 
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta -> parallelize -> allocate this rank's shards -> init or load (-> DDP). Returns (model, hf_config)."""
-    if cfg.model.attn_implementation == ATTENTION_NAME:
-        register_varlen_attention()
     hf_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = parallelize(build_meta_model(hf_config), dims, meshes, cfg.distributed, param_dtype)

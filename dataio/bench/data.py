@@ -1,0 +1,114 @@
+"""What ``dataio bench`` measures: one indexed shard directory, and the decode work every loader does.
+
+``describe(cfg, work)`` resolves the ``data:`` section's (single) dataset into a ``BenchData``: the
+tar files of its split, their sample count and bytes, its kind (``text`` when it has a token member
+such as ``npy`` / ``tokens.npy``, ``audio`` when it has an audio member) and the member that is counted
+(tokens or audio seconds). Peers write their own formats under ``work``.
+
+Every loader turns a sample into the same decoded dict (``{ext: value}``) and a batch into the same
+layout with ``dataio.collate.collate`` (flat tensors plus lengths, in shared memory inside workers), so
+what differs between loaders is how they find, read and move the bytes. Loaders that hand over raw
+member bytes (energon's crude samples, plain torch, lhotse's recordings) decode them with
+``plain_decode``: what a user of that library writes (``np.load``, ``json.loads``, soundfile + soxr
+through ``dataio.decode.decode_audio``); headrace and webdataset use their own decoders.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from dataio.config import DataConfig
+from dataio.decode import AUDIO_EXTENSIONS, DecodeConfig, decode_audio
+
+
+@dataclass(kw_only=True)
+class BenchData:
+    cfg: DataConfig  # the data: section (headrace's loader reads it as it is)
+    root: Path  # the dataset directory
+    split: str
+    kind: Literal["text", "audio"]
+    field: str  # the member counted: token ids (text) or audio (audio)
+    members: list[str]  # every member extension of the dataset
+    shards: list[Path]  # the split's tar files, in index order
+    samples: int
+    bytes: int  # bytes of those tars
+    work: Path  # where peers write their own formats
+
+    @property
+    def decode(self) -> DecodeConfig:
+        return self.cfg.decode
+
+
+def describe(cfg: DataConfig, work: Path) -> BenchData:
+    """The ``BenchData`` of ``cfg``'s one local dataset (ValueError when there are several or it is remote)."""
+    from dataio.sources import ShardSource
+    from dataio.tarscan import is_token_member
+
+    if len(cfg.datasets) != 1:
+        raise ValueError(f"the bench compares loaders on one dataset; the config lists {len(cfg.datasets)}")
+    spec = cfg.datasets[0]
+    if "://" in spec.path:
+        raise ValueError(f"the bench reads a local dataset directory; got {spec.path}")
+    source = ShardSource(spec.path, split=spec.split)
+    exts = list(source.index.extensions)
+    token = next((e for e in exts if is_token_member(e)), None)
+    audio = next((e for e in exts if e.rpartition(".")[2].lower() in AUDIO_EXTENSIONS), None)
+    if audio is None and token is None:
+        raise ValueError(f"{spec.path}: no token (.npy) or audio member to benchmark (members: {exts})")
+    root = Path(spec.path)
+    shards = [root / s.name for s in source.index.shards if s.split == spec.split]
+    return BenchData(cfg=cfg, root=root, split=spec.split, kind="audio" if audio else "text",
+                     field=audio or token, members=exts, shards=shards, samples=len(source),
+                     bytes=sum(p.stat().st_size for p in shards), work=work)
+
+
+def plain_decode(ext: str, payload: bytes, decode: DecodeConfig) -> Any:
+    """One member decoded the way a user of a raw-bytes loader would: by its extension's last part."""
+    suffix = ext.rpartition(".")[2].lower()
+    if suffix == "npy":
+        return torch.from_numpy(np.load(io.BytesIO(payload), allow_pickle=False))
+    if suffix == "json":
+        return json.loads(payload)
+    if suffix == "txt":
+        return payload.decode("utf-8")
+    if suffix in AUDIO_EXTENSIONS:
+        return decode_audio(payload, decode)
+    return payload
+
+
+def plain_sample(members: dict[str, bytes], decode: DecodeConfig) -> dict[str, Any]:
+    return {ext: plain_decode(ext, payload, decode) for ext, payload in members.items()}
+
+
+def collate_samples(keys: list[str], samples: list[dict]) -> dict:
+    """Decoded samples -> the batch layout of headrace's own loader (``dataio.collate.collate``)."""
+    from dataio.collate import collate
+
+    n = len(samples)
+    return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0)
+
+
+def count(batch: dict, data: BenchData) -> tuple[int, float]:
+    """(samples, units) of one batch in that layout: tokens for text, seconds of audio for audio."""
+    n = len(batch["__key__"])
+    values = batch.get(data.field)
+    if not isinstance(values, torch.Tensor):
+        return n, 0.0
+    if data.kind == "text":
+        return n, float(values.numel())
+    rate = batch.get("__sample_rate__", {}).get(data.field, [data.decode.sample_rate or 1])[0]
+    return n, values.numel() / rate
+
+
+def is_audio(ext: str) -> bool:
+    return ext.rpartition(".")[2].lower() in AUDIO_EXTENSIONS
+
+
+__all__ = ["BenchData", "collate_samples", "count", "describe", "is_audio", "plain_decode", "plain_sample"]

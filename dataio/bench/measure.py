@@ -1,0 +1,147 @@
+"""Timing one loader run as the trainer sees it: throughput, latency, memory and CPU of all its processes.
+
+``measure(open_batches, count, ...)`` calls ``open_batches()`` (which builds the loader and returns its
+iterator; worker processes start here or on the first ``next``) and pulls batches until the loader
+ends or a limit (samples, batches, seconds) is reached. Per batch it times the ``next()`` call:
+
+- ``first_batch_s``: from ``open_batches()`` to the first batch (start-up: index load, worker spawn);
+- ``samples_per_s`` / ``units_per_s``: after the first batch, so start-up is reported once, separately,
+  instead of diluting short runs;
+- ``latency_p50_ms`` / ``latency_p99_ms``: of the ``next()`` calls after the first;
+- with ``step_s``: the trainer sleeps ``step_s`` after each batch (a simulated compute step) and
+  ``data_wait_fraction`` is the time spent inside ``next()`` over the wall time after the first batch.
+
+A ``ProcessSampler`` thread polls ``psutil`` every ``interval`` seconds for this process and all its
+descendants (DataLoader workers, litdata/energon helpers): the peak of the summed RSS, and the CPU
+seconds of every process seen (kept after it exits), so ``cpu_util`` is cores busy on average
+(1.0 = one core). Summed RSS counts pages shared between processes (the page cache behind a memory
+map, shared-memory batches) once per process that touches them: it is an upper bound, the figure
+users compare across loaders. Cost: a few hundred microseconds per poll, off the timed thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import psutil
+
+
+class ProcessSampler:
+    """Background poller of RSS and CPU time over this process and its descendants."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self.peak_rss = 0
+        self._root = psutil.Process(os.getpid())
+        self._cpu: dict[int, float] = {}  # pid -> CPU seconds at the last poll
+        self._base: dict[int, float] = {}  # pid -> CPU seconds when first seen before start (excluded)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def _processes(self) -> list[psutil.Process]:
+        try:
+            return [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            return [self._root]
+
+    def poll(self) -> None:
+        rss = 0
+        for p in self._processes():
+            try:
+                with p.oneshot():
+                    rss += p.memory_info().rss
+                    t = p.cpu_times()
+                    self._cpu[p.pid] = t.user + t.system
+            except psutil.Error:  # exited between listing and reading: its last poll stands
+                continue
+        self.peak_rss = max(self.peak_rss, rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def __enter__(self) -> "ProcessSampler":
+        self.poll()
+        self._base = dict(self._cpu)  # CPU spent before the run (e.g. the main process's import time)
+        self.peak_rss = 0
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+    def cpu_seconds(self) -> float:
+        return sum(t - self._base.get(pid, 0.0) for pid, t in self._cpu.items())
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values) * 1e3, q)) if values else None
+
+
+def measure(
+    open_batches: Callable[[], Iterator[Any]],
+    count: Callable[[Any], tuple[int, float]],
+    *,
+    max_samples: int | None = None,
+    max_batches: int | None = None,
+    max_seconds: float | None = None,
+    step_s: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Run one loader; see the module docstring for the fields. ``count(batch)`` -> (samples, units)."""
+    samples = batches = first_n = 0
+    units = first_units = 0.0
+    latencies: list[float] = []
+    wait = 0.0
+    with ProcessSampler() as sampler:
+        start = time.perf_counter()
+        iterator = open_batches()
+        first_at = None
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            now = time.perf_counter()
+            n, u = count(batch)
+            del batch  # a held batch would pin its shared-memory block while the next one is made
+            if first_at is None:
+                first_at, first_n, first_units = now, n, u
+            else:
+                latencies.append(now - t)
+                wait += now - t
+            samples, units, batches = samples + n, units + u, batches + 1
+            if progress is not None:
+                progress(n)
+            if ((max_samples is not None and samples >= max_samples) or (max_batches is not None and batches >= max_batches)
+                    or (max_seconds is not None and now - start >= max_seconds)):
+                break
+            if step_s:
+                time.sleep(step_s)
+        end = time.perf_counter()
+        close = getattr(iterator, "close", None) or getattr(iterator, "_shutdown_workers", None)
+        if close is not None:
+            close()
+        del iterator
+    steady = end - first_at if first_at is not None else 0.0
+    return {
+        "samples": samples,
+        "batches": batches,
+        "units": units,
+        "seconds": end - start,
+        "first_batch_s": (first_at - start) if first_at is not None else None,
+        "samples_per_s": (samples - first_n) / steady if steady > 0 else None,
+        "units_per_s": (units - first_units) / steady if steady > 0 else None,
+        "latency_p50_ms": percentile_ms(latencies, 50),
+        "latency_p99_ms": percentile_ms(latencies, 99),
+        "peak_rss_mb": sampler.peak_rss / 2**20,
+        "cpu_util": sampler.cpu_seconds() / (end - start) if end > start else None,
+        "data_wait_fraction": (wait / steady if steady > 0 else None) if step_s else None,
+    }

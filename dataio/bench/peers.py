@@ -1,0 +1,353 @@
+"""One adapter per loader: its own format, written by its own writer, read by its documented fast path.
+
+Every adapter is a ``Peer``: ``prepare(data)`` writes the loader's format from the benchmarked shards
+(cached under ``data.work/<name>`` with a stamp of the source, so reruns skip it) and ``open(data,
+workers, shuffle, state)`` returns an iterator of batches in headrace's batch layout
+(``dataio.bench.data.collate_samples``), ``data.cfg.batch_size`` samples each:
+
+- ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``).
+- ``webdataset``: ``wds.WebDataset(tars).decode(...).batched(B)`` in ``wds.WebLoader`` (the tars as they
+  are; shards split over workers by webdataset's ``split_by_worker``).
+- ``energon``: ``get_loader(get_train_dataset(dir, repeat=False))`` on the same directory (its
+  ``.nv-meta`` comes from ``dataio shard`` / ``dataio index``), a ``CrudeWebdataset`` task encoder
+  whose cooker decodes the raw members.
+- ``litdata``: ``litdata.optimize`` into litdata chunks (tokens as numpy arrays, audio as bytes),
+  read with ``StreamingDataset`` + ``StreamingDataLoader``.
+- ``lhotse`` (audio only): ``CutSet.to_shar`` (lhotse's Shar writer, audio re-encoded to FLAC) read
+  back with ``CutSet.from_shar`` + ``SimpleCutSampler`` + ``IterableDatasetWrapper`` in a DataLoader,
+  lhotse's documented Shar recipe: every worker iterates the whole Shar (no shard split), so with
+  workers the bench stops at the epoch's sample count.
+- ``torch``: a map-style ``Dataset`` over the same tars (member offsets found once with ``tarfile``,
+  payloads read with ``os.pread``) in a plain ``DataLoader`` with ``batch_size=B``.
+
+Shuffled runs use each loader's own mechanism (webdataset/energon: shard shuffle + a 1,000-sample
+buffer; litdata/lhotse/torch: their ``shuffle=True``; headrace: ``shuffle: true``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import importlib.util
+import json
+import os
+import shutil
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from dataio.bench.data import BenchData, collate_samples, is_audio, plain_decode, plain_sample
+
+SHUFFLE_BUFFER = 1000
+
+
+@dataclass(kw_only=True)
+class Peer:
+    name: str
+    module: str  # the import that must exist (its absence is a reported skip)
+    kinds: tuple[str, ...]  # "text", "audio"
+    open: Callable[[BenchData, int, bool, Any], Iterator[dict]]
+    prepare: Callable[[BenchData], Any] | None = None  # returns the state open() needs (or None)
+    install: str = ""  # the hint printed when the module is missing
+
+
+def skip_reason(peer: Peer, data: BenchData) -> str | None:
+    """Why ``peer`` cannot run on ``data`` (not installed, or not for this kind of data), else None."""
+    if importlib.util.find_spec(peer.module) is None:
+        return f"not installed ({peer.install or f'pip install {peer.module}'})"
+    if data.kind not in peer.kinds:
+        return f"{peer.name} does not load {data.kind} data"
+    return None
+
+
+# --------------------------------------------------------------------------------------- tar walking
+
+def split_name(name: str) -> tuple[str, str]:
+    """WebDataset's member naming: ``dir/key.ext.ext2`` -> (``dir/key``, ``ext.ext2``)."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext
+
+
+def tar_offsets(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """``[(key, {ext: (payload offset, size)})]`` of one tar, with Python's ``tarfile`` (headers only)."""
+    samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, ext = split_name(member.name)
+            if not samples or samples[-1][0] != key:
+                samples.append((key, {}))
+            samples[-1][1][ext] = (member.offset_data, member.size)
+    return samples
+
+
+def tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {ext: payload})`` of one tar in order."""
+    with open(path, "rb") as f:
+        for key, members in tar_offsets(path):
+            yield key, {ext: os.pread(f.fileno(), size, offset) for ext, (offset, size) in members.items()}
+
+
+def _stamp(data: BenchData) -> str:
+    return json.dumps({"samples": data.samples, "bytes": data.bytes,
+                       "shards": [(p.name, p.stat().st_mtime_ns) for p in data.shards]})
+
+
+def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
+    """``data.work/name``, written by ``write(tmp)`` unless a complete copy of the same source exists.
+    The stamp lives beside the folder (readers such as lhotse's Shar list every file inside) and is
+    written last, so a stamp means a complete copy."""
+    out, stamp = data.work / name, data.work / f"{name}.source.json"
+    if stamp.exists() and out.is_dir() and stamp.read_text() == _stamp(data):
+        return out
+    stamp.unlink(missing_ok=True)
+    tmp = data.work / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    os.replace(tmp, out)
+    stamp.write_text(_stamp(data))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ headrace
+
+def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    from dataio import build_loader
+
+    cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1)
+    return iter(build_loader(cfg, dp_rank=0, dp_size=1))
+
+
+# ---------------------------------------------------------------------------------------- webdataset
+
+def _wds_audio(decode, key: str, payload: bytes):
+    """A webdataset decoder handler: audio members through soundfile + soxr, others left to wds."""
+    return plain_decode(key, payload, decode) if is_audio(key.rpartition(".")[2]) else None
+
+
+def _wds_collate(samples: list[dict]) -> dict:
+    keys = [s["__key__"] for s in samples]
+    fields = [{k: torch.from_numpy(v) if hasattr(v, "__array__") and not isinstance(v, torch.Tensor) else v
+               for k, v in s.items() if not k.startswith("__")} for s in samples]
+    return collate_samples(keys, fields)
+
+
+def open_webdataset(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    import webdataset as wds
+
+    ds = wds.WebDataset([str(p) for p in data.shards], shardshuffle=len(data.shards) if shuffle else False,
+                        empty_check=False, seed=0 if shuffle else None)
+    if shuffle:
+        ds = ds.shuffle(SHUFFLE_BUFFER)
+    ds = ds.decode(functools.partial(_wds_audio, data.decode)).batched(
+        data.cfg.batch_size, collation_fn=_wds_collate, partial=True)
+    return iter(wds.WebLoader(ds, batch_size=None, num_workers=workers))
+
+
+# ------------------------------------------------------------------------------------------ energon
+
+@functools.cache
+def _energon_encoder_class():
+    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, stateless
+    from megatron.energon.edataclass import edataclass
+
+    @edataclass
+    class Decoded(Sample):
+        fields: dict
+
+    class BenchEncoder(DefaultTaskEncoder):
+        decoder = None  # raw member bytes; the cooker decodes them like every raw-bytes peer
+
+        def __init__(self, decode):
+            super().__init__()
+            self.decode = decode
+
+            @stateless
+            def cook(crude: dict) -> Decoded:
+                members = {k: v for k, v in crude.items() if not k.startswith("__")}
+                return Decoded(__key__=crude["__key__"], __restore_key__=crude["__restore_key__"],
+                               __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"),
+                               fields=plain_sample(members, decode))
+
+            self.cookers = [Cooker(cook)]
+
+        def batch(self, samples: list) -> dict:
+            return collate_samples([s.__key__ for s in samples], [s.fields for s in samples])
+
+    return BenchEncoder
+
+
+def open_energon(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    ds = get_train_dataset(str(data.root), split_part=data.split, worker_config=wc, batch_size=data.cfg.batch_size,
+                           shuffle_buffer_size=SHUFFLE_BUFFER if shuffle else None,
+                           max_samples_per_sequence=100 if shuffle else None, repeat=False,
+                           task_encoder=_energon_encoder_class()(data.decode))
+    return iter(get_loader(ds))
+
+
+# ------------------------------------------------------------------------------------------- litdata
+
+def _litdata_rows(shard: str) -> Iterator[dict]:
+    """litdata ``optimize`` fn: one tar -> its samples (tokens as arrays, audio/json as bytes, txt as str)."""
+    import numpy as np
+
+    for key, members in tar_samples(Path(shard)):
+        row: dict[str, Any] = {"__key__": key}
+        for ext, payload in members.items():
+            suffix = ext.rpartition(".")[2]
+            row[ext] = (np.load(io.BytesIO(payload), allow_pickle=False) if suffix == "npy"
+                        else payload.decode() if suffix == "txt" else payload)
+        yield row
+
+
+def prepare_litdata(data: BenchData) -> Path:
+    def write(tmp: Path) -> None:
+        from litdata import optimize
+
+        optimize(fn=_litdata_rows, inputs=[str(p) for p in data.shards], output_dir=str(tmp), chunk_bytes="64MB",
+                 num_workers=1, mode="overwrite", verbose=False, reorder_files=False, start_method="fork")
+
+    return _cached(data, "litdata", write)
+
+
+def _litdata_collate(decode, items: list[dict]) -> dict:
+    keys = [item["__key__"] for item in items]
+    samples = []
+    for item in items:
+        fields = {}
+        for ext, value in item.items():
+            if ext == "__key__":
+                continue
+            suffix = ext.rpartition(".")[2]
+            if suffix == "npy":
+                fields[ext] = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+            elif isinstance(value, (bytes, bytearray)):
+                fields[ext] = plain_decode(ext, bytes(value), decode)
+            else:
+                fields[ext] = value
+        samples.append(fields)
+    return collate_samples(keys, samples)
+
+
+def open_litdata(data: BenchData, workers: int, shuffle: bool, state: Path) -> Iterator[dict]:
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    ds = StreamingDataset(str(state), shuffle=shuffle, seed=0)
+    return iter(StreamingDataLoader(ds, batch_size=data.cfg.batch_size, num_workers=workers,
+                                    collate_fn=functools.partial(_litdata_collate, data.decode)))
+
+
+# -------------------------------------------------------------------------------------------- lhotse
+
+def prepare_lhotse(data: BenchData) -> Path:
+    def write(tmp: Path) -> None:
+        from lhotse import CutSet, Recording
+
+        def cuts():
+            for shard in data.shards:
+                for key, members in tar_samples(shard):
+                    rec = Recording.from_bytes(members[data.field], recording_id=key.replace("/", "_"))
+                    yield rec.to_cut()
+
+        CutSet(cuts()).to_shar(str(tmp), fields={"recording": "flac"}, shard_size=1000, verbose=False)
+
+    return _cached(data, "lhotse", write)
+
+
+class LhotseAudio(torch.utils.data.Dataset):
+    """lhotse's dataset contract: ``__getitem__`` gets a CutSet (one sampler batch) and collates it."""
+
+    def __init__(self, data: BenchData):
+        self.field, self.rate = data.field, data.decode.sample_rate
+
+    def __getitem__(self, cuts) -> dict:
+        from dataio.decode import Audio
+
+        keys, samples = [], []
+        for cut in cuts:
+            if self.rate is not None and cut.sampling_rate != self.rate:
+                cut = cut.resample(self.rate)
+            keys.append(cut.id)
+            samples.append({self.field: Audio(torch.from_numpy(cut.load_audio()[0]), cut.sampling_rate)})
+        return collate_samples(keys, samples)
+
+
+def open_lhotse(data: BenchData, workers: int, shuffle: bool, state: Path) -> Iterator[dict]:
+    from lhotse import CutSet
+    from lhotse.dataset import IterableDatasetWrapper, SimpleCutSampler
+
+    cuts = CutSet.from_shar(in_dir=str(state), shuffle_shards=shuffle, seed=0)
+    sampler = SimpleCutSampler(cuts, max_cuts=data.cfg.batch_size, shuffle=shuffle, seed=0)
+    wrapped = IterableDatasetWrapper(LhotseAudio(data), sampler)
+    return iter(torch.utils.data.DataLoader(wrapped, batch_size=None, num_workers=workers))
+
+
+# --------------------------------------------------------------------------------------------- torch
+
+class TarSamples(torch.utils.data.Dataset):
+    """Map-style dataset over tars: sample ``i`` is read by offset (``os.pread``) and decoded plainly."""
+
+    def __init__(self, data: BenchData, index: list[tuple[int, str, dict[str, tuple[int, int]]]]):
+        self.paths, self.index, self.decode = [str(p) for p in data.shards], index, data.decode
+        self._fds: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> tuple[str, dict]:
+        if self._pid != os.getpid():  # a forked worker opens its own descriptors
+            self._fds, self._pid = {}, os.getpid()
+        shard, key, members = self.index[i]
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+        return key, plain_sample({ext: os.pread(fd, size, off) for ext, (off, size) in members.items()}, self.decode)
+
+
+def _torch_collate(items: list[tuple[str, dict]]) -> dict:
+    return collate_samples([k for k, _ in items], [s for _, s in items])
+
+
+def prepare_torch(data: BenchData) -> list:
+    return [(s, key, members) for s, path in enumerate(data.shards) for key, members in tar_offsets(path)]
+
+
+def open_torch(data: BenchData, workers: int, shuffle: bool, state: list) -> Iterator[dict]:
+    generator = torch.Generator().manual_seed(0)
+    return iter(torch.utils.data.DataLoader(TarSamples(data, state), batch_size=data.cfg.batch_size, shuffle=shuffle,
+                                            num_workers=workers, collate_fn=_torch_collate, generator=generator))
+
+
+PEERS: dict[str, Peer] = {p.name: p for p in [
+    Peer(name="headrace", module="dataio", kinds=("text", "audio"), open=open_headrace),
+    Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset),
+    Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon,
+         install="pip install megatron-energon"),
+    Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
+         install="pip install --no-deps litdata lightning-utilities boto3 s3transfer requests (its declared deps pull another torch)"),
+    Peer(name="lhotse", module="lhotse", kinds=("audio",), open=open_lhotse, prepare=prepare_lhotse),
+    Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
+]}
+
+
+def prepare(peer: Peer, data: BenchData) -> tuple[Any, float]:
+    """(the peer's prepared state, seconds it took; ~0 when cached)."""
+    start = time.perf_counter()
+    state = peer.prepare(data) if peer.prepare is not None else None
+    return state, time.perf_counter() - start
+
+
+__all__ = ["PEERS", "Peer", "prepare", "skip_reason", "split_name", "tar_offsets", "tar_samples"]

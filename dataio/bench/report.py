@@ -1,0 +1,109 @@
+"""The bench's outputs: ``results.json`` (every figure), ``results.md`` (the table) and ``throughput.png``.
+
+Ratios are computed here from the runs of one bench invocation only: each loader's samples/s over the
+page-cache read limit's samples/s (the same files read into one buffer) and over headrace's samples/s
+at the same worker count. The plot is samples/s against worker count per loader, log scale, with the
+page-cache limit as a dashed line (matplotlib's Agg backend: no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RUN_FIELDS = ("loader", "workers", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
+              "samples_per_s", "mb_per_s", "units_per_s", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb",
+              "cpu_util", "data_wait_fraction", "vs_page_cache", "vs_headrace", "prepare_s")
+
+
+def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: float) -> None:
+    """Fill ``mb_per_s``, ``vs_page_cache`` and ``vs_headrace`` of every run in place."""
+    headrace = {(r["workers"], r["shuffle"]): r["samples_per_s"] for r in runs if r["loader"] == "headrace"}
+    for r in runs:
+        rate = r["samples_per_s"]
+        r["mb_per_s"] = rate * bytes_per_sample / 1e6 if rate else None
+        r["vs_page_cache"] = rate / limit_samples_per_s if rate and limit_samples_per_s else None
+        ours = headrace.get((r["workers"], r["shuffle"]))
+        r["vs_headrace"] = rate / ours if rate and ours else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    data, limit = result["data"], result["page_cache"]
+    unit = "tokens/s" if data["kind"] == "text" else "audio s/s"
+    lines = [
+        f"Data: `{data['path']}` ({data['kind']}, {data['samples']:,} samples, {data['bytes'] / 1e6:,.1f} MB in "
+        f"{data['shards']} shards, batch {data['batch_size']}); cache {result['cache']}; "
+        f"{result['machine']['cpus']} CPUs, load average {result['machine']['load_before']:.1f} before the run.",
+        "",
+        f"Page-cache read limit: {limit['bytes_per_s'] / 1e9:,.2f} GB/s = {limit['samples_per_s']:,.0f} samples/s.",
+        "",
+        f"| loader | workers | samples/s | MB/s | {unit} | first batch s | p50 ms | p99 ms | peak RSS MB | CPU cores "
+        "| data wait | x page cache | x headrace |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["runs"]:
+        name = r["loader"] + (", shuffled" if r["shuffle"] else "")
+        lines.append(
+            f"| {name} | {r['workers']} | {_fmt(r['samples_per_s'], ',.0f')} | {_fmt(r['mb_per_s'], ',.1f')} | "
+            f"{_fmt(r['units_per_s'], ',.0f')} | {_fmt(r['first_batch_s'], '.2f')} | {_fmt(r['latency_p50_ms'], '.1f')} | "
+            f"{_fmt(r['latency_p99_ms'], '.1f')} | {_fmt(r['peak_rss_mb'], ',.0f')} | {_fmt(r['cpu_util'], '.2f')} | "
+            f"{_fmt(r['data_wait_fraction'], '.1%')} | {_fmt(r['vs_page_cache'], '.4f')} | {_fmt(r['vs_headrace'], '.2f')} |")
+    for s in result["skipped"]:
+        lines.append(f"| {s['loader']} | - | skipped: {s['reason']} |" + " |" * 10)
+    for t in result.get("trainer", []):
+        lines += ["", f"Trainer path ({t['device']}, packing {t['packing']}, seq_len {t['seq_len']}, {t['batch_size']} "
+                      f"rows, step {t['step_ms']:.0f} ms, {t['workers']} workers): data wait "
+                      f"{_fmt(t['data_wait_fraction'], '.2%')} over {t['batches']} batches, first batch "
+                      f"{t['first_batch_s']:.2f} s, {_fmt(t['tokens_per_s'], ',.0f')} tokens/s."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in result["runs"]:
+        if r["samples_per_s"]:
+            series.setdefault(r["loader"] + (", shuffled" if r["shuffle"] else ""), []).append(
+                (r["workers"], r["samples_per_s"]))
+    for name, points in series.items():
+        points.sort()
+        ax.plot([w for w, _ in points], [v for _, v in points], marker="o",
+                linewidth=2.5 if name.startswith("headrace") else 1.2, label=name)
+    ax.axhline(result["page_cache"]["samples_per_s"], color="gray", linestyle="--", label="page-cache read limit")
+    ax.set_yscale("log")
+    ax.set_xlabel("DataLoader worker processes")
+    ax.set_ylabel("samples/s (log)")
+    workers = sorted({r["workers"] for r in result["runs"]})
+    ax.set_xticks(workers)
+    data = result["data"]
+    ax.set_title(f"{data['kind']}: {data['samples']:,} samples, {data['bytes'] / data['samples'] / 1e3:.1f} KB each")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(result: dict, out: Path) -> None:
+    """Write the three files into ``out`` (each to a temporary name, then renamed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("results.json", json.dumps(result, indent=1)), ("results.md", markdown(result))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+    tmp = out / ".throughput.tmp.png"
+    plot(result, tmp)
+    os.replace(tmp, out / "throughput.png")
+
+
+__all__ = ["RUN_FIELDS", "add_ratios", "markdown", "plot", "write"]

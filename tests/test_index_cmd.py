@@ -1,0 +1,106 @@
+"""`dataio index`: merges `.nv-meta/parts` sidecars (rescanning only shards without a usable one),
+agrees with the metadata `dataio shard` wrote, and fails with one clear line on bad shard sets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+
+import numpy as np
+import pytest
+
+from dataio.index import PARTS_DIR, ShardPart, load_index
+from tests.test_energon_interop import make_samples, run_verb, write_shards
+
+
+def _energon_files(root):
+    """Everything energon reads, with sqlite reduced to its rows."""
+    files = {p.name: p.read_bytes() for p in sorted(root.glob("*.tar.idx"))}
+    for name in ("split.yaml", ".info.json", "dataset.yaml", "index.uuid"):
+        files[name] = (root / ".nv-meta" / name).read_bytes()
+    db = sqlite3.connect(root / ".nv-meta" / "index.sqlite")
+    files["samples"] = list(db.execute("SELECT * FROM samples ORDER BY tar_file_id, sample_index"))
+    files["parts"] = list(db.execute("SELECT * FROM sample_parts ORDER BY tar_file_id, sample_index, part_name"))
+    db.close()
+    return files
+
+
+def test_parts_are_merged_and_only_missing_or_stale_ones_rescanned(tmp_path, capsys):
+    write_shards(tmp_path, make_samples(n=12, seed=6), per_shard=3)
+    assert run_verb("index", str(tmp_path), "--quiet", "--workers", "2") == 0
+    assert "0 from parts, 4 scanned" in capsys.readouterr().out
+    reference = _energon_files(tmp_path)
+    parts_dir = tmp_path / PARTS_DIR
+
+    # A part marked as "val" proves it was merged rather than rescanned (a scan says "train").
+    marked = ShardPart.load(parts_dir / "shard-000001.tar.npz")
+    marked.info.split = "val"
+    marked.save(tmp_path)
+    (parts_dir / "shard-000002.tar.npz").unlink()  # missing: rescanned
+    stale = ShardPart.load(parts_dir / "shard-000003.tar.npz")
+    stale.info.bytes += 512  # recorded for another version of the file: rescanned
+    stale.info.split = "val"
+    stale.save(tmp_path)
+
+    assert run_verb("index", str(tmp_path), "--quiet", "--workers", "1") == 0
+    assert "2 from parts, 2 scanned" in capsys.readouterr().out
+    index = load_index(tmp_path)
+    assert [s.split for s in index.shards] == ["train", "val", "train", "train"]
+    now = _energon_files(tmp_path)
+    assert now.pop("split.yaml") != reference.pop("split.yaml")
+    now.pop("index.uuid"), reference.pop("index.uuid")  # derived from the splits too
+    assert now == reference
+
+
+def test_index_agrees_with_dataio_shard(tmp_path, capsys):
+    pytest.importorskip("dataio.commands.shard")
+    rng = np.random.default_rng(7)
+    words = "the quick brown fox jumps over a lazy dog while rivers run to the sea".split()
+    manifest = tmp_path / "text.jsonl"
+    manifest.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(3, 60))))}) + "\n"
+                                for _ in range(40)))
+    out = tmp_path / "out"
+    assert run_verb("shard", str(manifest), "--output", str(out), "--samples-per-shard", "7", "--quiet") == 0
+    written = _energon_files(out)
+    shard_index = load_index(out, mmap=False)
+
+    shutil.rmtree(out / PARTS_DIR)  # as if the tars came from elsewhere: full rescan
+    for name in ("index.sqlite", ".info.json", "split.yaml", "index.uuid"):
+        (out / ".nv-meta" / name).unlink()
+    for idx in out.glob("*.tar.idx"):
+        idx.unlink()
+    assert run_verb("index", str(out), "--quiet") == 0
+    assert _energon_files(out) == written
+    scanned = load_index(out, mmap=False)
+    assert scanned.keys.tolist() == shard_index.keys.tolist()
+    assert scanned.samples["offset"].tolist() == shard_index.samples["offset"].tolist()
+    assert [scanned.sample_members(i) for i in range(len(scanned))] == \
+        [shard_index.sample_members(i) for i in range(len(shard_index))]
+    capsys.readouterr()
+    assert run_verb("verify", str(out), "--quiet") == 0
+
+
+def test_no_shards(tmp_path, capsys):
+    assert run_verb("index", str(tmp_path)) == 2
+    assert "no .tar shards" in capsys.readouterr().err
+
+
+def test_truncated_shard_names_file_and_byte(tmp_path, capsys):
+    write_shards(tmp_path, make_samples(n=4, seed=8), per_shard=2)
+    shard = tmp_path / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    assert run_verb("index", str(tmp_path), "--quiet", "--workers", "2") == 2
+    err = capsys.readouterr().err
+    assert "shard-000001.tar: byte" in err and "truncated" in err
+    assert not (tmp_path / ".nv-meta" / ".info.json").exists()
+
+
+def test_duplicate_keys_across_shards(tmp_path, capsys):
+    samples = make_samples(n=4, seed=9)
+    samples[3]["__key__"] = samples[0]["__key__"]
+    write_shards(tmp_path, samples, per_shard=2)
+    assert run_verb("index", str(tmp_path), "--quiet") == 2
+    err = capsys.readouterr().err
+    assert f"duplicate sample key {samples[0]['__key__']!r}" in err and "shard-000001.tar" in err
+    assert not (tmp_path / ".nv-meta" / ".info.json").exists()

@@ -1,0 +1,64 @@
+"""Indexing speed: `dataio index` beside `energon prepare` on the same webdataset.ShardWriter tars.
+
+    .venv/bin/python tools/bench_index.py [--shards 40] [--samples 500] [--workers 2]
+
+Writes the tars once into a temp dir, copies them, then times each indexer on its own copy (both with
+the same worker count) and prints samples/s for each and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+
+REPO = Path(__file__).resolve().parents[1]
+# `dataio index` through its own parser (the same code `python -m dataio index` runs).
+INDEX_ENTRY = ("import argparse, sys; from dataio.commands import index; p = argparse.ArgumentParser(); "
+               "index.add_arguments(p); sys.exit(index.run(p.parse_args(sys.argv[1:])))")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shards", type=int, default=40)
+    ap.add_argument("--samples", type=int, default=500, help="samples per shard")
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = Path(tmp) / "ours", Path(tmp) / "energon"
+        ours.mkdir()
+        with wds.ShardWriter(str(ours / "shard-%06d.tar"), maxcount=args.samples, verbose=0) as w:
+            for i in range(args.shards * args.samples):
+                npy = io.BytesIO()
+                np.save(npy, rng.integers(0, 30000, int(rng.integers(10, 400)), dtype=np.uint16))
+                w.write({"__key__": f"s{i:09d}", "txt": b"x" * int(rng.integers(50, 2000)),
+                         "tokens.npy": npy.getvalue(), "json": b'{"a": 1}'})
+        shutil.copytree(ours, theirs)
+        n = args.shards * args.samples
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", INDEX_ENTRY, str(ours), "--quiet", "--workers", str(args.workers)],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        ours_s = time.perf_counter() - t
+        t = time.perf_counter()
+        subprocess.run([str(Path(sys.executable).with_name("energon")), "prepare", "--non-interactive",
+                        "--sample-type", "CrudeWebdataset", "--split-ratio", "1,0,0", "--no-progress",
+                        "--num-workers", str(args.workers), str(theirs)], check=True, stdout=subprocess.DEVNULL)
+        energon_s = time.perf_counter() - t
+        size = sum(p.stat().st_size for p in ours.glob("*.tar")) / 1e6
+        print(f"{args.shards} shards, {n} samples, {size:.0f} MB, {args.workers} workers")
+        print(f"dataio index   : {ours_s:6.2f} s  {n / ours_s:10.0f} samples/s (process start included)")
+        print(f"energon prepare: {energon_s:6.2f} s  {n / energon_s:10.0f} samples/s (process start included)")
+        print(f"speed-up       : {energon_s / ours_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
