@@ -116,7 +116,7 @@ class ShardSource:
                 buf, base = self._map(shard), 0
             first_payload = offsets[m] - base
             header = first_payload - 512
-            if (bytes(buf[header : header + len(key) + 1]) != key + b"."  # fast path: the ustar name field
+            if (buf[header : header + len(key) + 1] != key + b"."  # fast path: the ustar name field
                     and key.rpartition(b"/")[2] + b"." not in bytes(buf[start - base : first_payload])):  # long names
                 raise ShardFormatError(
                     f"the tar at byte {start} does not hold this sample, which the index places there"

@@ -113,6 +113,22 @@ def webdataset_shuffle_order(tars: list[Path], buffer: int) -> np.ndarray:
     return np.array([int(s["__key__"][1:]) for s in ds])
 
 
+def worker_round_trip_ms(batches: int = 200) -> float:
+    """Milliseconds per batch through 2 DataLoader workers for a batch with no payload (keys and two
+    small tensors): the fixed cost a worker batch pays before any data moves."""
+    import torch
+
+    from dataio.workers import RankBatches, iterate
+
+    keys = [f"d{i:08d}" for i in range(256)]
+    stream = iterate(RankBatches(lambda b: {"__key__": keys, "__ref__": torch.arange(256)}, first=0, last=batches,
+                                 seed=0, dp_rank=0, epoch=0), num_workers=2, prefetch=4, pin_memory=False, timeout=60)
+    next(stream)
+    t = time.perf_counter()
+    n = sum(1 for _ in stream)
+    return (time.perf_counter() - t) / n * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default="/tmp/headrace-bench/text")
@@ -142,6 +158,7 @@ def main() -> None:
         results[name] = statistics.median(r["samples"] / r["seconds"] for r in runs)
         details[name] = {"first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
                          "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)]}
+    details["worker round trip, no payload, ms/batch"] = round(worker_round_trip_ms(), 3)
     details["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     for window in (1000, 8192):
         details[f"shuffle quality, headrace window {window}"] = shuffle_quality(headrace_shuffle_order(root, window))
