@@ -121,6 +121,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         _, val_tp = get_args(tp) or (Any, Any)
         return {k: _convert(val_tp, v, f"{path}.{k}") for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads `1e-3` (no dot) as a string; accept what float() accepts.
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: expected float, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {value!r}")
         return float(value)

@@ -14,6 +14,11 @@ tensors; other values pass through). On CUDA:
 
 Elsewhere (CPU) it is a pass-through that only moves tensors with ``.to(device)`` (a no-op on CPU).
 
+Resumable sources: when ``batches`` has a ``state_dict()`` (the loader), the prefetcher records the
+source's state right after pulling each batch and carries it beside the batch, so
+``prefetcher.state_dict()`` is the state *as of the last batch handed to the consumer* -- not of the
+batches still queued or in flight -- and a checkpoint taken mid-run resumes exactly.
+
 Either way it measures the *data wait*: host time the consumer spent inside ``next()`` waiting for a
 batch, per batch and in total, and as a fraction of the wall time since the first batch was asked for
 (``stats()``). Without a GPU the wait includes the loader's own work; with the side stream it is the
@@ -58,6 +63,9 @@ class DevicePrefetcher:
         self.depth = depth
         self.waits: list[float] = []
         self._source = iter(batches)
+        self._source_state = getattr(batches, "state_dict", None)
+        # Taken before the pinning thread starts, so it is exact until the first batch is delivered.
+        self._delivered_state: Any = self._source_state() if self._source_state is not None else None
         self._started: float | None = None
         self._finished: float | None = None
         self._cuda = self.device.type == "cuda"
@@ -70,10 +78,19 @@ class DevicePrefetcher:
             self._thread.start()
 
     # -- host side: loader -> pinned memory, in a thread of the main process ---------------------
+    def _pull(self) -> tuple[Any, Any]:
+        """The next batch with the source's state just after it (same thread: consistent)."""
+        batch = next(self._source)
+        return batch, self._source_state() if self._source_state is not None else None
+
     def _pin_loop(self) -> None:
         try:
-            for batch in self._source:
-                if not self._put(pin(batch)):
+            while True:
+                try:
+                    batch, state = self._pull()
+                except StopIteration:
+                    break
+                if not self._put((pin(batch), state)):
                     return
             self._put(_DONE)
         except BaseException as e:  # surfaces in the consumer's next()
@@ -97,8 +114,9 @@ class DevicePrefetcher:
             return False
         if isinstance(item, BaseException):
             raise item
+        batch, state = item
         with torch.cuda.stream(self._stream):
-            self._in_flight.append(tree_map(lambda t: t.to(self.device, non_blocking=True), item))
+            self._in_flight.append((tree_map(lambda t: t.to(self.device, non_blocking=True), batch), state))
         return True
 
     def _next_cuda(self) -> Any:
@@ -106,7 +124,7 @@ class DevicePrefetcher:
             pass
         if not self._in_flight:
             raise StopIteration
-        batch = self._in_flight.pop(0)
+        batch, self._delivered_state = self._in_flight.pop(0)
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_stream(self._stream)
 
@@ -124,7 +142,11 @@ class DevicePrefetcher:
         if self._started is None:
             self._started = start
         try:
-            batch = self._next_cuda() if self._cuda else tree_map(lambda t: t.to(self.device), next(self._source))
+            if self._cuda:
+                batch = self._next_cuda()
+            else:
+                batch, self._delivered_state = self._pull()
+                batch = tree_map(lambda t: t.to(self.device), batch)
         except StopIteration:
             self._finished = time.perf_counter()
             self.close()
@@ -133,6 +155,11 @@ class DevicePrefetcher:
         self.waits.append(now - start)
         self._finished = now
         return batch
+
+    def state_dict(self) -> Any:
+        """The source's ``state_dict()`` as of the last batch handed to the consumer (None when the
+        source has no state)."""
+        return self._delivered_state
 
     def stats(self) -> dict:
         """``batches``, ``wait_s`` (total data wait), ``elapsed_s`` (since the first request) and

@@ -51,9 +51,11 @@ def test_errors_name_the_dotted_path(raw, message):
 
 
 def test_overrides_parse_yaml_scalars():
-    raw = apply_overrides({"data": {"workers": 0}}, ["data.workers=4", "data.packing=best_fit", "name=run1"])
+    raw = apply_overrides({"data": {"workers": 0}},
+                          ["data.workers=4", "data.packing=best_fit", "name=run1", "data.datasets=[{path: a, weight: 1e-3}]"])
     cfg = from_dict(Root, raw)
     assert (cfg.data.workers, cfg.data.packing, cfg.name) == (4, "best_fit", "run1")
+    assert cfg.data.datasets[0].weight == 0.001  # YAML 1.1 reads 1e-3 as a string
     with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
         apply_overrides({}, ["data.workers"])
     with pytest.raises(ConfigError, match="data.workers is not a section"):

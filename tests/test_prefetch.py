@@ -86,3 +86,36 @@ def test_cuda_prefetch_surfaces_loader_errors():
     prefetcher = DevicePrefetcher(broken(), "cuda")
     with pytest.raises(OSError, match="truncated"):
         list(prefetcher)
+
+
+class _CountingSource:
+    """An iterable with a state_dict, like the loader: the state counts batches pulled."""
+
+    def __init__(self, n: int):
+        self.n, self.pulled = n, 0
+
+    def __iter__(self):
+        while self.pulled < self.n:
+            self.pulled += 1
+            yield {"x": torch.full((2,), self.pulled)}
+
+    def state_dict(self):
+        return {"pulled": self.pulled}
+
+
+def test_state_is_that_of_the_last_delivered_batch():
+    prefetcher = DevicePrefetcher(_CountingSource(4), "cpu")
+    assert prefetcher.state_dict() == {"pulled": 0}
+    for i, batch in enumerate(prefetcher, start=1):
+        assert prefetcher.state_dict() == {"pulled": int(batch["x"][0])} == {"pulled": i}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_lags_read_ahead():
+    source = _CountingSource(6)
+    prefetcher = DevicePrefetcher(source, "cuda", depth=2)
+    first = next(prefetcher)
+    time.sleep(0.2)  # let the pinning thread read ahead
+    assert source.pulled > 1
+    assert prefetcher.state_dict() == {"pulled": int(first["x"][0].item())} == {"pulled": 1}

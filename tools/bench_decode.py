@@ -7,9 +7,10 @@ from one memory-mapped blob in page cache into padded ``[B, T]`` float32 batches
   worker batches reach the main process through torch's shared-memory tensors.
 - ``dali``: ``dataio.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only).
 
-Prints samples/s (median of ``--repeats`` epochs, the paths interleaved, each epoch timed from its first
-batch so worker start-up is not counted) and the ratio soundfile-with-N-workers / DALI-N-threads, measured in the same run; plus the
-per-member cost of decoding a 12.6 KB ``.npy`` token array (``decode_npy`` vs ``np.load``).
+Prints, as medians of ``--repeats`` epochs with the paths interleaved: samples/s (each epoch timed from
+its first batch, so worker start-up is not counted); CPU milliseconds per sample (all threads and worker
+processes: the figure that holds on a shared, loaded machine); the ratio soundfile-with-N-workers /
+DALI-N-threads. Plus the per-member cost of a 12.6 KB ``.npy`` token array (``decode_npy`` vs ``np.load``).
 
     .venv/bin/python tools/bench_decode.py --utterances 3000 --workers 2 --repeats 5
 """
@@ -21,6 +22,7 @@ import io
 import json
 import mmap
 import os
+import resource
 import statistics
 import sys
 import time
@@ -92,21 +94,31 @@ def pad_collate(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, lengths
 
 
-def time_epoch(batches) -> tuple[float, int]:
-    """Seconds from the first batch to the last, and the samples after the first batch."""
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) plus its reaped children (finished DataLoader workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def time_epoch(batches) -> tuple[float, int, float]:
+    """Wall seconds from the first batch to the last and the samples after the first batch (start-up not
+    counted); CPU milliseconds per sample over the whole epoch, workers included once they are joined."""
+    cpu_start = cpu_seconds()
     iterator = iter(batches)
-    next(iterator)
-    start, samples = time.perf_counter(), 0
+    _, lengths = next(iterator)
+    total, start, samples = len(lengths), time.perf_counter(), 0
     for _, lengths in iterator:
         samples += len(lengths)
-    return time.perf_counter() - start, samples
+    wall = time.perf_counter() - start
+    del iterator  # joins DataLoader workers, so that RUSAGE_CHILDREN has their CPU time
+    return wall, samples, (cpu_seconds() - cpu_start) / (total + samples) * 1e3
 
 
 def soundfile_epochs(dataset: Utterances, batch_size: int, workers: int):
     """A callable that runs one epoch through a DataLoader with ``workers`` processes (kept alive)."""
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, num_workers=workers, collate_fn=pad_collate, persistent_workers=workers > 0
-    )
+        dataset, batch_size=batch_size, num_workers=workers, collate_fn=pad_collate
+    )  # not persistent: workers exit at the end of each epoch, so their CPU time can be counted
     return lambda: time_epoch(loader)
 
 
@@ -183,11 +195,14 @@ def main() -> int:
         print(f"DALI skipped: {e}", file=sys.stderr)
     # Interleaved repeats, so that load from other processes on a shared machine hits every path alike.
     rates: dict[str, list[float]] = {name: [] for name in paths}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
         for name, epoch in paths.items():
-            seconds_taken, samples = epoch()
+            seconds_taken, samples, cpu_per_sample = epoch()
             rates[name].append(samples / seconds_taken)
+            cpu_ms[name].append(cpu_per_sample)
     results.update({name: statistics.median(values) for name, values in rates.items()})
+    results.update({f"{name}_cpu_ms_per_sample": statistics.median(values) for name, values in cpu_ms.items()})
     if f"dali_cpu_{args.workers}_threads" in results:
         results["ratio_soundfile_workers_to_dali"] = (
             results[f"soundfile_{args.workers}_workers"] / results[f"dali_cpu_{args.workers}_threads"]

@@ -137,10 +137,11 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return model, hf_config
 
 
-def gather_loader_states(loader, dp_mesh: DeviceMesh) -> list:
-    """Every dp rank's loader state, ordered by dp rank (TP/CP/PP peers hold identical ones)."""
+def gather_loader_states(batches: DevicePrefetcher, dp_mesh: DeviceMesh) -> list:
+    """Every dp rank's loader state as of the last batch trained on, ordered by dp rank (TP/CP/PP
+    peers hold identical ones). Taken from the prefetcher, which may have read ahead of the step."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dp_mesh.get_local_rank(), loader.state_dict()))
+    dist.all_gather_object(everyone, (dp_mesh.get_local_rank(), batches.state_dict()))
     by_dp = dict(everyone)
     return [by_dp[r] for r in range(len(by_dp))]
 
@@ -224,13 +225,13 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         interval = cfg.checkpoint.interval
         if interval and step % interval == 0 and step < cfg.trainer.max_steps:
             saving = time.perf_counter()
-            checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(loader, meshes["dp"]),
+            checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
                             keep_last=cfg.checkpoint.keep_last)
             window_start += time.perf_counter() - saving  # checkpoint time is not training throughput
 
     batches.close()
     if cfg.checkpoint.save_final and step > 0 and checkpoint.latest(ckpt_dir) != checkpoint.checkpoint_dir(ckpt_dir, step):
-        checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(loader, meshes["dp"]),
+        checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
                         keep_last=cfg.checkpoint.keep_last)
     if cfg.checkpoint.export_hf:
         checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer)
