@@ -159,6 +159,7 @@ class Loader:
         self.consumed = 0  # rank-local positions handed to the trainer (or to the packer)
         self.bad_samples = 0
         self.packer = None
+        self.packed_batches = 0  # with packing: batches emitted since the stream began (equal on all ranks)
         if cfg.packing != "none":
             from dataio.packing import Packer, PackingConfig
 
@@ -204,17 +205,43 @@ class Loader:
                               seed=self.seed, dp_rank=self.dp_rank, epoch=maker.blend.epoch_at(start_pos))
         stream = iterate(batches, num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
                          pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0)
+        last = None  # the last packed batch: the template of loss-free padding batches at the tail
         for batch in stream:
             self._count_bad(batch.pop("__bad__"))
             if self.packer is None:
                 self.consumed = batch.pop("__end__")
                 yield batch
             else:
-                yield from self._pack(batch)
+                for packed in self._pack(batch):
+                    self.packed_batches += 1
+                    last = packed
+                    yield packed
         if self.packer is not None:
             self.packer.flush()
             while (packed := self.packer.pop()) is not None:
+                last = packed
+                self.packed_batches += 1
                 yield packed
+            yield from self._pad_packed_tail(last)
+
+    def _pad_packed_tail(self, last: dict | None) -> Iterator[dict]:
+        """End of a finite packed stream: ranks packed different numbers of batches, so with a process
+        group they agree on the most (one all_reduce) and the others add loss-free batches (labels all
+        -100, fill 0), so that no rank leaves a collective hanging."""
+        dist = torch.distributed
+        if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        most = torch.tensor([self.packed_batches])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        if int(most) > self.packed_batches and last is None:
+            raise RuntimeError(f"DP rank {self.dp_rank} packed no batch at all while others did: too little data "
+                               f"for dp_size={self.dp_size}")
+        from dataio.packing import IGNORE_INDEX
+
+        for _ in range(int(most) - self.packed_batches):
+            self.packed_batches += 1
+            yield {**last, "labels": torch.full_like(last["labels"], IGNORE_INDEX), "fill": 0.0, "num_docs": 0,
+                   "__docs__": [[] for _ in last["__docs__"]]}
 
     def _count_bad(self, bad: int) -> None:
         self.bad_samples += bad
@@ -301,6 +328,7 @@ class Loader:
                  "consumed": self.consumed, "bad_samples": self.bad_samples}
         if self.packer is not None:
             state["packing"] = self.packer.state_dict()
+            state["packed_batches"] = self.packed_batches
         if self.cfg.bucketing is not None:
             state["bucketing"] = {"epoch": self.bucket_epoch, "history": self.bucket_history, "step": self.bucket_step}
         return state
@@ -325,6 +353,7 @@ class Loader:
             self.bad_samples = own["bad_samples"]
             if self.packer is not None:
                 self.packer.load_state_dict(own["packing"], self.fetch)
+                self.packed_batches = own["packed_batches"]
             if self.cfg.bucketing is not None:  # the same plan: continue at the step
                 b = own["bucketing"]
                 self.bucket_epoch, self.bucket_history, self.bucket_step = b["epoch"], b["history"], b["step"]
@@ -348,6 +377,7 @@ class Loader:
 
             self.packer.load_state_dict(reshard_states([s["packing"] for s in old], self.dp_rank, self.dp_size),
                                         self.fetch)
+            self.packed_batches = max(s["packed_batches"] for s in old)
 
     def _make_fingerprint(self) -> str:
         what = {"data": [(d.path, d.split, d.weight, len(s)) for d, s in zip(self.cfg.datasets, self.sources)],

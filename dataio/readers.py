@@ -30,14 +30,16 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
 
-from dataio.shard_audio import AUDIO_EXTS, cut_and_encode, encode, probe, sniff_ext
+from dataio.shard_audio import AUDIO_EXTS, cut_and_encode, encode, probe, probe_file, sniff_ext
+from dataio.tarwriter import FilePayload
 
 # Planning estimate for audio that is cut or decoded at shard time (16 kHz 16-bit FLAC is ~30 kB/s).
 SEGMENT_BYTES_PER_SECOND = 32_000
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_/-]")
+_REPEATED_SLASHES = re.compile(r"/+")
 MAX_KEY_BYTES = 200  # leaves room for ".flac" etc. in one ustar header
 
 
@@ -71,7 +73,7 @@ class Sample:
     """One sample as it goes into a tar: members in write order plus what the index records."""
 
     key: str
-    members: dict[str, bytes]  # ext -> payload
+    members: dict[str, bytes | FilePayload]  # ext -> payload (a FilePayload is copied file to file)
     text: str | None = None  # what ``--tokenizer`` encodes
     duration: float | None = None
 
@@ -95,13 +97,17 @@ class Input(Protocol):
 def make_key(name: str) -> str:
     """A WebDataset-safe key: no dots (webdataset splits key and extension at the first dot), no
     ``..`` or leading ``/`` (members never escape a directory), at most MAX_KEY_BYTES."""
-    key = _UNSAFE_KEY_CHARS.sub("_", name).strip("/")
-    key = re.sub(r"/+", "/", key)
+    key = _REPEATED_SLASHES.sub("/", _UNSAFE_KEY_CHARS.sub("_", name).strip("/"))
     if not key:
         raise ValueError(f"empty sample key from {name!r}")
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"sample key longer than {MAX_KEY_BYTES} bytes: {key[:60]}...")
     return key
+
+
+def _audio_ext(path: str) -> str:
+    """``"flac"`` for ``"a/b.FLAC"`` (what ``Path(path).suffix`` gives, lower-cased, without the dot)."""
+    return os.path.splitext(path)[1].lstrip(".").lower()
 
 
 def _dumps(meta: dict) -> bytes:
@@ -241,11 +247,11 @@ class NemoManifestInput:
 
     def __post_init__(self):
         self._lines = _LineReader(self.path)
-        self._root = Path(self.path).resolve().parent
+        self._root = os.path.dirname(os.path.realpath(self.path))
 
-    def _audio_path(self, rec: dict) -> Path:
-        p = Path(rec["audio_filepath"])
-        return p if p.is_absolute() else self._root / p
+    def _audio_path(self, rec: dict) -> str:
+        """The file to open: relative paths resolve against the manifest's folder (string ops: per sample)."""
+        return os.path.join(self._root, rec["audio_filepath"])
 
     def _validate(self, rec: dict) -> None:
         for name in ("audio_filepath", "duration"):
@@ -255,15 +261,19 @@ class NemoManifestInput:
         for name in ("duration", "offset"):
             if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float)) or rec[name] < 0):
                 raise ValueError(f"field {name!r} must be a non-negative number, got {rec[name]!r}")
-        ext = Path(rec["audio_filepath"]).suffix.lstrip(".").lower()
+        ext = _audio_ext(rec["audio_filepath"])
         if ext not in AUDIO_EXTS:
             raise ValueError(f"unsupported audio extension {ext!r} (expected one of {', '.join(AUDIO_EXTS)})")
 
-    def _key(self, rec: dict, audio: Path) -> str:
-        try:
-            name = str(audio.relative_to(self._root).with_suffix(""))
-        except ValueError:
-            name = str(audio.with_suffix(""))
+    def _key(self, rec: dict) -> str:
+        """The audio path relative to the manifest's folder, normalised as pathlib does, without extension."""
+        path = PurePosixPath(rec["audio_filepath"])
+        if path.is_absolute():
+            try:
+                path = path.relative_to(self._root)
+            except ValueError:
+                pass
+        name = str(path.with_suffix(""))
         if "offset" in rec:
             name += f"_{round(rec['offset'] * 1000)}"
         return make_key(name)
@@ -278,11 +288,11 @@ class NemoManifestInput:
                 self._validate(rec)
                 audio = self._audio_path(rec)
                 try:
-                    size = audio.stat().st_size
+                    size = os.stat(audio).st_size
                 except FileNotFoundError:
                     raise ValueError(f"audio file not found: {audio}") from None
                 est = round(rec["duration"] * SEGMENT_BYTES_PER_SECOND) if "offset" in rec else size
-                key = self._key(rec, audio)
+                key = self._key(rec)
             except ValueError as e:
                 yield BadRecord(path=self.path, line=number, reason=str(e))
                 continue
@@ -291,18 +301,18 @@ class NemoManifestInput:
     def load(self, entry: Entry) -> Sample:
         rec = json.loads(self._lines.read(entry.locator))
         audio = self._audio_path(rec)
-        source_ext = audio.suffix.lstrip(".").lower()
+        source_ext = _audio_ext(audio)
         try:
             if "offset" in rec:
                 fmt = self.options.audio_format or (source_ext if source_ext in ("flac", "wav") else "flac")
                 data, sample_rate, frames = cut_and_encode(audio, fmt, offset=rec["offset"], duration=rec["duration"])
                 rec["source_offset"] = rec.pop("offset")
-            else:
-                data, fmt = audio.read_bytes(), source_ext
-                sample_rate, frames = probe(data)
-                if self.options.audio_format and self.options.audio_format != fmt:
-                    fmt = self.options.audio_format
-                    data, sample_rate, frames = cut_and_encode(data, fmt)
+            elif self.options.audio_format and self.options.audio_format != source_ext:
+                fmt = self.options.audio_format
+                data, sample_rate, frames = cut_and_encode(audio, fmt)
+            else:  # kept as given: only the header is read here; the tar writer copies the file
+                sample_rate, frames, size = probe_file(audio)
+                data, fmt = FilePayload(path=audio, size=size), source_ext
         except (OSError, ValueError) as e:
             raise SampleError(f"{self.path}:{entry.line}: {audio}: {e}") from None
         duration = frames / sample_rate
@@ -349,10 +359,10 @@ class LhotseCutsInput:
         cut = entry.locator
         file_source = _whole_file_source(cut)
         try:
-            ext = Path(file_source).suffix.lstrip(".").lower() if file_source else None
+            ext = _audio_ext(file_source) if file_source else None
             if file_source and (self.options.audio_format in (None, ext)):
-                data = Path(file_source).read_bytes()
-                sample_rate, frames = probe(data)
+                sample_rate, frames, size = probe_file(file_source)
+                data = FilePayload(path=file_source, size=size)
             else:
                 ext = self.options.audio_format or "flac"
                 samples = cut.load_audio()  # (channels, frames) float32
@@ -378,7 +388,7 @@ def _whole_file_source(cut) -> str | None:
     if cut.start != 0 or abs(cut.duration - rec.duration) > 1e-3:
         return None
     path = rec.sources[0].source
-    return path if Path(path).suffix.lstrip(".").lower() in AUDIO_EXTS else None
+    return path if _audio_ext(path) in AUDIO_EXTS else None
 
 
 # --- Parquet ------------------------------------------------------------------------------------
@@ -409,7 +419,7 @@ class ParquetInput:
             data, name = value, None
         if not data:
             raise ValueError(f"empty audio bytes in column {self.audio_column!r}")
-        ext = Path(name).suffix.lstrip(".").lower() if name else ""
+        ext = _audio_ext(name) if name else ""
         return data, ext if ext in AUDIO_EXTS else sniff_ext(data)
 
     def scan(self):

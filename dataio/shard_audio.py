@@ -1,14 +1,24 @@
 """Audio helpers for ``dataio shard``: recognise, probe, cut and re-encode audio with soundfile.
 
-Audio is kept as given whenever possible (no decode, one header probe to validate it and learn its
-sample rate and length); it is decoded and re-encoded only for ``offset``/``duration`` segments and
-when ``--audio-format`` asks for a different codec. Re-encoding reads integer PCM (``int32``) and writes
-the source's bit depth when the target codec has it, so 16- and 24-bit sources stay lossless in FLAC.
+Audio is kept as given whenever possible: no decode, one header probe to validate it and learn its
+sample rate and length, and the payload is later copied file-to-file by the kernel (tarwriter.py). It
+is decoded and re-encoded only for ``offset``/``duration`` segments and when ``--audio-format`` asks for
+a different codec. Re-encoding reads integer PCM (``int32``) and writes the source's bit depth when the
+target codec has it, so 16- and 24-bit sources stay lossless in FLAC.
+
+Probing: FLAC and PCM/float WAV headers are parsed here from the first 8 KiB (~5 us a file, against
+~250 us for ``soundfile.info``, which opens a decoder). The parser only accepts what it fully
+understands (FLAC: every metadata block header up to the first frame's sync code; WAV: ``fmt `` then a
+``data`` chunk that lies inside the file); anything else -- other codecs, ID3-prefixed FLAC, RF64,
+compressed WAV, truncation, corruption -- goes to libsndfile, which stays the judge of what is
+readable and is the test oracle for the values parsed here.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import struct
 
 import numpy as np
 import soundfile as sf
@@ -32,15 +42,127 @@ def sniff_ext(data: bytes) -> str | None:
     return None
 
 
-def probe(data: bytes) -> tuple[int, int]:
-    """``(sample_rate, frames)`` read from the header of encoded audio; ValueError if unreadable."""
+HEADER_BYTES = 8192  # what a probe reads of each file; covers FLAC metadata and WAV chunks up to ``data``
+_WAV_FORMATS = {1: (8, 16, 24, 32), 3: (32, 64)}  # PCM, IEEE float: the bit depths libsndfile reads
+_MAX_CHANNELS = 1024  # libsndfile's SF_MAX_CHANNELS
+_WAV_SKIPPED_CHUNKS = (b"fact", b"LIST", b"JUNK", b"junk", b"bext")  # libsndfile skips or only logs these
+MAX_SAMPLE_RATE = 655_350  # FLAC's limit; far above any real recording
+
+
+def _flac_header(head: bytes) -> tuple[int, int] | None:
+    """``(sample_rate, frames)`` from STREAMINFO when every metadata block up to the first frame is one
+    libFLAC reads without complaint (STREAMINFO first, then padding, seek table or a well-formed
+    Vorbis comment) and the first frame starts with its sync code; None otherwise."""
+    pos, streaminfo = 4, None
+    while True:
+        if pos + 4 > len(head):
+            return None
+        kind, length = head[pos] & 0x7F, int.from_bytes(head[pos + 1 : pos + 4], "big")
+        body = head[pos + 4 : pos + 4 + length]
+        if len(body) < length or (kind == 0) != (pos == 4):  # beyond the probe, or STREAMINFO not first
+            return None
+        if kind == 0:
+            if length != 34:
+                return None
+            streaminfo = int.from_bytes(body[10:18], "big")
+        elif not (kind == 1 or (kind == 3 and length % 18 == 0) or (kind == 4 and _vorbis_comment_ok(body))):
+            return None
+        pos += 4 + length
+        if head[pos - 4 - length] & 0x80:  # last-metadata-block flag
+            break
+    # rate (20 bits), channels - 1 (3), bits per sample - 1 (5), total frames (36)
+    rate, bits, frames = streaminfo >> 44, ((streaminfo >> 36) & 31) + 1, streaminfo & ((1 << 36) - 1)
+    if not (0 < rate <= MAX_SAMPLE_RATE and bits in (8, 16, 24) and 0 < frames < 1 << 31):
+        return None
+    if pos + 2 > len(head) or head[pos] != 0xFF or head[pos + 1] & 0xFE != 0xF8:  # frame sync 0xFFF8/9
+        return None
+    return rate, frames
+
+
+def _vorbis_comment_ok(body: bytes) -> bool:
+    """Every length field of a FLAC Vorbis comment block stays inside the block."""
+    pos = 4 + int.from_bytes(body[0:4], "little")  # vendor string
+    if pos + 4 > len(body):
+        return False
+    count, pos = int.from_bytes(body[pos : pos + 4], "little"), pos + 4
+    for _ in range(count):
+        if pos + 4 > len(body):
+            return False
+        pos += 4 + int.from_bytes(body[pos : pos + 4], "little")
+    return pos == len(body)
+
+
+def _wav_header(head: bytes, file_size: int) -> tuple[int, int] | None:
+    """``(sample_rate, frames)`` of a PCM / float WAV whose ``data`` chunk lies inside the file; None otherwise."""
+    pos, fmt = 12, None
+    while pos + 8 <= len(head):
+        chunk, length = head[pos : pos + 4], int.from_bytes(head[pos + 4 : pos + 8], "little")
+        body = pos + 8
+        if chunk == b"fmt ":
+            if fmt is not None or length < 16 or body + length > len(head):
+                return None
+            tag, channels, rate, _, block_align, bits = struct.unpack_from("<HHIIHH", head, body)
+            if tag == 0xFFFE:  # WAVE_FORMAT_EXTENSIBLE: the real tag opens the sub-format GUID
+                if length < 40:
+                    return None
+                tag = int.from_bytes(head[body + 24 : body + 26], "little")
+            if (bits not in _WAV_FORMATS.get(tag, ()) or not 0 < channels <= _MAX_CHANNELS
+                    or not 0 < rate <= MAX_SAMPLE_RATE or block_align != channels * bits // 8):
+                return None
+            fmt = (rate, block_align)
+        elif chunk == b"data":
+            if fmt is None or body + length > file_size:
+                return None  # libsndfile clamps a truncated data chunk; let it
+            return fmt[0], length // fmt[1]
+        elif chunk not in _WAV_SKIPPED_CHUNKS:
+            return None  # libsndfile parses these (PEAK, cue, ...) or stops at unknown ones: let it
+        pos = body + length + (length & 1)
+    return None
+
+
+def parse_header(head: bytes, file_size: int) -> tuple[int, int] | None:
+    """``(sample_rate, frames)`` from the first bytes of a FLAC or PCM/float WAV file of ``file_size``
+    bytes, or None when the header is anything this parser does not fully understand."""
+    if head.startswith(b"fLaC"):
+        return _flac_header(head)
+    if head.startswith(b"RIFF") and head[8:12] == b"WAVE":
+        return _wav_header(head, file_size)
+    return None
+
+
+def _checked(sample_rate: int, frames: int) -> tuple[int, int]:
+    if sample_rate <= 0 or frames <= 0:
+        raise ValueError(f"audio has no samples (sample_rate={sample_rate}, frames={frames})")
+    return sample_rate, frames
+
+
+def _soundfile_info(source) -> tuple[int, int]:
     try:
-        info = sf.info(io.BytesIO(data))
+        info = sf.info(source)
     except Exception as e:  # libsndfile reports corrupt input as several exception types
         raise ValueError(f"unreadable audio ({e})") from None
-    if info.samplerate <= 0 or info.frames <= 0:
-        raise ValueError(f"audio has no samples (sample_rate={info.samplerate}, frames={info.frames})")
-    return info.samplerate, info.frames
+    return _checked(info.samplerate, info.frames)
+
+
+def probe(data: bytes) -> tuple[int, int]:
+    """``(sample_rate, frames)`` read from the header of encoded audio; ValueError if unreadable."""
+    parsed = parse_header(bytes(data[:HEADER_BYTES]), len(data))
+    return _checked(*parsed) if parsed else _soundfile_info(io.BytesIO(data))
+
+
+def probe_file(path: str | os.PathLike) -> tuple[int, int, int]:
+    """``(sample_rate, frames, file size)`` of an audio file, reading only its header.
+
+    ValueError if unreadable, OSError if the file cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, HEADER_BYTES, 0)
+    finally:
+        os.close(fd)
+    parsed = parse_header(head, size)
+    return (*(_checked(*parsed) if parsed else _soundfile_info(os.fspath(path))), size)
 
 
 def _target_subtype(fmt: str, source_subtype: str) -> str:

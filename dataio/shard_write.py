@@ -129,7 +129,10 @@ def write_shard(job: ShardJob, shard: PlannedShard) -> ShardResult:
                     payloads["npy"] = npy_bytes(ids)
                 first_member, first_byte = len(members), tar.position
                 for ext, payload in payloads.items():
-                    span = tar.add(f"{sample.key}.{ext}", payload)
+                    try:
+                        span = tar.add(f"{sample.key}.{ext}", payload)
+                    except OSError as e:  # a source file that changed under us, a full disk: one line, no tar
+                        raise SampleError(f"{shard.name}: sample {sample.key!r}: {e.strerror or e}") from None
                     members.append((ext_id.setdefault(ext, len(ext_id)), span.offset, span.size))
                 rows.append((0, first_byte, tar.position - first_byte, first_member, len(payloads),
                              -1 if ids is None else len(ids), np.nan if sample.duration is None else sample.duration))

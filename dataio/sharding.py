@@ -82,6 +82,16 @@ def assign_splits(hashes: np.ndarray, splits: list[tuple[str, float]]) -> np.nda
     return np.searchsorted(bounds, unit, side="right")
 
 
+def assign_shard_splits(names: list[str], splits: list[tuple[str, float]]) -> list[str]:
+    """The split of each whole shard, by ``assign_splits`` with the shard name as the key.
+
+    For tars written elsewhere (``dataio index --split``): their shards mix keys, and energon's
+    ``split.yaml`` maps shards, not samples, to splits, so a shard goes whole to one split. The
+    fractions are then fractions of shards, and a shard keeps its split when others are added.
+    """
+    return [splits[i][0] for i in assign_splits(key_hashes(names), splits).tolist()]
+
+
 @dataclass(kw_only=True)
 class PlannedShard:
     name: str  # "{split}-{NNNNNN}.tar"
@@ -104,6 +114,8 @@ def _duplicates(entries: list[Entry], hashes: np.ndarray, inputs: list[Input]) -
     """Later occurrences of a repeated key, as bad records pointing at the first occurrence."""
     order = np.argsort(hashes, kind="stable")
     repeats = np.flatnonzero(hashes[order][1:] == hashes[order][:-1]) + 1
+    if len(repeats) == 0:
+        return {}
     involved = np.unique(np.concatenate([order[repeats], order[repeats - 1]]))
     bad: dict[int, BadRecord] = {}
     seen: dict[str, Entry] = {}

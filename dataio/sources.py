@@ -23,7 +23,6 @@ import mmap
 import os
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-_CHUNK_BYTES = 256 << 20  # fp32 logits per chunk: 512 tokens at a 128k vocabulary, 2048 at 32k
+_CHUNK_BYTES = 128 << 20  # fp32 logits per chunk: 256 tokens at a 128k vocabulary, 1024 at 32k
 
 
 def linear_cross_entropy_reference(
@@ -83,13 +83,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             valid = y != ignore_index
             target = torch.where(valid, y, 0)
             logits = (h @ weight.T).float()
-            lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, target[:, None]).squeeze(1)
+            # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk-sized buffer.
+            row_max = logits.amax(dim=-1, keepdim=True)
+            exp_logits = logits.sub_(row_max).exp_()
+            sum_exp = exp_logits.sum(dim=-1)
+            lse = sum_exp.log() + row_max.squeeze(1)
             loss += torch.where(valid, lse - target_logit, 0.0).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
             # d(loss)/d(logits) = softmax - onehot(target) on labelled rows, 0 elsewhere; built in place.
-            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits = exp_logits.div_(sum_exp[:, None])
             grad_logits.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], -1.0))
             grad_logits.mul_(valid[:, None])
             grad_logits = grad_logits.to(hidden.dtype)

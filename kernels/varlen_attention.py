@@ -12,7 +12,8 @@ Backends (``varlen_attention(..., backend=...)``; ``"auto"`` picks the first tha
   about sum(len_i^2) rounded to 128-blocks. Not used on CPU: flex has no backward there.
 - ``bucketed`` (CPU default, any device): documents are grouped by their length rounded up to a
   bucket (less than 12.5% padding, or less than ``_MIN_BUCKET`` tokens), each group is gathered into a
-  dense ``(docs, H, L, D)`` batch and run through one SDPA call with ``is_causal=True``. Padding
+  dense ``(docs, H, L, D)`` batch (L = the group's longest document) and run through one SDPA call
+  with ``is_causal=True``. Padding
   sits at the end of each document, so causal masking already hides it from real queries and no
   mask tensor is built; SDPA's CPU flash kernel (with native GQA) does the work and the backward.
   Work sum(L_i^2) with a few SDPA calls per micro-batch instead of one per document.
@@ -166,9 +167,10 @@ def _plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
     starts, lengths = starts[keep], lengths[keep]
     padded = torch.tensor([bucket_length(n) for n in lengths.tolist()], dtype=torch.long)
     buckets, token_slot, first_slot = [], torch.empty(total_tokens, dtype=torch.long), 0
-    for size in padded.unique().tolist():
-        sel = padded == size
+    for bucket in padded.unique().tolist():
+        sel = padded == bucket
         s, n = starts[sel], lengths[sel]
+        size = int(n.max())  # a bucket pads to its longest member, so a lone document is not padded at all
         offsets = torch.arange(size)
         valid = offsets[None, :] < n[:, None]
         gather = torch.where(valid, s[:, None] + offsets[None, :], s[:, None])

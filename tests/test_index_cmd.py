@@ -104,3 +104,40 @@ def test_duplicate_keys_across_shards(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"duplicate sample key {samples[0]['__key__']!r}" in err and "shard-000001.tar" in err
     assert not (tmp_path / ".nv-meta" / ".info.json").exists()
+
+
+def test_split_assigns_whole_shards_by_name(tmp_path, capsys):
+    import yaml
+
+    from dataio.sharding import assign_shard_splits, parse_splits
+
+    samples = make_samples(n=24, seed=10)
+    write_shards(tmp_path, samples, per_shard=2)  # 12 shards
+    assert run_verb("index", str(tmp_path), "--quiet", "--split", "train=0.5,val=0.5") == 0
+    out = capsys.readouterr().out
+    names = [f"shard-{i:06d}.tar" for i in range(12)]
+    expected = assign_shard_splits(names, parse_splits("train=0.5,val=0.5"))
+    assert set(expected) == {"train", "val"}  # both splits get shards with this seed of names
+    index = load_index(tmp_path)
+    assert [s.split for s in index.shards] == expected
+    split_yaml = yaml.safe_load((tmp_path / ".nv-meta" / "split.yaml").read_text())
+    listed = {part: len(v) for part, v in split_yaml["split_parts"].items()}
+    assert listed["val"] > 0 and listed["train"] > 0
+    assert f"val {expected.count('val')} shards / {2 * expected.count('val')} samples" in out
+
+    # The split lives in the sidecars: a later run without --split keeps it ...
+    assert run_verb("index", str(tmp_path), "--quiet") == 0
+    assert [s.split for s in load_index(tmp_path).shards] == expected
+    # ... and a shard's split depends on its name alone, so adding shards moves none of the others.
+    assert assign_shard_splits(names + ["shard-000012.tar"], parse_splits("train=0.5,val=0.5"))[:12] == expected
+    # Another --split reassigns every shard (sidecars included), e.g. everything to train:
+    assert run_verb("index", str(tmp_path), "--quiet", "--split", "train=1") == 0
+    assert {s.split for s in load_index(tmp_path).shards} == {"train"}
+
+
+def test_split_fraction_too_small_for_the_shards_is_reported(tmp_path, capsys):
+    write_shards(tmp_path, make_samples(n=4, seed=11), per_shard=2)
+    assert run_verb("index", str(tmp_path), "--quiet", "--split", "train=0.999,val=0.001") == 0
+    assert "no shard fell into val" in capsys.readouterr().out
+    assert run_verb("index", str(tmp_path), "--quiet", "--split", "train=0.9") == 2
+    assert "sum to 1" in capsys.readouterr().err

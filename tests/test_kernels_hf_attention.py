@@ -137,3 +137,27 @@ def test_refuses_masks_and_decoding():
     cache = packed(input_ids=batch["input_ids"][:1], use_cache=True).past_key_values  # prefill is a full sequence
     with pytest.raises(NotImplementedError, match="use attn_implementation='sdpa' for generation"):
         packed(input_ids=batch["input_ids"][:1, :1], past_key_values=cache)
+
+
+def test_dataio_packer_batches_train_like_documents_one_by_one():
+    """End to end with the real packer (best_fit, padding tails, several rows): loss sum is unchanged."""
+    import numpy as np
+
+    from dataio.packing import Packer, PackingConfig, pack
+
+    stock, packed = _models("llama")
+    rng = np.random.default_rng(3)
+    docs = {ref: rng.integers(1, TINY["vocab_size"], size=n) for ref, n in enumerate([9, 3, 20, 1, 14, 30, 6, 2, 17])}
+    packer = Packer(PackingConfig(seq_len=32, packing="best_fit", packing_buffer=4), rows_per_batch=2)
+    batches = list(pack(docs.items(), packer))
+    assert sum(b["num_docs"] for b in batches) == len(docs)  # nothing split: every doc fits a row
+
+    got = torch.zeros(())
+    for b in batches:
+        logits = packed(input_ids=b["input_ids"], **packed_attention_kwargs(b)).logits
+        got = got + F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum")
+    want = sum(
+        F.cross_entropy(stock(input_ids=torch.as_tensor(d)[None]).logits[0, :-1], torch.as_tensor(d)[1:], reduction="sum")
+        for d in docs.values() if len(d) > 1
+    )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)

@@ -31,4 +31,4 @@ def test_gloo_ranks_disjoint_exact_coverage_and_elastic_resume(tmp_path):
                        nprocs=world, join=True, start_method="spawn")
     checks = json.loads(result.read_text())
     assert checks == {"exactly_once": True, "equal_batches": True, "same_seed": True,
-                      "elastic_exactly_once": True, "elastic_equal_batches": True}
+                      "elastic_exactly_once": True, "elastic_equal_batches": True, "packed_equal_batches": True}

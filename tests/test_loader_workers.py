@@ -13,7 +13,7 @@ def make_batch(b):
     return {"b": b, "x": torch.full((3,), b)}
 
 
-@pytest.mark.parametrize("workers", [0, 1, 3])
+@pytest.mark.parametrize("workers", [0, 1, 2])
 def test_batches_in_order_whatever_the_worker_count(workers):
     batches = RankBatches(make_batch, first=0, last=10, seed=0, dp_rank=0, epoch=0)
     out = list(iterate(batches, num_workers=workers, prefetch=2, pin_memory=False, timeout=30 if workers else 0))

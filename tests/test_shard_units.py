@@ -99,3 +99,144 @@ def test_resolve_node_from_flags_and_slurm():
     assert resolve_node(None, None, env={"SLURM_NTASKS": "8", "SLURM_PROCID": "5"}) == (8, 5)
     with pytest.raises(ValueError, match="outside"):
         resolve_node(2, 2, env={})
+
+
+def _encoded(fmt: str, subtype: str, channels: int, rate: int, frames: int) -> bytes:
+    import soundfile as sf
+
+    rng = np.random.default_rng(channels * rate + frames)
+    out = io.BytesIO()
+    sf.write(out, (0.2 * rng.standard_normal((frames, channels))).astype(np.float32), rate, format=fmt, subtype=subtype)
+    return out.getvalue()
+
+
+AUDIO_VARIANTS = [("FLAC", "PCM_16", 1, 16000, 8000), ("FLAC", "PCM_24", 2, 44100, 5000),
+                  ("FLAC", "PCM_S8", 1, 8000, 3000), ("WAV", "PCM_16", 1, 16000, 7001),
+                  ("WAV", "PCM_24", 2, 22050, 3000), ("WAV", "FLOAT", 1, 48000, 4000),
+                  ("WAV", "DOUBLE", 2, 16000, 1000), ("WAV", "PCM_U8", 1, 8000, 999),
+                  ("WAVEX", "PCM_16", 3, 16000, 2000), ("WAV", "ULAW", 1, 8000, 800)]
+
+
+@pytest.mark.parametrize("fmt, subtype, channels, rate, frames", AUDIO_VARIANTS)
+def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, rate, frames):
+    """The header parser is a fast path: where it answers, libsndfile (the oracle) gives the same
+    sample rate and frame count; where it does not, probe falls back to libsndfile."""
+    import soundfile as sf
+
+    from dataio.shard_audio import HEADER_BYTES, parse_header, probe, probe_file
+
+    data = _encoded(fmt, subtype, channels, rate, frames)
+    parsed = parse_header(data[:HEADER_BYTES], len(data))
+    if subtype in ("ULAW", "FLOAT", "DOUBLE"):  # compressed WAV, and the PEAK chunk of float WAV: libsndfile's
+        assert parsed is None
+    else:
+        assert parsed == (rate, frames)
+    path = tmp_path / "a.bin"
+    path.write_bytes(data)
+    assert probe(data) == (rate, frames) and probe_file(path) == (rate, frames, len(data))
+    info = sf.info(io.BytesIO(data))
+    assert (info.samplerate, info.frames) == (rate, frames)
+
+
+@pytest.mark.parametrize("fmt, subtype", [("FLAC", "PCM_16"), ("FLAC", "PCM_24"), ("WAV", "PCM_16")])
+def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, subtype):
+    import soundfile as sf
+
+    from dataio.shard_audio import HEADER_BYTES, parse_header
+
+    data = _encoded(fmt, subtype, 1, 16000, 4000)
+    rng = np.random.default_rng(0)
+    answered = 0
+    for trial in range(400):
+        damaged = bytearray(data)
+        for _ in range(1 + trial % 3):
+            damaged[int(rng.integers(0, 200))] = int(rng.integers(0, 256))
+        if trial % 5 == 0:
+            damaged = damaged[: int(rng.integers(20, len(data)))]
+        parsed = parse_header(bytes(damaged[:HEADER_BYTES]), len(damaged))
+        if parsed is None:
+            continue  # probe() asks libsndfile
+        answered += 1
+        info = sf.info(io.BytesIO(bytes(damaged)))
+        assert parsed == (info.samplerate, info.frames), f"trial {trial}"
+    assert answered > 50  # the fast path still answers for most harmless changes
+
+
+def test_corrupt_audio_is_unreadable():
+    from dataio.shard_audio import probe
+
+    with pytest.raises(ValueError, match="unreadable audio"):
+        probe(b"fLaC" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="no samples"):
+        probe(_encoded("WAV", "PCM_16", 1, 16000, 10)[:44])
+
+
+def _tar_of(stream_factory, payloads, **kw):
+    stream = stream_factory()
+    tar = TarWriter(stream, **kw)
+    spans = [tar.add(name, payload) for name, payload in payloads]
+    tar.close()
+    return stream, spans, tar.hexdigest()
+
+
+@pytest.mark.parametrize("unsupported", [(), ("copy_file_range",), ("copy_file_range", "sendfile")])
+def test_file_payloads_give_the_same_bytes_as_in_memory_ones(tmp_path, monkeypatch, unsupported):
+    import errno
+    import hashlib
+    import os
+
+    from dataio.tarwriter import FilePayload
+
+    rng = np.random.default_rng(3)
+    sources = []
+    for i, size in enumerate([0, 1, 511, 512, 70_000, 3 << 20]):
+        path = tmp_path / f"src{i}.bin"
+        path.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        sources.append((f"k{i}.flac", path))
+    in_memory = [(name, p.read_bytes()) for name, p in sources] + [("k9.json", b"{}")]
+    as_files = [(name, FilePayload(path=str(p), size=p.stat().st_size)) for name, p in sources] + [("k9.json", b"{}")]
+    reference, ref_spans, _ = _tar_of(io.BytesIO, in_memory)
+
+    def refuse(*args):
+        raise OSError(errno.ENOSYS, "not here")
+
+    for name in unsupported:
+        monkeypatch.setattr(os, name, refuse)
+    with open(tmp_path / "out.tar", "wb", buffering=1 << 20) as f:
+        tar = TarWriter(f)
+        spans = [tar.add(name, payload) for name, payload in as_files]
+        tar.close()
+    assert (tmp_path / "out.tar").read_bytes() == reference.getvalue() and spans == ref_spans
+    hashed, _, digest = _tar_of(io.BytesIO, as_files, sha256=True)  # no descriptor, hashing: through Python
+    assert hashed.getvalue() == reference.getvalue() and digest == hashlib.sha256(reference.getvalue()).hexdigest()
+
+
+def test_a_file_payload_that_shrank_is_an_error(tmp_path):
+    from dataio.tarwriter import FilePayload
+
+    path = tmp_path / "a.flac"
+    path.write_bytes(b"x" * 1000)
+    with open(tmp_path / "out.tar", "wb") as f:
+        with pytest.raises(OSError, match=r"a\.flac has 1000 bytes, expected 2000"):
+            TarWriter(f).add("a.flac", FilePayload(path=str(path), size=2000))
+
+
+@pytest.mark.parametrize("array", [np.arange(10, dtype="<u2"), np.arange(70_000, dtype="<i4"), np.zeros(0, "<u2"),
+                                   np.zeros((3, 4), "<f4"), np.asfortranarray(np.ones((2, 3), ">i8"))])
+def test_npy_writer_matches_np_save_and_header_parser_matches_numpy(array):
+    from numpy.lib import format as npy_format
+
+    from dataio.shard_write import npy_bytes
+    from dataio.tarscan import npy_header
+
+    saved = io.BytesIO()
+    np.save(saved, array)
+    if array.ndim == 1:
+        assert npy_bytes(array) == saved.getvalue()
+    f = io.BytesIO(saved.getvalue())
+    npy_format.read_magic(f)
+    shape, fortran, dtype = npy_format.read_array_header_1_0(f)
+    assert npy_header(saved.getvalue()) == (shape, fortran, dtype, f.tell())
+    odd = saved.getvalue().replace(b"'descr'", b"'descr' ", 1)  # valid, not canonical: numpy's reader answers
+    odd = odd[:8] + (int.from_bytes(odd[8:10], "little") + 1).to_bytes(2, "little") + odd[10:]
+    assert npy_header(odd)[:3] == (shape, fortran, dtype)

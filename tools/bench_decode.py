@@ -1,11 +1,16 @@
 """Decoded-audio throughput: soundfile (1 process, N worker processes) vs NVIDIA DALI CPU (N threads).
 
 All paths decode the same FLAC utterances (speech-like synthetic audio, ~4.5 s at 16 kHz, ~90 KB each)
-from one memory-mapped blob in page cache into padded ``[B, T]`` float32 batches in the main process:
+from one memory-mapped blob in page cache into float32 batches in the main process:
 
-- ``soundfile``: ``dataio.decode.decode_sample`` in a torch ``DataLoader`` (num_workers=0, then N):
-  worker batches reach the main process through torch's shared-memory tensors.
-- ``dali``: ``dataio.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only).
+- ``soundfile``: ``dataio.decode.decode_sample`` in a torch ``DataLoader`` (num_workers=0, then N),
+  collated by the loader's ``dataio.collate.collate_field`` (one flat tensor + lengths, allocated in
+  shared memory inside a worker, so a batch crosses to the main process as a file descriptor).
+- ``dali``: ``dataio.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only),
+  padded ``[B, T]`` batches as DALI returns them.
+
+``--libsndfile PATH`` makes soundfile use another libsndfile build (e.g. the one DALI bundles) to
+separate the codec build's speed from the pipeline's.
 
 Prints, as medians of ``--repeats`` epochs with the paths interleaved: samples/s (each epoch timed from
 its first batch, so worker start-up is not counted); CPU milliseconds per sample (all threads and worker
@@ -33,6 +38,7 @@ import soundfile
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataio.collate import collate_field  # noqa: E402
 from dataio.decode import DaliConfig, DecodeConfig, decode_sample  # noqa: E402
 
 RATE = 16000
@@ -86,12 +92,9 @@ class Utterances(torch.utils.data.Dataset):
         return decode_sample({"flac": self.payload(i)}, self.cfg, key=str(i))["flac"].waveform
 
 
-def pad_collate(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(w) for w in waves])
-    batch = torch.zeros(len(waves), int(lengths.max()))
-    for row, wave in enumerate(waves):
-        batch[row, : len(wave)] = wave
-    return batch, lengths
+def collate_waveforms(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's own collation: one flat tensor (in shared memory inside a worker) plus lengths."""
+    return collate_field(waves)
 
 
 def cpu_seconds() -> float:
@@ -117,7 +120,7 @@ def time_epoch(batches) -> tuple[float, int, float]:
 def soundfile_epochs(dataset: Utterances, batch_size: int, workers: int):
     """A callable that runs one epoch through a DataLoader with ``workers`` processes (kept alive)."""
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, num_workers=workers, collate_fn=pad_collate
+        dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate_waveforms
     )  # not persistent: workers exit at the end of each epoch, so their CPU time can be counted
     return lambda: time_epoch(loader)
 
@@ -171,8 +174,11 @@ def main() -> int:
     parser.add_argument("--sample-rate", type=int, default=RATE, help="decode target (16000: no resampling)")
     parser.add_argument("--data", type=Path, default=Path("/tmp/headrace-bench-decode"))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--libsndfile", help="path of a libsndfile.so for soundfile to use instead of its own")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.libsndfile:  # soundfile has no public switch; its cffi handle is swapped before workers fork
+        soundfile._snd = soundfile._ffi.dlopen(args.libsndfile)
 
     blob, offsets = build_corpus(args.data, args.utterances)
     sizes, seconds = np.diff(offsets), []
@@ -184,6 +190,8 @@ def main() -> int:
         "mean_kb": float(sizes.mean() / 1000),
         "mean_seconds": float(np.mean(seconds)),
         "sample_rate": args.sample_rate,
+        "libsndfile": soundfile._ffi.string(soundfile._snd.sf_version_string()).decode()
+        + ("" if args.libsndfile is None else f" ({args.libsndfile})"),
     }
     paths = {
         "soundfile_1_process": soundfile_epochs(dataset, args.batch_size, 0),
@@ -212,7 +220,7 @@ def main() -> int:
         print(json.dumps(results))
     else:
         for name, value in results.items():
-            print(f"{name:34s} {value:,.2f}" if isinstance(value, float) else f"{name:34s} {value}")
+            print(f"{name:44s} {value:,.2f}" if isinstance(value, float) else f"{name:44s} {value}")
     return 0
 
 

@@ -10,7 +10,7 @@ single-document row; backends ``bucketed`` and ``dense_mask`` against a per-docu
 
 loss: forward+backward time and peak memory of ``linear_cross_entropy`` against full-logits
 ``F.cross_entropy``. Each case runs in a fresh subprocess; peak memory is the rise of the process's
-RSS (sampled every 0.5 ms) above its RSS once the inputs exist (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
+RSS (sampled every 0.5 ms) above its RSS after a warm-up step (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
 """
 
 from __future__ import annotations
@@ -143,16 +143,17 @@ def _loss_case(threads, device, tokens, hidden, vocab, dtype, impl, chunk_tokens
             loss, _ = linear_cross_entropy_reference(h, w, y)
         return torch.autograd.grad(loss, (h, w))
 
+    step()  # warm-up outside the measurement: one-off BLAS/allocator set-up is not the step's memory
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        seconds = _time(step, device, repeats)
+        seconds = _time_interleaved({"step": step}, device, repeats)["step"]
         peak = torch.cuda.max_memory_allocated() - base
     else:
         base = _rss_bytes()
         with _RssPeak() as rss:
-            seconds = _time(step, device, repeats)
+            seconds = _time_interleaved({"step": step}, device, repeats)["step"]
         peak = rss.peak - base
     out.put({"impl": impl, "ms": seconds * 1e3, "peak_mib": peak / 2**20})
 

@@ -10,6 +10,9 @@ Measured, each for one epoch, median of ``--repeats`` (warm page cache, after on
 - ``webdataset``: ``wds.WebDataset(tars).decode()`` (``.npy`` to numpy), one process.
 - ``headrace``: ``build_loader`` with batch_size 256, in one process and with 2 workers, unshuffled
   and shuffled; plus time to the first batch and peak RSS of the main process and of the workers.
+- CPU microseconds per sample in the main process and in the workers (user + system, from
+  ``getrusage``): unlike samples/s, CPU time does not depend on what else runs on the machine, so it
+  shows what workers cost on a shared machine.
 - shuffle quality of headrace's window permutation beside webdataset's shard shuffle + buffer of the
   same size (see ``shuffle_quality``).
 
@@ -72,9 +75,18 @@ def webdataset_epoch(tars: list[Path]) -> tuple[float, int]:
     return time.perf_counter() - t, n
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its reaped children (the workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
+    import gc
+
     from dataio import build_loader
 
+    cpu0 = cpu_seconds()
     t = time.perf_counter()
     loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 256, "epochs": 1,
                            "num_workers": workers, "shuffle": shuffle, "prefetch": 4})
@@ -85,7 +97,13 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
         n += len(batch["__key__"])
         if i % 40 == 0:
             rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"seconds": time.perf_counter() - t, "samples": n, "first_batch_s": first, "rss_mb": rss}
+    seconds = time.perf_counter() - t
+    del loader
+    gc.collect()  # the DataLoader iterator is gone: its workers are joined, their CPU time counted
+    cpu1 = cpu_seconds()
+    return {"seconds": seconds, "samples": n, "first_batch_s": first, "rss_mb": rss,
+            "cpu_us_per_sample": {"main": round((cpu1[0] - cpu0[0]) / n * 1e6, 2),
+                                  "workers": round((cpu1[1] - cpu0[1]) / n * 1e6, 2)}}
 
 
 def shuffle_quality(source_order: np.ndarray) -> dict:
@@ -157,6 +175,7 @@ def main() -> None:
         assert all(r["samples"] == n for r in runs), "an epoch must serve every sample once"
         results[name] = statistics.median(r["samples"] / r["seconds"] for r in runs)
         details[name] = {"first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
+                         "cpu_us_per_sample": runs[-1]["cpu_us_per_sample"],
                          "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)]}
     details["worker round trip, no payload, ms/batch"] = round(worker_round_trip_ms(), 3)
     details["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

@@ -9,6 +9,8 @@ NeMo manifest) in a scratch directory, then, in one run on the same disk:
 - ``dd if=/dev/zero bs=1M conv=fdatasync``: the disk's sequential write speed.
 
 Prints MB/s (bytes of tar written) and samples/s per method, and the ratios the targets are about.
+``dataio shard`` is timed end to end (process start-up and metadata included) and by its own timer
+(the "in X s" of its summary line: planning and writing, without interpreter start-up and imports).
 Usage: ``.venv/bin/python tools/bench_shard.py [--docs 40000] [--audio-files 300] [--dir /tmp/bench_shard]``
 """
 
@@ -27,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-SHARD_SIZE = 16_000_000
+SHARD_SIZE = {"text": 16_000_000, "audio": 64_000_000}  # several shards per corpus at the default sizes
+_THROUGHPUT = re.compile(r"in ([0-9.]+) s \(")
 
 
 def build_text(d: Path, docs: int) -> tuple[Path, Path]:
@@ -50,21 +53,29 @@ def build_text(d: Path, docs: int) -> tuple[Path, Path]:
     return src, d / "tokenizer.json"
 
 
-def build_audio(d: Path, files: int) -> Path:
-    """FLAC files of 5-15 s of 16 kHz speech-band noise (compresses like speech: ~50%)."""
+def build_audio(d: Path, files: int, unique: int = 200) -> Path:
+    """FLAC files of 5-15 s of 16 kHz speech-band noise (compresses like speech: ~50%). ``unique`` clips
+    are encoded and the rest are byte copies of them under new names: kept audio is copied as given,
+    so the content does not matter to the writer, and encoding thousands of clips would dominate."""
     import soundfile as sf
 
     rng = np.random.default_rng(1)
     (d / "audio").mkdir(exist_ok=True)
     rows = []
     for i in range(files):
-        seconds = float(rng.uniform(5, 15))
-        x = np.cumsum(rng.standard_normal(int(seconds * 16000))).astype(np.float32)
-        x = (x - np.convolve(x, np.ones(64) / 64, mode="same")) / 200
-        sf.write(d / "audio" / f"u{i:05d}.flac", np.clip(x, -1, 1), 16000, subtype="PCM_16")
+        path = d / "audio" / f"u{i:05d}.flac"
+        if i < unique:
+            seconds = float(rng.uniform(5, 15))
+            x = np.cumsum(rng.standard_normal(int(seconds * 16000))).astype(np.float32)
+            x = (x - np.convolve(x, np.ones(64) / 64, mode="same")) / 200
+            sf.write(path, np.clip(x, -1, 1), 16000, subtype="PCM_16")
+        else:
+            shutil.copyfile(d / "audio" / f"u{i % unique:05d}.flac", path)
+            seconds = rows[i % unique]["duration"]
         rows.append({"audio_filepath": f"audio/u{i:05d}.flac", "duration": seconds, "text": f"utterance {i}"})
     manifest = d / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.sync()  # the corpus is on disk (and in the page cache) before anything is timed
     return manifest
 
 
@@ -72,15 +83,20 @@ def tar_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in out.glob("*.tar"))
 
 
-def run_dataio(inputs: list[Path], out: Path, workers: int, tokenizer: Path | None) -> float:
+def run_dataio(inputs: list[Path], out: Path, workers: int, tokenizer: Path | None, shard_size: int,
+               repo: Path = REPO) -> tuple[float, float]:
+    """(wall seconds of the whole process, seconds of dataio's own timer: plan + write, no start-up);
+    ``repo`` is the checkout whose ``dataio`` runs."""
     argv = [sys.executable, "-m", "dataio", "shard", *map(str, inputs), "--output", str(out), "--workers", str(workers),
-            "--shard-size", str(SHARD_SIZE), "--quiet"] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
+            "--shard-size", str(shard_size), "--quiet"] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
     t = time.perf_counter()
-    subprocess.run(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t
+    done = subprocess.run(argv, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, check=True,
+                          capture_output=True, text=True)
+    return time.perf_counter() - t, float(_THROUGHPUT.search(done.stdout).group(1))
 
 
-def run_shardwriter(manifest: Path, out: Path, tokenizer: Path | None, audio: bool) -> tuple[float, float]:
+def run_shardwriter(manifest: Path, out: Path, tokenizer: Path | None, audio: bool, shard_size: int
+                    ) -> tuple[float, float]:
     """(ShardWriter seconds, energon prepare seconds) for the same samples and members."""
     import io
 
@@ -91,7 +107,7 @@ def run_shardwriter(manifest: Path, out: Path, tokenizer: Path | None, audio: bo
     tok = Tokenizer.from_file(str(tokenizer)) if tokenizer else None
     t = time.perf_counter()
     rows = [json.loads(line) for line in open(manifest)]
-    with wds.ShardWriter(str(out / "train-%06d.tar"), maxsize=SHARD_SIZE, maxcount=10**9, verbose=0) as sink:
+    with wds.ShardWriter(str(out / "train-%06d.tar"), maxsize=shard_size, maxcount=10**9, verbose=0) as sink:
         for start in range(0, len(rows), 1024):
             batch = rows[start : start + 1024]
             ids = tok.encode_batch([r["text"] for r in batch], add_special_tokens=False) if tok else None
@@ -133,6 +149,8 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=40_000)
     p.add_argument("--audio-files", type=int, default=300)
     p.add_argument("--dir", default="/tmp/bench_shard")
+    p.add_argument("--baseline", type=Path, help="another checkout (e.g. `git archive HEAD`) whose `dataio shard "
+                   "--workers 1` is timed in the same run, for before/after figures")
     args = p.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -141,36 +159,47 @@ def main() -> None:
     manifest = build_audio(root / "data", args.audio_files)
     samples = {"text": args.docs, "audio": args.audio_files}
 
-    print(f"{'corpus':6} {'method':34} {'seconds':>8} {'MB/s':>8} {'samples/s':>10}")
+    print(f"{'corpus':6} {'method':44} {'seconds':>8} {'MB/s':>8} {'samples/s':>10}")
     results = {}
     for corpus, inputs, tok in (("text", text, tokenizer), ("audio", manifest, None)):
         rows = {}
         for workers in (1, 2):
             out = root / f"{corpus}-dataio-{workers}"
-            seconds = run_dataio([inputs], out, workers, tok)
-            rows[f"dataio shard --workers {workers}"] = (seconds, tar_bytes(out))
+            wall, own = run_dataio([inputs], out, workers, tok, SHARD_SIZE[corpus])
+            rows[f"dataio shard --workers {workers}"] = (wall, tar_bytes(out))
+            rows[f"  its own timer (plan + write) --workers {workers}"] = (own, tar_bytes(out))
+        if args.baseline:
+            out = root / f"{corpus}-baseline"
+            wall, own = run_dataio([inputs], out, 1, tok, SHARD_SIZE[corpus], repo=args.baseline.resolve())
+            rows["baseline dataio shard --workers 1"] = (wall, tar_bytes(out))
+            rows["  baseline's own timer --workers 1"] = (own, tar_bytes(out))
         out = root / f"{corpus}-wds"
-        write_s, prepare_s = run_shardwriter(inputs, out, tok, audio=corpus == "audio")
+        write_s, prepare_s = run_shardwriter(inputs, out, tok, corpus == "audio", SHARD_SIZE[corpus])
         size = tar_bytes(out)
         rows["ShardWriter"] = (write_s, size)
         rows["energon prepare"] = (prepare_s, size)
         rows["ShardWriter + energon prepare"] = (write_s + prepare_s, size)
         for name, (seconds, size) in rows.items():
-            print(f"{corpus:6} {name:34} {seconds:8.2f} {size / 1e6 / seconds:8.1f} {samples[corpus] / seconds:10.0f}")
+            print(f"{corpus:6} {name:44} {seconds:8.2f} {size / 1e6 / seconds:8.1f} {samples[corpus] / seconds:10.0f}")
         results[corpus] = rows
         for d in root.glob(f"{corpus}-*"):
             shutil.rmtree(d)
     dd_mb = max(256, int(results["audio"]["dataio shard --workers 1"][1] / 2**20))
     dd = dd_speed(root, dd_mb)
-    print(f"disk   dd bs=1M count={dd_mb} conv=fdatasync      {'':8} {dd:8.1f}")
+    print(f"disk   dd bs=1M count={dd_mb} conv=fdatasync{'':17} {'':8} {dd:8.1f}")
     for corpus, rows in results.items():
         peer = rows["ShardWriter + energon prepare"][0]
         for workers in (1, 2):
             seconds, size = rows[f"dataio shard --workers {workers}"]
             line = f"{corpus}: dataio shard --workers {workers} is {peer / seconds:.2f}x faster than ShardWriter + energon prepare"
             if corpus == "audio":
-                line += f"; {size / 1e6 / seconds / dd:.2f}x of dd's MB/s"
+                own = rows[f"  its own timer (plan + write) --workers {workers}"][0]
+                line += (f"; {size / 1e6 / seconds / dd:.2f}x of dd's MB/s end to end, "
+                         f"{size / 1e6 / own / dd:.2f}x by its own timer")
             print(line)
+        if args.baseline:
+            print(f"{corpus}: this checkout's --workers 1 is {rows['baseline dataio shard --workers 1'][0] / rows['dataio shard --workers 1'][0]:.2f}x "
+                  "the baseline's speed end to end")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The README's first command, for a fresh machine with Python 3.11 and the package registries:
 # venv + install, build the embedded demo corpus (real text, espeak-ng speech, a BPE tokenizer),
 # shard it with `dataio shard`, summarise with `dataio inspect`, re-read with `dataio verify`
-# (and, once the trainer lands, train the demo model). Everything goes under demo/ (gitignored).
+# and train the demo model on the text shards. Data goes under demo/, the run under runs/demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,9 +45,6 @@ for kind in text audio; do
     step "dataio verify demo/shards/$kind"
     "$DATAIO" verify "demo/shards/$kind"
 done
-
-# training: (issue 5, item 8) the trainer appends the demo run here: 2 CPU processes under FSDP2 on
-# demo/shards/text with demo/corpus/tokenizer.json, a few dozen steps, loss + metrics, export to hf/.
 
 # ---- training (issue 5, trainer) ------------------------------------------------------------------
 step "train the demo model: 2 CPU processes, FSDP2, packed rows, 40 steps -> runs/demo (metrics, checkpoints, hf/)"

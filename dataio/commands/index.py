@@ -7,6 +7,12 @@ they are; the others get one header scan each (``dataio.tarscan``) in ``--worker
 leave a sidecar so an interrupted run resumes where it stopped. Then ``dataio.metadata`` writes
 energon's ``.nv-meta`` set, the ``.tar.idx`` files and the headrace index in one pass over the rows:
 non-interactive, and no tar is read twice.
+
+Splits: a shard keeps the split of its sidecar (``dataio shard --split``), and a scanned one goes to
+``train``. ``--split train=0.98,val=0.02`` instead assigns every shard whole, by the hash of its name
+(``dataio.sharding.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
+key) and records it in the sidecars. Whole shards, because tars from elsewhere mix keys in every shard
+and energon's ``split.yaml`` can only map shards to splits; per-sample splits need ``dataio shard``.
 """
 
 from __future__ import annotations
@@ -14,16 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import TypeVar
 
 from dataio.cli import CommandError
-
-T = TypeVar("T")
+from dataio.progress import track
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,23 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes scanning shards in parallel")
     parser.add_argument("--checksum", action="store_true",
                         help="record each scanned shard's sha256 (reads every byte; `dataio verify` checks it)")
+    parser.add_argument("--split", default=None,
+                        help="e.g. train=0.98,val=0.02: every shard goes whole to one split, by the hash of its "
+                             "name (fractions of shards); default: keep the splits recorded by `dataio shard`, "
+                             "else train")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def track(items: Iterable[T], *, total: int, description: str, quiet: bool = False) -> Iterator[T]:
-    """``items`` with a rich progress bar on stderr, unless ``quiet`` or stderr is not a terminal."""
-    if quiet or not sys.stderr.isatty():
-        yield from items
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        for item in items:
-            yield item
-            bar.advance(task)
 
 
 def find_shards(root: Path) -> list[str]:
@@ -72,35 +62,46 @@ def load_parts(root: Path, names: list[str]) -> dict:
     return parts
 
 
-def _scan(root: Path, name: str, checksum: bool):
+def _scan(root: Path, name: str, split: str, checksum: bool):
     from dataio.tarscan import scan_shard
 
-    part = scan_shard(root, name, checksum=checksum)
+    part = scan_shard(root, name, split=split, checksum=checksum)
     part.save(root)
     return part
 
 
-def build_index(root: Path, *, workers: int = 1, checksum: bool = False, quiet: bool = True):
-    """Scan what needs scanning, merge all parts, write the metadata; returns (index, parts reused)."""
+def build_index(root: Path, *, workers: int = 1, checksum: bool = False, quiet: bool = True,
+                splits: list[tuple[str, float]] | None = None):
+    """Scan what needs scanning, merge all parts, write the metadata; returns (index, parts reused).
+
+    ``splits`` (parsed ``--split``) assigns every shard whole to a split by its name (module docstring).
+    """
     from dataio.index import INDEX_DIR, merge_parts
     from dataio.metadata import write_dataset_metadata
+    from dataio.sharding import assign_shard_splits
     from dataio.tarscan import TarFormatError
 
     names = find_shards(root)
     if not names:
         raise CommandError(f"{root}: no .tar shards found")
+    split_of = dict(zip(names, assign_shard_splits(names, splits))) if splits else {}
     parts = load_parts(root, names)
+    for name, part in parts.items():
+        if split_of and part.info.split != split_of[name]:
+            part.info.split = split_of[name]
+            part.save(root)  # the sidecar remembers it for later runs without --split
     todo = [n for n in names if n not in parts]
     try:
         if workers > 1 and len(todo) > 1:
             with ProcessPoolExecutor(min(workers, len(todo))) as pool:
-                futures = [pool.submit(_scan, root, n, checksum) for n in todo]
-                for future in track(as_completed(futures), total=len(todo), description="indexing", quiet=quiet):
+                futures = [pool.submit(_scan, root, n, split_of.get(n, "train"), checksum) for n in todo]
+                done = track(as_completed(futures), total=len(todo), description="indexing", unit="shards", quiet=quiet)
+                for future in done:
                     part = future.result()
                     parts[part.info.name] = part
         else:
-            for name in track(todo, total=len(todo), description="indexing", quiet=quiet):
-                parts[name] = _scan(root, name, checksum)
+            for name in track(todo, total=len(todo), description="indexing", unit="shards", quiet=quiet):
+                parts[name] = _scan(root, name, split_of.get(name, "train"), checksum)
     except TarFormatError as e:
         raise CommandError(str(e)) from None
     manifest = root / INDEX_DIR / "manifest.json"
@@ -117,10 +118,26 @@ def run(args: argparse.Namespace) -> int:
     root = args.dir
     if not root.is_dir():
         raise CommandError(f"{root}: not a directory")
+    from dataio.sharding import parse_splits
+
+    try:
+        splits = parse_splits(args.split) if args.split else None
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     start = time.perf_counter()
-    index, reused = build_index(root, workers=max(1, args.workers), checksum=args.checksum, quiet=args.quiet)
+    index, reused = build_index(root, workers=max(1, args.workers), checksum=args.checksum, quiet=args.quiet,
+                                splits=splits)
     total_bytes = sum(s.bytes for s in index.shards)
+    per_split: dict[str, list[int]] = {}
+    for shard in index.shards:
+        counts = per_split.setdefault(shard.split, [0, 0])
+        counts[0], counts[1] = counts[0] + 1, counts[1] + shard.samples
     print(f"indexed {len(index.shards)} shards ({reused} from parts, {len(index.shards) - reused} scanned), "
           f"{len(index)} samples, {total_bytes / 1e6:.1f} MB in {time.perf_counter() - start:.1f}s "
-          f"-> {root / '.nv-meta'}")
+          f"-> {root / '.nv-meta'}; splits: "
+          + ", ".join(f"{name} {n} shards / {samples} samples" for name, (n, samples) in per_split.items()))
+    empty = [name for name, fraction in splits or [] if fraction > 0 and name not in per_split]
+    if empty:
+        print(f"note: no shard fell into {', '.join(empty)} ({len(index.shards)} shards are too few for these "
+              "fractions; splits of foreign tars are whole shards)")
     return 0

@@ -13,7 +13,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -107,17 +106,6 @@ def _write_shards(job, todo, workers: int):
         yield from pool.imap_unordered(_write_in_worker, range(len(todo)))
 
 
-def _progress(quiet: bool):
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
-    console = Console(stderr=True)
-    return Progress(TextColumn("shard"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                    disable=quiet or not console.is_terminal, transient=True)
-
-
 def _skip_reports(root: Path, names) -> list[dict]:
     from dataio.shard_write import SKIPPED_DIR
 
@@ -148,6 +136,7 @@ def _finalize(root: Path, plan, job: dict, skipped: list[dict], workers: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataio.progress import progress_bar
     from dataio.readers import ReadOptions, SampleError, open_input
     from dataio.shard_write import ShardJob, is_complete
     from dataio.sharding import PlanError, job_fingerprint, parse_size, parse_splits, plan_job, resolve_node
@@ -202,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
     written_samples = written_bytes = 0
     try:
-        with _progress(args.quiet) as progress:
-            task = progress.add_task("shard", total=sum(len(s.entries) for s in todo))
+        with progress_bar("shard", total=sum(len(s.entries) for s in todo), unit="samples",
+                          quiet=args.quiet) as advance:
             for result in _write_shards(shard_job, todo, args.workers):
                 written_samples += result.samples
                 written_bytes += result.bytes
@@ -211,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 if skipped_count > args.skip_errors:
                     raise SampleError(f"{result.skipped[-1]['reason']} ({skipped_count} bad samples exceed "
                                       f"--skip-errors {args.skip_errors})")
-                progress.update(task, advance=len(result.skipped) + result.samples)
+                advance(len(result.skipped) + result.samples)
     except SampleError as e:
         _remove_stale_temps(root, todo)
         raise _fail(e) from None

@@ -13,6 +13,7 @@ byte (sha256 / decode), which is the point.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dataio.cli import CommandError
-from dataio.commands.index import track
+from dataio.progress import track
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,17 +196,11 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(e)) from None
     start = time.perf_counter()
     expectations = _expectations(index)
-    faults: list[Fault] = []
-    if args.workers > 1 and len(expectations) > 1:
-        with ProcessPoolExecutor(min(args.workers, len(expectations))) as pool:
-            results = pool.map(verify_shard, [root] * len(expectations), expectations)
-            faults = [f for f in track(results, total=len(expectations), description="verifying",
-                                        quiet=args.quiet) if f is not None]
-    else:
-        for expect in track(expectations, total=len(expectations), description="verifying", quiet=args.quiet):
-            fault = verify_shard(root, expect)
-            if fault is not None:
-                faults.append(fault)
+    workers = min(args.workers, len(expectations))
+    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        results = (pool.map if pool else map)(verify_shard, [root] * len(expectations), expectations)
+        faults = [f for f in track(results, total=len(expectations), description="verifying", unit="shards",
+                                   quiet=args.quiet) if f is not None]
     meta_fault = verify_metadata(root, index, expectations)
     if meta_fault is not None:
         faults.append(meta_fault)
