@@ -39,10 +39,10 @@ import numpy as np
 import yaml
 
 from dataio.index import META_DIR, DatasetIndex
+from dataio.tarwriter import BLOCK, write_atomically
 
 ITAR_SUFFIX = ".idx"  # shard.tar -> shard.tar.idx
 DEFAULT_SPLITS = ("train", "val", "test")  # energon prepare always writes these three parts
-TAR_BLOCK = 512
 
 # Energon's DDL, verbatim: sqlite keeps the statement text in sqlite_master, so the schema of our
 # index.sqlite is identical to the one ``energon prepare`` writes.
@@ -84,7 +84,7 @@ def energon_spans(index: DatasetIndex) -> tuple[np.ndarray, np.ndarray, np.ndarr
     last_of_shard[:-1] = shard[1:] != shard[:-1]
     sample_end = offset + index.samples["size"].astype(np.int64)
     shard_end = np.zeros(n_shards, np.int64)
-    shard_end[shard[last_of_shard]] = -(-sample_end[last_of_shard] // TAR_BLOCK) * TAR_BLOCK
+    shard_end[shard[last_of_shard]] = -(-sample_end[last_of_shard] // BLOCK) * BLOCK
     next_offset = np.empty_like(offset)
     next_offset[:-1] = offset[1:]
     byte_size = np.where(last_of_shard, shard_end[shard] - offset, next_offset - offset)
@@ -118,15 +118,6 @@ def collapse_names(names: list[str]) -> list[str]:
         run = (lits, nums, None, None)
     flush()
     return out
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byte_size: np.ndarray) -> None:
@@ -221,21 +212,21 @@ def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, work
     def write_itar(i: int) -> None:
         entries = np.append(offsets[bounds[i] : bounds[i + 1]], np.uint64(shard_end[i]))
         shard_path = root / index.shards[i].name
-        _write_atomic(shard_path.with_name(shard_path.name + ITAR_SUFFIX), entries.astype("=u8").tobytes())
+        write_atomically(shard_path.with_name(shard_path.name + ITAR_SUFFIX), entries.astype("=u8").tobytes())
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(write_itar, range(len(index.shards))))
 
     _write_sqlite(meta / "index.sqlite", index, sample_index, byte_size)
-    _write_atomic(meta / "index.uuid", _content_uuid(index, byte_size).encode())
+    write_atomically(meta / "index.uuid", _content_uuid(index, byte_size).encode())
     splits = {"split_parts": split_parts(index), "exclude": []}
-    _write_atomic(meta / "split.yaml", yaml.dump(splits, sort_keys=False).encode())
+    write_atomically(meta / "split.yaml", yaml.dump(splits, sort_keys=False).encode())
     dataset = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
-    _write_atomic(meta / "dataset.yaml", yaml.dump(dataset, sort_keys=False).encode())
+    write_atomically(meta / "dataset.yaml", yaml.dump(dataset, sort_keys=False).encode())
     index.save(root)
     info = {"energon_version": version("megatron-energon"),
             "shard_counts": {s.name: int(c) for s, c in zip(index.shards, counts.tolist())}}
-    _write_atomic(info_path, json.dumps(info, indent=2).encode())
+    write_atomically(info_path, json.dumps(info, indent=2).encode())
     dir_fd = os.open(meta, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

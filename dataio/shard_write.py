@@ -15,8 +15,6 @@ Order of operations (what makes a crash at any point harmless):
 from __future__ import annotations
 
 import json
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,15 +137,14 @@ def write_shard(job: ShardJob, shard: PlannedShard) -> ShardResult:
                 keys.append(sample.key.encode())
         return tar.close(), tar.hexdigest()
 
-    size, digest = write_atomically(job.root / shard.name, write, tmp_suffix=_tmp_suffix())
+    size, digest = write_atomically(job.root / shard.name, write)
     if not rows:  # every sample was skipped: no (empty) tar, only the part that says so
         (job.root / shard.name).unlink()
         size, digest = 0, None
     skip_report = job.root / SKIPPED_DIR / f"{shard.name}.jsonl"
     if skipped:
         skip_report.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(skip_report, lambda f: f.write("".join(json.dumps(s) + "\n" for s in skipped).encode()),
-                         tmp_suffix=_tmp_suffix())
+        write_atomically(skip_report, "".join(json.dumps(s) + "\n" for s in skipped).encode())
     else:
         skip_report.unlink(missing_ok=True)
     ShardPart(
@@ -159,6 +156,3 @@ def write_shard(job: ShardJob, shard: PlannedShard) -> ShardResult:
     ).save(job.root)
     return ShardResult(name=shard.name, samples=len(rows), bytes=size, skipped=skipped)
 
-
-def _tmp_suffix() -> str:
-    return f".tmp-{socket.gethostname()}-{os.getpid()}"

@@ -34,8 +34,8 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from dataio.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
+from dataio.tarwriter import BLOCK
 
-BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous (tarfile.REGULAR_TYPES)
 NO_PAYLOAD_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # link/symlink/char/block/dir/fifo: size not skipped

@@ -25,6 +25,7 @@ import hashlib
 import io
 import os
 import queue
+import socket
 import threading
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -226,14 +227,17 @@ class TarWriter:
         return self._hash.hexdigest() if self._hash is not None else None
 
 
-def write_atomically(path: str | os.PathLike, write, *, tmp_suffix: str) -> object:
-    """Call ``write(stream)`` on ``path`` + ``tmp_suffix``, fsync, then rename onto ``path``.
+def write_atomically(path: str | os.PathLike, content) -> object:
+    """Write ``content`` (bytes, or a function ``write(stream)``) to ``path.tmp-HOST-PID``, fsync, then
+    rename onto ``path``; returns what ``write`` returned.
 
-    The file becomes visible under its final name only once complete; on any exception the
-    temporary file is removed and the exception propagates.
+    The file becomes visible under its final name only once complete; on any exception the temporary
+    file is removed and the exception propagates. Host and pid in the temporary name keep writers on
+    different machines sharing one directory apart.
     """
     path = os.fspath(path)
-    tmp = path + tmp_suffix
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    write = content if callable(content) else lambda f: f.write(content)
     try:
         with open(tmp, "wb", buffering=1 << 20) as f:
             result = write(f)

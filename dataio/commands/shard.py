@@ -74,7 +74,7 @@ def _record_job(root: Path, job: dict) -> None:
 
     path = root / STATE_DIR / "job.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, lambda f: f.write(json.dumps(job, indent=1).encode()), tmp_suffix=f".tmp-{os.getpid()}")
+    write_atomically(path, json.dumps(job, indent=1).encode())
 
 
 def _remove_stale_temps(root: Path, shards) -> None:
@@ -125,8 +125,7 @@ def _finalize(root: Path, plan, job: dict, skipped: list[dict], workers: int) ->
 
     report = root / "skipped.jsonl"
     if skipped:
-        write_atomically(report, lambda f: f.write("".join(json.dumps(r) + "\n" for r in skipped).encode()),
-                         tmp_suffix=f".tmp-{os.getpid()}")
+        write_atomically(report, "".join(json.dumps(r) + "\n" for r in skipped).encode())
     else:
         report.unlink(missing_ok=True)
     parts = [ShardPart.load(root / PARTS_DIR / f"{s.name}.npz") for s in plan.shards]
