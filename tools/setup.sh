@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install headrace with its dev extra. torch is pinned to the CPU wheel
+# Create .venv (if needed) and install headrace with its dev and dali extras (DALI's CPU pipeline
+# runs without a GPU, so its tests run for real; ~260 MB of wheels). torch is pinned to the CPU wheel
 # this machine carries; installing it first keeps pip from resolving a CUDA build.
 # A stamp in .venv records the pyproject.toml it was installed from, so re-runs skip pip (~30 s).
 set -euo pipefail
@@ -18,5 +19,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && installed; then
     exit 0
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,dali]'
 echo "$want" > "$stamp"
