@@ -7,16 +7,17 @@ Per field (member extension, e.g. ``tokens.npy``):
   tensor ``batch[ext]`` with their lengths in ``batch["__lengths__"][ext]`` (the THD/varlen layout: no
   padding, so a long-tailed batch costs its real size, not ``B * longest``);
 - ``Audio`` values collate their waveforms like tensors, sample rates go to ``__sample_rate__``;
+- raw member buffers (``memoryview``, e.g. encoded audio left for DALI) become one flat ``uint8``
+  tensor with lengths, like token documents;
 - anything else (``str``, ``dict`` from JSON, ``bytes``) stays a list.
 
 Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample references, see
 ``dataio.loader.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
-Inside a DataLoader worker the output tensors are allocated in shared memory up front, so handing the
-batch to the main process moves a file descriptor per tensor instead of pickling or copying payloads
-(torch's queue only shares storages that are not shared yet: one ``torch.cat`` into shared memory is
-the only copy from the page cache to the trainer).
+Inside a DataLoader worker the output tensors are allocated in the worker's shared-memory ring slot
+(``dataio.workers.allocate``), so the one ``torch.cat`` / ``torch.stack`` from the page-cache views is
+the only copy on the worker side; nothing is pickled but a few offsets.
 """
 
 from __future__ import annotations
@@ -25,28 +26,29 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils.data import get_worker_info
 
 from dataio.decode import Audio
+from dataio.workers import allocate
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
-    return out.share_memory_() if get_worker_info() is not None else out
+def _as_bytes_tensor(view: memoryview) -> torch.Tensor:
+    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
 
 
 def collate_field(values: list[Any]) -> tuple[Any, torch.Tensor | None]:
     """``(collated, lengths or None)`` of one field's values across a batch."""
+    if all(isinstance(v, memoryview) for v in values):  # raw members (e.g. audio left for DALI)
+        values = [_as_bytes_tensor(v.cast("B")) for v in values]
     first = values[0]
     if not isinstance(first, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in values):
         return values, None
     if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
-        out = _empty((len(values), *first.shape), first.dtype)
+        out = allocate((len(values), *first.shape), first.dtype)
         return torch.stack(values, out=out), None
     if all(v.ndim == 1 for v in values):
         dtype = functools.reduce(torch.promote_types, {v.dtype for v in values})
         lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
-        out = _empty((int(lengths.sum()),), dtype)
+        out = allocate((int(lengths.sum()),), dtype)
         return torch.cat(values, out=out), lengths
     return values, None
 

@@ -204,7 +204,8 @@ class Loader:
         batches = RankBatches(maker, first=0, last=self.layout.num_batches(self.end, self.consumed, self.cfg.batch_size),
                               seed=self.seed, dp_rank=self.dp_rank, epoch=maker.blend.epoch_at(start_pos))
         stream = iterate(batches, num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
-                         pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0)
+                         pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0,
+                         slot_bytes=self._slot_bytes())
         last = None  # the last packed batch: the template of loss-free padding batches at the tail
         for batch in stream:
             self._count_bad(batch.pop("__bad__"))
@@ -242,6 +243,12 @@ class Loader:
             self.packed_batches += 1
             yield {**last, "labels": torch.full_like(last["labels"], IGNORE_INDEX), "fill": 0.0, "num_docs": 0,
                    "__docs__": [[] for _ in last["__docs__"]]}
+
+    def _slot_bytes(self) -> int:
+        """Shared slot size per batch: twice the mean stored bytes of a batch (decoded tokens take the
+        bytes they are stored in), 1 MiB .. 256 MiB; a bigger batch takes the slower default path."""
+        mean = max(float(np.mean(s.index.samples["size"])) if len(s) else 0.0 for s in self.sources)
+        return int(min(256 << 20, max(1 << 20, 2 * mean * self.cfg.batch_size)))
 
     def _count_bad(self, bad: int) -> None:
         self.bad_samples += bad

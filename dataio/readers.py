@@ -5,8 +5,10 @@ Every reader has two halves so a job can be planned once and written by many pro
 - ``scan()`` walks the input cheaply (manifest lines, file sizes; never audio payloads) and yields
   one small ``Entry`` per sample (key, estimated bytes, line, a locator) or a ``BadRecord`` naming the
   file, line and broken rule. Planning, splits and shard boundaries are computed from entries alone.
-- ``load(entry)`` builds the sample's members (audio bytes, ``.json`` metadata, ``.txt``) in a worker;
-  it raises ``SampleError`` (file:line: reason) for input that only shows up when read (corrupt audio).
+- ``load(entry)`` builds the sample's members (audio, ``.json`` metadata, ``.txt``) in a worker; audio
+  kept as given is only header-probed and handed on as a ``FilePayload`` for the tar writer to copy
+  file to file. It raises ``SampleError`` (file:line: reason) for input that only shows up when read
+  (corrupt audio).
 
 Supported inputs (``open_input`` picks one from the suffix and the first record):
 

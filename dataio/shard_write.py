@@ -108,8 +108,11 @@ def _tokenize(job: ShardJob, samples: list) -> list[np.ndarray | None]:
     return tokens
 
 
-def write_shard(job: ShardJob, shard: PlannedShard) -> ShardResult:
-    """Write ``shard`` (see the module docstring); raises SampleError once its skips exceed the budget."""
+def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResult:
+    """Write ``shard`` (see the module docstring); raises SampleError once its skips exceed the budget.
+
+    ``progress(n)`` is called after each chunk of ``n`` samples (written or skipped).
+    """
     skipped: list[dict] = []
     ext_id: dict[str, int] = {}
     rows: list[tuple] = []
@@ -135,6 +138,8 @@ def write_shard(job: ShardJob, shard: PlannedShard) -> ShardResult:
                 rows.append((0, first_byte, tar.position - first_byte, first_member, len(payloads),
                              -1 if ids is None else len(ids), np.nan if sample.duration is None else sample.duration))
                 keys.append(sample.key.encode())
+            if progress is not None:
+                progress(min(CHUNK, len(shard.entries) - start))
         return tar.close(), tar.hexdigest()
 
     size, digest = write_atomically(job.root / shard.name, write)

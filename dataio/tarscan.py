@@ -224,58 +224,64 @@ def scan_shard(root: str | os.PathLike, name: str, *, split: str = "train", leng
     path = Path(root) / name
     buf = open_tar(path)
     try:
-        members, end = scan_members(buf, path=path)
-        exts: dict[str, int] = {}
-        keys: list[str] = []
-        starts: list[int] = []
-        member_rows: list[tuple[int, int, int]] = []
-        member_starts: list[int] = []
-        tokens: list[int] = []
-        durations: list[float] = []
-        for m in members:
-            split_ = split_name(m.name)
-            if split_ is None:
-                continue
-            key, ext = split_
-            if not keys or keys[-1] != key:
-                keys.append(key)
-                starts.append(m.header_offset)
-                member_starts.append(len(member_rows))
-                tokens.append(-1)
-                durations.append(float("nan"))
-            member_rows.append((exts.setdefault(ext, len(exts)), m.offset, m.size))
-            if not lengths:
-                continue
-            payload = buf[m.offset : m.offset + m.size]
-            try:
-                if is_token_member(ext) and tokens[-1] < 0:
-                    tokens[-1] = math.prod(npy_header(payload)[0])
-                elif ext.rsplit(".", 1)[-1].lower() in AUDIO_EXTENSIONS and durations[-1] != durations[-1]:
-                    durations[-1] = audio_duration(payload)
-            except (ValueError, RuntimeError, OSError, TypeError):
-                pass  # an undecodable member is `dataio verify`'s business; the index records "unknown"
-        samples = np.zeros(len(keys), SAMPLE_DTYPE)
-        samples["offset"] = starts
-        samples["size"] = np.diff(np.asarray(starts + [end], dtype=np.uint64))
-        samples["member_start"] = member_starts
-        samples["member_count"] = np.diff(np.asarray(member_starts + [len(member_rows)]))
-        samples["tokens"] = tokens
-        samples["duration"] = durations
-        sha = None
-        if checksum:
-            sha = hashlib.sha256(buf).hexdigest()
-        info = ShardInfo(name=str(name), split=split, bytes=len(buf), samples=len(keys), sha256=sha)
-        return ShardPart(
-            info=info,
-            extensions=list(exts),
-            samples=samples,
-            members=np.array(member_rows, dtype=MEMBER_DTYPE) if member_rows else np.zeros(0, MEMBER_DTYPE),
-            keys=np.array([k.encode("utf-8", "surrogateescape") for k in keys], dtype=np.bytes_)
-            if keys else np.zeros(0, "S1"),
-        )
+        return scan_buffer(buf, name, path=path, split=split, lengths=lengths, checksum=checksum)
     finally:
         if isinstance(buf, mmap.mmap):
             buf.close()
+
+
+def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train", lengths: bool = True,
+                checksum: bool = False) -> ShardPart:
+    """``scan_shard`` of a tar already in memory or mapped (``path`` labels errors)."""
+    members, end = scan_members(buf, path=path)
+    exts: dict[str, int] = {}
+    keys: list[str] = []
+    starts: list[int] = []
+    member_rows: list[tuple[int, int, int]] = []
+    member_starts: list[int] = []
+    tokens: list[int] = []
+    durations: list[float] = []
+    for m in members:
+        split_ = split_name(m.name)
+        if split_ is None:
+            continue
+        key, ext = split_
+        if not keys or keys[-1] != key:
+            keys.append(key)
+            starts.append(m.header_offset)
+            member_starts.append(len(member_rows))
+            tokens.append(-1)
+            durations.append(float("nan"))
+        member_rows.append((exts.setdefault(ext, len(exts)), m.offset, m.size))
+        if not lengths:
+            continue
+        payload = buf[m.offset : m.offset + m.size]
+        try:
+            if is_token_member(ext) and tokens[-1] < 0:
+                tokens[-1] = math.prod(npy_header(payload)[0])
+            elif ext.rsplit(".", 1)[-1].lower() in AUDIO_EXTENSIONS and durations[-1] != durations[-1]:
+                durations[-1] = audio_duration(payload)
+        except (ValueError, RuntimeError, OSError, TypeError):
+            pass  # an undecodable member is `dataio verify`'s business; the index records "unknown"
+    samples = np.zeros(len(keys), SAMPLE_DTYPE)
+    samples["offset"] = starts
+    samples["size"] = np.diff(np.asarray(starts + [end], dtype=np.uint64))
+    samples["member_start"] = member_starts
+    samples["member_count"] = np.diff(np.asarray(member_starts + [len(member_rows)]))
+    samples["tokens"] = tokens
+    samples["duration"] = durations
+    sha = None
+    if checksum:
+        sha = hashlib.sha256(buf).hexdigest()
+    info = ShardInfo(name=str(name), split=split, bytes=len(buf), samples=len(keys), sha256=sha)
+    return ShardPart(
+        info=info,
+        extensions=list(exts),
+        samples=samples,
+        members=np.array(member_rows, dtype=MEMBER_DTYPE) if member_rows else np.zeros(0, MEMBER_DTYPE),
+        keys=np.array([k.encode("utf-8", "surrogateescape") for k in keys], dtype=np.bytes_)
+        if keys else np.zeros(0, "S1"),
+    )
 
 
 def decode_check(ext: str, payload) -> str | None:

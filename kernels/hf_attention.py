@@ -6,9 +6,12 @@ Usage (the trainer does exactly this)::
 
     attn = register_varlen_attention()            # -> "headrace_varlen"; idempotent
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)   # or model.set_attn_implementation(attn)
-    out = model.model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))   # hidden states
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
     # batch = dataio packing's {input_ids, labels, position_ids, cu_seqlens, max_seqlen}; labels are
-    # already next-token, so compute the loss with kernels.loss.linear_cross_entropy, not labels=.
+    # already next-token: sum F.cross_entropy(logits, labels, ignore_index=-100), don't pass labels=.
+    # Without full logits (kernels.loss): inside the FSDP root module's forward,
+    #   hidden = model.model(input_ids=..., **packed_attention_kwargs(batch)).last_hidden_state
+    #   loss_sum, num_tokens = linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"])
 
 ``packed_attention_kwargs`` returns ``position_ids`` (rotary positions restart per document) plus
 HF's own varlen names ``cu_seq_lens_q/k`` and ``max_length_q/k`` — the same kwargs HF's
@@ -31,7 +34,12 @@ from collections.abc import Mapping
 
 import torch
 
-from kernels.varlen_attention import cached_per_batch, cu_seqlens_from_position_ids, validate_cu_seqlens, varlen_attention
+from kernels.varlen_attention import (
+    cached_per_batch,
+    cu_seqlens_from_position_ids,
+    validate_cu_seqlens,
+    varlen_attention,
+)
 
 ATTENTION_NAME = "headrace_varlen"
 
@@ -101,7 +109,8 @@ def hf_varlen_attention(
             f"{ATTENTION_NAME} is for training on full packed sequences (query length {seq} != key length "
             f"{key.shape[2]}, e.g. decoding with a KV cache); use attn_implementation='sdpa' for generation"
         )
-    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+    cross = cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q
+    if cross and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError(f"{ATTENTION_NAME} is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
     cu = cu_seq_lens_q
     if cu is None:

@@ -65,46 +65,26 @@ def linear_cross_entropy(
         chunk_size = max(1, _CHUNK_BYTES // (4 * weight.shape[0]))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    # Matmuls run in the dtype lm_head would use: the autocast dtype when autocast is on, else the inputs'.
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     flat_labels = labels.reshape(-1)
-    loss = _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_labels, chunk_size, ignore_index)
+    loss = _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat_labels, chunk_size, ignore_index, compute_dtype
+    )
     return loss, (flat_labels != ignore_index).sum()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
-        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
-            y = labels[start : start + chunk_size]
-            valid = y != ignore_index
-            target = torch.where(valid, y, 0)
-            logits = (h @ weight.T).float()
-            target_logit = logits.gather(1, target[:, None]).squeeze(1)
-            # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk-sized buffer.
-            row_max = logits.amax(dim=-1, keepdim=True)
-            exp_logits = logits.sub_(row_max).exp_()
-            sum_exp = exp_logits.sum(dim=-1)
-            lse = sum_exp.log() + row_max.squeeze(1)
-            loss += torch.where(valid, lse - target_logit, 0.0).sum()
-            if grad_hidden is None and grad_weight is None:
-                continue
-            # d(loss)/d(logits) = softmax - onehot(target) on labelled rows, 0 elsewhere; built in place.
-            grad_logits = exp_logits.div_(sum_exp[:, None])
-            grad_logits.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], -1.0))
-            grad_logits.mul_(valid[:, None])
-            grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
-            if grad_weight is None:
-                continue
-            if h.dtype == torch.float32:  # accumulate in place, no weight-sized temporary per chunk
-                grad_weight.addmm_(grad_logits.T, h)
-            else:
-                grad_weight += (grad_logits.T @ h).float()
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, compute_dtype):
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly below
+            loss, grad_hidden, grad_weight = _chunked_loss_and_grads(
+                hidden, weight, labels, chunk_size, ignore_index, compute_dtype, *ctx.needs_input_grad[:2]
+            )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -116,4 +96,41 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _chunked_loss_and_grads(hidden, weight, labels, chunk_size, ignore_index, compute_dtype, need_hidden_grad,
+                            need_weight_grad):
+    """Summed loss and, where needed, the gradients w.r.t. hidden and (fp32) weight; one chunk of logits at a time."""
+    w = weight.to(compute_dtype)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden_grad else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start : start + chunk_size].to(compute_dtype)
+        y = labels[start : start + chunk_size]
+        valid = y != ignore_index
+        target = torch.where(valid, y, 0)
+        logits = (h @ w.T).float()
+        target_logit = logits.gather(1, target[:, None]).squeeze(1)
+        # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk-sized buffer.
+        row_max = logits.amax(dim=-1, keepdim=True)
+        exp_logits = logits.sub_(row_max).exp_()
+        sum_exp = exp_logits.sum(dim=-1)
+        lse = sum_exp.log() + row_max.squeeze(1)
+        loss += torch.where(valid, lse - target_logit, 0.0).sum()
+        if grad_hidden is None and grad_weight is None:
+            continue
+        # d(loss)/d(logits) = softmax - onehot(target) on labelled rows, 0 elsewhere; built in place.
+        grad_logits = exp_logits.div_(sum_exp[:, None])
+        grad_logits.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], -1.0))
+        grad_logits = grad_logits.mul_(valid[:, None]).to(compute_dtype)
+        if grad_hidden is not None:
+            grad_hidden[start : start + chunk_size] = grad_logits @ w
+        if grad_weight is None:
+            continue
+        if compute_dtype == torch.float32:  # accumulate in place, no weight-sized temporary per chunk
+            grad_weight.addmm_(grad_logits.T, h)
+        else:
+            grad_weight += (grad_logits.T @ h).float()
+    return loss, grad_hidden, grad_weight

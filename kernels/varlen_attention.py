@@ -72,7 +72,8 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
 def document_ids(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """Document index of every token, ``(T,)`` int64, from ``cu_seqlens``."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=total_tokens)
+    docs = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(docs, lengths, output_size=total_tokens)
 
 
 def varlen_attention_reference(
@@ -186,7 +187,9 @@ def _bucketed(q, k, v, cu_seqlens, scale):
     outs = []
     for b in plan.buckets:
         # (docs * L, H, D) -> (docs, H, L, D); padding slots sit after each document's last token.
-        qb, kb, vb = (x.index_select(0, b.gather).view(b.docs, b.length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        qb, kb, vb = (
+            x.index_select(0, b.gather).view(b.docs, b.length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)
+        )
         ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(ob.transpose(1, 2).reshape(-1, ob.shape[1], ob.shape[3]))
     return torch.cat(outs).index_select(0, plan.token_slot)
@@ -252,14 +255,21 @@ def _document_block_mask(cu_seqlens: torch.Tensor, total_tokens: int, device: to
     def same_document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
 
-    return create_block_mask(same_document_causal, B=None, H=None, Q_LEN=total_tokens, KV_LEN=total_tokens, device=device)
+    return create_block_mask(
+        same_document_causal, B=None, H=None, Q_LEN=total_tokens, KV_LEN=total_tokens, device=device
+    )
 
 
-def _flex(q, k, v, cu_seqlens, scale):
-    if not q.is_cuda:
-        raise RuntimeError("backend 'flex' is GPU-only here: flex_attention has no backward on CPU")
-    block_mask = cached_per_batch("flex", cu_seqlens, q.shape[0], lambda: _document_block_mask(cu_seqlens, q.shape[0], q.device))
-    out = _compiled_flex()(
+def _flex(q, k, v, cu_seqlens, scale, flex_fn=None):
+    """``flex_fn`` defaults to the compiled flex_attention (CUDA); tests pass the eager one on CPU."""
+    if flex_fn is None:
+        if not q.is_cuda:
+            raise RuntimeError("backend 'flex' is GPU-only here: flex_attention has no backward on CPU")
+        flex_fn = _compiled_flex()
+    block_mask = cached_per_batch(
+        "flex", cu_seqlens, q.shape[0], lambda: _document_block_mask(cu_seqlens, q.shape[0], q.device)
+    )
+    out = flex_fn(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )

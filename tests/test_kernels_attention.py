@@ -165,3 +165,18 @@ def test_plan_cache_follows_the_cu_seqlens_tensor():
         torch.testing.assert_close(varlen_attention(q, k, v, cu), varlen_attention_reference(q, k, v, cu))
     first[1] = 9
     torch.testing.assert_close(varlen_attention(q, k, v, first), varlen_attention_reference(q, k, v, first))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_and_layout_forward_on_cpu():
+    # The GPU flex path's document block mask and THD <-> BHSD layout, run with eager flex_attention
+    # (forward only: flex has no backward on CPU). Lengths cross flex's 128-token blocks.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kernels.varlen_attention import _flex
+
+    cu = _cu([5, 1, 130, 1, 60])
+    q, k, v = (x.detach() for x in _qkv(197, 4, 2, 16))
+    with torch.no_grad():
+        out = _flex(q, k, v, cu, 16**-0.5, flex_fn=flex_attention)
+    torch.testing.assert_close(out, varlen_attention_reference(q, k, v, cu), atol=2e-5, rtol=2e-5)

@@ -156,8 +156,7 @@ def test_dataio_packer_batches_train_like_documents_one_by_one():
     for b in batches:
         logits = packed(input_ids=b["input_ids"], **packed_attention_kwargs(b)).logits
         got = got + F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum")
-    want = sum(
-        F.cross_entropy(stock(input_ids=torch.as_tensor(d)[None]).logits[0, :-1], torch.as_tensor(d)[1:], reduction="sum")
-        for d in docs.values() if len(d) > 1
-    )
+    want = 0.0
+    for doc in (torch.as_tensor(d) for d in docs.values() if len(d) > 1):
+        want = want + F.cross_entropy(stock(input_ids=doc[None]).logits[0, :-1], doc[1:], reduction="sum")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)

@@ -76,3 +76,16 @@ def test_shape_errors_name_the_rule():
         linear_cross_entropy(h, w[:, :-1], y)
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(h, w, y, chunk_size=0)
+
+
+def test_matches_reference_under_autocast():
+    # The trainer runs fp32 master weights under torch.autocast(bf16): the chunked loss must compute its
+    # matmuls in bf16 like lm_head would and return gradients in the parameters' dtype.
+    h, w, y = _inputs(vocab=300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _loss_and_grads(linear_cross_entropy_reference, h, w, y)
+        got = _loss_and_grads(linear_cross_entropy, h, w, y, chunk_size=8)
+    assert got[2][0].dtype == got[2][1].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=1e-3)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -295,3 +295,37 @@ def test_config_errors_name_the_key(text):
         build_loader({"datasets": [{"path": str(root), "weight": "heavy"}]})
     with pytest.raises(ConfigError, match="data.batch_sise: unknown key"):
         build_loader({"datasets": [{"path": str(root)}], "batch_sise": 3})
+
+
+def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch):
+    """A non-local URL (fsspec memory://) goes through the block-cached remote path; a read that
+    fails once with a connection error is retried and the data is still exact."""
+    import fsspec
+
+    from dataio import sources
+
+    root, all_keys = text
+    fs = fsspec.filesystem("memory")
+    for path in root.rglob("*"):
+        if path.is_file():
+            fs.pipe(f"/hr/{path.relative_to(root)}", path.read_bytes())
+    monkeypatch.setattr(sources, "BACKOFF_S", 0.0)
+    real_open = fsspec.open
+    failures = []
+
+    def flaky_open(*args, **kwargs):
+        f = real_open(*args, **kwargs)
+        if not failures:
+            failures.append(1)
+
+            class Broken:
+                def open(self):
+                    raise ConnectionResetError("connection reset by peer")
+            return Broken()
+        return f
+
+    monkeypatch.setattr(fsspec, "open", flaky_open)
+    batches = keys_of(build_loader(cfg("memory://hr", batch_size=5)))
+    assert failures and sorted(k for b in batches for k in b) == sorted(all_keys)
+    local = keys_of(build_loader(cfg(str(root), batch_size=5)))
+    assert batches == local

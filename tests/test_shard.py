@@ -400,3 +400,24 @@ def test_cli_exit_status_and_one_line_error(tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0
     assert "bad.jsonl:2: not valid JSON" in result.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
+    """The bar advances per chunk of samples, also from forked workers, and ends at the total."""
+    from dataio import shard_write
+    from dataio.readers import ReadOptions, open_input
+    from dataio.sharding import plan_job
+
+    monkeypatch.setattr(shard_write, "CHUNK", 7)
+    src = write_text_corpus(tmp_path, 45)
+    plan = plan_job([open_input(str(src), ReadOptions())], splits=[("train", 1.0)], shard_bytes=None,
+                    samples_per_shard=20)
+    job = shard_write.ShardJob(root=tmp_path / "out", inputs=[open_input(str(src), ReadOptions())])
+    (tmp_path / "out").mkdir()
+    steps: list[int] = []
+    results = list(shard_cmd._write_shards(job, plan.shards, workers, steps.append))
+    assert sorted(r.samples for r in results) == [5, 20, 20]
+    assert sum(steps) == 45
+    if workers == 1:
+        assert steps == [7, 7, 6] * 2 + [5]  # 20 = 7 + 7 + 6 per shard, then the last shard of 5

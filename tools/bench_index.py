@@ -1,15 +1,17 @@
 """Indexing speed: `dataio index` beside `energon prepare` on the same webdataset.ShardWriter tars.
 
-    .venv/bin/python tools/bench_index.py [--shards 40] [--samples 500] [--workers 2]
+    .venv/bin/python tools/bench_index.py [--shards 40] [--samples 500] [--workers 2] [--baseline DIR]
 
-Writes the tars once into a temp dir, copies them, then times each indexer on its own copy (both with
-the same worker count) and prints samples/s for each and the ratio.
+Writes the tars once into a temp dir, copies them, then times each indexer on its own copy (all with
+the same worker count) and prints samples/s for each and the ratio. ``--baseline DIR`` also times the
+``dataio index`` of another checkout (e.g. ``git archive`` of an older commit) in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -21,9 +23,6 @@ import numpy as np
 import webdataset as wds
 
 REPO = Path(__file__).resolve().parents[1]
-# `dataio index` through its own parser (the same code `python -m dataio index` runs).
-INDEX_ENTRY = ("import argparse, sys; from dataio.commands import index; p = argparse.ArgumentParser(); "
-               "index.add_arguments(p); sys.exit(index.run(p.parse_args(sys.argv[1:])))")
 
 
 def main() -> None:
@@ -31,6 +30,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=40)
     ap.add_argument("--samples", type=int, default=500, help="samples per shard")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--baseline", type=Path, help="another checkout whose `dataio index` is timed too")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,10 +44,18 @@ def main() -> None:
                          "tokens.npy": npy.getvalue(), "json": b'{"a": 1}'})
         shutil.copytree(ours, theirs)
         n = args.shards * args.samples
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", INDEX_ENTRY, str(ours), "--quiet", "--workers", str(args.workers)],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-        ours_s = time.perf_counter() - t
+
+        def dataio_index(repo: Path, target: Path) -> float:
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dataio", "index", str(target), "--quiet", "--workers",
+                            str(args.workers)], check=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                           stdout=subprocess.DEVNULL)
+            return time.perf_counter() - t
+
+        ours_s = dataio_index(REPO, ours)
+        if args.baseline:
+            shutil.copytree(theirs, Path(tmp) / "baseline")
+            baseline_s = dataio_index(args.baseline.resolve(), Path(tmp) / "baseline")
         t = time.perf_counter()
         subprocess.run([str(Path(sys.executable).with_name("energon")), "prepare", "--non-interactive",
                         "--sample-type", "CrudeWebdataset", "--split-ratio", "1,0,0", "--no-progress",
@@ -57,7 +65,10 @@ def main() -> None:
         print(f"{args.shards} shards, {n} samples, {size:.0f} MB, {args.workers} workers")
         print(f"dataio index   : {ours_s:6.2f} s  {n / ours_s:10.0f} samples/s (process start included)")
         print(f"energon prepare: {energon_s:6.2f} s  {n / energon_s:10.0f} samples/s (process start included)")
-        print(f"speed-up       : {energon_s / ours_s:.2f}x")
+        if args.baseline:
+            print(f"baseline index : {baseline_s:6.2f} s  {n / baseline_s:10.0f} samples/s ({args.baseline})")
+        print(f"speed-up       : {energon_s / ours_s:.2f}x over energon prepare"
+              + (f", {baseline_s / ours_s:.2f}x over the baseline" if args.baseline else ""))
 
 
 if __name__ == "__main__":

@@ -186,11 +186,12 @@ def bench_loss(args) -> list[dict]:
     rows = []
     ctx = mp.get_context("spawn")
     for vocab in args.vocab:
-        row = {"tokens": args.tokens_loss, "hidden": args.hidden, "vocab": vocab, "dtype": args.dtype, "chunk": args.chunk_tokens,
-               "logits_fp32_mib": args.tokens_loss * vocab * 4 / 2**20}
+        row = {"tokens": args.tokens_loss, "hidden": args.hidden, "vocab": vocab, "dtype": args.dtype,
+               "chunk": args.chunk_tokens, "logits_fp32_mib": args.tokens_loss * vocab * 4 / 2**20}
         for impl in ("reference", "chunked"):
             out = ctx.Queue()
-            case = (args.threads, args.device, args.tokens_loss, args.hidden, vocab, args.dtype, impl, args.chunk_tokens)
+            case = (args.threads, args.device, args.tokens_loss, args.hidden, vocab, args.dtype, impl,
+                    args.chunk_tokens)
             p = ctx.Process(target=_loss_case, args=(*case, args.repeats, out))
             p.start()
             res = out.get()
@@ -206,7 +207,9 @@ def _fmt(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("part", choices=["attention", "loss", "all"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32")
@@ -224,7 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"# torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, dtype {args.dtype}", flush=True)
+    print(f"# torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"dtype {args.dtype}", flush=True)
     if args.part in ("attention", "all"):
         bench_attention(args)
     if args.part in ("loss", "all"):

@@ -9,10 +9,13 @@ Measured, each for one epoch, median of ``--repeats`` (warm page cache, after on
 - ``page cache``: every tar read into one preallocated buffer (``readinto``): the ceiling.
 - ``webdataset``: ``wds.WebDataset(tars).decode()`` (``.npy`` to numpy), one process.
 - ``headrace``: ``build_loader`` with batch_size 256, in one process and with 2 workers, unshuffled
-  and shuffled; plus time to the first batch and peak RSS of the main process and of the workers.
+  and shuffled (whole epoch, start-up included); plus time to the first batch, the steady rate after
+  it, and peak RSS of the main process and of the workers.
 - CPU microseconds per sample in the main process and in the workers (user + system, from
   ``getrusage``): unlike samples/s, CPU time does not depend on what else runs on the machine, so it
   shows what workers cost on a shared machine.
+- audio: synthetic ~90 KB FLAC utterances, read as raw bytes (``decode.audio: dali`` leaves them
+  encoded) by headrace and by webdataset (no decode), beside the page-cache read of the same tars.
 - shuffle quality of headrace's window permutation beside webdataset's shard shuffle + buffer of the
   same size (see ``shuffle_quality``).
 
@@ -58,6 +61,34 @@ def build_corpus(root: Path, docs: int, per_shard: int) -> None:
     merge_parts([scan_shard(root, n) for n in names]).save(root)
 
 
+def build_audio_corpus(root: Path, utterances: int, per_shard: int) -> None:
+    """Synthetic speech-like FLAC (16 kHz mono, 1-10 s, mean ~4.5 s: voiced harmonics under a
+    syllable-rate envelope plus noise), sized like real utterances (~90 KB); no decoding is timed."""
+    import io
+
+    import soundfile
+    import webdataset as wds
+
+    from dataio.index import merge_parts
+    from dataio.tarscan import scan_shard
+
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for s in range(0, utterances, per_shard):
+        with wds.TarWriter(str(root / f"audio-{s // per_shard:06d}.tar")) as w:
+            for i in range(s, min(s + per_shard, utterances)):
+                n = int(np.clip(rng.lognormal(np.log(4.0), 0.45), 1, 10) * 16000)
+                t = np.arange(n) / 16000
+                f0 = 110 + 40 * np.sin(2 * np.pi * 0.7 * t)
+                voice = sum(np.sin(2 * np.pi * k * np.cumsum(f0) / 16000) / k for k in range(1, 6))
+                wave = 0.2 * voice * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t)) + 0.02 * rng.standard_normal(n)
+                buf = io.BytesIO()
+                soundfile.write(buf, wave.astype(np.float32), 16000, format="FLAC", subtype="PCM_16")
+                w.write({"__key__": f"u{i:08d}", "flac": buf.getvalue()})
+    names = sorted(p.name for p in root.glob("*.tar"))
+    merge_parts([scan_shard(root, n) for n in names]).save(root)
+
+
 def page_cache(tars: list[Path]) -> float:
     buf = bytearray(max(p.stat().st_size for p in tars))
     t = time.perf_counter()
@@ -81,6 +112,31 @@ def cpu_seconds() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+def webdataset_bytes_epoch(tars: list[Path]) -> float:
+    import webdataset as wds
+
+    t = time.perf_counter()
+    sum(1 for _ in wds.WebDataset([str(p) for p in tars], shardshuffle=False))
+    return time.perf_counter() - t
+
+
+def headrace_bytes_epoch(root: Path, *, workers: int) -> tuple[float, int, float]:
+    """Audio members as raw bytes (``decode.audio: dali`` leaves them encoded), batch_size 32:
+    ``(seconds, samples, steady samples/s after the first batch)``."""
+    from dataio import build_loader
+
+    t = time.perf_counter()
+    loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 32, "epochs": 1, "num_workers": workers,
+                           "shuffle": False, "decode": {"audio": "dali"}})
+    n, first, first_n = 0, None, 0
+    for batch in loader:
+        n += len(batch["__key__"])
+        if first is None:
+            first, first_n = time.perf_counter(), n
+    end = time.perf_counter()
+    return end - t, n, (n - first_n) / (end - first)
+
+
 def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
     import gc
 
@@ -90,11 +146,11 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
     t = time.perf_counter()
     loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 256, "epochs": 1,
                            "num_workers": workers, "shuffle": shuffle, "prefetch": 4})
-    n, first, rss = 0, None, []
+    n, first, first_n, rss = 0, None, 0, []
     for i, batch in enumerate(loader):
-        if first is None:
-            first = time.perf_counter() - t
         n += len(batch["__key__"])
+        if first is None:
+            first, first_n = time.perf_counter() - t, n
         if i % 40 == 0:
             rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     seconds = time.perf_counter() - t
@@ -102,6 +158,7 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
     gc.collect()  # the DataLoader iterator is gone: its workers are joined, their CPU time counted
     cpu1 = cpu_seconds()
     return {"seconds": seconds, "samples": n, "first_batch_s": first, "rss_mb": rss,
+            "steady_samples_per_s": round((n - first_n) / (seconds - first)),
             "cpu_us_per_sample": {"main": round((cpu1[0] - cpu0[0]) / n * 1e6, 2),
                                   "workers": round((cpu1[1] - cpu0[1]) / n * 1e6, 2)}}
 
@@ -153,6 +210,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=50000)
     ap.add_argument("--per-shard", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--audio-dir", default="/tmp/headrace-bench/audio")
+    ap.add_argument("--utterances", type=int, default=3000)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
     root = Path(args.data_dir)
@@ -175,6 +234,7 @@ def main() -> None:
         assert all(r["samples"] == n for r in runs), "an epoch must serve every sample once"
         results[name] = statistics.median(r["samples"] / r["seconds"] for r in runs)
         details[name] = {"first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
+                         "steady_samples_per_s": statistics.median(r["steady_samples_per_s"] for r in runs),
                          "cpu_us_per_sample": runs[-1]["cpu_us_per_sample"],
                          "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)]}
     details["worker round trip, no payload, ms/batch"] = round(worker_round_trip_ms(), 3)
@@ -182,6 +242,23 @@ def main() -> None:
     for window in (1000, 8192):
         details[f"shuffle quality, headrace window {window}"] = shuffle_quality(headrace_shuffle_order(root, window))
         details[f"shuffle quality, webdataset buffer {window}"] = shuffle_quality(webdataset_shuffle_order(tars, window))
+    audio_root = Path(args.audio_dir)
+    if not (audio_root / ".nv-meta/headrace/manifest.json").exists():
+        build_audio_corpus(audio_root, args.utterances, 500)
+    audio_tars = sorted(audio_root.glob("*.tar"))
+    n_audio = len(load_index(audio_root))
+    page_cache(audio_tars)
+    audio_kb = sum(p.stat().st_size for p in audio_tars) / n_audio / 1024
+    results[f"audio page cache ({audio_kb:.0f} KB/sample)"] = statistics.median(
+        n_audio / page_cache(audio_tars) for _ in range(args.repeats))
+    results["audio bytes, webdataset, 1 process"] = statistics.median(
+        n_audio / webdataset_bytes_epoch(audio_tars) for _ in range(args.repeats))
+    for workers in (0, 2):
+        runs = [headrace_bytes_epoch(audio_root, workers=workers) for _ in range(args.repeats)]
+        assert all(n == n_audio for _, n, _ in runs)
+        name = f"audio bytes, headrace, {workers or 1} {'workers' if workers else 'process'}"
+        results[name] = statistics.median(n / sec for sec, n, _ in runs)
+        details[f"{name}: steady samples/s"] = round(statistics.median(steady for _, _, steady in runs))
     if args.json:
         print(json.dumps({"samples_per_s": results, "details": details}, indent=1))
         return

@@ -11,7 +11,8 @@ NeMo manifest) in a scratch directory, then, in one run on the same disk:
 Prints MB/s (bytes of tar written) and samples/s per method, and the ratios the targets are about.
 ``dataio shard`` is timed end to end (process start-up and metadata included) and by its own timer
 (the "in X s" of its summary line: planning and writing, without interpreter start-up and imports).
-Usage: ``.venv/bin/python tools/bench_shard.py [--docs 40000] [--audio-files 300] [--dir /tmp/bench_shard]``
+Usage: ``.venv/bin/python tools/bench_shard.py [--docs 40000] [--audio-files 300] [--dir /tmp/bench_shard]
+[--baseline DIR]`` (``DIR``: another checkout, e.g. ``git archive COMMIT | tar -x -C DIR``, timed beside).
 """
 
 from __future__ import annotations

@@ -20,4 +20,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && installed; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,dali]'
+# litdata, a peer loader in `dataio bench`: --no-deps, because its declared dependencies (torchvision)
+# pull another torch; then the light dependencies it imports (none of them touches torch).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps litdata==0.2.76 lightning-utilities==0.15.3
+.venv/bin/python -m pip install -q --disable-pip-version-check boto3 requests filelock
 echo "$want" > "$stamp"

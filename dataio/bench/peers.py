@@ -17,6 +17,8 @@ workers, shuffle, state)`` returns an iterator of batches in headrace's batch la
   back with ``CutSet.from_shar`` + ``SimpleCutSampler`` + ``IterableDatasetWrapper`` in a DataLoader,
   lhotse's documented Shar recipe: every worker iterates the whole Shar (no shard split), so with
   workers the bench stops at the epoch's sample count.
+- ``dali`` (audio only): DALI's ``fn.readers.webdataset`` on the tars + ``fn.decoders.audio`` on CPU,
+  ``num_workers`` mapped to DALI threads (the decoded-audio target is "at least DALI's").
 - ``torch``: a map-style ``Dataset`` over the same tars (member offsets found once with ``tarfile``,
   payloads read with ``os.pread``) in a plain ``DataLoader`` with ``batch_size=B``.
 
@@ -28,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import io
-import importlib.util
 import json
 import os
 import shutil
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from dataio.bench.data import BenchData, collate_samples, is_audio, plain_decode, plain_sample
@@ -58,8 +61,10 @@ class Peer:
 
 def skip_reason(peer: Peer, data: BenchData) -> str | None:
     """Why ``peer`` cannot run on ``data`` (not installed, or not for this kind of data), else None."""
-    if importlib.util.find_spec(peer.module) is None:
-        return f"not installed ({peer.install or f'pip install {peer.module}'})"
+    try:
+        importlib.import_module(peer.module)
+    except ImportError as e:  # absent, or present without a dependency it imports
+        return f"not installed ({peer.install or f'pip install {peer.module}'}): {e}"
     if data.kind not in peer.kinds:
         return f"{peer.name} does not load {data.kind} data"
     return None
@@ -233,7 +238,7 @@ def _litdata_collate(decode, items: list[dict]) -> dict:
             suffix = ext.rpartition(".")[2]
             if suffix == "npy":
                 fields[ext] = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
-            elif isinstance(value, (bytes, bytearray)):
+            elif isinstance(value, (bytes, bytearray, memoryview)):  # litdata hands bytes back as views
                 fields[ext] = plain_decode(ext, bytes(value), decode)
             else:
                 fields[ext] = value
@@ -331,6 +336,42 @@ def open_torch(data: BenchData, workers: int, shuffle: bool, state: list) -> Ite
                                             num_workers=workers, collate_fn=_torch_collate, generator=generator))
 
 
+# ---------------------------------------------------------------------------------------------- dali
+
+def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    """DALI's own tar reader + ``fn.decoders.audio`` on CPU (``device_id=None``), ``max(1, workers)``
+    threads standing in for worker processes; the last batch is padded by the reader and trimmed here."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    from dataio.decode import Audio
+
+    decode, batch_size = data.decode, data.cfg.batch_size
+    resample = {"sample_rate": float(decode.sample_rate)} if decode.sample_rate else {}
+
+    @pipeline_def(batch_size=batch_size, num_threads=max(1, workers), device_id=None, prefetch_queue_depth=2)
+    def pipeline():
+        encoded = fn.readers.webdataset(paths=[str(p) for p in data.shards], ext=[data.field], name="reader",
+                                        random_shuffle=shuffle, initial_fill=SHUFFLE_BUFFER, seed=0,
+                                        pad_last_batch=True, missing_component_behavior="error")
+        audio, rate = fn.decoders.audio(encoded, downmix=decode.mono, dtype=types.FLOAT, **resample)
+        return audio, rate
+
+    pipe = pipeline()
+    pipe.build()
+
+    def batches() -> Iterator[dict]:
+        left = data.samples
+        while left > 0:
+            audio, rate = pipe.run()
+            n = min(batch_size, left)
+            samples = [{data.field: Audio(torch.from_numpy(np.array(audio.at(i)).reshape(-1)), int(rate.at(i)))}
+                       for i in range(n)]
+            left -= n
+            yield collate_samples([str(i) for i in range(n)], samples)
+
+    return batches()
+
+
 PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(name="headrace", module="dataio", kinds=("text", "audio"), open=open_headrace),
     Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset),
@@ -340,6 +381,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
          install="pip install --no-deps litdata lightning-utilities boto3 s3transfer requests (its declared deps pull another torch)"),
     Peer(name="lhotse", module="lhotse", kinds=("audio",), open=open_lhotse, prepare=prepare_lhotse),
     Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
+    Peer(name="dali", module="nvidia.dali", kinds=("audio",), open=open_dali, install="pip install 'headrace[dali]'"),
 ]}
 
 

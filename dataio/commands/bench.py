@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dataio.cli import CommandError
 
-PEER_NAMES = ("webdataset", "energon", "litdata", "lhotse", "torch")
+PEER_NAMES = ("webdataset", "energon", "litdata", "lhotse", "torch", "dali")
 
 
 def _int_list(text: str) -> list[int]:
@@ -35,12 +35,14 @@ def _int_list(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True,
                         help="YAML whose `data:` section (or top level) is the loader's data config (one dataset)")
-    parser.add_argument("--compare", default=",".join(PEER_NAMES),
-                        help="peer loaders to run beside headrace (comma-separated; empty: headrace only)")
+    parser.add_argument("--compare", default=",".join(PEER_NAMES[:5]),
+                        help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} (empty: headrace only)")
     parser.add_argument("--num-workers", type=_int_list, default=[0, 2], help="worker counts, e.g. 0,2,4")
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--seconds", type=float, help="stop each run after this many seconds (default: one epoch)")
     limit.add_argument("--batches", type=int, help="stop each run after this many batches (default: one epoch)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per loader and worker count, interleaved; the median run (by samples/s) is reported")
     parser.add_argument("--step-time", type=float, default=0.0,
                         help="simulated trainer step in ms after each batch (reports the data-wait fraction)")
     parser.add_argument("--shuffle", action="store_true", help="shuffled reads, each loader by its own mechanism")
@@ -116,27 +118,38 @@ def run(args: argparse.Namespace) -> int:
         loaders.append(name)
 
     load_before = os.getloadavg()[0]
-    runs = []
+    trials: dict[tuple[str, int], list[dict]] = {}
     columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        for workers in args.num_workers:
-            for name in loaders:
-                total = None if (args.batches or args.seconds) else data.samples
-                task = progress.add_task(f"{name}, {workers} workers", total=total)
-                if args.cache == "cold" and not cold_refused:
-                    drop_page_cache()
-                peer, state = PEERS[name], states.get(name)
-                try:
-                    result = measure(lambda: peer.open(data, workers, args.shuffle, state), lambda b: count(b, data),
-                                     max_samples=data.samples, max_batches=args.batches, max_seconds=args.seconds,
-                                     step_s=step_s, progress=lambda n, t=task: progress.advance(t, n))
-                except Exception as e:
-                    skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
-                    continue
-                finally:
-                    progress.remove_task(task)
-                runs.append({"loader": name, "workers": workers, "shuffle": args.shuffle,
-                             "prepare_s": prepare_s.get(name), **result})
+        # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
+        for _ in range(max(1, args.repeats)):
+            for workers in args.num_workers:
+                for name in loaders:
+                    if (name, -1) in trials:  # failed before: reported once
+                        continue
+                    total = None if (args.batches or args.seconds) else data.samples
+                    task = progress.add_task(f"{name}, {workers} workers", total=total)
+                    if args.cache == "cold" and not cold_refused:
+                        drop_page_cache()
+                    peer, state = PEERS[name], states.get(name)
+                    try:
+                        result = measure(lambda: peer.open(data, workers, args.shuffle, state), lambda b: count(b, data),
+                                         max_samples=data.samples, max_batches=args.batches, max_seconds=args.seconds,
+                                         step_s=step_s, progress=lambda n, t=task: progress.advance(t, n))
+                    except Exception as e:  # reported with its reason, never dropped silently
+                        skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
+                        trials[(name, -1)] = []
+                        continue
+                    finally:
+                        progress.remove_task(task)
+                    trials.setdefault((name, workers), []).append(result)
+    runs = []
+    for (name, workers), results in trials.items():
+        if workers < 0:
+            continue
+        results.sort(key=lambda r: r["samples_per_s"] or 0.0)
+        runs.append({"loader": name, "workers": workers, "shuffle": args.shuffle, "prepare_s": prepare_s.get(name),
+                     "repeats": len(results), **results[len(results) // 2]})
     report.add_ratios(runs, limit["samples_per_s"], data.bytes / data.samples)
 
     trainer = []

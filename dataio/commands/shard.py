@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dataio.cli import CommandError
 
-_JOB = None  # (ShardJob, [PlannedShard]) for forked workers
+_JOB = None  # (ShardJob, [PlannedShard], shared count of samples done) for forked workers
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,24 +86,44 @@ def _remove_stale_temps(root: Path, shards) -> None:
 def _write_in_worker(i: int):
     from dataio.shard_write import write_shard
 
-    job, shards = _JOB
-    return write_shard(job, shards[i])
+    job, shards, done = _JOB
+
+    def count(n: int) -> None:
+        with done.get_lock():
+            done.value += n
+
+    return write_shard(job, shards[i], progress=count)
 
 
-def _write_shards(job, todo, workers: int):
-    """Yield a ShardResult per shard as shards finish (in-process for one worker)."""
+def _write_shards(job, todo, workers: int, advance=lambda n: None):
+    """Yield a ShardResult per shard as shards finish (in-process for one worker); ``advance(n)`` is
+    called as chunks of ``n`` samples are done (written or skipped), also from forked workers."""
     global _JOB
     if workers <= 1 or len(todo) <= 1:
         from dataio.shard_write import write_shard
 
         for shard in todo:
-            yield write_shard(job, shard)
+            yield write_shard(job, shard, progress=advance)
         return
-    _JOB = (job, todo)
+    context = multiprocessing.get_context("fork")  # workers inherit the plan and the opened readers
+    done = context.Value("q", 0)
+    _JOB = (job, todo, done)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # N processes already fill the cores
-    # fork: workers inherit the plan and the opened readers instead of pickling them.
-    with multiprocessing.get_context("fork").Pool(min(workers, len(todo))) as pool:
-        yield from pool.imap_unordered(_write_in_worker, range(len(todo)))
+    shown = 0
+    with context.Pool(min(workers, len(todo))) as pool:
+        results = pool.imap_unordered(_write_in_worker, range(len(todo)))
+        while True:
+            try:
+                result = results.next(timeout=0.5)
+            except multiprocessing.TimeoutError:
+                result = None
+            except StopIteration:
+                break
+            advance(done.value - shown)
+            shown = done.value
+            if result is not None:
+                yield result
+    advance(done.value - shown)
 
 
 def _skip_reports(root: Path, names) -> list[dict]:
@@ -192,14 +212,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         with progress_bar("shard", total=sum(len(s.entries) for s in todo), unit="samples",
                           quiet=args.quiet) as advance:
-            for result in _write_shards(shard_job, todo, args.workers):
+            for result in _write_shards(shard_job, todo, args.workers, advance):
                 written_samples += result.samples
                 written_bytes += result.bytes
                 skipped_count += len(result.skipped)
                 if skipped_count > args.skip_errors:
                     raise SampleError(f"{result.skipped[-1]['reason']} ({skipped_count} bad samples exceed "
                                       f"--skip-errors {args.skip_errors})")
-                advance(len(result.skipped) + result.samples)
     except SampleError as e:
         _remove_stale_temps(root, todo)
         raise _fail(e) from None

@@ -79,8 +79,8 @@ def _expectations(index) -> list[ShardExpectation]:
 
 
 def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
-    """The first fault in one shard, or None."""
-    from dataio.tarscan import TarFormatError, decode_check, open_tar, scan_shard
+    """The first fault in one shard, or None (the shard is mapped once: checksum, header scan, decodes)."""
+    from dataio.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
 
     path = root / expect.name
     if not path.is_file():
@@ -101,7 +101,7 @@ def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
         if expect.sha256 and hashlib.sha256(buf).hexdigest() != expect.sha256:
             return Fault(expect.name, None, 0, "sha256 differs from the one recorded at write time")
         try:
-            part = scan_shard(root, expect.name, lengths=False)
+            part = scan_buffer(buf, expect.name, path=path, lengths=False)
         except TarFormatError as e:
             return Fault(expect.name, key_at(e.offset), e.offset, e.reason)
         for i, key in enumerate(part.keys.tolist()):

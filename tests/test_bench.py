@@ -1,0 +1,154 @@
+"""`dataio bench` end to end on tiny data: every installed peer reads the same samples as headrace, the
+JSON has every field, the table and plot are written, the trainer path reports its data wait."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import webdataset as wds
+
+from dataio.bench.peers import PEERS, skip_reason
+from dataio.bench.report import RUN_FIELDS
+from dataio.cli import CommandError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _index(root: Path) -> None:
+    from dataio.commands.index import build_index
+
+    build_index(root, workers=1)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Tiny text (tokens + txt + json) and audio (FLAC + json) shard dirs, written by ShardWriter, indexed."""
+    base = tmp_path_factory.mktemp("bench")
+    rng = np.random.default_rng(0)
+    text, audio = base / "text", base / "audio"
+    text.mkdir()
+    audio.mkdir()
+    with wds.ShardWriter(str(text / "train-%06d.tar"), maxcount=23, verbose=0) as w:
+        for i in range(61):
+            buf = io.BytesIO()
+            np.save(buf, rng.integers(0, 4000, int(rng.integers(5, 300)), dtype=np.uint16))
+            w.write({"__key__": f"doc{i:04d}", "npy": buf.getvalue(), "txt": f"document {i}".encode(),
+                     "json": json.dumps({"i": i}).encode()})
+    with wds.ShardWriter(str(audio / "train-%06d.tar"), maxcount=7, verbose=0) as w:
+        for i in range(17):
+            buf = io.BytesIO()
+            soundfile.write(buf, 0.1 * rng.standard_normal(int(rng.integers(1600, 8000))).astype(np.float32), 16000,
+                            format="FLAC", subtype="PCM_16")
+            w.write({"__key__": f"utt{i:04d}", "flac": buf.getvalue(), "json": json.dumps({"i": i}).encode()})
+    _index(text)
+    _index(audio)
+    return base
+
+
+def bench(tmp_path: Path, data: dict, *argv: str) -> dict:
+    from dataio.commands import bench as command
+
+    config = tmp_path / "data.yaml"
+    config.write_text(json.dumps({"data": data}))  # JSON is YAML
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    out = tmp_path / "out"
+    assert command.run(parser.parse_args(["--config", str(config), "--out", str(out), *argv])) == 0
+    for name in ("results.json", "results.md", "throughput.png"):
+        assert (out / name).stat().st_size > 0, name
+    return json.loads((out / "results.json").read_text())
+
+
+def test_text_every_peer_reads_the_same_samples(shards, tmp_path):
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8, "shuffle": False,
+                              "seq_len": 64}, "--num-workers", "0,1", "--trainer", "--step-time", "5",
+                   "--batches", "4")
+    # --batches caps every run at 4 batches of 8; a one-epoch run is the next test
+    assert result["data"]["samples"] == 61 and result["data"]["kind"] == "text"
+    ran = {r["loader"] for r in result["runs"]}
+    skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
+    assert "lhotse" in skipped and "text" in skipped["lhotse"]  # not silently dropped
+    for name in ("webdataset", "energon", "litdata", "torch"):
+        assert name in ran or name in skipped, name
+    for run in result["runs"]:
+        assert set(RUN_FIELDS) <= set(run), set(RUN_FIELDS) - set(run)
+        assert run["batches"] == 4 and run["samples"] == 32, run
+        assert run["samples_per_s"] > 0 and run["peak_rss_mb"] > 0 and run["cpu_util"] > 0
+        assert 0 <= run["data_wait_fraction"] <= 1
+        assert run["latency_p99_ms"] >= run["latency_p50_ms"] > 0
+    headrace = [r for r in result["runs"] if r["loader"] == "headrace"]
+    assert [r["vs_headrace"] for r in headrace] == [1.0, 1.0]
+    assert result["page_cache"]["bytes"] > 0 and result["page_cache"]["samples_per_s"] > 0
+    assert [t["workers"] for t in result["trainer"]] == [0, 1]
+    for t in result["trainer"]:
+        assert t["packing"] == "best_fit" and t["batches"] == 4 and 0 <= t["data_wait_fraction"] <= 1
+        assert t["tokens_per_s"] > 0
+
+
+def test_one_epoch_like_for_like(shards, tmp_path):
+    """In one process every loader serves exactly the epoch: the same samples and the same tokens."""
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+                   "--num-workers", "0")
+    runs = {r["loader"]: r for r in result["runs"]}
+    assert "headrace" in runs and len(runs) >= 4  # webdataset, energon, torch are dependencies
+    for name, run in runs.items():
+        assert run["samples"] == 61 and run["units"] == runs["headrace"]["units"], name
+
+
+def test_audio_peers_decode_the_same_seconds(shards, tmp_path):
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "audio")}], "batch_size": 4, "shuffle": False},
+                   "--num-workers", "0", "--compare", "webdataset,energon,lhotse,torch,dali")
+    runs = {r["loader"]: r for r in result["runs"]}
+    skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
+    assert set(runs) | {"dali"} == {"headrace", "webdataset", "energon", "lhotse", "torch", "dali"}, skipped
+    assert "dali" in runs or "not installed" in skipped["dali"]  # the `dali` extra is optional
+    seconds = runs["headrace"]["units"]
+    assert seconds > 1.0
+    for name, run in runs.items():
+        assert run["samples"] == 17, name
+        assert run["units"] == pytest.approx(seconds, rel=1e-3), name  # lhotse re-encodes: same frames
+    assert "audio s/s" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_bad_configs_are_one_line_errors(shards, tmp_path):
+    two = {"datasets": [{"path": str(shards / "text")}, {"path": str(shards / "audio")}]}
+    with pytest.raises(CommandError, match="one dataset"):
+        bench(tmp_path, two)
+    with pytest.raises(CommandError, match="unknown loader"):
+        bench(tmp_path, {"datasets": [{"path": str(shards / "text")}]}, "--compare", "mosaic")
+
+
+def test_skip_reason_names_the_missing_package(shards, tmp_path):
+    from dataclasses import replace
+
+    from dataio.bench.data import describe
+    from dataio.config import DataConfig
+    from dataio.configtree import from_dict
+
+    data = describe(from_dict(DataConfig, {"datasets": [{"path": str(shards / "text")}]}), tmp_path)
+    missing = replace(PEERS["litdata"], module="surely_not_installed_pkg")
+    assert "not installed" in skip_reason(missing, data) and "--no-deps" in skip_reason(missing, data)
+
+
+def test_page_cache_limit_reads_every_byte(tmp_path):
+    from dataio.bench.pagecache import read_limit
+
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes(1000 * (i + 1)))
+    limit = read_limit(files, repeats=2)
+    assert limit["bytes"] == 6000 and limit["bytes_per_s"] > 0
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, dataio.commands.bench as b, argparse; b.add_arguments(argparse.ArgumentParser()); " \
+           "assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env={"PYTHONPATH": str(REPO)})
