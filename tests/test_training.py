@@ -17,7 +17,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
-from train_common import TINY_LLAMA, ListLoader, packed_batches, save_pretrained_tiny  # noqa: E402
+from train_common import (  # noqa: E402
+    TINY_LLAMA,
+    ListLoader,
+    full_logits_loss_sum,
+    packed_batches,
+    save_pretrained_tiny,
+)
 
 from dataio.configtree import ConfigError  # noqa: E402
 from training import checkpoint  # noqa: E402
@@ -101,10 +107,12 @@ def test_packed_loss_equals_documents_run_one_by_one(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from kernels.hf_attention import register_varlen_attention
+    from training.loss import CausalLMLoss
     from training.train import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
-    packed = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation=register_varlen_attention())
+    packed = CausalLMLoss(AutoModelForCausalLM.from_pretrained(tmp_path / "m",
+                                                               attn_implementation=register_varlen_attention()))
     alone = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa")
     batch = packed_batches(1, seq_len=64, rows=2)[0]
     with torch.no_grad():
@@ -116,6 +124,37 @@ def test_packed_loss_equals_documents_run_one_by_one(tmp_path):
             want += torch.nn.functional.cross_entropy(logits, labels[a:b], ignore_index=-100, reduction="sum")
     assert len(cu) > 3  # several documents per row
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_chunked_loss_gives_the_full_logits_loss_and_gradients(tmp_path):
+    """CausalLMLoss (lm_head + cross-entropy in chunks of 13 tokens, never the full logits) == HF's forward to
+    full logits + F.cross_entropy: loss and every parameter's gradient; parameter names are HF's own."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
+    from training.loss import CausalLMLoss, unwrap_causal_lm
+    from training.train import forward_loss_sum
+
+    save_pretrained_tiny(tmp_path / "m")
+    load = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "m",  # noqa: E731
+                                                        attn_implementation=register_varlen_attention())
+    reference, hf = load(), load()
+    model = CausalLMLoss(hf, chunk_size=13)
+    assert unwrap_causal_lm(model) is hf and model.model is hf.model
+    assert list(model.state_dict()) == list(reference.state_dict())
+    batch = packed_batches(1, seq_len=64, rows=2)[0]
+    got = forward_loss_sum(model, batch, autocast=False)
+    got.backward()
+    want = full_logits_loss_sum(reference, batch)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():  # labels=None: the logits, as HF's forward gives them
+        logits = model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))
+        torch.testing.assert_close(logits, reference(input_ids=batch["input_ids"],
+                                                     **packed_attention_kwargs(batch)).logits)
 
 
 # -- with a one-rank process group --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config import ModelConfig
+from training.loss import unwrap_causal_lm
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -62,7 +63,7 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
     model.to_empty(device=device)
     for module in model.modules():  # to_empty left garbage, so nothing is initialized yet
         module._is_hf_initialized = False
-    hf = _hf_model(model)
+    hf = unwrap_causal_lm(model)
     hf.initialize_weights()  # also recomputes the non-persistent RoPE buffers
     hf.tie_weights()
     if pretrained_path is not None:
@@ -75,7 +76,7 @@ def load_safetensors(model: nn.Module, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    if getattr(_hf_model(model).config, "tie_word_embeddings", False):
+    if getattr(unwrap_causal_lm(model).config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
     set_model_state_dict(model, state, options=_strict_false())
@@ -87,10 +88,6 @@ def count_params(config: PretrainedConfig) -> tuple[int, int]:
     total = sum(p.numel() for p in meta.parameters())
     embed = meta.get_input_embeddings().weight.numel()
     return total, total - embed
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)  # DDP wraps; FSDP2 / TP do not
 
 
 def _strict_false():

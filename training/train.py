@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,15 +36,16 @@ from torch.nn.parallel import DistributedDataParallel
 from dataio.configtree import to_dict
 from dataio.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
+from kernels.loss import IGNORE_INDEX
 from training import checkpoint
 from training.config import JobConfig
+from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
 from training.model import build_hf_config, build_meta_model, materialize
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
 
-IGNORE_INDEX = -100
 MODEL_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens")
 
 
@@ -90,12 +90,11 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 
 def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
-    """Summed next-token cross-entropy of one packed micro-batch (labels are already shifted)."""
+    """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
+    already shifted)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
-        logits = model(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+        return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch))
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
@@ -130,7 +129,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     """meta -> parallelize -> allocate this rank's shards -> init or load (-> DDP). Returns (model, hf_config)."""
     hf_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    model = parallelize(build_meta_model(hf_config), dims, meshes, cfg.distributed, param_dtype)
+    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed, param_dtype)
     materialize(model, device, cfg.model.pretrained_path)
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)

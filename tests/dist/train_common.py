@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dataio.packing import Packer, PackingConfig
 
@@ -40,6 +41,15 @@ def packed_batches(count: int, *, seq_len: int = 32, rows: int = 2, seed: int = 
         while (batch := packer.pop()) is not None and len(out) < count:
             out.append(batch)
     return out
+
+
+def full_logits_loss_sum(hf_model, batch: dict) -> torch.Tensor:
+    """The reference loss: HF's forward to full logits, then summed fp32 cross-entropy over labelled tokens."""
+    from kernels.hf_attention import packed_attention_kwargs
+
+    logits = hf_model(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
+                           reduction="sum")
 
 
 class ListLoader:

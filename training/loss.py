@@ -1,0 +1,65 @@
+"""``CausalLMLoss``: the module the trainer trains, a transformers causal LM whose forward returns its loss.
+
+Why a wrapper: the memory-lean loss (``kernels.loss.linear_cross_entropy``) reads ``lm_head.weight``
+directly instead of calling ``lm_head``, so it must run inside the forward of the FSDP2 *root* module,
+where the root's pre-forward hook has unsharded embeddings, final norm and lm_head. Calling
+``hf_model.model(...)`` from outside would skip that hook. The wrapper's forward runs the decoder
+(``hf_model.model``), then the chunked cross-entropy: the ``[tokens, vocab]`` fp32 logits are never held,
+only one ``kernels.loss`` chunk at a time (7.9x less peak memory at a 128k vocabulary, BENCHMARKS.md).
+
+Parameter names stay transformers' own: the wrapper registers the HF model's children (``model``,
+``lm_head``) under their names and keeps the HF model itself as a plain attribute (``causal_lm``), so
+``state_dict`` / DCP / ``get_model_state_dict`` keys are exactly ``model.layers.0...`` and ``lm_head.weight``
+and the ``hf/`` export loads with ``from_pretrained``. The HF modules are untouched and shared, not copied.
+
+Under tensor parallelism ``lm_head.weight`` is a vocab-sharded DTensor (ColwiseParallel) and the chunked
+kernel needs the full weight, so the wrapper keeps the full-logits path there: ``lm_head`` gathers the
+vocab shards (``output_layouts=Replicate``) and ``F.cross_entropy`` runs on the whole logits, exactly as
+before. A vocab-parallel chunked loss would remove that gather; it is not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from kernels.loss import IGNORE_INDEX, linear_cross_entropy
+
+
+class CausalLMLoss(nn.Module):
+    """``forward(input_ids, labels, **kwargs)`` -> summed next-token cross-entropy (fp32 scalar); with
+    ``labels=None`` -> the logits. ``kwargs`` go to the decoder (position ids, packed-attention metadata).
+    Labels are already next-token aligned (dataio packing shifts them; -100 where no loss is taken)."""
+
+    def __init__(self, causal_lm: nn.Module, chunk_size: int | None = None):
+        super().__init__()
+        if getattr(causal_lm.lm_head, "bias", None) is not None:
+            raise ValueError("CausalLMLoss: an lm_head with a bias is not supported (the chunked loss reads the weight)")
+        for name, child in causal_lm.named_children():  # same FQNs as the HF model: "model.*", "lm_head.*"
+            self.add_module(name, child)
+        object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
+        self.config = causal_lm.config
+        self.chunk_size = chunk_size  # tokens per logits chunk; None: kernels.loss's default (128 MiB of fp32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        weight = self.lm_head.weight
+        if labels is None:
+            return self.lm_head(hidden)
+        if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
+            logits = self.lm_head(hidden)
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size)
+        return loss_sum
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside ``model`` (a ``CausalLMLoss``, possibly wrapped by DDP, or a bare HF model)."""
+    model = getattr(model, "module", model)  # DDP wraps; FSDP2 / TP do not
+    return getattr(model, "causal_lm", model)
+
+
+__all__ = ["CausalLMLoss", "unwrap_causal_lm"]
