@@ -31,7 +31,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, NamedTuple
@@ -41,9 +40,10 @@ import soundfile
 import soxr
 import torch
 
+from dataio.formats import AUDIO_EXTENSIONS, npy_header
+
 Buffer = bytes | bytearray | memoryview
 
-AUDIO_EXTENSIONS = frozenset({"flac", "wav", "ogg", "opus", "mp3"})
 PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth", "pt"})
 
 
@@ -103,17 +103,6 @@ class UnsafeMemberError(SampleDecodeError):
 
 # ---------------------------------------------------------------------------------------------- npy
 
-# The exact v1 prelude numpy's writer emits for plain numeric arrays: magic, version 1.0, header length,
-# then e.g. {'descr': '<i4', 'fortran_order': False, 'shape': (1234,), } padded with spaces and "\n".
-# One regex over the raw buffer validates and parses it (~1 us); anything else takes numpy's reader.
-_NPY_CANONICAL = re.compile(
-    rb"\x93NUMPY\x01\x00(..)\{'descr': '([<>|][biuf][1248])', 'fortran_order': (False|True), "
-    rb"'shape': \(([0-9, ]*)\), \} *\n",
-    re.DOTALL,
-)
-_NPY_MAGIC = b"\x93NUMPY"
-_DTYPES: dict[bytes, np.dtype] = {}
-
 # Read-only members (bytes) give tensors over immutable memory on purpose (see the module docstring);
 # torch's "not writable" warning is silenced for calls from this module only (a per-call
 # warnings.catch_warnings would cost 3 us a sample).
@@ -122,14 +111,7 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 def decode_npy(buf: Buffer) -> torch.Tensor:
     """An ``.npy`` member as a tensor over ``buf``'s memory (no copy unless byte order or alignment forces one)."""
-    match = _NPY_CANONICAL.match(buf)
-    if match is not None and int.from_bytes(match[1], "little") == match.end() - 10:
-        descr, fortran, dims = match[2], match[3], match[4]
-        dtype = _DTYPES.get(descr) or _DTYPES.setdefault(descr, np.dtype(descr.decode()))
-        shape = tuple(int(d) for d in dims.split(b",") if d.strip())
-        fortran_order, data_offset = fortran == b"True", match.end()
-    else:
-        shape, fortran_order, dtype, data_offset = _read_npy_header(buf)
+    shape, fortran_order, dtype, data_offset = npy_header(buf)
     count = math.prod(shape)
     if data_offset + count * dtype.itemsize > len(buf):
         raise ValueError(f".npy payload truncated: shape {shape} needs {count * dtype.itemsize} bytes of data")
@@ -139,27 +121,6 @@ def decode_npy(buf: Buffer) -> torch.Tensor:
     if not (dtype.isnative and array.flags.aligned):
         array = array.astype(dtype.newbyteorder("="))  # torch needs native order and alignment; one copy
     return torch.from_numpy(array)  # over a read-only buffer too: shared on purpose, see the module docstring
-
-
-def _read_npy_header(buf: Buffer) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """Any other .npy header, through numpy's safe reader (``ast.literal_eval``, never pickle): ~20 us."""
-    view = memoryview(buf)
-    if len(view) < 10 or view[:6] != _NPY_MAGIC:
-        raise ValueError("not an .npy payload (bad magic)")
-    major, minor = view[6], view[7]
-    if major not in (1, 2):  # numpy has no public reader for v3 (UTF-8 field names)
-        raise ValueError(f"unsupported .npy format version {major}.{minor}")
-    start = 10 if major == 1 else 12
-    data_offset = start + int.from_bytes(view[8:start], "little")
-    if data_offset > len(view):
-        raise ValueError(f".npy header runs past the payload ({data_offset} > {len(view)} bytes)")
-    fp = io.BytesIO(view[:data_offset])
-    fmt = np.lib.format
-    read = fmt.read_array_header_1_0 if fmt.read_magic(fp) == (1, 0) else fmt.read_array_header_2_0
-    shape, fortran_order, dtype = read(fp)
-    if dtype.hasobject:
-        raise ValueError(f".npy holds Python objects (dtype {dtype}); refusing: that would need pickle")
-    return shape, fortran_order, dtype, data_offset
 
 
 # -------------------------------------------------------------------------------------------- audio

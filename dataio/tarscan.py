@@ -21,7 +21,6 @@ members (``dataio.shard_audio.probe``: FLAC/WAV parsed directly, libsndfile for 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import mmap
@@ -31,20 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from numpy.lib import format as npy_format
 
+from dataio.formats import AUDIO_EXTENSIONS, is_token_member, npy_header
 from dataio.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
 from dataio.tarwriter import BLOCK
 
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous (tarfile.REGULAR_TYPES)
 NO_PAYLOAD_TYPES = (b"1", b"2", b"3", b"4", b"5", b"6")  # link/symlink/char/block/dir/fifo: size not skipped
-NPY_HEADER_MAX = 4096
-# The v1 header numpy (and shard_write.npy_bytes) writes for plain numeric arrays: magic, version,
-# header length, then {'descr': '<u2', 'fortran_order': False, 'shape': (123,), } padded to 64 bytes.
-_NPY_CANONICAL = re.compile(rb"\x93NUMPY\x01\x00(..)\{'descr': '([<>|][biuf][1248])', 'fortran_order': "
-                            rb"(False|True), 'shape': \(([0-9, ]*)\), \} *\n", re.DOTALL)
-AUDIO_EXTENSIONS = frozenset({"flac", "wav", "mp3", "opus", "ogg", "sph", "aiff", "aif"})
 
 # webdataset.tariterators.base_plus_ext == megatron.energon...config.split_name_re
 SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
@@ -174,39 +167,12 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
-def npy_header(payload) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """``(shape, fortran_order, dtype, data offset)`` of a ``.npy`` payload, never unpickling anything.
-
-    The canonical v1 header that ``np.save`` and ``dataio shard`` write is matched by one regex (~1 us);
-    anything else goes through numpy's own safe reader (``ast.literal_eval``, ~20 us). ValueError for
-    a payload that is not ``.npy`` or holds Python objects.
-    """
-    head = bytes(payload[:NPY_HEADER_MAX])
-    m = _NPY_CANONICAL.match(head)
-    if m is not None and int.from_bytes(m[1], "little") == m.end() - 10:
-        shape = tuple(int(d) for d in m[4].split(b",") if d.strip())
-        return shape, m[3] == b"True", np.dtype(m[2].decode()), m.end()
-    f = io.BytesIO(head)
-    read_header = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
-    version = npy_format.read_magic(f)
-    if version not in read_header:
-        raise ValueError(f"unsupported .npy version {version}")
-    shape, fortran_order, dtype = read_header[version](f, max_header_size=NPY_HEADER_MAX)
-    if dtype.hasobject:
-        raise ValueError(f".npy holds Python objects (dtype {dtype}); refusing: that would need pickle")
-    return shape, fortran_order, dtype, f.tell()
-
-
 def audio_duration(payload) -> float:
     """Duration in seconds of an audio member, from its header (``dataio.shard_audio.probe``)."""
     from dataio.shard_audio import probe
 
     sample_rate, frames = probe(payload)
     return frames / sample_rate
-
-
-def is_token_member(ext: str) -> bool:
-    return ext == "npy" or ext.endswith(".npy")
 
 
 def open_tar(path: str | os.PathLike):

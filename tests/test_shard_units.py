@@ -227,7 +227,7 @@ def test_npy_writer_matches_np_save_and_header_parser_matches_numpy(array):
     from numpy.lib import format as npy_format
 
     from dataio.shard_write import npy_bytes
-    from dataio.tarscan import npy_header
+    from dataio.formats import npy_header
 
     saved = io.BytesIO()
     np.save(saved, array)

@@ -49,7 +49,7 @@ class BenchData:
 def describe(cfg: DataConfig, work: Path) -> BenchData:
     """The ``BenchData`` of ``cfg``'s one local dataset (ValueError when there are several or it is remote)."""
     from dataio.sources import ShardSource
-    from dataio.tarscan import is_token_member
+    from dataio.formats import is_token_member
 
     if len(cfg.datasets) != 1:
         raise ValueError(f"the bench compares loaders on one dataset; the config lists {len(cfg.datasets)}")
