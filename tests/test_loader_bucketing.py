@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 import soundfile
 import webdataset as wds
@@ -56,3 +57,15 @@ def test_bucketed_epoch_covers_once_rank_synced_and_resumes_on_another_dp_size(a
     resumed.load_state_dict(states)
     rest = [k for b in resumed for k in b["__key__"]]
     assert sorted(heads + rest) == keys
+
+
+def test_raw_audio_bytes_for_dali_cross_workers_as_one_flat_tensor(audio):
+    import soundfile as sf
+
+    root, keys = audio
+    (batch,) = build_loader({"datasets": [{"path": str(root)}], "epochs": 1, "num_workers": 2, "batch_size": 27,
+                             "shuffle": False, "decode": {"audio": "dali"}})
+    lengths = batch["__lengths__"]["flac"]
+    assert batch["__key__"] == keys and batch["flac"].dtype == torch.uint8
+    first = bytes(batch["flac"][: lengths[0]].numpy())
+    assert sf.info(io.BytesIO(first)).format == "FLAC"  # the encoded member, untouched

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, packed_batches  # noqa: E402
+from train_common import ListLoader, full_logits_loss_sum, packed_batches  # noqa: E402
 
 from training import checkpoint  # noqa: E402
 from training.config import load_job_config  # noqa: E402
@@ -63,7 +63,7 @@ def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
     for step in range(1, STEPS + 1):
         micro = batches[(step - 1) * GLOBAL_MICRO: step * GLOBAL_MICRO]
         tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro)
-        total = sum(forward_loss_sum(model, mb, autocast=False) for mb in micro) / tokens
+        total = sum(full_logits_loss_sum(model, mb) for mb in micro) / tokens
         total.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
         set_lr(opt, lr_at(step, cfg, STEPS))
@@ -87,7 +87,56 @@ def check_close(name: str, got, want, tol: float) -> None:
                              if got.numel() < 10 else f"{name}: max diff {diff:.3g} > {tol:g}")
 
 
+def check_first_gradients(workdir: Path, batches) -> None:
+    """One micro-batch per rank through the trainer's FSDP2 ``CausalLMLoss`` (chunked loss, 13-token chunks)
+    must give the loss and gradients of HF's full logits on all four micro-batches in one process.
+    fp32: float tolerance. bf16 (MixedPrecisionPolicy: bf16 compute, fp32 sharded params and reduction):
+    activations must really be bf16, gradients fp32, and both within bf16 rounding of the reference."""
+    from transformers import AutoModelForCausalLM
+
+    world = dist.get_world_size()
+    reference_model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained",
+                                                           attn_implementation="headrace_varlen")
+    want = sum(full_logits_loss_sum(reference_model, mb) for mb in batches[:world])
+    want.backward()
+    want_grads = dict(reference_model.named_parameters())
+    for precision in ("fp32", "bf16"):
+        cfg = job(workdir, f"grads_{precision}", dict(strategy="fsdp2"), 1, precision=precision)
+        dims = ParallelDims.from_config(cfg.distributed, world)
+        model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+        model.chunk_size = 13
+        dtypes = []
+        model.model.norm.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+        loss = forward_loss_sum(model, batches[dist.get_rank()], autocast=False)
+        (loss * world).backward()  # FSDP2 averages gradients over ranks: make that a sum
+        dist.all_reduce(loss := loss.detach())
+        compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        assert dtypes == [compute_dtype], dtypes
+        if precision == "fp32":
+            check_close("fsdp2 chunked loss", loss, want.detach(), 1e-6 * float(want))
+        else:
+            # bf16 keeps 8 significant bits (unit roundoff 2^-9 = 0.2%); rounding inputs and weights of every
+            # matmul puts ~0.1-0.5% relative noise on the logits and gradients (measured here: loss 0.0x%,
+            # gradients up to ~1%). 3% (loss 0.5%) is a few times that, yet far below what a wrong cast
+            # or a missing reduction would cause (errors of order 100%).
+            check_close("fsdp2 bf16 loss", loss / want.detach(), 1.0, 5e-3)
+        worst = 0.0
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor()
+            assert param.dtype == grad.dtype == torch.float32, (name, param.dtype, grad.dtype)
+            ref_grad = want_grads[name].grad
+            if precision == "fp32":
+                check_close(f"fsdp2 grad {name}", grad, ref_grad, 1e-5 + 1e-5 * ref_grad.abs().max().item())
+            else:
+                relative = ((grad - ref_grad).norm() / ref_grad.norm()).item()
+                assert relative < 3e-2, f"bf16 grad {name}: relative error {relative:.3g}"
+                worst = max(worst, relative)
+    print(f"OK chunked loss under fsdp2 gives the full-logits loss and gradients (fp32; bf16: loss "
+          f"{abs(float(loss / want) - 1):.2e} relative, gradients <= {worst:.2e})", flush=True)
+
+
 def run_layouts(workdir: Path, batches) -> None:
+    check_first_gradients(workdir, batches)
     ref_losses, ref_norms, ref_params = reference(workdir, batches)
     layouts = {
         "fsdp2": (dict(strategy="fsdp2"), 1),
@@ -109,6 +158,13 @@ def run_layouts(workdir: Path, batches) -> None:
                 check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
         results[name] = history
         print(f"OK {name} matches the single-process reference", flush=True)
+
+    # bf16 FSDP2 (bf16 compute, fp32 master weights and reduction) over the same steps: the losses stay
+    # within bf16 rounding of the fp32 reference (see check_first_gradients for the tolerance).
+    history = train(job(workdir, "fsdp2_bf16", dict(strategy="fsdp2"), 1, precision="bf16"), loaders(batches, 1))
+    relative = [r["loss"] / want - 1 for r, want in zip(history, ref_losses)]
+    check_close("fsdp2_bf16 relative losses", relative, [0.0] * len(relative), 5e-3)
+    print(f"OK fsdp2_bf16 losses within {max(map(abs, relative)):.2e} of the fp32 reference", flush=True)
 
     # Resume: stop at step 2 (the run's final checkpoint), start again with max_steps=4.
     resumed = workdir / "resumed"
