@@ -6,6 +6,9 @@ Per field (member extension, e.g. ``tokens.npy``):
 - 1-D tensors of different lengths (token documents, mono audio) are concatenated into one flat
   tensor ``batch[ext]`` with their lengths in ``batch["__lengths__"][ext]`` (the THD/varlen layout: no
   padding, so a long-tailed batch costs its real size, not ``B * longest``);
+- ``NpyView`` values (1-D ``.npy`` members the loader left undecoded) are copied straight from the
+  member buffers into the batch tensor, one ``memcpy`` each, laid out exactly as the two rules above
+  (stacked when all lengths agree, else flat + lengths); differing dtypes fall back to tensors;
 - ``Audio`` values collate their waveforms like tensors, sample rates go to ``__sample_rate__``;
 - raw member buffers (``memoryview``, e.g. encoded audio left for DALI) become one flat ``uint8``
   tensor with lengths, like token documents;
@@ -25,10 +28,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 
-from dataio.decode import Audio
+from dataio.decode import Audio, NpyView
 from dataio.workers import allocate
+
+_TORCH_DTYPE: dict[np.dtype, torch.dtype] = {}
 
 
 def _as_bytes_tensor(view: memoryview) -> torch.Tensor:
@@ -39,6 +45,11 @@ def collate_field(values: list[Any]) -> tuple[Any, torch.Tensor | None]:
     """``(collated, lengths or None)`` of one field's values across a batch."""
     if all(isinstance(v, memoryview) for v in values):  # raw members (e.g. audio left for DALI)
         values = [_as_bytes_tensor(v.cast("B")) for v in values]
+    deferred = [isinstance(v, NpyView) for v in values]
+    if any(deferred):
+        if all(deferred) and all(v.dtype == values[0].dtype for v in values):
+            return collate_npy(values)
+        values = [v.tensor() if isinstance(v, NpyView) else v for v in values]
     first = values[0]
     if not isinstance(first, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in values):
         return values, None
@@ -51,6 +62,24 @@ def collate_field(values: list[Any]) -> tuple[Any, torch.Tensor | None]:
         out = allocate((int(lengths.sum()),), dtype)
         return torch.cat(values, out=out), lengths
     return values, None
+
+
+def collate_npy(views: list[NpyView]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """1-D ``.npy`` members of one dtype -> ``(flat tensor, lengths)``, or ``((B, L), None)`` when all
+    lengths agree (the same bytes: stacking equal rows is concatenating them)."""
+    dtype = views[0].dtype
+    torch_dtype = _TORCH_DTYPE.get(dtype) or _TORCH_DTYPE.setdefault(dtype, torch.from_numpy(np.empty(0, dtype)).dtype)
+    counts = [v.count for v in views]
+    out = allocate((sum(counts),), torch_dtype)
+    dst = memoryview(out.view(torch.uint8).numpy())
+    pos, size = 0, dtype.itemsize
+    for v in views:
+        n = v.count * size
+        dst[pos : pos + n] = memoryview(v.buf)[v.offset : v.offset + n]
+        pos += n
+    if len(set(counts)) == 1:
+        return out.view(len(views), counts[0]), None
+    return out, torch.tensor(counts, dtype=torch.int64)
 
 
 def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int) -> dict:
@@ -71,4 +100,4 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
     return batch
 
 
-__all__ = ["collate", "collate_field"]
+__all__ = ["collate", "collate_field", "collate_npy"]

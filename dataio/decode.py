@@ -12,8 +12,9 @@ module-level table, built once at import:
   /``count`` -> ``int``.
 - audio (``flac wav ogg opus mp3``, what libsndfile decodes) -> ``Audio(waveform, sample_rate)``
   through soundfile, downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With
-  ``cfg.audio == "dali"`` audio members pass through as raw buffers for
-  ``dataio.dali.decode_audio_members`` to decode in batches.
+  ``cfg.audio == "dali"`` audio members pass through as raw buffers for the loader to decode per
+  batch with ``dataio.dali.decode_audio_members``; with ``"raw"`` they stay encoded (collated as
+  ``uint8`` bytes + lengths) for a decoder downstream, e.g. on the GPU in the training step.
 - ``pyd pickle pkl pth pt``: refused with ``UnsafeMemberError``; nothing here ever unpickles.
 - anything else: passed through as ``bytes``.
 
@@ -31,6 +32,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, NamedTuple
@@ -45,6 +48,7 @@ from dataio.formats import AUDIO_EXTENSIONS, npy_header
 Buffer = bytes | bytearray | memoryview
 
 PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth", "pt"})
+NATIVE_LITTLE = sys.byteorder == "little"
 
 
 @dataclass(kw_only=True)
@@ -66,7 +70,8 @@ class DaliConfig:
 class DecodeConfig:
     """The ``decode:`` options of the ``data:`` section."""
 
-    audio: Literal["soundfile", "dali"] = "soundfile"  # dali: audio stays raw here; dataio.dali decodes batches
+    # soundfile: per sample here; dali: left raw here, decoded per batch by dataio.dali; raw: never decoded
+    audio: Literal["soundfile", "dali", "raw"] = "soundfile"
     sample_rate: int | None = 16000  # resample target in Hz; None keeps each file's own rate
     mono: bool = True  # downmix all channels to one (mean)
     dtype: Literal["float32", "int16"] = "float32"  # waveform dtype; int16 halves the bytes moved to the trainer
@@ -111,16 +116,55 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 def decode_npy(buf: Buffer) -> torch.Tensor:
     """An ``.npy`` member as a tensor over ``buf``'s memory (no copy unless byte order or alignment forces one)."""
-    shape, fortran_order, dtype, data_offset = npy_header(buf)
-    count = math.prod(shape)
-    if data_offset + count * dtype.itemsize > len(buf):
-        raise ValueError(f".npy payload truncated: shape {shape} needs {count * dtype.itemsize} bytes of data")
-    array = np.frombuffer(buf, dtype=dtype, count=count, offset=data_offset)
+    shape, fortran_order, dtype, data_offset = _npy_parts(buf)
+    array = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=data_offset)
     if len(shape) != 1:
         array = array.reshape(shape[::-1]).T if fortran_order else array.reshape(shape)
     if not (dtype.isnative and array.flags.aligned):
         array = array.astype(dtype.newbyteorder("="))  # torch needs native order and alignment; one copy
     return torch.from_numpy(array)  # over a read-only buffer too: shared on purpose, see the module docstring
+
+
+class NpyView(NamedTuple):
+    """A checked 1-D native-order ``.npy`` member, not turned into a tensor: ``dataio.collate`` copies
+    a batch of them straight into the batch tensor (one ``memcpy`` each, no per-sample tensor)."""
+
+    buf: Buffer
+    offset: int  # of the data, in bytes
+    count: int
+    dtype: np.dtype
+
+    def tensor(self) -> torch.Tensor:
+        return decode_npy(self.buf)
+
+
+# The header np.save writes for a 1-D little-endian numeric array, the loader's hot case: one regex
+# and one dict look-up (dataio.formats.npy_header, the general parser, handles everything else).
+_NPY_1D = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '(<[iuf][248]|\|[iu]1)', 'fortran_order': False, "
+                     rb"'shape': \(([0-9]+),\), \} *\n", re.DOTALL)
+_NPY_1D_DTYPES = {f"{order}{kind}{size}".encode(): np.dtype(f"{order}{kind}{size}") for kind in "iuf"
+                  for order, size in [("<", 2), ("<", 4), ("<", 8), ("|", 1)] if (kind, size) != ("f", 1)}
+
+
+def npy_view(buf: Buffer) -> NpyView | torch.Tensor:
+    """``decode_npy`` deferred to the batch for 1-D native-order arrays (the header is checked now)."""
+    m = _NPY_1D.match(buf) if NATIVE_LITTLE else None
+    if m is not None and m.end() - 10 == buf[8] | buf[9] << 8:
+        dtype, count = _NPY_1D_DTYPES[m[1]], int(m[2])
+        if m.end() + count * dtype.itemsize > len(buf):
+            raise ValueError(f".npy payload truncated: shape ({count},) needs {count * dtype.itemsize} bytes of data")
+        return NpyView(buf, m.end(), count, dtype)
+    shape, _, dtype, data_offset = _npy_parts(buf)
+    if len(shape) == 1 and dtype.isnative:
+        return NpyView(buf, data_offset, shape[0], dtype)
+    return decode_npy(buf)
+
+
+def _npy_parts(buf: Buffer) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    shape, fortran_order, dtype, data_offset = npy_header(buf)
+    if data_offset + math.prod(shape) * dtype.itemsize > len(buf):
+        raise ValueError(f".npy payload truncated: shape {shape} needs {math.prod(shape) * dtype.itemsize} bytes of data")
+    return shape, fortran_order, dtype, data_offset
 
 
 # -------------------------------------------------------------------------------------------- audio
@@ -164,13 +208,17 @@ def decode_int(buf: Buffer) -> int:
 
 # -------------------------------------------------------------------------------------------- table
 
+def _decode_npy(buf: Buffer, cfg: DecodeConfig) -> torch.Tensor:
+    return decode_npy(buf)
+
+
 _DECODERS: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {
-    "npy": lambda buf, cfg: decode_npy(buf),
+    "npy": _decode_npy,
     "json": lambda buf, cfg: decode_json(buf),
     "txt": lambda buf, cfg: decode_text(buf),
     **{ext: lambda buf, cfg: decode_int(buf) for ext in ("cls", "cls2", "class", "index", "id", "count")},
-    # With audio: dali the raw buffer stays for dataio.dali.decode_audio_members to decode a batch at once.
-    **{ext: lambda buf, cfg: buf if cfg.audio == "dali" else decode_audio(buf, cfg) for ext in AUDIO_EXTENSIONS},
+    # With audio: dali (or raw) the buffer stays encoded: dataio.dali decodes a whole batch at once.
+    **{ext: lambda buf, cfg: decode_audio(buf, cfg) if cfg.audio == "soundfile" else buf for ext in AUDIO_EXTENSIONS},
 }
 
 
@@ -197,18 +245,21 @@ def decoder_for(ext: str) -> Callable[[Buffer, DecodeConfig], Any]:
 
 
 def decode_sample(
-    members: dict[str, Buffer], cfg: DecodeConfig, *, key: str | None = None, shard: str | None = None
+    members: dict[str, Buffer], cfg: DecodeConfig, *, key: str | None = None, shard: str | None = None,
+    defer_npy: bool = False,
 ) -> dict[str, Any]:
     """Decode one sample's members: ``{ext: raw buffer}`` -> ``{ext: value}`` (same keys, same order).
 
-    ``key`` and ``shard`` only label errors. Raises ``SampleDecodeError`` (``UnsafeMemberError`` for
+    ``key`` and ``shard`` only label errors. ``defer_npy``: 1-D ``.npy`` members become checked
+    ``NpyView``s for ``dataio.collate`` to copy into the batch (the loader's plain batches). Raises ``SampleDecodeError`` (``UnsafeMemberError`` for
     pickle members) naming shard, key and member; the loader counts it against ``max_bad_samples``.
     Token tensors share memory with their buffers, so do not reuse a block while its samples live.
     """
     out = {}
     for ext, buf in members.items():
         try:
-            out[ext] = decoder_for(ext)(buf, cfg)
+            decoder = decoder_for(ext)
+            out[ext] = npy_view(buf) if defer_npy and decoder is _decode_npy else decoder(buf, cfg)
         except SampleDecodeError as e:
             raise type(e)(e.reason, shard=shard, key=key, member=ext) from None
         except MemoryError:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -76,6 +77,7 @@ class BatchMaker:
         self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
                                   window=cfg.shuffle_window) for i, s in enumerate(sources)]
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
+        self._dali, self._dali_pid = None, None  # decode.audio: dali, see _dali_decoder
 
     def refs(self, positions: np.ndarray) -> np.ndarray:
         """Sample references at global ``positions``."""
@@ -97,11 +99,11 @@ class BatchMaker:
         keep = ~self.layout.skipped(positions) if self.layout.skips else slice(None)
         local, positions = local[keep], positions[keep]
         refs = self.refs(positions)
-        samples, keys, kept, bad = self._read(refs)
+        samples, keys, kept, bad = self._read(refs, defer_npy=True)
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
             refs = self.refs(np.array([self.layout.start]))
-            samples, keys, kept, _ = self._read(refs)
+            samples, keys, kept, _ = self._read(refs, defer_npy=True)
             valid = torch.zeros(len(samples), dtype=torch.bool)
             local = np.full(len(samples), -1)
         batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=max(lo, hi))
@@ -109,10 +111,39 @@ class BatchMaker:
         batch["__bad__"] = bad
         return batch
 
-    def _read(self, refs: np.ndarray) -> tuple[list[dict], list[str], np.ndarray, int]:
-        """Decoded samples of ``refs`` in order, skipping (and counting) bad ones."""
+    def _read(self, refs: np.ndarray, *, defer_npy: bool = False) -> tuple[list[dict], list[str], np.ndarray, int]:
+        """Decoded samples of ``refs`` in order, skipping (and counting) bad ones (``defer_npy``: 1-D
+        token arrays as ``NpyView`` for ``dataio.collate`` to copy straight into the batch)."""
+        samples, keys, shards, kept, bad = [], [], [], [], 0
+        for i, item in enumerate(self._raw(refs)):
+            if not isinstance(item, SampleDecodeError):
+                key, shard, members = item
+                try:
+                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy))
+                    keys.append(key)
+                    shards.append(shard)
+                    kept.append(i)
+                    continue
+                except SampleDecodeError as e:
+                    item = e
+            self._skip(item)
+            bad += 1
+        if self.cfg.decode.audio == "dali" and samples:  # the audio decode_sample left raw, per batch
+            from dataio.dali import decode_audio_members
+
+            failed = decode_audio_members(self._dali_decoder(), samples, keys, shards)
+            for s in sorted(failed):
+                self._skip(failed[s])
+            if failed:
+                bad += len(failed)
+                good = [s for s in range(len(samples)) if s not in failed]
+                samples, keys, kept = [samples[s] for s in good], [keys[s] for s in good], [kept[s] for s in good]
+        return samples, keys, np.asarray(kept, dtype=np.int64), bad
+
+    def _raw(self, refs: np.ndarray) -> list[tuple[str, str, dict] | SampleDecodeError]:
+        """``(key, shard, members)`` of each of ``refs``, or the error of an unreadable one."""
         dataset, index = refs >> REF_BITS, refs & ((1 << REF_BITS) - 1)
-        raw: list[tuple[str, str, dict] | SampleDecodeError] = [None] * len(refs)  # type: ignore[list-item]
+        raw: list = [None] * len(refs)
         for d in np.unique(dataset):
             at = np.flatnonzero(dataset == d)
             source = self.sources[d]
@@ -125,25 +156,28 @@ class BatchMaker:
                         raw[i] = source.read(index[i : i + 1])[0]
                     except SampleDecodeError as e:
                         raw[i] = e
-        samples, keys, kept, bad = [], [], [], 0
-        for i, item in enumerate(raw):
-            if not isinstance(item, SampleDecodeError):
-                key, shard, members = item
-                try:
-                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard))
-                    keys.append(key)
-                    kept.append(i)
-                    continue
-                except SampleDecodeError as e:
-                    item = e
-            bad += 1
-            self.bad += 1
-            if self.bad > self.cfg.max_bad_samples:
-                budget = f" (more than max_bad_samples={self.cfg.max_bad_samples} bad samples on this rank)"
-                raise type(item)(item.reason + budget * bool(self.cfg.max_bad_samples), shard=item.shard,
-                                 key=item.key, member=item.member) from item
-            log.warning("skipping bad sample (%d of max_bad_samples=%d): %s", self.bad, self.cfg.max_bad_samples, item)
-        return samples, keys, np.asarray(kept, dtype=np.int64), bad
+        return raw
+
+    def _skip(self, error: SampleDecodeError) -> None:
+        """Count a bad sample; past ``max_bad_samples`` its error is raised, with the budget named."""
+        self.bad += 1
+        if self.bad > self.cfg.max_bad_samples:
+            budget = f" (more than max_bad_samples={self.cfg.max_bad_samples} bad samples on this rank)"
+            raise type(error)(error.reason + budget * bool(self.cfg.max_bad_samples), shard=error.shard,
+                              key=error.key, member=error.member) from error
+        log.warning("skipping bad sample (%d of max_bad_samples=%d): %s", self.bad, self.cfg.max_bad_samples, error)
+
+    def _dali_decoder(self):
+        """This process's ``DaliAudioDecoder``, built on first use (in the worker: a DALI pipeline and
+        its threads do not survive a fork, and are never pickled)."""
+        if self._dali_pid != os.getpid():
+            from dataio.dali import DaliAudioDecoder
+
+            self._dali, self._dali_pid = DaliAudioDecoder(self.cfg.decode), os.getpid()
+        return self._dali
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_dali": None, "_dali_pid": None}
 
 
 class Loader:
@@ -310,7 +344,8 @@ class Loader:
         docs: dict[str, list] = {}
         for ext in set(self._token_exts):
             lengths = chunk["__lengths__"].get(ext)
-            docs[ext] = list(torch.split(chunk[ext], lengths.tolist())) if lengths is not None else list(chunk[ext])
+            tokens = chunk[ext].clone()  # the packer keeps documents for long: release the worker's ring slot
+            docs[ext] = list(torch.split(tokens, lengths.tolist())) if lengths is not None else list(tokens)
         for i, (ref, pos) in enumerate(zip(refs, positions)):
             if not valid[i]:
                 continue

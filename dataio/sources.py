@@ -108,11 +108,15 @@ class ShardSource:
         keys = self.index.keys[idx].tolist()
         out = []
         m = 0
-        for shard, start, key, n in zip(rows["shard"].tolist(), rows["offset"].tolist(), keys, counts.tolist()):
+        shards = rows["shard"].tolist()
+        # local: each shard's map (and path) looked up once per call, not once per sample
+        maps = {} if self.remote else {s: self._map(s) for s in set(shards)}
+        paths = {s: self.shard_path(s) for s in set(shards)}
+        for shard, start, key, n in zip(shards, rows["offset"].tolist(), keys, counts.tolist()):
             if self.remote:
                 buf, base = self._read_remote(shard, start, offsets[m + n - 1] + sizes[m + n - 1] - start), start
             else:
-                buf, base = self._map(shard), 0
+                buf, base = maps[shard], 0
             first_payload = offsets[m] - base
             header = first_payload - 512
             if (buf[header : header + len(key) + 1] != key + b"."  # fast path: the ustar name field
@@ -121,7 +125,7 @@ class ShardSource:
                     f"the tar at byte {start} does not hold this sample, which the index places there"
                     f"  (index out of date? run `dataio index {self.path}`)",
                     shard=self.shard_path(shard), key=key.decode(errors="replace"))
-            out.append((key.decode(errors="surrogateescape"), self.shard_path(shard),
+            out.append((key.decode(errors="surrogateescape"), paths[shard],
                         {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}))
             m += n
         return out

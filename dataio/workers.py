@@ -5,15 +5,20 @@ rank's stream with ``make_batch(b)``; torch's DataLoader asks its workers round-
 results in request order, so the main process sees batches ``first, first + 1, ...`` whatever the
 worker timing.
 
-Transport: before the workers fork, the main process maps one shared-memory ring per worker of
-``prefetch + 2`` slots. A worker collates each batch straight into its next slot (``allocate``, used
-by ``dataio.collate``) and sends only ``(offset, shape, dtype)`` of each tensor; the main process
-copies the tensor out of the slot (one memcpy, into pinned memory with ``pin_memory``) before the
-DataLoader can hand that worker the task that reuses the slot (a worker holds at most ``prefetch``
-unreturned tasks). Versus torch's default -- a new shared-memory file per tensor per batch, its file
-descriptor passed over a socket and mapped again in the main process -- this costs one copy and no
-system calls per batch; a batch too big for its slot falls back to that default path. Tensors of at
-most 64 KB (lengths, references) travel by value in the pickle.
+Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
+worker of ``prefetch + 3`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
+touched lazily, so creating it costs nothing). A worker collates each batch straight into a free slot
+(``allocate``, used by ``dataio.collate``) and sends only ``(slot, offset, shape, dtype)`` of each
+tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all sharing
+one per-batch storage; the slot goes back to its worker (a flag in shared memory) once every tensor
+of that batch has been dropped, which the main process checks at each ``next()`` (the storage's
+reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``) keeps their
+slots; once a worker finds none free it sends that batch by torch's default path (a shared-memory
+file per tensor), so holding batches is always safe, only slower. With ``pin_memory`` tensors are
+copied once into pinned memory instead and the slot is released at once. Versus torch's default for
+every batch (a new shared-memory file per tensor, its file descriptor passed over a socket and mapped
+again in the main process), this costs no copy and no system call per batch in the main process.
+Tensors of at most 64 KB (lengths, references) travel by value in the pickle.
 
 Why not torchdata's ``StatefulDataLoader``: it resumes by snapshotting each worker's iterator state
 and needs the same worker count to restore it. Here a batch is a pure function of its number, so the
@@ -27,7 +32,9 @@ hangs trips ``timeout`` (``worker_timeout``), both as errors in the main process
 from __future__ import annotations
 
 import math
+import mmap
 import random
+import sys
 from typing import Callable, Iterator
 
 import numpy as np
@@ -38,30 +45,49 @@ from dataio.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
 ALIGN = 64
+SPARE_SLOTS = 3  # beyond prefetch: the batch the consumer holds, the one before it, one of slack
 
 
 class SharedRing:
-    """``num_workers`` x ``slots`` reusable shared-memory slots of ``slot_bytes``, mapped before fork."""
+    """``num_workers`` x ``slots`` reusable shared-memory slots of ``slot_bytes``, mapped before fork.
+
+    Worker side: ``begin_batch`` claims a free slot, ``alloc`` carves tensors out of it. Main side:
+    ``receive`` turns a wire batch into tensors viewing its slot, ``release_dropped`` frees the slots
+    of batches nobody references any more."""
 
     def __init__(self, num_workers: int, slots: int, slot_bytes: int):
         slot_bytes = -(-slot_bytes // ALIGN) * ALIGN  # every slot starts aligned for any dtype
         self.slots, self.slot_bytes = slots, slot_bytes
-        self.buffer = torch.empty(num_workers * slots * slot_bytes, dtype=torch.uint8).share_memory_()
-        self.base = self.buffer.untyped_storage().data_ptr()
-        self._next = 0  # worker side: the slot of the next batch
+        self._map = mmap.mmap(-1, num_workers * slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.buffer = torch.from_numpy(self.array)
+        self.base = self.buffer.data_ptr()
+        self._flags = mmap.mmap(-1, num_workers * slots)
+        self.free = np.frombuffer(self._flags, dtype=np.uint8)  # 1: its worker may fill the slot
+        self.free[:] = 1
+        self._next = 0  # worker side: where to look for the next free slot
+        self._slot: int | None = None
         self._slot_start = self._used = 0
+        self._held: list[tuple[int, np.ndarray]] = []  # main side: (slot, the batch's storage owner)
 
-    def begin_batch(self, worker: int) -> None:
-        """Worker side: start filling this worker's next slot."""
-        self._slot_start = (worker * self.slots + self._next % self.slots) * self.slot_bytes
-        self._next += 1
-        self._used = 0
+    # -- worker side ---------------------------------------------------------------------------
+    def begin_batch(self, worker: int) -> int | None:
+        """Claim this worker's next free slot for a batch; None when the consumer holds them all."""
+        self._slot = None
+        for _ in range(self.slots):
+            slot = worker * self.slots + self._next % self.slots
+            self._next += 1
+            if self.free[slot]:
+                self.free[slot] = 0
+                self._slot, self._slot_start, self._used = slot, slot * self.slot_bytes, 0
+                break
+        return self._slot
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A tensor in the current slot, or None when the slot is full."""
+        """A tensor in the current slot, or None when there is none or it is full."""
         nbytes = math.prod(shape) * dtype.itemsize
         start = -(-self._used // ALIGN) * ALIGN
-        if start + nbytes > self.slot_bytes:
+        if self._slot is None or start + nbytes > self.slot_bytes:
             return None
         self._used = start + nbytes
         offset = self._slot_start + start
@@ -69,6 +95,27 @@ class SharedRing:
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() == self.base
+
+    # -- main side -----------------------------------------------------------------------------
+    def receive(self, slot: int | None, wire, pin: bool):
+        """The batch of ``wire`` (filled into ``slot``): tensors viewing the slot, or pinned copies."""
+        if slot is None:
+            return _from_wire(wire, None, pin)
+        start = slot * self.slot_bytes
+        owner = self.array[start : start + self.slot_bytes]  # one object per batch: its refcount is the batch's
+        batch = _from_wire(wire, torch.from_numpy(owner), pin, start)
+        self._held.append((slot, owner))
+        return batch
+
+    def release_dropped(self) -> None:
+        """Give back the slots of batches whose tensors are all gone (only ``_held`` refers to the owner)."""
+        held = []
+        for slot, owner in self._held:
+            if sys.getrefcount(owner) > 3:  # _held's tuple, the loop variable, getrefcount's argument
+                held.append((slot, owner))
+            else:
+                self.free[slot] = 1
+        self._held = held
 
 
 _active_ring: SharedRing | None = None  # set in a worker process while it makes a batch
@@ -114,15 +161,16 @@ def _to_wire(value, ring: SharedRing | None):
     return value
 
 
-def _from_wire(value, ring: SharedRing | None, pin: bool):
+def _from_wire(value, slot: torch.Tensor | None, pin: bool, slot_start: int = 0):
+    """Tensors back from the wire; ring tensors view ``slot`` (copied into pinned memory with ``pin``)."""
     if isinstance(value, _Inline):
         return torch.from_numpy(value.array)
     if isinstance(value, _InRing):
-        nbytes = math.prod(value.shape) * value.dtype.itemsize
-        view = ring.buffer[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
-        return torch.empty(value.shape, dtype=value.dtype, pin_memory=pin).copy_(view)
+        start = value.offset - slot_start
+        view = slot[start : start + math.prod(value.shape) * value.dtype.itemsize].view(value.dtype).view(value.shape)
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(view) if pin else view
     if isinstance(value, dict):
-        return {k: _from_wire(v, ring, pin) for k, v in value.items()}
+        return {k: _from_wire(v, slot, pin, slot_start) for k, v in value.items()}
     return value
 
 
@@ -150,13 +198,13 @@ class RankBatches(IterableDataset):
             if ring is None:
                 yield self.make_batch(b)
             else:
-                ring.begin_batch(worker)
+                slot = ring.begin_batch(worker)
                 _active_ring = ring
                 try:
                     batch = self.make_batch(b)
                 finally:
                     _active_ring = None
-                yield _to_wire(batch, ring)
+                yield slot, _to_wire(batch, ring)
             b += num_workers
 
 
@@ -167,10 +215,22 @@ def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory
     if num_workers == 0:
         return iter(batches)
     pin = pin_memory and torch.cuda.is_available()
-    ring = batches.ring = SharedRing(num_workers, prefetch + 2, slot_bytes) if slot_bytes > 0 else None
+    ring = batches.ring = SharedRing(num_workers, prefetch + SPARE_SLOTS, slot_bytes) if slot_bytes > 0 else None
+    # fork: the workers inherit the ring's anonymous mapping (it has no name to pass to a spawned process)
     loader = DataLoader(batches, batch_size=None, num_workers=num_workers, prefetch_factor=prefetch,
-                        pin_memory=pin, timeout=timeout, persistent_workers=False)
-    return (_from_wire(batch, ring, pin) for batch in loader)
+                        pin_memory=pin, timeout=timeout, persistent_workers=False,
+                        multiprocessing_context="fork" if ring is not None else None)
+    return _receive(loader, ring, pin) if ring is not None else iter(loader)
+
+
+def _receive(loader: DataLoader, ring: SharedRing, pin: bool) -> Iterator[dict]:
+    for slot, wire in loader:
+        ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
+        batch = ring.receive(slot, wire, pin)
+        if pin:
+            ring.release_dropped()  # copied out: the slot is free at once
+        yield batch
+        del batch  # not held by this frame while the consumer waits for the next one
 
 
 __all__ = ["RankBatches", "SharedRing", "allocate", "iterate"]

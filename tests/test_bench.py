@@ -81,7 +81,8 @@ def test_text_every_peer_reads_the_same_samples(shards, tmp_path):
     for run in result["runs"]:
         assert set(RUN_FIELDS) <= set(run), set(RUN_FIELDS) - set(run)
         assert run["batches"] == 4 and run["samples"] == 32, run
-        assert run["samples_per_s"] > 0 and run["peak_rss_mb"] > 0 and run["cpu_util"] > 0
+        assert run["samples_per_s"] > 0 and run["peak_rss_mb"] > 0
+        assert run["cpu_util"] >= 0  # CPU time has 10 ms ticks: a tiny run may show none
         assert 0 <= run["data_wait_fraction"] <= 1
         assert run["latency_p99_ms"] >= run["latency_p50_ms"] > 0
     headrace = [r for r in result["runs"] if r["loader"] == "headrace"]
@@ -152,3 +153,15 @@ def test_help_does_not_import_torch():
     code = "import sys, dataio.commands.bench as b, argparse; b.add_arguments(argparse.ArgumentParser()); " \
            "assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env={"PYTHONPATH": str(REPO)})
+
+
+def test_cold_cache_refused_without_root_says_so(shards, tmp_path, monkeypatch):
+    """Without root the page cache cannot be dropped: the run says so and is labelled warm."""
+    from dataio.bench import pagecache
+
+    monkeypatch.setattr(pagecache.os, "geteuid", lambda: 1000)
+    assert "not root" in pagecache.drop_page_cache()
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+                   "--compare", "", "--num-workers", "0", "--cache", "cold", "--batches", "2")
+    assert result["cache"].startswith("warm (cold refused: not root")
+    assert [r["loader"] for r in result["runs"]] == ["headrace"]

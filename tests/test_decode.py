@@ -95,11 +95,39 @@ def test_npy_non_canonical_header_goes_through_numpys_safe_reader():
         (b"\x93NUMPY\x09\x00\x10\x00", "version 9"),
     ],
 )
-def test_npy_corrupt_payloads_raise_with_key(payload, message):
+@pytest.mark.parametrize("defer_npy", [False, True])
+def test_npy_corrupt_payloads_raise_with_key(payload, message, defer_npy):
     with pytest.raises(SampleDecodeError, match=message) as info:
-        decode_sample({"tokens.npy": payload}, DecodeConfig(), key="doc-17", shard="text-000003.tar")
+        decode_sample({"tokens.npy": payload}, DecodeConfig(), key="doc-17", shard="text-000003.tar",
+                      defer_npy=defer_npy)
     assert (info.value.shard, info.value.key, info.value.member) == ("text-000003.tar", "doc-17", "tokens.npy")
     assert "doc-17" in str(info.value) and "text-000003.tar" in str(info.value)
+
+
+def test_deferred_npy_collates_like_decoded_tensors():
+    """``defer_npy`` (the loader's plain batches): 1-D native arrays stay ``NpyView`` and ``collate``
+    copies them into the same batch tensors the decoded path gives; anything else is decoded at once."""
+    from dataio.collate import collate_field
+    from dataio.decode import NpyView
+
+    batches = [
+        [np.arange(n, dtype="<i4") * 3 for n in (5, 0, 17, 2)],  # ragged: flat + lengths
+        [np.full(4, i, dtype="<u2") for i in range(3)],  # equal lengths: stacked
+        [np.arange(3, dtype="<i4"), np.arange(4, dtype="<i8")],  # mixed dtypes: promoted, as decoded
+        [np.arange(6, dtype="<i4").reshape(2, 3), np.arange(6, dtype="<i4").reshape(2, 3)],  # 2-D: decoded
+        [np.arange(5, dtype=">i4"), np.arange(2, dtype="<i4")],  # foreign byte order: decoded
+    ]
+    for arrays in batches:
+        members = [{"tokens.npy": memoryview(npy_bytes(a))} for a in arrays]
+        deferred = [decode_sample(m, DecodeConfig(), defer_npy=True)["tokens.npy"] for m in members]
+        decoded = [decode_sample(m, DecodeConfig())["tokens.npy"] for m in members]
+        kinds = {type(v) for v in deferred}
+        assert kinds == ({NpyView} if all(a.ndim == 1 and a.dtype.isnative for a in arrays) else
+                         {NpyView, torch.Tensor} if any(a.ndim == 1 and a.dtype.isnative for a in arrays) else
+                         {torch.Tensor})
+        (got, got_lengths), (want, want_lengths) = collate_field(deferred), collate_field(decoded)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert (got_lengths is None and want_lengths is None) or torch.equal(got_lengths, want_lengths)
 
 
 # ------------------------------------------------------------------------------------------- pickle

@@ -59,12 +59,12 @@ def test_bucketed_epoch_covers_once_rank_synced_and_resumes_on_another_dp_size(a
     assert sorted(heads + rest) == keys
 
 
-def test_raw_audio_bytes_for_dali_cross_workers_as_one_flat_tensor(audio):
+def test_raw_audio_bytes_cross_workers_as_one_flat_tensor(audio):
     import soundfile as sf
 
     root, keys = audio
     (batch,) = build_loader({"datasets": [{"path": str(root)}], "epochs": 1, "num_workers": 2, "batch_size": 27,
-                             "shuffle": False, "decode": {"audio": "dali"}})
+                             "shuffle": False, "decode": {"audio": "raw"}})
     lengths = batch["__lengths__"]["flac"]
     assert batch["__key__"] == keys and batch["flac"].dtype == torch.uint8
     first = bytes(batch["flac"][: lengths[0]].numpy())

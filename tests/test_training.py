@@ -17,13 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
-from train_common import (  # noqa: E402
-    TINY_LLAMA,
-    ListLoader,
-    full_logits_loss_sum,
-    packed_batches,
-    save_pretrained_tiny,
-)
+from train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny  # noqa: E402
 
 from dataio.configtree import ConfigError  # noqa: E402
 from training import checkpoint  # noqa: E402
@@ -57,10 +51,20 @@ def test_config_errors_name_the_dotted_path(tmp_path):
     assert cfg.optim.lr == 0.001 and cfg.distributed.tp_size == 2 and cfg.data.seq_len == 32
 
 
-@pytest.mark.parametrize("name", ["debug_llama", "debug_qwen2", "debug_qwen3", "demo"])
+@pytest.mark.parametrize("name", ["debug_llama", "debug_qwen2", "debug_qwen3", "demo", "llama_1b"])
 def test_recipes_load(name):
     cfg = load_job_config(str(REPO / "configs" / f"{name}.yaml"))
     assert cfg.model.config["model_type"] in ("llama", "qwen2", "qwen3")
+
+
+def test_llama_1b_recipe_is_a_1b_llama_in_bf16_on_packed_8k_rows():
+    from training.model import build_hf_config, count_params
+
+    cfg = load_job_config(str(REPO / "configs" / "llama_1b.yaml"))
+    total, _ = count_params(build_hf_config(cfg.model))  # on the meta device: no memory
+    assert 1.0e9 < total < 1.5e9, total
+    assert (cfg.trainer.precision, cfg.distributed.strategy, cfg.data.seq_len) == ("bf16", "fsdp2", 8192)
+    assert cfg.model.attn_implementation == "headrace_varlen" and cfg.data.packing == "best_fit"
 
 
 def test_unsupported_layouts_fail_before_building():
@@ -204,6 +208,28 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
     torch.testing.assert_close(acc_params, big_params, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, monkeypatch):
+    """precision=bf16 with nothing to shard still goes through FSDP2's MixedPrecisionPolicy: under autocast
+    HF's RoPE would hand the attention kernel fp32 q/k beside a bf16 v."""
+    import kernels.hf_attention as hf_attention
+    from torch.distributed.fsdp import FSDPModule
+
+    from training.config import DistributedConfig
+    from training.parallel_dims import ParallelDims
+    from training.train import build_model, forward_loss_sum
+
+    cfg = load_job_config(None, base=base_job(tmp_path, trainer=dict(precision="bf16")))
+    dims = ParallelDims.from_config(DistributedConfig(), 1)
+    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    assert isinstance(model, FSDPModule)
+    seen, attention = [], hf_attention.varlen_attention
+    monkeypatch.setattr(hf_attention, "varlen_attention",
+                        lambda q, k, v, *args, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or attention(q, k, v, *args, **kw))
+    forward_loss_sum(model, packed_batches(1)[0], autocast=False).backward()
+    assert seen == [(torch.bfloat16,) * 3] * TINY_LLAMA["num_hidden_layers"]
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -247,15 +273,35 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
     assert [r["loss"] for r in history] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-6)
 
 
-@pytest.mark.parametrize("recipe", ["debug_qwen2", "debug_qwen3"])
-def test_qwen_recipes_train(tmp_path, process_group, recipe):
+@pytest.mark.parametrize("recipe, precision", [("debug_qwen2", "fp32"), ("debug_qwen3", "bf16")])
+def test_qwen_recipes_train(tmp_path, process_group, recipe, precision):
+    """Each recipe learns; bf16 on one rank runs through FSDP2's MixedPrecisionPolicy (no autocast)."""
     from training.train import train
 
     make_text_dataset(tmp_path / "data", [40])
     cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
         f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "trainer.max_steps=8",
+        f"trainer.precision={precision}",
         f"trainer.output_dir={tmp_path / 'out'}", "optim.lr=0.01", "logging.console=false",
         "checkpoint.interval=0", "data.packing_buffer=8"])
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]
     assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_train_reports_mfu_on_cuda(tmp_path):
+    """The GPU recipe end to end through tools/bench_train.py (few steps, 2k rows): figures come out, MFU
+    is a fraction. The figures themselves are for BENCHMARKS.md, not asserted."""
+    make_text_dataset(tmp_path / "data", [400, 400])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "tools/bench_train.py", "--config", "configs/llama_1b.yaml", "--device",
+                           "cuda", "--sources", "headrace", "--steps", "6", "--warmup", "2", "--data",
+                           str(tmp_path / "data"), "--out", str(tmp_path / "out"), "data.seq_len=2048",
+                           "data.packing_buffer=64"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])["headrace"]
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and 0 <= result["data_wait_frac"] < 1

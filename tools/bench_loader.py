@@ -14,7 +14,7 @@ Measured, each for one epoch, median of ``--repeats`` (warm page cache, after on
 - CPU microseconds per sample in the main process and in the workers (user + system, from
   ``getrusage``): unlike samples/s, CPU time does not depend on what else runs on the machine, so it
   shows what workers cost on a shared machine.
-- audio: synthetic ~90 KB FLAC utterances, read as raw bytes (``decode.audio: dali`` leaves them
+- audio: synthetic ~90 KB FLAC utterances, read as raw bytes (``decode.audio: raw`` leaves them
   encoded) by headrace and by webdataset (no decode), beside the page-cache read of the same tars.
 - shuffle quality of headrace's window permutation beside webdataset's shard shuffle + buffer of the
   same size (see ``shuffle_quality``).
@@ -121,13 +121,13 @@ def webdataset_bytes_epoch(tars: list[Path]) -> float:
 
 
 def headrace_bytes_epoch(root: Path, *, workers: int) -> tuple[float, int, float]:
-    """Audio members as raw bytes (``decode.audio: dali`` leaves them encoded), batch_size 32:
+    """Audio members as raw bytes (``decode.audio: raw`` leaves them encoded), batch_size 32:
     ``(seconds, samples, steady samples/s after the first batch)``."""
     from dataio import build_loader
 
     t = time.perf_counter()
     loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 32, "epochs": 1, "num_workers": workers,
-                           "shuffle": False, "decode": {"audio": "dali"}})
+                           "shuffle": False, "decode": {"audio": "raw"}})
     n, first, first_n = 0, None, 0
     for batch in loader:
         n += len(batch["__key__"])

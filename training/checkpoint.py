@@ -39,6 +39,7 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def checkpoint_dir(folder: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (``step-00000100``); zero-padded so names sort by step."""
     return Path(folder) / f"step-{step:08d}"
 
 

@@ -13,9 +13,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dataio.configtree import apply_overrides, from_dict, load_yaml
-
 from dataio.config import DataConfig
+from dataio.configtree import apply_overrides, from_dict, load_yaml
 
 
 @dataclass(kw_only=True)
@@ -93,6 +92,8 @@ class TrainerConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    """DCP checkpoints under ``output_dir/checkpoints`` and the consolidated HF export."""
+
     interval: int = 0  # save every N steps (0: only at the end)
     save_final: bool = True
     resume: bool = True  # continue from the newest complete checkpoint in output_dir when there is one
@@ -102,12 +103,16 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
+    """Where rank 0's metrics go besides ``metrics.jsonl``."""
+
     console: bool = True
     tensorboard: bool = True
 
 
 @dataclass(kw_only=True)
 class JobConfig:
+    """The whole job: what ``python -m training --config X.yaml`` reads."""
+
     model: ModelConfig
     data: DataConfig
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

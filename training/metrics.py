@@ -31,6 +31,7 @@ PEAK_FLOPS = {
 
 
 def flops_per_token(hf_config, seq_len: int) -> float:
+    """Model FLOPs of forward + backward per trained token (see the module docstring)."""
     from training.model import count_params
 
     _, non_embedding = count_params(hf_config)

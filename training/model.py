@@ -73,13 +73,13 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
 def load_safetensors(model: nn.Module, path: str) -> None:
     """Fill ``model`` (plain, FSDP2 or TP-sharded) from a HF safetensors directory, each rank its own slices."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
     if getattr(unwrap_causal_lm(model).config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
-    set_model_state_dict(model, state, options=_strict_false())
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:
@@ -88,12 +88,6 @@ def count_params(config: PretrainedConfig) -> tuple[int, int]:
     total = sum(p.numel() for p in meta.parameters())
     embed = meta.get_input_embeddings().weight.numel()
     return total, total - embed
-
-
-def _strict_false():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=False)
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "build_hf_config", "build_meta_model", "count_params", "load_safetensors",

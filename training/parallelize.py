@@ -7,6 +7,9 @@
    ``(dp_replicate, dp_shard_cp)`` mesh; DDP instead is applied by ``apply_ddp`` after materialization
    because it broadcasts real weights at construction.
 
+The model is a ``training.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2 root is
+the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss reads.
+
 Pipeline (pp), context (cp) and expert (ep) parallelism slot in as steps 0 (stage split), 1b (attention
 over the cp mesh) and 1c (expert dispatch); until then a degree > 1 fails early in ``check_supported``.
 
@@ -35,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from training.config import DistributedConfig
 from training.parallel_dims import ParallelDims
@@ -69,7 +73,11 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     if cfg.compile:
         for block in blocks:
             block.compile()
-    if cfg.strategy == "fsdp2" and dims.dp_replicate * dims.dp_shard * dims.cp > 1:
+    # bf16 goes through FSDP2's MixedPrecisionPolicy even with nothing to shard (one rank, or TP only):
+    # under autocast HF's RoPE hands fp32 q/k beside a bf16 v to the attention kernel (flash-attn refuses
+    # that), while bf16 parameters keep every activation bf16.
+    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32):
         apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
     return model
 
@@ -110,7 +118,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,
                reshard_after_forward: bool) -> None:
     """fully_shard each block (its all-gather overlaps the previous block's compute), then the root
-    (embeddings, final norm, lm_head: tied weights stay in one group). Gradients reduce in fp32."""
+    (embeddings, final norm, lm_head: tied weights stay in one group, unsharded for the whole loss
+    forward). Compute runs in ``param_dtype``; sharded weights and gradient reduction stay fp32."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away by backward: keep them gathered.
@@ -121,8 +130,6 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> nn.Module:
     """Classic DDP over the whole dp mesh (model already materialized: DDP broadcasts rank 0's weights)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if dims.dp == 1:
         return model
     device_ids = None if next(model.parameters()).device.type == "cpu" else [torch.cuda.current_device()]

@@ -1,8 +1,10 @@
 """The training loop: read top to bottom to see everything a step does.
 
 ``train(cfg)`` sets up the process group and the device mesh (``ParallelDims``), builds the model on
-the meta device, parallelizes it (TP/SP -> AC -> compile -> FSDP2/HSDP, or DDP), materializes each
-rank's shard, resumes from the newest checkpoint if any, and runs ``train_step`` until ``max_steps``.
+the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head cross-entropy in token chunks,
+so the fp32 ``[tokens, vocab]`` logits never exist), parallelizes it (TP/SP -> AC -> compile ->
+FSDP2/HSDP, or DDP), materializes each rank's shard, resumes from the newest checkpoint if any, and runs
+``train_step`` until ``max_steps``.
 
 One step = ``grad_accum`` packed THD micro-batches. The loss is a sum of token cross-entropies divided
 by the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over
@@ -46,7 +48,7 @@ from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
 
-MODEL_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill")  # what a step reads
 
 
 def init_distributed(device_type: str) -> None:
@@ -64,9 +66,13 @@ def init_distributed(device_type: str) -> None:
 
 
 def pick_device(name: str) -> torch.device:
+    """``trainer.device``: ``auto`` is this rank's GPU when CUDA is available, else the CPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
+                             "(use trainer.device=cpu or auto)")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -121,12 +127,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
 
 def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
     """The next ``count`` batches (already on the device), keeping only what the step reads."""
-    return [{k: v for k, v in next(batches).items() if k in MODEL_INPUTS or k in ("max_seqlen", "fill")}
-            for _ in range(count)]
+    return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
 
 
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
-    """meta -> parallelize -> allocate this rank's shards -> init or load (-> DDP). Returns (model, hf_config)."""
+    """meta ``CausalLMLoss`` -> parallelize -> allocate this rank's shards -> init or load (-> DDP).
+    Returns (model, hf_config)."""
     hf_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed, param_dtype)

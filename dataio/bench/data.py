@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from dataio.config import DataConfig
-from dataio.decode import AUDIO_EXTENSIONS, DecodeConfig, decode_audio
+from dataio.decode import DecodeConfig, decode_audio
+from dataio.formats import is_audio_member, is_token_member
 
 
 @dataclass(kw_only=True)
@@ -49,7 +50,6 @@ class BenchData:
 def describe(cfg: DataConfig, work: Path) -> BenchData:
     """The ``BenchData`` of ``cfg``'s one local dataset (ValueError when there are several or it is remote)."""
     from dataio.sources import ShardSource
-    from dataio.formats import is_token_member
 
     if len(cfg.datasets) != 1:
         raise ValueError(f"the bench compares loaders on one dataset; the config lists {len(cfg.datasets)}")
@@ -59,7 +59,7 @@ def describe(cfg: DataConfig, work: Path) -> BenchData:
     source = ShardSource(spec.path, split=spec.split)
     exts = list(source.index.extensions)
     token = next((e for e in exts if is_token_member(e)), None)
-    audio = next((e for e in exts if e.rpartition(".")[2].lower() in AUDIO_EXTENSIONS), None)
+    audio = next((e for e in exts if is_audio_member(e)), None)
     if audio is None and token is None:
         raise ValueError(f"{spec.path}: no token (.npy) or audio member to benchmark (members: {exts})")
     root = Path(spec.path)
@@ -78,7 +78,7 @@ def plain_decode(ext: str, payload: bytes, decode: DecodeConfig) -> Any:
         return json.loads(payload)
     if suffix == "txt":
         return payload.decode("utf-8")
-    if suffix in AUDIO_EXTENSIONS:
+    if is_audio_member(ext):
         return decode_audio(payload, decode)
     return payload
 
@@ -107,8 +107,4 @@ def count(batch: dict, data: BenchData) -> tuple[int, float]:
     return n, values.numel() / rate
 
 
-def is_audio(ext: str) -> bool:
-    return ext.rpartition(".")[2].lower() in AUDIO_EXTENSIONS
-
-
-__all__ = ["BenchData", "collate_samples", "count", "describe", "is_audio", "plain_decode", "plain_sample"]
+__all__ = ["BenchData", "collate_samples", "count", "describe", "plain_decode", "plain_sample"]

@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from dataio.bench.data import BenchData, collate_samples, is_audio, plain_decode, plain_sample
+from dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
+from dataio.formats import is_audio_member
 
 SHUFFLE_BUFFER = 1000
 
@@ -128,7 +129,8 @@ def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
 def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     from dataio import build_loader
 
-    cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1)
+    # Peers do not pack: the comparison is of plain batches (the trainer path, --trainer, packs).
+    cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none")
     return iter(build_loader(cfg, dp_rank=0, dp_size=1))
 
 
@@ -136,7 +138,7 @@ def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> I
 
 def _wds_audio(decode, key: str, payload: bytes):
     """A webdataset decoder handler: audio members through soundfile + soxr, others left to wds."""
-    return plain_decode(key, payload, decode) if is_audio(key.rpartition(".")[2]) else None
+    return plain_decode(key, payload, decode) if is_audio_member(key.rpartition(".")[2]) else None
 
 
 def _wds_collate(samples: list[dict]) -> dict:
@@ -378,7 +380,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon,
          install="pip install megatron-energon"),
     Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
-         install="pip install --no-deps litdata lightning-utilities boto3 s3transfer requests (its declared deps pull another torch)"),
+         install="pip install --no-deps litdata lightning-utilities; pip install boto3 requests "
+                 "(litdata's declared deps pull another torch)"),
     Peer(name="lhotse", module="lhotse", kinds=("audio",), open=open_lhotse, prepare=prepare_lhotse),
     Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
     Peer(name="dali", module="nvidia.dali", kinds=("audio",), open=open_dali, install="pip install 'headrace[dali]'"),

@@ -14,15 +14,21 @@ from pathlib import Path
 
 RUN_FIELDS = ("loader", "workers", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
               "samples_per_s", "mb_per_s", "units_per_s", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb",
-              "cpu_util", "data_wait_fraction", "vs_page_cache", "vs_headrace", "prepare_s")
+              "cpu_util", "samples_per_cpu_s", "data_wait_fraction", "vs_page_cache", "vs_headrace", "prepare_s")
 
 
 def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: float) -> None:
-    """Fill ``mb_per_s``, ``vs_page_cache`` and ``vs_headrace`` of every run in place."""
+    """Fill ``mb_per_s``, ``samples_per_cpu_s``, ``vs_page_cache`` and ``vs_headrace`` of every run in place.
+
+    ``samples_per_cpu_s`` (samples over the CPU seconds of all the run's processes) is the figure that
+    survives a shared machine: samples/s follows whatever CPU share the other jobs leave, work per
+    CPU-second does not."""
     headrace = {(r["workers"], r["shuffle"]): r["samples_per_s"] for r in runs if r["loader"] == "headrace"}
     for r in runs:
         rate = r["samples_per_s"]
         r["mb_per_s"] = rate * bytes_per_sample / 1e6 if rate else None
+        cpu = (r["cpu_util"] or 0.0) * r["seconds"]
+        r["samples_per_cpu_s"] = r["samples"] / cpu if cpu > 0 else None
         r["vs_page_cache"] = rate / limit_samples_per_s if rate and limit_samples_per_s else None
         ours = headrace.get((r["workers"], r["shuffle"]))
         r["vs_headrace"] = rate / ours if rate and ours else None
@@ -43,8 +49,8 @@ def markdown(result: dict) -> str:
         f"Page-cache read limit: {limit['bytes_per_s'] / 1e9:,.2f} GB/s = {limit['samples_per_s']:,.0f} samples/s.",
         "",
         f"| loader | workers | samples/s | MB/s | {unit} | first batch s | p50 ms | p99 ms | peak RSS MB | CPU cores "
-        "| data wait | x page cache | x headrace |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| samples/CPU-s | data wait | x page cache | x headrace |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["runs"]:
         name = r["loader"] + (", shuffled" if r["shuffle"] else "")
@@ -52,9 +58,10 @@ def markdown(result: dict) -> str:
             f"| {name} | {r['workers']} | {_fmt(r['samples_per_s'], ',.0f')} | {_fmt(r['mb_per_s'], ',.1f')} | "
             f"{_fmt(r['units_per_s'], ',.0f')} | {_fmt(r['first_batch_s'], '.2f')} | {_fmt(r['latency_p50_ms'], '.1f')} | "
             f"{_fmt(r['latency_p99_ms'], '.1f')} | {_fmt(r['peak_rss_mb'], ',.0f')} | {_fmt(r['cpu_util'], '.2f')} | "
+            f"{_fmt(r['samples_per_cpu_s'], ',.0f')} | "
             f"{_fmt(r['data_wait_fraction'], '.1%')} | {_fmt(r['vs_page_cache'], '.4f')} | {_fmt(r['vs_headrace'], '.2f')} |")
     for s in result["skipped"]:
-        lines.append(f"| {s['loader']} | - | skipped: {s['reason']} |" + " |" * 10)
+        lines.append(f"| {s['loader']} | - | skipped: {s['reason']} |" + " |" * 11)
     for t in result.get("trainer", []):
         lines += ["", f"Trainer path ({t['device']}, packing {t['packing']}, seq_len {t['seq_len']}, {t['batch_size']} "
                       f"rows, step {t['step_ms']:.0f} ms, {t['workers']} workers): data wait "

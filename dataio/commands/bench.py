@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True,
                         help="YAML whose `data:` section (or top level) is the loader's data config (one dataset)")
     parser.add_argument("--compare", default=",".join(PEER_NAMES[:5]),
-                        help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} (empty: headrace only)")
+                        help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} "
+                             "(empty: headrace only)")
     parser.add_argument("--num-workers", type=_int_list, default=[0, 2], help="worker counts, e.g. 0,2,4")
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--seconds", type=float, help="stop each run after this many seconds (default: one epoch)")

@@ -48,15 +48,20 @@ def loaders(batches, grad_accum):
     return lambda dp_rank, dp_size: ListLoader(batches, dp_rank, dp_size, grad_accum)
 
 
-def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
-    """Plain single-process training: HF model, summed CE / tokens, torch's clip, AdamW, same schedule."""
+def pretrained_hf_model(workdir: Path):
+    """The starting weights as a plain transformers model with document-masked attention (the reference)."""
     from transformers import AutoModelForCausalLM
 
     from kernels.hf_attention import register_varlen_attention
+
+    return AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation=register_varlen_attention())
+
+
+def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
+    """Plain single-process training: HF model, summed CE / tokens, torch's clip, AdamW, same schedule."""
     from training.config import OptimConfig
 
-    register_varlen_attention()
-    model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation="headrace_varlen")
+    model = pretrained_hf_model(workdir)
     cfg = OptimConfig(**OPTIM)
     opt = build_optimizer(model, cfg)
     losses, norms = [], []
@@ -92,11 +97,8 @@ def check_first_gradients(workdir: Path, batches) -> None:
     must give the loss and gradients of HF's full logits on all four micro-batches in one process.
     fp32: float tolerance. bf16 (MixedPrecisionPolicy: bf16 compute, fp32 sharded params and reduction):
     activations must really be bf16, gradients fp32, and both within bf16 rounding of the reference."""
-    from transformers import AutoModelForCausalLM
-
     world = dist.get_world_size()
-    reference_model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained",
-                                                           attn_implementation="headrace_varlen")
+    reference_model = pretrained_hf_model(workdir)
     want = sum(full_logits_loss_sum(reference_model, mb) for mb in batches[:world])
     want.backward()
     want_grads = dict(reference_model.named_parameters())
@@ -115,11 +117,12 @@ def check_first_gradients(workdir: Path, batches) -> None:
         if precision == "fp32":
             check_close("fsdp2 chunked loss", loss, want.detach(), 1e-6 * float(want))
         else:
-            # bf16 keeps 8 significant bits (unit roundoff 2^-9 = 0.2%); rounding inputs and weights of every
-            # matmul puts ~0.1-0.5% relative noise on the logits and gradients (measured here: loss 0.0x%,
-            # gradients up to ~1%). 3% (loss 0.5%) is a few times that, yet far below what a wrong cast
-            # or a missing reduction would cause (errors of order 100%).
-            check_close("fsdp2 bf16 loss", loss / want.detach(), 1.0, 5e-3)
+            # bf16 keeps 8 significant bits (unit roundoff u = 2^-9 ~ 2e-3). The loss sums ~500 token losses
+            # whose rounding errors are independent, so its relative error is far below u: require < u/2
+            # (measured 2e-6). A gradient goes back through every layer's bf16 matmuls; measured <= 1.0e-2
+            # relative (L2, per parameter): require < 3e-2. A wrong cast, a bf16 reduction of the wrong
+            # scale or a missed all-reduce gives errors of order 1, far outside both.
+            check_close("fsdp2 bf16 loss", loss / want.detach(), 1.0, 1e-3)
         worst = 0.0
         for name, param in model.named_parameters():
             grad = param.grad.full_tensor()
@@ -159,11 +162,12 @@ def run_layouts(workdir: Path, batches) -> None:
         results[name] = history
         print(f"OK {name} matches the single-process reference", flush=True)
 
-    # bf16 FSDP2 (bf16 compute, fp32 master weights and reduction) over the same steps: the losses stay
-    # within bf16 rounding of the fp32 reference (see check_first_gradients for the tolerance).
+    # bf16 FSDP2 (bf16 compute, fp32 master weights and reduction) over the same steps: each loss stays
+    # within half a bf16 unit roundoff (1e-3 relative) of the fp32 reference, as in check_first_gradients;
+    # measured ~5e-5 after 4 AdamW steps.
     history = train(job(workdir, "fsdp2_bf16", dict(strategy="fsdp2"), 1, precision="bf16"), loaders(batches, 1))
     relative = [r["loss"] / want - 1 for r, want in zip(history, ref_losses)]
-    check_close("fsdp2_bf16 relative losses", relative, [0.0] * len(relative), 5e-3)
+    check_close("fsdp2_bf16 relative losses", relative, [0.0] * len(relative), 1e-3)
     print(f"OK fsdp2_bf16 losses within {max(map(abs, relative)):.2e} of the fp32 reference", flush=True)
 
     # Resume: stop at step 2 (the run's final checkpoint), start again with max_steps=4.
@@ -182,7 +186,7 @@ def run_layouts(workdir: Path, batches) -> None:
     checkpoint.load(workdir / "fsdp2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
     batch = batches[0]
     with torch.no_grad():
-        sharded = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        sharded = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])  # no labels: logits
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
