@@ -14,10 +14,11 @@ tensors; other values pass through). On CUDA:
 
 Elsewhere (CPU) it is a pass-through that only moves tensors with ``.to(device)`` (a no-op on CPU).
 
-Resumable sources: when ``batches`` has a ``state_dict()`` (the loader), the prefetcher records the
-source's state right after pulling each batch and carries it beside the batch, so
-``prefetcher.state_dict()`` is the state *as of the last batch handed to the consumer* -- not of the
-batches still queued or in flight -- and a checkpoint taken mid-run resumes exactly.
+Resumable sources: when ``batches`` has a ``state_dict()`` (the loader), ``prefetcher.state_dict()``
+is the state *as of the last batch handed to the consumer* -- not of the batches still queued or in
+flight -- so a checkpoint taken mid-run resumes exactly. On CUDA, where the pinning thread reads ahead,
+the source's state is snapshotted right after each pull and carried beside its batch; on CPU nothing
+reads ahead, so it is taken on demand (a snapshot per batch would cost the packer's buffer each time).
 
 Either way it measures the *data wait*: host time the consumer spent inside ``next()`` waiting for a
 batch, per batch and in total, and as a fraction of the wall time since the first batch was asked for
@@ -144,9 +145,8 @@ class DevicePrefetcher:
         try:
             if self._cuda:
                 batch = self._next_cuda()
-            else:
-                batch, self._delivered_state = self._pull()
-                batch = tree_map(lambda t: t.to(self.device), batch)
+            else:  # no read-ahead: the source's own state is the delivered batch's, taken on demand
+                batch = tree_map(lambda t: t.to(self.device), next(self._source))
         except StopIteration:
             self._finished = time.perf_counter()
             self.close()
@@ -159,6 +159,8 @@ class DevicePrefetcher:
     def state_dict(self) -> Any:
         """The source's ``state_dict()`` as of the last batch handed to the consumer (None when the
         source has no state)."""
+        if not self._cuda and self._source_state is not None:
+            return self._source_state()
         return self._delivered_state
 
     def stats(self) -> dict:

@@ -65,3 +65,26 @@ def test_shared_ring_slots_are_reused_without_overwriting_unread_batches(prefetc
     assert [b["b"] for b in out] == list(range(40))
     for b in out:  # checked after all 40 were made, so every slot was reused many times meanwhile
         assert b["x"].shape == (1000 + 300 * (b["b"] % 4),) and bool((b["x"] == b["b"]).all())
+
+
+def fitting_batch(b):
+    from dataio.workers import allocate
+
+    x = allocate((1000,), torch.int64)
+    x.fill_(b)
+    return {"b": b, "x": x}
+
+
+def test_ring_batches_are_views_whose_slots_come_back_once_dropped():
+    """Batches the consumer drops give their slot back (the same memory serves later batches, with no
+    copy in the main process); batches it keeps are never overwritten."""
+    batches = RankBatches(fitting_batch, first=0, last=60, seed=0, dp_rank=0, epoch=0)
+    kept, addresses = [], set()
+    for batch in iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, slot_bytes=8_000):
+        addresses.add(batch["x"].data_ptr())
+        if batch["b"] % 7 == 0:
+            kept.append(batch)
+        del batch
+    assert len(addresses) < 30  # 2 workers x (prefetch + 3) slots, plus the kept batches' fallbacks
+    assert [b["b"] for b in kept] == list(range(0, 60, 7))
+    assert all(bool((b["x"] == b["b"]).all()) for b in kept)
