@@ -10,8 +10,8 @@ Per field (member extension, e.g. ``tokens.npy``):
   member buffers into the batch tensor, one ``memcpy`` each, laid out exactly as the two rules above
   (stacked when all lengths agree, else flat + lengths); differing dtypes fall back to tensors;
 - ``Audio`` values collate their waveforms like tensors, sample rates go to ``__sample_rate__``;
-- raw member buffers (``memoryview``, e.g. encoded audio left for DALI) become one flat ``uint8``
-  tensor with lengths, like token documents;
+- raw member buffers (``memoryview``: audio left encoded by ``decode.audio: raw``) are copied into one
+  flat ``uint8`` tensor with lengths, like token documents;
 - anything else (``str``, ``dict`` from JSON, ``bytes``) stays a list.
 
 Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample references, see
@@ -19,8 +19,9 @@ Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample refere
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
 Inside a DataLoader worker the output tensors are allocated in the worker's shared-memory ring slot
-(``dataio.workers.allocate``), so the one ``torch.cat`` / ``torch.stack`` from the page-cache views is
-the only copy on the worker side; nothing is pickled but a few offsets.
+(``dataio.workers.allocate``), so the one copy from the page cache (``memcpy`` per member, or
+``torch.cat`` / ``torch.stack`` of decoded tensors) is the only copy from shard to trainer; nothing
+is pickled but a few offsets.
 """
 
 from __future__ import annotations
@@ -37,14 +38,11 @@ from dataio.workers import allocate
 _TORCH_DTYPE: dict[np.dtype, torch.dtype] = {}
 
 
-def _as_bytes_tensor(view: memoryview) -> torch.Tensor:
-    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-
-
 def collate_field(values: list[Any]) -> tuple[Any, torch.Tensor | None]:
     """``(collated, lengths or None)`` of one field's values across a batch."""
-    if all(isinstance(v, memoryview) for v in values):  # raw members (e.g. audio left for DALI)
-        values = [_as_bytes_tensor(v.cast("B")) for v in values]
+    if all(isinstance(v, memoryview) for v in values):  # raw members (e.g. audio left encoded)
+        lengths = [v.nbytes for v in values]
+        return _concat([v.cast("B") for v in values], lengths, torch.uint8, 1), torch.tensor(lengths)
     deferred = [isinstance(v, NpyView) for v in values]
     if any(deferred):
         if all(deferred) and all(v.dtype == values[0].dtype for v in values):
@@ -70,16 +68,24 @@ def collate_npy(views: list[NpyView]) -> tuple[torch.Tensor, torch.Tensor | None
     dtype = views[0].dtype
     torch_dtype = _TORCH_DTYPE.get(dtype) or _TORCH_DTYPE.setdefault(dtype, torch.from_numpy(np.empty(0, dtype)).dtype)
     counts = [v.count for v in views]
-    out = allocate((sum(counts),), torch_dtype)
-    dst = memoryview(out.view(torch.uint8).numpy())
-    pos, size = 0, dtype.itemsize
-    for v in views:
-        n = v.count * size
-        dst[pos : pos + n] = memoryview(v.buf)[v.offset : v.offset + n]
-        pos += n
+    size = dtype.itemsize
+    out = _concat([memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views], counts, torch_dtype, size)
     if len(set(counts)) == 1:
         return out.view(len(views), counts[0]), None
     return out, torch.tensor(counts, dtype=torch.int64)
+
+
+def _concat(parts: list[memoryview], counts: list[int], dtype: torch.dtype, size: int) -> torch.Tensor:
+    """Byte buffers (``counts[i] * size`` bytes each) copied one after another into one batch tensor:
+    a ``memcpy`` per part, no tensor per part."""
+    out = allocate((sum(counts),), dtype)
+    dst = memoryview(out.view(torch.uint8).numpy())
+    pos = 0
+    for part in parts:
+        end = pos + part.nbytes
+        dst[pos:end] = part
+        pos = end
+    return out
 
 
 def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int) -> dict:

@@ -15,6 +15,8 @@ from typing import Literal
 from dataio.bucketing import BucketingConfig
 from dataio.decode import DecodeConfig
 
+DEFAULT_SEQ_LEN = 2048
+
 
 @dataclass(kw_only=True)
 class DatasetSpec:
@@ -42,22 +44,36 @@ class DataConfig:
     worker_timeout: float = 120.0  # seconds without a batch before a worker counts as hung
     max_bad_samples: int = 0  # undecodable / corrupt samples skipped (per DP rank) before it is an error
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    # The batching stage (dataio.packing / dataio.bucketing).
+    # The batching stage (dataio.packing / dataio.bucketing). Token batches come in one of two layouts:
+    # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from dataio.packing
+    # (packing: none puts one document per row, padded: the trainer's unpacked baseline);
+    # packing: none without seq_len: dataio.collate's plain batch (flat tokens + lengths, keys).
     packing: Literal["none", "greedy", "best_fit"] = "none"
-    seq_len: int = 2048
+    seq_len: int | None = None  # tokens per row; greedy / best_fit without it use DEFAULT_SEQ_LEN
     packing_buffer: int = 1000
+    pad_id: int = 0  # input_ids of padding (labels there are -100 whatever it is)
     bucketing: BucketingConfig | None = None
 
     def __post_init__(self):
         if not self.datasets:
             raise ValueError("datasets: at least one dataset is needed")
-        for name in ("batch_size", "shuffle_window", "prefetch", "seq_len", "packing_buffer"):
+        if self.seq_len is None and self.packing != "none":
+            self.seq_len = DEFAULT_SEQ_LEN
+        for name in ("batch_size", "shuffle_window", "prefetch", "packing_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (a token and its label), got {self.seq_len}")
         if self.num_workers < 0 or self.max_bad_samples < 0:
             raise ValueError("num_workers and max_bad_samples must be >= 0")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1 or null (endless), got {self.epochs}")
 
 
-__all__ = ["DataConfig", "DatasetSpec"]
+    @property
+    def thd(self) -> bool:
+        """Whether token batches are THD rows (``dataio.packing``) rather than the plain collate."""
+        return self.seq_len is not None
+
+
+__all__ = ["DEFAULT_SEQ_LEN", "DataConfig", "DatasetSpec"]

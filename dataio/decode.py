@@ -217,8 +217,10 @@ _DECODERS: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {
     "json": lambda buf, cfg: decode_json(buf),
     "txt": lambda buf, cfg: decode_text(buf),
     **{ext: lambda buf, cfg: decode_int(buf) for ext in ("cls", "cls2", "class", "index", "id", "count")},
-    # With audio: dali (or raw) the buffer stays encoded: dataio.dali decodes a whole batch at once.
-    **{ext: lambda buf, cfg: decode_audio(buf, cfg) if cfg.audio == "soundfile" else buf for ext in AUDIO_EXTENSIONS},
+    # With audio: dali (or raw) the buffer stays encoded, as a memoryview whether the source gave a view
+    # or bytes, so that dataio.collate makes it a uint8 tensor (and dataio.dali decodes a batch at once).
+    **{ext: lambda buf, cfg: decode_audio(buf, cfg) if cfg.audio == "soundfile" else memoryview(buf)
+       for ext in AUDIO_EXTENSIONS},
 }
 
 

@@ -7,9 +7,12 @@ The whole stream is a pure function of position, composed of small stages:
    by shard order and in-window permutation from the seed -> a global sample index.
 3. ``dataio.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
    ``[j0 + b*B, j0 + (b+1)*B)``.
-4. ``dataio.sources`` reads the samples by offset, ``dataio.decode`` decodes them, ``dataio.collate``
-   (``packing: none``) or ``dataio.packing`` (``greedy`` / ``best_fit``) makes the batch.
+4. ``dataio.sources`` reads the samples by offset, ``dataio.decode`` decodes them (``.npy`` tokens are
+   only checked: ``dataio.collate`` copies them straight into the batch; with ``decode.audio: dali``
+   ``dataio.dali`` decodes the batch's audio at once), and ``dataio.collate`` makes the plain batch.
 5. ``dataio.workers`` computes batches in DataLoader worker processes, read back in batch order.
+6. With ``seq_len`` set, the main process feeds the rank's documents to ``dataio.packing`` for THD
+   rows (``packing: none``: one document per row; ``greedy`` / ``best_fit``: packed).
 
 So the state is tiny -- the layout (a start position and, rarely, a few skip ranges), the rank-local
 position ``j`` the trainer has consumed, the bad-sample count, the seed, and the packer's document
@@ -67,13 +70,11 @@ def _token_ext(source: ShardSource) -> str | None:
 class BatchMaker:
     """Batch ``b`` of one rank's stream; picklable and stateless except for its bad-sample count."""
 
-    def __init__(self, *, cfg: DataConfig, sources: list[ShardSource], seed: int, layout: Layout,
-                 dp_rank: int, first_local: int, end: int | None, bad_so_far: int):
-        self.cfg, self.sources, self.layout, self.dp_rank = cfg, sources, layout, dp_rank
+    def __init__(self, *, cfg: DataConfig, sources: list[ShardSource], blend: BlendSchedule, seed: int,
+                 layout: Layout, dp_rank: int, first_local: int, bad_so_far: int):
+        self.cfg, self.sources, self.blend, self.layout, self.dp_rank = cfg, sources, blend, layout, dp_rank
         self.first_local, self.batch_size = first_local, cfg.batch_size
-        self.local_end = layout.local_count(dp_rank, end)
-        self.blend = BlendSchedule([d.weight for d in cfg.datasets], [len(s) for s in sources],
-                                   epochs=cfg.epochs, stop_on_first_exhausted=cfg.stop_on_first_exhausted)
+        self.local_end = layout.local_count(dp_rank, blend.end)
         self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
                                   window=cfg.shuffle_window) for i, s in enumerate(sources)]
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
@@ -92,6 +93,8 @@ class BatchMaker:
         return make_ref(dataset, index)
 
     def __call__(self, b: int) -> dict:
+        """The plain (collated) batch ``b``, with ``__pos__`` (rank-local positions), ``__bad__`` (samples
+        skipped while making it) and ``__end__`` (the position after it) for the main process."""
         lo = self.first_local + b * self.batch_size
         hi = lo + self.batch_size if self.local_end is None else min(lo + self.batch_size, self.local_end)
         local = np.arange(lo, max(lo, hi), dtype=np.int64)
@@ -188,39 +191,46 @@ class Loader:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.sources = [open_source(d) for d in cfg.datasets]
+        self.blend = BlendSchedule([d.weight for d in cfg.datasets], [len(s) for s in self.sources],
+                                   epochs=cfg.epochs, stop_on_first_exhausted=cfg.stop_on_first_exhausted)
         self.seed = _resolve_seed(cfg.seed, dp_size)
         self.layout = Layout(start=0, dp_size=dp_size)
         self.consumed = 0  # rank-local positions handed to the trainer (or to the packer)
         self.bad_samples = 0
         self.packer = None
         self.packed_batches = 0  # with packing: batches emitted since the stream began (equal on all ranks)
-        if cfg.packing != "none":
+        if cfg.thd:  # THD rows: packed (greedy / best_fit) or one document per row (none)
             from dataio.packing import Packer, PackingConfig
 
-            self.packer = Packer(PackingConfig(seq_len=cfg.seq_len, packing=cfg.packing,
+            self.packer = Packer(PackingConfig(seq_len=cfg.seq_len, packing=cfg.packing, pad_id=cfg.pad_id,
                                                packing_buffer=cfg.packing_buffer), rows_per_batch=cfg.batch_size)
             self._token_exts = [_token_ext(s) for s in self.sources]
             if None in self._token_exts:
                 bad = cfg.datasets[self._token_exts.index(None)].path
-                raise ValueError(f"packing: {cfg.packing} needs token members (*.npy); {bad} has none")
+                raise ValueError(f"packing: {cfg.packing} with seq_len: {cfg.seq_len} needs token members (*.npy); "
+                                 f"{bad} has none (leave seq_len unset for plain batches)")
         if cfg.bucketing is not None and (len(self.sources) != 1 or self.packer is not None):
-            raise ValueError("bucketing: needs exactly one dataset and packing: none (bucketing makes the batches)")
+            raise ValueError("bucketing: needs exactly one dataset, packing: none and no seq_len (bucketing makes "
+                             "the batches)")
         # Bucketing: the epoch, the earlier layouts of this epoch ([dp_size, steps done] each), and the
         # steps of the current plan consumed.
         self.bucket_epoch, self.bucket_history, self.bucket_step = 0, [], 0
         self._fingerprint = self._make_fingerprint()
-        self._maker: BatchMaker | None = None
 
     # -- iteration -----------------------------------------------------------------------------
     def _batch_maker(self) -> BatchMaker:
-        return BatchMaker(cfg=self.cfg, sources=self.sources, seed=self.seed, layout=self.layout,
-                          dp_rank=self.dp_rank, first_local=self.consumed, end=self.end, bad_so_far=self.bad_samples)
+        return BatchMaker(cfg=self.cfg, sources=self.sources, blend=self.blend, seed=self.seed, layout=self.layout,
+                          dp_rank=self.dp_rank, first_local=self.consumed, bad_so_far=self.bad_samples)
+
+    def _iterate(self, batches: RankBatches, slot_bytes: int = 0) -> Iterator[dict]:
+        cfg = self.cfg
+        return iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
+                       timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes)
 
     @property
     def end(self) -> int | None:
         """The global position where a finite stream (``epochs: N``) ends; None when endless."""
-        return BlendSchedule([d.weight for d in self.cfg.datasets], [len(s) for s in self.sources],
-                             epochs=self.cfg.epochs, stop_on_first_exhausted=self.cfg.stop_on_first_exhausted).end
+        return self.blend.end
 
     def __len__(self) -> int:
         """Batches left in a finite stream (``packing: none``); the same on every DP rank."""
@@ -233,19 +243,17 @@ class Loader:
         if self.cfg.bucketing is not None:
             yield from self._iter_bucketed()
             return
-        maker = self._maker = self._batch_maker()
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
-        batches = RankBatches(maker, first=0, last=self.layout.num_batches(self.end, self.consumed, self.cfg.batch_size),
-                              seed=self.seed, dp_rank=self.dp_rank, epoch=maker.blend.epoch_at(start_pos))
-        stream = iterate(batches, num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
-                         pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0,
-                         slot_bytes=self._slot_bytes())
+        batches = RankBatches(self._batch_maker(), first=0, seed=self.seed, dp_rank=self.dp_rank,
+                              last=self.layout.num_batches(self.end, self.consumed, self.cfg.batch_size),
+                              epoch=self.blend.epoch_at(start_pos))
         last = None  # the last packed batch: the template of loss-free padding batches at the tail
-        for batch in stream:
+        for batch in self._iterate(batches, self._slot_bytes()):
             self._count_bad(batch.pop("__bad__"))
             if self.packer is None:
                 self.consumed = batch.pop("__end__")
                 yield batch
+                del batch  # a worker's ring slot comes back once the consumer drops the batch too
             else:
                 for packed in self._pack(batch):
                     self.packed_batches += 1
@@ -328,10 +336,8 @@ class Loader:
                 return {**collate_audio(rows, tokens_key="tokens" if token_ext else None),
                         "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
 
-            stream = iterate(RankBatches(make, first=self.bucket_step, last=len(batches), seed=self.seed, dp_rank=self.dp_rank,
-                                         epoch=self.bucket_epoch),
-                             num_workers=self.cfg.num_workers, prefetch=self.cfg.prefetch,
-                             pin_memory=self.cfg.pin_memory, timeout=self.cfg.worker_timeout if self.cfg.num_workers else 0)
+            stream = self._iterate(RankBatches(make, first=self.bucket_step, last=len(batches), seed=self.seed,
+                                               dp_rank=self.dp_rank, epoch=self.bucket_epoch))
             for batch in stream:
                 self._count_bad(batch.pop("__bad__"))
                 self.bucket_step += 1

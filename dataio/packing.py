@@ -18,12 +18,25 @@ Algorithms (``packing:``):
 - ``none``: one document per row, padded. Simple; fill is mean_len / seq_len (~30% on web text).
 - ``greedy``: first-fit over the ``open_rows`` most recent rows; when a piece fits none of them the
   oldest row is closed. O(open_rows) per piece, no look-ahead (torchtitan's scheme uses 8 rows).
-- ``best_fit``: best-fit decreasing over a look-ahead buffer of ``packing_buffer`` pieces, kept
-  sorted by length. Whenever the buffer overflows, one row is built: it opens with the longest
-  buffered piece and then repeatedly takes the longest piece that still fits the space left (the
-  best fit for that gap) until nothing fits. O(log B) to find each piece plus an O(B) list shift;
-  with B = 10,000 on a long-tailed corpus the gaps close to a few tokens (>= 99.9% fill, see
-  BENCHMARKS.md). The cost is latency: short documents may wait in the buffer for a while.
+- ``best_fit``: best-fit decreasing over a look-ahead buffer of ``packing_buffer`` pieces. Whenever
+  the buffer overflows, one row is built: it opens with the longest buffered piece (the oldest of
+  equal lengths) and then repeatedly takes the longest piece that still fits the space left (the
+  best fit for that gap) until nothing fits. With B = 10,000 on a long-tailed corpus the gaps close
+  to a few tokens (>= 99.9% fill, see BENCHMARKS.md). The cost is latency: short documents may wait
+  in the buffer for a while.
+
+  The buffer is bucketed by length: a piece is shorter than ``seq_len``, so the buffer is one FIFO
+  (oldest first) per length plus the sorted list of lengths that have a piece. Adding a piece is an
+  O(1) append (plus a sorted insert into the length list when its bucket was empty); "the longest
+  piece <= gap" is one C ``bisect`` over the length list and an O(1) ``popleft``. The length list
+  holds at most min(B, seq_len) entries and changes only when a bucket fills or empties, so the
+  per-document cost no longer grows with B (a list of B sorted keys paid an O(B) shift per insert
+  and per removal).
+
+Batches are assembled with whole-array operations: ``input_ids`` is one ``np.concatenate`` of the
+pieces' slices and the rows' padding, ``labels`` is ``input_ids`` shifted by one with each piece's
+last label (the split document's next token, or -100) and the padding scattered in, ``position_ids``
+comes from the segment starts; the Python work per batch is O(pieces), not O(tokens).
 
 A document longer than ``seq_len`` is cut into full rows plus one remainder piece, which is packed
 like any document; a document that fits in a row is never split, and nothing is truncated or dropped.
@@ -32,16 +45,21 @@ Everything is deterministic in the input order.
 Resume: ``state_dict()`` holds only ``(ref, offset, length)`` of the pieces waiting in the packer
 (closed rows not yet emitted, open rows, the buffer) plus counters, never tokens;
 ``load_state_dict(state, fetch)`` re-reads those documents with ``fetch(ref)`` and continues
-exactly. Elastic resume (a different dp_size): ``reshard_states(old_states, dp_rank, dp_size)`` takes
-the union of every old rank's pieces and deals whole documents round-robin (sorted by ref) to the new
-ranks, so nothing is lost or repeated; the pieces are re-packed on load. The loader counts those
-documents as consumed from its sample stream.
+exactly. The buffered pieces' state entries are built once, when a piece enters the buffer, so
+``state_dict()`` is a C-level copy of B references, cheap enough to call after every batch (the
+returned lists share those entries, which are never modified). Elastic resume (a different
+dp_size): ``reshard_states(old_states, dp_rank, dp_size)`` takes the union of every old rank's
+pieces and deals whole documents round-robin (sorted by ref) to the new ranks, so nothing is lost or
+repeated; the pieces are re-packed on load. The loader counts those documents as consumed from its
+sample stream.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
+import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Literal, NamedTuple
@@ -52,8 +70,7 @@ import torch
 IGNORE_INDEX = -100
 ALGORITHMS = ("none", "greedy", "best_fit")
 STATE_VERSION = 1
-_ARRIVAL_BITS = 40  # best_fit sort key: length << 40 | (oldest first among equal lengths)
-_ARRIVAL_MASK = (1 << _ARRIVAL_BITS) - 1
+_bucket_entries = operator.itemgetter(0)  # of a best_fit bucket (state entries, pieces)
 
 
 @dataclass(kw_only=True)
@@ -128,16 +145,22 @@ class Packer:
         self._ready: deque[list[Piece]] = deque()  # closed rows, in emission order
         self._open: list[list[Piece]] = []  # greedy
         self._open_used: list[int] = []
-        self._keys: list[int] = []  # best_fit: sorted keys, parallel to _buffer
-        self._buffer: list[Piece] = []
+        # best_fit buffer: per length, the state entries [ref, offset, length, arrival] and the pieces,
+        # oldest first (two parallel deques, so state_dict() copies entries without touching pieces);
+        # _lengths: the lengths with a non-empty bucket, ascending
+        self._buckets: dict[int, tuple[deque[list[int]], deque[Piece]]] = {}
+        self._lengths: list[int] = []
+        self._buffered = 0
         self._arrival = 0
+        self._pad_row = np.full(self.cfg.seq_len, self.cfg.pad_id, dtype=np.int64)
+        self._positions = np.arange(self.cfg.seq_len, dtype=np.int64)
         self._flushed = False
 
     # -- feeding -------------------------------------------------------------------------------
     def push(self, ref: int, tokens) -> None:
         """Add document ``ref`` (a 1-D integer array of token ids)."""
         doc = np.asarray(tokens)
-        if doc.ndim != 1 or not np.issubdtype(doc.dtype, np.integer):
+        if doc.ndim != 1 or doc.dtype.kind not in "iu":
             raise ValueError(f"document {ref}: expected a 1-D integer token array, got "
                              f"{doc.dtype} of shape {doc.shape}")
         if self._flushed:
@@ -153,7 +176,7 @@ class Packer:
         """End of the stream: close every open row and empty the buffer into rows."""
         while self._open:
             self._close_open_row(0)
-        while self._buffer:
+        while self._buffered:
             self._ready.append(self._build_best_fit_row())
         self._flushed = True
 
@@ -184,7 +207,7 @@ class Packer:
         else:
             self._insert_buffer(piece, self._arrival)
             self._arrival += 1
-            if len(self._buffer) > self.cfg.packing_buffer:
+            if self._buffered > self.cfg.packing_buffer:
                 self._ready.append(self._build_best_fit_row())
 
     def _place_first_fit(self, piece: Piece) -> None:
@@ -206,22 +229,36 @@ class Packer:
         self._open_used.pop(i)
 
     def _insert_buffer(self, piece: Piece, arrival: int) -> None:
-        key = (piece.length << _ARRIVAL_BITS) | (_ARRIVAL_MASK - arrival)
-        i = bisect.bisect_left(self._keys, key)
-        self._keys.insert(i, key)
-        self._buffer.insert(i, piece)
+        """Append ``piece`` to its length's bucket; arrivals must come in increasing order per length."""
+        bucket = self._buckets.get(piece.length)
+        if bucket is None:
+            bucket = self._buckets[piece.length] = (deque(), deque())
+            bisect.insort(self._lengths, piece.length)
+        entries, pieces = bucket
+        entries.append([piece.ref, piece.offset, piece.length, arrival])
+        pieces.append(piece)
+        self._buffered += 1
+
+    def _take_buffered(self, i: int) -> Piece:
+        """Remove and return the oldest piece of the ``i``-th shortest buffered length."""
+        length = self._lengths[i]
+        entries, pieces = self._buckets[length]
+        entries.popleft()
+        piece = pieces.popleft()
+        if not pieces:
+            del self._buckets[length]
+            del self._lengths[i]
+        self._buffered -= 1
+        return piece
 
     def _build_best_fit_row(self) -> list[Piece]:
-        self._keys.pop()
-        row = [self._buffer.pop()]
+        row = [self._take_buffered(-1)]  # the longest piece opens the row
         gap = self.cfg.seq_len - row[0].length
-        while gap and self._keys:
-            # the longest piece with length <= gap (the oldest of equal lengths)
-            i = bisect.bisect_left(self._keys, (gap + 1) << _ARRIVAL_BITS) - 1
+        while gap and self._lengths:
+            i = bisect.bisect_right(self._lengths, gap) - 1  # the longest length <= gap
             if i < 0:
                 break
-            self._keys.pop(i)
-            piece = self._buffer.pop(i)
+            piece = self._take_buffered(i)
             row.append(piece)
             gap -= piece.length
         return row
@@ -229,31 +266,41 @@ class Packer:
     # -- output --------------------------------------------------------------------------------
     def _materialize(self, rows: list[list[Piece]]) -> dict:
         seq_len, n_rows = self.cfg.seq_len, self.rows_per_batch
-        input_ids = np.full(n_rows * seq_len, self.cfg.pad_id, dtype=np.int64)
-        labels = np.full(n_rows * seq_len, IGNORE_INDEX, dtype=np.int64)
+        parts: list[np.ndarray] = []  # every piece's tokens and every row's padding, in order
         segments: list[int] = []
+        last_labels: list[int] = []  # per segment: the label of its last token
+        pads: list[tuple[int, int]] = []  # (start, end) of each row's padding tail
         docs: list[list[tuple[int, int, int]]] = []
-        tokens = 0
+        tokens = num_docs = 0
         for r in range(n_rows):
-            pos = r * seq_len
             row = rows[r] if r < len(rows) else []
-            for ref, offset, length, doc in row:
+            used = 0
+            for _, offset, length, doc in row:
                 end = offset + length
-                input_ids[pos : pos + length] = doc[offset:end]
-                labels[pos : pos + length - 1] = doc[offset + 1 : end]
-                if end < len(doc):  # a split document: its next token opens the next piece
-                    labels[pos + length - 1] = doc[end]
+                parts.append(doc[offset:end])
                 segments.append(length)
-                pos += length
-            pad = (r + 1) * seq_len - pos
-            if pad:
-                segments.append(pad)
-            tokens += pos - r * seq_len
+                # a split document's last piece-token is labelled with its real next token
+                last_labels.append(int(doc[end]) if end < len(doc) else IGNORE_INDEX)
+                used += length
+            if used < seq_len:
+                parts.append(self._pad_row[used:])
+                segments.append(seq_len - used)
+                last_labels.append(IGNORE_INDEX)
+                pads.append((r * seq_len + used, (r + 1) * seq_len))
+            tokens += used
+            num_docs += len(row)
             docs.append([(p.ref, p.offset, p.length) for p in row])
+        input_ids = np.concatenate(parts, dtype=np.int64, casting="unsafe")
         seg = np.asarray(segments, dtype=np.int64)
         ends = np.cumsum(seg)
-        position_ids = np.arange(n_rows * seq_len, dtype=np.int64) - np.repeat(ends - seg, seg)
-        num_docs = sum(len(row) for row in rows)
+        labels = np.empty_like(input_ids)
+        labels[:-1] = input_ids[1:]
+        labels[ends - 1] = last_labels
+        for start, end in pads:
+            labels[start:end] = IGNORE_INDEX
+        position_ids = np.concatenate([self._positions[:n] for n in segments])
+        cu_seqlens = np.zeros(len(seg) + 1, dtype=np.int32)
+        cu_seqlens[1:] = ends
         capacity = n_rows * seq_len
         t = self.totals
         t.batches += 1
@@ -266,7 +313,7 @@ class Packer:
             "input_ids": torch.from_numpy(input_ids).view(shape),
             "labels": torch.from_numpy(labels).view(shape),
             "position_ids": torch.from_numpy(position_ids).view(shape),
-            "cu_seqlens": torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)),
+            "cu_seqlens": torch.from_numpy(cu_seqlens),
             "max_seqlen": int(seg.max()),
             "fill": tokens / capacity,
             "num_docs": num_docs,
@@ -286,8 +333,9 @@ class Packer:
             "packing": self.cfg.packing,
             "ready": [refs(row) for row in self._ready],
             "open": [refs(row) for row in self._open],
-            "buffer": [[p.ref, p.offset, p.length, _ARRIVAL_MASK - (k & _ARRIVAL_MASK)]
-                       for p, k in zip(self._buffer, self._keys)],
+            # by length, newest first among equal lengths (the order of the version-1 format)
+            "buffer": list(itertools.chain.from_iterable(
+                map(reversed, map(_bucket_entries, map(self._buckets.__getitem__, self._lengths))))),
             "pending": [],
             "next_arrival": self._arrival,
             "flushed": self._flushed,
@@ -319,7 +367,7 @@ class Packer:
             for row in state["open"]:
                 self._open.append([piece(*p) for p in row])
                 self._open_used.append(sum(p[2] for p in row))
-            for ref, offset, length, arrival in state["buffer"]:
+            for ref, offset, length, arrival in sorted(state["buffer"], key=lambda b: b[3]):
                 self._insert_buffer(piece(ref, offset, length), arrival)
             self._arrival = state["next_arrival"]
             pending = state["pending"]

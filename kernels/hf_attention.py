@@ -76,6 +76,11 @@ def packed_attention_kwargs(batch: Mapping[str, object]) -> dict[str, object]:
     }
 
 
+# Never traced by torch.compile (a compiled decoder block graph-breaks here): dynamo would bake the first
+# micro-batch's cached document plan (kernels.varlen_attention.cached_per_batch) into the graph and reuse
+# it for later packings -- measured: a per-block-compiled FSDP2 step's loss off by 4e-3. The backends run
+# compiled or fused kernels of their own (flex is compiled inside, flash-attn is one CUDA call).
+@torch.compiler.disable
 def hf_varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -267,10 +267,11 @@ def test_max_duration_guard():
     assert decode_sample({"flac": payload}, DecodeConfig(max_duration=3.5))["flac"].waveform.shape == (48000,)
 
 
-def test_dali_backend_leaves_audio_raw_for_batch_decoding():
+@pytest.mark.parametrize("audio", ["dali", "raw"])
+def test_dali_and_raw_backends_leave_audio_encoded(audio):
     payload = encode(sine(16000, 0.2, 440.0, 1), 16000, "FLAC")
-    out = decode_sample({"flac": payload, "json": b"{}"}, DecodeConfig(audio="dali"))
-    assert out["flac"] is payload and out["json"] == {}
+    out = decode_sample({"flac": payload, "json": b"{}"}, DecodeConfig(audio=audio))
+    assert isinstance(out["flac"], memoryview) and out["flac"].obj is payload and out["json"] == {}
 
 
 def test_config_rejects_nonsense():

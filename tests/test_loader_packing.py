@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from dataio import build_loader
 from dataio.loader import split_ref
@@ -62,3 +63,31 @@ def test_packed_stream_covers_every_token_once_and_resumes_elastically(text):
     tail = list(again)
     assert [b["__docs__"] for b in head + tail] == [b["__docs__"] for b in full]
     assert all(split_ref(ref)[0] == 0 for ref in lengths)
+
+
+def test_packing_none_with_seq_len_gives_one_padded_document_per_row(text):
+    """``packing: none`` + ``seq_len``: the trainer's THD layout, one document (piece) per row, padded
+    with ``pad_id``; without ``seq_len`` the plain collate (flat tokens + lengths)."""
+    base = {"datasets": [{"path": str(text)}], "batch_size": 3, "epochs": 1, "num_workers": 0, "shuffle": False}
+    plain = list(build_loader(base))
+    documents = [d for b in plain for d in torch.split(b["tokens.npy"], b["__lengths__"]["tokens.npy"].tolist())]
+    assert "input_ids" not in plain[0] and len(documents) == 20
+    seq_len = 24  # the documents have 1..39 tokens: some are split into two rows
+    rows = []
+    for batch in build_loader({**base, "seq_len": seq_len, "pad_id": 7, "num_workers": 2}):
+        assert batch["input_ids"].shape == batch["labels"].shape == (3, seq_len)
+        for r in range(3):
+            assert len(batch["__docs__"][r]) <= 1  # one piece per row (an empty row ends the stream)
+            if batch["__docs__"][r]:
+                (ref, offset, length), = batch["__docs__"][r]
+                rows.append((ref, offset, length))
+                assert batch["input_ids"][r, length:].eq(7).all() and batch["labels"][r, length:].eq(-100).all()
+                assert batch["position_ids"][r, :length].tolist() == list(range(length))
+                assert torch.equal(batch["input_ids"][r, :length], documents[split_ref(ref)[1]][offset:offset + length])
+    # every document whole and in order: pieces of a document are consecutive and cover it
+    served = Counter()
+    for ref, offset, length in rows:
+        assert offset == served[ref]
+        served[ref] += length
+    assert [served[ref] for ref in sorted(served)] == [len(d) for d in documents]
+    assert [r[0] for r in rows] == sorted(r[0] for r in rows)

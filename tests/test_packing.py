@@ -247,3 +247,106 @@ def test_loader_elastic_resume_with_packing_loses_nothing(tmp_path):
         pieces.sort()
         assert pieces[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
     assert len(served) == len(set(served))
+
+
+# -- the fast paths against straightforward references ---------------------------------------------
+
+
+def reference_best_fit_rows(lengths, seq_len, buffer):
+    """Best-fit decreasing written the obvious way: rows of (ref, offset, length), and the buffer
+    after each document as version-1 state entries (by length, newest first among equals)."""
+    buf, rows, buffers = [], [], []  # buf: (length, arrival, ref, offset)
+
+    def take(candidates):
+        piece = max(candidates, key=lambda p: (p[0], -p[1]))  # longest, then oldest
+        buf.remove(piece)
+        return piece
+
+    def build_row():
+        row = [take(buf)]
+        gap = seq_len - row[0][0]
+        while gap and (fits := [p for p in buf if p[0] <= gap]):
+            row.append(take(fits))
+            gap -= row[-1][0]
+        rows.append([(ref, offset, n) for n, _, ref, offset in row])
+
+    arrival = 0
+    for ref, n in enumerate(lengths):
+        offset = 0
+        while n >= seq_len:
+            rows.append([(ref, offset, seq_len)])
+            offset, n = offset + seq_len, n - seq_len
+        if n:
+            buf.append((n, arrival, ref, offset))
+            arrival += 1
+            if len(buf) > buffer:
+                build_row()
+        buffers.append([[ref, offset, n, a] for n, a, ref, offset in sorted(buf, key=lambda p: (p[0], -p[1]))])
+    while buf:
+        build_row()
+    return rows, buffers
+
+
+def reference_batch(docs, rows, seq_len, rows_per_batch, pad_id):
+    """The THD tensors of ``rows`` built token by token."""
+    ids, labels, pos, cu = [], [], [], [0]
+    for r in range(rows_per_batch):
+        row = rows[r] if r < len(rows) else []
+        for ref, offset, length in row:
+            doc = docs[ref]
+            for k in range(offset, offset + length):
+                ids.append(int(doc[k]))
+                labels.append(int(doc[k + 1]) if k + 1 < len(doc) else IGNORE_INDEX)
+                pos.append(k - offset)
+            cu.append(cu[-1] + length)
+        pad = seq_len - sum(length for _, _, length in row)
+        ids += [pad_id] * pad
+        labels += [IGNORE_INDEX] * pad
+        pos += list(range(pad))
+        if pad:
+            cu.append(cu[-1] + pad)
+    shape = (rows_per_batch, seq_len)
+    return {"input_ids": torch.tensor(ids).view(shape), "labels": torch.tensor(labels).view(shape),
+            "position_ids": torch.tensor(pos).view(shape), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=60), seq_len=st.integers(2, 20),
+       buffer=st.integers(1, 12), rows=st.integers(1, 3), pad_id=st.integers(0, 5))
+def test_best_fit_rows_state_and_tensors_match_references(lengths, seq_len, buffer, rows, pad_id):
+    # short lengths make many ties, so the oldest-first order among equal lengths is exercised
+    docs = make_docs(lengths)
+    want_rows, want_buffers = reference_best_fit_rows(lengths, seq_len, buffer)
+    packer = Packer(PackingConfig(seq_len=seq_len, packing="best_fit", packing_buffer=buffer, pad_id=pad_id),
+                    rows_per_batch=rows)
+    got_rows = []
+    for ref, tokens in docs.items():
+        packer.push(ref, tokens)
+        assert packer.state_dict()["buffer"] == want_buffers[ref]
+        while (batch := packer.pop()) is not None:
+            got_rows += batch["__docs__"]
+    packer.flush()
+    batches = []
+    while (batch := packer.pop()) is not None:
+        batches.append(batch)
+        got_rows += batch["__docs__"]
+    assert [row for row in got_rows if row] == want_rows
+    for batch in batches:
+        want = reference_batch(docs, batch["__docs__"], seq_len, rows, pad_id)
+        for k, v in want.items():
+            assert batch[k].dtype == (torch.int32 if k == "cu_seqlens" else torch.int64)
+            assert torch.equal(batch[k], v), k
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 50), min_size=1, max_size=30), algo=st.sampled_from(ALGOS),
+       seq_len=st.integers(2, 16), rows=st.integers(1, 3), pad_id=st.integers(0, 5),
+       dtype=st.sampled_from([np.int32, np.uint16, np.int64]))
+def test_batches_match_token_by_token_reference(lengths, algo, seq_len, rows, pad_id, dtype):
+    docs = {ref: d.astype(dtype) for ref, d in make_docs([min(n, 60) for n in lengths]).items()}
+    packer = Packer(PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=3, open_rows=2, pad_id=pad_id),
+                    rows_per_batch=rows)
+    for batch in pack(docs.items(), packer):
+        want = reference_batch(docs, batch["__docs__"], seq_len, rows, pad_id)
+        for k, v in want.items():
+            assert torch.equal(batch[k], v), k

@@ -58,6 +58,7 @@ class DistributedConfig:
     activation_checkpointing: bool = False
     activation_checkpointing_every: int = 1  # checkpoint every N-th block (1 = all blocks)
     compile: bool = False  # torch.compile each block
+    compile_backend: str = "inductor"  # torch.compile backend; aot_eager traces without code generation
     reshard_after_forward: bool = True
     defer_fsdp_grad_sync: bool = True  # reduce gradients only on the last micro-step
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

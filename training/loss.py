@@ -36,7 +36,8 @@ class CausalLMLoss(nn.Module):
     def __init__(self, causal_lm: nn.Module, chunk_size: int | None = None):
         super().__init__()
         if getattr(causal_lm.lm_head, "bias", None) is not None:
-            raise ValueError("CausalLMLoss: an lm_head with a bias is not supported (the chunked loss reads the weight)")
+            raise ValueError("CausalLMLoss: an lm_head with a bias is not supported (the chunked loss reads "
+                             "only the weight)")
         for name, child in causal_lm.named_children():  # same FQNs as the HF model: "model.*", "lm_head.*"
             self.add_module(name, child)
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
@@ -45,9 +46,9 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
-        weight = self.lm_head.weight
         if labels is None:
             return self.lm_head(hidden)
+        weight = self.lm_head.weight
         if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
             logits = self.lm_head(hidden)
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,

@@ -72,7 +72,7 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
                 blocks[i] = checkpoint_wrapper(block)
     if cfg.compile:
         for block in blocks:
-            block.compile()
+            block.compile(backend=cfg.compile_backend)
     # bf16 goes through FSDP2's MixedPrecisionPolicy even with nothing to shard (one rank, or TP only):
     # under autocast HF's RoPE hands fp32 q/k beside a bf16 v to the attention kernel (flash-attn refuses
     # that), while bf16 parameters keep every activation bf16.

@@ -235,7 +235,8 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             window_start += time.perf_counter() - saving  # checkpoint time is not training throughput
 
     batches.close()
-    if cfg.checkpoint.save_final and step > 0 and checkpoint.latest(ckpt_dir) != checkpoint.checkpoint_dir(ckpt_dir, step):
+    saved_already = checkpoint.latest(ckpt_dir) == checkpoint.checkpoint_dir(ckpt_dir, step)
+    if cfg.checkpoint.save_final and step > 0 and not saved_already:
         checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
                         keep_last=cfg.checkpoint.keep_last)
     if cfg.checkpoint.export_hf:

@@ -1,14 +1,17 @@
 """torchrun script: every parallel layout trains like one process; checkpoints resume and reshard.
 
 ``torchrun --nproc-per-node 4 tests/dist/train_layouts.py WORKDIR layouts`` (WORKDIR holds ``pretrained/``):
-FSDP2, HSDP(+activation checkpointing), DDP, TP+SP and FSDP2+TP+SP each train STEPS steps on the same
-global batches from the same weights; losses, gradient norms and final weights (read back from the
-``hf/`` export) must match an independent single-process reference computed on every rank. Then a run
-stopped at step 2 and resumed must reproduce the uninterrupted losses, and the exported model's logits
-must equal the checkpointed sharded model's.
+first, one micro-batch per rank through the FSDP2 model's chunked loss gives the full-logits loss and
+gradients (fp32, and bf16 MixedPrecisionPolicy within bf16 rounding). Then FSDP2, HSDP(+activation
+checkpointing), DDP, TP+SP and FSDP2+TP+SP each train STEPS steps on the same global batches from the
+same weights; losses, gradient norms and final weights (read back from the ``hf/`` export) must match an
+independent single-process reference computed on every rank; FSDP2 in bf16 must stay within bf16
+rounding of its losses. Then a run stopped at step 2 and resumed must reproduce the uninterrupted
+losses, and the exported model's logits must equal the checkpointed sharded model's.
 
 ``torchrun --nproc-per-node 2 tests/dist/train_layouts.py WORKDIR reshard``: the 4-rank FSDP2 checkpoint
-at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses.
+at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses; then
+one step with every block compiled (``distributed.compile``) gives the eager loss.
 Prints ``OK <check>`` per passed check; any mismatch raises.
 """
 
@@ -211,6 +214,16 @@ def run_reshard(workdir: Path, batches) -> None:
         assert [r["step"] for r in history] == [3, 4], history
         check_close(f"{name} losses", [r["loss"] for r in history], expected[2:], 2e-5)
         print(f"OK 4-rank checkpoint resumes on 2 ranks as {name}", flush=True)
+
+    # distributed.compile: each block torch.compile'd under FSDP2, one step from the pretrained weights. The
+    # aot_eager backend traces forward and backward like inductor (dynamo graphs through the HF block and
+    # FSDP2's hooks, AOT autograd) without code generation, which takes ~75 s cold on 2 CPU cores.
+    cfg = job(workdir, "compiled", dict(strategy="fsdp2", compile=True, compile_backend="aot_eager"), 2,
+              max_steps=1)
+    history = train(cfg, loaders(batches, 2))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    check_close("compiled loss", history[0]["loss"], expected[0], 2e-5)
+    print("OK per-block compile under fsdp2 gives the eager loss", flush=True)
 
 
 def main() -> None:
