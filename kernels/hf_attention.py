@@ -125,6 +125,9 @@ def hf_varlen_attention(
             "cu_from_position_ids", position_ids, batch * seq,
             lambda: cu_seqlens_from_position_ids(position_ids.expand(batch, -1)),
         )
+    if not query.dtype == key.dtype == value.dtype:
+        # Under autocast, HF's rotary step hands over fp32 q/k beside bf16 v; flash-attn takes one dtype.
+        query, key = query.to(value.dtype), key.to(value.dtype)
     q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
     out = varlen_attention(q, k, v, cu, max_length_q, scale=scaling)
     return out.view(batch, seq, heads, value.shape[-1]), None

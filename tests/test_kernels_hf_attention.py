@@ -139,6 +139,21 @@ def test_refuses_masks_and_decoding():
         packed(input_ids=batch["input_ids"][:1, :1], past_key_values=cache)
 
 
+def test_mixed_dtypes_under_autocast_are_unified():
+    """HF's rotary step gives fp32 q/k beside bf16 v under autocast; the function casts q/k to v's dtype."""
+    from kernels.hf_attention import hf_varlen_attention
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    v = torch.randn(1, 2, 8, 16).to(torch.bfloat16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out, _ = hf_varlen_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, max_length_q=5)
+    same, _ = hf_varlen_attention(torch.nn.Module(), q.bfloat16(), k.bfloat16(), v, None, cu_seq_lens_q=cu,
+                                  max_length_q=5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, same)
+
+
 def test_dataio_packer_batches_train_like_documents_one_by_one():
     """End to end with the real packer (best_fit, padding tails, several rows): loss sum is unchanged."""
     import numpy as np
