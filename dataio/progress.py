@@ -23,7 +23,7 @@ def shown(quiet: bool = False) -> bool:
 
 
 @contextmanager
-def progress_bar(description: str, *, total: int, unit: str = "", quiet: bool = False
+def progress_bar(description: str, *, total: int | None, unit: str = "", quiet: bool = False
                  ) -> Iterator[Callable[[int], None]]:
     """A context that yields ``advance(n)``; draws a bar on stderr only when ``shown(quiet)``.
 
@@ -49,7 +49,7 @@ def progress_bar(description: str, *, total: int, unit: str = "", quiet: bool = 
         yield lambda n=1: bar.advance(task, n)
 
 
-def track(items: Iterable[T], *, total: int, description: str, unit: str = "", quiet: bool = False) -> Iterator[T]:
+def track(items: Iterable[T], *, total: int | None, description: str, unit: str = "", quiet: bool = False) -> Iterator[T]:
     """``items`` unchanged, advancing a ``progress_bar`` by one per item."""
     with progress_bar(description, total=total, unit=unit, quiet=quiet) as advance:
         for item in items:

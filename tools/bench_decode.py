@@ -27,7 +27,6 @@ import io
 import json
 import mmap
 import os
-import resource
 import statistics
 import sys
 import time
@@ -38,21 +37,10 @@ import soundfile
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataio.bench.corpus import RATE, flac_bytes, npy_bytes, speech_like  # noqa: E402
+from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved  # noqa: E402
 from dataio.collate import collate_field  # noqa: E402
 from dataio.decode import DaliConfig, DecodeConfig, decode_sample  # noqa: E402
-
-RATE = 16000
-
-
-def speech_like(rng: np.random.Generator, seconds: float) -> np.ndarray:
-    """Voiced harmonics with a gliding pitch under a ~4 Hz syllable envelope, plus breath noise."""
-    t = np.arange(int(seconds * RATE)) / RATE
-    f0 = rng.uniform(90, 220) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.3, 1.0) * t))
-    phase = 2 * np.pi * np.cumsum(f0) / RATE
-    voiced = sum(np.sin(k * phase) / k for k in range(1, 13))
-    envelope = np.abs(np.sin(2 * np.pi * rng.uniform(3, 5) * t + rng.uniform(0, np.pi))) ** 2
-    wave = 0.25 * voiced * envelope + 0.0015 * rng.standard_normal(len(t))
-    return (wave / np.max(np.abs(wave)) * 0.8).astype(np.float32)
 
 
 def build_corpus(directory: Path, count: int, seed: int = 0) -> tuple[Path, np.ndarray]:
@@ -65,9 +53,7 @@ def build_corpus(directory: Path, count: int, seed: int = 0) -> tuple[Path, np.n
     offsets = [0]
     with open(blob.with_suffix(".tmp"), "wb") as f:
         for _ in range(count):
-            buf = io.BytesIO()
-            soundfile.write(buf, speech_like(rng, rng.uniform(3.0, 6.0)), RATE, format="FLAC", subtype="PCM_16")
-            offsets.append(offsets[-1] + f.write(buf.getvalue()))
+            offsets.append(offsets[-1] + f.write(flac_bytes(speech_like(rng, rng.uniform(3.0, 6.0)))))
     os.replace(blob.with_suffix(".tmp"), blob)
     table.write_text(json.dumps(offsets))
     return blob, np.array(offsets, dtype=np.int64)
@@ -97,16 +83,10 @@ def collate_waveforms(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return collate_field(waves)
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process (all threads) plus its reaped children (finished DataLoader workers)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def time_epoch(batches) -> tuple[float, int, float]:
     """Wall seconds from the first batch to the last and the samples after the first batch (start-up not
     counted); CPU milliseconds per sample over the whole epoch, workers included once they are joined."""
-    cpu_start = cpu_seconds()
+    cpu_start = sum(cpu_seconds())
     iterator = iter(batches)
     _, lengths = next(iterator)
     total, start, samples = len(lengths), time.perf_counter(), 0
@@ -114,7 +94,7 @@ def time_epoch(batches) -> tuple[float, int, float]:
         samples += len(lengths)
     wall = time.perf_counter() - start
     del iterator  # joins DataLoader workers, so that RUSAGE_CHILDREN has their CPU time
-    return wall, samples, (cpu_seconds() - cpu_start) / (total + samples) * 1e3
+    return wall, samples, (sum(cpu_seconds()) - cpu_start) / (total + samples) * 1e3
 
 
 def soundfile_epochs(dataset: Utterances, batch_size: int, workers: int):
@@ -144,23 +124,18 @@ def npy_microseconds(count: int = 20000) -> dict[str, float]:
     """Per-member cost of a 12.6 KB int32 token array: headrace's zero-copy decode vs ``np.load``."""
     from dataio.decode import decode_npy
 
-    buf = io.BytesIO()
-    np.save(buf, np.arange(3150, dtype=np.int32))
-    member = memoryview(bytearray(buf.getvalue()))
+    member = memoryview(bytearray(npy_bytes(np.arange(3150, dtype=np.int32))))
     paths = {
         "npy_headrace_us": lambda: decode_npy(member),
         "npy_numpy_load_us": lambda: torch.from_numpy(np.load(io.BytesIO(member), allow_pickle=False)),
     }
-    result = {}
-    for name, decode in paths.items():
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(count):
-                decode()
-            best = min(best, time.perf_counter() - start)
-        result[name] = best / count * 1e6
-    return result
+
+    def loop(decode) -> None:
+        for _ in range(count):
+            decode()
+
+    loops = {name: (lambda decode=decode: loop(decode)) for name, decode in paths.items()}
+    return {name: best / count * 1e6 for name, best in best_interleaved(loops, 3).items()}
 
 
 def main() -> int:
@@ -202,15 +177,10 @@ def main() -> int:
     except ImportError as e:
         print(f"DALI skipped: {e}", file=sys.stderr)
     # Interleaved repeats, so that load from other processes on a shared machine hits every path alike.
-    rates: dict[str, list[float]] = {name: [] for name in paths}
-    cpu_ms: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(args.repeats):
-        for name, epoch in paths.items():
-            seconds_taken, samples, cpu_per_sample = epoch()
-            rates[name].append(samples / seconds_taken)
-            cpu_ms[name].append(cpu_per_sample)
-    results.update({name: statistics.median(values) for name, values in rates.items()})
-    results.update({f"{name}_cpu_ms_per_sample": statistics.median(values) for name, values in cpu_ms.items()})
+    epochs = interleaved(paths, args.repeats)  # name -> [(seconds, samples, CPU ms per sample)]
+    results.update({name: statistics.median(n / sec for sec, n, _ in runs) for name, runs in epochs.items()})
+    results.update({f"{name}_cpu_ms_per_sample": statistics.median(cpu for _, _, cpu in runs)
+                    for name, runs in epochs.items()})
     if f"dali_cpu_{args.workers}_threads" in results:
         results["ratio_soundfile_workers_to_dali"] = (
             results[f"soundfile_{args.workers}_workers"] / results[f"dali_cpu_{args.workers}_threads"]

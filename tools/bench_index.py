@@ -10,19 +10,17 @@ the same worker count) and prints samples/s for each and the ratio. ``--baseline
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import webdataset as wds
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataio.bench.corpus import npy_bytes  # noqa: E402
+from dataio.bench.processes import REPO, time_dataio, time_energon_prepare  # noqa: E402
 
 
 def main() -> None:
@@ -38,29 +36,20 @@ def main() -> None:
         ours.mkdir()
         with wds.ShardWriter(str(ours / "shard-%06d.tar"), maxcount=args.samples, verbose=0) as w:
             for i in range(args.shards * args.samples):
-                npy = io.BytesIO()
-                np.save(npy, rng.integers(0, 30000, int(rng.integers(10, 400)), dtype=np.uint16))
+                tokens = rng.integers(0, 30000, int(rng.integers(10, 400)), dtype=np.uint16)
                 w.write({"__key__": f"s{i:09d}", "txt": b"x" * int(rng.integers(50, 2000)),
-                         "tokens.npy": npy.getvalue(), "json": b'{"a": 1}'})
+                         "tokens.npy": npy_bytes(tokens), "json": b'{"a": 1}'})
         shutil.copytree(ours, theirs)
         n = args.shards * args.samples
 
         def dataio_index(repo: Path, target: Path) -> float:
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "dataio", "index", str(target), "--quiet", "--workers",
-                            str(args.workers)], check=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
-                           stdout=subprocess.DEVNULL)
-            return time.perf_counter() - t
+            return time_dataio(["index", str(target), "--quiet", "--workers", str(args.workers)], repo)[0]
 
         ours_s = dataio_index(REPO, ours)
         if args.baseline:
             shutil.copytree(theirs, Path(tmp) / "baseline")
             baseline_s = dataio_index(args.baseline.resolve(), Path(tmp) / "baseline")
-        t = time.perf_counter()
-        subprocess.run([str(Path(sys.executable).with_name("energon")), "prepare", "--non-interactive",
-                        "--sample-type", "CrudeWebdataset", "--split-ratio", "1,0,0", "--no-progress",
-                        "--num-workers", str(args.workers), str(theirs)], check=True, stdout=subprocess.DEVNULL)
-        energon_s = time.perf_counter() - t
+        energon_s = time_energon_prepare(theirs, args.workers)
         size = sum(p.stat().st_size for p in ours.glob("*.tar")) / 1e6
         print(f"{args.shards} shards, {n} samples, {size:.0f} MB, {args.workers} workers")
         print(f"dataio index   : {ours_s:6.2f} s  {n / ours_s:10.0f} samples/s (process start included)")

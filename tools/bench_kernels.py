@@ -10,7 +10,7 @@ single-document row; backends ``bucketed`` and ``dense_mask`` against a per-docu
 
 loss: forward+backward time and peak memory of ``linear_cross_entropy`` against full-logits
 ``F.cross_entropy``. Each case runs in a fresh subprocess; peak memory is the rise of the process's
-RSS (sampled every 0.5 ms) above its RSS after a warm-up step (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
+RSS (``dataio.bench.measure.ProcessSampler``, every 0.5 ms) above its RSS after a warm-up step (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
 """
 
 from __future__ import annotations
@@ -18,43 +18,26 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
 import sys
-import threading
-import time
 from pathlib import Path
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dataio.bench.corpus import longtail_lengths  # noqa: E402
+from dataio.bench.measure import ProcessSampler  # noqa: E402
+from dataio.bench.timing import best_interleaved  # noqa: E402
 from kernels.loss import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from kernels.varlen_attention import varlen_attention, varlen_attention_reference  # noqa: E402
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(fn, device: str, repeats: int) -> float:
-    """Best of ``repeats`` timed calls after one warm-up call."""
-    fn()
-    return _time_interleaved({"fn": fn}, device, repeats)["fn"]
-
-
 def _time_interleaved(fns: dict, device: str, repeats: int) -> dict[str, float]:
-    """Best time of each function over ``repeats`` rounds, each round calling every function once."""
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    """Best time of each function over ``repeats`` interleaved rounds, synchronising CUDA around each call."""
+    return best_interleaved(fns, repeats, sync=torch.cuda.synchronize if device == "cuda" else None)
 
 
 def document_layout(kind: str, tokens: int, seed: int = 0) -> list[int]:
@@ -66,14 +49,13 @@ def document_layout(kind: str, tokens: int, seed: int = 0) -> list[int]:
     """
     if kind == "single":
         return [tokens]
-    g = torch.Generator().manual_seed(seed)
-    draw = {
-        "short": lambda: int(torch.randint(1, 129, (1,), generator=g)),
-        "longtail": lambda: max(1, int(torch.empty(1).log_normal_(mean=6.55, std=1.2, generator=g))),
-    }[kind]
+    rng = np.random.default_rng(seed)
+    # 4 rows of ``tokens`` take at most 4 * tokens documents of >= 1 token.
+    lengths = iter((rng.integers(1, 129, 4 * tokens) if kind == "short"
+                    else longtail_lengths(rng, 4 * tokens, median=700, sigma=1.2)).tolist())
     rows, row, pending = [], [], 0
     while len(rows) < 4:
-        pending = pending or draw()
+        pending = pending or next(lengths)
         piece = min(pending, tokens - sum(row))
         row.append(piece)
         pending -= piece
@@ -151,35 +133,11 @@ def _loss_case(threads, device, tokens, hidden, vocab, dtype, impl, chunk_tokens
         seconds = _time_interleaved({"step": step}, device, repeats)["step"]
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        base = _rss_bytes()
-        with _RssPeak() as rss:
+        # This process only (no children), polled every 0.5 ms: matmuls release the GIL.
+        with ProcessSampler(interval=0.0005, descendants=False) as rss:
             seconds = _time_interleaved({"step": step}, device, repeats)["step"]
-        peak = rss.peak - base
+        peak = rss.peak_rss - rss.start_rss
     out.put({"impl": impl, "ms": seconds * 1e3, "peak_mib": peak / 2**20})
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-class _RssPeak:
-    """Samples this process's RSS every 0.5 ms on a thread (matmuls release the GIL) and keeps the peak."""
-
-    def __enter__(self):
-        self.peak, self._stop = _rss_bytes(), threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.0005):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
 
 
 def bench_loss(args) -> list[dict]:

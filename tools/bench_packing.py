@@ -7,8 +7,8 @@
    and standard-library docstrings), tokenized with a byte-level BPE trained on them the way the demo
    corpus does. Fill at seq_len 2048 / 8192 / 32768 for none, greedy (8 open rows), best_fit
    (buffers 1,000 and 10,000).
-2. Simulation: ``--sim-docs`` log-normal lengths (median 718, sigma 1.664 -> p99 ~34.5k tokens) at
-   seq_len 8192, the same algorithms.
+2. Simulation: ``--sim-docs`` log-normal lengths (median 718, sigma 1.664 -> p99 ~34.5k tokens;
+   ``dataio.bench.corpus.simulated_token_documents``) at seq_len 8192, the same algorithms.
 3. Speed, one process, median of ``--repeats`` runs: tokens/s through push + pop, and separately the
    cost per document of ``push`` (placement, the end-of-stream flush included), per batch of ``pop``
    (materialising the tensors) and of a ``state_dict()`` taken after every batch (as the CUDA
@@ -41,6 +41,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dataio.packing  # noqa: E402
+from dataio.bench.corpus import simulated_token_documents  # noqa: E402
+from dataio.bench.table import cell, markdown_row  # noqa: E402
+from dataio.bench.timing import median_run  # noqa: E402
 from dataio.cp_split import attention_work  # noqa: E402
 from dataio.packing import Packer, PackingConfig, pack  # noqa: E402
 
@@ -63,14 +66,6 @@ def real_documents() -> list[np.ndarray]:
         train_tokenizer([d.text for d in docs], cfg.vocab_size, path)
         tokenizer = Tokenizer.from_file(str(path))
     return [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch([d.text for d in docs])]
-
-
-def simulated_documents(n: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    lengths = np.maximum(1, rng.lognormal(np.log(718), 1.664, n).astype(np.int64))
-    pool = rng.integers(0, 50_000, int(lengths.max()) + 1, dtype=np.int32)  # views, not 100M+ tokens
-    starts = rng.integers(0, len(pool) - lengths + 1)
-    return [pool[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
 
 
 def fill(docs: list[np.ndarray], seq_len: int, algo: str, buffer: int) -> dict:
@@ -141,11 +136,10 @@ def speed(impls: dict, workloads: dict, repeats: int) -> list[dict]:
     for name, (docs, seq_len, rows) in workloads.items():
         for algo, buffer in SPEED_SETTINGS:
             for impl_name, impl in impls.items():
-                runs = sorted((speed_once(impl, docs, seq_len, rows, algo, buffer) for _ in range(repeats)),
-                              key=lambda r: r["tokens_per_s"])
+                runs = [speed_once(impl, docs, seq_len, rows, algo, buffer) for _ in range(repeats)]
                 out.append({"workload": name, "seq_len": seq_len, "rows": rows, "packing": algo,
                             "buffer": buffer if algo == "best_fit" else None, "impl": impl_name,
-                            **runs[len(runs) // 2]})
+                            **median_run(runs, "tokens_per_s")})
     return out
 
 
@@ -173,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     real = real_documents()
-    sim = simulated_documents(args.sim_docs)
+    sim = simulated_token_documents(args.sim_docs)  # log-normal, median 718, sigma 1.664
     lens = {name: np.array([len(d) for d in docs]) for name, docs in (("real", real), ("sim", sim))}
     repeated_real = [real[i % len(real)] for i in range(args.speed_docs)]
     workloads = {"real x16 rows": (repeated_real, 2048, 16), "sim x8 rows": (sim[: args.speed_docs], 8192, 8)}
@@ -197,19 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     print("\nspeed (one process; push includes the flush; state_dict after every batch, not in tokens/s)\n"
           "| workload | seq_len | packing | buffer | impl | tokens/s | push us/doc | pop us/batch | state_dict us |")
     for r in result["speed"]:
-        print(f"| {r['workload']} | {r['seq_len']} | {r['packing']} | {r['buffer'] or '-'} | {r['impl']} | "
-              f"{r['tokens_per_s'] / 1e6:.1f}M | {r['push_us_per_doc']:.2f} | {r['pop_us_per_batch']:.0f} | "
-              f"{r['state_dict_us']:.0f} |")
+        print(markdown_row([r["workload"], r["seq_len"], r["packing"], cell(r["buffer"]), r["impl"],
+                            f"{r['tokens_per_s'] / 1e6:.1f}M", cell(r["push_us_per_doc"], ".2f"),
+                            cell(r["pop_us_per_batch"], ".0f"), cell(r["state_dict_us"], ".0f")]))
     if args.speed_only:
         return 0
     for title in ("real_fill", "sim_fill"):
         print(f"\n{title}\n| seq_len | packing | buffer | fill | rows | split docs | fitting docs split |")
         for r in result[title]:
-            print(f"| {r['seq_len']} | {r['packing']} | {r['buffer'] or '-'} | {100 * r['fill']:.3f}% | "
-                  f"{r['rows']} | {r['split_docs']} | {r['fitting_docs_split']} |")
+            print(markdown_row([r["seq_len"], r["packing"], cell(r["buffer"]), f"{100 * r['fill']:.3f}%", r["rows"],
+                                r["split_docs"], r["fitting_docs_split"]]))
     print("\nCP split, causal work imbalance (max/mean) at seq_len 32768\n| cp_size | head-tail (worst batch) | contiguous (mean) |")
     for r in result["cp_balance"]:
-        print(f"| {r['cp_size']} | {r['head_tail_imbalance_max']:.4f} | {r['contiguous_imbalance_mean']:.3f} |")
+        print(markdown_row([r["cp_size"], cell(r["head_tail_imbalance_max"], ".4f"),
+                            cell(r["contiguous_imbalance_mean"], ".3f")]))
     return 0
 
 

@@ -8,6 +8,7 @@ NeMo manifest) in a scratch directory, then, in one run on the same disk:
   plus ``energon prepare --non-interactive`` indexing them, which is what the peer workflow needs;
 - ``dd if=/dev/zero bs=1M conv=fdatasync``: the disk's sequential write speed.
 
+Corpora, timings and dd come from ``dataio.bench`` (``corpus``, ``processes``).
 Prints MB/s (bytes of tar written) and samples/s per method, and the ratios the targets are about.
 ``dataio shard`` is timed end to end (process start-up and metadata included) and by its own timer
 (the "in X s" of its summary line: planning and writing, without interpreter start-up and imports).
@@ -22,14 +23,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dataio.bench.corpus import flac_bytes, longtail_lengths, npy_bytes, speech_like  # noqa: E402
+from dataio.bench.processes import REPO, dd_write_mb_per_s, time_dataio, time_energon_prepare  # noqa: E402
+
 SHARD_SIZE = {"text": 16_000_000, "audio": 64_000_000}  # several shards per corpus at the default sizes
 _THROUGHPUT = re.compile(r"in ([0-9.]+) s \(")
 
@@ -40,7 +43,7 @@ def build_text(d: Path, docs: int) -> tuple[Path, Path]:
 
     words = re.findall(r"[A-Za-z']+", open(os.__file__).read() + open(json.__file__).read())
     rng = np.random.default_rng(0)
-    lengths = np.minimum(rng.lognormal(5.5, 1.0, docs).astype(int) + 5, 20_000)
+    lengths = np.minimum(longtail_lengths(rng, docs, median=np.exp(5.5), sigma=1.0) + 5, 20_000)
     src = d / "docs.jsonl"
     with open(src, "w") as f:
         for i, n in enumerate(lengths):
@@ -55,11 +58,9 @@ def build_text(d: Path, docs: int) -> tuple[Path, Path]:
 
 
 def build_audio(d: Path, files: int, unique: int = 200) -> Path:
-    """FLAC files of 5-15 s of 16 kHz speech-band noise (compresses like speech: ~50%). ``unique`` clips
-    are encoded and the rest are byte copies of them under new names: kept audio is copied as given,
-    so the content does not matter to the writer, and encoding thousands of clips would dominate."""
-    import soundfile as sf
-
+    """FLAC files of 5-15 s of 16 kHz ``speech_like`` audio. ``unique`` clips are encoded and the rest
+    are byte copies of them under new names: kept audio is copied as given, so the content does not
+    matter to the writer, and encoding thousands of clips would dominate."""
     rng = np.random.default_rng(1)
     (d / "audio").mkdir(exist_ok=True)
     rows = []
@@ -67,9 +68,7 @@ def build_audio(d: Path, files: int, unique: int = 200) -> Path:
         path = d / "audio" / f"u{i:05d}.flac"
         if i < unique:
             seconds = float(rng.uniform(5, 15))
-            x = np.cumsum(rng.standard_normal(int(seconds * 16000))).astype(np.float32)
-            x = (x - np.convolve(x, np.ones(64) / 64, mode="same")) / 200
-            sf.write(path, np.clip(x, -1, 1), 16000, subtype="PCM_16")
+            path.write_bytes(flac_bytes(speech_like(rng, seconds)))
         else:
             shutil.copyfile(d / "audio" / f"u{i % unique:05d}.flac", path)
             seconds = rows[i % unique]["duration"]
@@ -88,19 +87,15 @@ def run_dataio(inputs: list[Path], out: Path, workers: int, tokenizer: Path | No
                repo: Path = REPO) -> tuple[float, float]:
     """(wall seconds of the whole process, seconds of dataio's own timer: plan + write, no start-up);
     ``repo`` is the checkout whose ``dataio`` runs."""
-    argv = [sys.executable, "-m", "dataio", "shard", *map(str, inputs), "--output", str(out), "--workers", str(workers),
+    argv = ["shard", *map(str, inputs), "--output", str(out), "--workers", str(workers),
             "--shard-size", str(shard_size), "--quiet"] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
-    t = time.perf_counter()
-    done = subprocess.run(argv, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, check=True,
-                          capture_output=True, text=True)
-    return time.perf_counter() - t, float(_THROUGHPUT.search(done.stdout).group(1))
+    wall, stdout = time_dataio(argv, repo)
+    return wall, float(_THROUGHPUT.search(stdout).group(1))
 
 
 def run_shardwriter(manifest: Path, out: Path, tokenizer: Path | None, audio: bool, shard_size: int
                     ) -> tuple[float, float]:
     """(ShardWriter seconds, energon prepare seconds) for the same samples and members."""
-    import io
-
     import webdataset as wds
     from tokenizers import Tokenizer
 
@@ -121,28 +116,11 @@ def run_shardwriter(manifest: Path, out: Path, tokenizer: Path | None, audio: bo
                     sample["txt"] = r["text"].encode()
                     sample["json"] = json.dumps({"source": str(manifest), "line": start + i + 1}).encode()
                 if ids is not None:
-                    buf = io.BytesIO()
-                    np.save(buf, np.asarray(ids[i].ids, np.uint16))
-                    sample["npy"] = buf.getvalue()
+                    sample["npy"] = npy_bytes(np.asarray(ids[i].ids, np.uint16))
                 sink.write(sample)
     os.sync()
     write_s = time.perf_counter() - t
-    t = time.perf_counter()
-    subprocess.run([str(Path(sys.executable).with_name("energon")), "prepare", str(out), "--non-interactive",
-                    "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset", "--num-workers", "2", "--no-progress"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return write_s, time.perf_counter() - t
-
-
-def dd_speed(d: Path, mb: int) -> float:
-    """MB/s of ``dd if=/dev/zero bs=1M conv=fdatasync`` (the disk's sequential write speed)."""
-    target = d / "dd.bin"
-    t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mb}", "conv=fdatasync"],
-                   check=True, capture_output=True)
-    elapsed = time.perf_counter() - t
-    target.unlink()
-    return mb * 1.048576 / elapsed
+    return write_s, time_energon_prepare(out, workers=2)
 
 
 def main() -> None:
@@ -186,7 +164,7 @@ def main() -> None:
         for d in root.glob(f"{corpus}-*"):
             shutil.rmtree(d)
     dd_mb = max(256, int(results["audio"]["dataio shard --workers 1"][1] / 2**20))
-    dd = dd_speed(root, dd_mb)
+    dd = dd_write_mb_per_s(root, dd_mb)
     print(f"disk   dd bs=1M count={dd_mb} conv=fdatasync{'':17} {'':8} {dd:8.1f}")
     for corpus, rows in results.items():
         peer = rows["ShardWriter + energon prepare"][0]

@@ -10,4 +10,13 @@
 - ``dataio.bench.trainer``: the trainer's own data path (packing + device prefetch) against a
   simulated step.
 - ``dataio.bench.report``: ``results.json``, ``results.md`` and ``throughput.png``.
+
+Shared with the drivers under ``tools/`` (one home each, so every benchmark measures alike):
+
+- ``dataio.bench.corpus``: seeded synthetic data (speech-like FLAC, long-tailed documents, demo-text
+  tokens, indexed token shards); ``python -m dataio.bench.synth`` writes the large corpus with it.
+- ``dataio.bench.timing``: interleaved repeats, best / median of them, CPU seconds.
+- ``dataio.bench.processes``: whole-process timings (``dataio VERB`` of a checkout, ``energon
+  prepare``) and the disk's write speed (``dd``).
+- ``dataio.bench.table``: table cells and Markdown rows.
 """

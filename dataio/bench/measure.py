@@ -16,7 +16,9 @@ descendants (DataLoader workers, litdata/energon helpers): the peak of the summe
 seconds of every process seen (kept after it exits), so ``cpu_util`` is cores busy on average
 (1.0 = one core). Summed RSS counts pages shared between processes (the page cache behind a memory
 map, shared-memory batches) once per process that touches them: it is an upper bound, the figure
-users compare across loaders. Cost: a few hundred microseconds per poll, off the timed thread.
+users compare across loaders. Cost: a few hundred microseconds per poll, off the timed thread. With
+``descendants=False`` it watches this process alone (tens of microseconds per poll), which is how
+``tools/bench_kernels.py`` takes a kernel's peak memory at a 0.5 ms interval.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ import psutil
 
 
 class ProcessSampler:
-    """Background poller of RSS and CPU time over this process and its descendants."""
+    """Background poller of RSS and CPU time over this process and (``descendants``) its descendants.
 
-    def __init__(self, interval: float = 0.05):
+    ``start_rss``: the summed RSS when the context was entered; ``peak_rss``: the peak since then."""
+
+    def __init__(self, interval: float = 0.05, *, descendants: bool = True):
         self.interval = interval
-        self.peak_rss = 0
+        self.descendants = descendants
+        self.peak_rss = self.start_rss = 0
         self._root = psutil.Process(os.getpid())
         self._cpu: dict[int, float] = {}  # pid -> CPU seconds at the last poll
         self._base: dict[int, float] = {}  # pid -> CPU seconds when first seen before start (excluded)
@@ -43,12 +48,15 @@ class ProcessSampler:
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
 
     def _processes(self) -> list[psutil.Process]:
+        if not self.descendants:
+            return [self._root]
         try:
             return [self._root, *self._root.children(recursive=True)]
         except psutil.Error:
             return [self._root]
 
-    def poll(self) -> None:
+    def poll(self) -> int:
+        """One reading: updates the peak and the CPU seconds; returns the summed RSS."""
         rss = 0
         for p in self._processes():
             try:
@@ -59,15 +67,16 @@ class ProcessSampler:
             except psutil.Error:  # exited between listing and reading: its last poll stands
                 continue
         self.peak_rss = max(self.peak_rss, rss)
+        return rss
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.poll()
 
     def __enter__(self) -> "ProcessSampler":
-        self.poll()
-        self._base = dict(self._cpu)  # CPU spent before the run (e.g. the main process's import time)
         self.peak_rss = 0
+        self.start_rss = self.poll()
+        self._base = dict(self._cpu)  # CPU spent before the run (e.g. the main process's import time)
         self._thread.start()
         return self
 

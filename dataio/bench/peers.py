@@ -129,8 +129,9 @@ def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
 def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     from dataio import build_loader
 
-    # Peers do not pack: the comparison is of plain batches (the trainer path, --trainer, packs).
-    cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none")
+    # Peers do not pack: the comparison is of plain batches (packing none, no seq_len: with seq_len the
+    # loader makes THD rows, one document each); the trainer path, --trainer, packs.
+    cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none", seq_len=None)
     return iter(build_loader(cfg, dp_rank=0, dp_size=1))
 
 

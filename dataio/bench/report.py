@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from dataio.bench.table import cell, markdown_table
+
 RUN_FIELDS = ("loader", "workers", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
               "samples_per_s", "mb_per_s", "units_per_s", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb",
               "cpu_util", "samples_per_cpu_s", "data_wait_fraction", "vs_page_cache", "vs_headrace", "prepare_s")
@@ -34,13 +36,16 @@ def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: f
         r["vs_headrace"] = rate / ours if rate and ours else None
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def markdown(result: dict) -> str:
     data, limit = result["data"], result["page_cache"]
     unit = "tokens/s" if data["kind"] == "text" else "audio s/s"
+    header = ["loader", "workers", "samples/s", "MB/s", unit, "first batch s", "p50 ms", "p99 ms", "peak RSS MB",
+              "CPU cores", "samples/CPU-s", "data wait", "x page cache", "x headrace"]
+    rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), r["workers"], cell(r["samples_per_s"], ",.0f"),
+             cell(r["mb_per_s"], ",.1f"), cell(r["units_per_s"], ",.0f"), cell(r["first_batch_s"], ".2f"),
+             cell(r["latency_p50_ms"], ".1f"), cell(r["latency_p99_ms"], ".1f"), cell(r["peak_rss_mb"], ",.0f"),
+             cell(r["cpu_util"], ".2f"), cell(r["samples_per_cpu_s"], ",.0f"), cell(r["data_wait_fraction"], ".1%"),
+             cell(r["vs_page_cache"], ".4f"), cell(r["vs_headrace"], ".2f")] for r in result["runs"]]
     lines = [
         f"Data: `{data['path']}` ({data['kind']}, {data['samples']:,} samples, {data['bytes'] / 1e6:,.1f} MB in "
         f"{data['shards']} shards, batch {data['batch_size']}); cache {result['cache']}; "
@@ -48,25 +53,15 @@ def markdown(result: dict) -> str:
         "",
         f"Page-cache read limit: {limit['bytes_per_s'] / 1e9:,.2f} GB/s = {limit['samples_per_s']:,.0f} samples/s.",
         "",
-        f"| loader | workers | samples/s | MB/s | {unit} | first batch s | p50 ms | p99 ms | peak RSS MB | CPU cores "
-        "| samples/CPU-s | data wait | x page cache | x headrace |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *markdown_table(header, rows, align="l" + "r" * (len(header) - 1)),
     ]
-    for r in result["runs"]:
-        name = r["loader"] + (", shuffled" if r["shuffle"] else "")
-        lines.append(
-            f"| {name} | {r['workers']} | {_fmt(r['samples_per_s'], ',.0f')} | {_fmt(r['mb_per_s'], ',.1f')} | "
-            f"{_fmt(r['units_per_s'], ',.0f')} | {_fmt(r['first_batch_s'], '.2f')} | {_fmt(r['latency_p50_ms'], '.1f')} | "
-            f"{_fmt(r['latency_p99_ms'], '.1f')} | {_fmt(r['peak_rss_mb'], ',.0f')} | {_fmt(r['cpu_util'], '.2f')} | "
-            f"{_fmt(r['samples_per_cpu_s'], ',.0f')} | "
-            f"{_fmt(r['data_wait_fraction'], '.1%')} | {_fmt(r['vs_page_cache'], '.4f')} | {_fmt(r['vs_headrace'], '.2f')} |")
     for s in result["skipped"]:
         lines.append(f"| {s['loader']} | - | skipped: {s['reason']} |" + " |" * 11)
     for t in result.get("trainer", []):
         lines += ["", f"Trainer path ({t['device']}, packing {t['packing']}, seq_len {t['seq_len']}, {t['batch_size']} "
                       f"rows, step {t['step_ms']:.0f} ms, {t['workers']} workers): data wait "
-                      f"{_fmt(t['data_wait_fraction'], '.2%')} over {t['batches']} batches, first batch "
-                      f"{t['first_batch_s']:.2f} s, {_fmt(t['tokens_per_s'], ',.0f')} tokens/s."]
+                      f"{cell(t['data_wait_fraction'], '.2%')} over {t['batches']} batches, first batch "
+                      f"{t['first_batch_s']:.2f} s, {cell(t['tokens_per_s'], ',.0f')} tokens/s."]
     return "\n".join(lines) + "\n"
 
 

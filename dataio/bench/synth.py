@@ -2,12 +2,12 @@
 
     python -m dataio.bench.synth --out /tmp/headrace-bench --text-gb 1.0 --speech-hours 3.0
 
-- text: the demo corpus's real documents (``tools.demo_corpus.select_documents``), byte-level
-  tokenised to int32 ``tokens.npy`` (as ``tools/bench_loader.py`` does), documents repeated under new
-  keys until ``--text-gb`` of tokens; written with ``webdataset.TarWriter`` (the peer ecosystem's
-  writer) in shards of ~64 MB, then indexed with ``dataio index``'s scanner and metadata writer.
-- speech: ``tools.bench_decode.speech_like`` utterances (3-6 s, 16 kHz FLAC, ~90 KB) with a NeMo
-  manifest, sharded by ``dataio shard``.
+- text: the demo corpus's real documents (``corpus.demo_token_documents``: byte-level int32
+  ``tokens.npy``), repeated under new keys until ``--text-gb`` of tokens; written and indexed by
+  ``corpus.write_indexed_shards`` (``webdataset.ShardWriter``, the peer ecosystem's writer) in
+  shards of ~64 MB.
+- speech: ``corpus.speech_like`` utterances (3-6 s, 16 kHz FLAC, ~90 KB) with a NeMo manifest,
+  sharded by ``dataio shard``.
 
 Cost on 2 cores: about a minute per GB of text and a few minutes for 3 h of speech; disk: the sizes asked.
 """
@@ -15,45 +15,33 @@ Cost on 2 cores: about a minute per GB of text and a few minutes for 3 h of spee
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from dataio.bench.corpus import demo_token_documents, flac_bytes, npy_bytes, speech_like, write_indexed_shards
+
 SHARD_BYTES = 64 << 20
 
 
 def write_text(out: Path, gigabytes: float) -> None:
-    import webdataset as wds
+    docs = demo_token_documents(6000)
+    written = count = 0
 
-    from dataio.commands.index import build_index
-    from tools.demo_corpus import select_documents
+    def samples():
+        nonlocal written, count
+        while written < gigabytes * 1e9:
+            doc = docs[count % len(docs)]
+            yield {"__key__": f"d{count:09d}", "tokens.npy": npy_bytes(doc)}
+            written, count = written + doc.nbytes, count + 1
 
-    docs = [np.frombuffer(d.text.encode(), np.uint8).astype(np.int32) for d in select_documents(6000)]
-    out.mkdir(parents=True, exist_ok=True)
-    target, written, shard, i = gigabytes * 1e9, 0, 0, 0
-    while written < target:
-        with wds.TarWriter(str(out / f"train-{shard:06d}.tar")) as w:
-            size = 0
-            while size < SHARD_BYTES and written < target:
-                buf = io.BytesIO()
-                np.save(buf, docs[i % len(docs)])
-                w.write({"__key__": f"d{i:09d}", "tokens.npy": buf.getvalue()})
-                size += buf.tell()
-                written += docs[i % len(docs)].nbytes
-                i += 1
-        shard += 1
-    build_index(out, workers=2)  # what `dataio index DIR` does: headrace index + energon .nv-meta
-    print(f"text: {i:,} documents, {written / 1e9:.2f} GB of int32 tokens in {shard} shards -> {out}")
+    shards = write_indexed_shards(out, samples(), maxsize=SHARD_BYTES, workers=2)
+    print(f"text: {count:,} documents, {written / 1e9:.2f} GB of int32 tokens in {shards} shards -> {out}")
 
 
 def write_speech(out: Path, hours: float) -> None:
-    import soundfile
-
-    from tools.bench_decode import RATE, speech_like
-
     src = out.parent / f"{out.name}-flac"
     src.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -61,7 +49,7 @@ def write_speech(out: Path, hours: float) -> None:
     while total < hours * 3600:
         seconds = float(rng.uniform(3.0, 6.0))
         path = src / f"u{len(rows):06d}.flac"
-        soundfile.write(path, speech_like(rng, seconds), RATE, format="FLAC", subtype="PCM_16")
+        path.write_bytes(flac_bytes(speech_like(rng, seconds)))
         rows.append({"audio_filepath": path.name, "duration": seconds, "text": f"utterance {len(rows)}"})
         total += seconds
     manifest = src / "manifest.jsonl"

@@ -6,7 +6,8 @@ For each worker count, each loader reads the ``data:`` section's dataset for one
 their own formats, written once by their own writers under ``OUT/formats`` (``dataio.bench.peers``).
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/throughput.png`` and prints the table.
 ``--trainer`` adds the trainer's own data path (packing + device prefetch) against a simulated step.
-Heavy imports (torch, the peers) happen inside ``run()`` so ``--help`` stays fast.
+Heavy imports (torch, the peers) happen inside ``run()`` so ``--help`` stays fast. Each run's bar is
+``dataio.progress.progress_bar`` (on stderr, only on a terminal), the project's one progress helper.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def _load_config(path: Path):
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dataio.bench import report
     from dataio.bench.data import count, describe
     from dataio.bench.measure import measure
     from dataio.bench.pagecache import drop_page_cache, read_limit
     from dataio.bench.peers import PEERS, prepare, skip_reason
+    from dataio.bench.timing import median_run
+    from dataio.progress import progress_bar
 
     torch.set_num_threads(1)  # loaders do I/O and decoding; intra-op threads only oversubscribe the cores
     cfg = _load_config(args.config)
@@ -120,37 +122,32 @@ def run(args: argparse.Namespace) -> int:
 
     load_before = os.getloadavg()[0]
     trials: dict[tuple[str, int], list[dict]] = {}
-    columns = (TextColumn("{task.description:28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
-        for _ in range(max(1, args.repeats)):
-            for workers in args.num_workers:
-                for name in loaders:
-                    if (name, -1) in trials:  # failed before: reported once
-                        continue
-                    total = None if (args.batches or args.seconds) else data.samples
-                    task = progress.add_task(f"{name}, {workers} workers", total=total)
-                    if args.cache == "cold" and not cold_refused:
-                        drop_page_cache()
-                    peer, state = PEERS[name], states.get(name)
-                    try:
+    total = None if (args.batches or args.seconds) else data.samples  # None: an open-ended bar
+    # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
+    for _ in range(max(1, args.repeats)):
+        for workers in args.num_workers:
+            for name in loaders:
+                if (name, -1) in trials:  # failed before: reported once
+                    continue
+                if args.cache == "cold" and not cold_refused:
+                    drop_page_cache()
+                peer, state = PEERS[name], states.get(name)
+                try:
+                    with progress_bar(f"{name}, {workers} workers", total=total, unit="samples") as advance:
                         result = measure(lambda: peer.open(data, workers, args.shuffle, state), lambda b: count(b, data),
                                          max_samples=data.samples, max_batches=args.batches, max_seconds=args.seconds,
-                                         step_s=step_s, progress=lambda n, t=task: progress.advance(t, n))
-                    except Exception as e:  # reported with its reason, never dropped silently
-                        skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
-                        trials[(name, -1)] = []
-                        continue
-                    finally:
-                        progress.remove_task(task)
-                    trials.setdefault((name, workers), []).append(result)
+                                         step_s=step_s, progress=advance)
+                except Exception as e:  # reported with its reason, never dropped silently
+                    skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
+                    trials[(name, -1)] = []
+                    continue
+                trials.setdefault((name, workers), []).append(result)
     runs = []
     for (name, workers), results in trials.items():
         if workers < 0:
             continue
-        results.sort(key=lambda r: r["samples_per_s"] or 0.0)
         runs.append({"loader": name, "workers": workers, "shuffle": args.shuffle, "prepare_s": prepare_s.get(name),
-                     "repeats": len(results), **results[len(results) // 2]})
+                     "repeats": len(results), **median_run(results, "samples_per_s")})
     report.add_ratios(runs, limit["samples_per_s"], data.bytes / data.samples)
 
     trainer = []
