@@ -138,6 +138,9 @@ class Packer:
             raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
         self.cfg = cfg
         self.rows_per_batch = rows_per_batch
+        # batch assembly slices these: a row's padding tail, a segment's position_ids
+        self._pad_row = np.full(cfg.seq_len, cfg.pad_id, dtype=np.int64)
+        self._positions = np.arange(cfg.seq_len, dtype=np.int64)
         self._reset()
 
     def _reset(self) -> None:
@@ -152,8 +155,6 @@ class Packer:
         self._lengths: list[int] = []
         self._buffered = 0
         self._arrival = 0
-        self._pad_row = np.full(self.cfg.seq_len, self.cfg.pad_id, dtype=np.int64)
-        self._positions = np.arange(self.cfg.seq_len, dtype=np.int64)
         self._flushed = False
 
     # -- feeding -------------------------------------------------------------------------------
