@@ -1,29 +1,28 @@
-"""Device prefetch: pinned, non-blocking host-to-device copies on a side stream, with data-wait timing.
+"""Device prefetch: the loader runs ahead in a thread; pinned, non-blocking copies on a side stream.
 
 ``DevicePrefetcher(batches, device)`` wraps any iterable of batches (nested dicts/lists/tuples of
-tensors; other values pass through). On CUDA:
+tensors; other values pass through; keys starting with ``__`` -- ``__key__``, ``__docs__``, ... -- are
+host-side bookkeeping and are never walked or moved). A background thread of the main process pulls
+batches from the loader ``depth`` batches ahead, so the loader's main-process work (merging workers,
+packing) overlaps the step instead of counting as data wait. On CUDA, additionally:
 
-- a background thread of the main process pulls batches from the loader and pins them, once, into
-  page-locked memory (tensors the loader already pinned are kept as they are); DataLoader workers
-  never pin, so there are no per-worker pinned copies;
+- that thread pins each batch, once, into page-locked memory (tensors the loader already pinned are
+  kept); DataLoader workers never pin, so there are no per-worker pinned copies;
 - the main thread issues each copy with ``non_blocking=True`` on a dedicated CUDA stream, ``depth``
   batches ahead of the one the consumer is using, so the copy overlaps the previous step's compute;
 - before handing a batch over, the consumer's stream ``wait_stream``s the copy stream (a GPU-side
   dependency, the host does not block), and every device tensor is ``record_stream``ed on the
   consumer's stream so the caching allocator does not reuse its memory while the step still reads it.
 
-Elsewhere (CPU) it is a pass-through that only moves tensors with ``.to(device)`` (a no-op on CPU).
+On CPU the batches are handed over as they are (no copy).
 
-Resumable sources: when ``batches`` has a ``state_dict()`` (the loader), ``prefetcher.state_dict()``
-is the state *as of the last batch handed to the consumer* -- not of the batches still queued or in
-flight -- so a checkpoint taken mid-run resumes exactly. On CUDA, where the pinning thread reads ahead,
-the source's state is snapshotted right after each pull and carried beside its batch; on CPU nothing
-reads ahead, so it is taken on demand (a snapshot per batch would cost the packer's buffer each time).
+Resumable sources: when ``batches`` has a ``state_dict()`` (the loader), the thread snapshots it right
+after each pull and carries it beside its batch, so ``prefetcher.state_dict()`` is the state *as of the
+last batch handed to the consumer* -- not of the batches still queued or in flight -- and a checkpoint
+taken mid-run resumes exactly (the loader's state is a few hundred bytes plus the packer's references).
 
-Either way it measures the *data wait*: host time the consumer spent inside ``next()`` waiting for a
-batch, per batch and in total, and as a fraction of the wall time since the first batch was asked for
-(``stats()``). Without a GPU the wait includes the loader's own work; with the side stream it is the
-time the queue from the loader was empty.
+The *data wait* is the host time the consumer spent inside ``next()`` waiting for a batch, per batch and
+in total, and as a fraction of the wall time since the first batch was asked for (``stats()``).
 """
 
 from __future__ import annotations
@@ -39,11 +38,12 @@ _DONE = object()
 
 
 def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """Apply ``fn`` to every tensor of a nested dict/list/tuple; other leaves are returned as they are."""
+    """Apply ``fn`` to every tensor of a nested dict/list/tuple; other leaves, and dict entries whose key
+    starts with ``__`` (host-side bookkeeping), are returned as they are."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, dict):
-        return {k: tree_map(fn, v) for k, v in batch.items()}
+        return {k: v if k.startswith("__") else tree_map(fn, v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(tree_map(fn, v) for v in batch)
     return batch
@@ -61,6 +61,8 @@ class DevicePrefetcher:
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"DevicePrefetcher supports cpu and cuda devices, got {self.device}")
         self.depth = depth
         self.waits: list[float] = []
         self._source = iter(batches)
@@ -73,25 +75,25 @@ class DevicePrefetcher:
         if self._cuda:
             self._stream = torch.cuda.Stream(device=self.device)
             self._in_flight: list[Any] = []
-            self._pinned: queue.Queue = queue.Queue(maxsize=depth + 1)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._pin_loop, name="headrace-pin", daemon=True)
-            self._thread.start()
+        self._ready: queue.Queue = queue.Queue(maxsize=depth + 1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read_ahead, name="headrace-prefetch", daemon=True)
+        self._thread.start()
 
-    # -- host side: loader -> pinned memory, in a thread of the main process ---------------------
+    # -- host side: loader (-> pinned memory on CUDA), in a thread of the main process -------------
     def _pull(self) -> tuple[Any, Any]:
         """The next batch with the source's state just after it (same thread: consistent)."""
         batch = next(self._source)
         return batch, self._source_state() if self._source_state is not None else None
 
-    def _pin_loop(self) -> None:
+    def _read_ahead(self) -> None:
         try:
             while True:
                 try:
                     batch, state = self._pull()
                 except StopIteration:
                     break
-                if not self._put((pin(batch), state)):
+                if not self._put((pin(batch) if self._cuda else batch, state)):
                     return
             self._put(_DONE)
         except BaseException as e:  # surfaces in the consumer's next()
@@ -100,21 +102,28 @@ class DevicePrefetcher:
     def _put(self, item) -> bool:
         while not self._stop.is_set():
             try:
-                self._pinned.put(item, timeout=0.1)
+                self._ready.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
     # -- device side ------------------------------------------------------------------------------
-    def _issue_copy(self) -> bool:
-        """Start the copy of the next pinned batch on the side stream; False at the end of the stream."""
-        item = self._pinned.get()
+    def _take(self) -> tuple[Any, Any] | None:
+        """The next ``(batch, state)`` from the read-ahead thread; None at the end of the stream."""
+        item = self._ready.get()
         if item is _DONE:
-            self._pinned.put(_DONE)  # keep the end visible to later calls
-            return False
+            self._ready.put(_DONE)  # keep the end visible to later calls
+            return None
         if isinstance(item, BaseException):
             raise item
+        return item
+
+    def _issue_copy(self) -> bool:
+        """Start the copy of the next pinned batch on the side stream; False at the end of the stream."""
+        item = self._take()
+        if item is None:
+            return False
         batch, state = item
         with torch.cuda.stream(self._stream):
             self._in_flight.append((tree_map(lambda t: t.to(self.device, non_blocking=True), batch), state))
@@ -145,8 +154,11 @@ class DevicePrefetcher:
         try:
             if self._cuda:
                 batch = self._next_cuda()
-            else:  # no read-ahead: the source's own state is the delivered batch's, taken on demand
-                batch = tree_map(lambda t: t.to(self.device), next(self._source))
+            else:
+                item = self._take()
+                if item is None:
+                    raise StopIteration
+                batch, self._delivered_state = item
         except StopIteration:
             self._finished = time.perf_counter()
             self.close()
@@ -159,8 +171,6 @@ class DevicePrefetcher:
     def state_dict(self) -> Any:
         """The source's ``state_dict()`` as of the last batch handed to the consumer (None when the
         source has no state)."""
-        if not self._cuda and self._source_state is not None:
-            return self._source_state()
         return self._delivered_state
 
     def stats(self) -> dict:
@@ -172,10 +182,9 @@ class DevicePrefetcher:
                 "wait_fraction": wait / elapsed if elapsed > 0 else 0.0}
 
     def close(self) -> None:
-        """Stop the pinning thread (also called at the end of the stream)."""
-        if self._cuda:
-            self._stop.set()
-            self._thread.join(timeout=5)
+        """Stop the read-ahead thread (also called at the end of the stream)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 __all__ = ["DevicePrefetcher", "pin", "tree_map"]

@@ -119,3 +119,21 @@ def test_cuda_state_lags_read_ahead():
     time.sleep(0.2)  # let the pinning thread read ahead
     assert source.pulled > 1
     assert prefetcher.state_dict() == {"pulled": int(first["x"][0].item())} == {"pulled": 1}
+
+
+def test_cpu_read_ahead_overlaps_the_loader_with_the_step():
+    """The loader's work runs in the read-ahead thread while the consumer computes: with a 20 ms loader
+    and a 30 ms step, the consumer hardly waits (a pass-through would wait ~20 ms every batch)."""
+    prefetcher = DevicePrefetcher(batches(8, sleep=0.02), "cpu")
+    for _ in prefetcher:
+        time.sleep(0.03)
+    waits = prefetcher.waits[1:]  # the first batch cannot be ahead
+    assert sum(waits) < 0.5 * 7 * 0.02
+
+
+def test_bookkeeping_entries_are_not_walked():
+    docs = [[(1, 0, 5)], [(2, 0, 3)]]
+    batch = {"input_ids": torch.zeros(2, 4), "__docs__": docs}
+    seen = []
+    out = tree_map(lambda t: seen.append(t) or t, batch)
+    assert out["__docs__"] is docs and len(seen) == 1
