@@ -69,7 +69,6 @@ class DataConfig:
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1 or null (endless), got {self.epochs}")
 
-
     @property
     def thd(self) -> bool:
         """Whether token batches are THD rows (``dataio.packing``) rather than the plain collate."""

@@ -2,7 +2,6 @@
 
 import ctypes
 import io
-import json
 import pickle
 
 import numpy as np

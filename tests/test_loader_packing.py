@@ -91,3 +91,13 @@ def test_packing_none_with_seq_len_gives_one_padded_document_per_row(text):
         served[ref] += length
     assert [served[ref] for ref in sorted(served)] == [len(d) for d in documents]
     assert [r[0] for r in rows] == sorted(r[0] for r in rows)
+
+
+def test_seq_len_defaults_and_limits(text):
+    from dataio.config import DEFAULT_SEQ_LEN, DataConfig, DatasetSpec
+
+    spec = [DatasetSpec(path=str(text))]
+    assert DataConfig(datasets=spec).seq_len is None and not DataConfig(datasets=spec).thd
+    assert DataConfig(datasets=spec, packing="greedy").seq_len == DEFAULT_SEQ_LEN
+    with pytest.raises(ValueError, match="seq_len must be >= 2"):
+        DataConfig(datasets=spec, seq_len=1)

@@ -154,13 +154,14 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
         if i % 40 == 0:
             rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     seconds = time.perf_counter() - t
+    main_cpu = cpu_seconds()[0]  # before the collection below, which is the benchmark's, not the loader's
     del loader
     gc.collect()  # the DataLoader iterator is gone: its workers are joined, their CPU time counted
-    cpu1 = cpu_seconds()
+    workers_cpu = cpu_seconds()[1]
     return {"seconds": seconds, "samples": n, "first_batch_s": first, "rss_mb": rss,
             "steady_samples_per_s": round((n - first_n) / (seconds - first)),
-            "cpu_us_per_sample": {"main": round((cpu1[0] - cpu0[0]) / n * 1e6, 2),
-                                  "workers": round((cpu1[1] - cpu0[1]) / n * 1e6, 2)}}
+            "cpu_us_per_sample": {"main": round((main_cpu - cpu0[0]) / n * 1e6, 2),
+                                  "workers": round((workers_cpu - cpu0[1]) / n * 1e6, 2)}}
 
 
 def shuffle_quality(source_order: np.ndarray) -> dict:
