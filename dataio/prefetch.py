@@ -78,7 +78,11 @@ class DevicePrefetcher:
         self._ready: queue.Queue = queue.Queue(maxsize=depth + 1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read_ahead, name="headrace-prefetch", daemon=True)
-        self._thread.start()
+        # The first pull runs here, in the caller's thread: a loader forks its worker processes on its
+        # first batch, and a fork is only safe from the thread that owns the process (torch's thread
+        # pools, locks held elsewhere), not from the read-ahead thread while the step computes.
+        if self._read_one():
+            self._thread.start()
 
     # -- host side: loader (-> pinned memory on CUDA), in a thread of the main process -------------
     def _pull(self) -> tuple[Any, Any]:
@@ -86,18 +90,22 @@ class DevicePrefetcher:
         batch = next(self._source)
         return batch, self._source_state() if self._source_state is not None else None
 
-    def _read_ahead(self) -> None:
+    def _read_one(self) -> bool:
+        """Queue the next batch; False once the stream ended or failed (both queued) or we are stopped."""
         try:
-            while True:
-                try:
-                    batch, state = self._pull()
-                except StopIteration:
-                    break
-                if not self._put((pin(batch) if self._cuda else batch, state)):
-                    return
+            batch, state = self._pull()
+            item = (pin(batch) if self._cuda else batch, state)
+        except StopIteration:
             self._put(_DONE)
+            return False
         except BaseException as e:  # surfaces in the consumer's next()
             self._put(e)
+            return False
+        return self._put(item)
+
+    def _read_ahead(self) -> None:
+        while self._read_one():
+            pass
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -184,7 +192,8 @@ class DevicePrefetcher:
     def close(self) -> None:
         """Stop the read-ahead thread (also called at the end of the stream)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
 
 __all__ = ["DevicePrefetcher", "pin", "tree_map"]
