@@ -47,6 +47,8 @@ def test_config_errors_name_the_dotted_path(tmp_path):
         load_job_config(None, ["distributed.strategy=zero3"], base=job)
     with pytest.raises(ConfigError, match="set exactly one of config / config_path / pretrained_path"):
         load_job_config(None, ["model.pretrained_path=/x"], base=job)
+    with pytest.raises(ConfigError, match="data.seq_len is required for training"):
+        load_job_config(None, ["data.seq_len=null"], base=job)
     cfg = load_job_config(None, ["optim.lr=0.001", "distributed.tp_size=2"], base=job)
     assert cfg.optim.lr == 0.001 and cfg.distributed.tp_size == 2 and cfg.data.seq_len == 32
 

@@ -122,6 +122,10 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def __post_init__(self):
+        if self.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
+            raise ValueError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
+
 
 def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:
     """Read ``path`` (YAML) or ``base``, apply dotted overrides, check types: the one way to get a JobConfig."""
