@@ -20,6 +20,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where it says something: not for unset (None/False) defaults,
+    and not where the help text already describes its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class CommandError(Exception):
     """A user-facing failure: printed as one line, exit status 2 (or ``exit_code``)."""
 
@@ -33,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
         # Argument definitions are cheap to import; the heavy work is imported inside run().
         importlib.import_module(module).add_arguments(p)

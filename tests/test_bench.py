@@ -109,14 +109,44 @@ def test_audio_peers_decode_the_same_seconds(shards, tmp_path):
                    "--num-workers", "0", "--compare", "webdataset,energon,lhotse,torch,dali")
     runs = {r["loader"]: r for r in result["runs"]}
     skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
-    assert set(runs) | {"dali"} == {"headrace", "webdataset", "energon", "lhotse", "torch", "dali"}, skipped
-    assert "dali" in runs or "not installed" in skipped["dali"]  # the `dali` extra is optional
+    dali = {"dali", "headrace-dali"}  # DALI's reader, and headrace with decode.audio: dali beside it
+    assert set(runs) | dali == {"headrace", "webdataset", "energon", "lhotse", "torch", *dali}, skipped
+    for name in dali:
+        assert name in runs or "not installed" in skipped[name]  # the `dali` extra is optional
     seconds = runs["headrace"]["units"]
     assert seconds > 1.0
     for name, run in runs.items():
         assert run["samples"] == 17, name
         assert run["units"] == pytest.approx(seconds, rel=1e-3), name  # lhotse re-encodes: same frames
     assert "audio s/s" in (tmp_path / "out" / "results.md").read_text()
+
+
+def _audio_bytes(root: Path) -> int:
+    from dataio.bench.peers import tar_samples
+
+    return sum(len(m["flac"]) for shard in sorted(root.glob("*.tar")) for _, m in tar_samples(shard))
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_audio_bytes_every_loader_hands_over_the_same_bytes(shards, tmp_path, workers):
+    """--audio-bytes: no loader decodes; each hands over exactly the source's encoded audio bytes."""
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "audio")}], "batch_size": 4, "shuffle": False},
+                   "--num-workers", workers, "--audio-bytes", "--compare", "webdataset,energon,lhotse,torch,dali")
+    assert result["data"]["audio"] == "bytes"
+    runs = {r["loader"]: r for r in result["runs"]}
+    skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
+    assert "re-encodes" in skipped["lhotse"] and "headrace-dali" not in runs  # nothing decoded here
+    assert set(runs) | {"dali"} == {"headrace", "webdataset", "energon", "torch", "dali"}, skipped
+    megabytes = _audio_bytes(shards / "audio") / 1e6
+    for name, run in runs.items():
+        assert run["samples"] == 17, name
+        assert run["units"] == pytest.approx(megabytes, rel=1e-9), name
+    assert "audio MB/s" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_audio_bytes_needs_audio(shards, tmp_path):
+    with pytest.raises(CommandError, match="no audio member"):
+        bench(tmp_path, {"datasets": [{"path": str(shards / "text")}]}, "--audio-bytes", "--compare", "")
 
 
 def test_bad_configs_are_one_line_errors(shards, tmp_path):

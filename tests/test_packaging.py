@@ -131,6 +131,20 @@ def test_each_subcommand_has_help(command, capsys):
     assert f"usage: dataio {command}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["shard", "index", "inspect", "verify", "bench"])
+def test_help_shows_each_default_once_and_never_none(command, capsys):
+    from dataio.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    assert "(default: None)" not in text and "(default: False)" not in text
+    for option in text.split(" --")[1:]:
+        assert option.count("default") <= 1, option
+    if command == "shard":  # a real default is still shown, 0 included
+        assert "fail beyond N (default: 0)" in text and "(default: auto)" in text
+
+
 def test_pyproject_pins_torch_and_declares_entry_points_and_extras():
     project = PYPROJECT["project"]
     assert project["name"] == "headrace"

@@ -11,6 +11,11 @@ what differs between loaders is how they find, read and move the bytes. Loaders 
 member bytes (energon's crude samples, plain torch, lhotse's recordings) decode them with
 ``plain_decode``: what a user of that library writes (``np.load``, ``json.loads``, soundfile + soxr
 through ``dataio.decode.decode_audio``); headrace and webdataset use their own decoders.
+
+Audio-bytes mode (``decode.audio: raw``, ``dataio bench --audio-bytes``): no loader decodes audio; each
+hands the encoded member bytes over as one ``uint8`` tensor plus lengths (headrace's raw collation), and
+the counted unit is MB of encoded audio, so every loader moves the same bytes and the page-cache limit
+is a like-for-like ceiling.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ class BenchData:
     def decode(self) -> DecodeConfig:
         return self.cfg.decode
 
+    @property
+    def audio_bytes(self) -> bool:
+        """Audio left encoded by every loader (``decode.audio: raw``): units are MB of encoded audio."""
+        return self.kind == "audio" and self.decode.audio == "raw"
+
 
 def describe(cfg: DataConfig, work: Path) -> BenchData:
     """The ``BenchData`` of ``cfg``'s one local dataset (ValueError when there are several or it is remote)."""
@@ -78,8 +88,8 @@ def plain_decode(ext: str, payload: bytes, decode: DecodeConfig) -> Any:
         return json.loads(payload)
     if suffix == "txt":
         return payload.decode("utf-8")
-    if is_audio_member(ext):
-        return decode_audio(payload, decode)
+    if is_audio_member(ext):  # raw: the encoded bytes, collated as uint8 + lengths like headrace's
+        return memoryview(payload) if decode.audio == "raw" else decode_audio(payload, decode)
     return payload
 
 
@@ -96,13 +106,16 @@ def collate_samples(keys: list[str], samples: list[dict]) -> dict:
 
 
 def count(batch: dict, data: BenchData) -> tuple[int, float]:
-    """(samples, units) of one batch in that layout: tokens for text, seconds of audio for audio."""
+    """(samples, units) of one batch in that layout: tokens for text, seconds of audio for audio, MB of
+    encoded audio in audio-bytes mode."""
     n = len(batch["__key__"])
     values = batch.get(data.field)
     if not isinstance(values, torch.Tensor):
         return n, 0.0
     if data.kind == "text":
         return n, float(values.numel())
+    if data.audio_bytes:
+        return n, values.numel() * values.element_size() / 1e6
     rate = batch.get("__sample_rate__", {}).get(data.field, [data.decode.sample_rate or 1])[0]
     return n, values.numel() / rate
 

@@ -6,6 +6,8 @@ workers, shuffle, state)`` returns an iterator of batches in headrace's batch la
 (``dataio.bench.data.collate_samples``), ``data.cfg.batch_size`` samples each:
 
 - ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``).
+- ``headrace-dali`` (audio, beside ``dali`` in ``--compare``): the same loader with ``decode.audio:
+  dali``, each batch's audio decoded by DALI inside the loader (``dataio.dali``).
 - ``webdataset``: ``wds.WebDataset(tars).decode(...).batched(B)`` in ``wds.WebLoader`` (the tars as they
   are; shards split over workers by webdataset's ``split_by_worker``).
 - ``energon``: ``get_loader(get_train_dataset(dir, repeat=False))`` on the same directory (its
@@ -18,12 +20,17 @@ workers, shuffle, state)`` returns an iterator of batches in headrace's batch la
   lhotse's documented Shar recipe: every worker iterates the whole Shar (no shard split), so with
   workers the bench stops at the epoch's sample count.
 - ``dali`` (audio only): DALI's ``fn.readers.webdataset`` on the tars + ``fn.decoders.audio`` on CPU,
-  ``num_workers`` mapped to DALI threads (the decoded-audio target is "at least DALI's").
+  ``num_workers`` mapped to DALI threads (the decoded-audio target is "at least DALI's"); in audio-bytes
+  mode the reader alone, its encoded buffers handed over.
 - ``torch``: a map-style ``Dataset`` over the same tars (member offsets found once with ``tarfile``,
   payloads read with ``os.pread``) in a plain ``DataLoader`` with ``batch_size=B``.
 
 Shuffled runs use each loader's own mechanism (webdataset/energon: shard shuffle + a 1,000-sample
 buffer; litdata/lhotse/torch: their ``shuffle=True``; headrace: ``shuffle: true``).
+
+Audio-bytes mode (``decode.audio: raw``): every adapter hands over the tar's encoded audio bytes
+(``plain_decode`` returns the member buffer); lhotse is skipped, since its Shar holds audio re-encoded
+by lhotse, not the source bytes.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class Peer:
     open: Callable[[BenchData, int, bool, Any], Iterator[dict]]
     prepare: Callable[[BenchData], Any] | None = None  # returns the state open() needs (or None)
     install: str = ""  # the hint printed when the module is missing
+    source_bytes: bool = True  # can hand over the source's encoded audio bytes (audio-bytes mode)
 
 
 def skip_reason(peer: Peer, data: BenchData) -> str | None:
@@ -68,6 +76,8 @@ def skip_reason(peer: Peer, data: BenchData) -> str | None:
         return f"not installed ({peer.install or f'pip install {peer.module}'}): {e}"
     if data.kind not in peer.kinds:
         return f"{peer.name} does not load {data.kind} data"
+    if data.audio_bytes and not peer.source_bytes:
+        return f"{peer.name} re-encodes the audio into its own format: its bytes are not the source's"
     return None
 
 
@@ -133,6 +143,13 @@ def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> I
     # loader makes THD rows, one document each); the trainer path, --trainer, packs.
     cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none", seq_len=None)
     return iter(build_loader(cfg, dp_rank=0, dp_size=1))
+
+
+def open_headrace_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    """headrace with ``decode.audio: dali``: members read by headrace, each batch decoded by DALI."""
+    decode = dataclasses.replace(data.decode, audio="dali")
+    return open_headrace(dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, decode=decode)),
+                         workers, shuffle, state)
 
 
 # ---------------------------------------------------------------------------------------- webdataset
@@ -343,7 +360,8 @@ def open_torch(data: BenchData, workers: int, shuffle: bool, state: list) -> Ite
 
 def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     """DALI's own tar reader + ``fn.decoders.audio`` on CPU (``device_id=None``), ``max(1, workers)``
-    threads standing in for worker processes; the last batch is padded by the reader and trimmed here."""
+    threads standing in for worker processes; the last batch is padded by the reader and trimmed here.
+    In audio-bytes mode the reader's encoded buffers are handed over undecoded."""
     from nvidia.dali import fn, pipeline_def, types
 
     from dataio.decode import Audio
@@ -356,6 +374,8 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
         encoded = fn.readers.webdataset(paths=[str(p) for p in data.shards], ext=[data.field], name="reader",
                                         random_shuffle=shuffle, initial_fill=SHUFFLE_BUFFER, seed=0,
                                         pad_last_batch=True, missing_component_behavior="error")
+        if data.audio_bytes:
+            return encoded
         audio, rate = fn.decoders.audio(encoded, downmix=decode.mono, dtype=types.FLOAT, **resample)
         return audio, rate
 
@@ -365,10 +385,14 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
     def batches() -> Iterator[dict]:
         left = data.samples
         while left > 0:
-            audio, rate = pipe.run()
+            outputs = pipe.run()
             n = min(batch_size, left)
-            samples = [{data.field: Audio(torch.from_numpy(np.array(audio.at(i)).reshape(-1)), int(rate.at(i)))}
-                       for i in range(n)]
+            if data.audio_bytes:
+                samples = [{data.field: memoryview(np.array(outputs[0].at(i)))} for i in range(n)]
+            else:
+                audio, rate = outputs
+                samples = [{data.field: Audio(torch.from_numpy(np.array(audio.at(i)).reshape(-1)), int(rate.at(i)))}
+                           for i in range(n)]
             left -= n
             yield collate_samples([str(i) for i in range(n)], samples)
 
@@ -383,9 +407,12 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
          install="pip install --no-deps litdata lightning-utilities; pip install boto3 requests "
                  "(litdata's declared deps pull another torch)"),
-    Peer(name="lhotse", module="lhotse", kinds=("audio",), open=open_lhotse, prepare=prepare_lhotse),
+    Peer(name="lhotse", module="lhotse", kinds=("audio",), open=open_lhotse, prepare=prepare_lhotse,
+         source_bytes=False),
     Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
     Peer(name="dali", module="nvidia.dali", kinds=("audio",), open=open_dali, install="pip install 'headrace[dali]'"),
+    Peer(name="headrace-dali", module="nvidia.dali", kinds=("audio",), open=open_headrace_dali,
+         install="pip install 'headrace[dali]'"),
 ]}
 
 

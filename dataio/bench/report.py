@@ -38,16 +38,19 @@ def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: f
 
 def markdown(result: dict) -> str:
     data, limit = result["data"], result["page_cache"]
-    unit = "tokens/s" if data["kind"] == "text" else "audio s/s"
+    audio_bytes = data.get("audio") == "bytes"
+    unit = "tokens/s" if data["kind"] == "text" else "audio MB/s" if audio_bytes else "audio s/s"
     header = ["loader", "workers", "samples/s", "MB/s", unit, "first batch s", "p50 ms", "p99 ms", "peak RSS MB",
               "CPU cores", "samples/CPU-s", "data wait", "x page cache", "x headrace"]
     rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), r["workers"], cell(r["samples_per_s"], ",.0f"),
-             cell(r["mb_per_s"], ",.1f"), cell(r["units_per_s"], ",.0f"), cell(r["first_batch_s"], ".2f"),
+             cell(r["mb_per_s"], ",.1f"), cell(r["units_per_s"], ",.1f" if audio_bytes else ",.0f"),
+             cell(r["first_batch_s"], ".2f"),
              cell(r["latency_p50_ms"], ".1f"), cell(r["latency_p99_ms"], ".1f"), cell(r["peak_rss_mb"], ",.0f"),
              cell(r["cpu_util"], ".2f"), cell(r["samples_per_cpu_s"], ",.0f"), cell(r["data_wait_fraction"], ".1%"),
              cell(r["vs_page_cache"], ".4f"), cell(r["vs_headrace"], ".2f")] for r in result["runs"]]
     lines = [
-        f"Data: `{data['path']}` ({data['kind']}, {data['samples']:,} samples, {data['bytes'] / 1e6:,.1f} MB in "
+        f"Data: `{data['path']}` ({data['kind']}{', audio left encoded' if audio_bytes else ''}, "
+        f"{data['samples']:,} samples, {data['bytes'] / 1e6:,.1f} MB in "
         f"{data['shards']} shards, batch {data['batch_size']}); cache {result['cache']}; "
         f"{result['machine']['cpus']} CPUs, load average {result['machine']['load_before']:.1f} before the run.",
         "",
@@ -88,7 +91,8 @@ def plot(result: dict, path: Path) -> None:
     workers = sorted({r["workers"] for r in result["runs"]})
     ax.set_xticks(workers)
     data = result["data"]
-    ax.set_title(f"{data['kind']}: {data['samples']:,} samples, {data['bytes'] / data['samples'] / 1e3:.1f} KB each")
+    kind = data["kind"] + (", audio left encoded" if data.get("audio") == "bytes" else "")
+    ax.set_title(f"{kind}: {data['samples']:,} samples, {data['bytes'] / data['samples'] / 1e3:.1f} KB each")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()

@@ -6,6 +6,9 @@ For each worker count, each loader reads the ``data:`` section's dataset for one
 their own formats, written once by their own writers under ``OUT/formats`` (``dataio.bench.peers``).
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/throughput.png`` and prints the table.
 ``--trainer`` adds the trainer's own data path (packing + device prefetch) against a simulated step.
+``--audio-bytes`` leaves audio encoded in every loader (headrace: ``decode.audio: raw``), so audio-size
+samples are compared by the bytes moved; with ``dali`` in ``--compare`` (decoded audio) headrace also
+runs with ``decode.audio: dali`` (row ``headrace-dali``) beside DALI's own reader.
 Heavy imports (torch, the peers) happen inside ``run()`` so ``--help`` stays fast. Each run's bar is
 ``dataio.progress.progress_bar`` (on stderr, only on a terminal), the project's one progress helper.
 """
@@ -13,6 +16,7 @@ Heavy imports (torch, the peers) happen inside ``run()`` so ``--help`` stays fas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -50,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shuffle", action="store_true", help="shuffled reads, each loader by its own mechanism")
     parser.add_argument("--cache", choices=["warm", "cold"], default="warm",
                         help="cold: drop the page cache before each run (needs root)")
+    parser.add_argument("--audio-bytes", action="store_true",
+                        help="audio data: every loader hands over the encoded audio bytes (headrace with "
+                             "decode.audio: raw) instead of decoding")
     parser.add_argument("--trainer", action="store_true",
                         help="also run the trainer's data path (packing + device prefetch) at --step-time (default 100 ms)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="results folder")
@@ -87,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # loaders do I/O and decoding; intra-op threads only oversubscribe the cores
     cfg = _load_config(args.config)
+    if args.audio_bytes:
+        cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, audio="raw"))
     compare = [n.strip() for n in args.compare.split(",") if n.strip()]
     unknown = sorted(set(compare) - set(PEER_NAMES))
     if unknown:
@@ -95,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         data = describe(cfg, (args.formats or args.out / "formats").resolve())
     except (ValueError, OSError) as e:
         raise CommandError(str(e)) from None
+    if args.audio_bytes and data.kind != "audio":
+        raise CommandError(f"--audio-bytes: {data.root} has no audio member (members: {', '.join(data.members)})")
+    if "dali" in compare and data.kind == "audio" and not data.audio_bytes:
+        compare.insert(compare.index("dali"), "headrace-dali")  # the loader's own DALI decode, beside DALI's reader
     console = Console(stderr=True)
     step_s = args.step_time / 1e3
 
@@ -166,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                     "torch": torch.__version__, "cuda": torch.cuda.is_available(), "load_before": load_before},
         "cache": args.cache if not cold_refused else f"warm (cold refused: {cold_refused})",
         "data": {"path": str(data.root), "split": data.split, "kind": data.kind, "field": data.field,
+                 "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
                  "members": data.members, "samples": data.samples, "bytes": data.bytes, "shards": len(data.shards),
                  "batch_size": cfg.batch_size},
         "page_cache": limit,
