@@ -92,7 +92,9 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
     """The batch of decoded ``samples`` (``{ext: value}`` each) with their bookkeeping fields."""
     batch: dict[str, Any] = {"__key__": keys, "__ref__": refs, "__valid__": valid, "__end__": end}
     lengths, rates = {}, {}
-    for ext in samples[0] if samples else ():
+    # The union of the samples' members (blended datasets may name them differently): a member some
+    # samples lack is kept as a list with None in their places, never dropped.
+    for ext in dict.fromkeys(ext for s in samples for ext in s):
         values = [s.get(ext) for s in samples]
         if isinstance(values[0], Audio):
             rates[ext] = [v.sample_rate for v in values]

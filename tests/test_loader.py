@@ -196,6 +196,23 @@ def test_blended_datasets_keep_proportions_and_resume(tmp_path):
     assert head + keys_of(resumed) == batches
 
 
+def test_blended_datasets_with_different_member_names_keep_every_member(tmp_path):
+    """One dataset names its tokens ``tokens.npy``, the other ``npy``: both fields survive collation."""
+    for name, member in (("a", "tokens.npy"), ("b", "npy")):
+        (tmp_path / name).mkdir()
+        with wds.ShardWriter(str(tmp_path / name / "s-%06d.tar"), maxcount=10, verbose=0) as sink:
+            for i in range(4):
+                sink.write({"__key__": f"{name}{i}", member: npy_bytes(np.full(i + 1, i, dtype=np.int32))})
+        index_dir(tmp_path / name)
+    config = {"datasets": [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b")}], "batch_size": 8,
+              "epochs": 1, "shuffle": False, "num_workers": 0}
+    (batch,) = list(build_loader(config))
+    for member, prefix in (("tokens.npy", "a"), ("npy", "b")):
+        values = batch[member]
+        assert [v is None for v in values] == [not k.startswith(prefix) for k in batch["__key__"]]
+        assert sorted(int(v.numel()) for v in values if v is not None) == [1, 2, 3, 4]
+
+
 def test_shardwriter_tars(tmp_path):
     pattern = str(tmp_path / "sw-%06d.tar")
     with wds.ShardWriter(pattern, maxcount=4, verbose=0) as sink:
