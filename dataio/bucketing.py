@@ -175,7 +175,7 @@ def collate_audio(samples: list[dict], *, audio_key: str = "audio", tokens_key: 
                   pad_id: int = 0) -> dict:
     """Padded ``audio`` (float32 ``(B, T)``) + ``audio_lens``; with ``tokens_key``, the transcript's
     token ids padded with ``pad_id`` + ``token_lens``, and ``labels`` (-100 on padding) for a
-    speech-LLM loss; ``__key__`` passes through."""
+    speech-LLM loss; ``__key__`` and ``text`` (the transcript, when the samples carry one) pass through."""
     for s in samples:
         if np.asarray(s[audio_key]).ndim != 1:
             raise ValueError(f"sample {s.get('__key__', '?')}: {audio_key} must be mono 1-D, "
@@ -186,8 +186,9 @@ def collate_audio(samples: list[dict], *, audio_key: str = "audio", tokens_key: 
         tokens, token_lens = _pad_stack([s[tokens_key] for s in samples], pad_id, torch.long)
         labels = tokens.masked_fill(torch.arange(tokens.shape[1]) >= token_lens[:, None], IGNORE_INDEX)
         batch.update(tokens=tokens, token_lens=token_lens, labels=labels)
-    if samples and "__key__" in samples[0]:
-        batch["__key__"] = [s["__key__"] for s in samples]
+    for passthrough in ("__key__", "text"):  # keys and the transcript text (from the sample's .json)
+        if samples and passthrough in samples[0]:
+            batch[passthrough] = [s.get(passthrough) for s in samples]
     return batch
 
 

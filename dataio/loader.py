@@ -332,7 +332,9 @@ class Loader:
                 refs = make_ref(0, batches[b])
                 samples, keys, kept, bad = maker._read(refs)
                 rows = [{"audio": s[audio_ext].waveform, "__key__": k,
-                         **({"tokens": s[token_ext]} if token_ext else {})} for s, k in zip(samples, keys)]
+                         **({"tokens": s[token_ext]} if token_ext else {}),
+                         **({"text": s["json"].get("text")} if isinstance(s.get("json"), dict) else {})}
+                        for s, k in zip(samples, keys)]
                 return {**collate_audio(rows, tokens_key="tokens" if token_ext else None),
                         "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
 

@@ -2,6 +2,7 @@
 
 import io
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def audio(tmp_path_factory):
                 buf = io.BytesIO()
                 soundfile.write(buf, wave, 8000, format="FLAC")
                 w.write({"__key__": f"u{n:04d}", "flac": buf.getvalue(),
-                         "tokens.npy": npy_bytes(np.arange(n % 5 + 1, dtype=np.int32))})
+                         "tokens.npy": npy_bytes(np.arange(n % 5 + 1, dtype=np.int32)),
+                         "json": json.dumps({"text": f"utterance {n}"}).encode()})
                 keys.append(f"u{n:04d}")
     index_dir(root)
     return root, keys
@@ -47,6 +49,7 @@ def test_bucketed_epoch_covers_once_rank_synced_and_resumes_on_another_dp_size(a
     for b in ranks[0]:
         assert b["audio"].shape[0] * b["audio"].shape[1] <= 2.0 * 8000 or b["audio"].shape[0] == 1
         assert b["audio_lens"].max() == b["audio"].shape[1] and "tokens" in b
+        assert b["text"] == [f"utterance {int(k[1:])}" for k in b["__key__"]]  # the transcript rides along
 
     heads, states = [], []
     for r in range(2):
