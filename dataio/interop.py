@@ -6,17 +6,26 @@ indexed by headrace. Energon's ``.nv-meta/index.sqlite`` already holds what the 
 ``sample_parts(tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size)`` -- and
 ``.nv-meta/.info.json`` lists the shards in ``tar_file_id`` order. Two SQL queries and a few numpy
 operations turn them into an in-memory ``DatasetIndex`` (nothing is written into the directory);
-cost is one pass over the sqlite rows (~1 s per 1M parts). Every shard counts as split ``train``
-(energon's ``split.yaml`` patterns are not interpreted); token counts and durations are unknown.
+cost is one pass over the sqlite rows (~1 s per 1M parts). Each shard's split comes from energon's
+``.nv-meta/split.yaml`` (``split_parts: {train: [patterns], val: [...]}``, brace patterns such as
+``shard_{000000..000009}.tar``; ``exclude`` drops whole shards or ``shard/key`` samples), read with
+``yaml.safe_load`` + ``braceexpand`` (what energon itself uses; energon's own parser costs a 0.4 s
+import). Shards that no split lists are left out, as energon leaves them out; without a split file
+every shard counts as ``train``. Token counts and durations are unknown.
 
-Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (random access to cut i,
-audio + transcript members); a Shar directory's ``recording.NNNNNN.tar`` files are plain tars, so
-they are indexed in memory with ``dataio.tarscan`` and read like any shard (``shar_index``; the
-transcripts in Shar's ``cuts.NNNNNN.jsonl.gz`` are not attached yet).
+Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (random access to cut i);
+a Shar directory becomes a ``SharSource``: its ``recording.NNNNNN.tar`` files are plain tars, indexed
+in memory with ``dataio.tarscan`` and read like any shard, and the transcripts in the matching
+``cuts.NNNNNN.jsonl.gz`` are parsed once at open into one compact buffer. Both give each sample the
+members ``dataio shard`` writes for audio: the audio, plus ``json`` = ``{"text", "id", "duration"}``
+(``transcript_json``), so plain batches carry ``batch["json"][i]["text"]`` and bucketed batches
+``batch["text"]``.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import sqlite3
 from pathlib import Path
@@ -24,17 +33,48 @@ from pathlib import Path
 import numpy as np
 
 from dataio.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
+from dataio.sources import ShardSource
+
+SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 
 
 def is_energon_dir(root: str) -> bool:
     return (Path(root) / META_DIR / "index.sqlite").exists() and (Path(root) / META_DIR / ".info.json").exists()
 
 
+def energon_splits(root: str) -> tuple[dict[str, str] | None, set[str]]:
+    """``({shard name: split}, {excluded "shard/key"})`` from the directory's energon split config;
+    ``(None, set())`` when it has none. A shard listed under two splits is an error (a headrace shard
+    belongs to one split)."""
+    import braceexpand
+    import yaml
+
+    meta = Path(root) / META_DIR
+    path = next((meta / name for name in SPLIT_FILES if (meta / name).exists()), None)
+    if path is None:
+        return None, set()
+    with open(path) as f:
+        config = yaml.safe_load(f)  # JSON is YAML: one parser for both files
+    parts = config.get("split_parts") if isinstance(config, dict) else None
+    if not isinstance(parts, dict) or not all(isinstance(p, list) for p in parts.values()):
+        raise ValueError(f"{path}: expected `split_parts: {{split: [shard patterns], ...}}`")
+    excluded = {name for pattern in config.get("exclude") or [] for name in braceexpand.braceexpand(pattern)}
+    split_of: dict[str, str] = {}
+    for split, patterns in parts.items():
+        for name in (n for pattern in patterns for n in braceexpand.braceexpand(pattern)):
+            if name not in excluded and split_of.setdefault(name, split) != split:
+                raise ValueError(f"{path}: shard {name} is in split {split_of[name]!r} and in {split!r}")
+    return split_of, {e for e in excluded if "/" in e}
+
+
 def energon_index(root: str) -> DatasetIndex:
-    """The headrace index of an energon-prepared directory, built from its ``index.sqlite``."""
+    """The headrace index of an energon-prepared directory, built from its ``index.sqlite``, with each
+    shard's split from its ``split.yaml``."""
     meta = Path(root) / META_DIR
     with open(meta / ".info.json") as f:
         shard_counts = json.load(f)["shard_counts"]
+    names = list(shard_counts)
+    split_of, excluded_samples = energon_splits(root)
     db = sqlite3.connect(f"file:{meta / 'index.sqlite'}?mode=ro", uri=True)
     try:
         rows = db.execute("SELECT tar_file_id, sample_index, sample_key, byte_offset, byte_size FROM samples "
@@ -54,21 +94,30 @@ def energon_index(root: str) -> DatasetIndex:
     # Parts are sorted like samples, so each sample's parts are one contiguous run.
     starts = np.searchsorted(owner[:, 0] * (1 << 32) + owner[:, 1], sample_ids[:, 0] * (1 << 32) + sample_ids[:, 1])
     samples = np.zeros(len(rows), SAMPLE_DTYPE)
-    samples["shard"] = sample_ids[:, 0]
     samples["offset"] = [r[3] for r in rows]
     samples["size"] = [r[4] for r in rows]
     samples["member_start"] = starts
     samples["member_count"] = np.diff(np.append(starts, len(parts)))
     samples["tokens"] = -1
     samples["duration"] = np.nan
-    shards = [ShardInfo(name=name, samples=count, bytes=(Path(root) / name).stat().st_size)
-              for name, count in shard_counts.items()]
     keys = np.array([r[2].encode() for r in rows], dtype=np.bytes_) if rows else np.zeros(0, "S1")
+    # Keep the shards some split lists (renumbered densely) and the samples not excluded.
+    kept = [i for i, name in enumerate(names) if split_of is None or name in split_of]
+    new_id = np.full(len(names), -1, dtype=np.int64)
+    new_id[kept] = np.arange(len(kept))
+    keep = new_id[sample_ids[:, 0]] >= 0
+    if excluded_samples:
+        keep &= [f"{names[r[0]]}/{r[2]}" not in excluded_samples for r in rows]
+    samples["shard"] = np.maximum(new_id[sample_ids[:, 0]], 0)
+    samples, keys = samples[keep], keys[keep]
+    counts = np.bincount(samples["shard"], minlength=len(kept))
+    shards = [ShardInfo(name=names[i], split=split_of[names[i]] if split_of else "train", samples=int(n),
+                        bytes=(Path(root) / names[i]).stat().st_size) for i, n in zip(kept, counts)]
     return DatasetIndex(shards=shards, extensions=extensions, samples=samples, members=members, keys=keys,
                         job={"source": "energon index.sqlite"})
 
 
-__all__ = ["energon_index", "is_energon_dir"]
+__all__ = ["energon_index", "energon_splits", "is_energon_dir"]
 
 
 # ---------------------------------------------------------------------------------------- lhotse
@@ -84,16 +133,27 @@ def is_lhotse_shar(path: str) -> bool:
     return Path(path).is_dir() and any(Path(path).glob("cuts.*.jsonl*")) and any(Path(path).glob("recording.*.tar"))
 
 
+def transcript_json(cut_id: str, text: str, duration: float) -> bytes:
+    """The ``json`` member of a cut, as ``dataio shard`` writes it for audio samples (its first fields)."""
+    return json.dumps({"text": text, "id": cut_id, "duration": duration}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
+
+
+def _join_texts(texts) -> str:
+    """A cut's transcript: its supervisions' non-blank texts, space-joined (``dataio shard``'s rule)."""
+    return " ".join(t for t in texts if t and t.strip())
+
+
 class LhotseCutSource:
     """A Lhotse CutSet manifest (``cuts.jsonl.gz``) as a loader source: sample i is cut i.
 
-    Members per cut: ``wav`` (the audio) and ``txt`` (its supervisions' text, space-joined). When a
-    cut spans a whole single-file recording, ``wav`` is that file's bytes as they are (FLAC, WAV, ...;
+    Members per cut: ``wav`` (the audio) and ``json`` (``transcript_json``). When a cut spans a whole
+    untransformed single-file mono recording, ``wav`` is that file's bytes as they are (FLAC, WAV, ...;
     libsndfile recognises the content whatever the extension says) and decoding happens in
-    ``dataio.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source recordings) lhotse
-    loads the audio and it is re-encoded to an in-memory float WAV (costs one encode per cut).
-    The cuts live in memory (lhotse's eager CutSet: ~1 KB per cut); durations come from the manifest,
-    so duration bucketing needs no decoding.
+    ``dataio.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
+    recordings) lhotse loads the audio and it is re-encoded to an in-memory float WAV (one encode per
+    cut). The cuts live in memory (lhotse's eager CutSet: ~1 KB per cut); durations come from the
+    manifest, so duration bucketing needs no decoding.
     """
 
     def __init__(self, path: str):
@@ -106,7 +166,7 @@ class LhotseCutSource:
         samples["tokens"] = -1
         samples["duration"] = [c.duration for c in self.cuts]
         keys = np.array([c.id.encode() for c in self.cuts], dtype=np.bytes_) if n else np.zeros(0, "S1")
-        self.index = DatasetIndex(shards=[ShardInfo(name=Path(path).name, samples=n)], extensions=["txt", "wav"],
+        self.index = DatasetIndex(shards=[ShardInfo(name=Path(path).name, samples=n)], extensions=["json", "wav"],
                                   samples=samples, members=np.zeros(0, MEMBER_DTYPE), keys=keys,
                                   job={"source": "lhotse CutSet"})
         self.shard_starts, self.shard_sizes = np.array([0]), np.array([n])
@@ -115,21 +175,17 @@ class LhotseCutSource:
         return len(self.cuts)
 
     def read(self, indices: np.ndarray) -> list[tuple[str, str, dict[str, bytes]]]:
-        return [(c.id, self.path, {"wav": _cut_audio_bytes(c), "txt": _cut_text(c).encode()})
+        return [(c.id, self.path, {"wav": _cut_audio_bytes(c),
+                                   "json": transcript_json(c.id, _join_texts(s.text for s in c.supervisions),
+                                                           c.duration)})
                 for c in (self.cuts[int(i)] for i in indices)]
 
 
-def _cut_text(cut) -> str:
-    return " ".join(s.text for s in cut.supervisions if s.text)
-
-
 def _cut_audio_bytes(cut) -> bytes:
-    import io
-
     import soundfile
 
     rec = getattr(cut, "recording", None)
-    whole_file = (rec is not None and len(rec.sources) == 1 and rec.sources[0].type == "file"
+    whole_file = (rec is not None and len(rec.sources) == 1 and rec.sources[0].type == "file" and not rec.transforms
                   and rec.num_channels == 1 and cut.start == 0 and abs(cut.duration - rec.duration) < 1e-3)
     if whole_file:
         with open(rec.sources[0].source, "rb") as f:
@@ -150,4 +206,64 @@ def shar_index(root: str) -> DatasetIndex:
     return merge_parts([scan_shard(root, name) for name in names], job={"source": "lhotse Shar"})
 
 
-__all__ += ["LhotseCutSource", "is_lhotse_manifest", "is_lhotse_shar", "shar_index"]
+def shar_transcripts(root: str, index: DatasetIndex) -> tuple[bytes, np.ndarray]:
+    """The ``transcript_json`` of every sample of ``index`` (a ``shar_index``), parsed once from the
+    Shar's ``cuts.NNNNNN.jsonl[.gz]`` files: one buffer plus ``len(index) + 1`` offsets (compact, and
+    shared copy-on-write with forked workers). Shar writes each cuts file in its tar's order; a cut
+    that does not match the tar's key at the same place is an error naming both files."""
+    shard_of = index.samples["shard"]
+    chunks: list[bytes] = []
+    for shard_id, shard in enumerate(index.shards):
+        number = shard.name.split(".")[1]  # recording.000003.tar -> 000003
+        cuts_path = next((p for p in (Path(root) / f"cuts.{number}.jsonl.gz", Path(root) / f"cuts.{number}.jsonl")
+                          if p.exists()), None)
+        if cuts_path is None:
+            raise FileNotFoundError(f"{root}: {shard.name} has no cuts.{number}.jsonl.gz beside it")
+        keys = index.keys[shard_of == shard_id]
+        opener = gzip.open if cuts_path.suffix == ".gz" else open
+        with opener(cuts_path, "rt", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        if len(records) != len(keys):
+            raise ValueError(f"{cuts_path}: {len(records)} cuts, but {shard.name} holds {len(keys)} recordings")
+        for line, (rec, key) in enumerate(zip(records, keys.tolist()), 1):
+            if rec.get("id", "").encode() != key:
+                raise ValueError(f"{cuts_path}:{line}: cut {rec.get('id')!r}, but {shard.name} holds "
+                                 f"{key.decode(errors='replace')!r} at that place")
+            chunks.append(transcript_json(rec["id"], *_text_and_duration(rec)))
+    offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum([len(c) for c in chunks], out=offsets[1:])
+    return b"".join(chunks), offsets
+
+
+def _text_and_duration(rec: dict) -> tuple[str, float]:
+    """Transcript and duration of one serialised cut: read off the dict for a MonoCut (the common
+    case, no lhotse object built); a MixedCut keeps them in its tracks, so lhotse resolves it."""
+    if "supervisions" in rec and "duration" in rec:
+        return _join_texts(s.get("text") for s in rec["supervisions"]), rec["duration"]
+    from lhotse.serialization import deserialize_item
+
+    cut = deserialize_item(rec)
+    return _join_texts(s.text for s in cut.supervisions), cut.duration
+
+
+class SharSource(ShardSource):
+    """A Lhotse Shar directory as a loader source: the ``recording`` tars read like any shard (see
+    ``ShardSource``), each sample's ``json`` member replaced by its cut's ``transcript_json`` (Shar's
+    own ``json`` member is the recording's metadata, which the loader has no use for)."""
+
+    def __init__(self, path: str, *, split: str = "train"):
+        super().__init__(path, split=split, index=shar_index(path))
+        self._transcripts, self._transcript_offsets = shar_transcripts(path, self.index)
+        if "json" not in self.index.extensions:  # appended: the members' extension ids stay valid
+            self.index.extensions.append("json")
+
+    def read(self, indices: np.ndarray) -> list[tuple[str, str, dict]]:
+        out = super().read(indices)
+        offsets = self._transcript_offsets
+        for i, (_, _, members) in zip(np.asarray(indices).tolist(), out):
+            members["json"] = self._transcripts[offsets[i] : offsets[i + 1]]
+        return out
+
+
+__all__ += ["LhotseCutSource", "SharSource", "is_lhotse_manifest", "is_lhotse_shar", "shar_index",
+            "shar_transcripts", "transcript_json"]

@@ -449,7 +449,7 @@ def open_source(spec) -> ShardSource:
     if interop.is_energon_dir(spec.path):
         return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path))
     if interop.is_lhotse_shar(spec.path):
-        return ShardSource(spec.path, index=interop.shar_index(spec.path))
+        return interop.SharSource(spec.path, split=spec.split)
     return ShardSource(spec.path, split=spec.split)  # raises: no index, with the `dataio index` hint
 
 
