@@ -225,7 +225,8 @@ class Loader:
     def _iterate(self, batches: RankBatches, slot_bytes: int = 0) -> Iterator[dict]:
         cfg = self.cfg
         return iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
-                       timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes)
+                       timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
+                       first_here=cfg.decode.audio != "dali")  # a DALI pipeline's threads must not be forked
 
     @property
     def end(self) -> int | None:

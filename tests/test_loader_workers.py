@@ -90,3 +90,33 @@ def test_ring_batches_are_views_whose_slots_come_back_once_dropped():
     assert in_ring >= 40
     assert [b["b"] for b in kept] == list(range(0, 60, 7))
     assert all(bool((b["x"] == b["b"]).all()) for b in kept)
+
+
+def pid_batch(b):
+    import numpy as np
+
+    return {"b": b, "pid": os.getpid(), "keys": [f"k{b}"], "array": np.arange(4)}
+
+
+@pytest.mark.parametrize("first_here", [True, False])
+def test_first_batch_is_made_before_the_fork_unless_told_not_to(first_here):
+    batches = RankBatches(pid_batch, first=5, last=12, seed=0, dp_rank=0, epoch=0)
+    out = list(iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, first_here=first_here))
+    assert [b["b"] for b in out] == list(range(5, 12))
+    assert (out[0]["pid"] == os.getpid()) is first_here
+    assert all(b["pid"] != os.getpid() for b in out[1:])
+
+
+def test_a_one_batch_stream_starts_no_worker():
+    batches = RankBatches(pid_batch, first=3, last=4, seed=0, dp_rank=0, epoch=0)
+    out = list(iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30))
+    assert [(b["b"], b["pid"]) for b in out] == [(3, os.getpid())]
+
+
+def test_workers_hand_back_the_batch_as_made():
+    """No conversion on the way (torch's default ``collate_fn`` would turn the numpy array into a
+    tensor and walk every key): a worker's batch is what ``make_batch`` returned, as without workers."""
+    batches = RankBatches(pid_batch, first=0, last=6, seed=0, dp_rank=0, epoch=0)
+    for b in iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30):
+        assert b["keys"] == [f"k{b['b']}"]
+        assert type(b["array"]).__name__ == "ndarray" and b["array"].tolist() == [0, 1, 2, 3]
