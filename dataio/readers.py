@@ -175,14 +175,24 @@ def _required_text(rec: dict, field_name: str) -> str:
 # --- text JSONL and .txt ------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class TextJsonlInput:
+class _LineInput:
+    """A line-oriented input file (JSONL, .txt) read by offset: scan records offsets, load re-reads."""
+
     path: str
     options: ReadOptions
-    kind: str = "text"
     _lines: _LineReader = field(init=False)
 
     def __post_init__(self):
         self._lines = _LineReader(self.path)
+
+
+def _text_sample(key: str, text: str, meta: dict) -> Sample:
+    return Sample(key=key, members={"txt": text.encode(), "json": _dumps(meta)}, text=text)
+
+
+@dataclass(kw_only=True)
+class TextJsonlInput(_LineInput):
+    kind: str = "text"
 
     def _key(self, rec: dict, number: int) -> str:
         if "id" in rec:
@@ -206,21 +216,14 @@ class TextJsonlInput:
     def load(self, entry: Entry) -> Sample:
         rec = json.loads(self._lines.read(entry.locator))
         text = rec.pop(self.options.text_field)
-        meta = {"source": self.path, "line": entry.line, **rec}
-        return Sample(key=entry.key, members={"txt": text.encode(), "json": _dumps(meta)}, text=text)
+        return _text_sample(entry.key, text, {"source": self.path, "line": entry.line, **rec})
 
 
 @dataclass(kw_only=True)
-class TxtInput:
+class TxtInput(_LineInput):
     """A plain text file, one document per non-empty line."""
 
-    path: str
-    options: ReadOptions
     kind: str = "text"
-    _lines: _LineReader = field(init=False)
-
-    def __post_init__(self):
-        self._lines = _LineReader(self.path)
 
     def scan(self):
         for number, offset, raw in _jsonl_lines(self.path):
@@ -234,21 +237,17 @@ class TxtInput:
 
     def load(self, entry: Entry) -> Sample:
         text = self._lines.read(entry.locator).decode().rstrip("\r\n")
-        meta = {"source": self.path, "line": entry.line}
-        return Sample(key=entry.key, members={"txt": text.encode(), "json": _dumps(meta)}, text=text)
+        return _text_sample(entry.key, text, {"source": self.path, "line": entry.line})
 
 
 # --- NeMo audio manifests -----------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class NemoManifestInput:
-    path: str
-    options: ReadOptions
+class NemoManifestInput(_LineInput):
     kind: str = "audio"
-    _lines: _LineReader = field(init=False)
 
     def __post_init__(self):
-        self._lines = _LineReader(self.path)
+        super().__post_init__()
         self._root = os.path.dirname(os.path.realpath(self.path))
 
     def _audio_path(self, rec: dict) -> str:
