@@ -284,6 +284,25 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path):
     assert not list(out.glob("*.tmp-*"))
 
 
+def test_resume_removes_the_temp_files_of_unfinished_shards(tmp_path):
+    """What a kill leaves for the shard being written (tar, index part, skip report temps) is cleaned up."""
+    src = write_text_corpus(tmp_path, 30)
+    out = tmp_path / "out"
+    shard(src, "--output", out, "--samples-per-shard", 10)
+    clean = tree_digest(out)
+    (out / "train-000001.tar").unlink()
+    (out / ".nv-meta" / "parts" / "train-000001.tar.npz").unlink()
+    (out / ".nv-meta" / ".info.json").unlink()
+    stale = [out / "train-000001.tar.tmp-host-1", out / ".nv-meta" / "parts" / ".train-000001.tar.npz.tmp-1",
+             out / ".nv-meta" / "headrace-shard" / "skipped" / "train-000001.tar.jsonl.tmp-host-1"]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+    shard(src, "--output", out, "--samples-per-shard", 10)
+    assert not any(p.exists() for p in stale)
+    assert tree_digest(out) == clean
+
+
 def test_rerun_of_a_complete_job_keeps_everything(tmp_path, capsys):
     src = write_text_corpus(tmp_path, 30)
     out = tmp_path / "out"

@@ -78,8 +78,14 @@ def _record_job(root: Path, job: dict) -> None:
 
 
 def _remove_stale_temps(root: Path, shards) -> None:
+    """Temp files a killed run left for the shards still to write: the tar, its skip report, its index part."""
+    from dataio.index import PARTS_DIR
+    from dataio.shard_write import SKIPPED_DIR
+
     for shard in shards:
-        for tmp in root.glob(f"{shard.name}.tmp-*"):
+        stale = [*root.glob(f"{shard.name}.tmp-*"), *(root / SKIPPED_DIR).glob(f"{shard.name}*.tmp-*"),
+                 *(root / PARTS_DIR).glob(f".{shard.name}.npz.tmp-*")]
+        for tmp in stale:
             tmp.unlink(missing_ok=True)
 
 
