@@ -89,14 +89,16 @@ def cp_merge(shards: list[dict]) -> dict:
     cp_size = shards[0]["cp_size"]
     lengths, padded, _, padded_starts = _layout(cu, cp_size)
     total_padded = int(padded.sum())
+    # where each real token of the original batch sits in the padded full sequence
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(cu[:-1], lengths)
+    real_index = padded_starts[seg] + within
     out = {}
     for k in TOKEN_FIELDS:
         full = torch.empty(total_padded, dtype=shards[0][k].dtype)
         for s in shards:
             full[s["padded_index"]] = s[k].reshape(-1)
-        seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(cu[:-1], lengths)
-        out[k] = full[padded_starts[seg] + within].view(shards[0]["source_shape"])
+        out[k] = full[real_index].view(shards[0]["source_shape"])
     out["cu_seqlens"] = shards[0]["source_cu_seqlens"]
     return out
 
@@ -121,6 +123,7 @@ def attention_work(cu_seqlens: torch.Tensor, cp_size: int) -> dict:
                  + causal_pairs((2 * cp_size - 1 - r) * chunk, (2 * cp_size - r) * chunk)
                  for r in range(cp_size)]
     contiguous = [causal_pairs(2 * r * chunk, 2 * (r + 1) * chunk) for r in range(cp_size)]
+
     def real_sq(k):
         return int(((lengths - k * chunk).clamp(min=0).minimum(chunk) ** 2).sum())
 

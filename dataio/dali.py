@@ -28,7 +28,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dataio.decode import AUDIO_EXTENSIONS, Audio, Buffer, DecodeConfig, SampleDecodeError
+from dataio.decode import Audio, Buffer, DecodeConfig, SampleDecodeError
+from dataio.formats import is_audio_member
 
 
 def import_dali():
@@ -192,7 +193,7 @@ def decode_audio_members(
         (s, ext)
         for s, sample in enumerate(samples)
         for ext in sample
-        if ext.rpartition(".")[2].lower() in AUDIO_EXTENSIONS and not isinstance(sample[ext], Audio)
+        if is_audio_member(ext) and not isinstance(sample[ext], Audio)
     ]
     failed: dict[int, SampleDecodeError] = {}
     step = decoder.cfg.dali.max_batch_size

@@ -318,10 +318,10 @@ class Loader:
     def _iter_bucketed(self) -> Iterator[dict]:
         """Duration-bucketed batches (``dataio.bucketing``), epoch by epoch, each rank-synced."""
         from dataio.bucketing import collate_audio
-        from dataio.decode import AUDIO_EXTENSIONS
+        from dataio.formats import is_audio_member
 
         exts = self.sources[0].index.extensions
-        audio_ext = next((e for e in exts if e.rpartition(".")[2].lower() in AUDIO_EXTENSIONS), None)
+        audio_ext = next((e for e in exts if is_audio_member(e)), None)
         if audio_ext is None:
             raise ValueError(f"bucketing: {self.cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         token_ext = _token_ext(self.sources[0])

@@ -68,7 +68,7 @@ class DevicePrefetcher:
         self._source = iter(batches)
         self._source_state = getattr(batches, "state_dict", None)
         # Taken before the pinning thread starts, so it is exact until the first batch is delivered.
-        self._delivered_state: Any = self._source_state() if self._source_state is not None else None
+        self._delivered_state: Any = self._snapshot()
         self._started: float | None = None
         self._finished: float | None = None
         self._cuda = self.device.type == "cuda"
@@ -85,10 +85,14 @@ class DevicePrefetcher:
             self._thread.start()
 
     # -- host side: loader (-> pinned memory on CUDA), in a thread of the main process -------------
+    def _snapshot(self) -> Any:
+        """The source's ``state_dict()`` now (None when it has none)."""
+        return self._source_state() if self._source_state is not None else None
+
     def _pull(self) -> tuple[Any, Any]:
         """The next batch with the source's state just after it (same thread: consistent)."""
         batch = next(self._source)
-        return batch, self._source_state() if self._source_state is not None else None
+        return batch, self._snapshot()
 
     def _read_one(self) -> bool:
         """Queue the next batch; False once the stream ended or failed (both queued) or we are stopped."""

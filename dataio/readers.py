@@ -141,6 +141,20 @@ def _parse_line(path: str, number: int, raw: bytes) -> dict | BadRecord:
     return rec
 
 
+def _scan_jsonl(path: str, entry) -> Iterator[Entry | BadRecord]:
+    """``entry(record, line, byte offset, raw line)`` for every JSON-object line of ``path``; a line
+    that does not parse, or whose ``entry`` raises ValueError, becomes a BadRecord naming the rule."""
+    for number, offset, raw in _jsonl_lines(path):
+        rec = _parse_line(path, number, raw)
+        if isinstance(rec, BadRecord):
+            yield rec
+            continue
+        try:
+            yield entry(rec, number, offset, raw)
+        except ValueError as e:
+            yield BadRecord(path=path, line=number, reason=str(e))
+
+
 class _LineReader:
     """Reads a planned JSONL line back by ``(offset, length)`` with pread (safe across forked workers)."""
 
@@ -185,6 +199,17 @@ class _LineInput:
     def __post_init__(self):
         self._lines = _LineReader(self.path)
 
+    def _plan(self, rec: dict, number: int, raw: bytes) -> tuple[str, int]:
+        """``(key, estimated bytes)`` for a parsed JSONL record; a ValueError names the broken rule."""
+        raise NotImplementedError
+
+    def scan(self):
+        def entry(rec: dict, number: int, offset: int, raw: bytes) -> Entry:
+            key, est = self._plan(rec, number, raw)
+            return Entry(key=key, est_bytes=est, line=number, locator=self._lines.locator(offset, raw))
+
+        return _scan_jsonl(self.path, entry)
+
 
 def _text_sample(key: str, text: str, meta: dict) -> Sample:
     return Sample(key=key, members={"txt": text.encode(), "json": _dumps(meta)}, text=text)
@@ -199,19 +224,9 @@ class TextJsonlInput(_LineInput):
             return make_key(str(rec["id"]))
         return make_key(f"{_stem(self.path)}-{number:09d}")
 
-    def scan(self):
-        for number, offset, raw in _jsonl_lines(self.path):
-            rec = _parse_line(self.path, number, raw)
-            if isinstance(rec, BadRecord):
-                yield rec
-                continue
-            try:
-                _required_text(rec, self.options.text_field)
-                key = self._key(rec, number)
-            except ValueError as e:
-                yield BadRecord(path=self.path, line=number, reason=str(e))
-                continue
-            yield Entry(key=key, est_bytes=len(raw), line=number, locator=self._lines.locator(offset, raw))
+    def _plan(self, rec: dict, number: int, raw: bytes) -> tuple[str, int]:
+        _required_text(rec, self.options.text_field)
+        return self._key(rec, number), len(raw)
 
     def load(self, entry: Entry) -> Sample:
         rec = json.loads(self._lines.read(entry.locator))
@@ -279,25 +294,15 @@ class NemoManifestInput(_LineInput):
             name += f"_{round(rec['offset'] * 1000)}"
         return make_key(name)
 
-    def scan(self):
-        for number, offset, raw in _jsonl_lines(self.path):
-            rec = _parse_line(self.path, number, raw)
-            if isinstance(rec, BadRecord):
-                yield rec
-                continue
-            try:
-                self._validate(rec)
-                audio = self._audio_path(rec)
-                try:
-                    size = os.stat(audio).st_size
-                except FileNotFoundError:
-                    raise ValueError(f"audio file not found: {audio}") from None
-                est = round(rec["duration"] * SEGMENT_BYTES_PER_SECOND) if "offset" in rec else size
-                key = self._key(rec)
-            except ValueError as e:
-                yield BadRecord(path=self.path, line=number, reason=str(e))
-                continue
-            yield Entry(key=key, est_bytes=est, line=number, locator=self._lines.locator(offset, raw))
+    def _plan(self, rec: dict, number: int, raw: bytes) -> tuple[str, int]:
+        self._validate(rec)
+        audio = self._audio_path(rec)
+        try:
+            size = os.stat(audio).st_size
+        except FileNotFoundError:
+            raise ValueError(f"audio file not found: {audio}") from None
+        est = round(rec["duration"] * SEGMENT_BYTES_PER_SECOND) if "offset" in rec else size
+        return self._key(rec), est
 
     def load(self, entry: Entry) -> Sample:
         rec = json.loads(self._lines.read(entry.locator))
@@ -336,11 +341,7 @@ class LhotseCutsInput:
     def scan(self):
         from lhotse.serialization import deserialize_item
 
-        for number, _, raw in _jsonl_lines(self.path):
-            rec = _parse_line(self.path, number, raw)
-            if isinstance(rec, BadRecord):
-                yield rec
-                continue
+        def entry(rec: dict, number: int, offset: int, raw: bytes) -> Entry:
             try:
                 cut = deserialize_item(rec)
                 if not _cut_text(cut):
@@ -350,11 +351,11 @@ class LhotseCutsInput:
                     raise ValueError(f"audio file not found: {file_source}")
                 est = os.path.getsize(file_source) if file_source else round(cut.duration * SEGMENT_BYTES_PER_SECOND)
                 key = make_key(cut.id)
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                yield BadRecord(path=self.path, line=number, reason=f"not a valid lhotse cut ({e})"
-                                if not isinstance(e, ValueError) else str(e))
-                continue
-            yield Entry(key=key, est_bytes=est, line=number, locator=cut)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"not a valid lhotse cut ({e})") from None
+            return Entry(key=key, est_bytes=est, line=number, locator=cut)
+
+        return _scan_jsonl(self.path, entry)
 
     def load(self, entry: Entry) -> Sample:
         cut = entry.locator

@@ -124,15 +124,18 @@ class ShardSource:
                 raise ShardFormatError(
                     f"the tar at byte {start} does not hold this sample, which the index places there"
                     f"  (index out of date? run `dataio index {self.path}`)",
-                    shard=self.shard_path(shard), key=key.decode(errors="replace"))
+                    shard=paths[shard], key=key.decode(errors="replace"))
             out.append((key.decode(errors="surrogateescape"), paths[shard],
                         {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}))
             m += n
         return out
 
-    def _map(self, shard: int):
-        if self._pid != os.getpid():  # forked into a worker: maps are per process
+    def _reset_if_forked(self) -> None:
+        if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
             self._maps, self._remote_files, self._pid = {}, OrderedDict(), os.getpid()
+
+    def _map(self, shard: int):
+        self._reset_if_forked()
         buf = self._maps.get(shard)
         if buf is None:
             path = self.shard_path(shard)
@@ -152,8 +155,7 @@ class ShardSource:
                                    shard=self.shard_path(shard))
 
     def _read_remote(self, shard: int, start: int, size: int) -> bytes:
-        if self._pid != os.getpid():
-            self._maps, self._remote_files, self._pid = {}, OrderedDict(), os.getpid()
+        self._reset_if_forked()
 
         def attempt():
             f = self._remote_files.get(shard)

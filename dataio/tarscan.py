@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.formats import AUDIO_EXTENSIONS, is_token_member, npy_header
+from dataio.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
 from dataio.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
 from dataio.tarwriter import BLOCK
 
@@ -225,7 +225,7 @@ def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train"
         try:
             if is_token_member(ext) and tokens[-1] < 0:
                 tokens[-1] = math.prod(npy_header(payload)[0])
-            elif ext.rsplit(".", 1)[-1].lower() in AUDIO_EXTENSIONS and durations[-1] != durations[-1]:
+            elif is_audio_member(ext) and durations[-1] != durations[-1]:
                 durations[-1] = audio_duration(payload)
         except (ValueError, RuntimeError, OSError, TypeError):
             pass  # an undecodable member is `dataio verify`'s business; the index records "unknown"

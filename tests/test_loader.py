@@ -43,6 +43,16 @@ def keys_of(loader, limit=None):
     return batches
 
 
+def resume_everywhere(config, states, dp_size):
+    """Every new rank restores the old ranks' states and runs to the end: its batches of valid keys."""
+    rest = []
+    for r in range(dp_size):
+        loader = build_loader(config, dp_rank=r, dp_size=dp_size)
+        loader.load_state_dict(states)
+        rest.append(keys_of(loader))
+    return rest
+
+
 @pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
 def test_every_sample_once_and_equal_batch_counts(text, dp_size):
     root, all_keys = text
@@ -142,11 +152,7 @@ def test_elastic_resume_changes_dp_size_and_workers(text, old, new, new_process)
     if new_process:
         rest = resume_in_new_process(new_config, range(new_dp), new_dp, states)
     else:
-        rest = []
-        for r in range(new_dp):
-            loader = build_loader(new_config, dp_rank=r, dp_size=new_dp)
-            loader.load_state_dict(states)
-            rest.append(keys_of(loader))
+        rest = resume_everywhere(new_config, states, new_dp)
     assert len({len(b) for b in rest}) == 1
     served += [k for rank in rest for b in rank for k in b]
     assert sorted(served) == sorted(all_keys * 2)
@@ -162,11 +168,7 @@ def test_elastic_resume_after_unequal_consumption(text):
         served += [k for b in keys_of(loader, limit=n) for k in b]
         states.append(loader.state_dict())
     for dp in (2, 4):
-        rest = []
-        for r in range(dp):
-            loader = build_loader(config, dp_rank=r, dp_size=dp)
-            loader.load_state_dict(states)
-            rest.append(keys_of(loader))
+        rest = resume_everywhere(config, states, dp)
         assert len({len(b) for b in rest}) == 1
         assert sorted(served + [k for rank in rest for b in rank for k in b]) == sorted(all_keys)
 

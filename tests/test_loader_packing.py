@@ -37,7 +37,7 @@ def test_packed_stream_covers_every_token_once_and_resumes_elastically(text):
            "packing": "best_fit", "seq_len": 16, "packing_buffer": 4, "shuffle_window": 5}
     loader = build_loader(cfg)
     full = list(loader)
-    lengths = {ref: n for ref, n in doc_tokens(full).items()}
+    lengths = doc_tokens(full)
     assert len(lengths) == 20
     for batch in full:
         assert batch["input_ids"].shape == (2, 16)

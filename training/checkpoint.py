@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from training.parallel_dims import gather_objects
+
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -62,7 +64,7 @@ def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    rng = _gather(_rng_state())
+    rng = gather_objects(_rng_state())
     dist.barrier()
     if dist.get_rank() == 0:
         _write_json(tmp / STATE_FILE, {"step": step, "loader": loader_states, "rng": rng})
@@ -140,12 +142,6 @@ def _encode(t: torch.Tensor) -> str:
 
 def _decode(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-
-def _gather(obj) -> list:
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _write_json(path: Path, data) -> None:

@@ -94,12 +94,16 @@ class ParallelDims:
         return meshes
 
 
+def gather_objects(obj) -> list:
+    """``obj`` of every rank, in rank order (a collective: call on all ranks)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def rank_coordinates(mesh: DeviceMesh) -> list[dict[str, int]]:
     """Every rank's coordinate along each named dim (a collective: call on all ranks)."""
-    mine = dict(zip(MESH_DIMS, mesh.get_coordinate()))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gather_objects(dict(zip(MESH_DIMS, mesh.get_coordinate())))
 
 
 def format_coordinates(coords: list[dict[str, int]]) -> str:

@@ -45,7 +45,7 @@ from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
 from training.model import build_hf_config, build_meta_model, materialize
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
+from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill")  # what a step reads
@@ -107,8 +107,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
                *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool) -> dict:
     """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count."""
     group = loss_mesh.get_group()
-    local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches)
-    global_tokens = local_tokens.detach().clone().to(torch.float64)
+    global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
     dist.all_reduce(global_tokens, group=group)
     scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
     loss_sum = torch.zeros((), dtype=torch.float64, device=global_tokens.device)
@@ -145,9 +144,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
 def gather_loader_states(batches: DevicePrefetcher, dp_mesh: DeviceMesh) -> list:
     """Every dp rank's loader state as of the last batch trained on, ordered by dp rank (TP/CP/PP
     peers hold identical ones). Taken from the prefetcher, which may have read ahead of the step."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dp_mesh.get_local_rank(), batches.state_dict()))
-    by_dp = dict(everyone)
+    by_dp = dict(gather_objects((dp_mesh.get_local_rank(), batches.state_dict())))
     return [by_dp[r] for r in range(len(by_dp))]
 
 

@@ -106,8 +106,7 @@ def measure(
     """Run one loader; see the module docstring for the fields. ``count(batch)`` -> (samples, units)."""
     samples = batches = first_n = 0
     units = first_units = 0.0
-    latencies: list[float] = []
-    wait = 0.0
+    latencies: list[float] = []  # next() of every batch after the first: their sum is the data wait
     with ProcessSampler() as sampler:
         start = time.perf_counter()
         iterator = open_batches()
@@ -125,7 +124,6 @@ def measure(
                 first_at, first_n, first_units = now, n, u
             else:
                 latencies.append(now - t)
-                wait += now - t
             samples, units, batches = samples + n, units + u, batches + 1
             if progress is not None:
                 progress(n)
@@ -152,5 +150,5 @@ def measure(
         "latency_p99_ms": percentile_ms(latencies, 99),
         "peak_rss_mb": sampler.peak_rss / 2**20,
         "cpu_util": sampler.cpu_seconds() / (end - start) if end > start else None,
-        "data_wait_fraction": (wait / steady if steady > 0 else None) if step_s else None,
+        "data_wait_fraction": (sum(latencies) / steady if steady > 0 else None) if step_s else None,
     }
