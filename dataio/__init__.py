@@ -1,8 +1,11 @@
 """headrace.dataio: from corpus to device.
 
-Corpus preparation (``dataio shard`` / ``index`` / ``inspect`` / ``verify``), the shard index, and the
-streaming loader (rank/worker split, seeding, shuffle, blend, resumable state, decoding, packing,
-bucketing, device prefetch). Importing this package is cheap: heavy modules load on first use.
+Subpackages in pipeline order: ``prepare`` (corpora -> shards: ``dataio shard``), ``shards`` (the
+on-disk format both sides share: tar members, index, Energon metadata), ``stream`` (shards -> decoded,
+collated samples on every rank and worker), ``batching`` (packing, bucketing, CP split, device
+prefetch), ``commands`` (the ``dataio`` CLI verbs) and ``bench`` (``dataio bench``). ``loader``
+composes stream and batching behind ``build_loader``; ``config`` is the ``data:`` section.
+Importing this package is cheap: heavy modules load on first use.
 """
 
 from __future__ import annotations

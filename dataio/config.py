@@ -1,10 +1,10 @@
 """The ``data:`` section: one typed config for loading everywhere (bench, training, tests).
 
-Loaded with ``dataio.configtree.from_dict(DataConfig, section)`` so an unknown key or a wrong type
+Loaded with ``configtree.from_dict(DataConfig, section)`` so an unknown key or a wrong type
 fails at load time with its dotted path (``data.datasets[1].weight: expected float, got 'x'``).
 Runtime coordinates (DP rank and size, the process group) are arguments of ``build_loader``, never
-fields here. The packing / bucketing fields belong to the batching stage (``dataio.packing``,
-``dataio.bucketing``); decode options to ``dataio.decode``.
+fields here. The packing / bucketing fields belong to the batching stage (``dataio.batching.packing``,
+``dataio.batching.bucketing``); decode options to ``dataio.stream.decode``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dataio.bucketing import BucketingConfig
-from dataio.decode import DecodeConfig
+from dataio.batching.bucketing import BucketingConfig
+from dataio.stream.decode import DecodeConfig
 
 DEFAULT_SEQ_LEN = 2048
 
 
 @dataclass(kw_only=True)
 class DatasetSpec:
-    path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), or see dataio.interop
+    path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), or see dataio.stream.interop
     weight: float = 1.0  # relative share of the blended stream
     split: str = "train"  # which shards of the directory (the manifest's split of each shard)
 
@@ -35,7 +35,7 @@ class DataConfig:
     seed: int | Literal["randomized"] = 0  # "randomized": a fresh seed, logged and kept in the state
     shuffle: bool = True
     shuffle_window: int = 8192  # samples permuted together after the shard shuffle (no buffer)
-    epochs: int | None = None  # None: endless; N: the stream ends after N passes (see dataio.blend)
+    epochs: int | None = None  # None: endless; N: the stream ends after N passes (see dataio.stream.blend)
     stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
     batch_size: int = 32
     num_workers: int = 2
@@ -44,10 +44,10 @@ class DataConfig:
     worker_timeout: float = 120.0  # seconds without a batch before a worker counts as hung
     max_bad_samples: int = 0  # undecodable / corrupt samples skipped (per DP rank) before it is an error
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-    # The batching stage (dataio.packing / dataio.bucketing). Token batches come in one of two layouts:
-    # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from dataio.packing
+    # The batching stage (dataio.batching.packing / dataio.batching.bucketing). Token batches come in one of two layouts:
+    # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from dataio.batching.packing
     # (packing: none puts one document per row, padded: the trainer's unpacked baseline);
-    # packing: none without seq_len: dataio.collate's plain batch (flat tokens + lengths, keys).
+    # packing: none without seq_len: dataio.stream.collate's plain batch (flat tokens + lengths, keys).
     packing: Literal["none", "greedy", "best_fit"] = "none"
     seq_len: int | None = None  # tokens per row; greedy / best_fit without it use DEFAULT_SEQ_LEN
     packing_buffer: int = 1000
@@ -71,7 +71,7 @@ class DataConfig:
 
     @property
     def thd(self) -> bool:
-        """Whether token batches are THD rows (``dataio.packing``) rather than the plain collate."""
+        """Whether token batches are THD rows (``dataio.batching.packing``) rather than the plain collate."""
         return self.seq_len is not None
 
 

@@ -2,22 +2,22 @@
 
 The whole stream is a pure function of position, composed of small stages:
 
-1. ``dataio.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form.
-2. ``dataio.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``, shuffled
+1. ``dataio.stream.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form.
+2. ``dataio.stream.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``, shuffled
    by shard order and in-window permutation from the seed -> a global sample index.
-3. ``dataio.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
+3. ``dataio.stream.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
    ``[j0 + b*B, j0 + (b+1)*B)``.
-4. ``dataio.sources`` reads the samples by offset, ``dataio.decode`` decodes them (``.npy`` tokens are
-   only checked: ``dataio.collate`` copies them straight into the batch; with ``decode.audio: dali``
-   ``dataio.dali`` decodes the batch's audio at once), and ``dataio.collate`` makes the plain batch.
-5. ``dataio.workers`` computes batches in DataLoader worker processes, read back in batch order.
-6. With ``seq_len`` set, the main process feeds the rank's documents to ``dataio.packing`` for THD
+4. ``dataio.stream.sources`` reads the samples by offset, ``dataio.stream.decode`` decodes them (``.npy`` tokens are
+   only checked: ``dataio.stream.collate`` copies them straight into the batch; with ``decode.audio: dali``
+   ``dataio.stream.dali`` decodes the batch's audio at once), and ``dataio.stream.collate`` makes the plain batch.
+5. ``dataio.stream.workers`` computes batches in DataLoader worker processes, read back in batch order.
+6. With ``seq_len`` set, the main process feeds the rank's documents to ``dataio.batching.packing`` for THD
    rows (``packing: none``: one document per row; ``greedy`` / ``best_fit``: packed).
 
 So the state is tiny -- the layout (a start position and, rarely, a few skip ranges), the rank-local
 position ``j`` the trainer has consumed, the bad-sample count, the seed, and the packer's document
 references -- and restoring it in a new process with any ``dp_size`` / ``num_workers`` continues the
-stream with nothing lost or repeated (see ``dataio.split`` for the re-layout rule). Memory is bounded
+stream with nothing lost or repeated (see ``dataio.stream.split`` for the re-layout rule). Memory is bounded
 by the index (memory-mapped) plus one shuffle window per worker, independent of the epoch length.
 
 Sample references (``__ref__``, packing ``ref``): ``dataset << 40 | global sample index``.
@@ -35,16 +35,16 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from dataio.blend import BlendSchedule
-from dataio.collate import collate
+from dataio.stream.blend import BlendSchedule
+from dataio.stream.collate import collate
 from dataio.config import DataConfig
-from dataio.configtree import from_dict
-from dataio.decode import SampleDecodeError, decode_sample
-from dataio.order import EpochOrder
-from dataio.seeding import fresh_seed
-from dataio.sources import ShardSource
-from dataio.split import Layout, relayout
-from dataio.workers import RankBatches, iterate
+from configtree import from_dict
+from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.stream.order import EpochOrder
+from dataio.stream.seeding import fresh_seed
+from dataio.stream.sources import ShardSource
+from dataio.stream.split import Layout, relayout
+from dataio.stream.workers import RankBatches, iterate
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def split_ref(ref: int) -> tuple[int, int]:
 
 
 def _token_ext(source: ShardSource) -> str | None:
-    from dataio.tarscan import is_token_member
+    from dataio.shards.tarscan import is_token_member
 
     return next((e for e in source.index.extensions if is_token_member(e)), None)
 
@@ -116,7 +116,7 @@ class BatchMaker:
 
     def _read(self, refs: np.ndarray, *, defer_npy: bool = False) -> tuple[list[dict], list[str], np.ndarray, int]:
         """Decoded samples of ``refs`` in order, skipping (and counting) bad ones (``defer_npy``: 1-D
-        token arrays as ``NpyView`` for ``dataio.collate`` to copy straight into the batch)."""
+        token arrays as ``NpyView`` for ``dataio.stream.collate`` to copy straight into the batch)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
         for i, item in enumerate(self._raw(refs)):
             if not isinstance(item, SampleDecodeError):
@@ -132,7 +132,7 @@ class BatchMaker:
             self._skip(item)
             bad += 1
         if self.cfg.decode.audio == "dali" and samples:  # the audio decode_sample left raw, per batch
-            from dataio.dali import decode_audio_members
+            from dataio.stream.dali import decode_audio_members
 
             failed = decode_audio_members(self._dali_decoder(), samples, keys, shards)
             for s in sorted(failed):
@@ -174,7 +174,7 @@ class BatchMaker:
         """This process's ``DaliAudioDecoder``, built on first use (in the worker: a DALI pipeline and
         its threads do not survive a fork, and are never pickled)."""
         if self._dali_pid != os.getpid():
-            from dataio.dali import DaliAudioDecoder
+            from dataio.stream.dali import DaliAudioDecoder
 
             self._dali, self._dali_pid = DaliAudioDecoder(self.cfg.decode), os.getpid()
         return self._dali
@@ -200,7 +200,7 @@ class Loader:
         self.packer = None
         self.packed_batches = 0  # with packing: batches emitted since the stream began (equal on all ranks)
         if cfg.thd:  # THD rows: packed (greedy / best_fit) or one document per row (none)
-            from dataio.packing import Packer, PackingConfig
+            from dataio.batching.packing import Packer, PackingConfig
 
             self.packer = Packer(PackingConfig(seq_len=cfg.seq_len, packing=cfg.packing, pad_id=cfg.pad_id,
                                                packing_buffer=cfg.packing_buffer), rows_per_batch=cfg.batch_size)
@@ -280,7 +280,7 @@ class Loader:
         if int(most) > self.packed_batches and last is None:
             raise RuntimeError(f"DP rank {self.dp_rank} packed no batch at all while others did: too little data "
                                f"for dp_size={self.dp_size}")
-        from dataio.packing import IGNORE_INDEX
+        from dataio.batching.packing import IGNORE_INDEX
 
         for _ in range(int(most) - self.packed_batches):
             self.packed_batches += 1
@@ -302,7 +302,7 @@ class Loader:
     def _bucket_plan(self, epoch: int, history: list[list[int]]):
         """This rank's batches of ``epoch``: the plan over the samples the earlier layouts of this
         epoch (``history``: ``[dp_size, steps done]`` each) left, for the current dp_size."""
-        from dataio.bucketing import consumed_indices, plan_epoch
+        from dataio.batching.bucketing import consumed_indices, plan_epoch
 
         source = self.sources[0]
         indices = np.concatenate([np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)])
@@ -316,9 +316,9 @@ class Loader:
         return plan.rank_batches(self.dp_rank)
 
     def _iter_bucketed(self) -> Iterator[dict]:
-        """Duration-bucketed batches (``dataio.bucketing``), epoch by epoch, each rank-synced."""
-        from dataio.bucketing import collate_audio
-        from dataio.formats import is_audio_member
+        """Duration-bucketed batches (``dataio.batching.bucketing``), epoch by epoch, each rank-synced."""
+        from dataio.batching.bucketing import collate_audio
+        from dataio.shards.formats import is_audio_member
 
         exts = self.sources[0].index.extensions
         audio_ext = next((e for e in exts if is_audio_member(e)), None)
@@ -424,7 +424,7 @@ class Loader:
             self.bucket_epoch, self.bucket_step = b["epoch"], 0
             self.bucket_history = [*b["history"], [old_size, b["step"]]]
         if self.packer is not None:
-            from dataio.packing import reshard_states
+            from dataio.batching.packing import reshard_states
 
             self.packer.load_state_dict(reshard_states([s["packing"] for s in old], self.dp_rank, self.dp_size),
                                         self.fetch)
@@ -439,9 +439,9 @@ class Loader:
 
 def open_source(spec) -> ShardSource:
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
-    ``dataio.interop``) an energon-prepared directory, a Lhotse cuts manifest or a Lhotse Shar directory."""
-    from dataio import interop
-    from dataio.index import INDEX_DIR
+    ``dataio.stream.interop``) an energon-prepared directory, a Lhotse cuts manifest or a Lhotse Shar directory."""
+    from dataio.stream import interop
+    from dataio.shards.index import INDEX_DIR
 
     if "://" in spec.path or (Path(spec.path) / INDEX_DIR).exists():
         return ShardSource(spec.path, split=spec.split)

@@ -162,7 +162,7 @@ def test_skip_reason_names_the_missing_package(shards, tmp_path):
 
     from dataio.bench.data import describe
     from dataio.config import DataConfig
-    from dataio.configtree import from_dict
+    from configtree import from_dict
 
     data = describe(from_dict(DataConfig, {"datasets": [{"path": str(shards / "text")}]}), tmp_path)
     missing = replace(PEERS["litdata"], module="surely_not_installed_pkg")

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dataio.blend import BlendSchedule, integer_weights
+from dataio.stream.blend import BlendSchedule, integer_weights
 
 
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 1], [0.123, 0.3, 0.577], [5, 1], [0.01, 0.99]])

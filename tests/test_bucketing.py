@@ -1,10 +1,10 @@
-"""dataio.bucketing: rank-synced duration buckets (simulated ranks) and audio collation."""
+"""dataio.batching.bucketing: rank-synced duration buckets (simulated ranks) and audio collation."""
 
 import numpy as np
 import pytest
 import torch
 
-from dataio.bucketing import (BucketingConfig, collate_audio, consumed_indices, estimate_bucket_edges,
+from dataio.batching.bucketing import (BucketingConfig, collate_audio, consumed_indices, estimate_bucket_edges,
                               plan_epoch)
 
 

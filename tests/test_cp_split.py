@@ -1,11 +1,11 @@
-"""dataio.cp_split: round trip, head-tail chunk layout, positions, per-rank work balance."""
+"""dataio.batching.cp_split: round trip, head-tail chunk layout, positions, per-rank work balance."""
 
 import numpy as np
 import pytest
 import torch
 
-from dataio.cp_split import attention_work, cp_merge, cp_split
-from dataio.packing import IGNORE_INDEX, Packer, PackingConfig, pack
+from dataio.batching.cp_split import attention_work, cp_merge, cp_split
+from dataio.batching.packing import IGNORE_INDEX, Packer, PackingConfig, pack
 
 
 def packed_batches(seed, seq_len=64, rows=2):

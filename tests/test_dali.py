@@ -1,4 +1,4 @@
-"""dataio.dali: DALI batch audio decoding on CPU (device_id=None) checked against the soundfile path.
+"""dataio.stream.dali: DALI batch audio decoding on CPU (device_id=None) checked against the soundfile path.
 
 Resampled waveforms are compared with soxr's away from the edges: both are windowed-sinc resamplers
 (DALI 16 lobes at quality 50, soxr HQ), so in the interior they agree to ~6e-5 on a 0.5-amplitude sine
@@ -14,7 +14,7 @@ import pytest
 import soundfile
 import torch
 
-from dataio.decode import Audio, DaliConfig, DecodeConfig, SampleDecodeError, decode_audio, decode_sample
+from dataio.stream.decode import Audio, DaliConfig, DecodeConfig, SampleDecodeError, decode_audio, decode_sample
 
 EDGE = 200  # samples at 16 kHz: longer than either resampler's filter half-width
 
@@ -22,9 +22,9 @@ EDGE = 200  # samples at 16 kHz: longer than either resampler's filter half-widt
 @pytest.fixture
 def dali():
     pytest.importorskip("nvidia.dali")
-    import dataio.dali
+    import dataio.stream.dali
 
-    return dataio.dali
+    return dataio.stream.dali
 
 
 def encode(rate: int, seconds: float, freq: float, channels: int, fmt: str = "FLAC") -> bytes:
@@ -37,12 +37,12 @@ def encode(rate: int, seconds: float, freq: float, channels: int, fmt: str = "FL
 
 
 def test_missing_dali_names_the_extra(monkeypatch):
-    import dataio.dali
+    import dataio.stream.dali
 
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali...` fail
     monkeypatch.setitem(sys.modules, "nvidia.dali.fn", None)
     with pytest.raises(ImportError, match=r"headrace\[dali\]"):
-        dataio.dali.DaliAudioDecoder(DecodeConfig(audio="dali"))
+        dataio.stream.dali.DaliAudioDecoder(DecodeConfig(audio="dali"))
 
 
 def test_waveforms_match_soundfile_and_soxr(dali):

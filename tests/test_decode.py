@@ -1,4 +1,4 @@
-"""dataio.decode: zero-copy .npy tokens, pickle refusal, soundfile audio with soxr resampling."""
+"""dataio.stream.decode: zero-copy .npy tokens, pickle refusal, soundfile audio with soxr resampling."""
 
 import ctypes
 import io
@@ -9,7 +9,7 @@ import pytest
 import soundfile
 import torch
 
-from dataio.decode import (
+from dataio.stream.decode import (
     Audio,
     DecodeConfig,
     SampleDecodeError,
@@ -18,7 +18,7 @@ from dataio.decode import (
     decode_sample,
 )
 
-# decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/decode.py); pytest resets
+# decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/stream/decode.py); pytest resets
 # the module's own filter for torch's "not writable" warning, so it is restated here.
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -106,8 +106,8 @@ def test_npy_corrupt_payloads_raise_with_key(payload, message, defer_npy):
 def test_deferred_npy_collates_like_decoded_tensors():
     """``defer_npy`` (the loader's plain batches): 1-D native arrays stay ``NpyView`` and ``collate``
     copies them into the same batch tensors the decoded path gives; anything else is decoded at once."""
-    from dataio.collate import collate_field
-    from dataio.decode import NpyView
+    from dataio.stream.collate import collate_field
+    from dataio.stream.decode import NpyView
 
     batches = [
         [np.arange(n, dtype="<i4") * 3 for n in (5, 0, 17, 2)],  # ragged: flat + lengths

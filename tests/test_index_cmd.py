@@ -10,7 +10,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from dataio.index import PARTS_DIR, ShardPart, load_index
+from dataio.shards.index import PARTS_DIR, ShardPart, load_index
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
 
@@ -109,7 +109,7 @@ def test_duplicate_keys_across_shards(tmp_path, capsys):
 def test_split_assigns_whole_shards_by_name(tmp_path, capsys):
     import yaml
 
-    from dataio.sharding import assign_shard_splits, parse_splits
+    from dataio.prepare.plan import assign_shard_splits, parse_splits
 
     samples = make_samples(n=24, seed=10)
     write_shards(tmp_path, samples, per_shard=2)  # 12 shards

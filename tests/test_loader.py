@@ -12,8 +12,8 @@ import pytest
 import webdataset as wds
 
 from dataio import build_loader
-from dataio.decode import SampleDecodeError
-from dataio.sources import ShardFormatError
+from dataio.stream.decode import SampleDecodeError
+from dataio.stream.sources import ShardFormatError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_util import index_dir, make_text_dataset, npy_bytes  # noqa: E402
@@ -236,7 +236,7 @@ def test_fsspec_url_source(text):
 
 
 def test_transient_storage_errors_are_retried(monkeypatch):
-    from dataio import sources
+    from dataio.stream import sources
 
     monkeypatch.setattr(sources, "BACKOFF_S", 0.0)
     calls = []
@@ -308,7 +308,7 @@ def test_index_that_disagrees_with_its_tar(tmp_path):
 
 def test_config_errors_name_the_key(text):
     root, _ = text
-    from dataio.configtree import ConfigError
+    from configtree import ConfigError
 
     with pytest.raises(ConfigError, match=r"data.datasets\[0\].weight"):
         build_loader({"datasets": [{"path": str(root), "weight": "heavy"}]})
@@ -321,7 +321,7 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
     fails once with a connection error is retried and the data is still exact."""
     import fsspec
 
-    from dataio import sources
+    from dataio.stream import sources
 
     root, all_keys = text
     fs = fsspec.filesystem("memory")

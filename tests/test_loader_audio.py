@@ -13,7 +13,7 @@ import torch
 import webdataset as wds
 
 from dataio import build_loader
-from dataio.decode import SampleDecodeError
+from dataio.stream.decode import SampleDecodeError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_util import index_dir  # noqa: E402

@@ -15,7 +15,7 @@ from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
 from dataio import build_loader
-from dataio.index import INDEX_DIR
+from dataio.shards.index import INDEX_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_util import make_text_dataset  # noqa: E402

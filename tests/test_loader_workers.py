@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from dataio.workers import RankBatches, iterate
+from dataio.stream.workers import RankBatches, iterate
 
 
 def make_batch(b):
@@ -50,7 +50,7 @@ def test_hung_worker_is_an_error_within_the_timeout():
 
 
 def ring_batch(b):
-    from dataio.workers import allocate
+    from dataio.stream.workers import allocate
 
     x = allocate((1000 + 300 * (b % 4),), torch.int64)  # b % 4 == 3 overflows a 12 KB slot: default path
     x.fill_(b)
@@ -68,7 +68,7 @@ def test_shared_ring_slots_are_reused_without_overwriting_unread_batches(prefetc
 
 
 def fitting_batch(b):
-    from dataio.workers import allocate
+    from dataio.stream.workers import allocate
 
     x = allocate((1000,), torch.int64)
     x.fill_(b)

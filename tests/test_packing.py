@@ -1,4 +1,4 @@
-"""Property tests of dataio.packing: the THD batch invariants, splitting, determinism, exact resume."""
+"""Property tests of dataio.batching.packing: the THD batch invariants, splitting, determinism, exact resume."""
 
 import json
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.packing import IGNORE_INDEX, Packer, PackingConfig, pack, reshard_states
+from dataio.batching.packing import IGNORE_INDEX, Packer, PackingConfig, pack, reshard_states
 
 ALGOS = ["none", "greedy", "best_fit"]
 

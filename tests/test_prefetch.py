@@ -1,11 +1,11 @@
-"""dataio.prefetch: same batches as the input, data-wait accounting, CUDA stream path on a GPU."""
+"""dataio.batching.prefetch: same batches as the input, data-wait accounting, CUDA stream path on a GPU."""
 
 import time
 
 import pytest
 import torch
 
-from dataio.prefetch import DevicePrefetcher, pin, tree_map
+from dataio.batching.prefetch import DevicePrefetcher, pin, tree_map
 
 CUDA = torch.cuda.is_available()
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dataio.readers import (BadRecord, LhotseCutsInput, NemoManifestInput, ParquetInput, ReadOptions, SampleError,
+from dataio.prepare.readers import (BadRecord, LhotseCutsInput, NemoManifestInput, ParquetInput, ReadOptions, SampleError,
                             TextJsonlInput, TxtInput, make_key, open_input)
 
 

@@ -21,7 +21,7 @@ import webdataset as wds
 
 from dataio.cli import CommandError
 from dataio.commands import shard as shard_cmd
-from dataio.index import load_index
+from dataio.shards.index import load_index
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -424,9 +424,9 @@ def test_cli_exit_status_and_one_line_error(tmp_path):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
     """The bar advances per chunk of samples, also from forked workers, and ends at the total."""
-    from dataio import shard_write
-    from dataio.readers import ReadOptions, open_input
-    from dataio.sharding import plan_job
+    from dataio.prepare import writer as shard_write
+    from dataio.prepare.readers import ReadOptions, open_input
+    from dataio.prepare.plan import plan_job
 
     monkeypatch.setattr(shard_write, "CHUNK", 7)
     src = write_text_corpus(tmp_path, 45)

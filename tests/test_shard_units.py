@@ -8,9 +8,9 @@ import tarfile
 import numpy as np
 import pytest
 
-from dataio.readers import Entry
-from dataio.sharding import assign_splits, key_hashes, parse_size, parse_splits, plan_job, resolve_node
-from dataio.tarwriter import TarWriter, tar_header
+from dataio.prepare.readers import Entry
+from dataio.prepare.plan import assign_splits, key_hashes, parse_size, parse_splits, plan_job, resolve_node
+from dataio.shards.tarwriter import TarWriter, tar_header
 
 
 def test_tar_writer_offsets_match_tarfile_and_headers_are_fixed():
@@ -123,7 +123,7 @@ def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, r
     sample rate and frame count; where it does not, probe falls back to libsndfile."""
     import soundfile as sf
 
-    from dataio.shard_audio import HEADER_BYTES, parse_header, probe, probe_file
+    from dataio.prepare.audio import HEADER_BYTES, parse_header, probe, probe_file
 
     data = _encoded(fmt, subtype, channels, rate, frames)
     parsed = parse_header(data[:HEADER_BYTES], len(data))
@@ -142,7 +142,7 @@ def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, r
 def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, subtype):
     import soundfile as sf
 
-    from dataio.shard_audio import HEADER_BYTES, parse_header
+    from dataio.prepare.audio import HEADER_BYTES, parse_header
 
     data = _encoded(fmt, subtype, 1, 16000, 4000)
     rng = np.random.default_rng(0)
@@ -163,7 +163,7 @@ def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, su
 
 
 def test_corrupt_audio_is_unreadable():
-    from dataio.shard_audio import probe
+    from dataio.prepare.audio import probe
 
     with pytest.raises(ValueError, match="unreadable audio"):
         probe(b"fLaC" + bytes(range(256)) * 4)
@@ -185,7 +185,7 @@ def test_file_payloads_give_the_same_bytes_as_in_memory_ones(tmp_path, monkeypat
     import hashlib
     import os
 
-    from dataio.tarwriter import FilePayload
+    from dataio.shards.tarwriter import FilePayload
 
     rng = np.random.default_rng(3)
     sources = []
@@ -212,7 +212,7 @@ def test_file_payloads_give_the_same_bytes_as_in_memory_ones(tmp_path, monkeypat
 
 
 def test_a_file_payload_that_shrank_is_an_error(tmp_path):
-    from dataio.tarwriter import FilePayload
+    from dataio.shards.tarwriter import FilePayload
 
     path = tmp_path / "a.flac"
     path.write_bytes(b"x" * 1000)
@@ -226,8 +226,8 @@ def test_a_file_payload_that_shrank_is_an_error(tmp_path):
 def test_npy_writer_matches_np_save_and_header_parser_matches_numpy(array):
     from numpy.lib import format as npy_format
 
-    from dataio.shard_write import npy_bytes
-    from dataio.formats import npy_header
+    from dataio.prepare.writer import npy_bytes
+    from dataio.shards.formats import npy_header
 
     saved = io.BytesIO()
     np.save(saved, array)

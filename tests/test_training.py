@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny  # noqa: E402
 
-from dataio.configtree import ConfigError  # noqa: E402
+from configtree import ConfigError  # noqa: E402
 from training import checkpoint  # noqa: E402
 from training.config import OptimConfig, load_job_config  # noqa: E402
 

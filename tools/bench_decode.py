@@ -3,10 +3,10 @@
 All paths decode the same FLAC utterances (speech-like synthetic audio, ~4.5 s at 16 kHz, ~90 KB each)
 from one memory-mapped blob in page cache into float32 batches in the main process:
 
-- ``soundfile``: ``dataio.decode.decode_sample`` in a torch ``DataLoader`` (num_workers=0, then N),
-  collated by the loader's ``dataio.collate.collate_field`` (one flat tensor + lengths, allocated in
+- ``soundfile``: ``dataio.stream.decode.decode_sample`` in a torch ``DataLoader`` (num_workers=0, then N),
+  collated by the loader's ``dataio.stream.collate.collate_field`` (one flat tensor + lengths, allocated in
   shared memory inside a worker, so a batch crosses to the main process as a file descriptor).
-- ``dali``: ``dataio.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only),
+- ``dali``: ``dataio.stream.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only),
   padded ``[B, T]`` batches as DALI returns them.
 
 ``--libsndfile PATH`` makes soundfile use another libsndfile build (e.g. the one DALI bundles) to
@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataio.bench.corpus import RATE, flac_bytes, npy_bytes, speech_like  # noqa: E402
 from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved  # noqa: E402
-from dataio.collate import collate_field  # noqa: E402
-from dataio.decode import DaliConfig, DecodeConfig, decode_sample  # noqa: E402
+from dataio.stream.collate import collate_field  # noqa: E402
+from dataio.stream.decode import DaliConfig, DecodeConfig, decode_sample  # noqa: E402
 
 
 def build_corpus(directory: Path, count: int, seed: int = 0) -> tuple[Path, np.ndarray]:
@@ -107,7 +107,7 @@ def soundfile_epochs(dataset: Utterances, batch_size: int, workers: int):
 
 def dali_epochs(dataset: Utterances, batch_size: int, threads: int):
     """A callable that runs one epoch through ``DaliAudioDecoder`` with ``threads`` CPU threads."""
-    from dataio.dali import DaliAudioDecoder
+    from dataio.stream.dali import DaliAudioDecoder
 
     dali = DaliConfig(num_threads=threads, max_batch_size=batch_size)
     decoder = DaliAudioDecoder(DecodeConfig(audio="dali", sample_rate=dataset.cfg.sample_rate, dali=dali))
@@ -122,7 +122,7 @@ def dali_epochs(dataset: Utterances, batch_size: int, threads: int):
 
 def npy_microseconds(count: int = 20000) -> dict[str, float]:
     """Per-member cost of a 12.6 KB int32 token array: headrace's zero-copy decode vs ``np.load``."""
-    from dataio.decode import decode_npy
+    from dataio.stream.decode import decode_npy
 
     member = memoryview(bytearray(npy_bytes(np.arange(3150, dtype=np.int32))))
     paths = {

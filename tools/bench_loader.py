@@ -2,7 +2,7 @@
 
 Data: real text (the demo corpus's documents: package READMEs and standard-library docstrings, a
 natural long-tailed length distribution), byte-level tokenised to int32 ``tokens.npy`` members and
-written as WebDataset tars with ``webdataset.TarWriter``, then indexed with ``dataio.tarscan``. Built
+written as WebDataset tars with ``webdataset.TarWriter``, then indexed with ``dataio.shards.tarscan``. Built
 once under ``--data-dir``.
 
 Measured, each for one epoch, median of ``--repeats`` (warm page cache, after one untimed warm-up):
@@ -43,8 +43,8 @@ def build_corpus(root: Path, docs: int, per_shard: int) -> None:
 
     import webdataset as wds
 
-    from dataio.index import merge_parts
-    from dataio.tarscan import scan_shard
+    from dataio.shards.index import merge_parts
+    from dataio.shards.tarscan import scan_shard
     from tools.demo_corpus import select_documents
 
     texts = [d.text for d in select_documents(docs)]
@@ -69,8 +69,8 @@ def build_audio_corpus(root: Path, utterances: int, per_shard: int) -> None:
     import soundfile
     import webdataset as wds
 
-    from dataio.index import merge_parts
-    from dataio.tarscan import scan_shard
+    from dataio.shards.index import merge_parts
+    from dataio.shards.tarscan import scan_shard
 
     rng = np.random.default_rng(0)
     root.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ def worker_round_trip_ms(batches: int = 200) -> float:
     small tensors): the fixed cost a worker batch pays before any data moves."""
     import torch
 
-    from dataio.workers import RankBatches, iterate
+    from dataio.stream.workers import RankBatches, iterate
 
     keys = [f"d{i:08d}" for i in range(256)]
     stream = iterate(RankBatches(lambda b: {"__key__": keys, "__ref__": torch.arange(256)}, first=0, last=batches,
@@ -220,7 +220,7 @@ def main() -> None:
         build_corpus(root, args.docs, args.per_shard)
     tars = sorted(root.glob("*.tar"))
     total_bytes = sum(p.stat().st_size for p in tars)
-    from dataio.index import load_index
+    from dataio.shards.index import load_index
 
     n = len(load_index(root))
     page_cache(tars)  # warm the page cache

@@ -1,4 +1,4 @@
-"""Packing fill fraction and speed (dataio.packing), plus the CP split's work balance (dataio.cp_split).
+"""Packing fill fraction and speed (dataio.batching.packing), plus the CP split's work balance (dataio.batching.cp_split).
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_packing.py [--sim-docs 50000] [--repeats 3]
         [--speed-docs 30000] [--baseline REV] [--speed-only] [--json]
@@ -14,7 +14,7 @@
    (materialising the tensors) and of a ``state_dict()`` taken after every batch (as the CUDA
    prefetcher does). Two workloads: the trainer's shape (seq_len 2048, 16 rows) on the real documents
    repeated to ``--speed-docs`` documents (short: per-document work dominates), and seq_len 8192, 8
-   rows on ``--speed-docs`` simulated documents. The same run measures ``dataio/packing.py`` as of
+   rows on ``--speed-docs`` simulated documents. The same run measures ``dataio/batching/packing.py`` as of
    git revision ``--baseline`` (loaded from ``git show`` into a temporary module, never into the
    package), so before/after figures come from one machine state.
 4. CP split: per-rank causal work imbalance (max/mean) of head-tail vs contiguous split of best_fit
@@ -40,12 +40,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dataio.packing  # noqa: E402
+import dataio.batching.packing  # noqa: E402
 from dataio.bench.corpus import simulated_token_documents  # noqa: E402
 from dataio.bench.table import cell, markdown_row  # noqa: E402
 from dataio.bench.timing import median_run  # noqa: E402
-from dataio.cp_split import attention_work  # noqa: E402
-from dataio.packing import Packer, PackingConfig, pack  # noqa: E402
+from dataio.batching.cp_split import attention_work  # noqa: E402
+from dataio.batching.packing import Packer, PackingConfig, pack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [("none", 1), ("greedy", 1), ("best_fit", 1000), ("best_fit", 10000)]
@@ -81,12 +81,17 @@ def fill(docs: list[np.ndarray], seq_len: int, algo: str, buffer: int) -> dict:
 
 
 def load_baseline(rev: str):
-    """``dataio/packing.py`` as of git revision ``rev``, as a stand-alone module (None without git)."""
-    try:
-        source = subprocess.run(["git", "show", f"{rev}:dataio/packing.py"], cwd=ROOT, check=True,
-                                capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        print(f"no baseline: git show {rev}:dataio/packing.py failed ({e})", file=sys.stderr)
+    """The packing module as of git revision ``rev``, as a stand-alone module (None without git).
+    Revisions before the subpackage layout keep it at ``dataio/packing.py``."""
+    for module_path in ("dataio/batching/packing.py", "dataio/packing.py"):
+        try:
+            source = subprocess.run(["git", "show", f"{rev}:{module_path}"], cwd=ROOT, check=True,
+                                    capture_output=True, text=True).stdout
+            break
+        except (OSError, subprocess.CalledProcessError) as e:
+            error = e
+    else:
+        print(f"no baseline: git show {rev}:dataio/batching/packing.py failed ({error})", file=sys.stderr)
         return None
     path = Path(tempfile.mkdtemp()) / "packing_baseline.py"
     path.write_text(source)
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-docs", type=int, default=50_000, help="simulated long-tailed documents")
     p.add_argument("--repeats", type=int, default=3, help="speed runs (median)")
     p.add_argument("--speed-docs", type=int, default=30_000, help="documents per speed workload")
-    p.add_argument("--baseline", default=BASELINE_REV, help="git revision of dataio/packing.py to compare with")
+    p.add_argument("--baseline", default=BASELINE_REV, help="git revision of the packing module to compare with")
     p.add_argument("--speed-only", action="store_true", help="only the speed comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     lens = {name: np.array([len(d) for d in docs]) for name, docs in (("real", real), ("sim", sim))}
     repeated_real = [real[i % len(real)] for i in range(args.speed_docs)]
     workloads = {"real x16 rows": (repeated_real, 2048, 16), "sim x8 rows": (sim[: args.speed_docs], 8192, 8)}
-    impls = {"current": dataio.packing}
+    impls = {"current": dataio.batching.packing}
     if (baseline := load_baseline(args.baseline)) is not None:
         impls = {f"baseline {args.baseline}": baseline, **impls}
     result = {

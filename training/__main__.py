@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dataio.configtree import ConfigError
+from configtree import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

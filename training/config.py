@@ -3,7 +3,7 @@
 Sections: ``model`` (which transformers model and how to build it), ``data`` (the loader's own ``data:``
 section, passed to ``dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
 its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. Loading and checking is
-``dataio.configtree`` (unknown keys and wrong types fail with the full dotted path); consistency rules
+``configtree`` (unknown keys and wrong types fail with the full dotted path); consistency rules
 between degrees live in ``training.parallel_dims`` because they need the world size.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dataio.config import DataConfig
-from dataio.configtree import apply_overrides, from_dict, load_yaml
+from configtree import apply_overrides, from_dict, load_yaml
 
 
 @dataclass(kw_only=True)

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from dataio.configtree import to_dict
-from dataio.prefetch import DevicePrefetcher
+from configtree import to_dict
+from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
 from training import checkpoint

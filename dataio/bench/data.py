@@ -6,11 +6,11 @@ such as ``npy`` / ``tokens.npy``, ``audio`` when it has an audio member) and the
 (tokens or audio seconds). Peers write their own formats under ``work``.
 
 Every loader turns a sample into the same decoded dict (``{ext: value}``) and a batch into the same
-layout with ``dataio.collate.collate`` (flat tensors plus lengths, in shared memory inside workers), so
+layout with ``dataio.stream.collate.collate`` (flat tensors plus lengths, in shared memory inside workers), so
 what differs between loaders is how they find, read and move the bytes. Loaders that hand over raw
 member bytes (energon's crude samples, plain torch, lhotse's recordings) decode them with
 ``plain_decode``: what a user of that library writes (``np.load``, ``json.loads``, soundfile + soxr
-through ``dataio.decode.decode_audio``); headrace and webdataset use their own decoders.
+through ``dataio.stream.decode.decode_audio``); headrace and webdataset use their own decoders.
 
 Audio-bytes mode (``decode.audio: raw``, ``dataio bench --audio-bytes``): no loader decodes audio; each
 hands the encoded member bytes over as one ``uint8`` tensor plus lengths (headrace's raw collation), and
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from dataio.config import DataConfig
-from dataio.decode import DecodeConfig, decode_audio
-from dataio.formats import is_audio_member, is_token_member
+from dataio.stream.decode import DecodeConfig, decode_audio
+from dataio.shards.formats import is_audio_member, is_token_member
 
 
 @dataclass(kw_only=True)
@@ -59,7 +59,7 @@ class BenchData:
 
 def describe(cfg: DataConfig, work: Path) -> BenchData:
     """The ``BenchData`` of ``cfg``'s one local dataset (ValueError when there are several or it is remote)."""
-    from dataio.sources import ShardSource
+    from dataio.stream.sources import ShardSource
 
     if len(cfg.datasets) != 1:
         raise ValueError(f"the bench compares loaders on one dataset; the config lists {len(cfg.datasets)}")
@@ -98,8 +98,8 @@ def plain_sample(members: dict[str, bytes], decode: DecodeConfig) -> dict[str, A
 
 
 def collate_samples(keys: list[str], samples: list[dict]) -> dict:
-    """Decoded samples -> the batch layout of headrace's own loader (``dataio.collate.collate``)."""
-    from dataio.collate import collate
+    """Decoded samples -> the batch layout of headrace's own loader (``dataio.stream.collate.collate``)."""
+    from dataio.stream.collate import collate
 
     n = len(samples)
     return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0)

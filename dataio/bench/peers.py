@@ -7,7 +7,7 @@ workers, shuffle, state)`` returns an iterator of batches in headrace's batch la
 
 - ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``).
 - ``headrace-dali`` (audio, beside ``dali`` in ``--compare``): the same loader with ``decode.audio:
-  dali``, each batch's audio decoded by DALI inside the loader (``dataio.dali``).
+  dali``, each batch's audio decoded by DALI inside the loader (``dataio.stream.dali``).
 - ``webdataset``: ``wds.WebDataset(tars).decode(...).batched(B)`` in ``wds.WebLoader`` (the tars as they
   are; shards split over workers by webdataset's ``split_by_worker``).
 - ``energon``: ``get_loader(get_train_dataset(dir, repeat=False))`` on the same directory (its
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
-from dataio.formats import is_audio_member
+from dataio.shards.formats import is_audio_member
 
 SHUFFLE_BUFFER = 1000
 
@@ -298,7 +298,7 @@ class LhotseAudio(torch.utils.data.Dataset):
         self.field, self.rate = data.field, data.decode.sample_rate
 
     def __getitem__(self, cuts) -> dict:
-        from dataio.decode import Audio
+        from dataio.stream.decode import Audio
 
         keys, samples = [], []
         for cut in cuts:
@@ -364,7 +364,7 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
     In audio-bytes mode the reader's encoded buffers are handed over undecoded."""
     from nvidia.dali import fn, pipeline_def, types
 
-    from dataio.decode import Audio
+    from dataio.stream.decode import Audio
 
     decode, batch_size = data.decode, data.cfg.batch_size
     resample = {"sample_rate": float(decode.sample_rate)} if decode.sample_rate else {}

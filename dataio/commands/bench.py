@@ -10,7 +10,7 @@ Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/throughput.png`` and p
 samples are compared by the bytes moved; with ``dali`` in ``--compare`` (decoded audio) headrace also
 runs with ``decode.audio: dali`` (row ``headrace-dali``) beside DALI's own reader.
 Heavy imports (torch, the peers) happen inside ``run()`` so ``--help`` stays fast. Each run's bar is
-``dataio.progress.progress_bar`` (on stderr, only on a terminal), the project's one progress helper.
+``dataio.commands.progress.progress_bar`` (on stderr, only on a terminal), the project's one progress helper.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _load_config(path: Path):
     import yaml
 
     from dataio.config import DataConfig
-    from dataio.configtree import ConfigError, from_dict
+    from configtree import ConfigError, from_dict
 
     try:
         raw = yaml.safe_load(path.read_text())
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from dataio.bench.pagecache import drop_page_cache, read_limit
     from dataio.bench.peers import PEERS, prepare, skip_reason
     from dataio.bench.timing import median_run
-    from dataio.progress import progress_bar
+    from dataio.commands.progress import progress_bar
 
     torch.set_num_threads(1)  # loaders do I/O and decoding; intra-op threads only oversubscribe the cores
     cfg = _load_config(args.config)

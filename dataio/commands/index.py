@@ -3,14 +3,14 @@
 Finds ``DIR/**/*.tar`` (sorted, as ``energon prepare`` lists them; hidden temp files are ignored).
 Shards that already have a ``.nv-meta/parts/<shard>.npz`` sidecar (left by ``dataio shard`` on any
 number of nodes, or by an earlier ``dataio index`` run) whose byte count still matches are merged as
-they are; the others get one header scan each (``dataio.tarscan``) in ``--workers`` processes, and
-leave a sidecar so an interrupted run resumes where it stopped. Then ``dataio.metadata`` writes
+they are; the others get one header scan each (``dataio.shards.tarscan``) in ``--workers`` processes, and
+leave a sidecar so an interrupted run resumes where it stopped. Then ``dataio.shards.metadata`` writes
 energon's ``.nv-meta`` set, the ``.tar.idx`` files and the headrace index in one pass over the rows:
 non-interactive, and no tar is read twice.
 
 Splits: a shard keeps the split of its sidecar (``dataio shard --split``), and a scanned one goes to
 ``train``. ``--split train=0.98,val=0.02`` instead assigns every shard whole, by the hash of its name
-(``dataio.sharding.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
+(``dataio.prepare.plan.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
 key) and records it in the sidecars. Whole shards, because tars from elsewhere mix keys in every shard
 and energon's ``split.yaml`` can only map shards to splits; per-sample splits need ``dataio shard``.
 """
@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from dataio.cli import CommandError
-from dataio.progress import track
+from dataio.commands.progress import track
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def find_shards(root: Path) -> list[str]:
 
 def load_parts(root: Path, names: list[str]) -> dict:
     """The usable sidecar part of each shard: present and recorded for the shard's current size."""
-    from dataio.index import PARTS_DIR, ShardPart
+    from dataio.shards.index import PARTS_DIR, ShardPart
 
     parts = {}
     for name in names:
@@ -63,7 +63,7 @@ def load_parts(root: Path, names: list[str]) -> dict:
 
 
 def _scan(root: Path, name: str, split: str, checksum: bool):
-    from dataio.tarscan import scan_shard
+    from dataio.shards.tarscan import scan_shard
 
     part = scan_shard(root, name, split=split, checksum=checksum)
     part.save(root)
@@ -76,10 +76,10 @@ def build_index(root: Path, *, workers: int = 1, checksum: bool = False, quiet: 
 
     ``splits`` (parsed ``--split``) assigns every shard whole to a split by its name (module docstring).
     """
-    from dataio.index import INDEX_DIR, merge_parts
-    from dataio.metadata import write_dataset_metadata
-    from dataio.sharding import assign_shard_splits
-    from dataio.tarscan import TarFormatError
+    from dataio.shards.index import INDEX_DIR, merge_parts
+    from dataio.shards.metadata import write_dataset_metadata
+    from dataio.prepare.plan import assign_shard_splits
+    from dataio.shards.tarscan import TarFormatError
 
     names = find_shards(root)
     if not names:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     root = args.dir
     if not root.is_dir():
         raise CommandError(f"{root}: not a directory")
-    from dataio.sharding import parse_splits
+    from dataio.prepare.plan import parse_splits
 
     try:
         splits = parse_splits(args.split) if args.split else None

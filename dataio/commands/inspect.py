@@ -38,7 +38,7 @@ def histogram(values: np.ndarray) -> dict:
 
 def summarize(root: Path) -> dict:
     """The summary ``--json`` prints (from ``root``'s headrace index)."""
-    from dataio.index import load_index
+    from dataio.shards.index import load_index
 
     try:
         index = load_index(root)

@@ -1,8 +1,8 @@
 """``dataio shard INPUT... --output DIR``: corpora in, indexed WebDataset shards out.
 
-Plan once (sharding.py: splits, shard boundaries, node ownership, all independent of worker count),
+Plan once (prepare/plan.py: splits, shard boundaries, node ownership, all independent of worker count),
 claim the output directory with the job's fingerprint, write this node's missing shards with
-``--workers`` forked processes (shard_write.py: atomic tar + index part per shard), and, once every
+``--workers`` forked processes (prepare/writer.py: atomic tar + index part per shard), and, once every
 shard of the plan exists, merge the parts into the dataset index and Megatron-Energon metadata.
 Re-running the same command resumes: complete shards are kept, the rest are written again.
 """
@@ -52,8 +52,8 @@ def _fail(e: Exception) -> CommandError:
 
 def _refuse_other_job(root: Path, job: dict) -> None:
     """CommandError when ``root`` holds the output of another job (different inputs or options)."""
-    from dataio.index import META_DIR
-    from dataio.shard_write import STATE_DIR
+    from dataio.shards.index import META_DIR
+    from dataio.prepare.writer import STATE_DIR
 
     path = root / STATE_DIR / "job.json"
     if path.exists():
@@ -69,8 +69,8 @@ def _refuse_other_job(root: Path, job: dict) -> None:
 
 
 def _record_job(root: Path, job: dict) -> None:
-    from dataio.shard_write import STATE_DIR
-    from dataio.tarwriter import write_atomically
+    from dataio.prepare.writer import STATE_DIR
+    from dataio.shards.tarwriter import write_atomically
 
     path = root / STATE_DIR / "job.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,8 +79,8 @@ def _record_job(root: Path, job: dict) -> None:
 
 def _remove_stale_temps(root: Path, shards) -> None:
     """Temp files a killed run left for the shards still to write: the tar, its skip report, its index part."""
-    from dataio.index import PARTS_DIR
-    from dataio.shard_write import SKIPPED_DIR
+    from dataio.shards.index import PARTS_DIR
+    from dataio.prepare.writer import SKIPPED_DIR
 
     for shard in shards:
         stale = [*root.glob(f"{shard.name}.tmp-*"), *(root / SKIPPED_DIR).glob(f"{shard.name}*.tmp-*"),
@@ -90,7 +90,7 @@ def _remove_stale_temps(root: Path, shards) -> None:
 
 
 def _write_in_worker(i: int):
-    from dataio.shard_write import write_shard
+    from dataio.prepare.writer import write_shard
 
     job, shards, done = _JOB
 
@@ -106,7 +106,7 @@ def _write_shards(job, todo, workers: int, advance=lambda n: None):
     called as chunks of ``n`` samples are done (written or skipped), also from forked workers."""
     global _JOB
     if workers <= 1 or len(todo) <= 1:
-        from dataio.shard_write import write_shard
+        from dataio.prepare.writer import write_shard
 
         for shard in todo:
             yield write_shard(job, shard, progress=advance)
@@ -133,7 +133,7 @@ def _write_shards(job, todo, workers: int, advance=lambda n: None):
 
 
 def _skip_reports(root: Path, names) -> list[dict]:
-    from dataio.shard_write import SKIPPED_DIR
+    from dataio.prepare.writer import SKIPPED_DIR
 
     rows = []
     for name in names:
@@ -145,9 +145,9 @@ def _skip_reports(root: Path, names) -> list[dict]:
 
 def _finalize(root: Path, plan, job: dict, skipped: list[dict], workers: int) -> int:
     """Merge every shard's part into the index and write the dataset metadata; returns the sample count."""
-    from dataio.index import PARTS_DIR, ShardPart, merge_parts
-    from dataio.metadata import write_dataset_metadata
-    from dataio.tarwriter import write_atomically
+    from dataio.shards.index import PARTS_DIR, ShardPart, merge_parts
+    from dataio.shards.metadata import write_dataset_metadata
+    from dataio.shards.tarwriter import write_atomically
 
     report = root / "skipped.jsonl"
     if skipped:
@@ -161,10 +161,10 @@ def _finalize(root: Path, plan, job: dict, skipped: list[dict], workers: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataio.progress import progress_bar
-    from dataio.readers import ReadOptions, SampleError, open_input
-    from dataio.shard_write import ShardJob, is_complete
-    from dataio.sharding import PlanError, job_fingerprint, parse_size, parse_splits, plan_job, resolve_node
+    from dataio.commands.progress import progress_bar
+    from dataio.prepare.readers import ReadOptions, SampleError, open_input
+    from dataio.prepare.writer import ShardJob, is_complete
+    from dataio.prepare.plan import PlanError, job_fingerprint, parse_size, parse_splits, plan_job, resolve_node
 
     started = time.perf_counter()
     try:
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tokenizer:
             if not os.path.isfile(args.tokenizer):
                 raise ValueError(f"tokenizer not found: {args.tokenizer}")
-            from dataio.shard_write import load_tokenizer
+            from dataio.prepare.writer import load_tokenizer
 
             try:
                 load_tokenizer(args.tokenizer)

@@ -1,7 +1,7 @@
 """``dataio verify DIR``: re-read every shard and check it against the index and energon's metadata.
 
 Per shard (``--workers`` processes): the file size and, where recorded, the sha256; a fresh header
-scan (``dataio.tarscan``: header checksums, truncation) whose samples, keys, byte spans and member
+scan (``dataio.shards.tarscan``: header checksums, truncation) whose samples, keys, byte spans and member
 offsets must equal the index rows; then every member must decode (audio header via soundfile,
 ``.npy`` header without pickle and with a matching size, ``.json`` parses, ``.txt`` is UTF-8).
 Per dataset: each ``.tar.idx``, the ``index.sqlite`` rows and ``.info.json``'s shard counts must
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dataio.cli import CommandError
-from dataio.progress import track
+from dataio.commands.progress import track
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +63,7 @@ class ShardExpectation:
 
 
 def _expectations(index) -> list[ShardExpectation]:
-    from dataio.metadata import energon_spans
+    from dataio.shards.metadata import energon_spans
 
     _, spans, _ = energon_spans(index)
     out = []
@@ -80,7 +80,7 @@ def _expectations(index) -> list[ShardExpectation]:
 
 def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
     """The first fault in one shard, or None (the shard is mapped once: checksum, header scan, decodes)."""
-    from dataio.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
+    from dataio.shards.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
 
     path = root / expect.name
     if not path.is_file():
@@ -138,8 +138,8 @@ def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
 
 def verify_metadata(root: Path, index, expectations: list[ShardExpectation]) -> Fault | None:
     """Energon's ``.tar.idx`` files, ``index.sqlite`` and ``.info.json`` against the index."""
-    from dataio.index import META_DIR
-    from dataio.metadata import energon_spans
+    from dataio.shards.index import META_DIR
+    from dataio.shards.metadata import energon_spans
 
     _, _, shard_end = energon_spans(index)
     for expect, end in zip(expectations, shard_end.tolist()):
@@ -187,7 +187,7 @@ def verify_metadata(root: Path, index, expectations: list[ShardExpectation]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataio.index import load_index
+    from dataio.shards.index import load_index
 
     root = args.dir
     try:

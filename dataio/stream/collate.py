@@ -19,7 +19,7 @@ Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample refere
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
 Inside a DataLoader worker the output tensors are allocated in the worker's shared-memory ring slot
-(``dataio.workers.allocate``), so the one copy from the page cache (``memcpy`` per member, or
+(``dataio.stream.workers.allocate``), so the one copy from the page cache (``memcpy`` per member, or
 ``torch.cat`` / ``torch.stack`` of decoded tensors) is the only copy from shard to trainer; nothing
 is pickled but a few offsets.
 """
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataio.decode import Audio, NpyView
-from dataio.workers import allocate
+from dataio.stream.decode import Audio, NpyView
+from dataio.stream.workers import allocate
 
 _TORCH_DTYPE: dict[np.dtype, torch.dtype] = {}
 

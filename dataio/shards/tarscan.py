@@ -15,7 +15,7 @@ are skipped (they still count toward the byte span of the sample before them, as
 
 Cost: a Python loop per header (~2 us) -- ~0.5 s for 100k members -- versus ``tarfile``'s ~15 us per
 member; lengths read only the first bytes of ``.npy`` members (one regex) and the header of audio
-members (``dataio.shard_audio.probe``: FLAC/WAV parsed directly, libsndfile for the rest).
+members (``dataio.prepare.audio.probe``: FLAC/WAV parsed directly, libsndfile for the rest).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
-from dataio.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
-from dataio.tarwriter import BLOCK
+from dataio.shards.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
+from dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
+from dataio.shards.tarwriter import BLOCK
 
 ZERO_BLOCK = bytes(BLOCK)
 REGULAR_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous (tarfile.REGULAR_TYPES)
@@ -168,8 +168,8 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 
 def audio_duration(payload) -> float:
-    """Duration in seconds of an audio member, from its header (``dataio.shard_audio.probe``)."""
-    from dataio.shard_audio import probe
+    """Duration in seconds of an audio member, from its header (``dataio.prepare.audio.probe``)."""
+    from dataio.prepare.audio import probe
 
     sample_rate, frames = probe(payload)
     return frames / sample_rate

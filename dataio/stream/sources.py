@@ -26,8 +26,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dataio.decode import SampleDecodeError
-from dataio.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
+from dataio.stream.decode import SampleDecodeError
+from dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
 
 REMOTE_BLOCK = 8 << 20
 RETRIES = 5

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
 
-from dataio.shard_audio import AUDIO_EXTS, cut_and_encode, encode, probe, probe_file, sniff_ext
-from dataio.tarwriter import FilePayload
+from dataio.prepare.audio import AUDIO_EXTS, cut_and_encode, encode, probe, probe_file, sniff_ext
+from dataio.shards.tarwriter import FilePayload
 
 # Planning estimate for audio that is cut or decoded at shard time (16 kHz 16-bit FLAC is ~30 kB/s).
 SEGMENT_BYTES_PER_SECOND = 32_000

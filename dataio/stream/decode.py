@@ -9,14 +9,14 @@ module-level table, built once at import:
   numpy's own safe reader spends ~20 us in ``ast.literal_eval``) and falls back to numpy's reader for
   anything else; ``allow_pickle`` is never on, so object arrays are refused. With ``defer_npy`` (the
   loader's plain batches) a 1-D native-order array is only checked and stays an ``NpyView``:
-  ``dataio.collate`` then copies the whole batch's payloads into one tensor, so no per-sample tensor
+  ``dataio.stream.collate`` then copies the whole batch's payloads into one tensor, so no per-sample tensor
   is made (~9 us a sample for read + check + copy, against ~14 us through per-sample tensors).
 - ``json`` -> ``json.loads``; ``txt`` -> ``str`` (UTF-8); ``cls``/``cls2``/``class``/``index``/``id``
   /``count`` -> ``int``.
 - audio (``flac wav ogg opus mp3``, what libsndfile decodes) -> ``Audio(waveform, sample_rate)``
   through soundfile, downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With
   ``cfg.audio == "dali"`` audio members pass through as raw buffers for the loader to decode per
-  batch with ``dataio.dali.decode_audio_members``; with ``"raw"`` they stay encoded (collated as
+  batch with ``dataio.stream.dali.decode_audio_members``; with ``"raw"`` they stay encoded (collated as
   ``uint8`` bytes + lengths) for a decoder downstream, e.g. on the GPU in the training step.
 - ``pyd pickle pkl pth pt``: refused with ``UnsafeMemberError``; nothing here ever unpickles.
 - anything else: passed through as ``bytes``.
@@ -46,7 +46,7 @@ import soundfile
 import soxr
 import torch
 
-from dataio.formats import AUDIO_EXTENSIONS, npy_header
+from dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
 
 Buffer = bytes | bytearray | memoryview
 
@@ -56,7 +56,7 @@ NATIVE_LITTLE = sys.byteorder == "little"
 
 @dataclass(kw_only=True)
 class DaliConfig:
-    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``dataio.dali``."""
+    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``dataio.stream.dali``."""
 
     device: Literal["cpu", "gpu"] = "cpu"  # gpu: resample + features on the GPU (needs CUDA)
     num_threads: int = 2  # DALI CPU worker threads
@@ -73,7 +73,7 @@ class DaliConfig:
 class DecodeConfig:
     """The ``decode:`` options of the ``data:`` section."""
 
-    # soundfile: per sample here; dali: left raw here, decoded per batch by dataio.dali; raw: never decoded
+    # soundfile: per sample here; dali: left raw here, decoded per batch by dataio.stream.dali; raw: never decoded
     audio: Literal["soundfile", "dali", "raw"] = "soundfile"
     sample_rate: int | None = 16000  # resample target in Hz; None keeps each file's own rate
     mono: bool = True  # downmix all channels to one (mean)
@@ -129,7 +129,7 @@ def decode_npy(buf: Buffer) -> torch.Tensor:
 
 
 class NpyView(NamedTuple):
-    """A checked 1-D native-order ``.npy`` member, not turned into a tensor: ``dataio.collate`` copies
+    """A checked 1-D native-order ``.npy`` member, not turned into a tensor: ``dataio.stream.collate`` copies
     a batch of them straight into the batch tensor (one ``memcpy`` each, no per-sample tensor)."""
 
     buf: Buffer
@@ -142,7 +142,7 @@ class NpyView(NamedTuple):
 
 
 # The header np.save writes for a 1-D little-endian numeric array, the loader's hot case: one regex
-# and one dict look-up (dataio.formats.npy_header, the general parser, handles everything else).
+# and one dict look-up (dataio.shards.formats.npy_header, the general parser, handles everything else).
 _NPY_1D = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '(<[iuf][248]|\|[iu]1)', 'fortran_order': False, "
                      rb"'shape': \(([0-9]+),\), \} *\n", re.DOTALL)
 _NPY_1D_DTYPES = {f"{order}{kind}{size}".encode(): np.dtype(f"{order}{kind}{size}") for kind in "iuf"
@@ -225,7 +225,7 @@ _DECODERS: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {
     "txt": lambda buf, cfg: decode_text(buf),
     **{ext: lambda buf, cfg: decode_int(buf) for ext in ("cls", "cls2", "class", "index", "id", "count")},
     # With audio: dali (or raw) the buffer stays encoded, as a memoryview whether the source gave a view
-    # or bytes, so that dataio.collate makes it a uint8 tensor (and dataio.dali decodes a batch at once).
+    # or bytes, so that dataio.stream.collate makes it a uint8 tensor (and dataio.stream.dali decodes a batch at once).
     **{ext: lambda buf, cfg: decode_audio(buf, cfg) if cfg.audio == "soundfile" else memoryview(buf)
        for ext in AUDIO_EXTENSIONS},
 }
@@ -260,7 +260,7 @@ def decode_sample(
     """Decode one sample's members: ``{ext: raw buffer}`` -> ``{ext: value}`` (same keys, same order).
 
     ``key`` and ``shard`` only label errors. ``defer_npy``: 1-D ``.npy`` members become checked
-    ``NpyView``s for ``dataio.collate`` to copy into the batch (the loader's plain batches). Raises
+    ``NpyView``s for ``dataio.stream.collate`` to copy into the batch (the loader's plain batches). Raises
     ``SampleDecodeError`` (``UnsafeMemberError`` for pickle members) naming shard, key and member;
     the loader counts it against ``max_bad_samples``.
     Token tensors share memory with their buffers, so do not reuse a block while its samples live.

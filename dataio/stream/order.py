@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dataio.seeding import rng
+from dataio.stream.seeding import rng
 
 
 class EpochOrder:

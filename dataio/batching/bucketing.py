@@ -31,9 +31,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from dataio.packing import IGNORE_INDEX
+from dataio.batching.packing import IGNORE_INDEX
 
-_BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart from dataio.seeding's
+_BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart from dataio.stream.seeding's
 
 
 @dataclass(kw_only=True)

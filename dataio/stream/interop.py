@@ -15,7 +15,7 @@ every shard counts as ``train``. Token counts and durations are unknown.
 
 Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (random access to cut i);
 a Shar directory becomes a ``SharSource``: its ``recording.NNNNNN.tar`` files are plain tars, indexed
-in memory with ``dataio.tarscan`` and read like any shard, and the transcripts in the matching
+in memory with ``dataio.shards.tarscan`` and read like any shard, and the transcripts in the matching
 ``cuts.NNNNNN.jsonl.gz`` are parsed once at open into one compact buffer. Both give each sample the
 members ``dataio shard`` writes for audio: the audio, plus ``json`` = ``{"text", "id", "duration"}``
 (``transcript_json``), so plain batches carry ``batch["json"][i]["text"]`` and bucketed batches
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
-from dataio.sources import ShardSource
+from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
+from dataio.stream.sources import ShardSource
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 
@@ -150,7 +150,7 @@ class LhotseCutSource:
     Members per cut: ``wav`` (the audio) and ``json`` (``transcript_json``). When a cut spans a whole
     untransformed single-file mono recording, ``wav`` is that file's bytes as they are (FLAC, WAV, ...;
     libsndfile recognises the content whatever the extension says) and decoding happens in
-    ``dataio.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
+    ``dataio.stream.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
     recordings) lhotse loads the audio and it is re-encoded to an in-memory float WAV (one encode per
     cut). The cuts live in memory (lhotse's eager CutSet: ~1 KB per cut); durations come from the
     manifest, so duration bucketing needs no decoding.
@@ -198,9 +198,9 @@ def _cut_audio_bytes(cut) -> bytes:
 
 def shar_index(root: str) -> DatasetIndex:
     """The in-memory index of a Lhotse Shar directory's ``recording.NNNNNN.tar`` shards (plain tars
-    of ``{cut_id}.{audio ext}`` plus ``{cut_id}.json``), built with ``dataio.tarscan`` like any tar."""
-    from dataio.index import merge_parts
-    from dataio.tarscan import scan_shard
+    of ``{cut_id}.{audio ext}`` plus ``{cut_id}.json``), built with ``dataio.shards.tarscan`` like any tar."""
+    from dataio.shards.index import merge_parts
+    from dataio.shards.tarscan import scan_shard
 
     names = sorted(p.name for p in Path(root).glob("recording.*.tar"))
     return merge_parts([scan_shard(root, name) for name in names], job={"source": "lhotse Shar"})

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
-from dataio.readers import Input, SampleError
-from dataio.sharding import PlannedShard
-from dataio.tarwriter import TarWriter, write_atomically
+from dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
+from dataio.prepare.readers import Input, SampleError
+from dataio.prepare.plan import PlannedShard
+from dataio.shards.tarwriter import TarWriter, write_atomically
 
 STATE_DIR = ".nv-meta/headrace-shard"  # job fingerprint and per-shard skip reports
 SKIPPED_DIR = f"{STATE_DIR}/skipped"

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dataio.index import META_DIR, DatasetIndex
-from dataio.tarwriter import BLOCK, write_atomically
+from dataio.shards.index import META_DIR, DatasetIndex
+from dataio.shards.tarwriter import BLOCK, write_atomically
 
 ITAR_SUFFIX = ".idx"  # shard.tar -> shard.tar.idx
 DEFAULT_SPLITS = ("train", "val", "test")  # energon prepare always writes these three parts

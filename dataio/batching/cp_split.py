@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dataio.packing import IGNORE_INDEX
+from dataio.batching.packing import IGNORE_INDEX
 
 TOKEN_FIELDS = ("input_ids", "labels", "position_ids")
 
@@ -46,7 +46,7 @@ def _rank_padded_index(chunk: torch.Tensor, padded_starts: torch.Tensor, cp_size
 
 
 def cp_split(batch: dict, cp_size: int) -> list[dict]:
-    """Split a packed batch (``dataio.packing`` layout) into ``cp_size`` per-rank batches."""
+    """Split a packed batch (``dataio.batching.packing`` layout) into ``cp_size`` per-rank batches."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     cu = batch["cu_seqlens"].long()

@@ -8,7 +8,7 @@ worker timing.
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
 worker of ``prefetch + 3`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
 touched lazily, so creating it costs nothing). A worker collates each batch straight into a free slot
-(``allocate``, used by ``dataio.collate``) and sends only ``(slot, offset, shape, dtype)`` of each
+(``allocate``, used by ``dataio.stream.collate``) and sends only ``(slot, offset, shape, dtype)`` of each
 tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all sharing
 one per-batch storage; the slot goes back to its worker (a flag in shared memory) once every tensor
 of that batch has been dropped, which the main process checks at each ``next()`` (the storage's
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from dataio.seeding import derive_seed
+from dataio.stream.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
 ALIGN = 64

@@ -4,6 +4,7 @@ One small function does the checking for every config in the project (the loader
 the trainer's whole file): unknown keys and wrong types fail at load time with the key's full dotted
 path, e.g. ``data.datasets[1].weight: expected float, got 'heavy'``. Dotted CLI overrides
 (``optim.lr=3e-4``) are applied to the raw dict before checking, so they get the same errors.
+A package of its own so that `training` and `dataio` share it without either importing the other for it.
 """
 
 from __future__ import annotations
