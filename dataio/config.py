@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dataio.batching.bucketing import BucketingConfig
+from dataio.batching.packing import PackingConfig
 from dataio.stream.decode import DecodeConfig
 
 DEFAULT_SEQ_LEN = 2048
@@ -59,15 +60,20 @@ class DataConfig:
             raise ValueError("datasets: at least one dataset is needed")
         if self.seq_len is None and self.packing != "none":
             self.seq_len = DEFAULT_SEQ_LEN
-        for name in ("batch_size", "shuffle_window", "prefetch", "packing_buffer"):
+        for name in ("batch_size", "shuffle_window", "prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2 (a token and its label), got {self.seq_len}")
+        if self.thd:
+            self.packing_config()  # PackingConfig checks seq_len and packing_buffer
         if self.num_workers < 0 or self.max_bad_samples < 0:
             raise ValueError("num_workers and max_bad_samples must be >= 0")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1 or null (endless), got {self.epochs}")
+
+    def packing_config(self) -> PackingConfig:
+        """The packing fields as ``dataio.batching.packing``'s own config (only with ``seq_len`` set)."""
+        return PackingConfig(seq_len=self.seq_len, packing=self.packing, pad_id=self.pad_id,
+                             packing_buffer=self.packing_buffer)
 
     @property
     def thd(self) -> bool:

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _index(root: Path) -> None:
-    from dataio.commands.index import build_index
+    from dataio.prepare.indexing import build_index
 
     build_index(root, workers=1)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from dataio.bench import documents
 from tools import demo_corpus
 from tools.demo_corpus import CorpusConfig
 
@@ -125,7 +126,7 @@ def test_sentence_picker_keeps_plain_prose_only():
 def test_readmes_come_from_our_dependency_tree_only():
     """Only headrace's runtime dependency tree feeds the corpus, so extra packages in an environment
     (dev tools, DALI) do not change it."""
-    names = {d.metadata["Name"].lower().replace("_", "-") for d in demo_corpus._dependency_closure()}
+    names = {d.metadata["Name"].lower().replace("_", "-") for d in documents.dependency_closure()}
     assert {"torch", "transformers", "numpy", "tokenizers", "huggingface-hub"} <= names
     assert not names & {"headrace", "pytest", "hypothesis", "nvidia-dali-cuda130"}
 

@@ -9,7 +9,7 @@ import torch
 from dataio.stream.workers import RankBatches, iterate
 
 
-def make_batch(b):
+def make_batch(b, alloc):
     return {"b": b, "x": torch.full((3,), b)}
 
 
@@ -21,16 +21,16 @@ def test_batches_in_order_whatever_the_worker_count(workers):
     assert all(torch.equal(b["x"], torch.full((3,), i)) for i, b in enumerate(out))
 
 
-def die_at_3(b):
+def die_at_3(b, alloc):
     if b == 3:
         os._exit(1)
-    return make_batch(b)
+    return make_batch(b, alloc)
 
 
-def hang_at_2(b):
+def hang_at_2(b, alloc):
     if b == 2:
         time.sleep(60)
-    return make_batch(b)
+    return make_batch(b, alloc)
 
 
 def test_crashed_worker_is_an_error_in_the_main_process():
@@ -49,10 +49,8 @@ def test_hung_worker_is_an_error_within_the_timeout():
     assert time.monotonic() - start < 30
 
 
-def ring_batch(b):
-    from dataio.stream.workers import allocate
-
-    x = allocate((1000 + 300 * (b % 4),), torch.int64)  # b % 4 == 3 overflows a 12 KB slot: default path
+def ring_batch(b, alloc):
+    x = alloc((1000 + 300 * (b % 4),), torch.int64)  # b % 4 == 3 overflows a 12 KB slot: default path
     x.fill_(b)
     return {"b": b, "x": x}
 
@@ -67,10 +65,8 @@ def test_shared_ring_slots_are_reused_without_overwriting_unread_batches(prefetc
         assert b["x"].shape == (1000 + 300 * (b["b"] % 4),) and bool((b["x"] == b["b"]).all())
 
 
-def fitting_batch(b):
-    from dataio.stream.workers import allocate
-
-    x = allocate((1000,), torch.int64)
+def fitting_batch(b, alloc):
+    x = alloc((1000,), torch.int64)
     x.fill_(b)
     return {"b": b, "x": x}
 
@@ -92,7 +88,7 @@ def test_ring_batches_are_views_whose_slots_come_back_once_dropped():
     assert all(bool((b["x"] == b["b"]).all()) for b in kept)
 
 
-def pid_batch(b):
+def pid_batch(b, alloc):
     import numpy as np
 
     return {"b": b, "pid": os.getpid(), "keys": [f"k{b}"], "array": np.arange(4)}

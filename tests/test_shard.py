@@ -425,6 +425,7 @@ def test_cli_exit_status_and_one_line_error(tmp_path):
 def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
     """The bar advances per chunk of samples, also from forked workers, and ends at the total."""
     from dataio.prepare import writer as shard_write
+    from dataio.prepare.job import write_shards
     from dataio.prepare.readers import ReadOptions, open_input
     from dataio.prepare.plan import plan_job
 
@@ -435,7 +436,7 @@ def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
     job = shard_write.ShardJob(root=tmp_path / "out", inputs=[open_input(str(src), ReadOptions())])
     (tmp_path / "out").mkdir()
     steps: list[int] = []
-    results = list(shard_cmd._write_shards(job, plan.shards, workers, steps.append))
+    results = list(write_shards(job, plan.shards, workers, steps.append))
     assert sorted(r.samples for r in results) == [5, 20, 20]
     assert sum(steps) == 45
     if workers == 1:

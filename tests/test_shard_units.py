@@ -226,7 +226,7 @@ def test_a_file_payload_that_shrank_is_an_error(tmp_path):
 def test_npy_writer_matches_np_save_and_header_parser_matches_numpy(array):
     from numpy.lib import format as npy_format
 
-    from dataio.prepare.writer import npy_bytes
+    from dataio.shards.formats import npy_bytes
     from dataio.shards.formats import npy_header
 
     saved = io.BytesIO()

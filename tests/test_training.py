@@ -300,11 +300,11 @@ def test_qwen_recipes_train(tmp_path, process_group, recipe, precision):
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_train_reports_mfu_on_cuda(tmp_path):
-    """The GPU recipe end to end through tools/bench_train.py (few steps, 2k rows): figures come out, MFU
+    """The GPU recipe end to end through `python -m tools.bench_train` (few steps, 2k rows): figures come out, MFU
     is a fraction. The figures themselves are for BENCHMARKS.md, not asserted."""
     make_text_dataset(tmp_path / "data", [400, 400])
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "tools/bench_train.py", "--config", "configs/llama_1b.yaml", "--device",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_train", "--config", "configs/llama_1b.yaml", "--device",
                            "cuda", "--sources", "headrace", "--steps", "6", "--warmup", "2", "--data",
                            str(tmp_path / "data"), "--out", str(tmp_path / "out"), "data.seq_len=2048",
                            "data.packing_buffer=64"],

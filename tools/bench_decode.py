@@ -17,7 +17,7 @@ its first batch, so worker start-up is not counted); CPU milliseconds per sample
 processes: the figure that holds on a shared, loaded machine); the ratio soundfile-with-N-workers /
 DALI-N-threads. Plus the per-member cost of a 12.6 KB ``.npy`` token array (``decode_npy`` vs ``np.load``).
 
-    .venv/bin/python tools/bench_decode.py --utterances 3000 --workers 2 --repeats 5
+    .venv/bin/python -m tools.bench_decode --utterances 3000 --workers 2 --repeats 5
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import numpy as np
 import soundfile
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dataio.bench.corpus import RATE, flac_bytes, npy_bytes, speech_like  # noqa: E402
-from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved  # noqa: E402
-from dataio.stream.collate import collate_field  # noqa: E402
-from dataio.stream.decode import DaliConfig, DecodeConfig, decode_sample  # noqa: E402
+from dataio.bench.corpus import RATE, flac_bytes, speech_like
+from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved
+from dataio.stream.collate import collate_field
+from dataio.stream.workers import process_memory
+from dataio.shards.formats import npy_bytes
+from dataio.stream.decode import DaliConfig, DecodeConfig, decode_sample
 
 
 def build_corpus(directory: Path, count: int, seed: int = 0) -> tuple[Path, np.ndarray]:
@@ -80,7 +81,7 @@ class Utterances(torch.utils.data.Dataset):
 
 def collate_waveforms(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The loader's own collation: one flat tensor (in shared memory inside a worker) plus lengths."""
-    return collate_field(waves)
+    return collate_field(waves, process_memory())
 
 
 def time_epoch(batches) -> tuple[float, int, float]:

@@ -1,6 +1,6 @@
 """Indexing speed: `dataio index` beside `energon prepare` on the same webdataset.ShardWriter tars.
 
-    .venv/bin/python tools/bench_index.py [--shards 40] [--samples 500] [--workers 2] [--baseline DIR]
+    .venv/bin/python -m tools.bench_index [--shards 40] [--samples 500] [--workers 2] [--baseline DIR]
 
 Writes the tars once into a temp dir, copies them, then times each indexer on its own copy (all with
 the same worker count) and prints samples/s for each and the ratio. ``--baseline DIR`` also times the
@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import webdataset as wds
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dataio.bench.corpus import npy_bytes  # noqa: E402
-from dataio.bench.processes import REPO, time_dataio, time_energon_prepare  # noqa: E402
+from dataio.shards.formats import npy_bytes
+from dataio.bench.processes import REPO, time_dataio, time_energon_prepare
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Benchmark kernels/ fast paths against their references (CPU by default; CUDA when --device cuda).
 
-    .venv/bin/python tools/bench_kernels.py attention [--tokens 2048 8192] [--device cpu]
-    .venv/bin/python tools/bench_kernels.py loss [--vocab 32768 131072] [--tokens 2048]
+    .venv/bin/python -m tools.bench_kernels attention [--tokens 2048 8192] [--device cpu]
+    .venv/bin/python -m tools.bench_kernels loss [--vocab 32768 131072] [--tokens 2048]
 
 attention: forward+backward time of varlen attention over one packed row whose documents follow a
 long-tailed (log-normal, median ~700 tokens) length distribution, a short-document row and a
@@ -19,20 +19,17 @@ import argparse
 import json
 import multiprocessing as mp
 import sys
-from pathlib import Path
 
 import numpy as np
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dataio.bench.corpus import longtail_lengths  # noqa: E402
-from dataio.bench.measure import ProcessSampler  # noqa: E402
-from dataio.bench.timing import best_interleaved  # noqa: E402
-from kernels.loss import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
-from kernels.varlen_attention import varlen_attention, varlen_attention_reference  # noqa: E402
+from dataio.bench.corpus import longtail_lengths
+from dataio.bench.measure import ProcessSampler
+from dataio.bench.timing import best_interleaved
+from kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
+from kernels.varlen_attention import varlen_attention, varlen_attention_reference
 
 
 def _time_interleaved(fns: dict, device: str, repeats: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ Measured, each for one epoch, median of ``--repeats`` (warm page cache, after on
 - shuffle quality of headrace's window permutation beside webdataset's shard shuffle + buffer of the
   same size (see ``shuffle_quality``).
 
-    .venv/bin/python tools/bench_loader.py --docs 50000 --repeats 5
+    .venv/bin/python -m tools.bench_loader --docs 50000 --repeats 5
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build_corpus(root: Path, docs: int, per_shard: int) -> None:
@@ -45,7 +42,7 @@ def build_corpus(root: Path, docs: int, per_shard: int) -> None:
 
     from dataio.shards.index import merge_parts
     from dataio.shards.tarscan import scan_shard
-    from tools.demo_corpus import select_documents
+    from dataio.bench.documents import select_documents
 
     texts = [d.text for d in select_documents(docs)]
     while len(texts) < docs:  # the installed docs run out: repeat them (same length distribution)
@@ -197,7 +194,7 @@ def worker_round_trip_ms(batches: int = 200) -> float:
     from dataio.stream.workers import RankBatches, iterate
 
     keys = [f"d{i:08d}" for i in range(256)]
-    stream = iterate(RankBatches(lambda b: {"__key__": keys, "__ref__": torch.arange(256)}, first=0, last=batches,
+    stream = iterate(RankBatches(lambda b, alloc: {"__key__": keys, "__ref__": torch.arange(256)}, first=0, last=batches,
                                  seed=0, dp_rank=0, epoch=0), num_workers=2, prefetch=4, pin_memory=False, timeout=60)
     next(stream)
     t = time.perf_counter()

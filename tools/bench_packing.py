@@ -1,6 +1,6 @@
 """Packing fill fraction and speed (dataio.batching.packing), plus the CP split's work balance (dataio.batching.cp_split).
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_packing.py [--sim-docs 50000] [--repeats 3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_packing [--sim-docs 50000] [--repeats 3]
         [--speed-docs 30000] [--baseline REV] [--speed-only] [--json]
 
 1. Real text: the demo corpus's documents (``tools.demo_corpus.select_documents``: package READMEs
@@ -38,14 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dataio.batching.packing  # noqa: E402
-from dataio.bench.corpus import simulated_token_documents  # noqa: E402
-from dataio.bench.table import cell, markdown_row  # noqa: E402
-from dataio.bench.timing import median_run  # noqa: E402
-from dataio.batching.cp_split import attention_work  # noqa: E402
-from dataio.batching.packing import Packer, PackingConfig, pack  # noqa: E402
+import dataio.batching.packing
+from dataio.bench.corpus import simulated_token_documents
+from dataio.bench.table import cell, markdown_row
+from dataio.bench.timing import median_run
+from dataio.batching.cp_split import attention_work
+from dataio.batching.packing import Packer, PackingConfig, pack
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [("none", 1), ("greedy", 1), ("best_fit", 1000), ("best_fit", 10000)]

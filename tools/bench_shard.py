@@ -12,7 +12,7 @@ Corpora, timings and dd come from ``dataio.bench`` (``corpus``, ``processes``).
 Prints MB/s (bytes of tar written) and samples/s per method, and the ratios the targets are about.
 ``dataio shard`` is timed end to end (process start-up and metadata included) and by its own timer
 (the "in X s" of its summary line: planning and writing, without interpreter start-up and imports).
-Usage: ``.venv/bin/python tools/bench_shard.py [--docs 40000] [--audio-files 300] [--dir /tmp/bench_shard]
+Usage: ``.venv/bin/python -m tools.bench_shard [--docs 40000] [--audio-files 300] [--dir /tmp/bench_shard]
 [--baseline DIR]`` (``DIR``: another checkout, e.g. ``git archive COMMIT | tar -x -C DIR``, timed beside).
 """
 
@@ -23,15 +23,14 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dataio.bench.corpus import flac_bytes, longtail_lengths, npy_bytes, speech_like  # noqa: E402
-from dataio.bench.processes import REPO, dd_write_mb_per_s, time_dataio, time_energon_prepare  # noqa: E402
+from dataio.bench.corpus import flac_bytes, longtail_lengths, speech_like
+from dataio.bench.processes import REPO, dd_write_mb_per_s, time_dataio, time_energon_prepare
+from dataio.shards.formats import npy_bytes
 
 SHARD_SIZE = {"text": 16_000_000, "audio": 64_000_000}  # several shards per corpus at the default sizes
 _THROUGHPUT = re.compile(r"in ([0-9.]+) s \(")

@@ -1,7 +1,7 @@
 """Training throughput, one process: headrace's loader vs a plain torch DataLoader over webdataset.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_train.py --data demo/shards/text --steps 30     # CPU, demo model
-    python tools/bench_train.py --config configs/llama_1b.yaml --device cuda --steps 50 --sources headrace
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_train --data demo/shards/text --steps 30     # CPU, demo model
+    python -m tools.bench_train --config configs/llama_1b.yaml --device cuda --steps 50 --sources headrace
 
 Both runs train the same model (``--config``, one process, same seed) for the same number of steps
 on the same shards; only the batch source differs:
@@ -23,13 +23,9 @@ import argparse
 import glob
 import json
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 
 def webdataset_loader(shards: list[str], seq_len: int, batch_size: int, num_workers: int):

@@ -30,29 +30,23 @@ utterances, 4096 tokens), about half of it parsing the standard library.
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from dataio.bench.documents import Document, select_documents
+
 SAMPLE_RATE = 16_000
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
-# Standard-library folders that hold tests, GUIs or vendored copies rather than documentation.
-STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip",
-               "site-packages", "dist-packages", "__pycache__"}
 ESPEAK_VOICES = ["en-us", "en-gb", "en-gb-x-rp", "en-gb-scotland", "en-029"]
 SENTENCE = re.compile(r"[A-Z][A-Za-z ,;:'()\-]*[a-z][.!?]")
 SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -67,113 +61,6 @@ class CorpusConfig:
     vocab_size: int = 4096  # BPE vocabulary, special tokens included (fits uint16 token ids)
     speech: str = "auto"  # auto (espeak-ng when installed) | espeak | synthetic
     workers: int = 4  # concurrent espeak-ng processes
-
-
-@dataclass(frozen=True)
-class Document:
-    source: str
-    text: str
-
-    @property
-    def rank(self) -> str:
-        return hashlib.sha1(self.text.encode()).hexdigest()
-
-
-# --------------------------------------------------------------------------------------- text
-
-
-def package_readmes() -> list[Document]:
-    """Long descriptions of headrace's runtime dependency tree, as installed in this interpreter.
-
-    Only the dependency tree (not whatever else the environment holds), so that every install of the
-    same versions builds the same corpus.
-    """
-    docs = []
-    for dist in _dependency_closure():
-        body = dist.metadata.get_payload() or _unindent(dist.metadata.get("Description") or "")
-        text = _clean(body)
-        if len(text) >= 200:
-            docs.append(Document(f"pypi:{dist.metadata['Name']}=={dist.version}", text))
-    return docs
-
-
-def _dependency_closure() -> list[metadata.Distribution]:
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    todo = list(project["dependencies"])
-    found: dict[str, metadata.Distribution] = {}
-    while todo:
-        req = Requirement(todo.pop())
-        name = canonicalize_name(req.name)
-        if name in found or (req.marker and not req.marker.evaluate({"extra": ""})):
-            continue
-        try:
-            found[name] = metadata.distribution(name)
-        except metadata.PackageNotFoundError:  # an optional platform dependency
-            continue
-        todo += found[name].requires or []
-    return [found[name] for name in sorted(found)]
-
-
-def stdlib_docstrings() -> list[Document]:
-    """Docstrings of modules, classes and functions in the standard library, parsed with ``ast``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if STDLIB_SKIP & set(rel.parts[:-1]):
-            continue
-        try:
-            tree = ast.parse(path.read_bytes())
-        except (SyntaxError, ValueError):  # a few files are templates or Python-2 leftovers
-            continue
-        for qualname, node in _documented_nodes(tree):
-            text = _clean(ast.get_docstring(node) or "")
-            if len(text) >= 20:
-                docs.append(Document(f"python-stdlib:{rel.as_posix()}:{qualname}", text))
-    return docs
-
-
-def _documented_nodes(tree: ast.Module):
-    yield "<module>", tree
-    stack = [("", tree)]
-    while stack:
-        prefix, parent = stack.pop()
-        for node in parent.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                qualname = prefix + node.name
-                yield qualname, node
-                stack.append((qualname + ".", node))
-
-
-def _unindent(description: str) -> str:
-    # Old-style METADATA folds the description into a header: continuation lines start with 8 spaces or "|".
-    lines = description.splitlines()
-    return "\n".join(lines[:1] + [re.sub(r"^( {8}|\|)", "", line) for line in lines[1:]])
-
-
-def _clean(text: str) -> str:
-    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
-    return "\n".join(lines).strip()
-
-
-def select_documents(n: int) -> list[Document]:
-    """Every package README, then docstrings in hash order up to ``n``; sorted by source."""
-    seen: set[str] = set()
-
-    def unique(docs: list[Document]) -> list[Document]:
-        kept = []
-        for doc in sorted(docs, key=lambda d: (d.rank, d.source)):
-            if doc.text not in seen:
-                seen.add(doc.text)
-                kept.append(doc)
-        return kept
-
-    readmes = unique(package_readmes())[:n]
-    docstrings = unique(stdlib_docstrings())[: n - len(readmes)]
-    return sorted(readmes + docstrings, key=lambda d: d.source)
 
 
 # ------------------------------------------------------------------------------------- speech

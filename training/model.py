@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config import ModelConfig
 from training.loss import unwrap_causal_lm
+from training.parallelize import PARALLELIZE_FNS
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(PARALLELIZE_FNS)  # a family is supported when it has a parallelize function
 
 
 def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:

@@ -67,7 +67,8 @@ from typing import Callable, Iterable, Iterator, Literal, NamedTuple
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from kernels.loss import IGNORE_INDEX  # labels where no loss is taken: the loss kernels' convention
+
 ALGORITHMS = ("none", "greedy", "best_fit")
 STATE_VERSION = 1
 _bucket_entries = operator.itemgetter(0)  # of a best_fit bucket (state entries, pieces)

@@ -9,7 +9,7 @@ same kind of input:
 - ``longtail_lengths(rng, n, median=, sigma=)``: log-normal document lengths, the shape of real text
   corpora (most documents short, a long tail); ``simulated_token_documents`` turns them into token
   arrays (views into one random pool, so 100M+ tokens cost one pool's memory).
-- ``demo_token_documents(n)``: the demo corpus's real documents (``tools/demo_corpus.py``),
+- ``demo_token_documents(n)``: the demo corpus's real documents (``dataio.bench.documents``),
   byte-level tokenised to int32.
 - ``write_indexed_shards(root, samples)``: samples -> ``webdataset.ShardWriter`` tars (the peer
   ecosystem's writer) -> ``dataio index``'s scanner and metadata (headrace index + energon ``.nv-meta``).
@@ -46,13 +46,6 @@ def flac_bytes(wave: np.ndarray, rate: int = RATE) -> bytes:
     return buf.getvalue()
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    """``array`` as a ``.npy`` member."""
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
-
-
 def longtail_lengths(rng: np.random.Generator, n: int, *, median: float, sigma: float) -> np.ndarray:
     """``n`` log-normal lengths (int64, >= 1) with the given median and log-space ``sigma``."""
     return np.maximum(1, rng.lognormal(np.log(median), sigma, n).astype(np.int64))
@@ -75,7 +68,7 @@ def byte_tokens(text: str) -> np.ndarray:
 
 def demo_token_documents(count: int) -> list[np.ndarray]:
     """``count`` byte-tokenised demo-corpus documents; the installed ones repeated when they run out."""
-    from tools.demo_corpus import select_documents  # tools/ is at the repository root, beside dataio/
+    from dataio.bench.documents import select_documents
 
     docs = [byte_tokens(d.text) for d in select_documents(count)]
     return [docs[i % len(docs)] for i in range(count)]
@@ -86,7 +79,7 @@ def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = 
     """Write ``samples`` (webdataset dicts) as tars under ``root`` and index them; returns the shard count."""
     import webdataset as wds
 
-    from dataio.commands.index import build_index
+    from dataio.prepare.indexing import build_index
 
     root.mkdir(parents=True, exist_ok=True)
     with wds.ShardWriter(str(root / pattern), maxcount=maxcount, maxsize=maxsize, verbose=0) as sink:
@@ -97,5 +90,5 @@ def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = 
     return shards
 
 
-__all__ = ["RATE", "byte_tokens", "demo_token_documents", "flac_bytes", "longtail_lengths", "npy_bytes",
+__all__ = ["RATE", "byte_tokens", "demo_token_documents", "flac_bytes", "longtail_lengths",
            "simulated_token_documents", "speech_like", "write_indexed_shards"]

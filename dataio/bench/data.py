@@ -100,9 +100,11 @@ def plain_sample(members: dict[str, bytes], decode: DecodeConfig) -> dict[str, A
 def collate_samples(keys: list[str], samples: list[dict]) -> dict:
     """Decoded samples -> the batch layout of headrace's own loader (``dataio.stream.collate.collate``)."""
     from dataio.stream.collate import collate
+    from dataio.stream.workers import process_memory
 
     n = len(samples)
-    return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0)
+    return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0,
+                   alloc=process_memory())
 
 
 def count(batch: dict, data: BenchData) -> tuple[int, float]:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.bench.corpus import demo_token_documents, flac_bytes, npy_bytes, speech_like, write_indexed_shards
+from dataio.bench.corpus import demo_token_documents, flac_bytes, speech_like, write_indexed_shards
+from dataio.shards.formats import npy_bytes
 
 SHARD_BYTES = 64 << 20
 
@@ -54,11 +55,9 @@ def write_speech(out: Path, hours: float) -> None:
         total += seconds
     manifest = src / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from dataio.commands import shard
+    from dataio.prepare.job import ShardOptions, shard_corpus
 
-    parser = argparse.ArgumentParser()
-    shard.add_arguments(parser)
-    shard.run(parser.parse_args([str(manifest), "--output", str(out), "--shard-size", "64MB", "--workers", "2", "--quiet"]))
+    shard_corpus(ShardOptions(inputs=[str(manifest)], output=out, shard_size="64MB", workers=2))
     print(f"speech: {len(rows):,} utterances, {total / 3600:.2f} h -> {out}")
 
 
@@ -68,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-gb", type=float, default=1.0, help="GB of int32 text tokens (0: none)")
     p.add_argument("--speech-hours", type=float, default=3.0, help="hours of speech (0: none)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives at the repository root
     if args.text_gb > 0:
         write_text(args.out / "text", args.text_gb)
     if args.speech_hours > 0:

@@ -1,31 +1,17 @@
 """``dataio index DIR``: index and Megatron-Energon metadata for tar shards written elsewhere.
 
-Finds ``DIR/**/*.tar`` (sorted, as ``energon prepare`` lists them; hidden temp files are ignored).
-Shards that already have a ``.nv-meta/parts/<shard>.npz`` sidecar (left by ``dataio shard`` on any
-number of nodes, or by an earlier ``dataio index`` run) whose byte count still matches are merged as
-they are; the others get one header scan each (``dataio.shards.tarscan``) in ``--workers`` processes, and
-leave a sidecar so an interrupted run resumes where it stopped. Then ``dataio.shards.metadata`` writes
-energon's ``.nv-meta`` set, the ``.tar.idx`` files and the headrace index in one pass over the rows:
-non-interactive, and no tar is read twice.
-
-Splits: a shard keeps the split of its sidecar (``dataio shard --split``), and a scanned one goes to
-``train``. ``--split train=0.98,val=0.02`` instead assigns every shard whole, by the hash of its name
-(``dataio.prepare.plan.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
-key) and records it in the sidecars. Whole shards, because tars from elsewhere mix keys in every shard
-and energon's ``split.yaml`` can only map shards to splits; per-sample splits need ``dataio shard``.
+Parses the options and runs ``dataio.prepare.indexing.build_index`` (see there: which shards are
+scanned, how splits are assigned) with a progress bar, then prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from dataio.cli import CommandError
-from dataio.commands.progress import track
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,83 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def find_shards(root: Path) -> list[str]:
-    """Shard names relative to ``root``, in energon's order; temp files (``.name``) are skipped."""
-    found = sorted(p for p in root.glob("**/*.tar") if p.is_file())
-    names = [p.relative_to(root) for p in found]
-    return [n.as_posix() for n in names if not any(part.startswith(".") for part in n.parts)]
-
-
-def load_parts(root: Path, names: list[str]) -> dict:
-    """The usable sidecar part of each shard: present and recorded for the shard's current size."""
-    from dataio.shards.index import PARTS_DIR, ShardPart
-
-    parts = {}
-    for name in names:
-        path = root / PARTS_DIR / f"{name}.npz"
-        if path.is_file():
-            part = ShardPart.load(path)
-            if part.info.bytes == (root / name).stat().st_size and part.info.name == name:
-                parts[name] = part
-    return parts
-
-
-def _scan(root: Path, name: str, split: str, checksum: bool):
-    from dataio.shards.tarscan import scan_shard
-
-    part = scan_shard(root, name, split=split, checksum=checksum)
-    part.save(root)
-    return part
-
-
-def build_index(root: Path, *, workers: int = 1, checksum: bool = False, quiet: bool = True,
-                splits: list[tuple[str, float]] | None = None):
-    """Scan what needs scanning, merge all parts, write the metadata; returns (index, parts reused).
-
-    ``splits`` (parsed ``--split``) assigns every shard whole to a split by its name (module docstring).
-    """
-    from dataio.shards.index import INDEX_DIR, merge_parts
-    from dataio.shards.metadata import write_dataset_metadata
-    from dataio.prepare.plan import assign_shard_splits
-    from dataio.shards.tarscan import TarFormatError
-
-    names = find_shards(root)
-    if not names:
-        raise CommandError(f"{root}: no .tar shards found")
-    split_of = dict(zip(names, assign_shard_splits(names, splits))) if splits else {}
-    parts = load_parts(root, names)
-    for name, part in parts.items():
-        if split_of and part.info.split != split_of[name]:
-            part.info.split = split_of[name]
-            part.save(root)  # the sidecar remembers it for later runs without --split
-    todo = [n for n in names if n not in parts]
-    try:
-        if workers > 1 and len(todo) > 1:
-            with ProcessPoolExecutor(min(workers, len(todo))) as pool:
-                futures = [pool.submit(_scan, root, n, split_of.get(n, "train"), checksum) for n in todo]
-                done = track(as_completed(futures), total=len(todo), description="indexing", unit="shards", quiet=quiet)
-                for future in done:
-                    part = future.result()
-                    parts[part.info.name] = part
-        else:
-            for name in track(todo, total=len(todo), description="indexing", unit="shards", quiet=quiet):
-                parts[name] = _scan(root, name, split_of.get(name, "train"), checksum)
-    except TarFormatError as e:
-        raise CommandError(str(e)) from None
-    manifest = root / INDEX_DIR / "manifest.json"
-    job = json.loads(manifest.read_text()).get("job", {}) if manifest.is_file() else {}
-    index = merge_parts([parts[n] for n in names], job=job)
-    try:
-        write_dataset_metadata(root, index, workers=workers)
-    except ValueError as e:
-        raise CommandError(str(e)) from None
-    return index, len(names) - len(todo)
-
-
 def run(args: argparse.Namespace) -> int:
     root = args.dir
     if not root.is_dir():
         raise CommandError(f"{root}: not a directory")
+    from functools import partial
+
+    from dataio.commands.progress import progress_bar
+    from dataio.prepare.indexing import build_index
+    from dataio.prepare.job import PrepareError
     from dataio.prepare.plan import parse_splits
 
     try:
@@ -125,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CommandError(str(e)) from None
     start = time.perf_counter()
-    index, reused = build_index(root, workers=max(1, args.workers), checksum=args.checksum, quiet=args.quiet,
-                                splits=splits)
+    try:
+        index, reused = build_index(root, workers=max(1, args.workers), checksum=args.checksum, splits=splits,
+                                    progress=partial(progress_bar, quiet=args.quiet))
+    except PrepareError as e:
+        raise CommandError(str(e)) from None
     total_bytes = sum(s.bytes for s in index.shards)
     per_split: dict[str, list[int]] = {}
     for shard in index.shards:

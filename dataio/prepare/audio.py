@@ -23,7 +23,6 @@ import struct
 import numpy as np
 import soundfile as sf
 
-AUDIO_EXTS = ("flac", "wav", "opus", "mp3", "ogg")
 ENCODE_FORMATS = {"flac": ("FLAC", "flac"), "wav": ("WAV", "wav"), "opus": ("OGG", "opus")}
 _LOSSLESS_SUBTYPES = {"PCM_16", "PCM_24"}
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
 
-from dataio.prepare.audio import AUDIO_EXTS, cut_and_encode, encode, probe, probe_file, sniff_ext
+from dataio.prepare.audio import cut_and_encode, encode, probe, probe_file, sniff_ext
+from dataio.shards.formats import SHARD_AUDIO_EXTENSIONS
 from dataio.shards.tarwriter import FilePayload
 
 # Planning estimate for audio that is cut or decoded at shard time (16 kHz 16-bit FLAC is ~30 kB/s).
@@ -278,8 +279,9 @@ class NemoManifestInput(_LineInput):
             if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float)) or rec[name] < 0):
                 raise ValueError(f"field {name!r} must be a non-negative number, got {rec[name]!r}")
         ext = _audio_ext(rec["audio_filepath"])
-        if ext not in AUDIO_EXTS:
-            raise ValueError(f"unsupported audio extension {ext!r} (expected one of {', '.join(AUDIO_EXTS)})")
+        if ext not in SHARD_AUDIO_EXTENSIONS:
+            raise ValueError(f"unsupported audio extension {ext!r} "
+                             f"(expected one of {', '.join(SHARD_AUDIO_EXTENSIONS)})")
 
     def _key(self, rec: dict) -> str:
         """The audio path relative to the manifest's folder, normalised as pathlib does, without extension."""
@@ -390,7 +392,7 @@ def _whole_file_source(cut) -> str | None:
     if cut.start != 0 or abs(cut.duration - rec.duration) > 1e-3:
         return None
     path = rec.sources[0].source
-    return path if _audio_ext(path) in AUDIO_EXTS else None
+    return path if _audio_ext(path) in SHARD_AUDIO_EXTENSIONS else None
 
 
 # --- Parquet ------------------------------------------------------------------------------------
@@ -422,7 +424,7 @@ class ParquetInput:
         if not data:
             raise ValueError(f"empty audio bytes in column {self.audio_column!r}")
         ext = _audio_ext(name) if name else ""
-        return data, ext if ext in AUDIO_EXTS else sniff_ext(data)
+        return data, ext if ext in SHARD_AUDIO_EXTENSIONS else sniff_ext(data)
 
     def scan(self):
         columns = [c for c in (self.audio_column, self.key_column, self.options.text_field) if c]

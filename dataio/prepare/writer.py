@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataio.shards.formats import npy_bytes
 from dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
 from dataio.prepare.readers import Input, SampleError
 from dataio.prepare.plan import PlannedShard
@@ -65,14 +66,6 @@ def load_tokenizer(path: str):
         dtype = np.dtype("<u2") if tok.get_vocab_size(with_added_tokens=True) <= 1 << 16 else np.dtype("<i4")
         _TOKENIZERS[path] = (tok, dtype)
     return _TOKENIZERS[path]
-
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    """A 1-D array as ``.npy`` (format 1.0) bytes; the header is formatted directly because
-    ``np.save`` costs ~100 us per call, more than the rest of a text sample's writing."""
-    header = f"{{'descr': '{array.dtype.str}', 'fortran_order': False, 'shape': ({len(array)},), }}"
-    header += " " * (-(len(header) + 11) % 64) + "\n"
-    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + array.tobytes()
 
 
 def is_complete(root: Path, name: str) -> bool:

@@ -15,70 +15,78 @@ Per field (member extension, e.g. ``tokens.npy``):
 - anything else (``str``, ``dict`` from JSON, ``bytes``) stays a list.
 
 Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample references, see
-``dataio.loader.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
+``dataio.stream.batches.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
-Inside a DataLoader worker the output tensors are allocated in the worker's shared-memory ring slot
-(``dataio.stream.workers.allocate``), so the one copy from the page cache (``memcpy`` per member, or
-``torch.cat`` / ``torch.stack`` of decoded tensors) is the only copy from shard to trainer; nothing
-is pickled but a few offsets.
+Output tensors come from the allocator the caller passes (``alloc``): inside a DataLoader worker
+that is its shared-memory ring slot (``dataio.stream.workers.SharedRing.allocate``), so the one copy
+from the page cache (``memcpy`` per member, or ``torch.cat`` / ``torch.stack`` of decoded tensors) is
+the only copy from shard to trainer; nothing is pickled but a few offsets.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from dataio.stream.decode import Audio, NpyView
-from dataio.stream.workers import allocate
 
 _TORCH_DTYPE: dict[np.dtype, torch.dtype] = {}
 
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> uninitialised tensor
 
-def collate_field(values: list[Any]) -> tuple[Any, torch.Tensor | None]:
-    """``(collated, lengths or None)`` of one field's values across a batch."""
+
+def plain_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The allocator outside workers: ordinary process memory."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def collate_field(values: list[Any], alloc: Allocator = plain_memory) -> tuple[Any, torch.Tensor | None]:
+    """``(collated, lengths or None)`` of one field's values across a batch, in tensors from ``alloc``."""
     if all(isinstance(v, memoryview) for v in values):  # raw members (e.g. audio left encoded)
         lengths = [v.nbytes for v in values]
-        return _concat([v.cast("B") for v in values], lengths, torch.uint8, 1), torch.tensor(lengths)
+        return _concat([v.cast("B") for v in values], lengths, torch.uint8, 1, alloc), torch.tensor(lengths)
     deferred = [isinstance(v, NpyView) for v in values]
     if any(deferred):
         if all(deferred) and all(v.dtype == values[0].dtype for v in values):
-            return collate_npy(values)
+            return collate_npy(values, alloc)
         values = [v.tensor() if isinstance(v, NpyView) else v for v in values]
     first = values[0]
     if not isinstance(first, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in values):
         return values, None
     if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
-        out = allocate((len(values), *first.shape), first.dtype)
+        out = alloc((len(values), *first.shape), first.dtype)
         return torch.stack(values, out=out), None
     if all(v.ndim == 1 for v in values):
         dtype = functools.reduce(torch.promote_types, {v.dtype for v in values})
         lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
-        out = allocate((int(lengths.sum()),), dtype)
+        out = alloc((int(lengths.sum()),), dtype)
         return torch.cat(values, out=out), lengths
     return values, None
 
 
-def collate_npy(views: list[NpyView]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def collate_npy(views: list[NpyView], alloc: Allocator = plain_memory) -> tuple[torch.Tensor, torch.Tensor | None]:
     """1-D ``.npy`` members of one dtype -> ``(flat tensor, lengths)``, or ``((B, L), None)`` when all
     lengths agree (the same bytes: stacking equal rows is concatenating them)."""
     dtype = views[0].dtype
     torch_dtype = _TORCH_DTYPE.get(dtype) or _TORCH_DTYPE.setdefault(dtype, torch.from_numpy(np.empty(0, dtype)).dtype)
     counts = [v.count for v in views]
     size = dtype.itemsize
-    out = _concat([memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views], counts, torch_dtype, size)
+    out = _concat([memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views], counts, torch_dtype, size,
+                  alloc)
     if len(set(counts)) == 1:
         return out.view(len(views), counts[0]), None
     return out, torch.tensor(counts, dtype=torch.int64)
 
 
-def _concat(parts: list[memoryview], counts: list[int], dtype: torch.dtype, size: int) -> torch.Tensor:
+def _concat(parts: list[memoryview], counts: list[int], dtype: torch.dtype, size: int, alloc: Allocator
+            ) -> torch.Tensor:
     """Byte buffers (``counts[i] * size`` bytes each) copied one after another into one batch tensor:
     a ``memcpy`` per part, no tensor per part."""
-    out = allocate((sum(counts),), dtype)
+    out = alloc((sum(counts),), dtype)
     dst = memoryview(out.view(torch.uint8).numpy())
     pos = 0
     for part in parts:
@@ -88,7 +96,8 @@ def _concat(parts: list[memoryview], counts: list[int], dtype: torch.dtype, size
     return out
 
 
-def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int) -> dict:
+def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int,
+            alloc: Allocator = plain_memory) -> dict:
     """The batch of decoded ``samples`` (``{ext: value}`` each) with their bookkeeping fields."""
     batch: dict[str, Any] = {"__key__": keys, "__ref__": refs, "__valid__": valid, "__end__": end}
     lengths, rates = {}, {}
@@ -99,7 +108,7 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
         if isinstance(values[0], Audio):
             rates[ext] = [v.sample_rate for v in values]
             values = [v.waveform for v in values]
-        batch[ext], lens = collate_field(values)
+        batch[ext], lens = collate_field(values, alloc)
         if lens is not None:
             lengths[ext] = lens
     batch["__lengths__"] = lengths
@@ -108,4 +117,4 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
     return batch
 
 
-__all__ = ["collate", "collate_field", "collate_npy"]
+__all__ = ["Allocator", "collate", "collate_field", "collate_npy", "plain_memory"]

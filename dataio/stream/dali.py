@@ -22,6 +22,7 @@ Outputs are copied once out of DALI's buffers (which it reuses on the next run).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -208,3 +209,24 @@ def decode_audio_members(
             s, ext = chunk[i]
             failed.setdefault(s, SampleDecodeError(e.reason, shard=shards[s], key=keys[s], member=ext))
     return failed
+
+
+class BatchAudio:
+    """The reader's per-batch audio hook for ``decode.audio: dali``: ``decode_audio_members`` with this
+    process's ``DaliAudioDecoder``, built on first use. A DALI pipeline and its threads do not survive
+    a fork and are never pickled, so each worker builds its own and the loader must not make a batch
+    in the main process before forking workers (``fork_safe``)."""
+
+    fork_safe = False
+
+    def __init__(self, cfg: DecodeConfig):
+        self.cfg = cfg
+        self._decoder, self._pid = None, None
+
+    def __call__(self, samples: list[dict], keys: Sequence[str], shards: Sequence[str]) -> dict[int, SampleDecodeError]:
+        if self._pid != os.getpid():
+            self._decoder, self._pid = DaliAudioDecoder(self.cfg), os.getpid()
+        return decode_audio_members(self._decoder, samples, keys, shards)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_decoder": None, "_pid": None}

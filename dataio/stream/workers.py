@@ -7,9 +7,10 @@ worker timing.
 
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
 worker of ``prefetch + 3`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
-touched lazily, so creating it costs nothing). A worker collates each batch straight into a free slot
-(``allocate``, used by ``dataio.stream.collate``) and sends only ``(slot, offset, shape, dtype)`` of each
-tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all sharing
+touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of the
+process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker collates each batch
+straight into a free slot; ``shared_memory`` in a worker without one; ``plain_memory`` in the main
+process) and the worker sends only ``(slot, offset, shape, dtype)`` of each ring tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all sharing
 one per-batch storage; the slot goes back to its worker (a flag in shared memory) once every tensor
 of that batch has been dropped, which the main process checks at each ``next()`` (the storage's
 reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``) keeps their
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from dataio.stream.collate import Allocator, plain_memory
 from dataio.stream.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
@@ -99,6 +101,12 @@ class SharedRing:
         offset = self._slot_start + start
         return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
 
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The worker's allocator (``make_batch``'s ``alloc``): the current slot, else shared memory
+        (the slot is full, or the consumer holds every slot)."""
+        t = self.alloc(shape, dtype)
+        return t if t is not None else shared_memory(shape, dtype)
+
     def holds(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() == self.base
 
@@ -124,17 +132,15 @@ class SharedRing:
         self._held = held
 
 
-_active_ring: SharedRing | None = None  # set in a worker process while it makes a batch
+def shared_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in torch's shared memory: sent from a worker by handle, not copied into it on the way."""
+    return torch.empty(shape, dtype=dtype).share_memory_()
 
 
-def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Storage for a batch tensor: the worker's ring slot, else shared memory in a worker, else plain."""
-    if _active_ring is not None:
-        t = _active_ring.alloc(shape, dtype)
-        if t is not None:
-            return t
-    t = torch.empty(shape, dtype=dtype)
-    return t.share_memory_() if get_worker_info() is not None else t
+def process_memory() -> Allocator:
+    """The allocator for a batch made without a ring: shared memory in a DataLoader worker, plain
+    memory in the main process."""
+    return shared_memory if get_worker_info() is not None else plain_memory
 
 
 class _Inline:
@@ -183,14 +189,13 @@ def _from_wire(value, slot: torch.Tensor | None, pin: bool, slot_start: int = 0)
 class RankBatches(IterableDataset):
     """Batches ``first .. last-1`` (``last=None``: endless) of one rank, split over DataLoader workers."""
 
-    def __init__(self, make_batch: Callable[[int], dict], *, first: int, last: int | None, seed: int,
+    def __init__(self, make_batch: Callable[[int, Allocator], dict], *, first: int, last: int | None, seed: int,
                  dp_rank: int, epoch: int):
         self.make_batch, self.first, self.last = make_batch, first, last
         self.seed, self.dp_rank, self.epoch = seed, dp_rank, epoch
         self.ring: SharedRing | None = None  # set by ``iterate`` before the workers fork
 
     def __iter__(self) -> Iterator[dict]:
-        global _active_ring
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:  # augmentation randomness in decoders: one stream per (rank, worker, epoch)
@@ -202,15 +207,10 @@ class RankBatches(IterableDataset):
         b = self.first + worker
         while self.last is None or b < self.last:
             if ring is None:
-                yield self.make_batch(b)
+                yield self.make_batch(b, process_memory())
             else:
                 slot = ring.begin_batch(worker)
-                _active_ring = ring
-                try:
-                    batch = self.make_batch(b)
-                finally:
-                    _active_ring = None
-                yield slot, _to_wire(batch, ring)
+                yield slot, _to_wire(self.make_batch(b, ring.allocate), ring)
             b += num_workers
 
 
@@ -236,7 +236,7 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
                   slot_bytes: int, first_here: bool) -> Iterator[dict]:
     first = None
     if first_here and (batches.last is None or batches.first < batches.last):
-        first = batches.make_batch(batches.first)
+        first = batches.make_batch(batches.first, plain_memory)
         batches.first += 1
         if batches.last is not None and batches.first >= batches.last:  # it was the only one: no workers
             yield first
@@ -270,4 +270,4 @@ def _receive(workers: Iterator, ring: SharedRing, pin: bool) -> Iterator[dict]:
         del batch  # not held by this frame while the consumer waits for the next one
 
 
-__all__ = ["RankBatches", "SharedRing", "allocate", "iterate"]
+__all__ = ["RankBatches", "SharedRing", "iterate", "process_memory", "shared_memory"]

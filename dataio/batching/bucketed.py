@@ -1,0 +1,98 @@
+"""The bucketed batching stage (``bucketing:`` set): duration-bucketed audio batches from
+``dataio.batching.bucketing``'s rank-synced epoch plan, epoch by epoch. It replaces the stream's
+position plan (one dataset, no packing): batch ``b`` of the plan is a list of sample indices, read and
+decoded by the stream's ``SampleReader`` in the worker processes and padded by ``collate_audio``.
+
+State: ``bucketing`` = ``{epoch, history, step}``: the epoch, the earlier layouts of this epoch
+(``[dp_size, steps done]`` each) and the steps of the current plan consumed. All ranks step together,
+so onto another ``dp_size`` the new plan covers what the old layouts left of the epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
+from dataio.batching.stage import same_layout
+from dataio.shards.formats import is_audio_member
+from dataio.stream.batches import SampleReader, make_ref, token_ext
+from dataio.stream.collate import Allocator
+from dataio.stream.rank import RankStream
+
+
+class BucketBatch:
+    """Batch ``b`` of one epoch's plan: ``batches[b]`` (sample indices) read, decoded and collated."""
+
+    def __init__(self, reader: SampleReader, batches: list[np.ndarray], *, audio_ext: str, token_ext: str | None):
+        self.reader, self.batches, self.audio_ext, self.token_ext = reader, batches, audio_ext, token_ext
+
+    def __call__(self, b: int, alloc: Allocator) -> dict:
+        refs = make_ref(0, self.batches[b])
+        samples, keys, kept, bad = self.reader.read(refs)
+        rows = [{"audio": s[self.audio_ext].waveform, "__key__": k,
+                 **({"tokens": s[self.token_ext]} if self.token_ext else {}),
+                 **({"text": s["json"].get("text")} if isinstance(s.get("json"), dict) else {})}
+                for s, k in zip(samples, keys)]
+        return {**collate_audio(rows, tokens_key="tokens" if self.token_ext else None),
+                "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
+
+
+class BucketedBatches:
+    def __init__(self, stream: RankStream):
+        cfg = stream.cfg
+        if len(stream.sources) != 1 or cfg.thd:
+            raise ValueError("bucketing: needs exactly one dataset, packing: none and no seq_len (bucketing makes "
+                             "the batches)")
+        self.stream = stream
+        self.epoch, self.history, self.step = 0, [], 0
+
+    def __iter__(self) -> Iterator[dict]:
+        stream, cfg = self.stream, self.stream.cfg
+        exts = stream.sources[0].index.extensions
+        audio_ext = next((e for e in exts if is_audio_member(e)), None)
+        if audio_ext is None:
+            raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
+        reader = stream.reader()
+        while cfg.epochs is None or self.epoch < cfg.epochs:
+            batches = self._plan(self.epoch, self.history)
+            make = BucketBatch(reader, batches, audio_ext=audio_ext, token_ext=token_ext(stream.sources[0]))
+            for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
+                self.step += 1
+                yield batch
+            self.epoch, self.history, self.step = self.epoch + 1, [], 0
+
+    def _plan(self, epoch: int, history: list[list[int]]) -> list[np.ndarray]:
+        """This rank's batches of ``epoch``: the plan over the samples the earlier layouts of this
+        epoch (``history``: ``[dp_size, steps done]`` each) left, for the current dp_size."""
+        stream = self.stream
+        source = stream.sources[0]
+        indices = np.concatenate([np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)])
+        durations = np.asarray(source.index.samples["duration"], dtype=np.float64)
+        edges = None
+        for dp_size, steps in [*history, [stream.dp_size, 0]]:
+            plan = plan_epoch(indices, durations[indices], seed=stream.seed, epoch=epoch, dp_size=dp_size,
+                              cfg=stream.cfg.bucketing, edges=edges)
+            edges = plan.edges  # the same buckets for the whole epoch
+            indices = np.setdiff1d(indices, consumed_indices(plan, steps))
+        return plan.rank_batches(stream.dp_rank)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"bucketing": {"epoch": self.epoch, "history": self.history, "step": self.step}}
+
+    def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
+        if same_layout(old, dp_rank, dp_size):  # the same plan: continue at the step
+            b = old[dp_rank]["bucketing"]
+            self.epoch, self.history, self.step = b["epoch"], b["history"], b["step"]
+            return
+        b = old[0]["bucketing"]  # re-plan what the old layout left of the epoch
+        if any(s["bucketing"] != b for s in old):
+            raise ValueError("bucketing states of the old ranks differ (ranks must step together)")
+        self.epoch, self.step = b["epoch"], 0
+        self.history = [*b["history"], [len(old), b["step"]]]
+
+
+__all__ = ["BucketedBatches"]

@@ -1,0 +1,109 @@
+"""The packed batching stage (``seq_len`` set): the rank's documents, in stream order, packed into THD
+rows by ``dataio.batching.packing.Packer`` (``packing: none`` puts one document per row).
+
+The stream's plain batches are only chunks of documents here: each document goes into the packer,
+``consumed`` moves past it, and full batches of ``batch_size`` rows come out. At the end of a finite
+stream the ranks agree (one all_reduce) on the number of batches and pad with loss-free ones.
+
+State: ``packing`` (the packer's held document pieces as references, see ``Packer.state_dict``) and
+``packed_batches`` (batches emitted since the stream began: equal on all ranks). On resume the
+packer re-reads the documents it held (``fetch``); onto another ``dp_size`` the held pieces are dealt
+to the new ranks (``reshard_states``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dataio.batching.packing import IGNORE_INDEX, Packer, reshard_states
+from dataio.batching.stage import same_layout
+from dataio.stream.batches import REF_BITS, split_ref, token_ext
+from dataio.stream.decode import decode_sample
+from dataio.stream.rank import RankStream
+
+
+class PackedBatches:
+    def __init__(self, stream: RankStream):
+        cfg = stream.cfg
+        self.stream = stream
+        self.packer = Packer(cfg.packing_config(), rows_per_batch=cfg.batch_size)
+        self.packed_batches = 0
+        self.token_exts = [token_ext(s) for s in stream.sources]
+        if None in self.token_exts:
+            bad = cfg.datasets[self.token_exts.index(None)].path
+            raise ValueError(f"packing: {cfg.packing} with seq_len: {cfg.seq_len} needs token members (*.npy); "
+                             f"{bad} has none (leave seq_len unset for plain batches)")
+
+    def __iter__(self) -> Iterator[dict]:
+        last = None  # the last packed batch: the template of loss-free padding batches at the tail
+        for chunk in self.stream.plain():
+            for packed in self._pack(chunk):
+                self.packed_batches += 1
+                last = packed
+                yield packed
+        self.packer.flush()
+        while (packed := self.packer.pop()) is not None:
+            last = packed
+            self.packed_batches += 1
+            yield packed
+        yield from self._pad_tail(last)
+
+    def _pack(self, chunk: dict) -> Iterator[dict]:
+        stream = self.stream
+        refs, positions = chunk["__ref__"].tolist(), chunk["__pos__"].tolist()
+        valid = chunk["__valid__"].tolist()
+        docs: dict[str, list] = {}
+        for ext in set(self.token_exts):
+            lengths = chunk["__lengths__"].get(ext)
+            tokens = chunk[ext].clone()  # the packer keeps documents for long: release the worker's ring slot
+            docs[ext] = list(torch.split(tokens, lengths.tolist())) if lengths is not None else list(tokens)
+        for i, (ref, pos) in enumerate(zip(refs, positions)):
+            if not valid[i]:
+                continue
+            self.packer.push(ref, docs[self.token_exts[ref >> REF_BITS]][i].numpy())
+            stream.consumed = pos + 1
+            while (packed := self.packer.pop()) is not None:
+                yield packed
+        stream.consumed = max(stream.consumed, chunk["__end__"])
+
+    def _pad_tail(self, last: dict | None) -> Iterator[dict]:
+        """End of a finite packed stream: ranks packed different numbers of batches, so with a process
+        group they agree on the most (one all_reduce) and the others add loss-free batches (labels all
+        -100, fill 0), so that no rank leaves a collective hanging."""
+        dist, stream = torch.distributed, self.stream
+        if stream.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        most = torch.tensor([self.packed_batches])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        if int(most) > self.packed_batches and last is None:
+            raise RuntimeError(f"DP rank {stream.dp_rank} packed no batch at all while others did: too little data "
+                               f"for dp_size={stream.dp_size}")
+        for _ in range(int(most) - self.packed_batches):
+            self.packed_batches += 1
+            yield {**last, "labels": torch.full_like(last["labels"], IGNORE_INDEX), "fill": 0.0, "num_docs": 0,
+                   "__docs__": [[] for _ in last["__docs__"]]}
+
+    def fetch(self, ref: int) -> np.ndarray:
+        """The decoded token array of document ``ref`` (for the packer's resume)."""
+        d, index = split_ref(ref)
+        key, shard, members = self.stream.sources[d].read(np.array([index]))[0]
+        decoded = decode_sample(members, self.stream.cfg.decode, key=key, shard=shard)
+        return decoded[self.token_exts[d]].numpy()
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"packing": self.packer.state_dict(), "packed_batches": self.packed_batches}
+
+    def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
+        if same_layout(old, dp_rank, dp_size):
+            self.packer.load_state_dict(old[dp_rank]["packing"], self.fetch)
+            self.packed_batches = old[dp_rank]["packed_batches"]
+            return
+        self.packer.load_state_dict(reshard_states([s["packing"] for s in old], dp_rank, dp_size), self.fetch)
+        self.packed_batches = max(s["packed_batches"] for s in old)
+
+
+__all__ = ["PackedBatches"]

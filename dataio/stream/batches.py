@@ -1,0 +1,166 @@
+"""What a worker runs: sample references -> decoded samples (``SampleReader``) and batch number ->
+collated plain batch (``BatchMaker``). Both are picklable and keep no state but a bad-sample count,
+so a batch is a pure function of its number and the rank's layout.
+
+Sample references (``__ref__``, packing ``ref``): ``dataset << 40 | global sample index``.
+Cost: one vectorised read per dataset per batch (``ShardSource.read``); a read that fails is retried
+sample by sample only to name the bad ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from dataio.config import DataConfig
+from dataio.shards.formats import is_token_member
+from dataio.stream.blend import BlendSchedule
+from dataio.stream.collate import Allocator, collate
+from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.stream.order import EpochOrder
+from dataio.stream.sources import ShardSource
+from dataio.stream.split import Layout
+
+log = logging.getLogger(__name__)
+
+REF_BITS = 40
+
+
+def make_ref(dataset: int | np.ndarray, index: int | np.ndarray):
+    """The int64 reference of sample ``index`` of dataset ``dataset`` (vectorised)."""
+    return (np.asarray(dataset, dtype=np.int64) << REF_BITS) | np.asarray(index, dtype=np.int64)
+
+
+def split_ref(ref: int) -> tuple[int, int]:
+    return int(ref) >> REF_BITS, int(ref) & ((1 << REF_BITS) - 1)
+
+
+def token_ext(source: ShardSource) -> str | None:
+    """The token member (``*.npy``) of a source's samples, if any."""
+    return next((e for e in source.index.extensions if is_token_member(e)), None)
+
+
+class SampleReader:
+    """Decoded samples of sample references, bad ones skipped and counted against ``max_bad_samples``."""
+
+    def __init__(self, cfg: DataConfig, sources: list[ShardSource], *, bad_so_far: int):
+        self.cfg, self.sources = cfg, sources
+        self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
+        self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (dataio.stream.dali)
+        if cfg.decode.audio == "dali":
+            from dataio.stream.dali import BatchAudio
+
+            self.batch_audio = BatchAudio(cfg.decode)
+
+    @property
+    def fork_safe(self) -> bool:
+        """Whether a batch may be made in the main process before it forks workers."""
+        return getattr(self.batch_audio, "fork_safe", True)
+
+    def read(self, refs: np.ndarray, *, defer_npy: bool = False) -> tuple[list[dict], list[str], np.ndarray, int]:
+        """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
+        bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
+        arrays as ``NpyView`` for ``dataio.stream.collate`` to copy straight into the batch)."""
+        samples, keys, shards, kept, bad = [], [], [], [], 0
+        for i, item in enumerate(self._raw(refs)):
+            if not isinstance(item, SampleDecodeError):
+                key, shard, members = item
+                try:
+                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy))
+                    keys.append(key)
+                    shards.append(shard)
+                    kept.append(i)
+                    continue
+                except SampleDecodeError as e:
+                    item = e
+            self._skip(item)
+            bad += 1
+        if self.batch_audio is not None and samples:  # the audio decode_sample left raw, per batch
+            failed = self.batch_audio(samples, keys, shards)
+            for s in sorted(failed):
+                self._skip(failed[s])
+            if failed:
+                bad += len(failed)
+                good = [s for s in range(len(samples)) if s not in failed]
+                samples, keys, kept = [samples[s] for s in good], [keys[s] for s in good], [kept[s] for s in good]
+        return samples, keys, np.asarray(kept, dtype=np.int64), bad
+
+    def _raw(self, refs: np.ndarray) -> list[tuple[str, str, dict] | SampleDecodeError]:
+        """``(key, shard, members)`` of each of ``refs``, or the error of an unreadable one."""
+        dataset, index = refs >> REF_BITS, refs & ((1 << REF_BITS) - 1)
+        raw: list = [None] * len(refs)
+        for d in np.unique(dataset):
+            at = np.flatnonzero(dataset == d)
+            source = self.sources[d]
+            try:
+                for i, item in zip(at, source.read(index[at])):
+                    raw[i] = item
+            except SampleDecodeError:  # find which samples are bad, one by one
+                for i in at:
+                    try:
+                        raw[i] = source.read(index[i : i + 1])[0]
+                    except SampleDecodeError as e:
+                        raw[i] = e
+        return raw
+
+    def _skip(self, error: SampleDecodeError) -> None:
+        """Count a bad sample; past ``max_bad_samples`` its error is raised, with the budget named."""
+        self.bad += 1
+        if self.bad > self.cfg.max_bad_samples:
+            budget = f" (more than max_bad_samples={self.cfg.max_bad_samples} bad samples on this rank)"
+            raise type(error)(error.reason + budget * bool(self.cfg.max_bad_samples), shard=error.shard,
+                              key=error.key, member=error.member) from error
+        log.warning("skipping bad sample (%d of max_bad_samples=%d): %s", self.bad, self.cfg.max_bad_samples, error)
+
+
+class BatchMaker:
+    """Plain batch ``b`` of one rank's stream (the rank-local positions after ``first_local``)."""
+
+    def __init__(self, *, reader: SampleReader, blend: BlendSchedule, seed: int, layout: Layout, dp_rank: int,
+                 first_local: int):
+        cfg = reader.cfg
+        self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
+        self.first_local, self.batch_size = first_local, cfg.batch_size
+        self.local_end = layout.local_count(dp_rank, blend.end)
+        self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
+                                  window=cfg.shuffle_window) for i, s in enumerate(self.sources)]
+
+    def refs(self, positions: np.ndarray) -> np.ndarray:
+        """Sample references at global ``positions``."""
+        dataset, draw = self.blend.locate(positions)
+        index = np.empty(len(positions), dtype=np.int64)
+        for d in np.unique(dataset):
+            at = np.flatnonzero(dataset == d)
+            epoch, pos = np.divmod(draw[at], len(self.sources[d]))
+            for e in np.unique(epoch):
+                sel = epoch == e
+                index[at[sel]] = self.orders[d].indices(int(e), pos[sel])
+        return make_ref(dataset, index)
+
+    def __call__(self, b: int, alloc: Allocator) -> dict:
+        """The plain (collated) batch ``b`` in tensors from ``alloc``, with ``__pos__`` (rank-local
+        positions), ``__bad__`` (samples skipped while making it) and ``__end__`` (the position after it)
+        for the main process."""
+        lo = self.first_local + b * self.batch_size
+        hi = lo + self.batch_size if self.local_end is None else min(lo + self.batch_size, self.local_end)
+        local = np.arange(lo, max(lo, hi), dtype=np.int64)
+        positions = self.layout.positions(self.dp_rank, local)
+        keep = ~self.layout.skipped(positions) if self.layout.skips else slice(None)
+        local, positions = local[keep], positions[keep]
+        refs = self.refs(positions)
+        samples, keys, kept, bad = self.reader.read(refs, defer_npy=True)
+        valid = torch.ones(len(samples), dtype=torch.bool)
+        if not samples:  # a rank left without a sample at the tail: one flagged padding sample
+            refs = self.refs(np.array([self.layout.start]))
+            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True)
+            valid = torch.zeros(len(samples), dtype=torch.bool)
+            local = np.full(len(samples), -1)
+        batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=max(lo, hi), alloc=alloc)
+        batch["__pos__"] = torch.from_numpy(local[kept])
+        batch["__bad__"] = bad
+        return batch
+
+
+__all__ = ["REF_BITS", "BatchMaker", "SampleReader", "make_ref", "split_ref", "token_ext"]

@@ -1,0 +1,104 @@
+"""One DP rank's position in the global stream, and its plain batches from there on.
+
+``RankStream`` owns what every batching stage shares: the sources, the blend schedule, the seed, the
+rank's ``Layout`` (``dataio.stream.split``), ``consumed`` (rank-local positions handed on: to the
+trainer, or into a packer) and the bad-sample count, plus running batch functions through the
+worker processes (``dataio.stream.workers``). Batching stages (``dataio.batching``) iterate through
+it and advance ``consumed``; their own state stays in their own files.
+
+State (``state_dict``, JSON-sized): ``seed``, ``layout``, ``consumed``, ``bad_samples``. Restoring it
+onto another ``dp_size`` re-lays the stream out over what every old rank consumed
+(``dataio.stream.split.relayout``): nothing lost or repeated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+
+from dataio.batching.stage import same_layout
+from dataio.config import DataConfig
+from dataio.stream.batches import BatchMaker, SampleReader
+from dataio.stream.blend import BlendSchedule
+from dataio.stream.collate import Allocator
+from dataio.stream.decode import SampleDecodeError
+from dataio.stream.sources import ShardSource
+from dataio.stream.split import Layout, relayout
+from dataio.stream.workers import RankBatches, iterate
+
+
+class RankStream:
+    """The sample stream of DP rank ``dp_rank`` of ``dp_size``: position state and plain batches."""
+
+    def __init__(self, cfg: DataConfig, sources: list[ShardSource], blend: BlendSchedule, *, seed: int,
+                 dp_rank: int, dp_size: int):
+        self.cfg, self.sources, self.blend = cfg, sources, blend
+        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.layout = Layout(start=0, dp_size=dp_size)
+        self.consumed = 0
+        self.bad_samples = 0
+        self.fork_safe = self.reader().fork_safe
+
+    def reader(self) -> SampleReader:
+        return SampleReader(self.cfg, self.sources, bad_so_far=self.bad_samples)
+
+    def num_batches(self) -> int | None:
+        """Plain batches left from ``consumed`` (None: endless)."""
+        return self.layout.num_batches(self.blend.end, self.consumed, self.cfg.batch_size)
+
+    def plain(self) -> Iterator[dict]:
+        """Plain batches from ``consumed`` on: collated samples plus ``__pos__`` (their rank-local
+        positions) and ``__end__`` (the position after the batch) for the stage to advance ``consumed``."""
+        maker = BatchMaker(reader=self.reader(), blend=self.blend, seed=self.seed, layout=self.layout,
+                           dp_rank=self.dp_rank, first_local=self.consumed)
+        start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
+        return self.run(maker, first=0, last=self.num_batches(), epoch=self.blend.epoch_at(start_pos),
+                        slot_bytes=self._slot_bytes())
+
+    def run(self, make: Callable[[int, Allocator], dict], *, first: int, last: int | None, epoch: int,
+            slot_bytes: int = 0) -> Iterator[dict]:
+        """Batches ``first .. last-1`` of ``make`` (``make(b, alloc)``; its ``__bad__`` counted here and
+        removed), computed by ``num_workers`` worker processes and read back in order."""
+        cfg = self.cfg
+        batches = RankBatches(make, first=first, last=last, seed=self.seed, dp_rank=self.dp_rank, epoch=epoch)
+        for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
+                             timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
+                             first_here=self.fork_safe):
+            self._count_bad(batch.pop("__bad__"))
+            yield batch
+            del batch  # a worker's ring slot comes back once the consumer drops the batch too
+
+    def _slot_bytes(self) -> int:
+        """Shared slot size per batch: twice the mean stored bytes of a batch (decoded tokens take the
+        bytes they are stored in), 1 MiB .. 256 MiB; a bigger batch takes the slower default path."""
+        mean = max(float(np.mean(s.index.samples["size"])) if len(s) else 0.0 for s in self.sources)
+        return int(min(256 << 20, max(1 << 20, 2 * mean * self.cfg.batch_size)))
+
+    def _count_bad(self, bad: int) -> None:
+        self.bad_samples += bad
+        if self.bad_samples > self.cfg.max_bad_samples:  # the workers' counts together
+            raise SampleDecodeError(f"more than max_bad_samples={self.cfg.max_bad_samples} bad samples on DP rank "
+                                    f"{self.dp_rank} (see the warnings above for which)")
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "layout": self.layout.to_dict(), "consumed": self.consumed,
+                "bad_samples": self.bad_samples}
+
+    def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
+        """Continue from the old ranks' states (see ``dataio.batching.stage``): the same position with the
+        same layout, else a re-layout over what every old rank consumed."""
+        known = next(s for s in old if s is not None)
+        self.seed = known["seed"]
+        if same_layout(old, dp_rank, dp_size):
+            own = old[dp_rank]
+            self.layout, self.consumed, self.bad_samples = Layout.from_dict(own["layout"]), own["consumed"], own["bad_samples"]
+            return
+        self.layout = relayout(Layout.from_dict(old[0]["layout"]), [s["consumed"] for s in old])
+        self.layout.dp_size = dp_size
+        self.consumed = 0
+        self.bad_samples = max(s["bad_samples"] for s in old)
+
+
+__all__ = ["RankStream"]
