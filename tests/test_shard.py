@@ -421,23 +421,42 @@ def test_cli_exit_status_and_one_line_error(tmp_path):
     assert "bad.jsonl:2: not valid JSON" in result.stderr
 
 
+def planned_text_job(tmp_path, docs: int, per_shard: int):
+    """(ShardJob, plan) of a text corpus of ``docs`` documents, ``per_shard`` samples per shard."""
+    from dataio.prepare.plan import plan_job
+    from dataio.prepare.readers import ReadOptions, open_input
+    from dataio.prepare.writer import ShardJob
+
+    src = write_text_corpus(tmp_path, docs)
+    plan = plan_job([open_input(str(src), ReadOptions())], splits=[("train", 1.0)], shard_bytes=None,
+                    samples_per_shard=per_shard)
+    (tmp_path / "out").mkdir()
+    return ShardJob(root=tmp_path / "out", inputs=[open_input(str(src), ReadOptions())]), plan
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
     """The bar advances per chunk of samples, also from forked workers, and ends at the total."""
     from dataio.prepare import writer as shard_write
     from dataio.prepare.job import write_shards
-    from dataio.prepare.readers import ReadOptions, open_input
-    from dataio.prepare.plan import plan_job
 
     monkeypatch.setattr(shard_write, "CHUNK", 7)
-    src = write_text_corpus(tmp_path, 45)
-    plan = plan_job([open_input(str(src), ReadOptions())], splits=[("train", 1.0)], shard_bytes=None,
-                    samples_per_shard=20)
-    job = shard_write.ShardJob(root=tmp_path / "out", inputs=[open_input(str(src), ReadOptions())])
-    (tmp_path / "out").mkdir()
+    job, plan = planned_text_job(tmp_path, 45, 20)
     steps: list[int] = []
     results = list(write_shards(job, plan.shards, workers, steps.append))
     assert sorted(r.samples for r in results) == [5, 20, 20]
     assert sum(steps) == 45
     if workers == 1:
         assert steps == [7, 7, 6] * 2 + [5]  # 20 = 7 + 7 + 6 per shard, then the last shard of 5
+
+
+def test_a_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """A forked writer killed mid-job (OOM killer, kill -9) fails the job within a second, naming it."""
+    from dataio.prepare import job as shard_job
+
+    job, plan = planned_text_job(tmp_path, 30, 10)
+    monkeypatch.setattr(shard_job, "write_shard", lambda job, shard, progress=None: os._exit(3))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"shard writer process \d+ died \(exit code 3\)"):
+        list(shard_job.write_shards(job, plan.shards, 2))
+    assert time.monotonic() - start < 30

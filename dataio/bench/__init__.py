@@ -11,10 +11,13 @@
   simulated step.
 - ``dataio.bench.report``: ``results.json``, ``results.md`` and ``throughput.png``.
 
-Shared with the drivers under ``tools/`` (one home each, so every benchmark measures alike):
+Shared with the drivers under ``tools/`` (``python -m tools.bench_*``: they parse options, call these
+and print; one home each, so every benchmark measures alike):
 
 - ``dataio.bench.corpus``: seeded synthetic data (speech-like FLAC, long-tailed documents, demo-text
   tokens, indexed token shards); ``python -m dataio.bench.synth`` writes the large corpus with it.
+- ``dataio.bench.documents``: real English text shipped with every install (package READMEs,
+  standard-library docstrings), also the demo corpus's text.
 - ``dataio.bench.timing``: interleaved repeats, best / median of them, CPU seconds.
 - ``dataio.bench.processes``: whole-process timings (``dataio VERB`` of a checkout, ``energon
   prepare``) and the disk's write speed (``dd``).

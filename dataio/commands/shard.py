@@ -52,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
 
     root = Path(args.output)
-
     who = f"node {r.node_rank}/{r.num_nodes}: " if r.num_nodes > 1 else ""
     line = (f"{who}wrote {r.written} shards, {r.samples:,} samples, {r.bytes / 1e6:,.1f} MB "
             f"in {r.seconds:.1f} s ({r.bytes / 1e6 / max(r.seconds, 1e-9):,.1f} MB/s)")
