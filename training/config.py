@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from dataio.config import DataConfig
 from configtree import apply_overrides, from_dict, load_yaml
+from training.speech.config import SpeechConfig
 
 
 @dataclass(kw_only=True)
@@ -28,8 +29,12 @@ class ModelConfig:
     tokenizer: str | None = None  # tokenizer.json (or a directory) copied into the hf/ export
     attn_implementation: str = "sdpa"  # any name registered with transformers.AttentionInterface
     init_std: float | None = None  # overrides config.initializer_range for fresh models
+    kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (training.speech)
+    speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
 
     def __post_init__(self):
+        if (self.kind == "salm") != (self.speech is not None):
+            raise ValueError("model.speech is required with model.kind: salm, and only then")
         given = [n for n in ("config", "config_path", "pretrained_path") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(f"set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
@@ -123,7 +128,11 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        if self.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
+        if self.model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
+            if self.data.bucketing is None or self.data.seq_len is not None:
+                raise ValueError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
+                                 "data.seq_len unset")
+        elif self.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
             raise ValueError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
 
 

@@ -77,7 +77,7 @@ def load_safetensors(model: nn.Module, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    if getattr(unwrap_causal_lm(model).config, "tie_word_embeddings", False):
+    if getattr(getattr(unwrap_causal_lm(model), "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))

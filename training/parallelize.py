@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -82,12 +82,14 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, embed_output: Placement | None = None
+             ) -> None:
     """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
-    stream are sharded over the sequence dim and all-gathered just before attention / MLP."""
+    stream are sharded over the sequence dim and all-gathered just before attention / MLP. ``embed_output``
+    overrides the embedding's output layout (a SALM splits the sequence itself after adding audio)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(model, tp_mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_output or seq),
         **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     })

@@ -48,7 +48,8 @@ from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
 
-STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill")  # what a step reads
+STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
+               "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
 
 
 def init_distributed(device_type: str) -> None:
@@ -104,8 +105,10 @@ def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Ten
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
-               *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool) -> dict:
-    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count."""
+               *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
+               forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
+    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count.
+    ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
     group = loss_mesh.get_group()
     global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
     dist.all_reduce(global_tokens, group=group)
@@ -113,7 +116,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     loss_sum = torch.zeros((), dtype=torch.float64, device=global_tokens.device)
     for i, mb in enumerate(micro_batches):
         with gradient_sync(model, i == len(micro_batches) - 1 or not defer_grad_sync):
-            loss = forward_loss_sum(model, mb, autocast)
+            loss = forward(model, mb, autocast)
             (loss * scale).backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
@@ -132,6 +135,10 @@ def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta ``CausalLMLoss`` -> parallelize -> allocate this rank's shards -> init or load (-> DDP).
     Returns (model, hf_config)."""
+    if cfg.model.kind == "salm":
+        from training.speech.job import build_salm
+
+        return build_salm(cfg, dims, meshes, device)
     hf_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed, param_dtype)
@@ -179,6 +186,11 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
         make_loader = functools.partial(build_loader, cfg.data)
     loader = make_loader(dp_rank, dp_size)
+    forward = forward_loss_sum
+    if cfg.model.kind == "salm":  # audio batches -> prompt + transcript token layout; the SALM's forward
+        from training.speech.job import salm_loss_sum, wrap_loader
+
+        loader, forward = wrap_loader(loader, model, cfg, dims), salm_loss_sum
     torch.manual_seed(seed_for_rank(cfg.trainer.seed, dp_rank))
     ckpt_dir = out_dir / "checkpoints"
     step = 0
@@ -192,7 +204,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
     logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
                            tensorboard=cfg.logging.tensorboard)
-    flops_tok = flops_per_token(hf_config, cfg.data.seq_len)
+    flops_tok = flops_per_token(hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     peak = peak_flops(device)
     batches = DevicePrefetcher(loader, device)
     window_start, window_batches, window_tokens, window_fill = time.perf_counter(), 0, 0, []
@@ -206,7 +218,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         step += 1
         set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
         stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
-                           defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast)
+                           defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast, forward=forward)
         window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
         window_fill += [float(mb["fill"]) if "fill" in mb else
                         float((mb["labels"] != IGNORE_INDEX).float().mean()) for mb in micro]
@@ -236,7 +248,11 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     if cfg.checkpoint.save_final and step > 0 and not saved_already:
         checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
                         keep_last=cfg.checkpoint.keep_last)
-    if cfg.checkpoint.export_hf:
+    if cfg.checkpoint.export_hf and cfg.model.kind == "salm":
+        from training.speech.job import export_salm
+
+        export_salm(model, cfg, out_dir)
+    elif cfg.checkpoint.export_hf:
         checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer)
     logger.summary()
     logger.close()

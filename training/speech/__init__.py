@@ -1,0 +1,1 @@
+"""Speech-LLM training (SALM): speech encoder + modality adapter + a transformers causal LM."""

@@ -1,0 +1,77 @@
+"""The ``model.speech:`` section of a ``model.kind: salm`` job (the LLM itself is ``model.config`` /
+``config_path`` / ``pretrained_path`` as for text jobs).
+
+    model:
+      kind: salm
+      pretrained_path: runs/demo/hf          # the LLM (a local safetensors checkpoint)
+      tokenizer: demo/corpus/tokenizer.json
+      speech:
+        encoder: {kind: parakeet, config: {hidden_size: 128, num_hidden_layers: 4, ...}, freeze: false}
+        adapter: {subsampling: 2}
+        prompt: "Transcribe the audio. <|audio|> Transcript:"
+        features: {n_mels: 80}               # kernels.log_mel, on the device in the step
+        spec_augment: {freq_masks: 2, time_masks: 2}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kernels.log_mel import LogMelConfig, SpecAugmentConfig
+
+AUDIO_PLACEHOLDER = "<|audio|>"
+
+
+@dataclass(kw_only=True)
+class EncoderConfig:
+    """The speech encoder: a transformers encoder config (inline or a local config.json / directory),
+    optionally its weights (``pretrained_path``: config.json + model.safetensors, e.g. an export's
+    ``encoder/``)."""
+
+    kind: Literal["parakeet"] = "parakeet"  # FastConformer (transformers ParakeetEncoder)
+    config: dict[str, Any] | None = None
+    config_path: str | None = None
+    pretrained_path: str | None = None
+    freeze: bool = False
+
+    def __post_init__(self):
+        given = [n for n in ("config", "config_path", "pretrained_path") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
+
+
+@dataclass(kw_only=True)
+class AdapterConfig:
+    """Encoder frames -> LLM embeddings: stack ``subsampling`` consecutive frames, then
+    Linear -> GELU -> Linear to the LLM's hidden size."""
+
+    subsampling: int = 2
+    hidden_size: int | None = None  # of the middle layer; None: the LLM's hidden size
+    pretrained_path: str | None = None  # a directory with adapter.safetensors (an export's encoder/)
+    freeze: bool = False
+
+    def __post_init__(self):
+        if self.subsampling < 1:
+            raise ValueError(f"subsampling must be >= 1, got {self.subsampling}")
+
+
+@dataclass(kw_only=True)
+class SpeechConfig:
+    encoder: EncoderConfig
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    freeze_llm: bool = False
+    prompt: str = f"Transcribe the audio. {AUDIO_PLACEHOLDER} Transcript:"  # one placeholder, the frames' place
+    answer_field: str = "text"  # the batch field the loss is taken on (the transcript for ASR)
+    features: LogMelConfig = field(default_factory=LogMelConfig)
+    spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
+    max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
+    max_new_tokens: int = 64  # greedy decoding length in eval
+
+    def __post_init__(self):
+        if self.prompt.count(AUDIO_PLACEHOLDER) != 1:
+            raise ValueError(f"prompt must contain the audio placeholder {AUDIO_PLACEHOLDER} exactly once: "
+                             f"{self.prompt!r}")
+
+
+__all__ = ["AUDIO_PLACEHOLDER", "AdapterConfig", "EncoderConfig", "SpeechConfig"]

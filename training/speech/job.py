@@ -1,0 +1,147 @@
+"""What the trainer calls for ``model.kind: salm``: build, batches, the step's forward, export, load.
+
+``training.train`` stays one loop for every model kind; for a SALM it calls:
+
+- ``build_salm``: meta SALM -> ``parallelize_salm`` -> materialize (LLM / encoder / adapter from local
+  safetensors when configured) -> DDP if asked;
+- ``SpeechBatches``: wraps the loader's bucketed audio batches and adds the token layout
+  (``training.speech.prompt``: tokenized transcript, prompt, audio slots from the audio lengths) on the
+  host, inside the prefetcher's thread, so it overlaps the step; its state is the loader's;
+- ``salm_loss_sum``: the step's forward (log-mel on the device happens inside the model);
+- ``export_salm``: ``hf/`` (the LLM, loadable by ``AutoModelForCausalLM``), ``encoder/`` (config.json +
+  model.safetensors, loadable by ``ParakeetEncoder.from_pretrained``), ``adapter/model.safetensors`` and
+  ``salm.json`` (the speech config) -- ``load_salm(dir)`` rebuilds the pair for inference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from dataio.configtree import from_dict, to_dict
+from training.parallel_dims import ParallelDims
+from training.speech.config import SpeechConfig
+from training.speech.model import SALM, build_meta_salm, materialize_salm
+from training.speech.prompt import build_batch, load_tokenizer, make_template
+
+SALM_INPUTS = ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")
+MANIFEST = "salm.json"
+
+
+def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
+    """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
+    from training.model import build_hf_config
+    from training.parallelize import apply_ddp
+    from training.speech.parallelize import parallelize_salm
+
+    llm_config = build_hf_config(cfg.model)
+    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+    model = parallelize_salm(build_meta_salm(llm_config, cfg.model.speech), dims, meshes, cfg.distributed,
+                             param_dtype)
+    materialize_salm(model, device, cfg.model.pretrained_path)
+    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
+    if cfg.distributed.strategy == "ddp":
+        model = apply_ddp(model, dims, meshes)
+    return model, llm_config
+
+
+class SpeechBatches:
+    """Loader audio batches (``audio``, ``audio_lens``, and the answer as ``text`` or ``tokens``) -> SALM
+    step batches; ``state_dict`` / ``load_state_dict`` are the loader's."""
+
+    def __init__(self, loader, model: nn.Module, cfg: SpeechConfig, tokenizer_path: str, multiple_of: int = 1):
+        if tokenizer_path is None:
+            raise ValueError("model.tokenizer is required with model.kind: salm (prompt and transcripts)")
+        self.loader, self.cfg, self.multiple_of = loader, cfg, multiple_of
+        self.salm = getattr(model, "module", model)  # DDP wraps
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.template = make_template(self.tokenizer, cfg.prompt)
+
+    def answers(self, batch: dict) -> list[list[int]]:
+        if "tokens" in batch and self.cfg.answer_field == "text":  # the shards carry token ids already
+            return [t[:n].tolist() for t, n in zip(batch["tokens"], batch["token_lens"])]
+        texts = batch.get(self.cfg.answer_field)
+        if texts is None or any(t is None for t in texts):
+            raise ValueError(f"model.speech.answer_field {self.cfg.answer_field!r}: a batch has samples without "
+                             f"it (keys {batch.get('__key__', [])[:3]}...)")
+        return [e.ids[: self.cfg.max_answer_tokens] for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def convert(self, batch: dict) -> dict:
+        slots = self.salm.audio_slots(batch["audio_lens"])
+        out = build_batch(self.template, slots, self.answers(batch), multiple_of=self.multiple_of)
+        return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], **out,
+                **{k: batch[k] for k in ("__key__", "text") if k in batch}}
+
+    def __iter__(self):
+        return map(self.convert, self.loader)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.loader.load_state_dict(state)
+
+
+def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
+    """The step's forward for a SALM micro-batch (summed answer cross-entropy)."""
+    ctx = torch.autocast(batch["audio"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        return model(**{k: batch[k] for k in SALM_INPUTS})
+
+
+def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
+    """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    from training.checkpoint import export_hf
+
+    salm: SALM = getattr(model, "module", model)
+    out_dir = Path(out_dir)
+    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer)
+    parts = {name: get_model_state_dict(getattr(salm, name), options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True)) for name in ("encoder", "adapter")}
+    if dist.get_rank() != 0:
+        return None
+    for name, state in parts.items():
+        (out_dir / name).mkdir(parents=True, exist_ok=True)
+        state = {k.replace("._checkpoint_wrapped_module", ""): v.contiguous() for k, v in state.items()}
+        save_file(state, str(out_dir / name / "model.safetensors"), metadata={"format": "pt"})
+    salm.encoder.config.save_pretrained(out_dir / "encoder")
+    speech = to_dict(salm.cfg)
+    speech["encoder"] = {"kind": salm.cfg.encoder.kind, "pretrained_path": "encoder"}
+    speech["adapter"] = {**speech["adapter"], "pretrained_path": "adapter"}
+    (out_dir / MANIFEST).write_text(json.dumps(speech, indent=1))
+    return out_dir
+
+
+def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
+    """The exported SALM in ``path`` as one plain module in eval mode (for decoding), with its config."""
+    from training.config import ModelConfig
+    from training.model import build_hf_config
+
+    path = Path(path)
+    raw = json.loads((path / MANIFEST).read_text())
+    for part in ("encoder", "adapter"):
+        raw[part]["pretrained_path"] = str(path / raw[part]["pretrained_path"])
+    speech = from_dict(SpeechConfig, raw, "salm.json")
+    llm_config = build_hf_config(ModelConfig(pretrained_path=str(path / "hf")))
+    model = build_meta_salm(llm_config, speech)
+    materialize_salm(model, torch.device(device), str(path / "hf"))
+    return model.eval(), speech
+
+
+def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> SpeechBatches:
+    """The trainer's hook: audio batches -> SALM step batches (rows padded to a multiple of tp under SP)."""
+    return SpeechBatches(loader, model, cfg.model.speech, cfg.model.tokenizer,
+                         multiple_of=dims.tp if dims.sequence_parallel else 1)
+
+
+__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "export_salm", "load_salm", "salm_loss_sum", "wrap_loader"]

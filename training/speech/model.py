@@ -1,0 +1,174 @@
+"""SALM: a speech encoder and a modality adapter feeding a transformers causal LM.
+
+``SALM.forward(audio, audio_lens, input_ids, labels, audio_mask, position_ids)`` -> summed answer
+cross-entropy:
+
+1. log-mel features on the device (``kernels.log_mel``, the loader's DALI features to < 1e-3 dB),
+   SpecAugment in training when configured;
+2. the encoder (transformers' ``ParakeetEncoder``: FastConformer, 2^k conv subsampling) -> frames;
+3. the adapter stacks ``subsampling`` consecutive frames and projects them to the LLM's width;
+4. ``SpeechLMLoss`` embeds the prompt tokens, writes the valid adapter frames into the positions
+   ``audio_mask`` marks (the expanded audio placeholder, see ``training.speech.prompt``), runs the
+   decoder and the chunked cross-entropy on the answer labels.
+
+Step 4 runs inside the LLM wrapper's forward so that under FSDP2 its root unit has the embedding and
+the lm_head unsharded (the same reason as ``training.loss.CausalLMLoss``). Under TP+SP the embedding
+output is replicated, the frames are written, and the sequence is then split over the tp ranks with a
+DTensor redistribute (its backward all-gathers the gradient, so embedding and encoder see all of it).
+
+Module names: ``encoder.*`` (transformers'), ``adapter.*``, ``llm.model.*`` / ``llm.lm_head.*``
+(transformers' names under ``llm.``), so the export splits the state dict by prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import PretrainedConfig
+
+from kernels.log_mel import log_mel, num_frames, spec_augment
+from training.loss import CausalLMLoss
+from training.speech.config import EncoderConfig, SpeechConfig
+
+
+def build_encoder_config(cfg: EncoderConfig, n_mels: int) -> PretrainedConfig:
+    """The encoder's transformers config (inline fields, a config.json, or a pretrained directory)."""
+    from transformers import ParakeetEncoderConfig
+
+    if cfg.config is not None:
+        fields = dict(cfg.config)
+    else:
+        path = cfg.config_path or cfg.pretrained_path
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+            fields = json.load(f)
+        fields.pop("model_type", None)
+    # LayerDrop skips layers at random per rank: FSDP2 ranks would then gather different layers and hang.
+    fields.setdefault("layerdrop", 0.0)
+    if fields["layerdrop"]:
+        raise ValueError("model.speech.encoder.config.layerdrop must be 0 (ranks would skip different layers "
+                         "and FSDP2's collectives would not match)")
+    fields.setdefault("num_mel_bins", n_mels)
+    if fields["num_mel_bins"] != n_mels:
+        raise ValueError(f"model.speech.encoder num_mel_bins {fields['num_mel_bins']} != features.n_mels {n_mels}")
+    return ParakeetEncoderConfig(**fields)
+
+
+class Adapter(nn.Module):
+    """Stack ``k`` consecutive encoder frames (temporal subsampling by ``k``), then Linear-GELU-Linear."""
+
+    def __init__(self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None):
+        super().__init__()
+        self.subsampling = subsampling
+        hidden_size = hidden_size or out_size
+        self.proj_in = nn.Linear(in_size * subsampling, hidden_size)
+        self.act = nn.GELU()
+        self.proj_out = nn.Linear(hidden_size, out_size)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        return -torch.div(-lengths, self.subsampling, rounding_mode="floor")  # ceil
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        batch, time, size = frames.shape
+        pad = (-time) % self.subsampling
+        frames = nn.functional.pad(frames, (0, 0, 0, pad))
+        stacked = frames.reshape(batch, (time + pad) // self.subsampling, size * self.subsampling)
+        return self.proj_out(self.act(self.proj_in(stacked)))
+
+    def reset_parameters(self) -> None:
+        self.proj_in.reset_parameters()
+        self.proj_out.reset_parameters()
+
+
+class SpeechLMLoss(CausalLMLoss):
+    """``CausalLMLoss`` whose inputs are prompt tokens plus audio frames written at ``audio_mask``."""
+
+    sequence_mesh: DeviceMesh | None = None  # the tp mesh under sequence parallelism (set by parallelize)
+
+    def embed(self, input_ids: torch.Tensor, audio_embeds: torch.Tensor, audio_mask: torch.Tensor) -> torch.Tensor:
+        embeds = self.model.embed_tokens(input_ids)
+        return embeds.masked_scatter(audio_mask[..., None], audio_embeds.to(embeds.dtype))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None, *, audio_embeds: torch.Tensor,
+                audio_mask: torch.Tensor, position_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        embeds = self.embed(input_ids, audio_embeds, audio_mask)
+        if self.sequence_mesh is not None:  # SP: this rank's sequence slice; backward all-gathers the grad
+            embeds = DTensor.from_local(embeds, self.sequence_mesh, [Replicate()], run_check=False)
+            embeds = embeds.redistribute(self.sequence_mesh, [Shard(1)]).to_local()
+        return super().forward(None, labels, inputs_embeds=embeds, position_ids=position_ids, **kwargs)
+
+
+class SALM(nn.Module):
+    """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
+
+    def __init__(self, encoder: nn.Module, adapter: Adapter, llm: SpeechLMLoss, cfg: SpeechConfig):
+        super().__init__()
+        self.encoder, self.adapter, self.llm = encoder, adapter, llm
+        self.cfg = cfg
+        self.config = llm.config  # the LLM's (parallelize / metrics read model.config)
+        self.augment_generator: torch.Generator | None = None  # SpecAugment's stream (set per rank)
+
+    def audio_slots(self, audio_lens: torch.Tensor) -> torch.Tensor:
+        """Adapter frames of each utterance, from its sample count alone."""
+        frames = num_frames(audio_lens, self.cfg.features.hop_length)
+        return self.adapter.output_lengths(self.encoder._get_subsampling_output_length(frames).long())
+
+    def encode(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> torch.Tensor:
+        """The valid adapter frames of every utterance, concatenated in batch order: ``[sum(slots), H]``."""
+        feats, frames = log_mel(audio, audio_lens, self.cfg.features)
+        if self.training and self.cfg.spec_augment.enabled:
+            feats = spec_augment(feats, frames, self.cfg.spec_augment, self.augment_generator)
+        mask = torch.arange(feats.shape[-1], device=feats.device)[None, :] < frames[:, None]
+        hidden = self.encoder(feats.transpose(1, 2), attention_mask=mask.long())
+        adapted = self.adapter(hidden.last_hidden_state)
+        slots = self.audio_slots(audio_lens).to(adapted.device)
+        valid = torch.arange(adapted.shape[1], device=adapted.device)[None, :] < slots[:, None]
+        return adapted[valid]
+
+    def forward(self, audio: torch.Tensor, audio_lens: torch.Tensor, input_ids: torch.Tensor,
+                labels: torch.Tensor | None, audio_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.llm(input_ids, labels, audio_embeds=self.encode(audio, audio_lens), audio_mask=audio_mask,
+                        position_ids=position_ids)
+
+
+def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
+    """The whole SALM on the meta device (fp32 master weights), frozen parts marked."""
+    from transformers import ParakeetEncoder
+
+    from training.model import build_meta_model
+
+    enc_config = build_encoder_config(cfg.encoder, cfg.features.n_mels)
+    llm = build_meta_model(llm_config)
+    with torch.device("meta"):
+        encoder = ParakeetEncoder(enc_config)
+        adapter = Adapter(enc_config.hidden_size, llm_config.hidden_size, cfg.adapter.subsampling,
+                          cfg.adapter.hidden_size)
+    model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg)
+    for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
+        part.requires_grad_(not frozen)
+    return model
+
+
+@torch.no_grad()
+def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) -> None:
+    """Allocate each rank's shards, initialize, then load whatever has a local checkpoint."""
+    from training.model import load_safetensors, materialize
+
+    materialize(model.llm, device, llm_path)
+    model.encoder.to_empty(device=device)
+    model.adapter.to_empty(device=device)
+    for module in model.encoder.modules():
+        module._is_hf_initialized = False
+    model.encoder.initialize_weights()
+    model.adapter.reset_parameters()
+    if model.cfg.encoder.pretrained_path:
+        load_safetensors(model.encoder, model.cfg.encoder.pretrained_path)
+    if model.cfg.adapter.pretrained_path:
+        load_safetensors(model.adapter, model.cfg.adapter.pretrained_path)
+
+
+__all__ = ["SALM", "Adapter", "SpeechLMLoss", "build_encoder_config", "build_meta_salm", "materialize_salm"]

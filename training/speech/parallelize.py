@@ -1,0 +1,47 @@
+"""Parallelize a SALM on the meta device, in the fixed order of ``training.parallelize``:
+
+1. TP (+SP) on the LLM only, with the text-decoder plan (``apply_tp``) except that the embedding's output
+   stays replicated: the audio frames are written into the full sequence before SP splits it
+   (``SpeechLMLoss``). The encoder and adapter are small next to the LLM and stay data-parallel only
+   (the seed's rule: FSDP2 for the encoder).
+2. activation checkpointing of encoder and LLM blocks (every N-th),
+3. FSDP2 per block of the encoder and of the LLM, then each of them as a unit (the LLM's unit holds
+   embedding / norm / lm_head, unsharded for its whole forward), then the SALM root (the adapter).
+Frozen parts are sharded like the others (FSDP2 keeps per-parameter ``requires_grad``); the optimizer
+only sees trainable parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+
+from training.config import DistributedConfig
+from training.parallel_dims import ParallelDims
+from training.parallelize import apply_fsdp, apply_tp, check_supported
+from training.speech.model import SALM
+
+
+def parallelize_salm(model: SALM, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
+                     param_dtype: torch.dtype) -> SALM:
+    check_supported(dims, model.config)
+    if dims.tp > 1:
+        apply_tp(model.llm, meshes["tp"], dims.sequence_parallel, embed_output=Replicate())
+        if dims.sequence_parallel:
+            model.llm.sequence_mesh = meshes["tp"]
+    parts = [(model.encoder, model.encoder.layers), (model.llm, model.llm.model.layers)]
+    if cfg.activation_checkpointing:
+        for _, blocks in parts:
+            for i in range(0, len(blocks), cfg.activation_checkpointing_every):
+                blocks[i] = checkpoint_wrapper(blocks[i])
+    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32):
+        for module, blocks in parts:
+            apply_fsdp(module, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
+        apply_fsdp(model, [], meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
+    return model
+
+
+__all__ = ["parallelize_salm"]
