@@ -1,0 +1,67 @@
+"""Shared pieces of the SALM tests: a tiny word tokenizer, a tiny SALM job, audio batches from the real
+bucketed collate (``dataio.bucketing.collate_audio``) with different audio and transcript lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dataio.bucketing import collate_audio
+from training.config import load_job_config
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "transcribe the audio transcript").split()
+TINY_LLM = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                tie_word_embeddings=False, attention_dropout=0.0)
+TINY_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                    subsampling_factor=4, subsampling_conv_channels=8, conv_kernel_size=3, dropout=0.0,
+                    attention_dropout=0.0, activation_dropout=0.0)
+SPEECH = dict(prompt="transcribe the audio <|audio|> transcript", features=dict(n_mels=16, n_fft=256,
+              win_length=200, hop_length=160), adapter=dict(subsampling=2))
+
+
+def save_tokenizer(path: Path) -> str:
+    """A word-level tokenizer over ``WORDS`` plus ``<|eos|>`` / ``<|pad|>`` (ids < 64)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<|pad|>", "<|eos|>", "[UNK]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return str(path)
+
+
+def salm_job(workdir: Path, name: str, *, init: Path | None = None, distributed: dict | None = None,
+             grad_accum: int = 1, max_steps: int = 3, optim: dict | None = None, **trainer):
+    """A SALM job: from the exported ``init`` (LLM + encoder + adapter) or fresh inline configs."""
+    speech = dict(SPEECH, encoder=dict(config=TINY_ENCODER) if init is None else
+                  dict(pretrained_path=str(init / "encoder")))
+    if init is not None:
+        speech["adapter"] = dict(SPEECH["adapter"], pretrained_path=str(init / "adapter"))
+    model = dict(kind="salm", tokenizer=str(workdir / "tokenizer.json"), speech=speech,
+                 **(dict(config=TINY_LLM) if init is None else dict(pretrained_path=str(init / "hf"))))
+    return load_job_config(None, base=dict(
+        model=model, data=dict(datasets=[dict(path="unused")], bucketing=dict(max_duration=2.0)),
+        distributed=distributed or dict(strategy="fsdp2"),
+        optim=optim or dict(lr=3e-3, warmup_steps=1, decay_steps=max_steps, max_grad_norm=None, weight_decay=0.1),
+        trainer=dict(max_steps=max_steps, grad_accum=grad_accum, output_dir=str(workdir / name), **trainer),
+        checkpoint=dict(interval=2, export_hf=True), logging=dict(console=False, tensorboard=False)))
+
+
+def audio_batches(count: int, *, rows: int = 2, seed: int = 0) -> list[dict]:
+    """``count`` collated audio batches: tones + noise of 0.2..0.7 s, transcripts of 1..5 words."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        samples = []
+        for _ in range(rows):
+            n = int(rng.integers(3200, 11200))
+            t = np.arange(n) / 16000
+            wave = 0.3 * np.sin(2 * np.pi * rng.uniform(150, 600) * t) + 0.05 * rng.standard_normal(n)
+            text = " ".join(rng.choice(WORDS[:16], size=int(rng.integers(1, 6))))
+            samples.append({"audio": wave.astype(np.float32), "text": text, "__key__": f"u{len(out)}"})
+        out.append(collate_audio(samples, tokens_key=None))
+    return out
