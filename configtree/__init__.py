@@ -87,6 +87,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 return _convert(option, value, path)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # one real option (X | None): its own message names the broken rule
+            raise ConfigError(errors[0])
         raise ConfigError(f"{path}: expected {' | '.join(_type_name(o) for o in options)}, got {value!r}")
     if origin is Literal:
         if value not in get_args(tp):

@@ -1,0 +1,107 @@
+"""SALM pieces without a process group: the prompt layout, the placeholder replacement and the answer-only
+loss on a bucketed batch, WER, config errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from speech_common import SPEECH, TINY_ENCODER, TINY_LLM, audio_batches, save_tokenizer, salm_job  # noqa: E402
+
+from dataio.configtree import ConfigError  # noqa: E402
+from training.speech.eval import corpus_wer, word_errors  # noqa: E402
+from training.speech.prompt import PromptTemplate, build_batch  # noqa: E402
+
+
+def test_prompt_layout_answers_and_labels():
+    t = PromptTemplate(prefix=[10, 11], suffix=[12], eos_id=1, pad_id=0)
+    out = build_batch(t, torch.tensor([3, 1]), [[20, 21], [22, 23, 24, 25]], multiple_of=4)
+    ids, labels, mask = out["input_ids"], out["labels"], out["audio_mask"]
+    assert ids.shape == (2, 12)  # longest row 2 + 1 + 1 + 5 = 9 -> 12
+    assert ids[0, :9].tolist() == [10, 11, 0, 0, 0, 12, 20, 21, 1]
+    assert ids[1, :10].tolist() == [10, 11, 0, 12, 22, 23, 24, 25, 1, 0][:10]
+    assert mask[0].nonzero().flatten().tolist() == [2, 3, 4] and mask[1].nonzero().flatten().tolist() == [2]
+    # next-token labels on the answer and its eos only
+    assert labels[0].tolist() == [-100] * 5 + [20, 21, 1] + [-100] * 4
+    assert labels[1].tolist() == [-100] * 3 + [22, 23, 24, 25, 1] + [-100] * 4
+    gen = build_batch(t, torch.tensor([3, 1]), left_pad=True)
+    assert gen["input_ids"][1].tolist() == [0, 0, 10, 11, 0, 12] and gen["attention_mask"][1].tolist() == [0, 0, 1, 1, 1, 1]
+    assert gen["audio_mask"][1].tolist() == [False] * 4 + [True, False]
+
+
+def _tiny_salm(tmp_path):
+    from training.model import build_hf_config
+    from training.speech.job import SpeechBatches
+    from training.speech.model import build_meta_salm, materialize_salm
+
+    save_tokenizer(tmp_path / "tokenizer.json")
+    cfg = salm_job(tmp_path, "unit")
+    torch.manual_seed(0)
+    model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
+    materialize_salm(model, torch.device("cpu"), None)
+    return model, SpeechBatches([], model, cfg.model.speech, cfg.model.tokenizer)
+
+
+def test_placeholder_replaced_by_frames_and_loss_on_answers_only(tmp_path):
+    model, speech = _tiny_salm(tmp_path)
+    raw = audio_batches(1, rows=3, seed=4)[0]
+    assert len(set(raw["audio_lens"].tolist())) == 3
+    batch = speech.convert(raw)
+    slots = model.audio_slots(raw["audio_lens"])
+    assert batch["audio_mask"].sum(1).tolist() == slots.tolist()
+    frames = model.encode(batch["audio"], batch["audio_lens"])
+    assert frames.shape == (int(slots.sum()), TINY_LLM["hidden_size"])
+    embeds = model.llm.embed(batch["input_ids"], frames, batch["audio_mask"])
+    tokens = model.llm.model.embed_tokens(batch["input_ids"])
+    start = 0
+    for b, n in enumerate(slots.tolist()):
+        where = batch["audio_mask"][b].nonzero().flatten()
+        assert torch.equal(embeds[b, where], frames[start : start + n])  # every slot holds its frame, in order
+        start += n
+        assert torch.equal(embeds[b, ~batch["audio_mask"][b]], tokens[b, ~batch["audio_mask"][b]])
+    # the loss is the cross-entropy of the answer positions only: full logits, labels -100 elsewhere
+    loss = model(**{k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask",
+                                          "position_ids")})
+    logits = model.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
+    want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    answers = [len(t.split()) + 1 for t in raw["text"]]  # one word = one token here, + eos
+    assert (batch["labels"] != -100).sum(1).tolist() == answers
+    changed = dict(batch, input_ids=batch["input_ids"].clone())
+    changed["input_ids"][:, 0] = 5  # a prompt token changes the loss only through the context, labels stay
+    assert torch.equal(speech.convert(raw)["labels"], changed["labels"])
+
+
+def test_word_errors_and_wer():
+    assert word_errors("a b c".split(), "a b c".split()) == 0
+    assert word_errors("a b c".split(), "a x c".split()) == 1
+    assert word_errors("a b c".split(), "a c".split()) == 1
+    assert word_errors("a b".split(), "a b c d".split()) == 2
+    assert word_errors([], "a".split()) == 1
+    assert word_errors("the cat sat".split(), "cat sat on".split()) == 2
+    assert corpus_wer([("Hello, world.", "hello world"), ("a b c d", "a b")]) == pytest.approx(2 / 6)
+
+
+def test_salm_config_errors(tmp_path):
+    from dataio.configtree import to_dict
+    from training.config import load_job_config
+
+    raw = to_dict(salm_job(tmp_path, "x"))
+    raw["model"]["speech"]["prompt"] = "no audio here"
+    with pytest.raises(ConfigError, match=r"model.speech: .*placeholder <\|audio\|> exactly once"):
+        load_job_config(None, base=raw)
+    raw = to_dict(salm_job(tmp_path, "x"))
+    raw["data"]["bucketing"] = None
+    with pytest.raises(ConfigError, match="salm trains on bucketed audio"):
+        load_job_config(None, base=raw)
+    from training.speech.config import EncoderConfig
+    from training.speech.model import build_encoder_config
+
+    with pytest.raises(ValueError, match="layerdrop"):
+        build_encoder_config(EncoderConfig(config=dict(TINY_ENCODER, layerdrop=0.1)), 16)
+    assert SPEECH["features"]["n_mels"] == 16
