@@ -46,7 +46,11 @@ def salm_job(workdir: Path, name: str, *, init: Path | None = None, distributed:
     return load_job_config(None, base=dict(
         model=model, data=dict(datasets=[dict(path="unused")], bucketing=dict(max_duration=2.0)),
         distributed=distributed or dict(strategy="fsdp2"),
-        optim=optim or dict(lr=3e-3, warmup_steps=1, decay_steps=max_steps, max_grad_norm=None, weight_decay=0.1),
+        # eps=1: AdamW's update is ~ lr * gradient (not lr * sign), so weights compared after training compare
+        # gradients; the conv bias before the encoder's BatchNorm has a ~0 gradient that plain Adam would
+        # blow up to +-lr from rounding noise.
+        optim=optim or dict(lr=0.05, eps=1.0, warmup_steps=1, decay_steps=3, max_grad_norm=None,
+                            weight_decay=0.1),
         trainer=dict(max_steps=max_steps, grad_accum=grad_accum, output_dir=str(workdir / name), **trainer),
         checkpoint=dict(interval=2, export_hf=True), logging=dict(console=False, tensorboard=False)))
 

@@ -1,0 +1,14 @@
+"""One 4-rank gloo launch: SALM under FSDP2 and FSDP2 + TP + SP against a single-process reference, exact
+resume, export of LLM + encoder + adapter (see tests/dist/speech_layouts.py)."""
+
+from __future__ import annotations
+
+import pytest
+from test_training_dist import REPO, torchrun_script
+
+
+@pytest.mark.slow
+def test_salm_layouts_match_single_process_and_resume(tmp_path):
+    out = torchrun_script(REPO / "tests" / "dist" / "speech_layouts.py", 4, tmp_path)
+    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "resume reproduces"):
+        assert out.count(f"OK {check}") == 4, out[-3000:]
