@@ -27,8 +27,8 @@ def test_log_mel_matches_dali_per_utterance_in_a_padded_batch():
     pytest.importorskip("nvidia.dali")
     import soundfile as sf
 
-    from dataio.dali import DaliAudioDecoder
-    from dataio.decode import DaliConfig, DecodeConfig
+    from dataio.stream.dali import DaliAudioDecoder
+    from dataio.stream.decode import DaliConfig, DecodeConfig
 
     waves = _utterances()
     buffers = []

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from speech_common import SPEECH, TINY_ENCODER, TINY_LLM, audio_batches, save_tokenizer, salm_job  # noqa: E402
 
-from dataio.configtree import ConfigError  # noqa: E402
+from configtree import ConfigError  # noqa: E402
 from training.speech.eval import corpus_wer, word_errors  # noqa: E402
 from training.speech.prompt import PromptTemplate, build_batch  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_word_errors_and_wer():
 
 
 def test_salm_config_errors(tmp_path):
-    from dataio.configtree import to_dict
+    from configtree import to_dict
     from training.config import load_job_config
 
     raw = to_dict(salm_job(tmp_path, "x"))

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from dataio.configtree import from_dict, to_dict
+from configtree import from_dict, to_dict
 from training.parallel_dims import ParallelDims
 from training.speech.config import SpeechConfig
 from training.speech.model import SALM, build_meta_salm, materialize_salm
