@@ -1,4 +1,5 @@
-"""The bucketed batching stage (``bucketing:`` set): duration-bucketed audio batches from
+"""The bucketed batching stage (``bucketing:`` set): duration-bucketed (or 2D: duration x transcript
+tokens, from the index's ``tokens`` column) audio batches from
 ``dataio.batching.bucketing``'s rank-synced epoch plan, epoch by epoch. It replaces the stream's
 position plan (one dataset, no packing): batch ``b`` of the plan is a list of sample indices, read and
 decoded by the stream's ``SampleReader`` in the worker processes and padded by ``collate_audio``.
@@ -71,10 +72,11 @@ class BucketedBatches:
         source = stream.sources[0]
         indices = np.concatenate([np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)])
         durations = np.asarray(source.index.samples["duration"], dtype=np.float64)
+        tokens = np.asarray(source.index.samples["tokens"]) if stream.cfg.bucketing.two_d else None  # 2D
         edges = None
         for dp_size, steps in [*history, [stream.dp_size, 0]]:
             plan = plan_epoch(indices, durations[indices], seed=stream.seed, epoch=epoch, dp_size=dp_size,
-                              cfg=stream.cfg.bucketing, edges=edges)
+                              cfg=stream.cfg.bucketing, edges=edges, tokens=None if tokens is None else tokens[indices])
             edges = plan.edges  # the same buckets for the whole epoch
             indices = np.setdiff1d(indices, consumed_indices(plan, steps))
         return plan.rank_batches(stream.dp_rank)

@@ -16,6 +16,16 @@ evaluates identically:
    so its batches group into steps of ``dp_size`` batches from the same bucket.
 4. The steps of all buckets are shuffled together. At step s, rank r takes batch r of step s.
 
+2D bucketing (audio duration x output tokens, lhotse's 2D buckets / NeMo's ``bucket_duration_bins``
+pairs): with ``bucket_duration_bins: [[max_seconds, max_tokens], ...]`` (or ``num_token_buckets > 1``,
+which estimates such a grid: equal-duration bins, each split into equal-token bins), a sample goes to the
+first bin (in (duration, tokens) order) that holds both its duration and its token count (the index's
+``tokens`` column: shard the manifest with ``--tokenizer``); one past every bin goes to the last bin and
+is counted in ``oversized``. ``bucket_batch_size`` then fixes each bin's batch size (the table
+``python -m training.estimate_batch`` writes); without it batches are cut by padded duration as above,
+and also by padded tokens (``len * max tokens <= max_tokens``) when ``max_tokens`` is set. A bucket
+merged into a neighbour keeps the smaller of the two batch sizes.
+
 So every sample appears exactly once per epoch across ranks, every rank runs the same number of steps,
 and all ranks work on the same bucket at each step (even step times, no straggler). Cost: O(N log N)
 per epoch in numpy plus a Python loop over samples for the greedy cut (~1 s per 1M samples).
@@ -40,14 +50,40 @@ _BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart 
 class BucketingConfig:
     """The bucketing fields of the ``data:`` section."""
 
-    max_duration: float  # seconds of (padded) audio per batch
-    num_buckets: int = 10
+    max_duration: float | None = None  # seconds of (padded) audio per batch (unless bucket_batch_size)
+    num_buckets: int = 10  # duration bins (estimated when bucket_duration_bins is not given)
+    num_token_buckets: int = 1  # > 1: 2D, each duration bin split into this many token bins
+    bucket_duration_bins: list[list[float]] | None = None  # 2D bins [[max_seconds, max_tokens], ...]
+    bucket_batch_size: list[int] | None = None  # fixed batch size per bin (2D bins' order)
+    max_tokens: int | None = None  # padded output tokens per batch (2D, without bucket_batch_size)
 
     def __post_init__(self):
-        if not self.max_duration > 0:
+        if self.max_duration is None and self.bucket_batch_size is None:
+            raise ValueError("set max_duration (seconds of padded audio per batch) or bucket_batch_size")
+        if self.max_duration is not None and not self.max_duration > 0:
             raise ValueError(f"max_duration must be > 0 seconds, got {self.max_duration}")
-        if self.num_buckets < 1:
-            raise ValueError(f"num_buckets must be >= 1, got {self.num_buckets}")
+        if self.num_buckets < 1 or self.num_token_buckets < 1:
+            raise ValueError(f"num_buckets and num_token_buckets must be >= 1, got {self.num_buckets}, "
+                             f"{self.num_token_buckets}")
+        if self.bucket_duration_bins is not None:
+            bins = self.bucket_duration_bins
+            if not bins or any(len(b) != 2 or not (b[0] > 0 and b[1] > 0) for b in bins):
+                raise ValueError(f"bucket_duration_bins must be [[max_seconds, max_tokens], ...] with positive "
+                                 f"values, got {bins}")
+            if [tuple(b) for b in bins] != sorted(tuple(b) for b in bins):
+                raise ValueError("bucket_duration_bins must be sorted by (seconds, tokens)")
+        if self.bucket_batch_size is not None:
+            want = len(self.bucket_duration_bins) if self.bucket_duration_bins else (
+                self.num_buckets * self.num_token_buckets if self.two_d else None)
+            if want is None:
+                raise ValueError("bucket_batch_size needs 2D bins (bucket_duration_bins or num_token_buckets > 1)")
+            if len(self.bucket_batch_size) != want or min(self.bucket_batch_size) < 1:
+                raise ValueError(f"bucket_batch_size needs {want} sizes >= 1 (one per bin), got "
+                                 f"{self.bucket_batch_size}")
+
+    @property
+    def two_d(self) -> bool:
+        return self.bucket_duration_bins is not None or self.num_token_buckets > 1
 
 
 @dataclass(kw_only=True)
@@ -78,65 +114,112 @@ def estimate_bucket_edges(durations: np.ndarray, num_buckets: int) -> np.ndarray
     return np.unique(d[np.searchsorted(cum, targets)])
 
 
+def estimate_2d_bins(durations: np.ndarray, tokens: np.ndarray, num_buckets: int,
+                     num_token_buckets: int) -> np.ndarray:
+    """``[K, 2]`` upper limits (seconds, tokens): equal-duration bins, each cut into equal-token bins."""
+    d_edges = estimate_bucket_edges(durations, num_buckets)
+    d_bin = np.searchsorted(d_edges, durations, side="right")
+    bins = []
+    for b in range(len(d_edges) + 1):
+        member = d_bin == b
+        if not member.any():
+            continue
+        d_max = float(durations[member].max())
+        t_edges = estimate_bucket_edges(tokens[member], num_token_buckets)
+        for t_max in [*t_edges.tolist(), float(tokens[member].max())]:
+            bins.append((d_max, float(t_max)))
+    return np.unique(np.asarray(bins, dtype=np.float64), axis=0)
+
+
+def _bins_of(durations: np.ndarray, tokens: np.ndarray, bins: np.ndarray) -> np.ndarray:
+    """The first 2D bin holding each sample (the last one for a sample past every bin)."""
+    fits = (durations[:, None] <= bins[None, :, 0]) & (tokens[:, None] <= bins[None, :, 1])
+    return np.where(fits.any(1), fits.argmax(1), len(bins) - 1)
+
+
 def plan_epoch(indices: np.ndarray, durations: np.ndarray, *, seed: int, epoch: int, dp_size: int,
-               cfg: BucketingConfig, edges: np.ndarray | None = None) -> EpochPlan:
-    """The rank-synced batches of one epoch over samples ``indices`` (with their ``durations``)."""
+               cfg: BucketingConfig, edges: np.ndarray | None = None, tokens: np.ndarray | None = None) -> EpochPlan:
+    """The rank-synced batches of one epoch over samples ``indices`` (with their ``durations`` and, for
+    2D bucketing, output ``tokens``). ``edges``: the buckets to keep (1D edges or 2D bins)."""
     indices = np.asarray(indices, dtype=np.int64)
     durations = np.asarray(durations, dtype=np.float64)
+    if cfg.two_d:
+        if tokens is None or len(tokens) != len(durations) or (np.asarray(tokens) < 0).any():
+            raise ValueError("2D bucketing needs every sample's token count (the index's tokens column: shard "
+                             "the manifest with `dataio shard --tokenizer`)")
+        tokens = np.asarray(tokens, dtype=np.float64)
     if len(indices) != len(durations):
         raise ValueError(f"{len(indices)} indices but {len(durations)} durations")
     if len(indices) < dp_size:
         raise ValueError(f"bucketing {len(indices)} samples over dp_size={dp_size}: every rank needs a "
                          "batch per step; use fewer ranks or more data")
-    if edges is None:
+    if edges is None and cfg.two_d:
+        edges = (np.asarray(cfg.bucket_duration_bins, dtype=np.float64) if cfg.bucket_duration_bins else
+                 estimate_2d_bins(durations, tokens, cfg.num_buckets, cfg.num_token_buckets))
+    elif edges is None:
         edges = estimate_bucket_edges(durations, cfg.num_buckets)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
         entropy=int(seed), spawn_key=(_BUCKET_SEED_PURPOSE, int(epoch)))))
-    bucket_of = np.searchsorted(edges, durations, side="right")
-    members = [np.flatnonzero(bucket_of == b) for b in range(len(edges) + 1)]
-    groups = []  # (batches, member positions) per bucket, shortest first
-    pending = [m for m in members if len(m)]
+    bucket_of = _bins_of(durations, tokens, edges) if cfg.two_d else np.searchsorted(edges, durations, side="right")
+    sizes = cfg.bucket_batch_size or [None] * (len(edges) + 1)
+    limits = [(durations, cfg.max_duration), *([(tokens, cfg.max_tokens)] if cfg.max_tokens else [])]
+    # (member positions, fixed batch size or None) per non-empty bucket, shortest first
+    pending = [(m, sizes[b]) for b in range(len(sizes)) if len(m := np.flatnonzero(bucket_of == b))]
+    groups = []  # (batches, member positions, batch size) per bucket
     merges = 0
     while pending:
-        m = pending.pop(0)
-        batches = _greedy_batches(m[rng.permutation(len(m))], durations, cfg.max_duration)
+        m, size = pending.pop(0)
+        order = m[rng.permutation(len(m))]
+        batches = (np.array_split(order, range(size, len(order), size)) if size else
+                   _greedy_batches(order, limits))
         if _split_to_multiple(batches, dp_size):
-            groups.append((batches, m))
+            groups.append((batches, m, size))
             continue
         # too few samples to give every rank a batch: merge into the next longer bucket (the last
-        # bucket into the previous one) and cut again
+        # bucket into the previous one; the smaller fixed batch size wins) and cut again
         merges += 1
         if pending:
-            pending[0] = np.concatenate([m, pending[0]])
+            pending[0] = (np.concatenate([m, pending[0][0]]), _smaller(size, pending[0][1]))
         elif groups:
-            pending.append(np.concatenate([groups.pop()[1], m]))
+            prev = groups.pop()
+            pending.append((np.concatenate([prev[1], m]), _smaller(size, prev[2])))
         else:
             raise ValueError(f"bucketing cannot give each of dp_size={dp_size} ranks a batch: "
-                             f"{len(indices)} samples need {len(batches)} batches of <= "
-                             f"{cfg.max_duration}s; raise max_duration or use fewer ranks")
+                             f"{len(indices)} samples need {len(batches)} batches within the bucket limits; "
+                             "raise max_duration / bucket_batch_size or use fewer ranks")
 
     steps, step_bucket = [], []
-    for bucket, (batches, _) in enumerate(groups):
+    for bucket, (batches, _, _) in enumerate(groups):
         for s in range(0, len(batches), dp_size):
             steps.append([indices[b] for b in batches[s : s + dp_size]])
             step_bucket.append(bucket)
     order = rng.permutation(len(steps))
-    oversized = int(np.sum(durations > cfg.max_duration))
-    bucket_range = np.array([[durations[m].min(), durations[m].max()] for _, m in groups])
+    if cfg.two_d:
+        oversized = int(np.sum((durations > edges[-1, 0]) | (tokens > edges[-1, 1])))
+    else:
+        oversized = int(np.sum(durations > cfg.max_duration)) if cfg.max_duration else 0
+    bucket_range = np.array([[durations[m].min(), durations[m].max()] for _, m, _ in groups])
     return EpochPlan(steps=[steps[i] for i in order], step_bucket=np.asarray(step_bucket)[order],
                      bucket_range=bucket_range,
                      edges=edges, oversized=oversized, merges=merges)
 
 
-def _greedy_batches(order: np.ndarray, durations: np.ndarray, max_duration: float) -> list[np.ndarray]:
-    """Cut ``order`` (positions into ``durations``) into consecutive batches of padded duration
-    ``len * max <= max_duration`` (a lone oversized sample forms its own batch)."""
-    batches, start, longest = [], 0, 0.0
-    for i, d in enumerate(durations[order].tolist()):
-        grown = max(longest, d)
-        if i > start and (i - start + 1) * grown > max_duration:
+def _smaller(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _greedy_batches(order: np.ndarray, limits: list[tuple[np.ndarray, float]]) -> list[np.ndarray]:
+    """Cut ``order`` (positions into the value arrays) into consecutive batches whose padded cost
+    ``len * max(values)`` stays within each ``(values, limit)`` (a lone oversized sample forms its own
+    batch)."""
+    columns = [values[order].tolist() for values, _ in limits]
+    caps = [limit for _, limit in limits]
+    batches, start, longest = [], 0, [0.0] * len(limits)
+    for i in range(len(order)):
+        grown = [max(m, c[i]) for m, c in zip(longest, columns)]
+        if i > start and any((i - start + 1) * g > cap for g, cap in zip(grown, caps)):
             batches.append(order[start:i])
-            start, grown = i, d
+            start, grown = i, [c[i] for c in columns]
         longest = grown
     if len(order):
         batches.append(order[start:])
@@ -192,5 +275,5 @@ def collate_audio(samples: list[dict], *, audio_key: str = "audio", tokens_key: 
     return batch
 
 
-__all__ = ["BucketingConfig", "EpochPlan", "collate_audio", "consumed_indices", "estimate_bucket_edges",
-           "plan_epoch"]
+__all__ = ["BucketingConfig", "EpochPlan", "collate_audio", "consumed_indices", "estimate_2d_bins",
+           "estimate_bucket_edges", "plan_epoch"]
