@@ -105,3 +105,19 @@ def test_salm_config_errors(tmp_path):
     with pytest.raises(ValueError, match="layerdrop"):
         build_encoder_config(EncoderConfig(config=dict(TINY_ENCODER, layerdrop=0.1)), 16)
     assert SPEECH["features"]["n_mels"] == 16
+
+
+def test_batch_estimator_finds_the_largest_batch_under_a_budget(tmp_path):
+    import numpy as np
+
+    from training.estimate_batch import estimate_table, largest_fitting, saved_activation_bytes, synthetic_step
+
+    for cap in (0, 4, 7, 8, 100, 4096, 5000):
+        calls = []
+        got = largest_fitting(lambda b: calls.append(b) or 3 * b + 5 <= 3 * cap + 5, limit=4096)
+        assert got == min(cap, 4096) and len(calls) <= 2 * 13 + 2
+    model, speech = _tiny_salm(tmp_path)
+    cost = {b: saved_activation_bytes(synthetic_step(model, speech, 0.5, 6, b)) for b in (5, 6)}
+    assert cost[5] < cost[6]
+    budget = (cost[5] + cost[6]) // 2  # a synthetic budget: saved activations of 5 fit, of 6 do not
+    assert estimate_table(model, speech, np.array([[0.5, 6.0]]), budget, limit=64) == [5]
