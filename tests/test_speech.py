@@ -121,3 +121,11 @@ def test_batch_estimator_finds_the_largest_batch_under_a_budget(tmp_path):
     assert cost[5] < cost[6]
     budget = (cost[5] + cost[6]) // 2  # a synthetic budget: saved activations of 5 fit, of 6 do not
     assert estimate_table(model, speech, np.array([[0.5, 6.0]]), budget, limit=64) == [5]
+
+
+def test_speech_demo_recipe_loads():
+    from training.config import load_job_config
+
+    cfg = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_demo.yaml"))
+    assert cfg.model.kind == "salm" and cfg.model.speech.encoder.kind == "parakeet"
+    assert cfg.data.bucketing.two_d and cfg.data.seq_len is None
