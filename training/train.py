@@ -236,6 +236,10 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 "max_mem": max_memory_gib(device),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
+        if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
+            from training.speech.eval import eval_in_training
+
+            eval_in_training(model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
         interval = cfg.checkpoint.interval
         if interval and step % interval == 0 and step < cfg.trainer.max_steps:
             saving = time.perf_counter()

@@ -35,16 +35,17 @@ def save_tokenizer(path: Path) -> str:
 
 
 def salm_job(workdir: Path, name: str, *, init: Path | None = None, distributed: dict | None = None,
-             grad_accum: int = 1, max_steps: int = 3, optim: dict | None = None, **trainer):
+             grad_accum: int = 1, max_steps: int = 3, optim: dict | None = None, data_path: str = "unused",
+             speech_extra: dict | None = None, **trainer):
     """A SALM job: from the exported ``init`` (LLM + encoder + adapter) or fresh inline configs."""
-    speech = dict(SPEECH, encoder=dict(config=TINY_ENCODER) if init is None else
+    speech = dict(SPEECH, **(speech_extra or {}), encoder=dict(config=TINY_ENCODER) if init is None else
                   dict(pretrained_path=str(init / "encoder")))
     if init is not None:
         speech["adapter"] = dict(SPEECH["adapter"], pretrained_path=str(init / "adapter"))
     model = dict(kind="salm", tokenizer=str(workdir / "tokenizer.json"), speech=speech,
                  **(dict(config=TINY_LLM) if init is None else dict(pretrained_path=str(init / "hf"))))
     return load_job_config(None, base=dict(
-        model=model, data=dict(datasets=[dict(path="unused")], bucketing=dict(max_duration=2.0)),
+        model=model, data=dict(datasets=[dict(path=data_path)], bucketing=dict(max_duration=2.0)),
         distributed=distributed or dict(strategy="fsdp2"),
         # eps=1: AdamW's update is ~ lr * gradient (not lr * sign), so weights compared after training compare
         # gradients; the conv bias before the encoder's BatchNorm has a ~0 gradient that plain Adam would
@@ -69,3 +70,23 @@ def audio_batches(count: int, *, rows: int = 2, seed: int = 0) -> list[dict]:
             samples.append({"audio": wave.astype(np.float32), "text": text, "__key__": f"u{len(out)}"})
         out.append(collate_audio(samples, tokens_key=None))
     return out
+
+
+def write_audio_dataset(root: Path, count: int = 8, seed: int = 1) -> Path:
+    """An indexed shard directory of ``count`` FLAC utterances (16 kHz) with transcripts in ``.json``."""
+    import io
+    import json
+
+    import soundfile
+    import webdataset as wds
+    from loader_util import index_dir
+
+    root.mkdir(parents=True, exist_ok=True)
+    batch = audio_batches(1, rows=count, seed=seed)[0]
+    with wds.TarWriter(str(root / "utt-000000.tar")) as w:
+        for i, (wave, n, text) in enumerate(zip(batch["audio"], batch["audio_lens"], batch["text"])):
+            buf = io.BytesIO()
+            soundfile.write(buf, wave[:n].numpy(), 16000, format="FLAC")
+            w.write({"__key__": f"u{i:04d}", "flac": buf.getvalue(), "json": json.dumps({"text": text}).encode()})
+    index_dir(root)
+    return root

@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from speech_common import audio_batches, salm_job, save_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from speech_common import audio_batches, salm_job, save_tokenizer, write_audio_dataset  # noqa: E402
 from train_common import ListLoader  # noqa: E402
 from train_layouts import check_close  # noqa: E402
 
 from training.config import OptimConfig  # noqa: E402
 from training.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from training.speech.eval import evaluate  # noqa: E402
 from training.speech.job import SpeechBatches, export_salm, load_salm, salm_loss_sum  # noqa: E402
 from training.train import train  # noqa: E402
 
@@ -81,6 +83,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if dist.get_rank() == 0:
         save_tokenizer(workdir / "tokenizer.json")
+        write_audio_dataset(workdir / "audio")
     dist.barrier()
     init = make_init(workdir)
     batches = audio_batches(STEPS * GLOBAL_MICRO)
@@ -90,10 +93,14 @@ def main() -> None:
         return lambda dp_rank, dp_size: ListLoader(batches, dp_rank, dp_size, k)
 
     results = {}
-    for name, distributed, k in (("fsdp2", dict(strategy="fsdp2"), 1),
-                                 ("fsdp2_tp_sp", dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 2)):
+    # FSDP2 also decodes its training data at the last step (model.speech.eval_every) with the sharded model
+    evals = dict(data_path=str(workdir / "audio"), speech_extra=dict(eval_every=STEPS, eval_split="train",
+                                                                     max_new_tokens=4))
+    for name, distributed, k, extra in (
+            ("fsdp2", dict(strategy="fsdp2"), 1, evals),
+            ("fsdp2_tp_sp", dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 2, {})):
         history = train(salm_job(workdir, name, init=init, distributed=distributed, grad_accum=k,
-                                 max_steps=STEPS), loaders(k))
+                                 max_steps=STEPS, **extra), loaders(k))
         check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
         check_close(f"{name} relative grad norms", [r["grad_norm"] / n - 1 for r, n in zip(history, ref_norms)],
                     [0.0] * STEPS, 1e-5)  # the first step's norm is ~2.6e3 (fresh weights)
@@ -105,6 +112,20 @@ def main() -> None:
                 check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
         results[name] = history
         print(f"OK {name} matches the single-process reference", flush=True)
+
+    # Eval: the export decoded by python -m training.speech.eval's path (every rank holds the whole model)
+    # gives the hypotheses the sharded model gave during training.
+    result = evaluate(str(workdir / "fsdp2"), str(workdir / "audio"), split="train", batch_duration=60.0,
+                      out=str(workdir / "exported.jsonl"), max_new_tokens=4)
+    if dist.get_rank() == 0:
+        import json
+
+        read = lambda p: [json.loads(line) for line in open(p)]  # noqa: E731
+        during = read(workdir / "fsdp2" / f"eval-train-step{STEPS:08d}.jsonl")
+        after = read(workdir / "exported.jsonl")
+        assert result["utterances"] == 8 and [r["key"] for r in after] == [f"u{i:04d}" for i in range(8)], after
+        assert [r["hypothesis"] for r in during] == [r["hypothesis"] for r in after], (during, after)
+    print("OK eval during training equals eval of the export", flush=True)
 
     train(salm_job(workdir, "resumed", init=init, max_steps=2), loaders(1))
     history = train(salm_job(workdir, "resumed", init=init, max_steps=STEPS), loaders(1))

@@ -67,6 +67,9 @@ class SpeechConfig:
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
+    eval_every: int = 0  # decode the training dataset's eval_split every N steps, print the WER (0: never)
+    eval_split: str = "val"
+    eval_batch_duration: float = 60.0  # seconds of padded audio per eval batch
 
     def __post_init__(self):
         if self.prompt.count(AUDIO_PLACEHOLDER) != 1:

@@ -51,8 +51,9 @@ def corpus_wer(pairs: list[tuple[str, str]]) -> float:
 
 @torch.no_grad()
 def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_lens: torch.Tensor,
-                       max_new_tokens: int) -> list[str]:
-    """Greedy decoding of a batch of utterances with a plain (unsharded) SALM."""
+                       max_new_tokens: int, *, synced: bool = False) -> list[str]:
+    """Greedy decoding of a batch of utterances. ``synced``: every rank keeps stepping until all ranks'
+    rows are done (``generate(synced_gpus=True)``), so FSDP2's per-layer collectives stay matched."""
     from training.speech.prompt import build_batch
 
     prompt = build_batch(template, model.audio_slots(audio_lens), left_pad=True)
@@ -60,6 +61,7 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
     embeds = model.llm.embed(prompt["input_ids"], model.encode(audio, audio_lens), prompt["audio_mask"])
     out = model.llm.causal_lm.generate(inputs_embeds=embeds, attention_mask=prompt["attention_mask"],
                                        max_new_tokens=max_new_tokens, do_sample=False,
+                                       synced_gpus=synced,
                                        eos_token_id=template.eos_id, pad_token_id=template.pad_id)
     texts = []
     for row in out.tolist():
@@ -68,34 +70,38 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
     return texts
 
 
-def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
-             max_new_tokens: int | None = None) -> dict:
-    """Decode ``split`` of ``data`` with the SALM in ``model_dir`` on this process group; rank 0 returns
-    ``{"wer", "utterances", "words"}`` (other ranks: ``{}``)."""
+def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
+    """This rank's share of ``split``: duration-bucketed batches, one pass, each utterance once across ranks."""
     import torch.distributed as dist
 
     from dataio import build_loader
-    from training.parallel_dims import gather_objects
-    from training.speech.job import load_salm
-    from training.speech.prompt import load_tokenizer, make_template
 
-    model, cfg = load_salm(model_dir)
-    tokenizer = load_tokenizer(str(Path(model_dir) / "hf"))
+    return build_loader(dict(datasets=[dict(path=data, split=split)], epochs=1, shuffle=False, num_workers=0,
+                             decode=dict(sample_rate=sample_rate),
+                             bucketing=dict(max_duration=batch_duration, num_buckets=1)),
+                        dist.get_rank(), dist.get_world_size())
+
+
+def decode_split(model, cfg, tokenizer, loader, *, max_new_tokens: int, out: str | None,
+                 synced: bool = False) -> dict:
+    """Decode every batch of ``loader``; rank 0 gathers, writes the JSONL and returns ``{"wer", "utterances",
+    "words"}`` (other ranks: ``{}``). A collective."""
+    import torch.distributed as dist
+
+    from training.parallel_dims import gather_objects
+    from training.speech.prompt import make_template
+
     template = make_template(tokenizer, cfg.prompt)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    loader = build_loader(dict(datasets=[dict(path=data, split=split)], epochs=1, shuffle=False, num_workers=0,
-                               decode=dict(sample_rate=cfg.features.sample_rate),
-                               bucketing=dict(max_duration=batch_duration, num_buckets=1)), rank, world)
     rows = []
     for batch in loader:
-        hyps = greedy_transcripts(model, template, tokenizer, batch["audio"], batch["audio_lens"],
-                                  max_new_tokens or cfg.max_new_tokens)
+        device = next(model.parameters()).device
+        hyps = greedy_transcripts(model, template, tokenizer, batch["audio"].to(device), batch["audio_lens"].to(device),
+                                  max_new_tokens, synced=synced)
         for key, ref, hyp in zip(batch["__key__"], batch["text"], hyps):
-            errors = word_errors(normalize(ref), normalize(hyp))
-            rows.append({"key": key, "reference": ref, "hypothesis": hyp, "errors": errors,
-                         "words": len(normalize(ref))})
+            rows.append({"key": key, "reference": ref, "hypothesis": hyp, "errors": word_errors(normalize(ref),
+                         normalize(hyp)), "words": len(normalize(ref))})
     everyone = gather_objects(rows)
-    if rank != 0:
+    if dist.get_rank() != 0:
         return {}
     rows = sorted((r for part in everyone for r in part), key=lambda r: r["key"])
     if out:
@@ -103,6 +109,48 @@ def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, ou
         Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     words = sum(r["words"] for r in rows)
     return {"wer": sum(r["errors"] for r in rows) / max(words, 1), "utterances": len(rows), "words": words}
+
+
+def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
+             max_new_tokens: int | None = None) -> dict:
+    """Decode ``split`` of ``data`` with the exported SALM in ``model_dir`` (replicated on every rank)."""
+    from training.speech.job import load_salm
+    from training.speech.prompt import load_tokenizer
+
+    model, cfg = load_salm(model_dir)
+    loader = eval_loader(data, split, cfg.features.sample_rate, batch_duration)
+    return decode_split(model, cfg, load_tokenizer(str(Path(model_dir) / "hf")), loader,
+                        max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
+
+
+def eval_in_training(model, cfg, step: int) -> dict:
+    """``model.speech.eval_every``: decode the training dataset's ``eval_split`` with the FSDP2-sharded model
+    being trained (its root units unsharded for the duration; ranks decode in step, see ``greedy_transcripts``). Rank 0 prints the WER and returns ``decode_split``'s result. Not under sequence parallel
+    (one-token decoding steps cannot split over tp ranks)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from training.speech.prompt import load_tokenizer
+
+    salm = getattr(model, "module", model)
+    speech = cfg.model.speech
+    roots = [m for m in (salm, salm.llm) if isinstance(m, FSDPModule)]
+    loader = eval_loader(cfg.data.datasets[0].path, speech.eval_split, speech.features.sample_rate,
+                         speech.eval_batch_duration)
+    salm.eval()
+    for m in roots:
+        m.unshard()
+    try:
+        out = Path(cfg.trainer.output_dir) / f"eval-{speech.eval_split}-step{step:08d}.jsonl"
+        result = decode_split(salm, speech, load_tokenizer(cfg.model.tokenizer), loader,
+                              max_new_tokens=speech.max_new_tokens, out=str(out), synced=True)
+    finally:
+        for m in roots:
+            m.reshard()
+        salm.train()
+    if result:
+        print(f"step {step} {speech.eval_split} WER {result['wer']:.3f} over {result['utterances']} utterances "
+              f"({out})", flush=True)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,9 @@ def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: t
     from training.parallelize import apply_ddp
     from training.speech.parallelize import parallelize_salm
 
+    if cfg.model.speech.eval_every and dims.sequence_parallel:
+        raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
+                         "split over the tp ranks); evaluate the export with python -m training.speech.eval")
     llm_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = parallelize_salm(build_meta_salm(llm_config, cfg.model.speech), dims, meshes, cfg.distributed,
