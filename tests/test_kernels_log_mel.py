@@ -23,7 +23,8 @@ def _utterances() -> list[np.ndarray]:
     return out
 
 
-def test_log_mel_matches_dali_per_utterance_in_a_padded_batch():
+def _compare_with_dali(device: str) -> None:
+    """Our features of a padded batch on ``device`` vs the loader's DALI log-mel with ``dali.device``."""
     pytest.importorskip("nvidia.dali")
     import soundfile as sf
 
@@ -36,19 +37,29 @@ def test_log_mel_matches_dali_per_utterance_in_a_padded_batch():
         f = io.BytesIO()
         sf.write(f, w, 16000, format="WAV", subtype="FLOAT")
         buffers.append(f.getvalue())
-    dali = DaliAudioDecoder(DecodeConfig(audio="dali", dali=DaliConfig(features="log_mel")))(buffers)
+    dali = DaliAudioDecoder(DecodeConfig(audio="dali", dali=DaliConfig(features="log_mel", device=device)))(buffers)
     audio = torch.zeros(len(waves), max(len(w) for w in waves))
     for row, w in zip(audio, waves):
         row[: len(w)] = torch.from_numpy(w)
-    lengths = torch.tensor([len(w) for w in waves])
+    audio, lengths = audio.to(device.replace("gpu", "cuda")), torch.tensor([len(w) for w in waves])
     ours, frames = log_mel(audio, lengths, LogMelConfig(scale=False))
     assert frames.tolist() == dali.lengths.tolist()
     for i, n in enumerate(frames.tolist()):
-        diff = (ours[i, :, :n] - dali.data[i, :, :n]).abs().max().item()
+        diff = (ours[i, :, :n].cpu() - dali.data[i, :, :n].cpu()).abs().max().item()
         assert diff < TOLERANCE_DB, (i, diff)
         assert (ours[i, :, n:] == -80.0).all()  # frames past the end hold the floor
     scaled, _ = log_mel(audio, lengths, LogMelConfig())
     torch.testing.assert_close(scaled, (ours + 40) / 40)
+
+
+def test_log_mel_matches_dali_per_utterance_in_a_padded_batch():
+    _compare_with_dali("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_log_mel_on_cuda_matches_dali_gpu_features():
+    _compare_with_dali("gpu")
 
 
 def test_spec_augment_masks_within_limits_and_reproducibly():
