@@ -43,13 +43,18 @@ from torch.nn.parallel import DistributedDataParallel
 from training.config import DistributedConfig
 from training.parallel_dims import ParallelDims
 
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # parallelized by training.moe
+
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
-    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp), ("ep_size", dims.ep)):
+    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp)):
         if degree > 1:
-            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context / expert parallelism "
+            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context parallelism "
                                       "are not implemented yet (set it to 1)")
+    if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
+        raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
+                         f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")
     if dims.tp > 1:
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
         if heads % dims.tp or kv_heads % dims.tp:
@@ -61,10 +66,11 @@ def check_supported(dims: ParallelDims, hf_config) -> None:
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                           param_dtype: torch.dtype) -> nn.Module:
-    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2."""
+                           param_dtype: torch.dtype, mlp_plan=None) -> nn.Module:
+    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2.
+    ``mlp_plan(block, seq_layout)`` gives a block's mlp TP entries (default ``dense_mlp_plan``; MoE: training.moe)."""
     if dims.tp > 1:
-        apply_tp(model, meshes["tp"], dims.sequence_parallel)
+        apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
     blocks = model.model.layers
     if cfg.activation_checkpointing:
         for i, block in enumerate(blocks):
@@ -82,7 +88,17 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def dense_mlp_plan(block: nn.Module, seq) -> dict:
+    """Megatron MLP: gate/up column-wise, down row-wise (its output back to the ``seq`` layout)."""
+    plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+    if seq != Replicate():
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                         use_local_output=True)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp_plan=dense_mlp_plan) -> None:
     """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
     stream are sharded over the sequence dim and all-gathered just before attention / MLP."""
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -96,9 +112,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
         layer_plan |= {
@@ -108,11 +121,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                             use_local_output=True),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
         }
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, layer_plan)
+        parallelize_module(block, tp_mesh, layer_plan | mlp_plan(block, seq))
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -136,10 +147,18 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
 
 
+def parallelize_moe_lm(*args, **kwargs) -> nn.Module:
+    """Qwen3-MoE / Mixtral / OLMoE: experts (EP, grouped GEMM) then the dense recipe (see training.moe)."""
+    from training.moe import parallelize_moe_lm as apply  # training.moe builds on this module
+
+    return apply(*args, **kwargs)
+
+
 PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
     "llama": parallelize_decoder_lm,
     "qwen2": parallelize_decoder_lm,
     "qwen3": parallelize_decoder_lm,
+    **dict.fromkeys(MOE_MODEL_TYPES, parallelize_moe_lm),
 }
 
 

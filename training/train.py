@@ -39,7 +39,7 @@ from configtree import to_dict
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
-from training import checkpoint
+from training import checkpoint, moe
 from training.config import JobConfig
 from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
@@ -205,6 +205,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             break
         step += 1
         set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
+        moe.reset_step(model)
         stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
                            defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast)
         window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
@@ -221,7 +222,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 "flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
                 "data_wait_frac": sum(batches.waits[window_batches:]) / elapsed,
                 "pack_fill": sum(window_fill) / len(window_fill),
-                "max_mem": max_memory_gib(device),
+                "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
         interval = cfg.checkpoint.interval
