@@ -63,10 +63,11 @@ def grouped_experts_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, act_fn,
                     impl: str = "grouped_mm") -> torch.Tensor:
-    """Dispatch to ``impl`` (one of ``IMPLEMENTATIONS``). With no rows at all the output still depends on the
-    weights (zero gradient, not None), so every rank's expert gradients exist for FSDP2's reduce-scatter."""
+    """Dispatch to ``impl`` (one of ``IMPLEMENTATIONS``). With no rows at all the output still depends on
+    ``x`` and the weights, so backward reaches them (zero gradients, not None): under expert parallelism
+    every rank must take part in the backward exchanges and FSDP2's reduce-scatter."""
     if x.shape[0] == 0:
-        return x.new_zeros(0, down.shape[1]) + 0.0 * (gate_up.sum() + down.sum()).to(x.dtype)
+        return x.new_zeros(0, down.shape[1]) + 0.0 * (x.sum() + gate_up.sum() + down.sum()).to(x.dtype)
     if impl == "grouped_mm":
         return grouped_experts_mm(x, gate_up, down, counts, act_fn)
     if impl == "loop":

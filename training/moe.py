@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kernels.grouped_experts import IMPLEMENTATIONS
 from kernels.loss import IGNORE_INDEX
@@ -104,6 +105,33 @@ def shard_experts(mlp: nn.Module, ep_mesh: DeviceMesh) -> None:
         mlp.experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
 
 
+_ROUTER_SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._softmax.default)
+
+
+class _RouterScope:
+    """How many router forwards are running now (set by hooks on every router, read by the AC policy).
+    Saved: the router's logits and probabilities; its top-k and renormalization (which HF does in place, and
+    a saved tensor must not be mutated) are recomputed from the saved probabilities, identically."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def policy(self, ctx, op, *args, **kwargs):
+        if self.depth and op in _ROUTER_SAVED_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def router_saving_ac(model: nn.Module):
+    """``moe.ignore_router_for_ac``: a selective-checkpoint context whose policy saves the routers' matmul and
+    softmax outputs (replayed, not recomputed, in backward) and recomputes everything else in the block."""
+    scope = _RouterScope()
+    for _, mlp in sparse_blocks(model):
+        mlp.gate.register_forward_pre_hook(lambda *_: setattr(scope, "depth", scope.depth + 1))
+        mlp.gate.register_forward_hook(lambda *_: setattr(scope, "depth", scope.depth - 1))
+    return functools.partial(create_selective_checkpoint_contexts, scope.policy)
+
+
 def router_aux_loss(router_logits, labels: torch.Tensor, *, loss_fn, num_experts: int, top_k: int, coef: float,
                     stats: MoEStats) -> torch.Tensor:
     """``coef * aux * labelled tokens`` of one micro-batch (summed like the cross-entropy; module doc)."""
@@ -138,7 +166,9 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
         model.router_aux_loss = functools.partial(
             router_aux_loss, loss_fn=sys.modules[type(model.causal_lm).__module__].load_balancing_loss_func,
             num_experts=experts, top_k=hf_config.num_experts_per_tok, coef=coef, stats=stats)
-    return parallelize_decoder_lm(model, dims, meshes, cfg, param_dtype, mlp_plan=moe_mlp_plan)
+    ac_context_fn = router_saving_ac(model) if cfg.moe.ignore_router_for_ac else None
+    return parallelize_decoder_lm(model, dims, meshes, cfg, param_dtype, mlp_plan=moe_mlp_plan,
+                                  ac_context_fn=ac_context_fn)
 
 
 def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:

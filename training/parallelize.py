@@ -66,16 +66,17 @@ def check_supported(dims: ParallelDims, hf_config) -> None:
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                           param_dtype: torch.dtype, mlp_plan=None) -> nn.Module:
+                           param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
     """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2.
-    ``mlp_plan(block, seq_layout)`` gives a block's mlp TP entries (default ``dense_mlp_plan``; MoE: training.moe)."""
+    ``mlp_plan(block, seq_layout)`` gives a block's mlp TP entries (default ``dense_mlp_plan``) and
+    ``ac_context_fn`` a selective-checkpoint policy (MoE: training.moe)."""
     if dims.tp > 1:
         apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
     blocks = model.model.layers
     if cfg.activation_checkpointing:
         for i, block in enumerate(blocks):
             if i % cfg.activation_checkpointing_every == 0:
-                blocks[i] = checkpoint_wrapper(block)
+                blocks[i] = checkpoint_wrapper(block, **({"context_fn": ac_context_fn} if ac_context_fn else {}))
     if cfg.compile:
         for block in blocks:
             block.compile(backend=cfg.compile_backend)
