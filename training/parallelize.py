@@ -17,7 +17,7 @@ Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan h
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
 write the torch-native plan (the same module names) and keep it beside the function that applies it.
 HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
-q_norm/k_norm act on head_dim and need no plan. Position ids must be passed explicitly under SP (HF
+q_norm/k_norm act on head_dim but their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under SP (HF
 would derive them from the sequence-sharded embeddings).
 """
 
@@ -124,7 +124,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp
                                             use_local_output=True),
         }
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, layer_plan | mlp_plan(block, seq))
+        parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
+
+
+def head_norm_plan(block: nn.Module) -> dict:
+    """Qwen3's per-head q_norm/k_norm see only this rank's heads: their input is marked sharded on the head dim
+    (``(B, S, heads, head_dim)``), so the replicated weight's gradient is a partial sum that DTensor all-reduces
+    over tp. Without it each tp rank would update the weight from half the heads and the replicas would drift."""
+    return {f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)}
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,

@@ -160,7 +160,7 @@ def check_first_gradients(workdir: Path, batches, want_grads: dict) -> None:
 
 
 def run(workdir: Path, batches) -> None:
-    # check_experts_forward()
+    check_experts_forward()
     ref_losses, first_grads, ref_params = reference(workdir, batches)
     check_first_gradients(workdir, batches, first_grads)
     results = {}
