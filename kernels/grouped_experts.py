@@ -7,7 +7,9 @@ expert (``counts[e]`` rows for expert ``e``, in expert order); ``gate_up`` ``(E,
 
 Implementations:
 - ``grouped_mm``: two ``torch._grouped_mm`` calls with cumulative ``offs``; one kernel per projection for all
-  experts (CUTLASS on Hopper, a loop inside ATen on CPU), no host sync, empty experts cost nothing.
+  experts (CUTLASS on Hopper, a loop inside ATen on CPU), no host sync, empty experts cost nothing. It needs
+  16-byte-aligned rows (hidden and expert widths a multiple of 8 in bf16, of 4 in fp32); other widths run
+  the loop.
 - ``loop``: the plain-torch reference and test oracle: one ``F.linear`` pair per expert over its row slice;
   needs the counts on the host (one device sync) and launches 2E small matmuls.
 
@@ -61,6 +63,11 @@ def grouped_experts_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     return _contiguous_grad(torch._grouped_mm(act_fn(gate) * up, down.transpose(1, 2), offs=offs))
 
 
+def _aligned(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """``_grouped_mm`` needs every operand row to start on a 16-byte boundary (hidden and expert widths)."""
+    return all(dim * gate_up.element_size() % 16 == 0 for dim in (down.shape[1], down.shape[2]))
+
+
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, act_fn,
                     impl: str = "grouped_mm") -> torch.Tensor:
     """Dispatch to ``impl`` (one of ``IMPLEMENTATIONS``). With no rows at all the output still depends on
@@ -68,8 +75,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     every rank must take part in the backward exchanges and FSDP2's reduce-scatter."""
     if x.shape[0] == 0:
         return x.new_zeros(0, down.shape[1]) + 0.0 * (x.sum() + gate_up.sum() + down.sum()).to(x.dtype)
-    if impl == "grouped_mm":
+    if impl == "grouped_mm" and _aligned(gate_up, down):
         return grouped_experts_mm(x, gate_up, down, counts, act_fn)
+    if impl == "grouped_mm":  # rows not 16-byte aligned (e.g. bf16 with a width not a multiple of 8)
+        return grouped_experts_loop(x, gate_up, down, counts, act_fn)
     if impl == "loop":
         return grouped_experts_loop(x, gate_up, down, counts, act_fn)
     raise ValueError(f"unknown grouped experts implementation {impl!r} (one of {', '.join(IMPLEMENTATIONS)})")

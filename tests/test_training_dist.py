@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "dist" / "train_layouts.py"
 
 
-def torchrun(nproc: int, *args) -> str:
+def torchrun(nproc: int, *args, script: Path = SCRIPT) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(SCRIPT), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
+                           str(script), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc.stdout

@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from dataio.configtree import ConfigError
 from kernels.grouped_experts import IMPLEMENTATIONS
 from kernels.loss import IGNORE_INDEX
 from training.config import DistributedConfig
@@ -54,29 +55,30 @@ def sparse_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 
 def check_moe(dims: ParallelDims, cfg: DistributedConfig, hf_config) -> None:
-    """One ValueError per unsupported key or combination, before anything is built."""
+    """One ConfigError (a ValueError the CLI prints as one line) per unsupported key or combination, before
+    anything is built."""
     moe = cfg.moe
     experts = num_experts(hf_config)
     if experts % dims.ep:
-        raise ValueError(f"distributed.ep_size={dims.ep} must divide the model's num_experts={experts} "
+        raise ConfigError(f"distributed.ep_size={dims.ep} must divide the model's num_experts={experts} "
                          "(each ep rank holds num_experts / ep_size experts)")
     if moe.experts_implementation not in (*IMPLEMENTATIONS, "hf"):
-        raise ValueError(f"distributed.moe.experts_implementation={moe.experts_implementation!r}: one of "
+        raise ConfigError(f"distributed.moe.experts_implementation={moe.experts_implementation!r}: one of "
                          f"{', '.join((*IMPLEMENTATIONS, 'hf'))}")
     if moe.experts_implementation == "hf" and dims.ep > 1:
-        raise ValueError("distributed.moe.experts_implementation=hf keeps transformers' experts forward, which "
+        raise ConfigError("distributed.moe.experts_implementation=hf keeps transformers' experts forward, which "
                          "cannot dispatch across ranks: use grouped_mm or loop with ep_size > 1")
     if not moe.wrap_outer_model and cfg.strategy == "fsdp2":
-        raise ValueError("distributed.moe.wrap_outer_model=false is not supported: the FSDP2 root holds the "
+        raise ConfigError("distributed.moe.wrap_outer_model=false is not supported: the FSDP2 root holds the "
                          "embeddings and lm_head, whose weight the chunked loss reads unsharded in the root forward")
     if moe.lm_head_precision not in (None, "bf16", "bfloat16") and cfg.strategy == "fsdp2":
-        raise ValueError(f"distributed.moe.lm_head_precision={moe.lm_head_precision!r} is not supported: lm_head "
+        raise ConfigError(f"distributed.moe.lm_head_precision={moe.lm_head_precision!r} is not supported: lm_head "
                          "shares the root FSDP2 group's MixedPrecisionPolicy (use trainer.precision=fp32)")
     if moe.ignore_router_for_ac and not cfg.activation_checkpointing:
-        raise ValueError("distributed.moe.ignore_router_for_ac=true only matters with "
+        raise ConfigError("distributed.moe.ignore_router_for_ac=true only matters with "
                          "distributed.activation_checkpointing=true")
     if dims.tp > 1 and hf_config.model_type == "olmoe":
-        raise ValueError("tp_size > 1 with olmoe is not supported: its q_norm/k_norm normalize over all heads "
+        raise ConfigError("tp_size > 1 with olmoe is not supported: its q_norm/k_norm normalize over all heads "
                          "at once, which a head-sharded q/k projection cannot compute locally")
 
 
