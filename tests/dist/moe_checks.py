@@ -66,6 +66,14 @@ def reference_loss(model, micro) -> torch.Tensor:
 
 
 def reference(workdir: Path, batches):
+    """(losses, first-step mlp gradients, final weights, first-step loss sum) of plain single-process training,
+    computed on rank 0 and broadcast (every rank would compute the same, on 2 shared cores)."""
+    result = [_reference(workdir, batches) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def _reference(workdir: Path, batches):
     model = hf_model(workdir)
     cfg = OptimConfig(**OPTIM)
     opt = build_optimizer(model, cfg)
@@ -77,12 +85,13 @@ def reference(workdir: Path, batches):
         total.backward()
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if "mlp" in n}
+            first_loss_sum = float(total) * tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         set_lr(opt, lr_at(step, cfg, STEPS))
         opt.step()
         opt.zero_grad()
         losses.append(float(total))
-    return losses, first_grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, first_grads, {k: v.detach().clone() for k, v in model.state_dict().items()}, first_loss_sum
 
 
 def check_experts_forward() -> None:
@@ -128,11 +137,10 @@ def check_experts_forward() -> None:
     print("OK ep experts forward/backward equal transformers' experts (top-3, empty experts and rank)", flush=True)
 
 
-def check_first_gradients(workdir: Path, batches, want_grads: dict) -> None:
+def check_first_gradients(workdir: Path, batches, want_grads: dict, want_loss: float) -> None:
     """First step of each layout (no optimizer step): loss and router/expert gradients vs the reference."""
     world = dist.get_world_size()
     tokens = sum(int((mb["labels"] != -100).sum()) for mb in batches[:GLOBAL_MICRO])
-    want_loss = float(reference_loss(hf_model(workdir), batches[:GLOBAL_MICRO]))
     for name, (distributed, k) in LAYOUTS.items():
         cfg = job(workdir, f"grads_{name}", distributed, k)
         dims = ParallelDims.from_config(cfg.distributed, world)
@@ -161,8 +169,8 @@ def check_first_gradients(workdir: Path, batches, want_grads: dict) -> None:
 
 def run(workdir: Path, batches) -> None:
     check_experts_forward()
-    ref_losses, first_grads, ref_params = reference(workdir, batches)
-    check_first_gradients(workdir, batches, first_grads)
+    ref_losses, first_grads, ref_params, first_loss = reference(workdir, batches)
+    check_first_gradients(workdir, batches, first_grads, first_loss)
     results = {}
     for name, (distributed, k) in LAYOUTS.items():
         history = train(job(workdir, name, distributed, k), loaders(batches, k))
