@@ -15,6 +15,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, VOCAB, packed_batches  # noqa: E402
+from test_training import process_group  # noqa: E402, F401  (the one-rank process group fixture)
 
 from kernels.grouped_experts import grouped_experts  # noqa: E402
 from training.config import DistributedConfig, load_job_config  # noqa: E402
@@ -42,20 +43,6 @@ def save_fused(path: Path, fields: dict, seed: int = 0):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
     config.save_pretrained(path)
-
-
-@pytest.fixture
-def process_group():
-    import torch.distributed as dist
-
-    from training.train import init_distributed
-
-    saved = dict(os.environ)
-    init_distributed("cpu")
-    yield
-    dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 # -- kernel ---------------------------------------------------------------------------------------------
@@ -133,7 +120,8 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
         assert model.moe_stats.aux_losses == [pytest.approx(float(out.aux_loss.detach()), rel=1e-5)]
         if impl != "hf":  # our forward counts the routed tokens: top-k per token, every layer
             k = hf.config.num_experts_per_tok
-            assert [int(c.sum()) for c in model.moe_stats.tokens_per_expert.values()] == [k * batch["input_ids"].numel()] * 2
+            routed = [int(c.sum()) for c in model.moe_stats.tokens_per_expert.values()]
+            assert routed == [k * batch["input_ids"].numel()] * 2
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -211,8 +199,8 @@ def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys):
 
     saved = dict(os.environ)
     try:
-        code = main(["--config", str(REPO / "configs" / "debug_qwen3_moe.yaml"), "distributed.moe.wrap_outer_model=false",
-                     "model.config.vocab_size=256", f"trainer.output_dir={tmp_path}"])
+        code = main(["--config", str(REPO / "configs" / "debug_qwen3_moe.yaml"), "model.config.vocab_size=256",
+                     "distributed.moe.wrap_outer_model=false", f"trainer.output_dir={tmp_path}"])
     finally:
         os.environ.clear()
         os.environ.update(saved)

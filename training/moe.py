@@ -89,7 +89,8 @@ def build_moe_meshes(dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> dict[
 
 
 def moe_mlp_plan(block: nn.Module, seq) -> dict:
-    """TP plan for a block's mlp: the dense plan for a dense one, nothing for a sparse one (its experts are not tensor-parallel); under
+    """TP plan for a block's mlp: the dense plan for a dense one, nothing for a sparse one (its experts are not
+    tensor-parallel); under
     SP the whole sequence is gathered before the router and each rank keeps its slice of the output."""
     if not hasattr(block.mlp, "experts"):
         return dense_mlp_plan(block, seq)

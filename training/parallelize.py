@@ -10,15 +10,16 @@
 The model is a ``training.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2 root is
 the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss reads.
 
-Pipeline (pp), context (cp) and expert (ep) parallelism slot in as steps 0 (stage split), 1b (attention
-over the cp mesh) and 1c (expert dispatch); until then a degree > 1 fails early in ``check_supported``.
+Pipeline (pp) and context (cp) parallelism slot in as steps 0 (stage split) and 1b (attention over the cp
+mesh); until then a degree > 1 fails early in ``check_supported``. MoE families (expert parallelism, grouped
+experts) run ``training.moe`` first, then this recipe.
 
 Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
 write the torch-native plan (the same module names) and keep it beside the function that applies it.
 HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
-q_norm/k_norm act on head_dim but their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under SP (HF
-would derive them from the sequence-sharded embeddings).
+q_norm/k_norm act on head_dim but their weight gradient sums over all heads (``head_norm_plan``). Position
+ids must be passed explicitly under SP (HF would derive them from the sequence-sharded embeddings).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_common import ListLoader, packed_batches  # noqa: E402
-from train_layouts import check_close, exported_params, job, loaders  # noqa: E402
+from train_layouts import check_close, check_exported_params, job, loaders  # noqa: E402
 
 from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
 from training import checkpoint  # noqa: E402
@@ -119,9 +119,10 @@ def check_experts_forward() -> None:
     for impl in ("grouped_mm", "loop"):
         mine = Qwen3MoeExperts(config)
         experts_per_rank = 8 // world
+        mine_experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
         with torch.no_grad():
-            mine.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[rank * experts_per_rank:][:experts_per_rank].clone())
-            mine.down_proj = torch.nn.Parameter(full.down_proj[rank * experts_per_rank:][:experts_per_rank].clone())
+            mine.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[mine_experts].clone())
+            mine.down_proj = torch.nn.Parameter(full.down_proj[mine_experts].clone())
         x_local = x[local].detach().requires_grad_()
         out = routed_experts_forward(mine, x_local, index[local], weights[local], layer=0, num_experts=8,
                                      ep_group=group, ep=world, impl=impl, stats=None)
@@ -130,8 +131,7 @@ def check_experts_forward() -> None:
         check_close(f"ep experts {impl} dx", x_local.grad, x.grad[local], 1e-6)
         for name in ("gate_up_proj", "down_proj"):
             grad = getattr(mine, name).grad * world  # _local's 1/ep correction (the trainer's loss scale undoes it)
-            check_close(f"ep experts {impl} d{name}", grad,
-                        getattr(full, name).grad[rank * experts_per_rank:][:experts_per_rank], 1e-5)
+            check_close(f"ep experts {impl} d{name}", grad, getattr(full, name).grad[mine_experts], 1e-5)
         if rank == world - 1:
             assert float(mine.gate_up_proj.grad.abs().sum()) == 0.0  # no token reached this rank
     print("OK ep experts forward/backward equal transformers' experts (top-3, empty experts and rank)", flush=True)
@@ -177,11 +177,7 @@ def run(workdir: Path, batches) -> None:
         check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
         assert all(r["moe_imbalance"] >= 1.0 and r["a2a_bytes"] > 0 and r["a2a_s"] > 0 and r["moe_aux_loss"] > 0
                    for r in history), history
-        if dist.get_rank() == 0:
-            params = exported_params(workdir / name)
-            assert params.keys() == ref_params.keys(), sorted(params.keys() ^ ref_params.keys())
-            for key, value in params.items():
-                check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
+        check_exported_params(workdir, name, ref_params)
         results[name] = history
         print(f"OK {name} matches the single-process reference (losses, weights, metrics)", flush=True)
 
