@@ -34,7 +34,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dataio.configtree import ConfigError
+from configtree import ConfigError
 from kernels.grouped_experts import IMPLEMENTATIONS
 from kernels.loss import IGNORE_INDEX
 from training.config import DistributedConfig
