@@ -194,7 +194,11 @@ def test_ep_needs_experts_and_olmoe_refuses_tp():
         bad_layout(recipe_fields("debug_olmoe"), 2, tp_size=2)
 
 
-def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group):
+@pytest.mark.parametrize("override, message", [
+    ("distributed.moe.wrap_outer_model=false", "distributed.moe.wrap_outer_model=false is not supported"),
+    ("distributed.ep_size=2", "ep_size 2 must divide dp_size * cp_size = 1"),
+])
+def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group, override, message):
     import torch.distributed as dist
 
     from training.__main__ import main
@@ -203,11 +207,11 @@ def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group):
     saved = dict(os.environ)
     try:
         code = main(["--config", str(REPO / "configs" / "debug_qwen3_moe.yaml"), "model.config.vocab_size=256",
-                     "distributed.moe.wrap_outer_model=false", f"trainer.output_dir={tmp_path}"])
+                     override, f"trainer.output_dir={tmp_path}"])
     finally:  # main() ends the process group it ran in; the module's fixture expects one to end itself
         os.environ.clear()
         os.environ.update({k: v for k, v in saved.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")})
         if not dist.is_initialized():
             init_distributed("cpu")
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "distributed.moe.wrap_outer_model=false is not supported" in err, err
+    assert code == 2 and err.count("\n") == 1 and message in err, err

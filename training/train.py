@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from configtree import to_dict
+from configtree import ConfigError, to_dict
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
@@ -157,7 +157,10 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims.from_config(cfg.distributed, world)
+    try:
+        dims = ParallelDims.from_config(cfg.distributed, world)
+    except ValueError as e:  # a layout rule the world size breaks: the CLI prints it as one line
+        raise ConfigError(str(e)) from e
     meshes = dims.build_meshes(device.type)
     coords = rank_coordinates(meshes["world"])
     out_dir = Path(cfg.trainer.output_dir)
