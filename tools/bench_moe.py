@@ -1,7 +1,7 @@
 """Benchmark MoE experts: grouped GEMM vs per-expert loop vs transformers' own experts, and EP exchange time.
 
-    .venv/bin/python tools/bench_moe.py experts [--tokens 4096] [--experts 16] [--hidden 512] [--device cpu]
-    .venv/bin/python tools/bench_moe.py ep [--ep 2 4] [--tokens 4096]      # launches torchrun per ep size
+    .venv/bin/python -m tools.bench_moe experts [--tokens 4096] [--experts 16] [--hidden 512] [--device cpu]
+    .venv/bin/python -m tools.bench_moe ep [--ep 2 4] [--tokens 4096]      # launches torchrun per ep size
 
 experts: forward+backward of one Qwen3-MoE sparse block (router + experts, top-k routing, bf16 or fp32) on
 ``--tokens`` tokens; tokens/s for headrace's ``grouped_mm`` and ``loop`` experts forward and for
@@ -27,9 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dataio.bench.timing import best_interleaved  # noqa: E402
+from dataio.bench.timing import best_interleaved
 
 HEADRACE_IMPLS = ("grouped_mm", "loop")
 HF_IMPLS = ("eager", "grouped_mm")  # batched_mm gathers a weight copy per token: 59 s a step at the defaults
@@ -79,7 +77,7 @@ def bench_experts(args) -> dict:
 
 
 def ep_worker(args) -> None:
-    """One rank of ``bench_moe.py ep`` (under torchrun): time fwd+bwd steps of the EP-split block."""
+    """One rank of ``tools.bench_moe ep`` (under torchrun): time fwd+bwd steps of the EP-split block."""
     import torch.distributed as dist
 
     from training.expert_parallel import MoEStats, install_experts_forward
