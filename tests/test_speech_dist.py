@@ -4,11 +4,11 @@ resume, export of LLM + encoder + adapter, eval during training vs eval of the e
 from __future__ import annotations
 
 import pytest
-from test_training_dist import REPO, torchrun_script
+from test_training_dist import REPO, torchrun
 
 
 @pytest.mark.slow
 def test_salm_layouts_match_single_process_and_resume(tmp_path):
-    out = torchrun_script(REPO / "tests" / "dist" / "speech_layouts.py", 4, tmp_path)
+    out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "speech_layouts.py")
     for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "eval during training equals", "resume reproduces"):
         assert out.count(f"OK {check}") == 4, out[-3000:]

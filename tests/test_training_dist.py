@@ -18,17 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "dist" / "train_layouts.py"
 
 
-def torchrun_script(script: Path, nproc: int, *args) -> str:
+def torchrun(nproc: int, *args, script: Path = SCRIPT) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            str(script), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc.stdout
-
-
-def torchrun(nproc: int, *args) -> str:
-    return torchrun_script(SCRIPT, nproc, *args)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from configtree import ConfigError
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(cfg)
+    except ConfigError as e:  # a rule that needs the world size or the model config (e.g. training.moe.check_moe)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -49,6 +49,19 @@ class PipelineConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """NeMo Automodel's ``distributed.moe:`` keys plus the experts kernel and the aux-loss weight
+    (see training.moe; keys it cannot honour fail there with the reason)."""
+
+    reshard_after_forward: bool = False  # FSDP2 reshard of the expert groups (blocks: distributed.reshard_...)
+    wrap_outer_model: bool = True  # fully_shard the root (embeddings, norm, lm_head); false is refused
+    ignore_router_for_ac: bool = False  # under activation checkpointing, save the router's outputs
+    lm_head_precision: str | None = None  # only the root's own precision is supported
+    experts_implementation: str = "grouped_mm"  # grouped_mm | loop | hf (transformers' own, ep_size 1 only)
+    aux_loss_coef: float | None = None  # router load-balancing loss weight; null: config.router_aux_loss_coef
+
+
+@dataclass(kw_only=True)
 class DistributedConfig:
     """NeMo-Automodel-shaped ``distributed:`` section. ``dp_size: null`` means world / (tp * pp * cp)."""
 
@@ -67,6 +80,7 @@ class DistributedConfig:
     reshard_after_forward: bool = True
     defer_fsdp_grad_sync: bool = True  # reduce gradients only on the last micro-step
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass(kw_only=True)
@@ -144,6 +158,6 @@ def load_job_config(path: str | None, overrides: list[str] = (), base: dict | No
 
 
 __all__ = [
-    "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
+    "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "MoEConfig", "ModelConfig", "OptimConfig",
     "PipelineConfig", "TrainerConfig", "load_job_config",
 ]

@@ -43,18 +43,24 @@ class CausalLMLoss(nn.Module):
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
         self.config = causal_lm.config
         self.chunk_size = chunk_size  # tokens per logits chunk; None: kernels.loss's default (128 MiB of fp32)
+        self.router_aux_loss = None  # MoE: (router_logits, labels) -> summed aux term (training.moe sets it)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        aux = self.router_aux_loss is not None and labels is not None
+        if aux:
+            kwargs["output_router_logits"] = True
+        out = self.model(input_ids=input_ids, use_cache=False, **kwargs)
+        hidden = out.last_hidden_state
         if labels is None:
             return self.lm_head(hidden)
         weight = self.lm_head.weight
         if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
             logits = self.lm_head(hidden)
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size)
-        return loss_sum
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+        else:
+            loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size)
+        return loss_sum + self.router_aux_loss(out.router_logits, labels) if aux else loss_sum
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:

@@ -10,15 +10,16 @@
 The model is a ``training.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2 root is
 the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss reads.
 
-Pipeline (pp), context (cp) and expert (ep) parallelism slot in as steps 0 (stage split), 1b (attention
-over the cp mesh) and 1c (expert dispatch); until then a degree > 1 fails early in ``check_supported``.
+Pipeline (pp) and context (cp) parallelism slot in as steps 0 (stage split) and 1b (attention over the cp
+mesh); until then a degree > 1 fails early in ``check_supported``. MoE families (expert parallelism, grouped
+experts) run ``training.moe`` first, then this recipe.
 
 Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
 write the torch-native plan (the same module names) and keep it beside the function that applies it.
 HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
-q_norm/k_norm act on head_dim and need no plan. Position ids must be passed explicitly under SP (HF
-would derive them from the sequence-sharded embeddings).
+q_norm/k_norm act on head_dim but their weight gradient sums over all heads (``head_norm_plan``). Position
+ids must be passed explicitly under SP (HF would derive them from the sequence-sharded embeddings).
 """
 
 from __future__ import annotations
@@ -43,13 +44,18 @@ from torch.nn.parallel import DistributedDataParallel
 from training.config import DistributedConfig
 from training.parallel_dims import ParallelDims
 
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # parallelized by training.moe
+
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
-    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp), ("ep_size", dims.ep)):
+    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp)):
         if degree > 1:
-            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context / expert parallelism "
+            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context parallelism "
                                       "are not implemented yet (set it to 1)")
+    if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
+        raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
+                         f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")
     if dims.tp > 1:
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
         if heads % dims.tp or kv_heads % dims.tp:
@@ -61,15 +67,17 @@ def check_supported(dims: ParallelDims, hf_config) -> None:
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                           param_dtype: torch.dtype) -> nn.Module:
-    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2."""
+                           param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
+    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2.
+    ``mlp_plan(block, seq_layout)`` gives a block's mlp TP entries (default ``dense_mlp_plan``) and
+    ``ac_context_fn`` a selective-checkpoint policy (MoE: training.moe)."""
     if dims.tp > 1:
-        apply_tp(model, meshes["tp"], dims.sequence_parallel)
+        apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
     blocks = model.model.layers
     if cfg.activation_checkpointing:
         for i, block in enumerate(blocks):
             if i % cfg.activation_checkpointing_every == 0:
-                blocks[i] = checkpoint_wrapper(block)
+                blocks[i] = checkpoint_wrapper(block, **({"context_fn": ac_context_fn} if ac_context_fn else {}))
     if cfg.compile:
         for block in blocks:
             block.compile(backend=cfg.compile_backend)
@@ -82,8 +90,18 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, embed_output: Placement | None = None
-             ) -> None:
+def dense_mlp_plan(block: nn.Module, seq) -> dict:
+    """Megatron MLP: gate/up column-wise, down row-wise (its output back to the ``seq`` layout)."""
+    plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+    if seq != Replicate():
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                         use_local_output=True)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp_plan=dense_mlp_plan,
+             embed_output: Placement | None = None) -> None:
     """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
     stream are sharded over the sequence dim and all-gathered just before attention / MLP. ``embed_output``
     overrides the embedding's output layout (a SALM splits the sequence itself after adding audio)."""
@@ -98,9 +116,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, emb
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
         layer_plan |= {
@@ -110,11 +125,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, emb
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                             use_local_output=True),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
         }
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, layer_plan)
+        parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
+
+
+def head_norm_plan(block: nn.Module) -> dict:
+    """Qwen3's per-head q_norm/k_norm see only this rank's heads: their input is marked sharded on the head dim
+    (``(B, S, heads, head_dim)``), so the replicated weight's gradient is a partial sum that DTensor all-reduces
+    over tp. Without it each tp rank would update the weight from half the heads and the replicas would drift."""
+    return {f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)}
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -138,10 +159,18 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
 
 
+def parallelize_moe_lm(*args, **kwargs) -> nn.Module:
+    """Qwen3-MoE / Mixtral / OLMoE: experts (EP, grouped GEMM) then the dense recipe (see training.moe)."""
+    from training.moe import parallelize_moe_lm as apply  # training.moe builds on this module
+
+    return apply(*args, **kwargs)
+
+
 PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
     "llama": parallelize_decoder_lm,
     "qwen2": parallelize_decoder_lm,
     "qwen3": parallelize_decoder_lm,
+    **dict.fromkeys(MOE_MODEL_TYPES, parallelize_moe_lm),
 }
 
 

@@ -35,11 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from configtree import to_dict
+from configtree import ConfigError, to_dict
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
-from training import checkpoint
+from training import checkpoint, moe
 from training.config import JobConfig
 from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
@@ -164,7 +164,10 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims.from_config(cfg.distributed, world)
+    try:
+        dims = ParallelDims.from_config(cfg.distributed, world)
+    except ValueError as e:  # a layout rule the world size breaks: the CLI prints it as one line
+        raise ConfigError(str(e)) from e
     meshes = dims.build_meshes(device.type)
     coords = rank_coordinates(meshes["world"])
     out_dir = Path(cfg.trainer.output_dir)
@@ -217,6 +220,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             break
         step += 1
         set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
+        moe.reset_step(model)
         stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
                            defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast, forward=forward)
         window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
@@ -233,7 +237,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 "flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
                 "data_wait_frac": sum(batches.waits[window_batches:]) / elapsed,
                 "pack_fill": sum(window_fill) / len(window_fill),
-                "max_mem": max_memory_gib(device),
+                "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:

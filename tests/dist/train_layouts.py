@@ -87,6 +87,16 @@ def exported_params(out_dir: Path) -> dict:
     return load_file(out_dir / "hf" / "model.safetensors")
 
 
+def check_exported_params(workdir: Path, name: str, ref_params: dict) -> None:
+    """Rank 0: run ``name``'s ``hf/`` export holds the reference's keys and weights (within 5e-5)."""
+    if dist.get_rank() != 0:
+        return
+    params = exported_params(workdir / name)
+    assert params.keys() == ref_params.keys(), sorted(params.keys() ^ ref_params.keys())
+    for key, value in params.items():
+        check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
+
+
 def check_close(name: str, got, want, tol: float) -> None:
     got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
     diff = (got - want).abs().max().item()
@@ -157,11 +167,7 @@ def run_layouts(workdir: Path, batches) -> None:
         history = train(job(workdir, name, distributed, k), loaders(batches, k))
         check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
         check_close(f"{name} grad norms", [r["grad_norm"] for r in history], ref_norms, 1e-4)
-        if dist.get_rank() == 0:
-            params = exported_params(workdir / name)
-            assert params.keys() == ref_params.keys(), sorted(params.keys() ^ ref_params.keys())
-            for key, value in params.items():
-                check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
+        check_exported_params(workdir, name, ref_params)
         results[name] = history
         print(f"OK {name} matches the single-process reference", flush=True)
 
