@@ -94,12 +94,17 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     return trainer_state
 
 
-def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None) -> Path | None:
+def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None,
+              pp_group: dist.ProcessGroup | None = None) -> Path | None:
     """Consolidated ``model.safetensors`` + ``config.json`` (+ tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective; rank 0 writes."""
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective; rank 0 writes. Under pipeline
+    parallelism (``pp_group``) each rank holds its stages' part: rank 0 collects the others over its pp group."""
     from safetensors.torch import save_file
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if pp_group is None:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        full = _gather_pipeline_state(model, pp_group)
     if dist.get_rank() != 0:
         return None
     out_dir = Path(out_dir)
@@ -115,6 +120,19 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def _gather_pipeline_state(model: nn.Module, pp_group: dist.ProcessGroup) -> dict:
+    """Full (unsharded) CPU tensors of every stage, on rank 0 (``cpu_offload`` would keep only global rank 0's
+    own stage, so each rank gathers its part and rank 0's pp group sends theirs). Our own ranks' tensors
+    travel pickled inside the job's process group; nothing untrusted is unpickled."""
+    part = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    part = {k: v.detach().cpu() for k, v in part.items()}
+    if dist.get_global_rank(pp_group, 0) != 0:  # not rank 0's pipeline: nothing to send
+        return {}
+    parts = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, group=pp_group, group_dst=0)
+    return {k: v for p in parts for k, v in p.items()} if parts is not None else {}
 
 
 def _copy_tokenizer(tokenizer: str, dest: Path) -> None:
