@@ -2,8 +2,9 @@
 
 Layout: ``checkpoints/step-00000100/`` holds the DCP files (each rank writes its own shards, so saving
 is parallel and a checkpoint loads into any world size or layout: DCP reshards by FQN and DTensor
-placement) plus ``trainer_state.json``: the step, every data-parallel rank's loader state (a list ordered
-by dp rank, so a different dp world can redistribute the stream) and every rank's RNG state.
+placement; optimizer state is flattened to per-parameter keys, so pipeline stages reshard to any pp too)
+plus ``trainer_state.json``: the step, every data-parallel rank's loader state (a list ordered by dp rank,
+so a different dp world can redistribute the stream) and every rank's RNG state.
 
 Atomicity: everything is written under ``step-N.tmp``; after a barrier rank 0 writes the JSON last
 (temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N`` directories
@@ -37,6 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 from training.parallel_dims import gather_objects
 
 STATE_FILE = "trainer_state.json"
+# Optimizer state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): ranks that
+# hold different parameters (pipeline stages) then write disjoint keys instead of colliding param_groups lists.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -62,7 +66,7 @@ def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # leftovers of a crashed save
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     rng = gather_objects(_rng_state())
     dist.barrier()
@@ -80,10 +84,11 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     """Restore model and optimizer from ``path`` into the current layout; returns the trainer state dict,
     after restoring this rank's RNG when the world size is unchanged."""
     path = Path(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_OPTIONS)
     with open(path / STATE_FILE) as f:
         trainer_state = json.load(f)
     if len(trainer_state["rng"]) == dist.get_world_size():
