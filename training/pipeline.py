@@ -72,6 +72,7 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+PIPELINE_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders whose forward DecoderStage reproduces
 NEEDS_M_GE_STAGES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
@@ -119,9 +120,24 @@ def stage_count(cfg: PipelineConfig, class_name: str, pp: int, num_layers: int) 
     return stages
 
 
+def microbatch_count(rows: int, microbatch_size: int, class_name: str, stages: int) -> int:
+    """Microbatches per step (``rows`` = data.batch_size x trainer.grad_accum); ValueError when the schedule
+    cannot run them."""
+    if rows % microbatch_size:
+        raise ValueError(f"distributed.pipeline.pp_microbatch_size {microbatch_size} must divide the rows of a "
+                         f"step, data.batch_size x trainer.grad_accum = {rows}")
+    count = rows // microbatch_size
+    if class_name in NEEDS_M_GE_STAGES and count < stages:
+        raise ValueError(f"distributed.pipeline: {class_name} needs at least as many microbatches as stages "
+                         f"({stages}) but gets {count} (data.batch_size x trainer.grad_accum / pp_microbatch_size "
+                         f"= {rows} / {microbatch_size}); raise the batch or lower pp_microbatch_size")
+    return count
+
+
 def split_layers(block_params: list[int], head_params: tuple[int, int], stages: int) -> list[range]:
     """Contiguous block ranges, one per stage, minimising the largest stage's parameter count (the first stage
-    also carries ``head_params[0]`` (embedding), the last ``head_params[1]`` (norm + lm_head))."""
+    also carries ``head_params[0]`` (embedding), the last ``head_params[1]`` (norm + lm_head)); among splits
+    with that maximum, the one with the smallest sum of squared stage sizes (the most even)."""
     n = len(block_params)
     prefix = [0]
     for p in block_params:
@@ -131,15 +147,17 @@ def split_layers(block_params: list[int], head_params: tuple[int, int], stages: 
         return (prefix[hi] - prefix[lo] + (head_params[0] if stage == 0 else 0)
                 + (head_params[1] if stage == stages - 1 else 0))
 
-    # best[s][i]: the smallest possible max weight when stages 0..s-1 hold blocks 0..i-1; cut[s][i] its last cut
-    inf = float("inf")
+    # best[s][i]: the smallest (max weight, sum of squares) when stages 0..s-1 hold blocks 0..i-1; cut[s][i]
+    # the start of stage s-1 in that split
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for s in range(1, stages + 1):
         for i in range(s, n - (stages - s) + 1):
             for j in range(s - 1, i):
-                cand = max(best[s - 1][j], weight(s - 1, j, i))
+                w = weight(s - 1, j, i)
+                cand = (max(best[s - 1][j][0], w), best[s - 1][j][1] + w * w)
                 if cand < best[s][i]:
                     best[s][i], cut[s][i] = cand, j
     bounds, i = [n], n
@@ -295,21 +313,17 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     if cfg.model.kind != "causal_lm":
         raise ValueError(f"pp_size > 1 splits a causal LM; model.kind {cfg.model.kind!r} has no pipeline split "
                          "rule (set distributed.pp_size=1)")
+    if hf_config.model_type not in PIPELINE_MODEL_TYPES:
+        raise ValueError(f"pp_size > 1: model_type {hf_config.model_type!r} has no pipeline split rule "
+                         f"(supported: {', '.join(PIPELINE_MODEL_TYPES)})")
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("pp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head live "
                          "on different stages); set model.config.tie_word_embeddings=false")
     pp, pp_rank = dims.pp, meshes["pp"].get_local_rank()
     num_layers = hf_config.num_hidden_layers
     total = stage_count(pcfg, class_name, pp, num_layers)
-    rows = cfg.data.batch_size * cfg.trainer.grad_accum
-    if rows % pcfg.pp_microbatch_size:
-        raise ValueError(f"distributed.pipeline.pp_microbatch_size {pcfg.pp_microbatch_size} must divide the rows "
-                         f"of a step, data.batch_size x trainer.grad_accum = {rows}")
-    n_micro = rows // pcfg.pp_microbatch_size
-    if class_name in NEEDS_M_GE_STAGES and n_micro < total:
-        raise ValueError(f"distributed.pipeline: {class_name} needs at least as many microbatches as stages "
-                         f"({total}) but gets {n_micro} (data.batch_size x trainer.grad_accum / pp_microbatch_size"
-                         f" = {rows} / {pcfg.pp_microbatch_size}); raise the batch or lower pp_microbatch_size")
+    n_micro = microbatch_count(cfg.data.batch_size * cfg.trainer.grad_accum, pcfg.pp_microbatch_size,
+                               class_name, total)
 
     full = CausalLMLoss(build_meta_model(hf_config))
     blocks = [sum(p.numel() for p in block.parameters()) for block in full.model.layers]
@@ -384,5 +398,6 @@ def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
     }
 
 
-__all__ = ["SCHEDULES", "DecoderStage", "Pipeline", "bubble_theory", "build_pipeline", "local_stage_ids",
-           "pipeline_metrics", "pipeline_train_step", "schedule_class_name", "split_layers", "stage_count"]
+__all__ = ["PIPELINE_MODEL_TYPES", "SCHEDULES", "DecoderStage", "Pipeline", "bubble_theory", "build_pipeline",
+           "local_stage_ids", "microbatch_count", "pipeline_metrics", "pipeline_train_step", "schedule_class_name",
+           "split_layers", "stage_count"]
