@@ -50,7 +50,8 @@ def test_automodel_pipeline_block_loads_as_written():
     assert (pipeline.pp_schedule, pipeline.pp_microbatch_size, pipeline.scale_grads_in_schedule) == \
         ("interleaved1f1b", 4, False)
     with pytest.raises(ConfigError, match=r"pp_schedule: unknown schedule 'interleaved2f2b' \(accepted: .*1f1b"):
-        load_job_config(None, ["distributed.pipeline.pp_schedule=interleaved2f2b"], base=yaml.safe_load(AUTOMODEL_BLOCK))
+        load_job_config(None, ["distributed.pipeline.pp_schedule=interleaved2f2b"],
+                        base=yaml.safe_load(AUTOMODEL_BLOCK))
 
 
 @pytest.mark.parametrize("names, cls", [
@@ -108,7 +109,7 @@ def test_stage_counts_placement_and_errors():
     assert microbatch_count(8, 2, "Schedule1F1B", 4) == 4
     with pytest.raises(ValueError, match="pp_microbatch_size 3 must divide the rows of a step"):
         microbatch_count(8, 3, "Schedule1F1B", 2)
-    with pytest.raises(ValueError, match="Schedule1F1B needs at least as many microbatches as stages \\(4\\) but gets 2"):
+    with pytest.raises(ValueError, match=r"needs at least as many microbatches as stages \(4\) but gets 2"):
         microbatch_count(8, 4, "Schedule1F1B", 4)
     assert bubble_theory("Schedule1F1B", 4, 1, 8) == 3 / 8
     assert bubble_theory("ScheduleInterleaved1F1B", 4, 2, 8) == 3 / 16

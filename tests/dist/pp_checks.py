@@ -28,7 +28,7 @@ from train_layouts import (  # noqa: E402
     GLOBAL_MICRO,
     STEPS,
     check_close,
-    exported_params,
+    check_matches_reference,
     job,
     loaders,
     pretrained_hf_model,
@@ -47,14 +47,7 @@ def pp_job(workdir: Path, name: str, pp: int, schedule: str, grad_accum: int, ma
 
 
 def check_run(workdir: Path, name: str, history: list[dict], want) -> None:
-    ref_losses, ref_norms, ref_params = want
-    check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
-    check_close(f"{name} grad norms", [r["grad_norm"] for r in history], ref_norms, 1e-4)
-    if dist.get_rank() == 0:
-        params = exported_params(workdir / name)
-        assert params.keys() == ref_params.keys(), sorted(params.keys() ^ ref_params.keys())
-        for key, value in params.items():
-            check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
+    check_matches_reference(workdir, name, history, want)
     record = history[-1]
     assert 0.0 <= record["pp_bubble_theory"] < 1 and record["pp_bubble_measured"] >= 0, record
     assert len(record["pp_stage_compute_s"]) == len(record["pp_stage_max_mem"]), record
