@@ -16,7 +16,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from train_common import TINY_LLAMA, save_pretrained_tiny  # noqa: E402
 
-from dataio.configtree import ConfigError  # noqa: E402
+from configtree import ConfigError  # noqa: E402
 from training.config import load_job_config  # noqa: E402
 from training.pipeline import (  # noqa: E402
     bubble_theory,
