@@ -278,7 +278,7 @@ class Pipeline:
 
     part: nn.Module
     stages: list[PipelineStage]
-    stage_ranges: list[range]  # blocks of every stage (all ranks), for logs and tests
+    stage_ranges: list[range]  # blocks of every stage (all ranks)
     schedule: object
     class_name: str
     n_microbatches: int
@@ -345,6 +345,11 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     cls = getattr(torch_schedules, class_name)
     schedule = cls(stages[0] if class_name in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss,
                    scale_grads=pcfg.scale_grads_in_schedule)
+    if dist.get_rank() == 0:
+        blocks_text = ", ".join(f"{r.start}-{r.stop - 1}" for r in ranges)
+        print(f"pipeline {class_name}: {total} stages over pp {pp} (blocks {blocks_text}), {n_micro} microbatches "
+              f"of {pcfg.pp_microbatch_size} rows, theoretical bubble "
+              f"{bubble_theory(class_name, pp, len(mine), n_micro):.3f}", flush=True)
     return Pipeline(part=part, stages=stages, stage_ranges=ranges, schedule=schedule, class_name=class_name,
                     n_microbatches=n_micro, scale_grads_in_schedule=pcfg.scale_grads_in_schedule, loss=loss,
                     timer=PipelineTimer(stages, device), pp_mesh=meshes["pp"])
