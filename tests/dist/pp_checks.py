@@ -5,8 +5,8 @@
 interleaved, looped, zero-bubble and V schedules) trains STEPS steps on the same global batches as the
 single-process reference; losses, gradient norms and the weights read back from the ``hf/`` export must
 match, and the exported model's logits must equal the reference model's. ``scale_grads_in_schedule: true``
-trains the same model. The pp 2 checkpoint of step 2 then resumes at pp 1 (FSDP2 over 2 ranks) with the
-reference's losses.
+trains the same model; bf16 with activation checkpointing stays within bf16 rounding of it. The pp 2
+checkpoint of step 2 then resumes at pp 1 (FSDP2 over 2 ranks) with the reference's losses.
 
 ``torchrun --nproc-per-node 4 tests/dist/pp_checks.py WORKDIR pp4``: pp 4 with 1F1B and Interleaved1F1B,
 pp 2 x dp 2 (FSDP2), pp 2 x tp 2 (+SP) against the same reference, and the pp 2 checkpoint resumed at pp 4.
@@ -82,6 +82,14 @@ def run_pp2(workdir: Path) -> None:
     cfg = pp_job(workdir, name, 2, "1f1b", GLOBAL_MICRO, pipeline=dict(scale_grads_in_schedule=True))
     check_run(workdir, name, train(cfg, loaders(BATCHES, GLOBAL_MICRO)), want)
     print("OK pp2 scale_grads_in_schedule trains the same model", flush=True)
+    # bf16 (FSDP2 MixedPrecisionPolicy per stage, bf16 activations between stages) with activation
+    # checkpointing: losses within half a bf16 unit roundoff of the fp32 reference, as in train_layouts.
+    cfg = pp_job(workdir, "pp2_bf16_ac", 2, "interleaved_1f1b", GLOBAL_MICRO, activation_checkpointing=True)
+    cfg.trainer.precision = "bf16"
+    history = train(cfg, loaders(BATCHES, GLOBAL_MICRO))
+    relative = [r["loss"] / ref - 1 for r, ref in zip(history, want[0])]
+    check_close("pp2 bf16 relative losses", relative, [0.0] * len(relative), 1e-3)
+    print(f"OK pp2 bf16 with activation checkpointing within {max(map(abs, relative)):.1e} of fp32", flush=True)
 
     if dist.get_rank() == 0:  # the export loads in plain transformers and gives the reference's logits
         from transformers import AutoModelForCausalLM
