@@ -79,6 +79,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         options = get_args(tp)
         if value is None and type(None) in options:
             return None
+        # NeMo Automodel's YAML writes ``dp_size: none``: the string means null where no str is accepted
+        if type(None) in options and str not in options and isinstance(value, str) and value.lower() == "none":
+            return None
         errors = []
         for option in options:
             if option is type(None):

@@ -83,8 +83,8 @@ def test_unsupported_layouts_fail_before_building():
     hf.tie_word_embeddings = True
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), hf)
-    with pytest.raises(NotImplementedError, match="pp_size=2"):
-        check_supported(ParallelDims.from_config(DistributedConfig(pp_size=2), 2), hf)
+    with pytest.raises(NotImplementedError, match="cp_size=2"):
+        check_supported(ParallelDims.from_config(DistributedConfig(cp_size=2), 2), hf)
 
 
 def test_warmup_then_cosine():

@@ -2,8 +2,9 @@
 
 Layout: ``checkpoints/step-00000100/`` holds the DCP files (each rank writes its own shards, so saving
 is parallel and a checkpoint loads into any world size or layout: DCP reshards by FQN and DTensor
-placement) plus ``trainer_state.json``: the step, every data-parallel rank's loader state (a list ordered
-by dp rank, so a different dp world can redistribute the stream) and every rank's RNG state.
+placement; optimizer state is flattened to per-parameter keys, so pipeline stages reshard to any pp too)
+plus ``trainer_state.json``: the step, every data-parallel rank's loader state (a list ordered by dp rank,
+so a different dp world can redistribute the stream) and every rank's RNG state.
 
 Atomicity: everything is written under ``step-N.tmp``; after a barrier rank 0 writes the JSON last
 (temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N`` directories
@@ -37,6 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 from training.parallel_dims import gather_objects
 
 STATE_FILE = "trainer_state.json"
+# Optimizer state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): ranks that
+# hold different parameters (pipeline stages) then write disjoint keys instead of colliding param_groups lists.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -62,7 +66,7 @@ def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # leftovers of a crashed save
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     rng = gather_objects(_rng_state())
     dist.barrier()
@@ -80,10 +84,11 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     """Restore model and optimizer from ``path`` into the current layout; returns the trainer state dict,
     after restoring this rank's RNG when the world size is unchanged."""
     path = Path(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_OPTIONS)
     with open(path / STATE_FILE) as f:
         trainer_state = json.load(f)
     if len(trainer_state["rng"]) == dist.get_world_size():
@@ -94,12 +99,17 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     return trainer_state
 
 
-def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None) -> Path | None:
+def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None,
+              pp_group: dist.ProcessGroup | None = None) -> Path | None:
     """Consolidated ``model.safetensors`` + ``config.json`` (+ tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective; rank 0 writes."""
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective; rank 0 writes. Under pipeline
+    parallelism (``pp_group``) each rank holds its stages' part: rank 0 collects the others over its pp group."""
     from safetensors.torch import save_file
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if pp_group is None:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        full = _gather_pipeline_state(model, pp_group)
     if dist.get_rank() != 0:
         return None
     out_dir = Path(out_dir)
@@ -115,6 +125,19 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def _gather_pipeline_state(model: nn.Module, pp_group: dist.ProcessGroup) -> dict:
+    """Full (unsharded) CPU tensors of every stage, on rank 0 (``cpu_offload`` would keep only global rank 0's
+    own stage, so each rank gathers its part and rank 0's pp group sends theirs). Our own ranks' tensors
+    travel pickled inside the job's process group; nothing untrusted is unpickled."""
+    part = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    part = {k: v.detach().cpu() for k, v in part.items()}
+    if dist.get_global_rank(pp_group, 0) != 0:  # not rank 0's pipeline: nothing to send
+        return {}
+    parts = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, group=pp_group, group_dst=0)
+    return {k: v for p in parts for k, v in p.items()} if parts is not None else {}
 
 
 def _copy_tokenizer(tokenizer: str, dest: Path) -> None:

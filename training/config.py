@@ -42,10 +42,24 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    """Pipeline-parallel settings (used once pp_size > 1 is implemented)."""
+    """Pipeline-parallel settings (``distributed.pp_size > 1``), NeMo Automodel's ``pipeline:`` block plus
+    torchtitan's stage controls; ``training.pipeline`` documents each field's effect."""
 
-    pp_schedule: str = "1f1b"
-    pp_microbatch_size: int = 1
+    pp_schedule: str = "1f1b"  # Automodel or torchtitan spelling (1f1b, gpipe, interleaved_1f1b, ZBVZeroBubble..)
+    pp_microbatch_size: int = 1  # packed rows per pipeline microbatch
+    scale_grads_in_schedule: bool = False
+    layers_per_stage: int | None = None  # decoder blocks per stage; null: balance stages by parameter count
+    round_virtual_stages_to_pp_multiple: Literal["up", "down"] | None = None
+    reshard_after_forward: bool = False  # FSDP2 under PP: keep weights gathered across microbatches
+
+    def __post_init__(self):
+        from training.pipeline import schedule_class_name  # deferred: pipeline imports this module's neighbours
+
+        schedule_class_name(self.pp_schedule)  # unknown name: one ValueError listing the accepted ones
+        if self.pp_microbatch_size < 1:
+            raise ValueError(f"distributed.pipeline.pp_microbatch_size must be >= 1, got {self.pp_microbatch_size}")
+        if self.layers_per_stage is not None and self.layers_per_stage < 1:
+            raise ValueError(f"distributed.pipeline.layers_per_stage must be >= 1, got {self.layers_per_stage}")
 
 
 @dataclass(kw_only=True)

@@ -53,14 +53,22 @@ class CausalLMLoss(nn.Module):
         hidden = out.last_hidden_state
         if labels is None:
             return self.lm_head(hidden)
-        weight = self.lm_head.weight
-        if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
-            logits = self.lm_head(hidden)
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
-        else:
-            loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size)
+        loss_sum = lm_head_loss_sum(self.lm_head, hidden, labels, self.chunk_size)
         return loss_sum + self.router_aux_loss(out.router_logits, labels) if aux else loss_sum
+
+
+def lm_head_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                     chunk_size: int | None = None) -> torch.Tensor:
+    """Summed cross-entropy of ``lm_head(hidden)`` against ``labels``: the chunked kernel, or full logits when
+    the lm_head is vocab-sharded (TP). Call it inside the forward of the module whose FSDP2 unshard covers
+    ``lm_head`` (``CausalLMLoss``, or the pipeline's last stage)."""
+    weight = lm_head.weight
+    if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
+        logits = lm_head(hidden)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+    return loss_sum
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -69,4 +77,4 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return getattr(model, "causal_lm", model)
 
 
-__all__ = ["CausalLMLoss", "unwrap_causal_lm"]
+__all__ = ["CausalLMLoss", "lm_head_loss_sum", "unwrap_causal_lm"]

@@ -97,7 +97,9 @@ class MetricsLogger:
                 f"[bold]step {record['step']:>5}[/]  loss [cyan]{record['loss']:.4f}[/]  lr {record['lr']:.2e}  "
                 f"gnorm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s "
                 f"({record['tokens_per_s_per_device']:,.0f}/dev)  {mfu}  data wait {record['data_wait_frac']:.1%}  "
-                f"pack fill {record['pack_fill']:.1%}  mem {record['max_mem']:.2f} GiB", soft_wrap=True)
+                f"pack fill {record['pack_fill']:.1%}  mem {record['max_mem']:.2f} GiB"
+                + (f"  pp bubble {record['pp_bubble_measured']:.2f} (theory {record['pp_bubble_theory']:.2f})"
+                   if "pp_bubble_measured" in record else ""), soft_wrap=True)
 
     def summary(self, skip_first: int = 1) -> dict:
         """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""

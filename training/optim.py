@@ -45,8 +45,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float | None) -> float:
-    """Global L2 norm of all gradients (sharded or not); scale them down to ``max_norm`` when given."""
+def clip_grad_norm(parameters, max_norm: float | None, pp_group=None) -> float:
+    """Global L2 norm of all gradients (sharded or not); scale them down to ``max_norm`` when given.
+    ``pp_group``: the pipeline group, whose ranks hold different stages; their squared norms are summed."""
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
@@ -58,6 +59,8 @@ def clip_grad_norm(parameters, max_norm: float | None) -> float:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total_sq += norm.float() ** 2
+    if pp_group is not None:
+        torch.distributed.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt().item()
     if max_norm is not None and total > max_norm:
         scale = max_norm / (total + 1e-6)

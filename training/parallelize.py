@@ -10,9 +10,12 @@
 The model is a ``training.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2 root is
 the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss reads.
 
-Pipeline (pp) and context (cp) parallelism slot in as steps 0 (stage split) and 1b (attention over the cp
-mesh); until then a degree > 1 fails early in ``check_supported``. MoE families (expert parallelism, grouped
-experts) run ``training.moe`` first, then this recipe.
+Pipeline parallelism (pp) is step 0: ``training.pipeline`` splits the model into stage modules (HF child
+names, blocks in a ``ModuleDict`` keyed by their global index) and calls ``parallelize`` on each stage, so
+every step below handles a model whose ``model.embed_tokens`` / ``model.norm`` / ``lm_head`` may be absent.
+Context (cp) parallelism slots in as step 1b (attention over the cp mesh); until then cp > 1 fails early in
+``check_supported``. MoE families (expert parallelism, grouped experts) run ``training.moe`` first, then this
+recipe.
 
 Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
@@ -49,10 +52,9 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # parallelized by training.
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
-    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp)):
-        if degree > 1:
-            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context parallelism "
-                                      "are not implemented yet (set it to 1)")
+    if dims.cp > 1:
+        raise NotImplementedError(f"distributed.cp_size={dims.cp}: context parallelism is not implemented yet "
+                                  "(set it to 1)")
     if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
                          f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")
@@ -73,11 +75,13 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     ``ac_context_fn`` a selective-checkpoint policy (MoE: training.moe)."""
     if dims.tp > 1:
         apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
-    blocks = model.model.layers
+    layers = model.model.layers  # a ModuleList, or a pipeline stage's ModuleDict keyed by global index
     if cfg.activation_checkpointing:
-        for i, block in enumerate(blocks):
-            if i % cfg.activation_checkpointing_every == 0:
-                blocks[i] = checkpoint_wrapper(block, **({"context_fn": ac_context_fn} if ac_context_fn else {}))
+        for name, block in list(layers.named_children()):
+            if int(name) % cfg.activation_checkpointing_every == 0:
+                layers.register_module(name, checkpoint_wrapper(
+                    block, **({"context_fn": ac_context_fn} if ac_context_fn else {})))
+    blocks = list(layers.children())
     if cfg.compile:
         for block in blocks:
             block.compile(backend=cfg.compile_backend)
@@ -106,11 +110,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp
     stream are sharded over the sequence dim and all-gathered just before attention / MLP. ``embed_output``
     overrides the embedding's output layout (a SALM splits the sequence itself after adding audio)."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, tp_mesh, {
+    present = dict(model.named_modules())  # a pipeline stage holds only some of these
+    parallelize_module(model, tp_mesh, {name: style for name, style in {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_output or seq),
         **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    })
+    }.items() if name in present})
     layer_plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -126,7 +131,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                             use_local_output=True),
         }
-    for block in model.model.layers:
+    for block in model.model.layers.children():
         parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
 
 
@@ -138,7 +143,7 @@ def head_norm_plan(block: nn.Module) -> dict:
             for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)}
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
                reshard_after_forward: bool) -> None:
     """fully_shard each block (its all-gather overlaps the previous block's compute), then the root
     (embeddings, final norm, lm_head: tied weights stay in one group, unsharded for the whole loss

@@ -47,6 +47,7 @@ from training.model import build_hf_config, build_meta_model, materialize
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
+from training.pipeline import build_pipeline, pipeline_metrics, pipeline_train_step
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
@@ -179,7 +180,13 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
     torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
-    model, hf_config = build_model(cfg, dims, meshes, device)
+    pipe = None
+    if dims.pp > 1:  # training.pipeline: this rank's stages; ``model`` is its part (transformers' names)
+        hf_config = build_hf_config(cfg.model)
+        pipe = build_pipeline(cfg, dims, meshes, device, hf_config)
+        model = pipe.part
+    else:
+        model, hf_config = build_model(cfg, dims, meshes, device)
     autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # FSDP2 casts via its policy
     optimizer = build_optimizer(model, cfg.optim)
 
@@ -221,8 +228,12 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         step += 1
         set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
         moe.reset_step(model)
-        stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
-                           defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast, forward=forward)
+        if pipe is not None:
+            stats = pipeline_train_step(pipe, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm)
+        else:
+            stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
+                               defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast,
+                               forward=forward)
         window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
         window_fill += [float(mb["fill"]) if "fill" in mb else
                         float((mb["labels"] != IGNORE_INDEX).float().mean()) for mb in micro]
@@ -238,6 +249,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 "data_wait_frac": sum(batches.waits[window_batches:]) / elapsed,
                 "pack_fill": sum(window_fill) / len(window_fill),
                 "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
+                **(pipeline_metrics(pipe, max_memory_gib(device)) if pipe is not None else {}),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
@@ -261,7 +273,8 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
         export_salm(model, cfg, out_dir)
     elif cfg.checkpoint.export_hf:
-        checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer)
+        checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
+                             pp_group=pipe.pp_mesh.get_group() if pipe is not None else None)
     logger.summary()
     logger.close()
     return logger.history

@@ -105,6 +105,19 @@ def check_close(name: str, got, want, tol: float) -> None:
                              if got.numel() < 10 else f"{name}: max diff {diff:.3g} > {tol:g}")
 
 
+def check_matches_reference(workdir: Path, name: str, history: list[dict], want: tuple) -> None:
+    """The run ``name``'s losses and gradient norms, and the weights of its ``hf/`` export, equal ``want``
+    (the output of ``reference``)."""
+    ref_losses, ref_norms, ref_params = want
+    check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
+    check_close(f"{name} grad norms", [r["grad_norm"] for r in history], ref_norms, 1e-4)
+    if dist.get_rank() == 0:
+        params = exported_params(workdir / name)
+        assert params.keys() == ref_params.keys(), sorted(params.keys() ^ ref_params.keys())
+        for key, value in params.items():
+            check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
+
+
 def check_first_gradients(workdir: Path, batches) -> None:
     """One micro-batch per rank through the trainer's FSDP2 ``CausalLMLoss`` (chunked loss, 13-token chunks)
     must give the loss and gradients of HF's full logits on all four micro-batches in one process.
@@ -165,9 +178,7 @@ def run_layouts(workdir: Path, batches) -> None:
     results = {}
     for name, (distributed, k) in layouts.items():
         history = train(job(workdir, name, distributed, k), loaders(batches, k))
-        check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
-        check_close(f"{name} grad norms", [r["grad_norm"] for r in history], ref_norms, 1e-4)
-        check_exported_params(workdir, name, ref_params)
+        check_matches_reference(workdir, name, history, (ref_losses, ref_norms, ref_params))
         results[name] = history
         print(f"OK {name} matches the single-process reference", flush=True)
 
