@@ -80,9 +80,13 @@ def test_unsupported_layouts_fail_before_building():
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with pytest.raises(ValueError, match="tp_size 8 must divide .* num_key_value_heads 4"):
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=8), 8), hf)
-    hf.tie_word_embeddings = True
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), hf)
+    # Families without a hand-written plan: TP from their own plan, without SP; none without a plan.
+    mistral, stablelm = AutoConfig.for_model("mistral", **fields), AutoConfig.for_model("stablelm", **fields)
+    check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), mistral)
+    with pytest.raises(ValueError, match="sequence_parallel: model_type 'mistral' has no sequence-parallel plan"):
+        check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2, sequence_parallel=True), 2), mistral)
+    with pytest.raises(ValueError, match="'stablelm' has no base_model_tp_plan"):
+        check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), stablelm)
     with pytest.raises(NotImplementedError, match="pp_size=2"):
         check_supported(ParallelDims.from_config(DistributedConfig(pp_size=2), 2), hf)
 
@@ -293,7 +297,7 @@ def test_qwen_recipes_train(tmp_path, process_group, recipe, precision):
         "checkpoint.interval=0", "data.packing_buffer=8"])
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]
-    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "hf" / "model-00001-of-00001.safetensors").is_file()
 
 
 @pytest.mark.gpu

@@ -104,7 +104,8 @@ class CheckpointConfig:
     save_final: bool = True
     resume: bool = True  # continue from the newest complete checkpoint in output_dir when there is one
     keep_last: int | None = None  # delete older checkpoints beyond this many
-    export_hf: bool = True  # write output_dir/hf (config.json + model.safetensors [+ tokenizer]) at the end
+    export_hf: bool = True  # write output_dir/hf (config.json + sharded safetensors + index [+ tokenizer]) at the end
+    export_shard_size_mb: float = 5000.0  # most bytes per hf/ safetensors file
 
 
 @dataclass(kw_only=True)

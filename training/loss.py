@@ -35,22 +35,26 @@ class CausalLMLoss(nn.Module):
 
     def __init__(self, causal_lm: nn.Module, chunk_size: int | None = None):
         super().__init__()
-        if getattr(causal_lm.lm_head, "bias", None) is not None:
+        head = causal_lm.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
             raise ValueError("CausalLMLoss: an lm_head with a bias is not supported (the chunked loss reads "
                              "only the weight)")
         for name, child in causal_lm.named_children():  # same FQNs as the HF model: "model.*", "lm_head.*"
             self.add_module(name, child)
+        # The decoder and the head under the family's own names (GPT-NeoX: gpt_neox / embed_out).
+        object.__setattr__(self, "decoder", causal_lm.base_model)
+        object.__setattr__(self, "head", head)
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
         self.config = causal_lm.config
         self.chunk_size = chunk_size  # tokens per logits chunk; None: kernels.loss's default (128 MiB of fp32)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        hidden = self.decoder(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
         if labels is None:
-            return self.lm_head(hidden)
-        weight = self.lm_head.weight
+            return self.head(hidden)
+        weight = self.head.weight
         if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
-            logits = self.lm_head(hidden)
+            logits = self.head(hidden)
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
         loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size)

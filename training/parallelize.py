@@ -13,7 +13,8 @@ the module whose forward computes the loss: its unshard covers the lm_head weigh
 Pipeline (pp), context (cp) and expert (ep) parallelism slot in as steps 0 (stage split), 1b (attention
 over the cp mesh) and 1c (expert dispatch); until then a degree > 1 fails early in ``check_supported``.
 
-Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
+Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every other
+family uses, see ``training.families``): that plan has no sequence-parallel
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
 write the torch-native plan (the same module names) and keep it beside the function that applies it.
 HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
@@ -41,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from training.config import DistributedConfig
+from training.families import LLAMA_LIKE, apply_hf_tp_plan, check_hf_tp_plan, decoder_blocks, retie
 from training.parallel_dims import ParallelDims
 
 
@@ -55,17 +57,18 @@ def check_supported(dims: ParallelDims, hf_config) -> None:
         if heads % dims.tp or kv_heads % dims.tp:
             raise ValueError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
                              f"num_key_value_heads {kv_heads}")
-        if getattr(hf_config, "tie_word_embeddings", False):
-            raise ValueError("tp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head "
-                             "shard the shared weight differently); set model.config.tie_word_embeddings=false")
+        if hf_config.model_type not in LLAMA_LIKE:
+            check_hf_tp_plan(hf_config, dims.sequence_parallel)
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
                            param_dtype: torch.dtype) -> nn.Module:
-    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2."""
+    """Any transformers causal LM (``training.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
+    TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise."""
     if dims.tp > 1:
-        apply_tp(model, meshes["tp"], dims.sequence_parallel)
-    blocks = model.model.layers
+        tp_fn = apply_tp if model.config.model_type in LLAMA_LIKE else apply_hf_tp_plan
+        tp_fn(model, meshes["tp"], dims.sequence_parallel)
+    blocks = decoder_blocks(model)
     if cfg.activation_checkpointing:
         for i, block in enumerate(blocks):
             if i % cfg.activation_checkpointing_every == 0:
@@ -115,6 +118,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, emb
         }
     for block in model.model.layers:
         parallelize_module(block, tp_mesh, layer_plan)
+    retie(model)
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -138,21 +142,16 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
 
 
-PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
-    "llama": parallelize_decoder_lm,
-    "qwen2": parallelize_decoder_lm,
-    "qwen3": parallelize_decoder_lm,
-}
+# Families that need a parallelize function of their own (none yet); all others take the generic one.
+PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {}
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
                 param_dtype: torch.dtype) -> nn.Module:
-    """Dispatch on ``config.model_type`` to the family's parallelize function."""
-    model_type = model.config.model_type
-    if model_type not in PARALLELIZE_FNS:
-        raise ValueError(f"no parallelize function for model_type {model_type!r} ({', '.join(PARALLELIZE_FNS)})")
+    """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default)."""
     check_supported(dims, model.config)
-    return PARALLELIZE_FNS[model_type](model, dims, meshes, cfg, param_dtype)
+    fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
+    return fn(model, dims, meshes, cfg, param_dtype)
 
 
 __all__ = ["PARALLELIZE_FNS", "apply_ddp", "apply_fsdp", "apply_tp", "check_supported", "parallelize"]

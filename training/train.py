@@ -43,7 +43,7 @@ from training import checkpoint
 from training.config import JobConfig
 from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
-from training.model import build_hf_config, build_meta_model, materialize
+from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
@@ -164,6 +164,12 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if (unpacked := one_document_per_row(cfg)) is not cfg:
+        cfg = unpacked
+        if rank == 0:
+            print("the model has no attention interface (training.families): one document per row, sdpa, "
+                  "data.packing: none",
+                  flush=True)
     dims = ParallelDims.from_config(cfg.distributed, world)
     meshes = dims.build_meshes(device.type)
     coords = rank_coordinates(meshes["world"])
@@ -257,7 +263,8 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
         export_salm(model, cfg, out_dir)
     elif cfg.checkpoint.export_hf:
-        checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer)
+        checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
+                             shard_size_mb=cfg.checkpoint.export_shard_size_mb)
     logger.summary()
     logger.close()
     return logger.history

@@ -82,9 +82,15 @@ def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
 
 
 def exported_params(out_dir: Path) -> dict:
+    """Every tensor of the sharded ``hf/`` export, read through its index (each file exactly once)."""
     from safetensors.torch import load_file
 
-    return load_file(out_dir / "hf" / "model.safetensors")
+    index = json.loads((out_dir / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    params = {}
+    for name in sorted(set(index.values())):
+        params |= load_file(out_dir / "hf" / name)
+    assert params.keys() == index.keys(), sorted(params.keys() ^ index.keys())
+    return params
 
 
 def check_close(name: str, got, want, tol: float) -> None:
