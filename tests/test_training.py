@@ -316,3 +316,35 @@ def test_bench_train_reports_mfu_on_cuda(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])["headrace"]
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and 0 <= result["data_wait_frac"] < 1
+
+
+def test_model_without_attention_interface_trains_one_document_per_row(tmp_path, process_group):
+    """StableLM does not route attention through transformers' AttentionInterface: the trainer switches to
+    sdpa with one document per row (padding after it), and its first loss is the HF model's own loss on
+    that batch, computed document by document."""
+    from dataio import build_loader
+    from training.model import one_document_per_row
+    from training.train import train
+
+    make_text_dataset(tmp_path / "data", [24])
+    save_pretrained_tiny(tmp_path / "m", {**TINY_LLAMA, "model_type": "stablelm", "vocab_size": 1024})
+    cfg = load_job_config(None, base=base_job(
+        tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m")), data=dict(packing="best_fit"),
+        trainer=dict(max_steps=2, output_dir=str(tmp_path / "out")), optim=dict(max_grad_norm=None),
+        checkpoint=dict(interval=0, save_final=False, export_hf=False)))
+    rows = one_document_per_row(cfg)
+    assert (rows.model.attn_implementation, rows.data.packing) == ("sdpa", "none")
+    batch = next(iter(build_loader(rows.data, 0, 1)))
+    starts = (batch["position_ids"] == 0).sum(dim=1)
+    assert (starts <= 2).all(), starts  # each row: one document, then at most one padding segment
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa")
+    want = 0.0
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        keep = labels != -100
+        logits = hf(input_ids=ids[keep][None]).logits[0]
+        want += torch.nn.functional.cross_entropy(logits, labels[keep], reduction="sum").item()
+    history = train(cfg)
+    assert history[0]["loss"] == pytest.approx(want / int((batch["labels"] != -100).sum()), rel=1e-5)

@@ -102,10 +102,35 @@ def load_safetensors(model: nn.Module, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    if getattr(getattr(unwrap_causal_lm(model), "config", None), "tie_word_embeddings", False):
+    hf = unwrap_causal_lm(model)
+    if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    stored_as = checkpoint_names(hf, path)
+    stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
+    dcp.load({k if k in stored else stored_as.get(k, k): v for k, v in state.items()},
+             storage_reader=dcp.HuggingFaceStorageReader(path))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # dcp.load filled these in place
+
+
+def checkpoint_names(hf: nn.Module, path: str) -> dict[str, str]:
+    """Model FQN -> the key a checkpoint in ``path`` stores it under, through transformers' own key renamings
+    for the family (GPT-NeoX checkpoints keep ``embed_out`` for the model's ``lm_head``); only headers are read."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renames = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
+    names = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                name = key
+                for rename in renames:
+                    name, _ = rename.rename_source_key(name)
+                names[name] = key
+    return names
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:

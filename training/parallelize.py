@@ -18,7 +18,7 @@ family uses, see ``training.families``): that plan has no sequence-parallel
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
 write the torch-native plan (the same module names) and keep it beside the function that applies it.
 HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
-q_norm/k_norm act on head_dim and need no plan. Position ids must be passed explicitly under SP (HF
+q_norm/k_norm weights are replicated DTensors so their gradients sum over tp. Position ids must be passed explicitly under SP (HF
 would derive them from the sequence-sharded embeddings).
 """
 
@@ -117,7 +117,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, emb
                                       use_local_output=True),
         }
     for block in model.model.layers:
-        parallelize_module(block, tp_mesh, layer_plan)
+        # Qwen3's per-head q/k RMSNorm: one weight shared by heads that tp splits, so its gradient is a sum
+        # over tp ranks; as a Replicate DTensor fed head-sharded input (dim 2 of (B, S, H, D)), DTensor's
+        # backward all-reduces it. Left plain, each rank would keep only its own heads' part.
+        head_norms = {f"self_attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                      for n in ("q_norm", "k_norm") if hasattr(block.self_attn, n)}
+        parallelize_module(block, tp_mesh, layer_plan | head_norms)
     retie(model)
 
 
