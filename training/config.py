@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from dataio.config import DataConfig
 from configtree import apply_overrides, from_dict, load_yaml
+from training.automodel_compat import translate_distributed
 from training.speech.config import SpeechConfig
 
 
@@ -141,6 +142,7 @@ def load_job_config(path: str | None, overrides: list[str] = (), base: dict | No
     """Read ``path`` (YAML) or ``base``, apply dotted overrides, check types: the one way to get a JobConfig."""
     raw = load_yaml(path) if path else copy.deepcopy(base or {})
     apply_overrides(raw, list(overrides))
+    translate_distributed(raw)  # Automodel's spellings (dp_size: none, ...); unsupported keys fail here
     return from_dict(JobConfig, raw, "")
 
 
