@@ -393,3 +393,27 @@ def test_automodel_distributed_block_loads_as_written(tmp_path):
         with pytest.raises(ConfigError, match=message) as err:
             load_job_config(None, [override], base=copy.deepcopy(job))
         assert "\n" not in str(err.value)
+
+
+def test_wandb_offline_and_profiler_trace(tmp_path, process_group, monkeypatch):
+    """``logging.wandb`` in offline mode (no network) records every logged loss in the run file;
+    ``trainer.profile`` writes a Chrome trace holding exactly the chosen steps."""
+    from training.train import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    make_text_dataset(tmp_path / "data", [40])
+    cfg = load_job_config(None, base=base_job(
+        tmp_path, model=dict(config=dict(TINY_LLAMA, vocab_size=1024)),
+        trainer=dict(max_steps=4, output_dir=str(tmp_path / "out"), profile=dict(start=2, steps=2)),
+        logging=dict(wandb=dict(project="headrace-test", mode="offline")),
+        checkpoint=dict(interval=0, save_final=False, export_hf=False)))
+    history = train(cfg)
+    (run_file,) = (tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    assert all(json.dumps(r["loss"]).encode() in data for r in history), [r["loss"] for r in history]
+    trace = json.loads((tmp_path / "out" / "profile" / "rank0.pt.trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("train_step")}
+    assert steps == {"train_step 2", "train_step 3"}, steps
+    with pytest.raises(ConfigError, match=r"JobConfig\.logging\.wandb\.projekt: unknown key"):
+        load_job_config(None, ["logging.wandb={projekt: x}"], base=base_job(tmp_path))

@@ -85,6 +85,19 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class ProfileConfig:
+    """``trainer.profile``: trace steps ``start .. start + steps - 1`` (1-based) with torch.profiler; each rank
+    writes ``output_dir/profile/rank{R}.pt.trace.json`` (Chrome trace / TensorBoard profiler plugin)."""
+
+    start: int
+    steps: int = 3
+
+    def __post_init__(self):
+        if self.start < 1 or self.steps < 1:
+            raise ValueError(f"start and steps must be >= 1, got start={self.start} steps={self.steps}")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The loop. Global batch = data batch per rank x grad_accum x dp_size."""
 
@@ -95,6 +108,7 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "runs/debug"
     log_every: int = 1
+    profile: ProfileConfig | None = None  # torch.profiler trace of a few steps, one file per rank
 
 
 @dataclass(kw_only=True)
@@ -110,11 +124,25 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    """``logging.wandb``: rank 0's metrics to a Weights & Biases run (the ``wandb`` extra). ``mode: offline``
+    (or ``WANDB_MODE=offline``) needs no network: the run lands in ``output_dir/wandb``, ``wandb sync`` uploads it."""
+
+    project: str = "headrace"
+    entity: str | None = None
+    name: str | None = None  # default: wandb's generated run name
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE or wandb's default
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     """Where rank 0's metrics go besides ``metrics.jsonl``."""
 
     console: bool = True
     tensorboard: bool = True
+    wandb: WandbConfig | None = None  # Weights & Biases run (rank 0); null: off
 
 
 @dataclass(kw_only=True)
@@ -148,5 +176,5 @@ def load_job_config(path: str | None, overrides: list[str] = (), base: dict | No
 
 __all__ = [
     "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "PipelineConfig", "TrainerConfig", "load_job_config",
+    "PipelineConfig", "ProfileConfig", "TrainerConfig", "WandbConfig", "load_job_config",
 ]

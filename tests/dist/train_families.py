@@ -6,12 +6,13 @@ on every rank, and FSDP2 (dp 4), HSDP (2 x 2) with activation checkpointing, and
 model's own ``base_model_tp_plan``; Gemma's tied embeddings shard under TP) each train the same global
 batches: losses, gradient norms and the final weights (read from the sharded ``hf/`` export, written by
 DCP's HF writer in several files) must match the reference, and ``from_pretrained`` on the export gives
-the reference model's logits. Prints ``OK <family> <check>`` per passed check; any mismatch raises.
+the reference model's logits; every rank writes its own profiler trace of step 2. Prints ``OK <family> <check>`` per passed check; any mismatch raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def run_family(workdir: Path, family: str, batches) -> None:
     dist.barrier()
     ref_losses, ref_norms, ref_params = reference(workdir, batches)
     for name, (distributed, k) in LAYOUTS.items():
-        cfg = job(workdir, name, distributed, k)
+        cfg = job(workdir, name, distributed, k, profile=dict(start=2, steps=1))
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=0, save_final=False,
                                                                       export_shard_size_mb=0.05))
         history = train(cfg, loaders(batches, k))
@@ -61,6 +62,8 @@ def run_family(workdir: Path, family: str, batches) -> None:
             # the weight by a visible fraction of lr (3e-3); measured <= 1e-4 over these 4 steps.
             for key, value in params.items():
                 check_close(f"{family} {name} param {key}", value, ref_params[key], 3e-4)
+        trace = json.loads((workdir / name / "profile" / f"rank{dist.get_rank()}.pt.trace.json").read_text())
+        assert any(e.get("name") == "train_step 2" for e in trace["traceEvents"]), "step 2 not in this rank's trace"
         print(f"OK {family} {name} matches the single-process reference", flush=True)
     if dist.get_rank() == 0:
         check_export_logits(workdir / "fsdp2_tp" / "hf", ref_params, batches[0])
