@@ -13,12 +13,12 @@ the module whose forward computes the loss: its unshard covers the lm_head weigh
 Pipeline (pp), context (cp) and expert (ep) parallelism slot in as steps 0 (stage split), 1b (attention
 over the cp mesh) and 1c (expert dispatch); until then a degree > 1 fails early in ``check_supported``.
 
-Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every other
-family uses, see ``training.families``): that plan has no sequence-parallel
-entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
-write the torch-native plan (the same module names) and keep it beside the function that applies it.
-HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
-q_norm/k_norm weights are replicated DTensors so their gradients sum over tp. Position ids must be passed explicitly under SP (HF
+Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
+other family uses, see ``training.families``): that plan has no sequence-parallel entries (norms stay
+replicated over the full sequence) and its embedding/lm_head styles are fixed, so we write the torch-native
+plan (the same module names) and keep it beside the function that applies it. HF attention reshapes with
+``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head q_norm/k_norm weights become
+replicated DTensors so their gradients sum over tp. Position ids must be passed explicitly under SP (HF
 would derive them from the sequence-sharded embeddings).
 """
 

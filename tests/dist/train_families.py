@@ -2,11 +2,12 @@
 
 ``torchrun --nproc-per-node 4 tests/dist/train_families.py WORKDIR``: for each family a seeded tiny
 checkpoint is written, a single-process reference (HF model, document-masked attention, AdamW) is computed
-on every rank, and FSDP2 (dp 4), HSDP (2 x 2) with activation checkpointing, and FSDP2 x TP (2 x 2, the
-model's own ``base_model_tp_plan``; Gemma's tied embeddings shard under TP) each train the same global
-batches: losses, gradient norms and the final weights (read from the sharded ``hf/`` export, written by
-DCP's HF writer in several files) must match the reference, and ``from_pretrained`` on the export gives
-the reference model's logits; every rank writes its own profiler trace of step 2. Prints ``OK <family> <check>`` per passed check; any mismatch raises.
+on every rank, and HSDP (2 x 2) with activation checkpointing and FSDP2 x TP (2 x 2; the model's own
+``base_model_tp_plan``, Qwen3's hand-written one; Gemma's tied embeddings shard under TP) each train the
+same global batches: losses, gradient norms and the final weights (read from the sharded ``hf/`` export,
+written by DCP's HF writer in several files) must match the reference, ``from_pretrained`` on the export
+gives the reference model's logits, and every rank writes its own profiler trace of step 2. Prints
+``OK <family> <check>`` per passed check; any mismatch raises.
 """
 
 from __future__ import annotations
