@@ -1,6 +1,6 @@
 """Opening a Lhotse cuts manifest: headrace's lazy index (first and later opens) vs lhotse's eager CutSet.
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_cuts.py --cuts 100000 --workdir /tmp/cuts_bench
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_cuts --cuts 100000 --workdir /tmp/cuts_bench
 
 Writes a ``cuts.jsonl.gz`` of ``--cuts`` whole-recording cuts (one short FLAC, distinct ids, a
 supervision each), then times, each in a fresh process after its imports (peak RSS reset through ``/proc/self/clear_refs``): ``CutsIndex`` with no
@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 MEASURE = """
 import json, sys, time

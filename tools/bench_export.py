@@ -1,6 +1,6 @@
 """Peak memory per rank while writing the ``hf/`` export: DCP's HF writer vs a gather on rank 0.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 tools/bench_export.py --out /tmp/export_bench
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m tools.bench_export --out /tmp/export_bench
 
 An FSDP2-sharded Llama (``--hidden``, ``--layers``, ``--vocab``; fp32) is exported twice from the same
 shards: ``training.checkpoint.export_hf`` (every rank writes its shards with DCP's
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 
 def rss_mib(field: str) -> float:
