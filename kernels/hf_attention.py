@@ -24,8 +24,9 @@ Masks: transformers builds a mask only for implementations registered in
 the attention function refuses any mask it is given. The document structure comes only from
 ``cu_seq_lens_q`` (or, if absent, from ``position_ids`` restarting at 0).
 
-Scope: training and full-sequence forward. Decoding with a KV cache, sliding-window layers,
-softcapping and attention dropout raise NotImplementedError naming the reason; use ``sdpa`` there.
+Scope: training and full-sequence forward. Decoding with a KV cache, a sliding window shorter than
+the longest document (a longer one masks nothing: Mistral's 4096 on shorter rows), softcapping and
+attention dropout raise NotImplementedError naming the reason; use ``sdpa`` there.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def hf_varlen_attention(
         )
     if dropout:
         raise NotImplementedError(f"{ATTENTION_NAME}: attention dropout is not supported (set attention_dropout=0)")
-    if sliding_window is not None or softcap is not None:
-        raise NotImplementedError(f"{ATTENTION_NAME}: sliding-window and softcapped attention are not supported")
+    if softcap is not None:
+        raise NotImplementedError(f"{ATTENTION_NAME}: softcapped attention is not supported")
     batch, heads, seq, dim = query.shape
     if key.shape[2] != seq:
         raise NotImplementedError(
@@ -125,6 +126,12 @@ def hf_varlen_attention(
             "cu_from_position_ids", position_ids, batch * seq,
             lambda: cu_seqlens_from_position_ids(position_ids.expand(batch, -1)),
         )
+    if sliding_window is not None:
+        longest = max_length_q if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+        # A window at least as long as every document masks nothing the document mask does not already.
+        if sliding_window < longest:
+            raise NotImplementedError(f"{ATTENTION_NAME}: sliding window {sliding_window} is shorter than the longest "
+                                      f"document ({longest} tokens); sliding-window attention is not supported")
     if not query.dtype == key.dtype == value.dtype:
         # Under autocast, HF's rotary step hands over fp32 q/k beside bf16 v; flash-attn takes one dtype.
         query, key = query.to(value.dtype), key.to(value.dtype)

@@ -147,3 +147,32 @@ def test_lhotse_shar_mismatched_cuts_file(tmp_path, cutset):
     with pytest.raises(ValueError, match=r"cuts.000001.jsonl.gz:1: cut 'rec3', but recording.000001.tar holds "
                                          r"'rec2' at that place"):
         build_loader({"datasets": [{"path": str(shar)}], "num_workers": 0})
+
+
+def test_lhotse_manifest_is_indexed_once_and_read_lazily(tmp_path, cutset):
+    """The first open streams the manifest into an index cached beside it; a second open reads only the
+    cache (the manifest's bytes are replaced by junk of the same size and mtime: same batch); a changed
+    manifest is re-indexed. Durations match lhotse's, so bucketing works unchanged."""
+    import os
+
+    from dataio.stream.cuts_index import BLOCK_LINES, CutsIndex
+
+    manifest = tmp_path / "cuts.jsonl.gz"
+    many = cutset.repeat(times=30, preserve_id=False)  # 150 cuts: three compressed blocks
+    many.to_file(manifest)
+    assert len(many) > 2 * BLOCK_LINES
+    config = {"datasets": [{"path": str(manifest)}], "batch_size": 7, "epochs": 1, "shuffle": True,
+              "num_workers": 0}
+    first = [(b["__key__"], b["json"]) for b in build_loader(config)]
+    assert sorted(k for keys, _ in first for k in keys) == sorted(c.id for c in many)
+    index = CutsIndex(str(manifest))
+    assert index.durations.tolist() == [c.duration for c in many]
+    assert index.load(BLOCK_LINES + 3).to_dict() == many[BLOCK_LINES + 3].to_dict()
+
+    stat = manifest.stat()
+    manifest.write_bytes(b"x" * stat.st_size)
+    os.utime(manifest, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert [(b["__key__"], b["json"]) for b in build_loader(config)] == first  # the manifest was not read
+
+    cutset.to_file(manifest)  # a different manifest (size and mtime change): indexed again
+    assert len(CutsIndex(str(manifest))) == 5

@@ -136,7 +136,7 @@ def test_moe_recipes_train_on_the_real_loader(tmp_path, process_group, recipe):
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]
     assert all(r["moe_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 and r["a2a_bytes"] == 0 for r in history)
-    assert (tmp_path / "out" / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "hf" / "model.safetensors.index.json").is_file()
 
 
 # -- configuration --------------------------------------------------------------------------------------

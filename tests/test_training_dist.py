@@ -1,6 +1,7 @@
 """Real gloo process groups on CPU: one 4-rank launch checks the chunked loss's gradients (fp32, bf16) and
 runs every layout against a single-process reference (+ bf16, resume, export logits), one 2-rank launch
-loads the 4-rank checkpoint and runs a compiled step (see tests/dist/train_layouts.py for the checks)."""
+loads the 4-rank checkpoint and runs a compiled step (see tests/dist/train_layouts.py for the checks); one
+4-rank launch trains every other family of ``training.families.TESTED_FAMILIES`` (tests/dist/train_families.py)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def test_layouts_resume_and_reshard(tmp_path):
     out = torchrun(2, tmp_path, "reshard")
     for check in ("as reshard_dp2", "as reshard_tp2", "OK per-block compile"):
         assert out.count(check) == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_families_match_single_process(tmp_path):
+    from training.families import TESTED_FAMILIES
+
+    out = torchrun_script(REPO / "tests" / "dist" / "train_families.py", 4, tmp_path)
+    for family in TESTED_FAMILIES[1:]:  # llama: test_layouts_resume_and_reshard
+        for check in ("hsdp_ac matches", "fsdp2_tp matches", "hf export loads"):
+            assert out.count(f"OK {family} {check}") == 4, out[-3000:]

@@ -19,7 +19,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && installed; then
     exit 0
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,dali]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,dali,wandb]'
 # litdata, a peer loader in `dataio bench`: --no-deps, because its declared dependencies (torchvision)
 # pull another torch; then the light dependencies it imports (none of them touches torch).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps litdata==0.2.76 lightning-utilities==0.15.3

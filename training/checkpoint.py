@@ -10,9 +10,9 @@ Atomicity: everything is written under ``step-N.tmp``; after a barrier rank 0 wr
 (temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N`` directories
 holding ``trainer_state.json``, so a crash at any moment leaves the previous checkpoint as the latest.
 
-The HF export gathers a full state dict to rank 0's CPU (``get_model_state_dict(full_state_dict=True,
-cpu_offload=True)``) and writes ``model.safetensors`` + ``config.json`` (+ tokenizer files): fine up to a
-few billion parameters; beyond that DCP's ``HuggingFaceStorageWriter`` consolidation is the scalable path.
+The HF export (``export_hf``) never gathers the model: every rank writes its shards with DCP's
+``HuggingFaceStorageWriter`` and every rank consolidates a share of the output files, so peak memory per
+rank is its shard plus one tensor being copied (BENCHMARKS.md "hf export memory").
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from training.loss import unwrap_causal_lm
 from training.parallel_dims import gather_objects
 
 STATE_FILE = "trainer_state.json"
@@ -99,45 +100,53 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     return trainer_state
 
 
-def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None,
-              pp_group: dist.ProcessGroup | None = None) -> Path | None:
-    """Consolidated ``model.safetensors`` + ``config.json`` (+ tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective; rank 0 writes. Under pipeline
-    parallelism (``pp_group``) each rank holds its stages' part: rank 0 collects the others over its pp group."""
-    from safetensors.torch import save_file
+def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None, *,
+              shard_size_mb: float = 5000.0) -> Path:
+    """Consolidated, sharded safetensors (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``)
+    + ``config.json`` (+ tokenizer) that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective.
 
-    if pp_group is None:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        full = _gather_pipeline_state(model, pp_group)
-    if dist.get_rank() != 0:
-        return None
+    No rank gathers the model: every rank writes its own shards through DCP's ``HuggingFaceStorageWriter``
+    (``save_distributed``), then each rank consolidates the output files ``k`` with ``k % world == rank``
+    (torch's ``consolidate_safetensors_files_on_every_rank``, the path torchtitan exports with), reading
+    the shard files back from the shared directory. Output files hold at most ``shard_size_mb`` (one
+    tensor larger than that gets a file of its own)."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+
+    state = get_model_state_dict(model)  # this rank's shards (DTensor) under HF names
+    if getattr(hf_config, "tie_word_embeddings", False):  # stored once, as the embedding; re-tied on load
+        hf = unwrap_causal_lm(model)
+        state.pop(next(n for n, m in hf.named_modules() if m is hf.get_output_embeddings()) + ".weight")
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if getattr(hf_config, "tie_word_embeddings", False):
-        full.pop("lm_head.weight", None)  # shared with the embedding; transformers re-ties on load
-    save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    hf_config.save_pretrained(tmp)
-    if tokenizer:
-        _copy_tokenizer(tokenizer, tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    mapping = _file_index(state, shard_size_mb * 2**20)  # the same on every rank, also when stages differ (pp)
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), save_distributed=True))
+    consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), mapping)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp / "sharded")
+        hf_config.save_pretrained(tmp)
+        if tokenizer:
+            _copy_tokenizer(tokenizer, tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    dist.barrier()
     return out_dir
 
 
-def _gather_pipeline_state(model: nn.Module, pp_group: dist.ProcessGroup) -> dict:
-    """Full (unsharded) CPU tensors of every stage, on rank 0 (``cpu_offload`` would keep only global rank 0's
-    own stage, so each rank gathers its part and rank 0's pp group sends theirs). Our own ranks' tensors
-    travel pickled inside the job's process group; nothing untrusted is unpickled."""
-    part = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    part = {k: v.detach().cpu() for k, v in part.items()}
-    if dist.get_global_rank(pp_group, 0) != 0:  # not rank 0's pipeline: nothing to send
-        return {}
-    parts = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
-    dist.gather_object(part, parts, group=pp_group, group_dst=0)
-    return {k: v for p in parts for k, v in p.items()} if parts is not None else {}
+def _file_index(state: dict, max_bytes: float) -> dict[str, int]:
+    """fqn -> output file number (1..N): tensors in rank then state-dict order, a new file when the next would
+    pass ``max_bytes``. A collective: pipeline ranks hold different stages, so the sizes (global, not the
+    shard's) of every rank's tensors are gathered and every rank computes the same mapping."""
+    sizes = {fqn: size for part in gather_objects([(fqn, t.numel() * t.element_size()) for fqn, t in state.items()])
+             for fqn, size in part}
+    mapping, index, used = {}, 1, 0
+    for fqn, size in sizes.items():
+        if used and used + size > max_bytes:
+            index, used = index + 1, 0
+        mapping[fqn], used = index, used + size
+    return mapping
 
 
 def _copy_tokenizer(tokenizer: str, dest: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from dataio.config import DataConfig
 from configtree import apply_overrides, from_dict, load_yaml
+from training.automodel_compat import translate_distributed
 from training.speech.config import SpeechConfig
 
 
@@ -112,6 +113,19 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class ProfileConfig:
+    """``trainer.profile``: trace steps ``start .. start + steps - 1`` (1-based) with torch.profiler; each rank
+    writes ``output_dir/profile/rank{R}.pt.trace.json`` (Chrome trace / TensorBoard profiler plugin)."""
+
+    start: int
+    steps: int = 3
+
+    def __post_init__(self):
+        if self.start < 1 or self.steps < 1:
+            raise ValueError(f"start and steps must be >= 1, got start={self.start} steps={self.steps}")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The loop. Global batch = data batch per rank x grad_accum x dp_size."""
 
@@ -122,6 +136,7 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     output_dir: str = "runs/debug"
     log_every: int = 1
+    profile: ProfileConfig | None = None  # torch.profiler trace of a few steps, one file per rank
 
 
 @dataclass(kw_only=True)
@@ -132,7 +147,21 @@ class CheckpointConfig:
     save_final: bool = True
     resume: bool = True  # continue from the newest complete checkpoint in output_dir when there is one
     keep_last: int | None = None  # delete older checkpoints beyond this many
-    export_hf: bool = True  # write output_dir/hf (config.json + model.safetensors [+ tokenizer]) at the end
+    export_hf: bool = True  # write output_dir/hf (config.json + sharded safetensors + index [+ tokenizer]) at the end
+    export_shard_size_mb: float = 5000.0  # most bytes per hf/ safetensors file
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """``logging.wandb``: rank 0's metrics to a Weights & Biases run (the ``wandb`` extra). ``mode: offline``
+    (or ``WANDB_MODE=offline``) needs no network: the run lands in ``output_dir/wandb``, ``wandb sync`` uploads it."""
+
+    project: str = "headrace"
+    entity: str | None = None
+    name: str | None = None  # default: wandb's generated run name
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: WANDB_MODE or wandb's default
 
 
 @dataclass(kw_only=True)
@@ -141,6 +170,7 @@ class LoggingConfig:
 
     console: bool = True
     tensorboard: bool = True
+    wandb: WandbConfig | None = None  # Weights & Biases run (rank 0); null: off
 
 
 @dataclass(kw_only=True)
@@ -168,10 +198,11 @@ def load_job_config(path: str | None, overrides: list[str] = (), base: dict | No
     """Read ``path`` (YAML) or ``base``, apply dotted overrides, check types: the one way to get a JobConfig."""
     raw = load_yaml(path) if path else copy.deepcopy(base or {})
     apply_overrides(raw, list(overrides))
+    translate_distributed(raw)  # Automodel's spellings (dp_size: none, ...); unsupported keys fail here
     return from_dict(JobConfig, raw, "")
 
 
 __all__ = [
     "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "MoEConfig", "ModelConfig", "OptimConfig",
-    "PipelineConfig", "TrainerConfig", "load_job_config",
+    "PipelineConfig", "ProfileConfig", "TrainerConfig", "WandbConfig", "load_job_config",
 ]

@@ -35,11 +35,15 @@ class CausalLMLoss(nn.Module):
 
     def __init__(self, causal_lm: nn.Module, chunk_size: int | None = None):
         super().__init__()
-        if getattr(causal_lm.lm_head, "bias", None) is not None:
+        head = causal_lm.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
             raise ValueError("CausalLMLoss: an lm_head with a bias is not supported (the chunked loss reads "
                              "only the weight)")
         for name, child in causal_lm.named_children():  # same FQNs as the HF model: "model.*", "lm_head.*"
             self.add_module(name, child)
+        # The decoder and the head under the family's own names (GPT-NeoX: gpt_neox / embed_out).
+        object.__setattr__(self, "decoder", causal_lm.base_model)
+        object.__setattr__(self, "head", head)
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
         self.config = causal_lm.config
         self.chunk_size = chunk_size  # tokens per logits chunk; None: kernels.loss's default (128 MiB of fp32)
@@ -49,11 +53,11 @@ class CausalLMLoss(nn.Module):
         aux = self.router_aux_loss is not None and labels is not None
         if aux:
             kwargs["output_router_logits"] = True
-        out = self.model(input_ids=input_ids, use_cache=False, **kwargs)
+        out = self.decoder(input_ids=input_ids, use_cache=False, **kwargs)
         hidden = out.last_hidden_state
         if labels is None:
-            return self.lm_head(hidden)
-        loss_sum = lm_head_loss_sum(self.lm_head, hidden, labels, self.chunk_size)
+            return self.head(hidden)
+        loss_sum = lm_head_loss_sum(self.head, hidden, labels, self.chunk_size)
         return loss_sum + self.router_aux_loss(out.router_logits, labels) if aux else loss_sum
 
 

@@ -1,4 +1,5 @@
-"""Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console and TensorBoard.
+"""Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console, TensorBoard
+and, when ``logging.wandb`` is set, Weights & Biases (``training.wandb_run``).
 
 Model FLOPs per token follow the PaLM/torchtitan count: ``6 * N`` for the matmuls of forward + backward
 over the non-embedding parameters (lm_head included) plus ``12 * layers * hidden * seq_len`` for attention
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from training import wandb_run
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
 PEAK_FLOPS = {
@@ -62,8 +65,9 @@ def max_memory_gib(device: torch.device) -> float:
 class MetricsLogger:
     """Rank 0's sink for per-step metrics and the end-of-run summary."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, console: bool, tensorboard: bool):
+    def __init__(self, output_dir: str | Path, *, enabled: bool, console: bool, tensorboard: bool, wandb_run=None):
         self.enabled = enabled
+        self.wandb_run = wandb_run  # a started wandb run (training.wandb_run) or None
         self.history: list[dict] = []
         if not enabled:
             return
@@ -90,6 +94,8 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(f"train/{key}", value, record["step"])
+        if self.wandb_run is not None:
+            wandb_run.log(self.wandb_run, record)
         if self.console is not None:
             mfu = f"mfu {record['mfu']:5.1%}" if record.get("mfu") is not None else \
                 f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s"
@@ -122,6 +128,8 @@ class MetricsLogger:
         if self.enabled:
             with open(self.output_dir / "summary.json", "w") as f:
                 json.dump(result, f, indent=1)
+            if self.wandb_run is not None:
+                self.wandb_run.summary.update(result)
             if self.console is not None:
                 mfu = f"MFU {result['mfu']:.1%}" if result["mfu"] is not None else \
                     f"{result['flops_per_s'] / 1e9:.2f} GFLOP/s (no MFU on CPU)"
@@ -138,6 +146,8 @@ class MetricsLogger:
             self.file.close()
             if self.tb is not None:
                 self.tb.close()
+            if self.wandb_run is not None:
+                wandb_run.finish(self.wandb_run)
 
 
 __all__ = ["PEAK_FLOPS", "MetricsLogger", "flops_per_token", "max_memory_gib", "peak_flops"]

@@ -9,6 +9,7 @@ copies only the slices each rank owns, file by file. Peak memory per rank is its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -17,11 +18,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
-from training.config import ModelConfig
+from training.config import JobConfig, ModelConfig
+from training.families import check_family, supports_packed_attention
 from training.loss import unwrap_causal_lm
-from training.parallelize import PARALLELIZE_FNS
-
-SUPPORTED_MODEL_TYPES = tuple(PARALLELIZE_FNS)  # a family is supported when it has a parallelize function
 
 
 def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -40,15 +39,41 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         else:
             config = AutoConfig.from_pretrained(path)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {config.model_type!r} has no parallelize function yet "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    model_cls = causal_lm_class(config)
+    check_family(config, model_cls)
+    if cfg.attn_implementation == ATTENTION_NAME and not supports_packed_attention(model_cls):
+        raise ValueError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
+                         f"model.attn_implementation={ATTENTION_NAME} cannot mask documents; use sdpa with "
+                         "data.packing: none (the trainer switches to that by itself, see training.families)")
     if cfg.init_std is not None:
         config.initializer_range = cfg.init_std
     if cfg.attn_implementation == ATTENTION_NAME:
         register_varlen_attention()
     config._attn_implementation = cfg.attn_implementation
     return config
+
+
+def causal_lm_class(config: PretrainedConfig) -> type:
+    """The ``AutoModelForCausalLM`` class of ``config`` (one clear line when there is none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ValueError(f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers "
+                         "(not a causal LM)") from None
+
+
+def one_document_per_row(cfg: JobConfig) -> JobConfig:
+    """``cfg`` itself, or, for a model without the attention interface asked to run headrace_varlen, a copy
+    with ``model.attn_implementation: sdpa`` and ``data.packing: none``: one document per row keeps the
+    documents apart under sdpa's plain causal mask (the fallback ``training.families`` describes)."""
+    if cfg.model.attn_implementation != ATTENTION_NAME:
+        return cfg
+    model_cfg = dataclasses.replace(cfg.model, attn_implementation="sdpa")
+    if supports_packed_attention(causal_lm_class(build_hf_config(model_cfg))):
+        return cfg
+    return dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, packing="none"))
 
 
 def build_meta_model(config: PretrainedConfig) -> nn.Module:
@@ -77,10 +102,35 @@ def load_safetensors(model: nn.Module, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    if getattr(getattr(unwrap_causal_lm(model), "config", None), "tie_word_embeddings", False):
+    hf = unwrap_causal_lm(model)
+    if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    stored_as = checkpoint_names(hf, path)
+    stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
+    dcp.load({k if k in stored else stored_as.get(k, k): v for k, v in state.items()},
+             storage_reader=dcp.HuggingFaceStorageReader(path))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # dcp.load filled these in place
+
+
+def checkpoint_names(hf: nn.Module, path: str) -> dict[str, str]:
+    """Model FQN -> the key a checkpoint in ``path`` stores it under, through transformers' own key renamings
+    for the family (GPT-NeoX checkpoints keep ``embed_out`` for the model's ``lm_head``); only headers are read."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renames = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
+    names = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                name = key
+                for rename in renames:
+                    name, _ = rename.rename_source_key(name)
+                names[name] = key
+    return names
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:
@@ -91,5 +141,5 @@ def count_params(config: PretrainedConfig) -> tuple[int, int]:
     return total, total - embed
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "build_hf_config", "build_meta_model", "count_params", "load_safetensors",
-           "materialize"]
+__all__ = ["build_hf_config", "build_meta_model", "causal_lm_class", "count_params", "load_safetensors",
+           "materialize", "one_document_per_row"]

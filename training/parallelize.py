@@ -17,12 +17,13 @@ Context (cp) parallelism slots in as step 1b (attention over the cp mesh); until
 ``check_supported``. MoE families (expert parallelism, grouped experts) run ``training.moe`` first, then this
 recipe.
 
-Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
-entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
-write the torch-native plan (the same module names) and keep it beside the function that applies it.
-HF attention reshapes with ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head
-q_norm/k_norm act on head_dim but their weight gradient sums over all heads (``head_norm_plan``). Position
-ids must be passed explicitly under SP (HF would derive them from the sequence-sharded embeddings).
+Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
+other family uses, see ``training.families``): that plan has no sequence-parallel entries (norms stay
+replicated over the full sequence) and its embedding/lm_head styles are fixed, so we write the torch-native
+plan (the same module names) and keep it beside the function that applies it. HF attention reshapes with
+``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head q_norm/k_norm act on head_dim but
+their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under SP (HF
+would derive them from the sequence-sharded embeddings).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from training.config import DistributedConfig
+from training.families import LLAMA_LIKE, apply_hf_tp_plan, check_hf_tp_plan, decoder_blocks, retie
 from training.parallel_dims import ParallelDims
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # parallelized by training.moe
+OWN_TP_PLAN = LLAMA_LIKE + MOE_MODEL_TYPES  # TP by apply_tp; every other family by its base_model_tp_plan
 
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
@@ -63,19 +66,22 @@ def check_supported(dims: ParallelDims, hf_config) -> None:
         if heads % dims.tp or kv_heads % dims.tp:
             raise ValueError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
                              f"num_key_value_heads {kv_heads}")
-        if getattr(hf_config, "tie_word_embeddings", False):
-            raise ValueError("tp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head "
-                             "shard the shared weight differently); set model.config.tie_word_embeddings=false")
+        if hf_config.model_type not in OWN_TP_PLAN:
+            check_hf_tp_plan(hf_config, dims.sequence_parallel)
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
                            param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
-    """Llama / Qwen2 / Qwen3 (``model.model.layers[i].{self_attn,mlp}``): TP/SP, AC, compile, FSDP2.
-    ``mlp_plan(block, seq_layout)`` gives a block's mlp TP entries (default ``dense_mlp_plan``) and
+    """Any transformers causal LM (``training.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
+    TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
+    ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
     ``ac_context_fn`` a selective-checkpoint policy (MoE: training.moe)."""
     if dims.tp > 1:
-        apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
-    layers = model.model.layers  # a ModuleList, or a pipeline stage's ModuleDict keyed by global index
+        if model.config.model_type in OWN_TP_PLAN:
+            apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
+        else:
+            apply_hf_tp_plan(model, meshes["tp"], dims.sequence_parallel)
+    layers = decoder_blocks(model)  # a ModuleList, or a pipeline stage's ModuleDict keyed by global index
     if cfg.activation_checkpointing:
         for name, block in list(layers.named_children()):
             if int(name) % cfg.activation_checkpointing_every == 0:
@@ -133,6 +139,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp
         }
     for block in model.model.layers.children():
         parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
+    retie(model)
 
 
 def head_norm_plan(block: nn.Module) -> dict:
@@ -181,12 +188,10 @@ PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
                 param_dtype: torch.dtype) -> nn.Module:
-    """Dispatch on ``config.model_type`` to the family's parallelize function."""
-    model_type = model.config.model_type
-    if model_type not in PARALLELIZE_FNS:
-        raise ValueError(f"no parallelize function for model_type {model_type!r} ({', '.join(PARALLELIZE_FNS)})")
+    """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default)."""
     check_supported(dims, model.config)
-    return PARALLELIZE_FNS[model_type](model, dims, meshes, cfg, param_dtype)
+    fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
+    return fn(model, dims, meshes, cfg, param_dtype)
 
 
 __all__ = ["PARALLELIZE_FNS", "apply_ddp", "apply_fsdp", "apply_tp", "check_supported", "parallelize"]

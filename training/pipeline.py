@@ -209,6 +209,7 @@ class DecoderStage(nn.Module):
         self.config = part.config
         self.chunk_size = part.chunk_size
         object.__setattr__(self, "decoder", decoder)  # the HF model: config, sliding-layer flag (not a child)
+        object.__setattr__(self, "causal_lm", part.causal_lm)  # for unwrap_causal_lm (HF methods), not a child
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -43,11 +43,13 @@ from training import checkpoint, moe
 from training.config import JobConfig
 from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
-from training.model import build_hf_config, build_meta_model, materialize
+from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
 from training.pipeline import build_pipeline, pipeline_metrics, pipeline_train_step
+from training.profiling import StepProfiler
+from training.wandb_run import open_run
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
@@ -165,6 +167,12 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if (unpacked := one_document_per_row(cfg)) is not cfg:
+        cfg = unpacked
+        if rank == 0:
+            print("the model has no attention interface (training.families): one document per row, sdpa, "
+                  "data.packing: none",
+                  flush=True)
     try:
         dims = ParallelDims.from_config(cfg.distributed, world)
     except ValueError as e:  # a layout rule the world size breaks: the CLI prints it as one line
@@ -212,8 +220,10 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         if rank == 0:
             print(f"resumed from {resume_from} at step {step}", flush=True)
 
+    run = open_run(cfg.logging.wandb, out_dir, to_dict(cfg)) if cfg.logging.wandb and rank == 0 else None
     logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
-                           tensorboard=cfg.logging.tensorboard)
+                           tensorboard=cfg.logging.tensorboard, wandb_run=run)
+    profiler = StepProfiler(cfg.trainer.profile, out_dir, rank, device)
     flops_tok = flops_per_token(hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     peak = peak_flops(device)
     batches = DevicePrefetcher(loader, device)
@@ -228,12 +238,14 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         step += 1
         set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
         moe.reset_step(model)
-        if pipe is not None:
-            stats = pipeline_train_step(pipe, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm)
-        else:
-            stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
-                               defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast,
-                               forward=forward)
+        with profiler.step(step):
+            if pipe is not None:
+                stats = pipeline_train_step(pipe, optimizer, micro, meshes["dp_cp"],
+                                            max_grad_norm=cfg.optim.max_grad_norm)
+            else:
+                stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
+                                   defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast,
+                                   forward=forward)
         window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
         window_fill += [float(mb["fill"]) if "fill" in mb else
                         float((mb["labels"] != IGNORE_INDEX).float().mean()) for mb in micro]
@@ -264,6 +276,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             window_start += time.perf_counter() - saving  # checkpoint time is not training throughput
 
     batches.close()
+    profiler.close()
     saved_already = checkpoint.latest(ckpt_dir) == checkpoint.checkpoint_dir(ckpt_dir, step)
     if cfg.checkpoint.save_final and step > 0 and not saved_already:
         checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
@@ -274,7 +287,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         export_salm(model, cfg, out_dir)
     elif cfg.checkpoint.export_hf:
         checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
-                             pp_group=pipe.pp_mesh.get_group() if pipe is not None else None)
+                             shard_size_mb=cfg.checkpoint.export_shard_size_mb)
     logger.summary()
     logger.close()
     return logger.history

@@ -13,7 +13,7 @@ cost is one pass over the sqlite rows (~1 s per 1M parts). Each shard's split co
 import). Shards that no split lists are left out, as energon leaves them out; without a split file
 every shard counts as ``train``. Token counts and durations are unknown.
 
-Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (random access to cut i);
+Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (lazy random access to cut i);
 a Shar directory becomes a ``SharSource``: its ``recording.NNNNNN.tar`` files are plain tars, indexed
 in memory with ``dataio.shards.tarscan`` and read like any shard, and the transcripts in the matching
 ``cuts.NNNNNN.jsonl.gz`` are parsed once at open into one compact buffer. Both give each sample the
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
+from dataio.stream.cuts_index import CutsIndex
 from dataio.stream.sources import ShardSource
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
@@ -152,22 +153,20 @@ class LhotseCutSource:
     libsndfile recognises the content whatever the extension says) and decoding happens in
     ``dataio.stream.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
     recordings) lhotse loads the audio and it is re-encoded to an in-memory float WAV (one encode per
-    cut). The cuts live in memory (lhotse's eager CutSet: ~1 KB per cut); durations come from the
-    manifest, so duration bucketing needs no decoding.
+    cut). Cuts are read lazily through ``dataio.stream.cuts_index`` (an index of keys and durations,
+    built in one streaming pass and cached beside the manifest; cut i parsed when read), so duration
+    bucketing needs no decoding and a second open does not read the manifest.
     """
 
     def __init__(self, path: str):
-        from lhotse import CutSet
-
         self.path = path
-        self.cuts = list(CutSet.from_file(path))
+        self.cuts = CutsIndex(path)
         n = len(self.cuts)
         samples = np.zeros(n, SAMPLE_DTYPE)
         samples["tokens"] = -1
-        samples["duration"] = [c.duration for c in self.cuts]
-        keys = np.array([c.id.encode() for c in self.cuts], dtype=np.bytes_) if n else np.zeros(0, "S1")
+        samples["duration"] = self.cuts.durations
         self.index = DatasetIndex(shards=[ShardInfo(name=Path(path).name, samples=n)], extensions=["json", "wav"],
-                                  samples=samples, members=np.zeros(0, MEMBER_DTYPE), keys=keys,
+                                  samples=samples, members=np.zeros(0, MEMBER_DTYPE), keys=self.cuts.keys,
                                   job={"source": "lhotse CutSet"})
         self.shard_starts, self.shard_sizes = np.array([0]), np.array([n])
 
@@ -178,7 +177,7 @@ class LhotseCutSource:
         return [(c.id, self.path, {"wav": _cut_audio_bytes(c),
                                    "json": transcript_json(c.id, _join_texts(s.text for s in c.supervisions),
                                                            c.duration)})
-                for c in (self.cuts[int(i)] for i in indices)]
+                for c in (self.cuts.load(i) for i in indices)]
 
 
 def _cut_audio_bytes(cut) -> bytes:

@@ -71,7 +71,8 @@ def reference(workdir: Path, init: Path, batches) -> tuple[list[float], list[flo
 def exported(out_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    params = {f"llm.{k}": v for k, v in load_file(out_dir / "hf" / "model.safetensors").items()}
+    params = {f"llm.{k}": v for f in sorted((out_dir / "hf").glob("model-*-of-*.safetensors"))
+              for k, v in load_file(f).items()}  # the sharded hf/ export (training.checkpoint.export_hf)
     for part in ("encoder", "adapter"):
         params |= {f"{part}.{k}": v for k, v in load_file(out_dir / part / "model.safetensors").items()}
     return params

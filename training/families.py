@@ -1,0 +1,132 @@
+"""Which transformers causal LMs the trainer takes, and what it reads from each to parallelize it.
+
+Any ``AutoModelForCausalLM`` whose structure the trainer can read trains here; nothing is written per
+family except the hand-tuned TP+SP plan of the Llama family (``training.parallelize.apply_tp``):
+
+- decoder blocks (the FSDP2 unit, the activation-checkpointing and compile unit): the ``nn.ModuleList``
+  whose children are instances of the model's ``_no_split_modules`` classes (transformers' own "never
+  split this across devices" list, e.g. ``MistralDecoderLayer``, ``GPTNeoXLayer``);
+- tensor parallelism: the model config's ``base_model_tp_plan`` (module-path pattern -> style name),
+  translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` by ``TP_STYLES``; embeddings and the
+  output head get vocab-sharded styles here (tied embeddings included: both shard dim 0 of the one
+  weight, which is re-tied after the plan is applied). A style outside ``TP_STYLES`` fails naming it;
+- document-masked attention on packed rows needs the model to route attention through transformers'
+  ``AttentionInterface`` (``_supports_attention_backend``). Models that do not (e.g. StableLM, Falcon in
+  transformers 5.x) fall back to one document per row: ``data.packing: none`` and ``sdpa``, so the
+  causal mask alone keeps documents apart (padding sits after each document, masked from the loss).
+
+The trainer's loss reads ``lm_head.weight`` directly (``training.loss``), so models that transform the
+logits after the head (Gemma 2's final soft-capping, Cohere's logit scale, Granite's logits scaling) are
+refused by ``POST_HEAD_FIELDS`` rather than trained on a different objective.
+
+``TESTED_FAMILIES`` is the one list of families CI trains against a single-process reference
+(``tests/dist/train_families.py`` iterates it); other families go through the same generic path untested.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+# Families with a hand-written TP+SP plan (training.parallelize.apply_tp); every other family uses its own
+# base_model_tp_plan without sequence parallelism.
+LLAMA_LIKE = ("llama", "qwen2", "qwen3")
+# The families CI trains against a single-process reference: llama in every layout (tests/dist/
+# train_layouts.py), the others under HSDP + activation checkpointing and FSDP2 x TP (tests/dist/
+# train_families.py; gemma with tied embeddings). qwen2 shares llama's modules and plan (recipe-tested only).
+TESTED_FAMILIES = ("llama", "qwen3", "mistral", "gemma", "phi3", "olmo2", "gpt_neox")
+# Config fields that change the logits after lm_head (the chunked loss would ignore them).
+POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+# transformers' TP style names (transformers/integrations/tensor_parallel.py) -> torch parallel styles.
+# colwise: output features sharded, the local result feeds the next op (local heads); rowwise: input
+# sharded on its last dim, output all-reduced; *_gather_output / *_split_input: the output is gathered
+# whole (used where a norm or a fused projection needs every feature) and the next row-wise layer
+# slices its replicated input again.
+TP_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+
+
+def supports_packed_attention(model_cls: type) -> bool:
+    """Whether the model calls the attention function registered by name (so headrace_varlen can run)."""
+    return bool(getattr(model_cls, "_supports_attention_backend", False))
+
+
+def check_family(hf_config, model_cls: type) -> None:
+    """Refuse, in one line, a model whose training objective or structure this trainer cannot reproduce."""
+    for name in POST_HEAD_FIELDS:
+        if getattr(hf_config, name, None) not in (None, 1.0):
+            raise ValueError(f"model_type {hf_config.model_type!r}: config.{name}={getattr(hf_config, name)} "
+                             "transforms the logits after lm_head, which the trainer's chunked loss does not apply")
+    if not getattr(model_cls, "_no_split_modules", None):
+        raise ValueError(f"model_type {hf_config.model_type!r}: {model_cls.__name__} declares no _no_split_modules, "
+                         "so its decoder blocks (the FSDP2 unit) cannot be found")
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
+    """The container of decoder blocks: an ``nn.ModuleList`` (a pipeline stage: an ``nn.ModuleDict`` keyed by
+    global block index) whose children are all of a ``_no_split_modules`` class (see module doc)."""
+    from training.loss import unwrap_causal_lm
+
+    hf = unwrap_causal_lm(model)
+    names = set(hf._no_split_modules)
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) and all(
+                type(_unwrap_checkpoint(b)).__name__ in names for b in module.children()):
+            return module
+    raise ValueError(f"{type(hf).__name__}: no ModuleList of {sorted(names)} blocks found")
+
+
+def _unwrap_checkpoint(block: nn.Module) -> nn.Module:
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
+    """Fail before building when ``tp_size > 1`` cannot be served by the model's own plan."""
+    plan = getattr(hf_config, "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} has no base_model_tp_plan "
+                         "in transformers (set tp_size: 1)")
+    if sequence_parallel:
+        raise ValueError(f"distributed.sequence_parallel: model_type {hf_config.model_type!r} has no "
+                         f"sequence-parallel plan (written for {', '.join(LLAMA_LIKE)}); set it false")
+    unknown = {k: v for k, v in plan.items() if v not in TP_STYLES}
+    if unknown:
+        raise ValueError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} uses TP styles "
+                         f"{unknown} that the trainer does not translate (known: {', '.join(TP_STYLES)})")
+
+
+def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """TP from the model's ``base_model_tp_plan``; vocab-sharded embedding and head, re-tied when shared."""
+    from training.loss import unwrap_causal_lm
+
+    hf = unwrap_causal_lm(model)
+    base = hf.base_model
+    parallelize_module(base, tp_mesh, {k: TP_STYLES[v]() for k, v in hf.config.base_model_tp_plan.items()})
+    names = {module: name for name, module in model.named_modules()}
+    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    parallelize_module(model, tp_mesh, {
+        names[embedding]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        names[head]: ColwiseParallel(output_layouts=Replicate()),
+    })
+    retie(model)
+
+
+def retie(model: nn.Module) -> None:
+    """parallelize_module gives each module a new Parameter; tied embeddings must share one again (the
+    embedding's row-wise and the head's column-wise styles both shard dim 0, so the layouts agree)."""
+    from training.loss import unwrap_causal_lm
+
+    hf = unwrap_causal_lm(model)
+    if getattr(hf.config, "tie_word_embeddings", False):
+        hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
+
+
+__all__ = ["LLAMA_LIKE", "POST_HEAD_FIELDS", "TESTED_FAMILIES", "TP_STYLES", "apply_hf_tp_plan", "check_family",
+           "check_hf_tp_plan", "decoder_blocks", "retie", "supports_packed_attention"]
