@@ -1,0 +1,151 @@
+"""Regression tests of issue 16 (hostile input), data side: every example of the issue, each at the
+mechanism that now refuses it -- tar headers, lying audio headers, manifest numbers, shards that shrink
+under a mapping, loader states for other data, the output-directory lock, bounded tokenizer memory."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from dataio.cli import CommandError
+from dataio.decode import DecodeConfig, SampleDecodeError, decode_sample
+from dataio.shard_audio import probe
+from dataio.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer, scan_members
+from tests.hostile import NAME, SIZE, base256, flac_bytes, lying_flac, make_tar, pax_tar, set_field
+from tests.test_energon_interop import make_samples, run_verb, write_shards
+
+
+def _scan(data: bytes):
+    return scan_buffer(data, "s.tar", path="s.tar")
+
+
+# --- 1. tar headers ------------------------------------------------------------------------------
+
+TWO = make_tar([("a.txt", b"x" * 700), ("b.txt", b"y" * 10)])
+
+
+@pytest.mark.parametrize("size_field, message", [
+    (base256(-1), "size is negative"),  # GNU base-256 negative: used to stop advancing and loop forever
+    (base256(-(1 << 40)), "size is negative"),
+    (b"-0000001\0", "not an octal number"),  # negative octal text: used to be a misleading checksum error
+    (b"12x45\0", "not an octal number"),  # garbage text: used to be a bare ValueError naming no shard
+    (b"99999\0", "not an octal number"),
+    (base256(1 << 60), "truncated tar"),
+])
+def test_bad_size_fields_are_format_errors_at_the_header(size_field, message):
+    bad = set_field(TWO, 0, SIZE, size_field)
+    with pytest.raises(TarFormatError, match=message) as e:
+        _scan(bad)
+    assert e.value.path == "s.tar" and e.value.offset == 0
+    assert str(e.value).startswith("s.tar: byte 0: ")
+
+
+@pytest.mark.parametrize("records, message", [
+    ({"size": "-5"}, "PAX size '-5'"),  # used to hang `dataio index` with memory growing
+    ({"size": "garbage"}, "PAX size 'garbage'"),
+    ({"size": str(1 << 50)}, "truncated tar"),
+])
+def test_pax_size_is_validated(records, message):
+    with pytest.raises(TarFormatError, match=message) as e:
+        _scan(pax_tar(records))
+    assert "member 'k.txt'" in str(e.value)
+
+
+def test_malformed_pax_records_end_instead_of_looping():
+    data = bytearray(pax_tar({"comment": "abc"}))
+    start = 512  # the PAX payload follows its header: "15 comment=abc\n"; its length becomes "00"
+    assert data[start:start + 2] == b"15"
+    data[start:start + 2] = b"00"  # a zero length never advanced the old record loop
+    with pytest.raises(TarFormatError, match="malformed PAX header record"):
+        _scan(bytes(data))
+
+
+def test_non_utf8_member_name_names_the_byte():
+    data = set_field(TWO, 1024 + 512, NAME, b"b\xff\xfe.txt")  # second member's header
+    with pytest.raises(TarFormatError, match=r"member name b'b\\xff\\xfe.txt' is not UTF-8") as e:
+        _scan(data)
+    assert e.value.offset == 1024 + 512
+
+
+def test_70000_extensions_in_one_sample_is_a_format_error():
+    count = MAX_MEMBERS + 5
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(count):
+            tar.addfile(tarfile.TarInfo(f"key.e{i}"), io.BytesIO(b""))
+    with pytest.raises(TarFormatError, match=f"sample 'key' has more than {MAX_MEMBERS} members"):
+        _scan(out.getvalue())
+
+
+def test_index_command_reports_a_negative_size_as_one_line(tmp_path, capsys):
+    samples = make_samples(n=4, seed=3)
+    write_shards(tmp_path, samples, per_shard=2)
+    path = tmp_path / "shard-000001.tar"
+    path.write_bytes(set_field(path.read_bytes(), 0, SIZE, base256(-7)))
+    assert run_verb("index", str(tmp_path), "--quiet", "--workers", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "shard-000001.tar: byte 0: " in err and "size is negative" in err
+
+
+# --- 2. audio headers ------------------------------------------------------------------------------
+
+def test_lying_flac_is_refused_by_every_reader():
+    bad = lying_flac((1 << 36) - 1)
+    with pytest.raises(ValueError, match="more than any codec stores"):
+        probe(bad)  # dataio shard (kept files), dataio index (durations)
+    assert "more than any codec stores" in decode_check("flac", bad)  # dataio verify
+    with pytest.raises(SampleDecodeError, match=r"key 'k', member 'flac': .*more than any codec"):
+        decode_sample({"flac": bad}, DecodeConfig(), key="k", shard="s.tar")  # the loader: a counted bad sample
+    assert probe(flac_bytes()) == (16000, 1600)  # an honest header passes
+
+
+def test_max_duration_is_the_same_check():
+    with pytest.raises(SampleDecodeError, match="over decode.max_duration=0.05"):
+        decode_sample({"flac": flac_bytes(1600)}, DecodeConfig(max_duration=0.05), key="k")
+
+
+def _shard_cmd(*argv) -> int:
+    from dataio.commands import shard as shard_cmd
+
+    parser = argparse.ArgumentParser()
+    shard_cmd.add_arguments(parser)
+    return shard_cmd.run(parser.parse_args([str(a) for a in argv] + ["--quiet"]))
+
+
+def _manifest(tmp_path, records: list[dict], audio: dict[str, bytes]):
+    for name, data in audio.items():
+        (tmp_path / name).write_bytes(data)
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_shard_refuses_a_lying_flac_and_skips_it_under_budget(tmp_path):
+    records = [{"audio_filepath": f"u{i}.flac", "duration": 0.1, "text": "hi"} for i in range(4)]
+    audio = {f"u{i}.flac": flac_bytes() for i in range(4)}
+    audio["u2.flac"] = lying_flac((1 << 36) - 1)
+    manifest = _manifest(tmp_path, records, audio)
+    with pytest.raises(CommandError, match=r"m\.jsonl:3: .*u2\.flac: header claims"):
+        _shard_cmd(manifest, "--output", tmp_path / "out")
+    assert _shard_cmd(manifest, "--output", tmp_path / "out", "--skip-errors", "1") == 0
+    from dataio.index import load_index
+
+    index = load_index(tmp_path / "out")
+    assert len(index) == 3 and float(np.nansum(index.samples["duration"])) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("duration, message", [
+    (0, "'duration' must be positive for a segment"),  # used to write a 0-byte audio member
+    (float("inf"), "'duration' must be a finite non-negative number, got inf"),  # used to be an OverflowError
+    (float("nan"), "'duration' must be a finite non-negative number, got nan"),  # "cannot convert float NaN"
+])
+def test_manifest_segment_numbers_are_checked_at_planning(tmp_path, duration, message):
+    manifest = _manifest(tmp_path, [{"audio_filepath": "a.flac", "duration": duration, "offset": 0.01, "text": "x"}],
+                         {"a.flac": flac_bytes()})
+    with pytest.raises(CommandError, match=rf"m\.jsonl:1: field {message}"):
+        _shard_cmd(manifest, "--output", tmp_path / "out")
