@@ -47,6 +47,7 @@ from training.model import build_hf_config, build_meta_model, materialize
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
+from training.validate import check_job, check_vocab
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill")  # what a step reads
 
@@ -154,6 +155,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     ``make_loader(dp_rank, dp_size)`` (an iterable of batch dicts with ``state_dict`` / ``load_state_dict``)
     replaces ``dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
     """
+    check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -179,6 +181,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
         make_loader = functools.partial(build_loader, cfg.data)
     loader = make_loader(dp_rank, dp_size)
+    check_vocab(hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
     torch.manual_seed(seed_for_rank(cfg.trainer.seed, dp_rank))
     ckpt_dir = out_dir / "checkpoints"
     step = 0
