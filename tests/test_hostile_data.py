@@ -8,14 +8,15 @@ import argparse
 import io
 import json
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dataio.cli import CommandError
-from dataio.decode import DecodeConfig, SampleDecodeError, decode_sample
-from dataio.shard_audio import probe
-from dataio.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer, scan_members
+from dataio.stream.decode import DecodeConfig, SampleDecodeError, decode_sample
+from dataio.prepare.audio import probe
+from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer, scan_members
 from tests.hostile import NAME, SIZE, base256, flac_bytes, lying_flac, make_tar, pax_tar, set_field
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
@@ -133,7 +134,7 @@ def test_shard_refuses_a_lying_flac_and_skips_it_under_budget(tmp_path):
     with pytest.raises(CommandError, match=r"m\.jsonl:3: .*u2\.flac: header claims"):
         _shard_cmd(manifest, "--output", tmp_path / "out")
     assert _shard_cmd(manifest, "--output", tmp_path / "out", "--skip-errors", "1") == 0
-    from dataio.index import load_index
+    from dataio.shards.index import load_index
 
     index = load_index(tmp_path / "out")
     assert len(index) == 3 and float(np.nansum(index.samples["duration"])) == pytest.approx(0.3)
@@ -149,3 +150,98 @@ def test_manifest_segment_numbers_are_checked_at_planning(tmp_path, duration, me
                          {"a.flac": flac_bytes()})
     with pytest.raises(CommandError, match=rf"m\.jsonl:1: field {message}"):
         _shard_cmd(manifest, "--output", tmp_path / "out")
+
+
+# --- 5. concurrency: the output-directory lock, temps of a killed index ------------------------------
+
+def _hold_lock(root, node):
+    """A separate process holding the lock of ``root`` (POSIX locks never conflict within one process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; from dataio.shards.outdir import lock_output; "
+            f"f = lock_output(Path({str(root)!r}), node={node!r}, command='test'); print('locked', flush=True); "
+            "sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_writer_is_refused_up_front_and_a_dead_holder_leaves_no_lock(tmp_path):
+    from dataio.shards.outdir import lock_output
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    holder = _hold_lock(out, 0)  # a running `dataio shard` for node 0
+    try:
+        with pytest.raises(CommandError, match="is being written by another `dataio shard` or `dataio index`"):
+            _shard_cmd(src, "--output", out)
+        assert not list(out.glob("*.tar"))  # refused before anything was written
+        with pytest.raises(CommandError, match="being written by another"):
+            run_verb_raising("index", out)
+        lock_output(out, node=1, command="dataio shard").close()  # node 1 of the same job may write beside it
+    finally:
+        holder.kill()  # kill -9: the kernel drops the lock
+        holder.wait()
+    assert _shard_cmd(src, "--output", out) == 0
+
+
+def run_verb_raising(verb: str, *argv):
+    import importlib
+
+    module = importlib.import_module(f"dataio.commands.{verb}")
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return module.run(parser.parse_args([str(a) for a in argv] + ["--quiet", "--workers", "1"]))
+
+
+def test_index_removes_every_temp_a_killed_run_left(tmp_path):
+    write_shards(tmp_path, make_samples(n=4, seed=5), per_shard=2)
+    assert run_verb("index", str(tmp_path), "--quiet", "--workers", "1") == 0
+    meta = tmp_path / ".nv-meta"
+    stale = [meta / ".index.sqlite.tmp-4242", meta / "parts" / ".shard-000000.tar.npz.tmp-4242",
+             tmp_path / "shard-000001.tar.idx.tmp-host-4242", meta / "headrace.tmp-4242" / "samples.npy",
+             meta / "headrace.old-4242" / "keys.npy"]
+    for p in stale:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"left by kill -9")
+    assert run_verb("index", str(tmp_path), "--quiet", "--workers", "1") == 0
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
+
+
+# --- 8. the dataio CLI: input errors are one line, bugs keep their traceback --------------------------
+
+def test_cli_output_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    from dataio.cli import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"text": "x"}) + "\n")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["shard", str(src), "--output", str(afile), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"dataio shard: error: --output {afile} is a file, not a directory\n"
+    assert main(["shard", str(src), "--output", str(afile / "sub"), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"dataio shard: error: {afile / 'sub'}: Not a directory\n"
+
+    def read_only(self, *a, **k):  # what a read-only directory answers (tests run as root, which bypasses it)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert main(["shard", str(src), "--output", str(tmp_path / "ro"), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"dataio shard: error: {tmp_path / 'ro'}: Permission denied\n"
+    with pytest.raises(PermissionError):
+        main(["--debug", "shard", str(src), "--output", str(tmp_path / "ro"), "--quiet"])
+
+
+def test_cli_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    from dataio.cli import main
+    from dataio.commands import inspect as inspect_cmd
+
+    def bug(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(inspect_cmd, "run", bug)
+    with pytest.raises(KeyError):
+        main(["inspect", str(tmp_path)])
