@@ -3,7 +3,7 @@
 One rule for both entry points (``dataio`` and ``python -m training``): an exception is the user's
 (a config value, a data file, a file-system path) when it is one of the project's input-error types
 (``ConfigError``, ``CommandError``, ``PrepareError``, ``OutputLocked``, the shard/sample/tar format
-errors, ``SampleError``) or an
+errors, ``SampleError``, a loader ``StateError``) or an
 ``OSError`` that names a file (missing, not a directory, permission denied, disk full). Such an error
 is printed as one line and the process exits with status 2; everything else is a bug and is re-raised
 with its traceback. ``--debug`` or ``HEADRACE_DEBUG=1`` re-raises user errors too.
@@ -20,13 +20,15 @@ EXIT_USER_ERROR = 2
 def _user_error_types() -> tuple[type, ...]:
     from configtree import ConfigError
     from dataio.cli import CommandError
+    from dataio.loader_state import StateError
     from dataio.prepare.job import PrepareError
     from dataio.prepare.readers import SampleError
     from dataio.shards.outdir import OutputLocked
     from dataio.shards.tarscan import TarFormatError
     from dataio.stream.decode import SampleDecodeError
 
-    return ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, TarFormatError
+    return (ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, StateError,
+            TarFormatError)
 
 
 def is_user_error(e: BaseException) -> bool:

@@ -245,3 +245,121 @@ def test_cli_bug_keeps_its_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(inspect_cmd, "run", bug)
     with pytest.raises(KeyError):
         main(["inspect", str(tmp_path)])
+
+
+# --- 3. shards that shrink under a running loader ------------------------------------------------------
+
+def _loader_cfg(root, **kw):
+    return {"datasets": [{"path": str(root)}], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle": False,
+            "max_bad_samples": 0, **kw}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, workers):
+    """Used to die of SIGBUS with no message (num_workers 0) or report "workers are out of shared memory"."""
+    import itertools
+    import os
+
+    import loader_util
+    from dataio import build_loader
+
+    loader_util.make_text_dataset(tmp_path, [40, 40])
+    loader = build_loader(_loader_cfg(tmp_path, num_workers=workers, prefetch=1))
+    it = iter(loader)
+    next(it)
+    os.truncate(tmp_path / "doc-000000.tar", 4096)  # the shard being read (mapped in this process or a worker)
+    # a worker may not have mapped it yet: then the open-time size check names it
+    shrank = r"shard shrank to 4096 bytes while mapped" + ("" if workers == 0 else r"|truncated shard: 4096 bytes")
+    with pytest.raises(SampleDecodeError, match=rf"doc-000000\.tar'?: ({shrank})"):
+        list(itertools.islice(it, 40))
+
+
+# --- 4. loader states: fingerprint of the data's identity, every field checked ---------------------------
+
+def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_path):
+    import loader_util
+    from dataio import build_loader
+    from dataio.loader_state import StateError
+
+    loader_util.make_text_dataset(tmp_path / "d", [10, 10], seed=0)
+    loader = build_loader(_loader_cfg(tmp_path / "d"))
+    next(iter(loader))
+    state = loader.state_dict()
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(tmp_path / "d", copy)  # the same data elsewhere: still this state's data
+    build_loader(_loader_cfg(copy)).load_state_dict(state)
+    loader_util.make_text_dataset(tmp_path / "d", [10, 10], seed=1)  # rebuilt in place: 20 other samples
+    with pytest.raises(StateError, match="comes from other data"):
+        build_loader(_loader_cfg(tmp_path / "d")).load_state_dict(state)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("consumed", -50, "'consumed' must be a non-negative integer, got -50"),  # was numpy's message
+    ("consumed", "12", "'consumed' must be a non-negative integer, got '12'"),
+    ("bad_samples", 1.5, "'bad_samples' must be a non-negative integer"),
+    ("dp_size", 0, "'dp_size' must be an integer above dp_rank 0, got 0"),
+    ("layout", None, "'layout' must be a mapping"),
+])
+def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, message):
+    import loader_util
+    from dataio import build_loader
+    from dataio.loader_state import StateError
+
+    loader_util.make_text_dataset(tmp_path, [8])
+    state = build_loader(_loader_cfg(tmp_path)).state_dict()
+    state[field] = value
+    with pytest.raises(StateError, match=rf"loader state 0: {message}"):
+        build_loader(_loader_cfg(tmp_path)).load_state_dict(state)
+
+
+# --- 6. tokenizing a huge document: bounded memory, the same ids ------------------------------------
+
+def test_long_texts_are_encoded_in_bounded_pieces_with_the_same_ids(tmp_path):
+    from tokenizers import Tokenizer
+
+    from dataio.prepare.tokenize import encode_texts, split_text
+    from tests.test_shard import sentence, write_tokenizer
+
+    tok = Tokenizer.from_file(str(write_tokenizer(tmp_path)))
+    texts = [" ".join(sentence(i, 30) for i in range(40)), "short one", "x" * 300 + " tail", ""]
+    calls = []
+    real = tok.encode_batch
+
+    class Spy:
+        def encode_batch(self, pieces, add_special_tokens):
+            calls.append(sum(map(len, pieces)))
+            return real(pieces, add_special_tokens=add_special_tokens)
+
+    got = encode_texts(Spy(), texts, np.dtype("<u2"), limit=200)
+    assert max(calls) <= 200 and len(calls) > 10  # never more than `limit` characters per encode call
+    for text, ids in zip(texts[:2], got):  # cut before spaces: exactly the ids of one whole encode
+        assert ids.tolist() == tok.encode(text, add_special_tokens=False).ids
+    assert "".join(split_text(texts[2], 200)) == texts[2]  # a 300-char word is cut hard, nothing lost
+    assert got[3].tolist() == [] and got[0].dtype == np.dtype("<u2")
+
+
+def test_one_huge_document_stays_under_a_memory_ceiling(tmp_path):
+    """A 50 MB document used to peak at 6.5 GB RSS (~130 bytes a character). At 6 MB one whole encode
+    would take ~800 MB; in ~1M-character pieces the peak stays within a few hundred MB (the 50 MB
+    figure is benchmarks/tokenize_memory.py's)."""
+    import subprocess
+    import sys
+
+    from tests.test_shard import write_tokenizer
+
+    path = write_tokenizer(tmp_path)
+    code = f"""
+import resource, numpy as np
+from tokenizers import Tokenizer
+from dataio.prepare.tokenize import encode_texts
+tok = Tokenizer.from_file({str(path)!r})
+text = ("the quick brown fox jumps over a lazy dog " * 150_000)[:6_000_000]
+ids = encode_texts(tok, [text], np.dtype("<u2"))[0]
+print(len(ids), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    tokens, peak_mb = map(int, out.stdout.split())
+    assert tokens > 1_000_000 and peak_mb < 400, (tokens, peak_mb, out.stderr[-2000:])
