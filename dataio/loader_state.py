@@ -40,10 +40,24 @@ def data_identity(source) -> str:
 
 
 _COUNTERS = ("consumed", "bad_samples", "dp_rank")
+_SKIP_KEYS = {"start", "dp_size", "consumed"}
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _skip_ok(skip) -> bool:
+    """One ``ConsumedLayout`` of ``dataio.split``: start, dp_size >= 1, one count per old rank."""
+    return (isinstance(skip, dict) and set(skip) == _SKIP_KEYS and _count(skip["start"]) and _count(skip["dp_size"])
+            and skip["dp_size"] >= 1 and isinstance(skip["consumed"], list)
+            and len(skip["consumed"]) == skip["dp_size"] and all(map(_count, skip["consumed"])))
 
 
 def check_states(states: list, fingerprint: str) -> None:
-    """StateError for the first state that is not a loader state of this data (module docstring)."""
+    """StateError for the first state that is not a loader state of this data (module docstring).
+    Checked here: the fields the loader and ``dataio.split`` read; the packing and bucketing
+    sub-states are checked by their own stages."""
     for n, s in enumerate(states):
         where = f"loader state {n}"
         if not isinstance(s, dict):
@@ -54,14 +68,19 @@ def check_states(states: list, fingerprint: str) -> None:
             raise StateError(f"{where} comes from other data (the datasets' contents, weights, shuffle, "
                              "shuffle_window or epochs differ); positions would mean other samples")
         for name in _COUNTERS:
-            value = s.get(name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise StateError(f"{where}: {name!r} must be a non-negative integer, got {value!r}")
+            if not _count(s.get(name)):
+                raise StateError(f"{where}: {name!r} must be a non-negative integer, got {s.get(name)!r}")
         size = s.get("dp_size")
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= s["dp_rank"] < size:
+        if not _count(size) or s["dp_rank"] >= size:
             raise StateError(f"{where}: 'dp_size' must be an integer above dp_rank {s['dp_rank']}, got {size!r}")
-        if not isinstance(s.get("layout"), dict) or not isinstance(s.get("seed"), int):
-            raise StateError(f"{where}: 'layout' must be a mapping and 'seed' an integer")
+        if not isinstance(s.get("seed"), int) or isinstance(s.get("seed"), bool):
+            raise StateError(f"{where}: 'seed' must be an integer, got {s.get('seed')!r}")
+        layout = s.get("layout")
+        if not (isinstance(layout, dict) and set(layout) <= {"start", "dp_size", "skips"}
+                and _count(layout.get("start")) and layout.get("dp_size") == size
+                and isinstance(layout.get("skips", []), list) and all(map(_skip_ok, layout.get("skips", [])))):
+            raise StateError(f"{where}: 'layout' must be a mapping of start >= 0, dp_size {size} and skips "
+                             f"(start, dp_size, one consumed count per old rank), got {layout!r}"[:300])
 
 
 __all__ = ["STATE_VERSION", "StateError", "check_states", "data_identity"]

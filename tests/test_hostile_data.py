@@ -301,6 +301,8 @@ def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_
     ("bad_samples", 1.5, "'bad_samples' must be a non-negative integer"),
     ("dp_size", 0, "'dp_size' must be an integer above dp_rank 0, got 0"),
     ("layout", None, "'layout' must be a mapping"),
+    ("layout", {"start": 0, "dp_size": 1, "skips": [{"start": 0, "dp_size": 2, "consumed": [1]}]},
+     "'layout' must be a mapping of start"),
 ])
 def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, message):
     import loader_util

@@ -180,6 +180,8 @@ def scan_members(buf, *, path: str | os.PathLike = "<tar>") -> tuple[list[TarMem
         if kind in REGULAR_TYPES and not (kind == b"\0" and name.endswith("/")):
             members.append(TarMember(name=name, header_offset=header_offset, offset=data, size=size))
         pos = data + -(-size // BLOCK) * BLOCK
+    if pos > size_total:  # found by tests/fuzz.py: the offset used to point past the end of the file
+        raise TarFormatError(path, size_total, "tar ends inside the last member's padding (truncated tar)")
     if pos != size_total or first_header is not None:
         raise TarFormatError(path, pos, "tar ends inside a header block (truncated tar)")
     return members, pos
