@@ -48,7 +48,7 @@ def _count(value) -> bool:
 
 
 def _skip_ok(skip) -> bool:
-    """One ``ConsumedLayout`` of ``dataio.split``: start, dp_size >= 1, one count per old rank."""
+    """One ``ConsumedLayout`` of ``dataio.stream.split``: start, dp_size >= 1, one count per old rank."""
     return (isinstance(skip, dict) and set(skip) == _SKIP_KEYS and _count(skip["start"]) and _count(skip["dp_size"])
             and skip["dp_size"] >= 1 and isinstance(skip["consumed"], list)
             and len(skip["consumed"]) == skip["dp_size"] and all(map(_count, skip["consumed"])))
@@ -56,7 +56,7 @@ def _skip_ok(skip) -> bool:
 
 def check_states(states: list, fingerprint: str) -> None:
     """StateError for the first state that is not a loader state of this data (module docstring).
-    Checked here: the fields the loader and ``dataio.split`` read; the packing and bucketing
+    Checked here: the fields the loader and ``dataio.stream.split`` read; the packing and bucketing
     sub-states are checked by their own stages."""
     for n, s in enumerate(states):
         where = f"loader state {n}"

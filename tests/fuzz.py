@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent / "dist"))  # loader_util, train_common
 from tests.hostile import flac_bytes, make_tar  # noqa: E402
 
-CASE_SECONDS = 5
+CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
 MEMORY_CEILING = 6 << 30  # RLIMIT_DATA of a fuzz process (torch and numpy included)
 FAST_EXAMPLES = 60
 
@@ -123,7 +123,7 @@ TAR_HEADERS = [(p, p + 512) for p in range(0, len(TAR), 512)][:12]
 
 
 def check_tar(data: bytes) -> None:
-    from dataio.tarscan import TarFormatError, scan_buffer
+    from dataio.shards.tarscan import TarFormatError, scan_buffer
 
     try:
         part = scan_buffer(data, "f.tar", path="f.tar")
@@ -150,8 +150,8 @@ WAV = None  # built lazily (soundfile)
 
 
 def check_member(ext: str, data: bytes) -> None:
-    from dataio.decode import Audio, DecodeConfig, SampleDecodeError, decode_sample
-    from dataio.tarscan import decode_check
+    from dataio.stream.decode import Audio, DecodeConfig, SampleDecodeError, decode_sample
+    from dataio.shards.tarscan import decode_check
 
     verdict = decode_check(ext, data)
     try:
@@ -160,7 +160,7 @@ def check_member(ext: str, data: bytes) -> None:
         assert e.key == "k" and e.member == ext
         return
     if isinstance(out, Audio):
-        from dataio.shard_audio import MAX_FRAMES_PER_BYTE
+        from dataio.prepare.audio import MAX_FRAMES_PER_BYTE
 
         assert out.waveform.shape[-1] <= len(data) * MAX_FRAMES_PER_BYTE
         assert verdict is None or "no samples" in verdict or "header" in verdict, verdict
@@ -186,8 +186,8 @@ JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), s
 
 
 def check_manifest(lines: list[dict], root: Path) -> None:
-    from dataio.readers import BadRecord, ReadOptions, open_input
-    from dataio.sharding import PlanError, plan_job
+    from dataio.prepare.readers import BadRecord, ReadOptions, open_input
+    from dataio.prepare.plan import PlanError, plan_job
 
     path = root / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -245,7 +245,7 @@ YAML_TEXT = st.one_of(st.sampled_from([".inf", "-.inf", ".nan", "-1", "0", "1e-3
 
 
 def check_config(overrides: list[str], base: dict) -> None:
-    from dataio.configtree import ConfigError
+    from configtree import ConfigError
     from training.config import load_job_config
     from training.validate import check_job
 
