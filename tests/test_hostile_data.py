@@ -365,3 +365,10 @@ print(len(ids), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
                          cwd=Path(__file__).resolve().parents[1])
     tokens, peak_mb = map(int, out.stdout.split())
     assert tokens > 1_000_000 and peak_mb < 400, (tokens, peak_mb, out.stderr[-2000:])
+
+
+def test_manifest_audio_path_must_be_a_string(tmp_path):
+    """Found by tests/fuzz.py: a number as audio_filepath was a TypeError from os.path."""
+    manifest = _manifest(tmp_path, [{"audio_filepath": 7, "duration": 1, "text": "x"}], {})
+    with pytest.raises(CommandError, match=r"m\.jsonl:1: field 'audio_filepath' must be a non-empty string, got 7"):
+        _shard_cmd(manifest, "--output", tmp_path / "out")

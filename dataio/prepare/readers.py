@@ -275,6 +275,8 @@ class NemoManifestInput(_LineInput):
         for name in ("audio_filepath", "duration"):
             if name not in rec:
                 raise ValueError(f"missing required field {name!r}")
+        if not isinstance(rec["audio_filepath"], str) or not rec["audio_filepath"]:  # found by tests/fuzz.py
+            raise ValueError(f"field 'audio_filepath' must be a non-empty string, got {rec['audio_filepath']!r}")
         _required_text(rec, self.options.text_field)
         for name in ("duration", "offset"):  # JSON allows NaN and Infinity; neither is a time
             if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float))
