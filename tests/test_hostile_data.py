@@ -16,7 +16,7 @@ import pytest
 from dataio.cli import CommandError
 from dataio.stream.decode import DecodeConfig, SampleDecodeError, decode_sample
 from dataio.prepare.audio import probe
-from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer, scan_members
+from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
 from tests.hostile import NAME, SIZE, base256, flac_bytes, lying_flac, make_tar, pax_tar, set_field
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
