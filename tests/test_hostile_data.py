@@ -105,6 +105,20 @@ def test_lying_flac_is_refused_by_every_reader():
     assert probe(flac_bytes()) == (16000, 1600)  # an honest header passes
 
 
+def test_memory_error_for_a_declared_size_is_the_samples_fault(monkeypatch):
+    """A header within the byte ceiling can still declare more than fits in memory: that MemoryError
+    is a counted bad sample naming the declared size (it used to be re-raised, naming nothing)."""
+    import soundfile
+
+    def no_memory(self, *args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(soundfile.SoundFile, "read", no_memory)
+    with pytest.raises(SampleDecodeError, match=r"key 'k', member 'flac': ValueError: cannot allocate the 0\.0 GiB its header "
+                                                r"declares \(1600 frames x 1 channels\)"):
+        decode_sample({"flac": flac_bytes()}, DecodeConfig(), key="k")
+
+
 def test_max_duration_is_the_same_check():
     with pytest.raises(SampleDecodeError, match="over decode.max_duration=0.05"):
         decode_sample({"flac": flac_bytes(1600)}, DecodeConfig(max_duration=0.05), key="k")
