@@ -257,7 +257,7 @@ def check_config(overrides: list[str], base: dict) -> None:
 # --- the runner -------------------------------------------------------------------------------------
 
 def targets(tmp: Path) -> dict:
-    """name -> a hypothesis test function (no arguments) over that target's mutations."""
+    """name -> (hypothesis strategy of that target's mutations, the property checked on each case)."""
     global WAV
     WAV = WAV or _wav()
     flac = flac_bytes(800, 8000)
@@ -274,6 +274,8 @@ def targets(tmp: Path) -> dict:
     good_state = build_loader(state_cfg).state_dict()
     config_base = job(tmp)
 
+    import training.model  # noqa: F401  (heavy imports before the per-case clock starts)
+
     def guarded(fn):
         def run(case):
             with time_limit():
@@ -281,41 +283,43 @@ def targets(tmp: Path) -> dict:
         return run
 
     return {
-        "tar": given(mutated(TAR, hot=TAR_HEADERS).map(_fix_checksums))(guarded(check_tar)),
-        "tar-raw": given(mutated(TAR, hot=TAR_HEADERS))(guarded(check_tar)),
-        "npy": given(mutated(NPY, hot=[(0, 128)]))(guarded(lambda d: check_member("tokens.npy", d))),
-        "flac": given(mutated(flac, hot=[(0, 64)]))(guarded(lambda d: check_member("flac", d))),
-        "wav": given(mutated(WAV, hot=[(0, 48)]))(guarded(lambda d: check_member("wav", d))),
-        "manifest": given(st.lists(manifest_line(), min_size=1, max_size=4))(
-            guarded(lambda lines: check_manifest(lines, tmp))),
-        "state": given(st.dictionaries(st.sampled_from(STATE_FIELDS), STATE_VALUES, max_size=2))(
-            guarded(lambda edits: check_state(lambda: build_loader(state_cfg), {**good_state, **edits}))),
-        "config": given(st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), YAML_TEXT), min_size=1, max_size=3))(
-            guarded(lambda kv: check_config([f"{k}={v}" for k, v in kv], config_base))),
+        "tar": (mutated(TAR, hot=TAR_HEADERS).map(_fix_checksums), guarded(check_tar)),
+        "tar-raw": (mutated(TAR, hot=TAR_HEADERS), guarded(check_tar)),
+        "npy": (mutated(NPY, hot=[(0, 128)]), guarded(lambda d: check_member("tokens.npy", d))),
+        "flac": (mutated(flac, hot=[(0, 64)]), guarded(lambda d: check_member("flac", d))),
+        "wav": (mutated(WAV, hot=[(0, 48)]), guarded(lambda d: check_member("wav", d))),
+        "manifest": (st.lists(manifest_line(), min_size=1, max_size=4),
+                     guarded(lambda lines: check_manifest(lines, tmp))),
+        "state": (st.dictionaries(st.sampled_from(STATE_FIELDS), STATE_VALUES, max_size=2),
+                  guarded(lambda edits: check_state(lambda: build_loader(state_cfg), {**good_state, **edits}))),
+        "config": (st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), YAML_TEXT), min_size=1, max_size=3),
+                   guarded(lambda kv: check_config([f"{k}={v}" for k, v in kv], config_base))),
     }
+
+
+def _run(strategy, fn, **options) -> None:
+    settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), **options)(given(strategy)(fn))()
 
 
 def run_fast(tmp: Path, examples: int = FAST_EXAMPLES) -> None:
     """The CI seed set: derandomized, so every run checks the same cases."""
-    for name, test in targets(tmp).items():
-        settings(max_examples=examples, derandomize=True, deadline=None, database=None,
-                 suppress_health_check=list(HealthCheck))(test)()
+    for strategy, fn in targets(tmp).values():
+        _run(strategy, fn, max_examples=examples, derandomize=True)
 
 
 def run_long(tmp: Path, minutes: float) -> dict:
     """Fresh random cases until ``minutes`` are up; returns counts and the distinct failures found."""
-    stop = time.monotonic() + minutes * 60
-    found: dict[str, str] = {}
-    rounds = cases = 0
     tests = targets(tmp)
     start = time.monotonic()
+    stop = start + minutes * 60
+    found: dict[str, str] = {}
+    rounds = cases = 0
     while time.monotonic() < stop:
         for name, test in tests.items():
             if time.monotonic() >= stop:
                 break
             try:
-                settings(max_examples=200, deadline=None, database=None,
-                         suppress_health_check=list(HealthCheck))(test)()
+                _run(*test, max_examples=200)
             except Exception as e:  # hypothesis re-raises the (shrunk) failure: record it, keep fuzzing
                 text = traceback.format_exception_only(type(e), e)[-1].strip()
                 found.setdefault(f"{name}: {text[:300]}", "".join(traceback.format_exception(e))[-3000:])

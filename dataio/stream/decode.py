@@ -170,9 +170,13 @@ def _npy_parts(buf: Buffer) -> tuple[tuple[int, ...], bool, np.dtype, int]:
 
 
 def _check_payload(buf: Buffer, data_offset: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The member holds exactly the header's array: fewer bytes is truncation, more is a member that is
+    not what its header says (the verdict ``dataio verify`` gives too; tests/fuzz.py found them apart)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if data_offset + nbytes > len(buf):
         raise ValueError(f".npy payload truncated: shape {shape} needs {nbytes} bytes of data")
+    if data_offset + nbytes < len(buf):
+        raise ValueError(f".npy member has {len(buf) - data_offset - nbytes} bytes beyond its shape {shape}")
 
 
 # -------------------------------------------------------------------------------------------- audio
