@@ -108,7 +108,7 @@ class Loader:
         states = [states] if isinstance(states, dict) else list(states)
         if not states:
             raise ValueError("load_state_dict: no state given")
-        check_states(states, self._fingerprint)
+        check_states(states, self._fingerprint, self.cfg.max_bad_samples)
         old_size = states[0]["dp_size"]
         by_rank = {s["dp_rank"]: s for s in states}
         same = old_size == self.dp_size and self.dp_rank in by_rank

@@ -39,7 +39,7 @@ def data_identity(source) -> str:
     return h.hexdigest()
 
 
-_COUNTERS = ("consumed", "bad_samples", "dp_rank")
+_COUNTERS = ("consumed", "bad_samples", "dp_rank", "seed")  # seed < 0: numpy's error (found by tests/fuzz.py)
 _SKIP_KEYS = {"start", "dp_size", "consumed"}
 
 
@@ -54,10 +54,11 @@ def _skip_ok(skip) -> bool:
             and len(skip["consumed"]) == skip["dp_size"] and all(map(_count, skip["consumed"])))
 
 
-def check_states(states: list, fingerprint: str) -> None:
+def check_states(states: list, fingerprint: str, max_bad_samples: int) -> None:
     """StateError for the first state that is not a loader state of this data (module docstring).
-    Checked here: the fields the loader and ``dataio.stream.split`` read; the packing and bucketing
-    sub-states are checked by their own stages."""
+    Checked here: the fields the loader and ``dataio.stream.split`` read, and a bad-sample count
+    already over this run's ``max_bad_samples``; the packing and bucketing sub-states are checked by
+    their own stages."""
     for n, s in enumerate(states):
         where = f"loader state {n}"
         if not isinstance(s, dict):
@@ -73,8 +74,9 @@ def check_states(states: list, fingerprint: str) -> None:
         size = s.get("dp_size")
         if not _count(size) or s["dp_rank"] >= size:
             raise StateError(f"{where}: 'dp_size' must be an integer above dp_rank {s['dp_rank']}, got {size!r}")
-        if not isinstance(s.get("seed"), int) or isinstance(s.get("seed"), bool):
-            raise StateError(f"{where}: 'seed' must be an integer, got {s.get('seed')!r}")
+        if s["bad_samples"] > max_bad_samples:  # found by tests/fuzz.py: was "see the warnings above"
+            raise StateError(f"{where}: already counts {s['bad_samples']} bad samples, over max_bad_samples="
+                             f"{max_bad_samples}; raise max_bad_samples to resume")
         layout = s.get("layout")
         if not (isinstance(layout, dict) and set(layout) <= {"start", "dp_size", "skips"}
                 and _count(layout.get("start")) and layout.get("dp_size") == size

@@ -314,6 +314,8 @@ def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_
     ("bad_samples", 1.5, "'bad_samples' must be a non-negative integer"),
     ("dp_size", 0, "'dp_size' must be an integer above dp_rank 0, got 0"),
     ("layout", None, "'layout' must be a mapping"),
+    ("seed", -1, "'seed' must be a non-negative integer, got -1"),  # found by the fuzzer: numpy's message
+    ("bad_samples", 1, "already counts 1 bad samples, over max_bad_samples=0"),  # fuzzer: "see the warnings"
     ("layout", {"start": 0, "dp_size": 1, "skips": [{"start": 0, "dp_size": 2, "consumed": [1]}]},
      "'layout' must be a mapping of start"),
 ])
