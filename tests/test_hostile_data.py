@@ -182,17 +182,17 @@ def _hold_lock(root, node):
 
 
 def test_second_writer_is_refused_up_front_and_a_dead_holder_leaves_no_lock(tmp_path):
-    from dataio.shards.outdir import lock_output
+    from dataio.shards.outdir import OutputLocked, lock_output
 
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
     out = tmp_path / "out"
     holder = _hold_lock(out, 0)  # a running `dataio shard` for node 0
     try:
-        with pytest.raises(CommandError, match="is being written by another `dataio shard` or `dataio index`"):
+        with pytest.raises(OutputLocked, match="is being written by another `dataio shard` or `dataio index`"):
             _shard_cmd(src, "--output", out)
         assert not list(out.glob("*.tar"))  # refused before anything was written
-        with pytest.raises(CommandError, match="being written by another"):
+        with pytest.raises(OutputLocked, match="being written by another"):
             run_verb_raising("index", out)
         lock_output(out, node=1, command="dataio shard").close()  # node 1 of the same job may write beside it
     finally:
