@@ -165,6 +165,15 @@ class ShardSource:
                                    f"this read needs bytes up to {end}", shard=self.shard_path(shard))
         return buf
 
+    def check_sizes(self) -> None:
+        """ShardFormatError naming the first local shard now shorter than its index needs (one ``stat``
+        a shard): how a worker's SIGBUS is traced back to the shard that shrank under it."""
+        if self.remote:
+            return
+        for shard in self._needed:
+            path = self.shard_path(shard)
+            self._check_size(shard, os.stat(path[len("file://"):] if path.startswith("file://") else path).st_size)
+
     def _check_size(self, shard: int, size: int) -> None:
         needed = self._needed.get(shard, 0)
         if size < needed:
