@@ -10,6 +10,7 @@ A package of its own so that `training` and `dataio` share it without either imp
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -38,9 +39,19 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def _parse_yaml(text, where: str):
+    """``yaml.safe_load`` whose syntax errors are one ConfigError line: place and problem."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+
+
 def load_yaml(path: str) -> dict:
     with open(path) as f:
-        data = yaml.safe_load(f)
+        data = _parse_yaml(f, path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -63,7 +74,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = _parse_yaml(raw, f"override {item!r}")
     return data
 
 
@@ -130,11 +141,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, str):
             # YAML 1.1 (PyYAML) reads `1e-3` (no dot) as a string; accept what float() accepts.
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise ConfigError(f"{path}: expected float, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {value!r}")
+        if not math.isfinite(value):  # no setting means inf or NaN; `null` is how "no limit" is written
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

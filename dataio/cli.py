@@ -41,6 +41,8 @@ class CommandError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dataio", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of input errors too (also: HEADRACE_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
@@ -52,9 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
+
     args = build_parser().parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except CommandError as e:
-        print(f"dataio {args.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
+    except Exception as e:  # input errors: one line (dataio.usererror); bugs: the traceback
+        if not is_user_error(e) or debug_requested(args.debug):
+            raise
+        print(f"dataio {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return e.exit_code if isinstance(e, CommandError) else EXIT_USER_ERROR

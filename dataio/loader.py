@@ -39,14 +39,13 @@ from dataio.batching.packed import PackedBatches
 from dataio.batching.plain import PlainBatches
 from dataio.batching.stage import Stage
 from dataio.config import DataConfig
+from dataio.loader_state import STATE_VERSION, check_states, data_identity
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.rank import RankStream
 from dataio.stream.seeding import fresh_seed
 from dataio.stream.sources import ShardSource
 
 log = logging.getLogger(__name__)
-
-STATE_VERSION = 1
 
 
 def batching_stage(stream: RankStream) -> Stage:
@@ -109,12 +108,7 @@ class Loader:
         states = [states] if isinstance(states, dict) else list(states)
         if not states:
             raise ValueError("load_state_dict: no state given")
-        for s in states:
-            if s.get("version") != STATE_VERSION:
-                raise ValueError(f"loader state version {s.get('version')!r}, expected {STATE_VERSION}")
-            if s["fingerprint"] != self._fingerprint:
-                raise ValueError("loader state comes from other data (datasets, weights, shuffle, shuffle_window "
-                                 "or epochs differ); positions would mean other samples")
+        check_states(states, self._fingerprint, self.cfg.max_bad_samples)
         old_size = states[0]["dp_size"]
         by_rank = {s["dp_rank"]: s for s in states}
         same = old_size == self.dp_size and self.dp_rank in by_rank
@@ -127,7 +121,7 @@ class Loader:
 
     def _make_fingerprint(self) -> str:
         sources = self.stream.sources
-        what = {"data": [(d.path, d.split, d.weight, len(s)) for d, s in zip(self.cfg.datasets, sources)],
+        what = {"data": [(d.split, d.weight, data_identity(s)) for d, s in zip(self.cfg.datasets, sources)],
                 "shuffle": self.cfg.shuffle, "window": self.cfg.shuffle_window, "epochs": self.cfg.epochs,
                 "stop_on_first_exhausted": self.cfg.stop_on_first_exhausted}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -72,7 +72,7 @@ def test_nemo_scan_errors_and_load_errors_name_file_and_line(tmp_path):
     entries, bad = scan(reader)
     assert [(b.line, b.reason.split(":")[0]) for b in bad] == [
         (2, "audio file not found"), (3, "unsupported audio extension 'mp4' (expected one of flac, wav, opus, mp3, ogg)"),
-        (4, "field 'duration' must be a non-negative number, got 'long'")]
+        (4, "field 'duration' must be a finite non-negative number, got 'long'")]
     assert [e.line for e in entries] == [1, 5, 6]
     assert reader.load(entries[0]).duration == pytest.approx(0.1)
     with pytest.raises(SampleError, match=r"m\.jsonl:5: .*broken\.flac: unreadable audio"):

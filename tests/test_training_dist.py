@@ -44,7 +44,7 @@ def test_layouts_resume_and_reshard(tmp_path):
 def test_families_match_single_process(tmp_path):
     from training.families import TESTED_FAMILIES
 
-    out = torchrun_script(REPO / "tests" / "dist" / "train_families.py", 4, tmp_path)
+    out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "train_families.py")
     for family in TESTED_FAMILIES[1:]:  # llama: test_layouts_resume_and_reshard
         for check in ("hsdp_ac matches", "fsdp2_tp matches", "hf export loads"):
             assert out.count(f"OK {family} {check}") == 4, out[-3000:]

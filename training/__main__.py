@@ -1,4 +1,10 @@
-"""``torchrun --nproc-per-node N -m training --config configs/X.yaml [a.b=c ...]`` (or ``python -m training``)."""
+"""``torchrun --nproc-per-node N -m training --config configs/X.yaml [a.b=c ...]`` (or ``python -m training``).
+
+Errors of the user's making (``dataio.usererror``: config, data, paths) are one line and exit status 2
+on every rank; a config error is the same on every rank, so only rank 0 prints it, while a data error
+(one rank's shard) is printed by the rank that met it. ``--debug`` / ``HEADRACE_DEBUG=1`` show the
+traceback; bugs always do.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +13,32 @@ import os
 import sys
 
 from configtree import ConfigError
+from dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="job YAML (see configs/)")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for input errors too (HEADRACE_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 trainer.max_steps=20")
     args = parser.parse_args(argv)
-
-    from training.config import load_job_config
-
-    try:
-        cfg = load_job_config(args.config, args.overrides)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     import torch.distributed as dist
 
+    from training.config import load_job_config
     from training.train import train
 
+    rank = int(os.environ.get("RANK", 0))
     try:
-        train(cfg)
-    except ConfigError as e:  # a rule that needs the world size or the model config (e.g. training.moe.check_moe)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        train(load_job_config(args.config, args.overrides))
+    except Exception as e:
+        if not is_user_error(e) or debug_requested(args.debug):
+            raise
+        if isinstance(e, ConfigError):  # the same on every rank
+            if rank == 0:
+                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        else:
+            print(f"error (rank {rank}): {one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -50,6 +50,7 @@ from training.parallelize import apply_ddp, parallelize
 from training.pipeline import build_pipeline, pipeline_metrics, pipeline_train_step
 from training.profiling import StepProfiler
 from training.wandb_run import open_run
+from training.validate import check_job, check_vocab
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
@@ -164,6 +165,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     ``make_loader(dp_rank, dp_size)`` (an iterable of batch dicts with ``state_dict`` / ``load_state_dict``)
     replaces ``dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
     """
+    check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -204,6 +206,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
         make_loader = functools.partial(build_loader, cfg.data)
     loader = make_loader(dp_rank, dp_size)
+    check_vocab(hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
     forward = forward_loss_sum
     if cfg.model.kind == "salm":  # audio batches -> prompt + transcript token layout; the SALM's forward
         from training.speech.job import salm_loss_sum, wrap_loader

@@ -129,24 +129,43 @@ def parse_header(head: bytes, file_size: int) -> tuple[int, int] | None:
     return None
 
 
-def _checked(sample_rate: int, frames: int) -> tuple[int, int]:
+# No codec packs more frames into a byte: FLAC's densest frame is a block of 65535 samples stored as
+# CONSTANT subframes in ~11 bytes (~5,960 frames a byte); an Opus packet carries at most 5,760 frames
+# (120 ms at 48 kHz). Real audio is near 1 (16-bit FLAC speech ~0.6 frames a byte).
+MAX_FRAMES_PER_BYTE = 6000
+
+
+def check_declared(sample_rate: int, frames: int, nbytes: int, *, max_duration: float | None = None) -> None:
+    """ValueError unless a header's ``sample_rate`` and ``frames`` are possible for ``nbytes`` of
+    encoded audio (and within ``max_duration`` seconds): a lying header (a FLAC STREAMINFO claiming
+    2**36 samples) is refused before anything is allocated for it. One rule for ``dataio shard``,
+    ``index``, ``verify`` and the loader, so they all give the same verdict."""
     if sample_rate <= 0 or frames <= 0:
         raise ValueError(f"audio has no samples (sample_rate={sample_rate}, frames={frames})")
+    if frames > nbytes * MAX_FRAMES_PER_BYTE:
+        raise ValueError(f"header claims {frames} frames ({frames / sample_rate / 3600:.1f} h) in {nbytes} bytes, "
+                         f"more than any codec stores (at most {MAX_FRAMES_PER_BYTE} frames a byte)")
+    if max_duration is not None and frames > max_duration * sample_rate:
+        raise ValueError(f"audio lasts {frames / sample_rate:.1f} s, over decode.max_duration={max_duration}")
+
+
+def _checked(sample_rate: int, frames: int, nbytes: int) -> tuple[int, int]:
+    check_declared(sample_rate, frames, nbytes)
     return sample_rate, frames
 
 
-def _soundfile_info(source) -> tuple[int, int]:
+def _soundfile_info(source, nbytes: int) -> tuple[int, int]:
     try:
         info = sf.info(source)
     except Exception as e:  # libsndfile reports corrupt input as several exception types
         raise ValueError(f"unreadable audio ({e})") from None
-    return _checked(info.samplerate, info.frames)
+    return _checked(info.samplerate, info.frames, nbytes)
 
 
 def probe(data: bytes) -> tuple[int, int]:
     """``(sample_rate, frames)`` read from the header of encoded audio; ValueError if unreadable."""
     parsed = parse_header(bytes(data[:HEADER_BYTES]), len(data))
-    return _checked(*parsed) if parsed else _soundfile_info(io.BytesIO(data))
+    return _checked(*parsed, len(data)) if parsed else _soundfile_info(io.BytesIO(data), len(data))
 
 
 def probe_file(path: str | os.PathLike) -> tuple[int, int, int]:
@@ -161,7 +180,7 @@ def probe_file(path: str | os.PathLike) -> tuple[int, int, int]:
     finally:
         os.close(fd)
     parsed = parse_header(head, size)
-    return (*(_checked(*parsed) if parsed else _soundfile_info(os.fspath(path))), size)
+    return (*(_checked(*parsed, size) if parsed else _soundfile_info(os.fspath(path), size)), size)
 
 
 def _target_subtype(fmt: str, source_subtype: str) -> str:
@@ -190,7 +209,7 @@ def cut_and_encode(source, fmt: str, *, offset: float = 0.0, duration: float | N
         with sf.SoundFile(source) as f:
             start = int(round(offset * f.samplerate))
             stop = f.frames if duration is None else start + int(round(duration * f.samplerate))
-            if start >= f.frames or stop > f.frames + f.samplerate // 100:  # tolerate 10 ms rounding
+            if start >= f.frames or stop <= start or stop > f.frames + f.samplerate // 100:  # tolerate 10 ms rounding
                 raise ValueError(f"segment [{offset}, {offset + (duration or 0)}) s lies outside the "
                                  f"audio ({f.frames / f.samplerate:.3f} s)")
             f.seek(start)

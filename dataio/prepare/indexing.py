@@ -25,6 +25,7 @@ from dataio.prepare.job import PrepareError, Progress, silent
 from dataio.prepare.plan import assign_shard_splits
 from dataio.shards.index import INDEX_DIR, PARTS_DIR, ShardPart, merge_parts
 from dataio.shards.metadata import write_dataset_metadata
+from dataio.shards.outdir import lock_output, remove_temps
 from dataio.shards.tarscan import TarFormatError, scan_shard
 
 
@@ -59,6 +60,8 @@ def build_index(root: Path, *, workers: int = 1, checksum: bool = False, progres
 
     ``splits`` (parsed ``--split``) assigns every shard whole to a split by its name (module docstring).
     """
+    lock = lock_output(root, node=None, command="dataio index")  # noqa: F841 (held until we return)
+    remove_temps(root)  # a killed earlier run's: nobody else writes here while we hold the lock
     names = find_shards(root)
     if not names:
         raise PrepareError(f"{root}: no .tar shards found")

@@ -30,6 +30,7 @@ from dataio.prepare.readers import ReadOptions, SampleError, open_input
 from dataio.prepare.writer import SKIPPED_DIR, STATE_DIR, ShardJob, ShardResult, is_complete, load_tokenizer, write_shard
 from dataio.shards.index import META_DIR, PARTS_DIR, ShardPart, merge_parts
 from dataio.shards.metadata import write_dataset_metadata
+from dataio.shards.outdir import lock_output
 from dataio.shards.tarwriter import write_atomically
 
 # progress(description, total=, unit=) -> a context yielding advance(n); the CLI passes its progress bar
@@ -101,6 +102,9 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
         raise PrepareError(str(e)) from None
 
     root = Path(opts.output)
+    if root.exists() and not root.is_dir():
+        raise PrepareError(f"--output {root} is a file, not a directory")
+    lock = lock_output(root, node=node_rank, command="dataio shard")  # noqa: F841 (held until we return)
     job = job_fingerprint(opts.inputs, {"kind": opts.kind, "text_field": opts.text_field,
                                         "audio_format": opts.audio_format, "shard_bytes": shard_bytes,
                                         "samples_per_shard": opts.samples_per_shard, "split": splits,

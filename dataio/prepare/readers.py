@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -274,10 +275,16 @@ class NemoManifestInput(_LineInput):
         for name in ("audio_filepath", "duration"):
             if name not in rec:
                 raise ValueError(f"missing required field {name!r}")
+        if not isinstance(rec["audio_filepath"], str) or not rec["audio_filepath"]:  # found by tests/fuzz.py
+            raise ValueError(f"field 'audio_filepath' must be a non-empty string, got {rec['audio_filepath']!r}")
         _required_text(rec, self.options.text_field)
-        for name in ("duration", "offset"):
-            if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float)) or rec[name] < 0):
-                raise ValueError(f"field {name!r} must be a non-negative number, got {rec[name]!r}")
+        for name in ("duration", "offset"):  # JSON allows NaN and Infinity; neither is a time
+            if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float))
+                                or not math.isfinite(rec[name]) or rec[name] < 0):
+                raise ValueError(f"field {name!r} must be a finite non-negative number, got {rec[name]!r}")
+        if "offset" in rec and rec["duration"] <= 0:
+            raise ValueError(f"field 'duration' must be positive for a segment (offset {rec['offset']}), "
+                             f"got {rec['duration']!r}")
         ext = _audio_ext(rec["audio_filepath"])
         if ext not in SHARD_AUDIO_EXTENSIONS:
             raise ValueError(f"unsupported audio extension {ext!r} "
@@ -346,6 +353,8 @@ class LhotseCutsInput:
         def entry(rec: dict, number: int, offset: int, raw: bytes) -> Entry:
             try:
                 cut = deserialize_item(rec)
+                if not (math.isfinite(cut.duration) and cut.duration > 0):
+                    raise ValueError(f"cut duration must be a finite positive number, got {cut.duration!r}")
                 if not _cut_text(cut):
                     raise ValueError("empty text (no supervision with text)")
                 file_source = _whole_file_source(cut)

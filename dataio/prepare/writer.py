@@ -4,8 +4,9 @@ Order of operations (what makes a crash at any point harmless):
 
 1. in chunks of CHUNK samples: load (readers.py; a sample that fails to load is skipped and counted,
    and the shard fails outright once its skips exceed the job's budget), tokenize with one
-   ``encode_batch`` call (Rust, no per-sample Python loop), and append to ``SHARD.tmp-HOST-PID``
-   (tarwriter.py), recording offsets as it goes;
+   ``encode_batch`` call per ~1M characters (Rust, no per-sample Python loop; memory bounded by
+   dataio.prepare.tokenize whatever the text lengths), and append to ``SHARD.tmp-HOST-PID`` (tarwriter.py),
+   recording offsets and the largest token id as it goes;
 2. fsync, rename to ``SHARD``;
 3. save the skip report of the shard (if any), then its ``ShardPart`` sidecar; the part is the
    completion marker a resumed job looks for, so a shard without one is simply written again
@@ -21,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from dataio.shards.formats import npy_bytes
-from dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
-from dataio.prepare.readers import Input, SampleError
 from dataio.prepare.plan import PlannedShard
+from dataio.prepare.readers import Input, SampleError
+from dataio.prepare.tokenize import encode_texts
+from dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
 from dataio.shards.tarwriter import TarWriter, write_atomically
 
 STATE_DIR = ".nv-meta/headrace-shard"  # job fingerprint and per-shard skip reports
@@ -96,8 +98,8 @@ def _tokenize(job: ShardJob, samples: list) -> list[np.ndarray | None]:
     if job.tokenizer_path:
         tok, dtype = load_tokenizer(job.tokenizer_path)
         with_text = [i for i, s in enumerate(samples) if s.text]
-        for i, enc in zip(with_text, tok.encode_batch([samples[i].text for i in with_text], add_special_tokens=False)):
-            tokens[i] = np.asarray(enc.ids, dtype=dtype)
+        for i, ids in zip(with_text, encode_texts(tok, [samples[i].text for i in with_text], dtype)):
+            tokens[i] = ids
     return tokens
 
 
@@ -111,8 +113,10 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
     rows: list[tuple] = []
     members: list[tuple[int, int, int]] = []
     keys: list[bytes] = []
+    max_token = -1
 
     def write(stream) -> tuple[int, str | None]:
+        nonlocal max_token
         tar = TarWriter(stream, sha256=job.sha256)
         # Chunks bound memory to CHUNK samples (not a whole shard) and give the tokenizer batches.
         for start in range(0, len(shard.entries), CHUNK):
@@ -121,6 +125,7 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
                 payloads = dict(sample.members)
                 if ids is not None:
                     payloads["npy"] = npy_bytes(ids)
+                    max_token = max(max_token, int(ids.max()) if len(ids) else -1)
                 first_member, first_byte = len(members), tar.position
                 for ext, payload in payloads.items():
                     try:
@@ -146,7 +151,8 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
     else:
         skip_report.unlink(missing_ok=True)
     ShardPart(
-        info=ShardInfo(name=shard.name, split=shard.split, bytes=size, samples=len(rows), sha256=digest),
+        info=ShardInfo(name=shard.name, split=shard.split, bytes=size, samples=len(rows), sha256=digest,
+                       max_token=max_token if max_token >= 0 else None),
         extensions=list(ext_id),
         samples=np.array(rows, dtype=SAMPLE_DTYPE),
         members=np.array(members, dtype=MEMBER_DTYPE),

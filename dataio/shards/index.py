@@ -56,6 +56,7 @@ class ShardInfo:
     bytes: int = 0
     samples: int = 0
     sha256: str | None = None
+    max_token: int | None = None  # largest token id of the shard's token members (None: unknown / none)
 
 
 @dataclass(kw_only=True)

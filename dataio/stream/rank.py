@@ -62,12 +62,19 @@ class RankStream:
         removed), computed by ``num_workers`` worker processes and read back in order."""
         cfg = self.cfg
         batches = RankBatches(make, first=first, last=last, seed=self.seed, dp_rank=self.dp_rank, epoch=epoch)
-        for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
-                             timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
-                             first_here=self.fork_safe):
-            self._count_bad(batch.pop("__bad__"))
-            yield batch
-            del batch  # a worker's ring slot comes back once the consumer drops the batch too
+        try:
+            for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch,
+                                 pin_memory=cfg.pin_memory, timeout=cfg.worker_timeout if cfg.num_workers else 0,
+                                 slot_bytes=slot_bytes, first_here=self.fork_safe):
+                self._count_bad(batch.pop("__bad__"))
+                yield batch
+                del batch  # a worker's ring slot comes back once the consumer drops the batch too
+        except RuntimeError as e:  # torch: "worker ... killed by signal: Bus error ... out of shared memory"
+            if "Bus error" in str(e):  # a worker touched a page past the end of a shard that shrank under it
+                for source in self.sources:
+                    if hasattr(source, "check_sizes"):
+                        source.check_sizes()  # the shard's error, naming it, instead of torch's guess
+            raise
 
     def _slot_bytes(self) -> int:
         """Shared slot size per batch: twice the mean stored bytes of a batch (decoded tokens take the

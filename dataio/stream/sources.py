@@ -109,8 +109,9 @@ class ShardSource:
         out = []
         m = 0
         shards = rows["shard"].tolist()
-        # local: each shard's map (and path) looked up once per call, not once per sample
-        maps = {} if self.remote else {s: self._map(s) for s in set(shards)}
+        # local: each shard's map (and path) looked up once per call, not once per sample; a shard
+        # that shrank since it was mapped is an error here, before a page past its end is touched
+        maps = {} if self.remote else {s: self._map(s, self._read_end(rows, s)) for s in set(shards)}
         paths = {s: self.shard_path(s) for s in set(shards)}
         for shard, start, key, n in zip(shards, rows["offset"].tolist(), keys, counts.tolist()):
             if self.remote:
@@ -134,19 +135,44 @@ class ShardSource:
         if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
             self._maps, self._remote_files, self._pid = {}, OrderedDict(), os.getpid()
 
-    def _map(self, shard: int):
+    @staticmethod
+    def _read_end(rows: np.ndarray, shard: int) -> int:
+        """One past the last byte a read of ``rows`` touches in ``shard``."""
+        mine = rows["shard"] == shard
+        return int((rows["offset"][mine] + rows["size"][mine]).max())
+
+    def _map(self, shard: int, end: int = 0):
+        """The shard's map, after checking (``mmap.size()``: one ``fstat`` of the map's own descriptor)
+        that the file still holds byte ``end - 1``: touching a mapped page past the end of a file that
+        was truncated under us is SIGBUS, which kills the process with no message (or, in a worker,
+        reads as "out of shared memory"). A truncation between this check and the batch's copy is not
+        caught (microseconds; a signal handler cannot resume a faulting access)."""
         self._reset_if_forked()
-        buf = self._maps.get(shard)
-        if buf is None:
+        entry = self._maps.get(shard)
+        if entry is None:
             path = self.shard_path(shard)
             if path.startswith("file://"):
                 path = path[len("file://"):]
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 self._check_size(shard, size)
-                buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)) if size else memoryview(b"")
-            self._maps[shard] = buf
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            entry = self._maps[shard] = (mapped, memoryview(mapped) if mapped is not None else memoryview(b""))
+        mapped, buf = entry
+        size = mapped.size() if mapped is not None else 0
+        if size < end:
+            raise ShardFormatError(f"shard shrank to {size} bytes while mapped (modified under the loader?); "
+                                   f"this read needs bytes up to {end}", shard=self.shard_path(shard))
         return buf
+
+    def check_sizes(self) -> None:
+        """ShardFormatError naming the first local shard now shorter than its index needs (one ``stat``
+        a shard): how a worker's SIGBUS is traced back to the shard that shrank under it."""
+        if self.remote:
+            return
+        for shard in self._needed:
+            path = self.shard_path(shard)
+            self._check_size(shard, os.stat(path[len("file://"):] if path.startswith("file://") else path).st_size)
 
     def _check_size(self, shard: int, size: int) -> None:
         needed = self._needed.get(shard, 0)

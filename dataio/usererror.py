@@ -1,0 +1,58 @@
+"""Errors of the user's making are one line; bugs keep their traceback.
+
+One rule for both entry points (``dataio`` and ``python -m training``): an exception is the user's
+(a config value, a data file, a file-system path) when it is one of the project's input-error types
+(``ConfigError``, ``CommandError``, ``PrepareError``, ``OutputLocked``, the shard/sample/tar format
+errors, ``SampleError``, a loader ``StateError``) or an
+``OSError`` that names a file (missing, not a directory, permission denied, disk full). Such an error
+is printed as one line and the process exits with status 2; everything else is a bug and is re-raised
+with its traceback. ``--debug`` or ``HEADRACE_DEBUG=1`` re-raises user errors too.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEBUG_ENV = "HEADRACE_DEBUG"
+EXIT_USER_ERROR = 2
+
+
+def _user_error_types() -> tuple[type, ...]:
+    from configtree import ConfigError
+    from dataio.cli import CommandError
+    from dataio.loader_state import StateError
+    from dataio.prepare.job import PrepareError
+    from dataio.prepare.readers import SampleError
+    from dataio.shards.outdir import OutputLocked
+    from dataio.shards.tarscan import TarFormatError
+    from dataio.stream.decode import SampleDecodeError
+
+    return (ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, StateError,
+            TarFormatError)
+
+
+def is_user_error(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.filename is not None
+    return isinstance(e, _user_error_types())
+
+
+def debug_requested(flag: bool = False) -> bool:
+    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def one_line(e: BaseException) -> str:
+    """The message of ``e`` as one line. An error re-raised from a torch DataLoader worker carries the
+    worker's traceback in its text; its last line is the original message."""
+    text = str(e).strip()
+    if isinstance(e, OSError) and e.filename is not None:
+        text = f"{e.filename}: {e.strerror or text}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    if "Original Traceback" in text:
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0]
+
+
+__all__ = ["DEBUG_ENV", "EXIT_USER_ERROR", "debug_requested", "is_user_error", "one_line"]
