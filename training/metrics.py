@@ -65,6 +65,7 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, *, enabled: bool, console: bool, tensorboard: bool):
         self.enabled = enabled
         self.history: list[dict] = []
+        self.val_history: list[dict] = []
         if not enabled:
             return
         self.output_dir = Path(output_dir)
@@ -98,6 +99,22 @@ class MetricsLogger:
                 f"gnorm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s "
                 f"({record['tokens_per_s_per_device']:,.0f}/dev)  {mfu}  data wait {record['data_wait_frac']:.1%}  "
                 f"pack fill {record['pack_fill']:.1%}  mem {record['max_mem']:.2f} GiB", soft_wrap=True)
+
+    def log_val(self, record: dict) -> None:
+        """A validation record (``step``, ``val_*``) to metrics.jsonl, TensorBoard (``val/*``), the console."""
+        self.val_history.append(record)
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key.startswith("val_"):
+                    self.tb.add_scalar(f"val/{key[4:]}", value, record["step"])
+        if self.console is not None:
+            self.console.print(f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]  "
+                               f"ppl {record['val_ppl']:.2f}  ({record['val_tokens']:,} tokens, "
+                               f"{record['val_docs']:,} documents)", soft_wrap=True)
 
     def summary(self, skip_first: int = 1) -> dict:
         """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""

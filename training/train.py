@@ -47,6 +47,8 @@ from training.model import build_hf_config, build_meta_model, materialize
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
+from training.telemetry import rank_spread
+from training.validation import run_validation, val_data_config
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
@@ -204,6 +206,11 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         step = state["step"]
         if rank == 0:
             print(f"resumed from {resume_from} at step {step}", flush=True)
+    if cfg.trainer.data_seed is not None:  # a chained job's own seed (training.launch --jobs)
+        first = loader.reseed(cfg.trainer.data_seed)
+        if rank == 0:
+            print(f"data seed {cfg.trainer.data_seed} orders each dataset's epochs from {first} on", flush=True)
+    val_cfg = val_data_config(cfg.data) if cfg.trainer.eval_every else None
 
     logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
                            tensorboard=cfg.logging.tensorboard)
@@ -211,6 +218,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     peak = peak_flops(device)
     batches = DevicePrefetcher(loader, device)
     window_start, window_batches, window_tokens, window_fill = time.perf_counter(), 0, 0, []
+    window_first_step = step
     while step < cfg.trainer.max_steps:
         try:
             micro = next_micro_batches(batches, cfg.trainer.grad_accum)
@@ -230,20 +238,28 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_tokens / elapsed
             flops_per_s = tokens_per_s * flops_tok / world
+            wait = sum(batches.waits[window_batches:])
             logger.log({
                 "step": step, "loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": stats["grad_norm"], "tokens": stats["tokens"],
                 "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world,
                 "flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
-                "data_wait_frac": sum(batches.waits[window_batches:]) / elapsed,
+                "data_wait_frac": wait / elapsed,
                 "pack_fill": sum(window_fill) / len(window_fill),
                 "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
+                **rank_spread((elapsed - wait) / (step - window_first_step), wait / elapsed, device),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
+            window_first_step = step
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
             from training.speech.eval import eval_in_training
 
             eval_in_training(model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
+        if val_cfg is not None and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.max_steps):
+            validating = time.perf_counter()
+            logger.log_val({"step": step, **run_validation(
+                model, functools.partial(forward_loss_sum, autocast=autocast), val_cfg, meshes, device)})
+            window_start += time.perf_counter() - validating  # validation time is not training throughput
         interval = cfg.checkpoint.interval
         if interval and step % interval == 0 and step < cfg.trainer.max_steps:
             saving = time.perf_counter()
