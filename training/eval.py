@@ -1,4 +1,4 @@
-"""``[torchrun ...] python -m training.eval --config X.yaml --checkpoint DIR [a.b=c ...]``: validation of a finished run.
+"""``[torchrun ...] -m training.eval --config X.yaml --checkpoint DIR [a.b=c ...]``: validate a finished run.
 
 ``DIR`` is a DCP checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
 one) or a consolidated ``hf/`` export (``config.json`` + safetensors). The model is built and

@@ -34,6 +34,10 @@ from pathlib import Path
 from dataio.configtree import ConfigError
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# Workers get their own TCPStore instead of sharing the rendezvous one: with the shared store a restarted
+# worker group reads the previous attempt's gloo/NCCL addresses and hangs in init_process_group
+# (pytorch/pytorch#135712; measured with torch 2.13: --max-restarts 1 never came back without it).
+ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def trainer_args(config: str, overrides: list[str]) -> list[str]:
@@ -79,6 +83,7 @@ def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
         "set -euo pipefail",
         'export DATA_SEED="${1:?usage: sbatch this-script DATA_SEED}"',
         'export RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        *(f"export {k}={v}" for k, v in ENV.items()),
         f"cd {shlex.quote(str(Path.cwd()))}",
         f'echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x {args.nproc_per_node}, '
         f'rendezvous $RDZV_HOST:{args.port}, data seed $DATA_SEED"',
@@ -157,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.slurm:
         cmd = torchrun_command(args)
         if args.dry_run:
-            print(shlex.join(cmd))
+            print(shlex.join([*(f"{k}={v}" for k, v in ENV.items()), *cmd]))
             return 0
-        os.execvp(cmd[0], cmd)
+        os.execvpe(cmd[0], cmd, {**os.environ, **ENV})
     output_dir = Path(cfg.trainer.output_dir).resolve()
     script = sbatch_script(args, output_dir)
     seeds = [fresh_seed() for _ in range(args.jobs)]
