@@ -229,3 +229,57 @@ def test_two_nodes_in_two_network_namespaces(work, hsdp_reference):
     finally:
         remove_namespaces()
     assert_same_run(records(out), hsdp_reference)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A one-node SLURM on this machine (tools/slurm_local.sh); skipped where it is not installed or will
+    not start. ``HEADRACE_SLURM_INSTALL=1`` lets the script install slurm-wlm + munge from apt first."""
+    if shutil.which("bash") is None or (hasattr(os, "geteuid") and os.geteuid() != 0):
+        pytest.skip("a local SLURM needs root (munged, slurmd)")
+    install = ["--install"] if os.environ.get("HEADRACE_SLURM_INSTALL") == "1" else []
+    proc = subprocess.run(["bash", str(REPO / "tools" / "slurm_local.sh"), "start", *install], capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.skip(f"no local SLURM: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]} "
+                    "(HEADRACE_SLURM_INSTALL=1 installs slurm-wlm from apt)")
+    yield
+    subprocess.run(["bash", str(REPO / "tools" / "slurm_local.sh"), "stop"], capture_output=True, timeout=60)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
+    """The generated sbatch script on a real (one-node) SLURM: job 1 trains and checkpoints and is cancelled
+    (as a time limit would end it); job 2, chained afterany, resumes from the newest complete checkpoint with
+    its own data seed and finishes the run."""
+    from training import checkpoint
+
+    out = work / "slurm_run"
+    proc = subprocess.run([sys.executable, "-m", "training.launch", "--slurm", "--nodes", "1", "--nproc-per-node",
+                           "2", "--jobs", "2", "--config", str(work / "job.yaml"), f"trainer.output_dir={out}",
+                           "trainer.max_steps=40", "trainer.eval_every=0"],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = [json.loads(line) for line in (out / "slurm" / "jobs.jsonl").read_text().splitlines()]
+    assert len(jobs) == 2 and jobs[1]["after"] == jobs[0]["job_id"] and jobs[0]["data_seed"] != jobs[1]["data_seed"]
+
+    def queued() -> set[str]:
+        return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
+
+    wait_for(lambda: checkpoint.latest(out / "checkpoints") is not None, 300, "job 1's first checkpoint")
+    subprocess.run(["scancel", jobs[0]["job_id"]], check=True)
+    wait_for(lambda: not queued() & {j["job_id"] for j in jobs}, 400, "both jobs to end")
+    first, second = ((out / "slurm" / f"headrace-{j['job_id']}.out").read_text() for j in jobs)
+    assert f"data seed {jobs[0]['data_seed']}" in first
+    assert f"data seed {jobs[1]['data_seed']} orders each dataset's epochs from" in second, second[-3000:]
+    assert "resumed from" in second and "resumed from" not in first
+    train, _ = records(out)
+    assert max(train) == 40 and (out / "checkpoints" / "step-00000040").is_dir(), second[-3000:]
