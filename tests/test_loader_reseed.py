@@ -46,7 +46,7 @@ def run(config, states=None, seed=None, limit=None):
 
 
 def global_stream(per_rank):
-    """Keys by global position (rank r serves positions r + DP*j, the layout of dataio.split)."""
+    """Keys by global position (rank r serves positions r + DP*j, the layout of dataio.stream.split)."""
     out = [None] * sum(map(len, per_rank))
     for r, keys in enumerate(per_rank):
         out[r::DP] = keys

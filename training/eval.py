@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from dataio.configtree import ConfigError
+from configtree import ConfigError
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, str]:

@@ -9,7 +9,7 @@ trainer processes each, ``--nnodes $SLURM_JOB_NUM_NODES``. ``--jobs K`` chains K
 each with its own data seed: the script's first argument, passed as ``trainer.data_seed`` and echoed
 into the job's output; ``slurm/jobs.jsonl`` records every job id with its seed. Each job resumes from
 the newest complete checkpoint (``checkpoint.resume``); the seed orders only the epochs not begun yet
-(``dataio.seeding``), so no sample of the epoch in progress repeats or is skipped. ``--dry-run`` prints
+(``dataio.stream.seeding``), so no sample of the epoch in progress repeats or is skipped. ``--dry-run`` prints
 the script and the ``sbatch`` commands instead.
 
 By hand (``--nnodes N --node-rank R --master ADDR[:PORT]``): runs (or with ``--dry-run`` prints) this
@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dataio.configtree import ConfigError
+from configtree import ConfigError
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Workers get their own TCPStore instead of sharing the rendezvous one: with the shared store a restarted
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from dataio.seeding import fresh_seed
+    from dataio.stream.seeding import fresh_seed
     from training.config import load_job_config
 
     args = parse_args(argv)

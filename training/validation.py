@@ -2,7 +2,7 @@
 
 The val stream is the ``data:`` section with ``data.val``'s keys laid over it (typically
 ``datasets: [{path: ..., split: val}]``) and ``epochs: 1``: any dataset the loader reads, batched and
-packed like the training data. The loader's layout (``dataio.split``) gives DP rank ``r`` the global
+packed like the training data. The loader's layout (``dataio.stream.split``) gives DP rank ``r`` the global
 positions ``r, r + dp, ...``, so across DP ranks every val sample is read exactly once; at the tail the
 loader pads the ranks that ran out with loss-free batches (labels all -100) so that every rank runs the
 same number of forwards (FSDP2's collectives) and padding adds nothing. Per batch: one forward without
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from configtree import from_dict, to_dict
 from dataio.config import DataConfig
-from dataio.configtree import from_dict, to_dict
 from kernels.loss import IGNORE_INDEX
 
 
