@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
@@ -61,19 +60,6 @@ def work(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def one_process(work):
-    """A one-rank process group in this process (the single-process references)."""
-    saved = dict(os.environ)
-    from training.train import init_distributed
-
-    init_distributed("cpu")
-    yield
-    dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def records(out_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     """Train and val records of metrics.jsonl by step (a restarted run's later lines win)."""
     train, val = {}, {}
@@ -104,7 +90,7 @@ def assert_same_run(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
         assert val[step]["val_loss"] == pytest.approx(val_ref[step]["val_loss"], rel=2e-5), step
 
 
-def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, one_process):
+def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, process_group):
     """dp=3: rank 1 is SIGKILLed when its loader hands out batch 8 (the prefetcher reads ahead: some step
     after the step-2 checkpoint); torchrun
     restarts the job once and the trainer resumes: losses, telemetry and validation equal one process's.
@@ -171,11 +157,11 @@ def launch_nodes(work: Path, out: Path, nodes: list[dict], *, port: int, timeout
 
 
 @pytest.fixture(scope="module")
-def hsdp_reference(work, one_process):
+def hsdp_reference(work, process_group):
     return reference(work, 4)
 
 
-def test_two_nodes_on_loopback_train_hsdp_like_one_process(work, hsdp_reference):
+def test_two_nodes_on_loopback_train_hsdp_like_process_group(work, hsdp_reference):
     """Two torchrun agents (2 processes each) meet in a c10d rendezvous on 127.0.0.1: HSDP replicates across
     the two "nodes" and shards within each; losses and validation equal one process's."""
     out = work / "loopback"

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from configtree import ConfigError
+
+
+@contextlib.contextmanager
+def process_group_closed():
+    """Destroy the process group the body joined, also when it raises (torchrun entry points)."""
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,19 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch.distributed as dist
-
     from training.train import train
 
-    try:
-        train(cfg)
-    except ConfigError as e:  # a rule that needs the world size or the model config (e.g. training.moe.check_moe)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with process_group_closed():
+        try:
+            train(cfg)
+        except ConfigError as e:  # a rule that needs the world size or the model config (e.g. training.moe.check_moe)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -87,13 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    try:
+    from training.__main__ import process_group_closed
+
+    with process_group_closed():
         result = evaluate_checkpoint(cfg, args.checkpoint)
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

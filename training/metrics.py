@@ -85,12 +85,7 @@ class MetricsLogger:
         self.history.append(record)
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+        self._write(record, lambda key: f"train/{key}")
         if self.console is not None:
             mfu = f"mfu {record['mfu']:5.1%}" if record.get("mfu") is not None else \
                 f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s"
@@ -105,16 +100,20 @@ class MetricsLogger:
         self.val_history.append(record)
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key.startswith("val_"):
-                    self.tb.add_scalar(f"val/{key[4:]}", value, record["step"])
+        self._write(record, lambda key: f"val/{key.removeprefix('val_')}")
         if self.console is not None:
             self.console.print(f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]  "
                                f"ppl {record['val_ppl']:.2f}  ({record['val_tokens']:,} tokens, "
                                f"{record['val_docs']:,} documents)", soft_wrap=True)
+
+    def _write(self, record: dict, tb_tag) -> None:
+        """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(tb_tag(key), value, record["step"])
 
     def summary(self, skip_first: int = 1) -> dict:
         """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""
