@@ -63,7 +63,7 @@ def test_reseed_keeps_the_current_epoch_and_reorders_later_ones(blend):
     assert len(stream) == len(straight)
 
     loader = build_loader(config)
-    dataset, draw = loader.blend.locate(np.arange(len(stream)))
+    dataset, draw = loader.stream.blend.locate(np.arange(len(stream)))
     names = list(SIZES)
     epochs = defaultdict(list)
     for key, d, k in zip(stream, dataset, draw):
