@@ -1,5 +1,5 @@
 """``python -m training.launch``: the sbatch script and its chain, the per-node torchrun commands, and the
-errors, without a cluster (a real SLURM runs the script in test_slurm.py)."""
+errors, without a cluster (a real SLURM runs the script in test_multinode.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,28 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
 
+@pytest.fixture
+def launch(capsys, monkeypatch):
+    """``python -m training.launch ARGS`` in this process: (exit code, stdout, stderr)."""
+    from training.launch import main
 
-def launch(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training.launch", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=120)
+    def run(*args, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse errors
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
 @pytest.fixture
@@ -30,15 +40,15 @@ def job(tmp_path) -> Path:
     return path
 
 
-def test_sbatch_script_and_chain(job, tmp_path):
+def test_sbatch_script_and_chain(job, tmp_path, launch):
     """--dry-run prints the script (valid bash) and K sbatch commands chained with afterany, one fresh seed
     each; a real submission writes the script and slurm/jobs.jsonl with the ids that sbatch returned."""
     args = ["--config", str(job), "--slurm", "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
             "--jobs", "3", "--max-restarts", "2", "--sbatch-arg=--partition=gpu", "optim.lr=1e-4",
             "data.datasets=[{path: /data/a b}]"]
-    proc = launch(*args, "--dry-run")
-    assert proc.returncode == 0, proc.stderr
-    script, _, submits = proc.stdout.partition("\nsbatch ")
+    code, out, err = launch(*args, "--dry-run")
+    assert code == 0, err
+    script, _, submits = out.partition("\nsbatch ")
     submits = ("sbatch " + submits).strip().splitlines()
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --time=04:00:00", "#SBATCH --partition=gpu", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
@@ -64,8 +74,8 @@ def test_sbatch_script_and_chain(job, tmp_path):
                                     '";cluster"\n')
     (bin_dir / "sbatch").chmod(0o755)
     log = tmp_path / "sbatch.log"
-    proc = launch(*args, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_LOG": str(log)})
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = launch(*args, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_LOG": str(log)})
+    assert code == 0, err
     calls = log.read_text().splitlines()
     assert "--dependency=afterany:1001" in calls[1] and "--dependency=afterany:1002" in calls[2]
     jobs = [json.loads(line) for line in (tmp_path / "run" / "slurm" / "jobs.jsonl").read_text().splitlines()]
@@ -75,25 +85,25 @@ def test_sbatch_script_and_chain(job, tmp_path):
     assert (tmp_path / "run" / "slurm" / "headrace.sbatch").read_text() == script
 
 
-def test_torchrun_commands_by_hand(job):
+def test_torchrun_commands_by_hand(job, launch):
     """The command of each node: c10d with node 0 hosting the store, or static ranks."""
     common = ["--config", str(job), "--nnodes", "2", "--nproc-per-node", "4", "--master", "10.0.0.1:29400",
               "--dry-run", "--max-restarts", "1"]
-    node0 = shlex.split(launch(*common, "--node-rank", "0").stdout)
-    node1 = shlex.split(launch(*common, "--node-rank", "1", "--local-addr", "10.0.0.2").stdout)
+    node0 = shlex.split(launch(*common, "--node-rank", "0")[1])
+    node1 = shlex.split(launch(*common, "--node-rank", "1", "--local-addr", "10.0.0.2")[1])
     assert node0[0] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
     for word in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
                  "--max-restarts=1", "-m", "training"):
         assert word in node0 and word in node1
     assert "--rdzv-conf=is_host=true" in node0 and "--rdzv-conf=is_host=false" in node1
     assert "--local-addr=10.0.0.2" in node1
-    static = shlex.split(launch(*common, "--node-rank", "1", "--rdzv", "static").stdout)
+    static = shlex.split(launch(*common, "--node-rank", "1", "--rdzv", "static")[1])
     assert {"--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400"} <= set(static)
 
 
-def test_errors_are_one_line(job, tmp_path):
-    proc = launch("--config", str(job), "--nnodes", "2", "--node-rank", "2")
-    assert proc.returncode == 2 and "--node-rank 2 outside 0..1" in proc.stderr
-    proc = launch("--config", str(job), "--slurm", "--dry-run", "trainer.eval_every=5")
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("error: ") and "trainer.eval_every=5 needs a data.val" in last
+def test_errors_are_one_line(job, launch):
+    code, _, err = launch("--config", str(job), "--nnodes", "2", "--node-rank", "2")
+    assert code == 2 and "--node-rank 2 outside 0..1" in err
+    code, _, err = launch("--config", str(job), "--slurm", "--dry-run", "trainer.eval_every=5")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: ") and "trainer.eval_every=5 needs a data.val" in last
