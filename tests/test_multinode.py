@@ -161,7 +161,7 @@ def hsdp_reference(work, process_group):
     return reference(work, 4)
 
 
-def test_two_nodes_on_loopback_train_hsdp_like_process_group(work, hsdp_reference):
+def test_two_nodes_on_loopback_train_hsdp_like_one_process(work, hsdp_reference):
     """Two torchrun agents (2 processes each) meet in a c10d rendezvous on 127.0.0.1: HSDP replicates across
     the two "nodes" and shards within each; losses and validation equal one process's."""
     out = work / "loopback"
