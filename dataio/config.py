@@ -10,7 +10,7 @@ fields here. The packing / bucketing fields belong to the batching stage (``data
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dataio.batching.bucketing import BucketingConfig
 from dataio.batching.packing import PackingConfig
@@ -54,6 +54,9 @@ class DataConfig:
     packing_buffer: int = 1000
     pad_id: int = 0  # input_ids of padding (labels there are -100 whatever it is)
     bucketing: BucketingConfig | None = None
+    # The trainer's validation stream: keys laid over this section (e.g. datasets with split: val), one
+    # epoch; the loader itself never reads it (see training.validation).
+    val: dict[str, Any] | None = None
 
     def __post_init__(self):
         if not self.datasets:

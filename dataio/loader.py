@@ -79,6 +79,14 @@ class Loader:
     def seed(self) -> int:
         return self.stream.seed
 
+    def reseed(self, seed: int) -> list[int]:
+        """A new data seed for this job (call after ``load_state_dict`` with every old rank's state, before
+        iterating; the same on every rank). It orders each dataset's epochs that no rank had begun at the
+        resume; epochs already begun keep their seed, so no sample of them repeats or is skipped
+        (``dataio.stream.seeding``). Worker augmentation streams take it at once. Returns the first
+        reseeded epoch of each dataset."""
+        return self.stream.reseed(seed)
+
     @property
     def bad_samples(self) -> int:
         """Samples skipped on this rank so far (counted against ``max_bad_samples``)."""

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, VOCAB, packed_batches  # noqa: E402
-from test_training import process_group  # noqa: E402, F401  (the one-rank process group fixture)
 
 from kernels.grouped_experts import grouped_experts  # noqa: E402
 from training.config import DistributedConfig, load_job_config  # noqa: E402

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
@@ -169,18 +168,6 @@ def test_chunked_loss_gives_the_full_logits_loss_and_gradients(tmp_path):
 
 
 # -- with a one-rank process group --------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def process_group():
-    saved = dict(os.environ)
-    from training.train import init_distributed
-
-    init_distributed("cpu")
-    yield
-    dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 def concat(batches: list[dict]) -> dict:
     """k micro-batches as one batch of k times the rows (cu_seqlens offset into the flattened whole)."""

@@ -22,26 +22,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="tracebacks for input errors too (HEADRACE_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 trainer.max_steps=20")
     args = parser.parse_args(argv)
-    import torch.distributed as dist
-
     from training.config import load_job_config
-    from training.train import train
+    from training.train import process_group_closed, train
 
     rank = int(os.environ.get("RANK", 0))
-    try:
-        train(load_job_config(args.config, args.overrides))
-    except Exception as e:
-        if not is_user_error(e) or debug_requested(args.debug):
-            raise
-        if isinstance(e, ConfigError):  # the same on every rank
-            if rank == 0:
-                print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        else:
-            print(f"error (rank {rank}): {one_line(e)}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with process_group_closed():
+        try:
+            train(load_job_config(args.config, args.overrides))
+        except Exception as e:
+            if not is_user_error(e) or debug_requested(args.debug):
+                raise
+            if isinstance(e, ConfigError):  # the same on every rank
+                if rank == 0:
+                    print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            else:
+                print(f"error (rank {rank}): {one_line(e)}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
     return 0
 
 

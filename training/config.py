@@ -137,6 +137,8 @@ class TrainerConfig:
     output_dir: str = "runs/debug"
     log_every: int = 1
     profile: ProfileConfig | None = None  # torch.profiler trace of a few steps, one file per rank
+    eval_every: int = 0  # validate over the whole data.val stream every N steps and at the end (0: never)
+    data_seed: int | None = None  # this job's data seed: orders the epochs not yet begun (training.launch --jobs)
 
 
 @dataclass(kw_only=True)
@@ -192,6 +194,9 @@ class JobConfig:
                                  "data.seq_len unset")
         elif self.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
             raise ValueError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
+        if self.trainer.eval_every and self.data.val is None:
+            raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs a data.val stream "
+                             "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
 
 
 def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:

@@ -69,6 +69,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.wandb_run = wandb_run  # a started wandb run (training.wandb_run) or None
         self.history: list[dict] = []
+        self.val_history: list[dict] = []
         if not enabled:
             return
         self.output_dir = Path(output_dir)
@@ -88,14 +89,7 @@ class MetricsLogger:
         self.history.append(record)
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"train/{key}", value, record["step"])
-        if self.wandb_run is not None:
-            wandb_run.log(self.wandb_run, record)
+        self._write(record, lambda key: f"train/{key}")
         if self.console is not None:
             mfu = f"mfu {record['mfu']:5.1%}" if record.get("mfu") is not None else \
                 f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s"
@@ -106,6 +100,28 @@ class MetricsLogger:
                 f"pack fill {record['pack_fill']:.1%}  mem {record['max_mem']:.2f} GiB"
                 + (f"  pp bubble {record['pp_bubble_measured']:.2f} (theory {record['pp_bubble_theory']:.2f})"
                    if "pp_bubble_measured" in record else ""), soft_wrap=True)
+
+    def log_val(self, record: dict) -> None:
+        """A validation record (``step``, ``val_*``) to metrics.jsonl, TensorBoard (``val/*``), the console."""
+        self.val_history.append(record)
+        if not self.enabled:
+            return
+        self._write(record, lambda key: f"val/{key.removeprefix('val_')}")
+        if self.console is not None:
+            self.console.print(f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]  "
+                               f"ppl {record['val_ppl']:.2f}  ({record['val_tokens']:,} tokens, "
+                               f"{record['val_docs']:,} documents)", soft_wrap=True)
+
+    def _write(self, record: dict, tb_tag) -> None:
+        """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(tb_tag(key), value, record["step"])
+        if self.wandb_run is not None:
+            wandb_run.log(self.wandb_run, record)
 
     def summary(self, skip_first: int = 1) -> dict:
         """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""

@@ -51,6 +51,8 @@ from training.pipeline import build_pipeline, pipeline_metrics, pipeline_train_s
 from training.profiling import StepProfiler
 from training.wandb_run import open_run
 from training.validate import check_job, check_vocab
+from training.telemetry import rank_spread
+from training.validation import run_validation, val_data_config
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
@@ -68,6 +70,16 @@ def init_distributed(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo")
+
+
+@contextlib.contextmanager
+def process_group_closed():
+    """Destroy the process group the body joined, also when it raises (torchrun entry points)."""
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def pick_device(name: str) -> torch.device:
@@ -222,6 +234,11 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         step = state["step"]
         if rank == 0:
             print(f"resumed from {resume_from} at step {step}", flush=True)
+    if cfg.trainer.data_seed is not None:  # a chained job's own seed (training.launch --jobs)
+        first = loader.reseed(cfg.trainer.data_seed)
+        if rank == 0:
+            print(f"data seed {cfg.trainer.data_seed} orders each dataset's epochs from {first} on", flush=True)
+    val_cfg = val_data_config(cfg.data) if cfg.trainer.eval_every else None
 
     run = open_run(cfg.logging.wandb, out_dir, to_dict(cfg)) if cfg.logging.wandb and rank == 0 else None
     logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
@@ -231,6 +248,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     peak = peak_flops(device)
     batches = DevicePrefetcher(loader, device)
     window_start, window_batches, window_tokens, window_fill = time.perf_counter(), 0, 0, []
+    window_first_step = step
     while step < cfg.trainer.max_steps:
         try:
             micro = next_micro_batches(batches, cfg.trainer.grad_accum)
@@ -256,21 +274,29 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_tokens / elapsed
             flops_per_s = tokens_per_s * flops_tok / world
+            wait = sum(batches.waits[window_batches:])
             logger.log({
                 "step": step, "loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": stats["grad_norm"], "tokens": stats["tokens"],
                 "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world,
                 "flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
-                "data_wait_frac": sum(batches.waits[window_batches:]) / elapsed,
+                "data_wait_frac": wait / elapsed,
                 "pack_fill": sum(window_fill) / len(window_fill),
                 "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
                 **(pipeline_metrics(pipe, max_memory_gib(device)) if pipe is not None else {}),
+                **rank_spread((elapsed - wait) / (step - window_first_step), wait / elapsed, device),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
+            window_first_step = step
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
             from training.speech.eval import eval_in_training
 
             eval_in_training(model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
+        if val_cfg is not None and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.max_steps):
+            validating = time.perf_counter()
+            logger.log_val({"step": step, **run_validation(
+                model, functools.partial(forward_loss_sum, autocast=autocast), val_cfg, meshes, device)})
+            window_start += time.perf_counter() - validating  # validation time is not training throughput
         interval = cfg.checkpoint.interval
         if interval and step % interval == 0 and step < cfg.trainer.max_steps:
             saving = time.perf_counter()

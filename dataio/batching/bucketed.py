@@ -75,8 +75,9 @@ class BucketedBatches:
         tokens = np.asarray(source.index.samples["tokens"]) if stream.cfg.bucketing.two_d else None  # 2D
         edges = None
         for dp_size, steps in [*history, [stream.dp_size, 0]]:
-            plan = plan_epoch(indices, durations[indices], seed=stream.seed, epoch=epoch, dp_size=dp_size,
-                              cfg=stream.cfg.bucketing, edges=edges, tokens=None if tokens is None else tokens[indices])
+            plan = plan_epoch(indices, durations[indices], seed=stream.seeds.at(0, epoch), epoch=epoch,
+                              dp_size=dp_size, cfg=stream.cfg.bucketing, edges=edges,
+                              tokens=None if tokens is None else tokens[indices])
             edges = plan.edges  # the same buckets for the whole epoch
             indices = np.setdiff1d(indices, consumed_indices(plan, steps))
         return plan.rank_batches(stream.dp_rank)

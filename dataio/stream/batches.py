@@ -20,6 +20,7 @@ from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
 from dataio.stream.decode import SampleDecodeError, decode_sample
 from dataio.stream.order import EpochOrder
+from dataio.stream.seeding import SeedSchedule
 from dataio.stream.sources import ShardSource
 from dataio.stream.split import Layout
 
@@ -118,8 +119,8 @@ class SampleReader:
 class BatchMaker:
     """Plain batch ``b`` of one rank's stream (the rank-local positions after ``first_local``)."""
 
-    def __init__(self, *, reader: SampleReader, blend: BlendSchedule, seed: int, layout: Layout, dp_rank: int,
-                 first_local: int):
+    def __init__(self, *, reader: SampleReader, blend: BlendSchedule, seed: int | SeedSchedule, layout: Layout,
+                 dp_rank: int, first_local: int):
         cfg = reader.cfg
         self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
         self.first_local, self.batch_size = first_local, cfg.batch_size

@@ -22,18 +22,19 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dataio.stream.seeding import rng
+from dataio.stream.seeding import SeedSchedule, rng
 
 
 class EpochOrder:
     """Maps epoch positions to global sample indices for one dataset (one split of one index)."""
 
-    def __init__(self, shard_starts: np.ndarray, shard_sizes: np.ndarray, *, seed: int, dataset: int = 0,
-                 shuffle: bool = True, window: int = 8192):
+    def __init__(self, shard_starts: np.ndarray, shard_sizes: np.ndarray, *, seed: int | SeedSchedule,
+                 dataset: int = 0, shuffle: bool = True, window: int = 8192):
         self.shard_starts = np.asarray(shard_starts, dtype=np.int64)
         self.shard_sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.size = int(self.shard_sizes.sum())
-        self.seed, self.dataset, self.shuffle, self.window = seed, dataset, shuffle, max(1, int(window))
+        self.seeds = seed if isinstance(seed, SeedSchedule) else SeedSchedule(base=seed)
+        self.dataset, self.shuffle, self.window = dataset, shuffle, max(1, int(window))
         self._identity_ends = np.cumsum(self.shard_sizes)
         self._shards: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, permutation, ends)
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
@@ -55,7 +56,8 @@ class EpochOrder:
 
     def _shard_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         if self._shards is None or self._shards[0] != epoch:
-            perm = rng(self.seed, "shards", self.dataset, epoch).permutation(len(self.shard_sizes))
+            seed = self.seeds.at(self.dataset, epoch)
+            perm = rng(seed, "shards", self.dataset, epoch).permutation(len(self.shard_sizes))
             self._shards = (epoch, perm, np.cumsum(self.shard_sizes[perm]))
         return self._shards[1], self._shards[2]
 
@@ -75,7 +77,7 @@ class EpochOrder:
         perm = self._windows.get((epoch, w))
         if perm is None:
             length = min(self.window, self.size - w * self.window)
-            perm = rng(self.seed, "window", self.dataset, epoch, w).permutation(length)
+            perm = rng(self.seeds.at(self.dataset, epoch), "window", self.dataset, epoch, w).permutation(length)
             self._windows[(epoch, w)] = perm
             if len(self._windows) > 4:  # workers move through windows in order; a few suffice
                 self._windows.popitem(last=False)

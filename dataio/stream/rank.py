@@ -6,7 +6,8 @@ trainer, or into a packer) and the bad-sample count, plus running batch function
 worker processes (``dataio.stream.workers``). Batching stages (``dataio.batching``) iterate through
 it and advance ``consumed``; their own state stays in their own files.
 
-State (``state_dict``, JSON-sized): ``seed``, ``layout``, ``consumed``, ``bad_samples``. Restoring it
+State (``state_dict``, JSON-sized): ``seed``, ``reseeds`` (per-job seeds, ``dataio.stream.seeding``),
+``layout``, ``consumed``, ``bad_samples``. Restoring it
 onto another ``dp_size`` re-lays the stream out over what every old rank consumed
 (``dataio.stream.split.relayout``): nothing lost or repeated.
 """
@@ -23,6 +24,7 @@ from dataio.stream.batches import BatchMaker, SampleReader
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator
 from dataio.stream.decode import SampleDecodeError
+from dataio.stream.seeding import SeedSchedule
 from dataio.stream.sources import ShardSource
 from dataio.stream.split import Layout, relayout
 from dataio.stream.workers import RankBatches, iterate
@@ -38,7 +40,19 @@ class RankStream:
         self.layout = Layout(start=0, dp_size=dp_size)
         self.consumed = 0
         self.bad_samples = 0
+        self.reseeds: list[tuple[int, list[int]]] = []  # per-job seeds, see reseed()
+        self.resumed_end = 0  # one past the highest global position any old rank had consumed at the resume
         self.fork_safe = self.reader().fork_safe
+
+    @property
+    def seeds(self) -> SeedSchedule:
+        return SeedSchedule(base=self.seed, reseeds=self.reseeds)
+
+    def reseed(self, seed: int) -> list[int]:
+        """Order the epochs that no rank had begun at the resume with ``seed`` (``Loader.reseed``)."""
+        first = [-(-self.blend.draws_before(d, self.resumed_end) // len(s)) for d, s in enumerate(self.sources)]
+        self.reseeds = [*self.reseeds, (int(seed), first)]
+        return first
 
     def reader(self) -> SampleReader:
         return SampleReader(self.cfg, self.sources, bad_so_far=self.bad_samples)
@@ -50,7 +64,7 @@ class RankStream:
     def plain(self) -> Iterator[dict]:
         """Plain batches from ``consumed`` on: collated samples plus ``__pos__`` (their rank-local
         positions) and ``__end__`` (the position after the batch) for the stage to advance ``consumed``."""
-        maker = BatchMaker(reader=self.reader(), blend=self.blend, seed=self.seed, layout=self.layout,
+        maker = BatchMaker(reader=self.reader(), blend=self.blend, seed=self.seeds, layout=self.layout,
                            dp_rank=self.dp_rank, first_local=self.consumed)
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
         return self.run(maker, first=0, last=self.num_batches(), epoch=self.blend.epoch_at(start_pos),
@@ -61,7 +75,8 @@ class RankStream:
         """Batches ``first .. last-1`` of ``make`` (``make(b, alloc)``; its ``__bad__`` counted here and
         removed), computed by ``num_workers`` worker processes and read back in order."""
         cfg = self.cfg
-        batches = RankBatches(make, first=first, last=last, seed=self.seed, dp_rank=self.dp_rank, epoch=epoch)
+        batches = RankBatches(make, first=first, last=last, seed=self.seeds.latest, dp_rank=self.dp_rank,
+                              epoch=epoch)
         try:
             for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch,
                                  pin_memory=cfg.pin_memory, timeout=cfg.worker_timeout if cfg.num_workers else 0,
@@ -90,7 +105,7 @@ class RankStream:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "layout": self.layout.to_dict(), "consumed": self.consumed,
+        return {"seed": self.seed, "reseeds": self.reseeds, "layout": self.layout.to_dict(), "consumed": self.consumed,
                 "bad_samples": self.bad_samples}
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
@@ -98,6 +113,8 @@ class RankStream:
         same layout, else a re-layout over what every old rank consumed."""
         known = next(s for s in old if s is not None)
         self.seed = known["seed"]
+        self.reseeds = [(int(s), list(first)) for s, first in known.get("reseeds", [])]
+        self.resumed_end = max(_consumed_end(s) for s in old if s is not None)
         if same_layout(old, dp_rank, dp_size):
             own = old[dp_rank]
             self.layout, self.consumed, self.bad_samples = Layout.from_dict(own["layout"]), own["consumed"], own["bad_samples"]
@@ -106,6 +123,14 @@ class RankStream:
         self.layout.dp_size = dp_size
         self.consumed = 0
         self.bad_samples = max(s["bad_samples"] for s in old)
+
+
+def _consumed_end(state: dict) -> int:
+    """One past the highest global position the rank of ``state`` (or an older layout it skips) consumed."""
+    layout = Layout.from_dict(state["layout"])
+    own = int(layout.positions(state["dp_rank"], np.array([state["consumed"] - 1]))[0]) + 1 \
+        if state["consumed"] else layout.start
+    return max([own, *(s.end() for s in layout.skips)])
 
 
 __all__ = ["RankStream"]

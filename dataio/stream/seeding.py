@@ -16,11 +16,18 @@ only, which is what makes resume with a different ``dp_size`` or ``num_workers``
 
 ``seed: randomized`` draws the base seed once from the OS (``fresh_seed``); the loader logs it and
 stores it in its state so that a resumed run continues the same stream.
+
+Per-job reseeding (``SeedSchedule``): a chained job may bring a new seed (``Loader.reseed``). It applies
+only to the epochs of each dataset that had not begun when the job resumed; every epoch already begun
+keeps the seed it began with. An epoch's order is a permutation of that dataset's samples, so as long
+as one epoch never mixes two seeds nothing within it repeats or is skipped. The blend needs no seed
+(``dataio.blend`` is closed-form), so the mixture is the same whatever the seeds.
 """
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,9 +48,30 @@ def rng(base_seed: int, purpose: str, *coords: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(derive_seed(base_seed, purpose, *coords)))
 
 
+@dataclass
+class SeedSchedule:
+    """The base seed of each (dataset, epoch): ``base``, then each reseed ``(seed, first)`` from epoch
+    ``first[dataset]`` on (reseeds are appended in time order, so their ``first`` never decrease)."""
+
+    base: int
+    reseeds: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def at(self, dataset: int, epoch: int) -> int:
+        seed = self.base
+        for s, first in self.reseeds:
+            if epoch >= first[dataset]:
+                seed = s
+        return seed
+
+    @property
+    def latest(self) -> int:
+        """The newest seed (worker augmentation streams switch to it at once: they order nothing)."""
+        return self.reseeds[-1][0] if self.reseeds else self.base
+
+
 def fresh_seed() -> int:
     """A new random base seed (for ``seed: randomized``)."""
     return secrets.randbits(62)
 
 
-__all__ = ["derive_seed", "fresh_seed", "rng"]
+__all__ = ["SeedSchedule", "derive_seed", "fresh_seed", "rng"]
