@@ -1,6 +1,6 @@
-"""Context-parallel document-masked causal attention over packed THD rows split by ``dataio.cp_split``.
+"""Context-parallel document-masked causal attention over packed THD rows split by ``dataio.batching.cp_split``.
 
-Layout (``dataio.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment of the
+Layout (``dataio.batching.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment of the
 packed row (document pieces and padding alike) is padded to a multiple of 2P and cut into 2P chunks of c
 tokens; rank r holds chunks r ("head") and 2P-1-r ("tail") of every segment, so its local ``cu_seqlens``
 has segments of 2c. Chunk ids give the mask without any position tensor: a query chunk a attends a key
@@ -69,7 +69,7 @@ def half_layout(cu_seqlens: torch.Tensor, total_tokens: int) -> HalfLayout:
     cu = cu_seqlens.long()
     seg = cu[1:] - cu[:-1]
     if bool((seg % 2).any()):
-        raise ValueError("context-parallel cu_seqlens must have even segments (two chunks each; see dataio.cp_split)")
+        raise ValueError("context-parallel cu_seqlens must have even segments (two chunks each; see dataio.batching.cp_split)")
     chunk = seg // 2
     starts = torch.repeat_interleave(cu[:-1], chunk)
     within = torch.arange(int(chunk.sum()), device=cu.device) - torch.repeat_interleave(cu[:-1] // 2, chunk)
@@ -93,7 +93,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  group: dist.ProcessGroup, *, mode: str = "allgather", scale: float | None = None) -> torch.Tensor:
     """Causal document-masked attention of this rank's queries against the keys of the whole CP group.
 
-    ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``dataio.cp_split`` order,
+    ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``dataio.batching.cp_split`` order,
     ``cu_seqlens`` its local boundaries (segments of two equal chunks, the same on every rank). Returns
     ``(T, H, D_v)``; differentiable in q, k, v.
     """
@@ -119,7 +119,7 @@ def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Te
 def _all_gather(buf: torch.Tensor, group) -> list[torch.Tensor]:
     size = dist.get_world_size(group)
     out = buf.new_empty(size * buf.shape[0], *buf.shape[1:])  # gloo wants a flat (P*T, ...) output
-    dist.all_gather_into_tensor(out, buf, group=group)
+    dist.all_gather_single(out, buf, group=group)
     _sent[0] += (size - 1) * buf.numel() * buf.element_size()
     return list(out.chunk(size))
 
@@ -216,7 +216,7 @@ class _CPAttention(torch.autograd.Function):
                 _grad_blocks(saved, *_unpack(buf, k.shape, v.shape), layout, rank, src, dq_halves, dkv)
                 grads.append(_pack(*dkv))
             mine = torch.empty_like(grads[0])
-            dist.reduce_scatter_tensor(mine, torch.cat(grads), group=group)
+            dist.reduce_scatter_single(mine, torch.cat(grads), group=group)
             _sent[0] += (size - 1) * mine.numel() * mine.element_size()
         else:
             ring, buf, dkv_buf = _Ring(group), _pack(k, v), None

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from dataio.config import DataConfig
 from configtree import apply_overrides, from_dict, load_yaml
 from training.speech.config import SpeechConfig
+from training.context_parallel import check_cp_config
 
 
 @dataclass(kw_only=True)
@@ -71,6 +72,7 @@ class DistributedConfig:
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
+    cp_comm: Literal["allgather", "ring"] = "allgather"  # how CP attention exchanges K/V (kernels.cp_attention)
     ep_size: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -148,6 +150,7 @@ class JobConfig:
                                  "data.seq_len unset")
         elif self.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
             raise ValueError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
+        check_cp_config(self)
 
 
 def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:

@@ -10,9 +10,10 @@
 The model is a ``training.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2 root is
 the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss reads.
 
-Pipeline (pp) and context (cp) parallelism slot in as steps 0 (stage split) and 1b (attention over the cp
-mesh); until then a degree > 1 fails early in ``check_supported``. MoE families (expert parallelism, grouped
-experts) run ``training.moe`` first, then this recipe.
+Context parallelism (cp) changes no module: FSDP2 already shards over dp_shard x cp, and attention runs
+over the cp mesh through the model kwargs (``training.context_parallel``). Pipeline (pp) slots in as
+step 0 (stage split); until then a degree > 1 fails early in ``check_supported``. MoE families (expert
+parallelism, grouped experts) run ``training.moe`` first, then this recipe.
 
 Why our own TP plan instead of transformers' ``base_model_tp_plan``: that plan has no sequence-parallel
 entries (norms stay replicated over the full sequence) and its embedding/lm_head styles are fixed, so we
@@ -49,10 +50,9 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # parallelized by training.
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
-    for name, degree in (("pp_size", dims.pp), ("cp_size", dims.cp)):
-        if degree > 1:
-            raise NotImplementedError(f"distributed.{name}={degree}: pipeline / context parallelism "
-                                      "are not implemented yet (set it to 1)")
+    if dims.pp > 1:
+        raise NotImplementedError(f"distributed.pp_size={dims.pp}: pipeline parallelism is not implemented yet "
+                                  "(set it to 1)")
     if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
                          f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")

@@ -41,7 +41,7 @@ OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_d
 def job(workdir: Path, name: str, distributed: dict, grad_accum: int, max_steps: int = STEPS, **trainer):
     return load_job_config(None, base=dict(
         model=dict(pretrained_path=str(workdir / "pretrained"), attn_implementation="headrace_varlen"),
-        data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2),
+        data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2, packing="greedy"),
         distributed=distributed, optim=OPTIM,
         trainer=dict(max_steps=max_steps, grad_accum=grad_accum, output_dir=str(workdir / name), **trainer),
         checkpoint=dict(interval=2, export_hf=True), logging=dict(console=False, tensorboard=False)))
