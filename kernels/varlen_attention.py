@@ -178,7 +178,8 @@ def plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
         gather = torch.where(valid, s[:, None] + offsets[None, :], s[:, None])
         token_slot[gather[valid]] = first_slot + valid.reshape(-1).nonzero().view(-1)
         first_slot += gather.numel()
-        buckets.append(_Bucket(gather.reshape(-1).to(cu_seqlens.device), int(sel.sum()), size, n.to(cu_seqlens.device)))
+        device = cu_seqlens.device
+        buckets.append(_Bucket(gather.reshape(-1).to(device), int(sel.sum()), size, n.to(device)))
     return _BucketPlan(tuple(buckets), token_slot.to(cu_seqlens.device))
 
 
@@ -298,6 +299,6 @@ def cached_per_batch(kind: str, key: torch.Tensor, total_tokens: int, build):
 
 
 __all__ = [
-    "BACKENDS", "bucket_length", "plan_buckets", "cached_per_batch", "cu_seqlens_from_position_ids", "document_causal_mask",
-    "document_ids", "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
+    "BACKENDS", "bucket_length", "cached_per_batch", "cu_seqlens_from_position_ids", "document_causal_mask",
+    "document_ids", "plan_buckets", "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
 ]

@@ -210,3 +210,9 @@ def test_cp_training_matches_single_process(tmp_path):
                   "cp2_dp2_allgather matches", "cp2_dp2_ring matches", "cp2_tp2_sp_ac matches",
                   "resumes as resume_cp1", "resumes as resume_cp4"):
         assert out.count(f"OK {check}") == 4, out[-3000:]
+
+
+def test_long_context_recipe_loads():
+    cfg = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "llama_1b_long_context.yaml"))
+    assert cfg.distributed.cp_size == 4 and cfg.data.seq_len == 32768 and cfg.distributed.cp_comm == "ring"
+    assert cfg.model.config["max_position_embeddings"] >= cfg.data.seq_len

@@ -102,7 +102,8 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
 
 
-def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool, attention_kwargs: dict | None = None) -> torch.Tensor:
+def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
+                     attention_kwargs: dict | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
     already shifted). ``attention_kwargs``: extra attention kwargs (the CP group, ``training.context_parallel``)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()

@@ -16,7 +16,6 @@ Prints ``OK <check>`` per passed check; any mismatch raises.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +24,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_common import packed_batches  # noqa: E402
-from train_layouts import GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference  # noqa: E402
+from train_layouts import (  # noqa: E402
+    GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference, resume_step2,
+)
 
 from dataio.cp_split import cp_shard  # noqa: E402
 from kernels.cp_attention import MODES, cp_attention  # noqa: E402
@@ -101,13 +102,7 @@ def resume_other_cp(workdir: Path, batches: list[dict]) -> None:
                                           loaders(batches, 2))]
     for name, distributed, k in (("resume_cp1", dict(cp_size=1), 1),
                                  ("resume_cp4", dict(cp_size=4, cp_comm="allgather"), 4)):
-        if dist.get_rank() == 0:
-            shutil.copytree(workdir / "cp2_full" / "checkpoints" / "step-00000002",
-                            workdir / name / "checkpoints" / "step-00000002")
-        dist.barrier()
-        history = train(job(workdir, name, distributed, k), loaders(batches, k))
-        assert [r["step"] for r in history] == [3, 4], history
-        check_close(f"{name} losses", [r["loss"] for r in history], expected[2:], 2e-5)
+        resume_step2(workdir, "cp2_full", name, distributed, k, batches, expected)
         print(f"OK cp2 checkpoint resumes as {name}", flush=True)
 
 
