@@ -12,7 +12,8 @@ trainer's ``CausalLMLoss`` and ``forward_loss_sum``, on one packed row of demo d
 cp 1, 2, 4 (the first cp ranks form the group; the others wait) and each ``cp_comm`` mode: the bytes of
 tensors saved for backward on rank 0 during the forward, counted with
 ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters excluded), their ratio to
-1/cp of cp 1, the best fwd+bwd step time over ``--steps`` (after one warm-up) as row tokens/s, and the
+1/cp of cp 1, the best fwd+bwd step time over ``--steps`` (after one warm-up) as row tokens/s, rank 0's
+CPU seconds in that step (``time.process_time``: robust to other load on a shared machine), and the
 bytes rank 0 sent for attention per step. Ranks share the machine's cores: on a 2-core box cp 4 runs
 4 processes on 2 cores, so its tokens/s shows the overhead, not the speed-up a cp-core machine gets.
 """
@@ -97,8 +98,9 @@ def run_train(seq_lens: list[int], steps: int, hidden: int) -> None:
     if rank == 0:
         print(f"tiny llama hidden {hidden}, 2 layers, 4/2 heads; {world} ranks on {torch.get_num_threads()} "
               f"thread(s) each")
-        print("| seq_len | cp | mode | saved MiB/rank | x (cp1 / cp) | tokens/s | step s | MiB sent/rank/step |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| seq_len | cp | mode | saved MiB/rank | x (cp1 / cp) | tokens/s | step s | rank-0 CPU s | "
+              "MiB sent/rank/step |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for seq_len in seq_lens:
         batch = packed_rows(seq_len, 1)[0]
         base = None
@@ -115,18 +117,19 @@ def run_train(seq_lens: list[int], steps: int, hidden: int) -> None:
                         return saved
 
                     saved = step()  # warm-up (plans, allocator)
-                    times = []
+                    times, cpu = [], []
                     for _ in range(steps):
                         dist.barrier(group)
-                        start = time.perf_counter()
+                        start, start_cpu = time.perf_counter(), time.process_time()
                         step()
                         times.append(time.perf_counter() - start)
+                        cpu.append(time.process_time() - start_cpu)
                     sent = exchanged_bytes() if cp > 1 else 0
                     if rank == 0:
                         base = saved if cp == 1 else base
                         best = min(times)
                         print(f"| {seq_len} | {cp} | {mode} | {saved / 2**20:.1f} | {saved * cp / base:.3f} | "
-                              f"{seq_len / best:,.0f} | {best:.2f} | {sent / 2**20:.1f} |", flush=True)
+                              f"{seq_len / best:,.0f} | {best:.2f} | {min(cpu):.2f} | {sent / 2**20:.1f} |", flush=True)
                 dist.barrier()
     dist.destroy_process_group()
 
