@@ -69,7 +69,8 @@ def half_layout(cu_seqlens: torch.Tensor, total_tokens: int) -> HalfLayout:
     cu = cu_seqlens.long()
     seg = cu[1:] - cu[:-1]
     if bool((seg % 2).any()):
-        raise ValueError("context-parallel cu_seqlens must have even segments (two chunks each; see dataio.batching.cp_split)")
+        raise ValueError("context-parallel cu_seqlens must have even segments (two chunks each; see "
+                         "dataio.batching.cp_split)")
     chunk = seg // 2
     starts = torch.repeat_interleave(cu[:-1], chunk)
     within = torch.arange(int(chunk.sum()), device=cu.device) - torch.repeat_interleave(cu[:-1] // 2, chunk)

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.cp_split import cp_shard
-from dataio.prefetch import DevicePrefetcher
+from dataio.batching.cp_split import cp_shard
+from dataio.batching.prefetch import DevicePrefetcher
 from kernels.attention_lse import block_backward, block_forward, merge_into
 from kernels.cp_attention import _attend, _grad_blocks, blocks, half_layout
 from kernels.varlen_attention import varlen_attention_reference
@@ -156,7 +156,7 @@ def _job(**distributed_and_data):
     (_job(cp_size=2, cp_comm="p2p"), r"distributed.cp_comm: expected one of \['allgather', 'ring'\]"),
 ])
 def test_bad_cp_config_is_one_clear_line(raw, rule):
-    from dataio.configtree import ConfigError
+    from configtree import ConfigError
 
     with pytest.raises(ConfigError, match=rule) as info:
         load_job_config(None, base=raw)

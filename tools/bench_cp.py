@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 tools/bench_cp.py train [--seq-lens 16384 32768] [--steps 2]
 
 imbalance: the demo corpus's real documents (``dataio.bench.corpus.demo_token_documents``, byte tokens)
-packed best-fit into rows of seq_len; per row, ``dataio.cp_split.attention_work``'s max/mean causal work
+packed best-fit into rows of seq_len; per row, ``dataio.batching.cp_split.attention_work``'s max/mean causal work
 over the CP ranks for the head-tail split and, beside it, a contiguous split. Prints mean and worst row.
 
 train: one tiny Llama (``--hidden``, 2 layers, GQA 4/2 heads) with ``headrace_varlen`` attention, the
@@ -31,8 +31,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataio.bench.corpus import demo_token_documents  # noqa: E402
-from dataio.cp_split import attention_work, cp_shard  # noqa: E402
-from dataio.packing import Packer, PackingConfig, pack  # noqa: E402
+from dataio.batching.cp_split import attention_work, cp_shard  # noqa: E402
+from dataio.batching.packing import Packer, PackingConfig, pack  # noqa: E402
 
 
 def packed_rows(seq_len: int, rows: int) -> list[dict]:

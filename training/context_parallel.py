@@ -2,8 +2,9 @@
 
 With ``distributed.cp_size`` P > 1 the P ranks of a CP group read the same packed batch from the loader
 (they share a dp rank). ``cp_batch_transform`` runs on the host, in the prefetcher's read-ahead thread,
-*before* the device copy: it keeps only this rank's head-tail chunks (``dataio.batching.cp_split.cp_shard``, one
-gather per field), so no rank ever holds the whole row on the device. The shard carries the global
+*before* the device copy: it keeps only this rank's head-tail chunks
+(``dataio.batching.cp_split.cp_shard``, one gather per field), so no rank ever holds the whole row on the
+device. The shard carries the global
 ``position_ids`` (RoPE sees the unsplit positions) and the local ``cu_seqlens``; ``cp_imbalance`` is the
 max/mean causal attention work over the group's ranks for this batch (``attention_work``).
 

@@ -28,7 +28,7 @@ from train_layouts import (  # noqa: E402
     GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference, resume_step2,
 )
 
-from dataio.cp_split import cp_shard  # noqa: E402
+from dataio.batching.cp_split import cp_shard  # noqa: E402
 from kernels.cp_attention import MODES, cp_attention  # noqa: E402
 from kernels.varlen_attention import varlen_attention_reference  # noqa: E402
 from training.train import train  # noqa: E402
