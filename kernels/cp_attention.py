@@ -1,7 +1,7 @@
-"""Context-parallel document-masked causal attention over packed THD rows split by ``dataio.batching.cp_split``.
+"""Context-parallel document-masked causal attention over packed THD rows split by ``cp_split``.
 
-Layout (``dataio.batching.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment of the
-packed row (document pieces and padding alike) is padded to a multiple of 2P and cut into 2P chunks of c
+Layout (``dataio.batching.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment
+of the packed row (document pieces and padding alike) is padded to a multiple of 2P and cut into 2P chunks of c
 tokens; rank r holds chunks r ("head") and 2P-1-r ("tail") of every segment, so its local ``cu_seqlens``
 has segments of 2c. Chunk ids give the mask without any position tensor: a query chunk a attends a key
 chunk b of the same segment fully when b < a, causally when b == a, and not at all when b > a. For the
@@ -19,8 +19,8 @@ log-sum-exp. Two ways to get the other ranks' K/V (``mode``):
   Backward gathers K/V again (so only the local K/V are saved), computes dK/dV for every source and
   ``reduce_scatter``s them back to their owners. Per rank and layer it sends (P-1) x kv bytes forward
   and (P-1) x kv + (P-1)/P x the gathered fp32 dK/dV backward; it holds all P K/V blocks at once.
-- ``ring``: K/V travel round the ring with p2p sends (``batch_isend_irecv``) overlapped with the block
-  computation of the previous step; backward passes K/V round again with the fp32 dK/dV accumulators
+- ``ring``: K/V travel round the ring with p2p sends (``batch_isend_irecv``), each transfer overlapped
+  with the blocks of the K/V already held; backward passes K/V round again with the fp32 dK/dV accumulators
   following them, and one last hop returns each accumulator to its owner. Sends (P-1) x kv forward,
   (P-1) x kv + P x fp32 dK/dV backward; holds two K/V blocks at a time.
 
