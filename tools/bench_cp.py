@@ -1,7 +1,7 @@
 """Benchmark context parallelism on CPU: saved activations per rank, tokens/s per mode, work imbalance.
 
-    python tools/bench_cp.py imbalance [--seq-lens 16384 32768]
-    torchrun --nproc-per-node 4 tools/bench_cp.py train [--seq-lens 16384 32768] [--steps 2]
+    .venv/bin/python -m tools.bench_cp imbalance [--seq-lens 16384 32768]
+    .venv/bin/torchrun --nproc-per-node 4 -m tools.bench_cp train [--seq-lens 16384 32768] [--steps 2]
 
 imbalance: the demo corpus's real documents (``dataio.bench.corpus.demo_token_documents``, byte tokens)
 packed best-fit into rows of seq_len; per row, ``dataio.batching.cp_split.attention_work``'s max/mean causal work
@@ -21,18 +21,14 @@ bytes rank 0 sent for attention per step. Ranks share the machine's cores: on a 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dataio.bench.corpus import demo_token_documents  # noqa: E402
-from dataio.batching.cp_split import attention_work, cp_shard  # noqa: E402
-from dataio.batching.packing import Packer, PackingConfig, pack  # noqa: E402
+from dataio.bench.corpus import demo_token_documents
+from dataio.batching.cp_split import attention_work, cp_shard
+from dataio.batching.packing import Packer, PackingConfig, pack
 
 
 def packed_rows(seq_len: int, rows: int) -> list[dict]:
