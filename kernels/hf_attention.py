@@ -24,6 +24,11 @@ Masks: transformers builds a mask only for implementations registered in
 the attention function refuses any mask it is given. The document structure comes only from
 ``cu_seq_lens_q`` (or, if absent, from ``position_ids`` restarting at 0).
 
+Context parallelism: with ``cp_group`` (a process group) and ``cp_comm`` (``allgather`` | ``ring``) among
+the model kwargs (``context_parallel_kwargs``), the batch is one CP rank's ``dataio.batching.cp_split`` shard
+(``position_ids`` are the global positions, so RoPE is right) and the attention runs over the group
+through ``kernels.cp_attention``.
+
 Scope: training and full-sequence forward. Decoding with a KV cache, a sliding window shorter than
 the longest document (a longer one masks nothing: Mistral's 4096 on shorter rows), softcapping and
 attention dropout raise NotImplementedError naming the reason; use ``sdpa`` there.
@@ -35,6 +40,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kernels.cp_attention import cp_attention
 from kernels.varlen_attention import (
     cached_per_batch,
     cu_seqlens_from_position_ids,
@@ -77,6 +83,11 @@ def packed_attention_kwargs(batch: Mapping[str, object]) -> dict[str, object]:
     }
 
 
+def context_parallel_kwargs(group, mode: str) -> dict[str, object]:
+    """Model kwargs that make ``headrace_varlen`` attend over the CP ``group`` (see the module docstring)."""
+    return {"cp_group": group, "cp_comm": mode}
+
+
 # Never traced by torch.compile (a compiled decoder block graph-breaks here): dynamo would bake the first
 # micro-batch's cached document plan (kernels.varlen_attention.cached_per_batch) into the graph and reuse
 # it for later packings -- measured: a per-block-compiled FSDP2 step's loss off by 4e-3. The backends run
@@ -96,6 +107,8 @@ def hf_varlen_attention(
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    cp_group=None,
+    cp_comm: str = "allgather",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` ``(B, H, S, D)``, ``key``/``value`` ``(B, H_kv, S, D)``
@@ -136,5 +149,8 @@ def hf_varlen_attention(
         # Under autocast, HF's rotary step hands over fp32 q/k beside bf16 v; flash-attn takes one dtype.
         query, key = query.to(value.dtype), key.to(value.dtype)
     q, k, v = (x.transpose(1, 2).reshape(batch * seq, x.shape[1], x.shape[3]) for x in (query, key, value))
-    out = varlen_attention(q, k, v, cu, max_length_q, scale=scaling)
+    if cp_group is not None:
+        out = cp_attention(q, k, v, cu, cp_group, mode=cp_comm, scale=scaling)
+    else:
+        out = varlen_attention(q, k, v, cu, max_length_q, scale=scaling)
     return out.view(batch, seq, heads, value.shape[-1]), None

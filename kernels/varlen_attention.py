@@ -146,6 +146,7 @@ class _Bucket:
     gather: torch.Tensor  # (docs * length,) token index of each slot; padding slots repeat the document's first token
     docs: int
     length: int
+    lengths: torch.Tensor  # (docs,) real tokens of each document; slots at or past it are padding
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def bucket_length(length: int) -> int:
     return -(-length // granule) * granule
 
 
-def _plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
+def plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
     validate_cu_seqlens(cu_seqlens, total_tokens)
     starts = cu_seqlens[:-1].long().cpu()
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
@@ -177,12 +178,13 @@ def _plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
         gather = torch.where(valid, s[:, None] + offsets[None, :], s[:, None])
         token_slot[gather[valid]] = first_slot + valid.reshape(-1).nonzero().view(-1)
         first_slot += gather.numel()
-        buckets.append(_Bucket(gather.reshape(-1).to(cu_seqlens.device), int(sel.sum()), size))
+        device = cu_seqlens.device
+        buckets.append(_Bucket(gather.reshape(-1).to(device), int(sel.sum()), size, n.to(device)))
     return _BucketPlan(tuple(buckets), token_slot.to(cu_seqlens.device))
 
 
 def _bucketed(q, k, v, cu_seqlens, scale):
-    plan = cached_per_batch("bucketed", cu_seqlens, q.shape[0], lambda: _plan_buckets(cu_seqlens, q.shape[0]))
+    plan = cached_per_batch("bucketed", cu_seqlens, q.shape[0], lambda: plan_buckets(cu_seqlens, q.shape[0]))
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for b in plan.buckets:
@@ -298,5 +300,5 @@ def cached_per_batch(kind: str, key: torch.Tensor, total_tokens: int, build):
 
 __all__ = [
     "BACKENDS", "bucket_length", "cached_per_batch", "cu_seqlens_from_position_ids", "document_causal_mask",
-    "document_ids", "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
+    "document_ids", "plan_buckets", "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
 ]

@@ -87,8 +87,6 @@ def test_unsupported_layouts_fail_before_building():
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2, sequence_parallel=True), 2), mistral)
     with pytest.raises(ValueError, match="'stablelm' has no base_model_tp_plan"):
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), stablelm)
-    with pytest.raises(NotImplementedError, match="cp_size=2"):
-        check_supported(ParallelDims.from_config(DistributedConfig(cp_size=2), 2), hf)
 
 
 def test_warmup_then_cosine():

@@ -17,6 +17,7 @@ from dataio.config import DataConfig
 from configtree import apply_overrides, from_dict, load_yaml
 from training.automodel_compat import translate_distributed
 from training.speech.config import SpeechConfig
+from training.context_parallel import check_cp_config
 
 
 @dataclass(kw_only=True)
@@ -86,6 +87,7 @@ class DistributedConfig:
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
+    cp_comm: Literal["allgather", "ring"] = "allgather"  # how CP attention exchanges K/V (kernels.cp_attention)
     ep_size: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -197,6 +199,7 @@ class JobConfig:
         if self.trainer.eval_every and self.data.val is None:
             raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs a data.val stream "
                              "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
+        check_cp_config(self)
 
 
 def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:

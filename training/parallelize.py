@@ -13,9 +13,9 @@ the module whose forward computes the loss: its unshard covers the lm_head weigh
 Pipeline parallelism (pp) is step 0: ``training.pipeline`` splits the model into stage modules (HF child
 names, blocks in a ``ModuleDict`` keyed by their global index) and calls ``parallelize`` on each stage, so
 every step below handles a model whose ``model.embed_tokens`` / ``model.norm`` / ``lm_head`` may be absent.
-Context (cp) parallelism slots in as step 1b (attention over the cp mesh); until then cp > 1 fails early in
-``check_supported``. MoE families (expert parallelism, grouped experts) run ``training.moe`` first, then this
-recipe.
+Context parallelism (cp) changes no module: FSDP2 already shards over dp_shard x cp, and attention runs
+over the cp mesh through the model kwargs (``training.context_parallel``). MoE families (expert
+parallelism, grouped experts) run ``training.moe`` first, then this recipe.
 
 Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
 other family uses, see ``training.families``): that plan has no sequence-parallel entries (norms stay
@@ -55,9 +55,6 @@ OWN_TP_PLAN = LLAMA_LIKE + MOE_MODEL_TYPES  # TP by apply_tp; every other family
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
-    if dims.cp > 1:
-        raise NotImplementedError(f"distributed.cp_size={dims.cp}: context parallelism is not implemented yet "
-                                  "(set it to 1)")
     if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
         raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
                          f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")

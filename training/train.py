@@ -13,6 +13,10 @@ scaled and the result does not depend on how tokens split across micro-steps or 
 average gradients over dp, so each rank's loss is multiplied by the dp x cp size to make that average a
 sum. Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
 
+Context parallelism (``distributed.cp_size`` > 1, ``training.context_parallel``): the prefetcher keeps only
+this rank's head-tail chunks of each packed batch before the device copy, and attention runs over the cp
+group; the loss and gradient arithmetic above is unchanged (dp x cp is already the loss mesh).
+
 Attention stays inside each document: the model runs kernels' ``headrace_varlen`` attention (registered
 with transformers' AttentionInterface) fed by ``cu_seq_lens_q`` / ``position_ids`` from the batch.
 """
@@ -41,6 +45,7 @@ from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
 from training import checkpoint, moe
 from training.config import JobConfig
+from training.context_parallel import cp_attention_kwargs, cp_batch_transform, cp_step_metrics, reset_exchanged_bytes
 from training.loss import CausalLMLoss
 from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
 from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
@@ -55,7 +60,8 @@ from training.telemetry import rank_spread
 from training.validation import run_validation, val_data_config
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
-               "audio", "audio_lens", "audio_mask")  # + a SALM's (training.speech)
+               "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
+               "cp_imbalance")  # + context parallelism's (training.context_parallel)
 
 
 def init_distributed(device_type: str) -> None:
@@ -112,12 +118,14 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
 
 
-def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
+def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
+                     attention_kwargs: dict | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
-    already shifted)."""
+    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group, ``training.context_parallel``)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
-        return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch))
+        return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
+                     **(attention_kwargs or {}))
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
@@ -224,6 +232,9 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         from training.speech.job import salm_loss_sum, wrap_loader
 
         loader, forward = wrap_loader(loader, model, cfg, dims), salm_loss_sum
+    if dims.cp > 1:  # attention over the cp group (training.context_parallel)
+        forward = functools.partial(forward_loss_sum,
+                                    attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
     torch.manual_seed(seed_for_rank(cfg.trainer.seed, dp_rank))
     ckpt_dir = out_dir / "checkpoints"
     step = 0
@@ -246,7 +257,8 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     profiler = StepProfiler(cfg.trainer.profile, out_dir, rank, device)
     flops_tok = flops_per_token(hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     peak = peak_flops(device)
-    batches = DevicePrefetcher(loader, device)
+    batches = DevicePrefetcher(loader, device, transform=cp_batch_transform(dims.cp, meshes["cp"].get_local_rank())
+                               if dims.cp > 1 else None)
     window_start, window_batches, window_tokens, window_fill = time.perf_counter(), 0, 0, []
     window_first_step = step
     while step < cfg.trainer.max_steps:
@@ -259,6 +271,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         step += 1
         set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
         moe.reset_step(model)
+        reset_exchanged_bytes()  # cp_bytes_sent is per step
         with profiler.step(step):
             if pipe is not None:
                 stats = pipeline_train_step(pipe, optimizer, micro, meshes["dp_cp"],
@@ -267,7 +280,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
                                    defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast,
                                    forward=forward)
-        window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp
+        window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp * dims.cp
         window_fill += [float(mb["fill"]) if "fill" in mb else
                         float((mb["labels"] != IGNORE_INDEX).float().mean()) for mb in micro]
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
@@ -285,6 +298,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
                 **(pipeline_metrics(pipe, max_memory_gib(device)) if pipe is not None else {}),
                 **rank_spread((elapsed - wait) / (step - window_first_step), wait / elapsed, device),
+                **(cp_step_metrics(micro) if dims.cp > 1 else {}),
             })
             window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
             window_first_step = step

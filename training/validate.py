@@ -51,9 +51,10 @@ def check_job(cfg, world_size: int | None = None) -> None:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}: must be {rule}, got {value!r}")
-    if cfg.trainer.eval_every and (cfg.distributed.pp_size > 1 or cfg.model.kind == "salm"):
-        raise ConfigError("trainer.eval_every: the validation loss runs the whole model's forward, which a pipeline "
-                          "stage (distributed.pp_size > 1) or a SALM (use model.speech.eval_every) does not have")
+    if cfg.trainer.eval_every and (cfg.distributed.pp_size > 1 or cfg.distributed.cp_size > 1
+                                   or cfg.model.kind == "salm"):
+        raise ConfigError("trainer.eval_every: the validation loss runs the whole model's plain forward, not yet a "
+                          "pipeline's (pp_size > 1), a CP group's (cp_size > 1) or a SALM's (model.speech.eval_every)")
     if cfg.model.config is not None:
         model_type = cfg.model.config.get("model_type")
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -45,42 +45,48 @@ def _rank_padded_index(chunk: torch.Tensor, padded_starts: torch.Tensor, cp_size
     return seg, padded_starts[seg] + chunk_id * c + torch.where(head, within, within - c)
 
 
-def cp_split(batch: dict, cp_size: int) -> list[dict]:
-    """Split a packed batch (``dataio.batching.packing`` layout) into ``cp_size`` per-rank batches."""
+def cp_shard(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """CP rank ``cp_rank``'s part of a packed batch (``dataio.batching.packing`` layout); see the module docstring."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     cu = batch["cu_seqlens"].long()
     flat = {k: batch[k].reshape(-1) for k in TOKEN_FIELDS}
     total = flat["input_ids"].numel()
     if int(cu[0]) != 0 or int(cu[-1]) != total:
         raise ValueError(f"cu_seqlens must span the batch: 0..{total}, got {int(cu[0])}..{int(cu[-1])}")
     lengths, padded, chunk, padded_starts = _layout(cu, cp_size)
-    shards = []
-    for rank in range(cp_size):
-        seg, pidx = _rank_padded_index(chunk, padded_starts, cp_size, rank)
-        within = pidx - padded_starts[seg]  # position inside the padded segment
-        real = within < lengths[seg]
-        src = torch.where(real, cu[seg] + within, torch.zeros_like(within))
-        input_ids = torch.where(real, flat["input_ids"][src], torch.zeros_like(src))
-        labels = torch.where(real, flat["labels"][src], torch.full_like(src, IGNORE_INDEX))
-        # positions of the full sequence; padding continues its segment's count
-        base = flat["position_ids"][cu[seg].clamp(max=total - 1)]
-        position_ids = torch.where(real, flat["position_ids"][src], base + within)
-        local = 2 * chunk
-        shards.append({
-            "input_ids": input_ids.view(1, -1),
-            "labels": labels.view(1, -1),
-            "position_ids": position_ids.view(1, -1),
-            "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(local, 0)]).int(),
-            "cu_seqlens_padded": torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)]).int(),
-            "max_seqlen": int(local.max()),
-            "padded_index": pidx,
-            "cp_rank": rank,
-            "cp_size": cp_size,
-            "source_shape": tuple(batch["input_ids"].shape),
-            "source_cu_seqlens": batch["cu_seqlens"],
-        })
-    return shards
+    seg, pidx = _rank_padded_index(chunk, padded_starts, cp_size, cp_rank)
+    within = pidx - padded_starts[seg]  # position inside the padded segment
+    real = within < lengths[seg]
+    src = torch.where(real, cu[seg] + within, torch.zeros_like(within))
+    input_ids = torch.where(real, flat["input_ids"][src], torch.zeros_like(src))
+    labels = torch.where(real, flat["labels"][src], torch.full_like(src, IGNORE_INDEX))
+    # positions of the full sequence; padding continues its segment's count
+    base = flat["position_ids"][cu[seg].clamp(max=total - 1)]
+    position_ids = torch.where(real, flat["position_ids"][src], base + within)
+    local = 2 * chunk
+    return {
+        "input_ids": input_ids.view(1, -1),
+        "labels": labels.view(1, -1),
+        "position_ids": position_ids.view(1, -1),
+        "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(local, 0)]).int(),
+        "cu_seqlens_padded": torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)]).int(),
+        "max_seqlen": int(local.max()),
+        "padded_index": pidx,
+        "cp_rank": cp_rank,
+        "cp_size": cp_size,
+        "source_shape": tuple(batch["input_ids"].shape),
+        "source_cu_seqlens": batch["cu_seqlens"],
+    }
+
+
+def cp_split(batch: dict, cp_size: int) -> list[dict]:
+    """Split a packed batch (``dataio.batching.packing`` layout) into ``cp_size`` per-rank batches."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    return [cp_shard(batch, cp_size, rank) for rank in range(cp_size)]
 
 
 def cp_merge(shards: list[dict]) -> dict:
@@ -131,4 +137,4 @@ def attention_work(cu_seqlens: torch.Tensor, cp_size: int) -> dict:
     return {"causal": report(head_tail), "causal_contiguous": report(contiguous), "sum_sq": report(sum_sq)}
 
 
-__all__ = ["attention_work", "cp_merge", "cp_split"]
+__all__ = ["attention_work", "cp_merge", "cp_shard", "cp_split"]

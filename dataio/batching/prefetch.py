@@ -16,6 +16,10 @@ packing) overlaps the step instead of counting as data wait. On CUDA, additional
 
 On CPU the batches are handed over as they are (no copy).
 
+``transform`` (optional) maps each batch on the host, in the read-ahead thread, before pinning and the
+copy: e.g. the trainer's context-parallel split keeps only this rank's tokens, so the rest never reach
+the device.
+
 Resumable sources: when ``batches`` has a ``state_dict()`` (the loader), the thread snapshots it right
 after each pull and carries it beside its batch, so ``prefetcher.state_dict()`` is the state *as of the
 last batch handed to the consumer* -- not of the batches still queued or in flight -- and a checkpoint
@@ -57,13 +61,15 @@ def pin(batch: Any) -> Any:
 class DevicePrefetcher:
     """Iterate ``batches`` with their tensors on ``device``; see the module docstring."""
 
-    def __init__(self, batches: Iterable, device: str | torch.device, *, depth: int = 1):
+    def __init__(self, batches: Iterable, device: str | torch.device, *, depth: int = 1,
+                 transform: Callable[[Any], Any] | None = None):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"DevicePrefetcher supports cpu and cuda devices, got {self.device}")
         self.depth = depth
+        self._transform = transform
         self.waits: list[float] = []
         self._source = iter(batches)
         self._source_state = getattr(batches, "state_dict", None)
@@ -92,7 +98,8 @@ class DevicePrefetcher:
     def _pull(self) -> tuple[Any, Any]:
         """The next batch with the source's state just after it (same thread: consistent)."""
         batch = next(self._source)
-        return batch, self._snapshot()
+        state = self._snapshot()
+        return (self._transform(batch) if self._transform is not None else batch), state
 
     def _read_one(self) -> bool:
         """Queue the next batch; False once the stream ended or failed (both queued) or we are stopped."""

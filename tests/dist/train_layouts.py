@@ -41,7 +41,7 @@ OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_d
 def job(workdir: Path, name: str, distributed: dict, grad_accum: int, max_steps: int = STEPS, **trainer):
     return load_job_config(None, base=dict(
         model=dict(pretrained_path=str(workdir / "pretrained"), attn_implementation="headrace_varlen"),
-        data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2),
+        data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2, packing="greedy"),
         distributed=distributed, optim=OPTIM,
         trainer=dict(max_steps=max_steps, grad_accum=grad_accum, output_dir=str(workdir / name), **trainer),
         checkpoint=dict(interval=2, export_hf=True), logging=dict(console=False, tensorboard=False)))
@@ -221,17 +221,24 @@ def run_layouts(workdir: Path, batches) -> None:
         (workdir / "expected.json").write_text(json.dumps([r["loss"] for r in results["fsdp2"]]))
 
 
+def resume_step2(workdir: Path, source: str, name: str, distributed: dict, grad_accum: int, batches,
+                 expected: list[float]) -> None:
+    """Copy run ``source``'s step-2 checkpoint into run ``name``, train it (other layout) to STEPS: steps 3..
+    must give ``expected``'s losses."""
+    if dist.get_rank() == 0:
+        shutil.copytree(workdir / source / "checkpoints" / "step-00000002",
+                        workdir / name / "checkpoints" / "step-00000002")
+    dist.barrier()
+    history = train(job(workdir, name, distributed, grad_accum), loaders(batches, grad_accum))
+    assert [r["step"] for r in history] == [3, 4], history
+    check_close(f"{name} losses", [r["loss"] for r in history], expected[2:], 2e-5)
+
+
 def run_reshard(workdir: Path, batches) -> None:
     expected = json.loads((workdir / "expected.json").read_text())
     for name, distributed, k in (("reshard_dp2", dict(strategy="fsdp2"), 2),
                                  ("reshard_tp2", dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 4)):
-        if dist.get_rank() == 0:
-            shutil.copytree(workdir / "fsdp2" / "checkpoints" / "step-00000002",
-                            workdir / name / "checkpoints" / "step-00000002")
-        dist.barrier()
-        history = train(job(workdir, name, distributed, k), loaders(batches, k))
-        assert [r["step"] for r in history] == [3, 4], history
-        check_close(f"{name} losses", [r["loss"] for r in history], expected[2:], 2e-5)
+        resume_step2(workdir, "fsdp2", name, distributed, k, batches, expected)
         print(f"OK 4-rank checkpoint resumes on 2 ranks as {name}", flush=True)
 
     # distributed.compile: each block torch.compile'd under FSDP2, one step from the pretrained weights. The

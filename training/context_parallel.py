@@ -1,0 +1,76 @@
+"""Context parallelism in the trainer: config rules, the per-rank batch split, the attention kwargs.
+
+With ``distributed.cp_size`` P > 1 the P ranks of a CP group read the same packed batch from the loader
+(they share a dp rank). ``cp_batch_transform`` runs on the host, in the prefetcher's read-ahead thread,
+*before* the device copy: it keeps only this rank's head-tail chunks
+(``dataio.batching.cp_split.cp_shard``, one gather per field), so no rank ever holds the whole row on the
+device. The shard carries the global
+``position_ids`` (RoPE sees the unsplit positions) and the local ``cu_seqlens``; ``cp_imbalance`` is the
+max/mean causal attention work over the group's ranks for this batch (``attention_work``).
+
+The loss needs no CP logic: each rank sums its tokens' cross-entropy, the real-token count is all-reduced
+over dp x cp, and FSDP2 (sharding over dp_shard x cp) sums the gradients of all CP ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dataio.batching.cp_split import attention_work, cp_shard
+from kernels.cp_attention import exchanged_bytes, reset_exchanged_bytes
+from kernels.hf_attention import ATTENTION_NAME, context_parallel_kwargs
+
+
+def check_cp_config(cfg) -> None:
+    """Raise ValueError (one line naming the key and the rule) when ``cfg`` (a JobConfig) cannot run CP."""
+    cp = cfg.distributed.cp_size
+    if cp == 1:
+        return
+    if cfg.model.kind != "causal_lm":
+        raise ValueError(f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
+                         "supported (set cp_size to 1)")
+    if cfg.distributed.pp_size > 1:
+        raise ValueError(f"distributed.cp_size={cp} with pp_size={cfg.distributed.pp_size}: pipeline stages do not "
+                         "pass the CP attention group yet (set one of them to 1)")
+    if cfg.data.packing == "none":
+        raise ValueError(f"distributed.cp_size={cp} needs packed THD rows: set data.packing to greedy or best_fit "
+                         f"(packing: none gives one padded document per row)")
+    if cfg.data.seq_len % (2 * cp):
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} must be divisible by 2 x distributed.cp_size = {2 * cp} "
+                         "(each row is cut into 2 x cp_size chunks)")
+    if cfg.model.attn_implementation != ATTENTION_NAME:
+        raise ValueError(f"distributed.cp_size={cp} runs attention through {ATTENTION_NAME}: set "
+                         f"model.attn_implementation={ATTENTION_NAME} (got {cfg.model.attn_implementation})")
+
+
+def cp_batch_transform(cp_size: int, cp_rank: int) -> Callable[[dict], dict]:
+    """Host-side batch -> this CP rank's shard (see the module docstring)."""
+
+    def transform(batch: dict) -> dict:
+        if "cu_seqlens" not in batch:
+            raise ValueError(f"distributed.cp_size={cp_size} needs packed batches with cu_seqlens (data.seq_len "
+                             f"with packing greedy/best_fit); got a batch with keys {sorted(batch)}")
+        shard = cp_shard(batch, cp_size, cp_rank)
+        imbalance = attention_work(batch["cu_seqlens"], cp_size)["causal"]["imbalance"]
+        keep = {k: shard[k] for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen")}
+        keep["cp_imbalance"] = imbalance
+        if "fill" in batch:
+            keep["fill"] = batch["fill"]
+        return keep
+
+    return transform
+
+
+def cp_attention_kwargs(mesh, mode: str) -> dict:
+    """Extra model kwargs: the CP group when there is one, else nothing."""
+    return context_parallel_kwargs(mesh.get_group(), mode) if mesh.size() > 1 else {}
+
+
+def cp_step_metrics(micro_batches: list[dict]) -> dict:
+    """``cp_imbalance``: the step's mean per-batch work imbalance; ``cp_bytes_sent``: bytes this rank sent for
+    attention since the trainer's last ``reset_exchanged_bytes()`` (once per step)."""
+    return {"cp_imbalance": sum(mb["cp_imbalance"] for mb in micro_batches) / len(micro_batches),
+            "cp_bytes_sent": exchanged_bytes()}
+
+
+__all__ = ["check_cp_config", "cp_attention_kwargs", "cp_batch_transform", "cp_step_metrics", "reset_exchanged_bytes"]
