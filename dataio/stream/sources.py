@@ -13,6 +13,9 @@ count as failures.
 Every read checks that the tar header right before the sample's first payload names the sample's key
 (one short ``bytes`` compare), so an index that disagrees with its tar is an error naming the shard and
 key instead of silently wrong data; a shard shorter than its index says is reported when it is opened.
+``spans`` does the same for a whole batch of single-member local samples at once: the index rows by
+numpy fancy indexing over the mmapped index, and every key compared with its ustar name field in one
+gather of ``(B, key width + 1)`` bytes per shard (~1 us a sample less than ``read``'s Python loop).
 """
 
 from __future__ import annotations
@@ -33,11 +36,20 @@ REMOTE_BLOCK = 8 << 20
 RETRIES = 5
 BACKOFF_S = 0.5
 OPEN_REMOTE_SHARDS = 8
+TAR_NAME_FIELD = 100  # bytes of the ustar name field; longer keys live in a pax/GNU long-name record
 
 
 class ShardFormatError(SampleDecodeError):
     """A shard is broken where a sample lives: truncated, or its tar disagrees with its index. A
     ``SampleDecodeError``, so the loader counts it against ``max_bad_samples`` like any bad sample."""
+
+
+def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
+    """``(value, where)`` for each distinct value of a 1-D array; a batch is usually all one dataset,
+    shard or epoch, which costs one min/max here instead of ``np.unique`` and a mask."""
+    if not len(values) or values.min() == values.max():
+        return [(int(values[0]), slice(None))] if len(values) else []
+    return [(int(v), np.flatnonzero(values == v)) for v in np.unique(values)]
 
 
 def retry(fn, what: str):
@@ -86,6 +98,7 @@ class ShardSource:
         }
         self._ext_names = list(index.extensions)
         self._maps: dict[int, object] = {}
+        self._arrays: dict[int, np.ndarray] = {}
         self._remote_files: OrderedDict[int, object] = OrderedDict()
         self._pid = os.getpid()
 
@@ -130,9 +143,48 @@ class ShardSource:
             m += n
         return out
 
+    def spans(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, str, np.ndarray] | None:
+        """``(shard, payload offset, payload size, member ext, key)`` of each global sample index when every
+        sample has exactly one member of one extension in a local shard, all keys checked against their
+        tar headers at once; None when that does not hold or a key does not match (a long name, a stale
+        index): ``read`` then handles, or reports, the samples one by one."""
+        if self.remote or not len(indices):
+            return None
+        rows = self.index.samples[indices]
+        if (rows["member_count"] != 1).any():
+            return None
+        members = self.index.members[rows["member_start"]]
+        ext = members["ext"]
+        if (ext != ext[0]).any():
+            return None
+        shards, offsets = rows["shard"], members["offset"].astype(np.int64)
+        keys = self.index.keys[indices]
+        width = keys.dtype.itemsize
+        if keys.dtype.kind != "S" or width >= TAR_NAME_FIELD:  # long names: read's slow path
+            return None
+        expected = np.zeros((len(keys), width + 1), dtype=np.uint8)  # key + "." (NUL-padded keys)
+        expected[:, :width] = keys.view(np.uint8).reshape(len(keys), width)
+        lengths = np.count_nonzero(expected, axis=1)
+        expected[np.arange(len(keys)), lengths] = ord(".")
+        compared = np.arange(width + 1) <= lengths[:, None]
+        columns = np.arange(width + 1) - 512  # the ustar name field opens the 512-byte header before the payload
+        for shard, at in by_value(shards):
+            names = self.array(shard)[offsets[at, None] + columns]
+            if ((names != expected[at]) & compared[at]).any():
+                return None
+        return shards, offsets, members["size"].astype(np.int64), self._ext_names[ext[0]], keys
+
+    def array(self, shard: int) -> np.ndarray:
+        """A local shard's map as a ``uint8`` array (made once per shard and process)."""
+        self._reset_if_forked()
+        arr = self._arrays.get(shard)
+        if arr is None:
+            arr = self._arrays[shard] = np.frombuffer(self._map(shard), dtype=np.uint8)
+        return arr
+
     def _reset_if_forked(self) -> None:
         if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
-            self._maps, self._remote_files, self._pid = {}, OrderedDict(), os.getpid()
+            self._maps, self._arrays, self._remote_files, self._pid = {}, {}, OrderedDict(), os.getpid()
 
     def _map(self, shard: int):
         self._reset_if_forked()
@@ -182,4 +234,4 @@ class ShardSource:
         return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")
 
 
-__all__ = ["ShardFormatError", "ShardSource", "load_remote_index", "retry"]
+__all__ = ["ShardFormatError", "ShardSource", "by_value", "load_remote_index", "retry"]
