@@ -121,10 +121,10 @@ class BatchMaker:
     """Plain batch ``b`` of one rank's stream (the rank-local positions after ``first_local``)."""
 
     def __init__(self, *, reader: SampleReader, blend: BlendSchedule, seed: int, layout: Layout, dp_rank: int,
-                 first_local: int):
+                 first_local: int, batch_size: int):
         cfg = reader.cfg
         self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
-        self.first_local, self.batch_size = first_local, cfg.batch_size
+        self.first_local, self.batch_size = first_local, batch_size
         self.local_end = layout.local_count(dp_rank, blend.end)
         self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
                                   window=cfg.shuffle_window) for i, s in enumerate(self.sources)]
