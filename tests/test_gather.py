@@ -93,6 +93,8 @@ def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
     tar.write_bytes(bytes(data))
     source = ShardSource(str(tmp_path))
     assert gather_tokens([source], make_ref(0, np.arange(3)), 3, plain_memory) is None
+    intact = make_ref(0, np.array([0, 2]))  # only the damaged sample is left to the general path
+    assert_same(gather_tokens([source], intact, 7, plain_memory), general([source], intact))
     if damage == "shape":  # a shorter shape than the payload is valid .npy: the general path reads 2 tokens
         assert general([source], make_ref(0, np.arange(3)))["__lengths__"]["tokens.npy"].tolist() == [3, 2, 5]
         return

@@ -13,9 +13,7 @@ count as failures.
 Every read checks that the tar header right before the sample's first payload names the sample's key
 (one short ``bytes`` compare), so an index that disagrees with its tar is an error naming the shard and
 key instead of silently wrong data; a shard shorter than its index says is reported when it is opened.
-``spans`` does the same for a whole batch of single-member local samples at once: the index rows by
-numpy fancy indexing over the mmapped index, and every key compared with its ustar name field in one
-gather of ``(B, key width + 1)`` bytes per shard (~1 us a sample less than ``read``'s Python loop).
+``dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
 """
 
 from __future__ import annotations
@@ -143,37 +141,6 @@ class ShardSource:
                         {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}))
             m += n
         return out
-
-    def spans(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, str, np.ndarray] | None:
-        """``(shard, payload offset, payload size, member ext, key)`` of each global sample index when every
-        sample has exactly one member of one extension in a local shard, all keys checked against their
-        tar headers at once; None when that does not hold or a key does not match (a long name, a stale
-        index): ``read`` then handles, or reports, the samples one by one."""
-        if self.remote or not len(indices):
-            return None
-        rows = self.index.samples[indices]
-        if (rows["member_count"] != 1).any():
-            return None
-        members = self.index.members[rows["member_start"]]
-        ext = members["ext"]
-        if (ext != ext[0]).any():
-            return None
-        shards, offsets = rows["shard"], members["offset"].astype(np.int64)
-        keys = self.index.keys[indices]
-        width = keys.dtype.itemsize
-        if keys.dtype.kind != "S" or width >= TAR_NAME_FIELD:  # long names: read's slow path
-            return None
-        expected = np.zeros((len(keys), width + 1), dtype=np.uint8)  # key + "." (NUL-padded keys)
-        expected[:, :width] = keys.view(np.uint8).reshape(len(keys), width)
-        lengths = np.count_nonzero(expected, axis=1)
-        expected[np.arange(len(keys)), lengths] = ord(".")
-        compared = np.arange(width + 1) <= lengths[:, None]
-        columns = np.arange(width + 1) - 512  # the ustar name field opens the 512-byte header before the payload
-        for shard, at in by_value(shards):
-            names = self.array(shard)[offsets[at, None] + columns]
-            if ((names != expected[at]) & compared[at]).any():
-                return None
-        return shards, offsets, members["size"].astype(np.int64), self._ext_names[ext[0]], keys
 
     def array(self, shard: int) -> np.ndarray:
         """A local shard's map as a ``uint8`` array (made once per shard and process)."""
