@@ -103,7 +103,11 @@ class Loader:
         return len(self.stage)
 
     def __iter__(self) -> Iterator[dict]:
-        return iter(self.stage)
+        try:
+            yield from self.stage
+        except RuntimeError as e:  # here, not in the stream: torch's SIGCHLD handler raises in whatever frame runs
+            self.stream.explain_worker_crash(e)
+            raise
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

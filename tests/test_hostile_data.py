@@ -276,7 +276,8 @@ def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, work
     import loader_util
     from dataio import build_loader
 
-    loader_util.make_text_dataset(tmp_path, [40, 40])
+    # shard 0 long enough (500 batches) that workers reading a task of several batches ahead are still in it
+    loader_util.make_text_dataset(tmp_path, [2000, 40])
     loader = build_loader(_loader_cfg(tmp_path, num_workers=workers, prefetch=1))
     it = iter(loader)
     next(it)
@@ -284,7 +285,7 @@ def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, work
     # a worker may not have mapped it yet: then the open-time size check names it
     shrank = r"shard shrank to 4096 bytes while mapped" + ("" if workers == 0 else r"|truncated shard: 4096 bytes")
     with pytest.raises(SampleDecodeError, match=rf"doc-000000\.tar'?: ({shrank})"):
-        list(itertools.islice(it, 40))
+        list(itertools.islice(it, 600))
 
 
 # --- 4. loader states: fingerprint of the data's identity, every field checked ---------------------------

@@ -55,12 +55,13 @@ def ring_batch(b, alloc):
     return {"b": b, "x": x}
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_shared_ring_slots_are_reused_without_overwriting_unread_batches(prefetch):
-    batches = RankBatches(ring_batch, first=0, last=40, seed=0, dp_rank=0, epoch=0)
+@pytest.mark.parametrize("prefetch,last", [(1, 40), (3, 37)])
+def test_shared_ring_slots_are_reused_without_overwriting_unread_batches(prefetch, last):
+    batches = RankBatches(ring_batch, first=0, last=last, seed=0, dp_rank=0, epoch=0)
     out = list(iterate(batches, num_workers=2, prefetch=prefetch, pin_memory=False, timeout=30,
                        slot_bytes=12_004))
-    assert [b["b"] for b in out] == list(range(40))
+    assert batches.ring.per_task == 8  # tasks of 8 batches (the last one short with last=37), in order
+    assert [b["b"] for b in out] == list(range(last))
     for b in out:  # checked after all 40 were made, so every slot was reused many times meanwhile
         assert b["x"].shape == (1000 + 300 * (b["b"] % 4),) and bool((b["x"] == b["b"]).all())
 

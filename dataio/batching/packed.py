@@ -1,8 +1,11 @@
 """The packed batching stage (``seq_len`` set): the rank's documents, in stream order, packed into THD
 rows by ``dataio.batching.packing.Packer`` (``packing: none`` puts one document per row).
 
-The stream's plain batches are only chunks of documents here: each document goes into the packer,
-``consumed`` moves past it, and full batches of ``batch_size`` rows come out. At the end of a finite
+The stream's plain batches are only chunks of documents here, read in chunks sized for throughput
+(``RankStream.read_batch_size``: ~1 MB, at least ``batch_size`` documents), not ``batch_size``: each
+document goes into the packer, ``consumed`` moves past it, and full batches of ``batch_size`` rows
+come out. The packed stream does not depend on the chunk size (documents enter the packer one by
+one in stream order, and the state is per document), so exactly-once and resume are unchanged. At the end of a finite
 stream the ranks agree (one all_reduce) on the number of batches and pad with loss-free ones.
 
 State: ``packing`` (the packer's held document pieces as references, see ``Packer.state_dict``) and
@@ -39,7 +42,7 @@ class PackedBatches:
 
     def __iter__(self) -> Iterator[dict]:
         last = None  # the last packed batch: the template of loss-free padding batches at the tail
-        for chunk in self.stream.plain():
+        for chunk in self.stream.plain(self.stream.read_batch_size()):
             for packed in self._pack(chunk):
                 self.packed_batches += 1
                 last = packed

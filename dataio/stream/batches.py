@@ -4,7 +4,8 @@ so a batch is a pure function of its number and the rank's layout.
 
 Sample references (``__ref__``, packing ``ref``): ``dataset << 40 | global sample index``.
 Cost: one vectorised read per dataset per batch (``ShardSource.read``); a read that fails is retried
-sample by sample only to name the bad ones.
+sample by sample only to name the bad ones. Token batches (one ``.npy`` member a sample) take the
+batch-level path of ``dataio.stream.gather`` first.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataio.shards.formats import is_token_member
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
 from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.order import EpochOrder
 from dataio.stream.seeding import SeedSchedule
-from dataio.stream.sources import ShardSource
+from dataio.stream.sources import ShardSource, by_value
 from dataio.stream.split import Layout
 
 log = logging.getLogger(__name__)
@@ -120,24 +122,25 @@ class BatchMaker:
     """Plain batch ``b`` of one rank's stream (the rank-local positions after ``first_local``)."""
 
     def __init__(self, *, reader: SampleReader, blend: BlendSchedule, seed: int | SeedSchedule, layout: Layout,
-                 dp_rank: int, first_local: int):
+                 dp_rank: int, first_local: int, batch_size: int):
         cfg = reader.cfg
         self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
-        self.first_local, self.batch_size = first_local, cfg.batch_size
+        self.first_local, self.batch_size = first_local, batch_size
         self.local_end = layout.local_count(dp_rank, blend.end)
         self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
                                   window=cfg.shuffle_window) for i, s in enumerate(self.sources)]
+        self.tokens_only = tokens_only(self.sources)
 
     def refs(self, positions: np.ndarray) -> np.ndarray:
         """Sample references at global ``positions``."""
         dataset, draw = self.blend.locate(positions)
         index = np.empty(len(positions), dtype=np.int64)
-        for d in np.unique(dataset):
-            at = np.flatnonzero(dataset == d)
+        for d, at in by_value(dataset):
             epoch, pos = np.divmod(draw[at], len(self.sources[d]))
-            for e in np.unique(epoch):
-                sel = epoch == e
-                index[at[sel]] = self.orders[d].indices(int(e), pos[sel])
+            within = index[at] if isinstance(at, slice) else np.empty(len(pos), dtype=np.int64)
+            for e, sel in by_value(epoch):
+                within[sel] = self.orders[d].indices(e, pos[sel])
+            index[at] = within
         return make_ref(dataset, index)
 
     def __call__(self, b: int, alloc: Allocator) -> dict:
@@ -151,6 +154,10 @@ class BatchMaker:
         keep = ~self.layout.skipped(positions) if self.layout.skips else slice(None)
         local, positions = local[keep], positions[keep]
         refs = self.refs(positions)
+        batch = gather_tokens(self.sources, refs, max(lo, hi), alloc) if self.tokens_only and len(refs) else None
+        if batch is not None:  # token batches: read, checked and collated per batch (dataio.stream.gather)
+            batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
+            return batch
         samples, keys, kept, bad = self.reader.read(refs, defer_npy=True)
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample

@@ -68,15 +68,19 @@ def collate_field(values: list[Any], alloc: Allocator = plain_memory) -> tuple[A
     return values, None
 
 
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (cached: asked once per batch)."""
+    return _TORCH_DTYPE.get(dtype) or _TORCH_DTYPE.setdefault(dtype, torch.from_numpy(np.empty(0, dtype)).dtype)
+
+
 def collate_npy(views: list[NpyView], alloc: Allocator = plain_memory) -> tuple[torch.Tensor, torch.Tensor | None]:
     """1-D ``.npy`` members of one dtype -> ``(flat tensor, lengths)``, or ``((B, L), None)`` when all
     lengths agree (the same bytes: stacking equal rows is concatenating them)."""
     dtype = views[0].dtype
-    torch_dtype = _TORCH_DTYPE.get(dtype) or _TORCH_DTYPE.setdefault(dtype, torch.from_numpy(np.empty(0, dtype)).dtype)
     counts = [v.count for v in views]
     size = dtype.itemsize
-    out = _concat([memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views], counts, torch_dtype, size,
-                  alloc)
+    out = _concat([memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views], counts, torch_dtype(dtype),
+                  size, alloc)
     if len(set(counts)) == 1:
         return out.view(len(views), counts[0]), None
     return out, torch.tensor(counts, dtype=torch.int64)
@@ -96,10 +100,15 @@ def _concat(parts: list[memoryview], counts: list[int], dtype: torch.dtype, size
     return out
 
 
+def bookkeeping(keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int) -> dict[str, Any]:
+    """A batch's bookkeeping fields (see the module docstring), the first keys of every batch dict."""
+    return {"__key__": keys, "__ref__": refs, "__valid__": valid, "__end__": end}
+
+
 def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int,
             alloc: Allocator = plain_memory) -> dict:
     """The batch of decoded ``samples`` (``{ext: value}`` each) with their bookkeeping fields."""
-    batch: dict[str, Any] = {"__key__": keys, "__ref__": refs, "__valid__": valid, "__end__": end}
+    batch = bookkeeping(keys, refs, valid, end)
     lengths, rates = {}, {}
     # The union of the samples' members (blended datasets may name them differently): a member some
     # samples lack is kept as a list with None in their places, never dropped.
@@ -117,4 +126,4 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
     return batch
 
 
-__all__ = ["Allocator", "collate", "collate_field", "collate_npy", "plain_memory"]
+__all__ = ["Allocator", "bookkeeping", "collate", "collate_field", "collate_npy", "plain_memory", "torch_dtype"]

@@ -163,6 +163,16 @@ def npy_view(buf: Buffer) -> NpyView | torch.Tensor:
     return decode_npy(buf)
 
 
+def npy_1d_layout(buf: Buffer) -> tuple[np.dtype, int, int] | None:
+    """``(dtype, where the shape's digits start, data offset)`` of a canonical 1-D native-order ``.npy``
+    header (the form ``npy_view`` takes its fast path for), else None: the template
+    ``dataio.stream.gather`` checks a batch's other headers against byte for byte."""
+    m = _NPY_1D.match(buf) if NATIVE_LITTLE else None
+    if m is None or m.end() - 10 != buf[8] | buf[9] << 8:
+        return None
+    return _NPY_1D_DTYPES[m[1]], m.start(2), m.end()
+
+
 def _npy_parts(buf: Buffer) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     shape, fortran_order, dtype, data_offset = npy_header(buf)
     _check_payload(buf, data_offset, shape, dtype)

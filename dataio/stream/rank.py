@@ -29,6 +29,9 @@ from dataio.stream.sources import ShardSource
 from dataio.stream.split import Layout, relayout
 from dataio.stream.workers import RankBatches, iterate
 
+READ_BYTES = 1 << 20
+MAX_READ = 1024
+
 
 class RankStream:
     """The sample stream of DP rank ``dp_rank`` of ``dp_size``: position state and plain batches."""
@@ -57,18 +60,26 @@ class RankStream:
     def reader(self) -> SampleReader:
         return SampleReader(self.cfg, self.sources, bad_so_far=self.bad_samples)
 
-    def num_batches(self) -> int | None:
-        """Plain batches left from ``consumed`` (None: endless)."""
-        return self.layout.num_batches(self.blend.end, self.consumed, self.cfg.batch_size)
+    def num_batches(self, batch_size: int | None = None) -> int | None:
+        """Plain batches of ``batch_size`` (default ``cfg.batch_size``) left from ``consumed`` (None: endless)."""
+        return self.layout.num_batches(self.blend.end, self.consumed, batch_size or self.cfg.batch_size)
 
-    def plain(self) -> Iterator[dict]:
-        """Plain batches from ``consumed`` on: collated samples plus ``__pos__`` (their rank-local
-        positions) and ``__end__`` (the position after the batch) for the stage to advance ``consumed``."""
+    def plain(self, batch_size: int | None = None) -> Iterator[dict]:
+        """Plain batches of ``batch_size`` samples (default ``cfg.batch_size``) from ``consumed`` on:
+        collated samples plus ``__pos__`` (their rank-local positions) and ``__end__`` (the position
+        after the batch) for the stage to advance ``consumed``."""
+        batch_size = batch_size or self.cfg.batch_size
         maker = BatchMaker(reader=self.reader(), blend=self.blend, seed=self.seeds, layout=self.layout,
-                           dp_rank=self.dp_rank, first_local=self.consumed)
+                           dp_rank=self.dp_rank, first_local=self.consumed, batch_size=batch_size)
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
-        return self.run(maker, first=0, last=self.num_batches(), epoch=self.blend.epoch_at(start_pos),
-                        slot_bytes=self._slot_bytes())
+        return self.run(maker, first=0, last=self.num_batches(batch_size), epoch=self.blend.epoch_at(start_pos),
+                        slot_bytes=self._slot_bytes(batch_size))
+
+    def read_batch_size(self) -> int:
+        """Samples per read for a stage that re-batches them (packing): at least ``cfg.batch_size``,
+        and enough for ~``READ_BYTES`` (the per-batch fixed cost, ~0.1-0.2 ms, is then small against
+        the per-sample cost; measured in BENCHMARKS.md "Loader per-sample cost"), at most ``MAX_READ``."""
+        return max(self.cfg.batch_size, min(MAX_READ, int(READ_BYTES / max(self._mean_sample_bytes(), 1.0))))
 
     def run(self, make: Callable[[int, Allocator], dict], *, first: int, last: int | None, epoch: int,
             slot_bytes: int = 0) -> Iterator[dict]:
@@ -77,25 +88,28 @@ class RankStream:
         cfg = self.cfg
         batches = RankBatches(make, first=first, last=last, seed=self.seeds.latest, dp_rank=self.dp_rank,
                               epoch=epoch)
-        try:
-            for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch,
-                                 pin_memory=cfg.pin_memory, timeout=cfg.worker_timeout if cfg.num_workers else 0,
-                                 slot_bytes=slot_bytes, first_here=self.fork_safe):
-                self._count_bad(batch.pop("__bad__"))
-                yield batch
-                del batch  # a worker's ring slot comes back once the consumer drops the batch too
-        except RuntimeError as e:  # torch: "worker ... killed by signal: Bus error ... out of shared memory"
-            if "Bus error" in str(e):  # a worker touched a page past the end of a shard that shrank under it
-                for source in self.sources:
-                    if hasattr(source, "check_sizes"):
-                        source.check_sizes()  # the shard's error, naming it, instead of torch's guess
-            raise
+        for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
+                             timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
+                             first_here=self.fork_safe):
+            self._count_bad(batch.pop("__bad__"))
+            yield batch
+            del batch  # a worker's ring slot comes back once the consumer drops the batch too
 
-    def _slot_bytes(self) -> int:
+    def explain_worker_crash(self, error: RuntimeError) -> None:
+        """torch reports a worker killed by SIGBUS as "... Bus error ... out of shared memory"; the likely cause
+        here is a page touched past the end of a shard that shrank under the map: raise that shard's error."""
+        if "Bus error" in str(error):
+            for source in self.sources:
+                if hasattr(source, "check_sizes"):
+                    source.check_sizes()
+
+    def _mean_sample_bytes(self) -> float:
+        return max(float(np.mean(s.index.samples["size"])) if len(s) else 0.0 for s in self.sources)
+
+    def _slot_bytes(self, batch_size: int) -> int:
         """Shared slot size per batch: twice the mean stored bytes of a batch (decoded tokens take the
         bytes they are stored in), 1 MiB .. 256 MiB; a bigger batch takes the slower default path."""
-        mean = max(float(np.mean(s.index.samples["size"])) if len(s) else 0.0 for s in self.sources)
-        return int(min(256 << 20, max(1 << 20, 2 * mean * self.cfg.batch_size)))
+        return int(min(256 << 20, max(1 << 20, 2 * self._mean_sample_bytes() * batch_size)))
 
     def _count_bad(self, bad: int) -> None:
         self.bad_samples += bad

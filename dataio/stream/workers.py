@@ -3,10 +3,14 @@
 Worker ``w`` of ``num_workers`` computes batches ``first + w, first + w + num_workers, ...`` of the
 rank's stream with ``make_batch(b)``; torch's DataLoader asks its workers round-robin and returns
 results in request order, so the main process sees batches ``first, first + 1, ...`` whatever the
-worker timing.
+worker timing. With a ring, a worker's unit is a task of ``per_task`` consecutive batches (task
+``t`` = batches ``first + t*per_task ...``, worker ``w`` takes tasks ``w, w + num_workers, ...``),
+``per_task`` chosen from the slot size so one message carries ~4 MB (``batches_per_task``): small
+batches then pay the DataLoader's per-message cost once per task, and the ring has
+``(prefetch + 3) * per_task`` slots per worker.
 
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
-worker of ``prefetch + 3`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
+worker of ``(prefetch + 3) * per_task`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
 touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of the
 process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker collates each batch
 straight into a free slot; ``shared_memory`` in a worker without one; ``plain_memory`` in the main
@@ -53,7 +57,9 @@ from dataio.stream.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
 ALIGN = 64
-SPARE_SLOTS = 3  # beyond prefetch: the batch the consumer holds, the one before it, one of slack
+SPARE_SLOTS = 3  # beyond prefetch: the task the consumer holds, the one before it, one of slack (x per_task)
+TASK_BYTES = 4 << 20  # slot bytes (2x a batch's mean) per worker message, see batches_per_task
+MAX_BATCHES_PER_TASK = 8
 
 
 class SharedRing:
@@ -63,8 +69,10 @@ class SharedRing:
     ``receive`` turns a wire batch into tensors viewing its slot, ``release_dropped`` frees the slots
     of batches nobody references any more."""
 
-    def __init__(self, num_workers: int, slots: int, slot_bytes: int):
+    def __init__(self, num_workers: int, prefetch: int, slot_bytes: int):
         slot_bytes = -(-slot_bytes // ALIGN) * ALIGN  # every slot starts aligned for any dtype
+        self.per_task = batches_per_task(slot_bytes)
+        slots = (prefetch + SPARE_SLOTS) * self.per_task
         self.slots, self.slot_bytes = slots, slot_bytes
         self._map = mmap.mmap(-1, num_workers * slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS
         self.array = np.frombuffer(self._map, dtype=np.uint8)
@@ -130,6 +138,13 @@ class SharedRing:
             else:
                 self.free[slot] = 1
         self._held = held
+
+
+def batches_per_task(slot_bytes: int) -> int:
+    """Batches a worker makes per request and sends in one message: enough for ~``TASK_BYTES``, so
+    the DataLoader's fixed cost per message (index queue, result queue, pickle: ~0.3-0.6 ms of CPU
+    between the two processes, measured) is paid per few MB, not per small batch."""
+    return max(1, min(MAX_BATCHES_PER_TASK, TASK_BYTES // max(slot_bytes, 1)))
 
 
 def shared_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -204,14 +219,19 @@ class RankBatches(IterableDataset):
             np.random.seed(s % 2**32)
             random.seed(s)
         ring = self.ring if info is not None else None
-        b = self.first + worker
-        while self.last is None or b < self.last:
-            if ring is None:
+        if ring is None:
+            for b in range(self.first + worker, sys.maxsize if self.last is None else self.last, num_workers):
                 yield self.make_batch(b, process_memory())
-            else:
+            return
+        per_task = ring.per_task
+        b = self.first + worker * per_task
+        while self.last is None or b < self.last:  # one task: batches b .. b + per_task - 1, sent together
+            task = []
+            for i in range(b, b + per_task if self.last is None else min(b + per_task, self.last)):
                 slot = ring.begin_batch(worker)
-                yield slot, _to_wire(self.make_batch(b, ring.allocate), ring)
-            b += num_workers
+                task.append((slot, _to_wire(self.make_batch(i, ring.allocate), ring)))
+            yield task
+            b += num_workers * per_task
 
 
 def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
@@ -242,7 +262,7 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             yield first
             return
     pin = pin_memory and torch.cuda.is_available()
-    ring = batches.ring = SharedRing(num_workers, prefetch + SPARE_SLOTS, slot_bytes) if slot_bytes > 0 else None
+    ring = batches.ring = SharedRing(num_workers, prefetch, slot_bytes) if slot_bytes > 0 else None
     # fork: the workers inherit the ring's anonymous mapping (it has no name to pass to a spawned process)
     # collate_fn: a batch is already made; torch's default (``default_convert``) would walk every
     # element again -- each of the batch's ``__key__`` strings -- costing ~0.3 ms per 256-sample batch.
@@ -261,13 +281,14 @@ def _as_made(batch):
 
 
 def _receive(workers: Iterator, ring: SharedRing, pin: bool) -> Iterator[dict]:
-    for slot, wire in workers:
-        ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
-        batch = ring.receive(slot, wire, pin)
-        if pin:
-            ring.release_dropped()  # copied out: the slot is free at once
-        yield batch
-        del batch  # not held by this frame while the consumer waits for the next one
+    for task in workers:
+        for slot, wire in task:
+            ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
+            batch = ring.receive(slot, wire, pin)
+            if pin:
+                ring.release_dropped()  # copied out: the slot is free at once
+            yield batch
+            del batch  # not held by this frame while the consumer waits for the next one
 
 
-__all__ = ["RankBatches", "SharedRing", "iterate", "process_memory", "shared_memory"]
+__all__ = ["RankBatches", "SharedRing", "batches_per_task", "iterate", "process_memory", "shared_memory"]

@@ -1,0 +1,187 @@
+"""Token batches made at batch level: a plain batch whose samples are each one 1-D ``.npy`` member
+(what ``dataio shard --tokenizer`` writes) read and collated with a few numpy operations and one
+``memcpy`` per sample, instead of ``SampleReader.read`` + ``collate``'s Python work per sample.
+
+Checks, once per sample per process, a block of ``BLOCK`` consecutive sample indices at a time (the
+first time a batch touches the block; ``CheckedTokens``):
+
+1. the index: one member, the dataset's ``.npy`` extension;
+2. the tar: every key compared with its ustar name field, one ``(block, key width + 1)`` gather per
+   shard (the check ``ShardSource.read`` does per sample: an index that disagrees with its tar);
+3. the ``.npy`` header: the block's first header parsed by ``decode.npy_1d_layout`` (the strict
+   canonical regex; numeric dtypes only, never pickle), then every header (magic, version, length,
+   dict, padding) compared byte for byte with that header rewritten for the member's own count,
+   which its size gives: one ``(block, header bytes)`` gather and compare.
+
+What passes is kept per sample (shard, data offset, count, dtype); a sample that fails any check is
+marked, and a batch holding one goes the general way (``SampleReader.read``), which names and
+counts it. So this path accepts nothing the general path would reject, and yields the same batch
+dict (tested). Per batch then: the kept arrays at the batch's indices, the keys, one ``memcpy`` a
+sample into one tensor from ``alloc`` (a loop of ``memoryview`` slice copies: 0.35 us a 4 KB sample,
+against 0.45 for ``np.concatenate`` of array slices and 0.55 for numpy slice assignment), bookkeeping
+as whole arrays. Checking costs ~1-2 us a sample once; the fixed cost per batch is ~15 numpy calls.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from dataio.shards.formats import is_token_member
+from dataio.stream.collate import Allocator, bookkeeping, torch_dtype
+from dataio.stream.decode import npy_1d_layout
+from dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
+
+REF_MASK = (1 << 40) - 1  # dataio.stream.batches.REF_BITS
+BLOCK = 1024
+UNCHECKED, GENERAL = -2, -1  # ``CheckedTokens.code`` values besides a dtype number
+
+
+def tokens_only(sources: list[ShardSource]) -> bool:
+    """Whether every dataset is a local indexed one (not a foreign format, ``dataio.stream.interop``)
+    with only ``.npy`` members (then ``gather_tokens`` is tried)."""
+    return all(isinstance(s, ShardSource) and not s.remote and len(s.index.extensions) == 1 and is_token_member(s.index.extensions[0])
+               for s in sources)
+
+
+class CheckedTokens:
+    """One dataset's samples as checked token payloads, filled a block at a time (see the module docstring)."""
+
+    def __init__(self, source: ShardSource):
+        n = len(source.index.samples)
+        self.ext = source.index.extensions[0]  # no reference to the source: it keys this table weakly
+        self.code = np.full(n, UNCHECKED, dtype=np.int8)
+        self.shard = np.empty(n, dtype=np.int64)  # np.empty: pages are touched only as blocks are checked
+        self.start = np.empty(n, dtype=np.int64)  # byte offset of the data in its shard
+        self.count = np.empty(n, dtype=np.int64)
+        self.dtypes: list[np.dtype] = []
+
+    def at(self, source: ShardSource, index: np.ndarray) -> np.ndarray:
+        """``code`` of ``index`` in ``source`` (checking the blocks not checked yet)."""
+        code = self.code[index]
+        if (code == UNCHECKED).any():
+            for block in sorted(set((index[code == UNCHECKED] // BLOCK).tolist())):
+                self._check(source, block)
+            code = self.code[index]
+        return code
+
+    def _check(self, source: ShardSource, block: int) -> None:
+        lo, hi = block * BLOCK, min(len(self.code), (block + 1) * BLOCK)
+        rows = source.index.samples[lo:hi]
+        members = source.index.members[np.minimum(rows["member_start"], len(source.index.members) - 1)]
+        shards = rows["shard"].astype(np.int64)
+        offsets, sizes = members["offset"].astype(np.int64), members["size"].astype(np.int64)
+        keys = source.index.keys[lo:hi]
+        ok = (rows["member_count"] == 1) & (members["ext"] == 0) & (offsets >= 512)
+        if keys.dtype.kind != "S" or keys.dtype.itemsize >= TAR_NAME_FIELD:  # long names: the general path
+            ok[:] = False
+        code = np.full(hi - lo, GENERAL, dtype=np.int8)
+        if ok.any():
+            ok[ok] = _keys_match(source, shards[ok], offsets[ok], keys[ok])
+        if ok.any():
+            layout = _headers(source, shards[ok], offsets[ok], sizes[ok])
+            if layout is not None:
+                dtype, data, good = layout
+                ok[ok] = good
+                if dtype not in self.dtypes:
+                    self.dtypes.append(dtype)
+                code[ok] = self.dtypes.index(dtype)
+                self.start[lo:hi] = offsets + data
+                self.count[lo:hi] = (sizes - data) // dtype.itemsize
+        self.shard[lo:hi] = shards
+        self.code[lo:hi] = code
+
+
+def _keys_match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    width = keys.dtype.itemsize
+    expected = np.zeros((len(keys), width + 1), dtype=np.uint8)  # key + "." (NUL-padded keys)
+    expected[:, :width] = np.ascontiguousarray(keys).view(np.uint8).reshape(len(keys), width)
+    lengths = np.count_nonzero(expected, axis=1)
+    expected[np.arange(len(keys)), lengths] = ord(".")
+    compared = np.arange(width + 1) <= lengths[:, None]
+    columns = np.arange(width + 1) - 512  # the ustar name field opens the 512-byte header before the payload
+    match = np.empty(len(keys), dtype=bool)
+    for shard, at in by_value(shards):
+        names = source.array(shard)[offsets[at, None] + columns]
+        match[at] = ~((names != expected[at]) & compared[at]).any(axis=1)
+    return match
+
+
+def _headers(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+             ) -> tuple[np.dtype, int, np.ndarray] | None:
+    """``(dtype, data offset, which headers match)`` with the first header as the template."""
+    first = source.array(int(shards[0]))[offsets[0] : offsets[0] + min(int(sizes[0]), 4096)]
+    layout = npy_1d_layout(first.data)
+    if layout is None:
+        return None
+    dtype, digits, data = layout
+    payload = sizes - data
+    good = (payload >= 0) & (payload % dtype.itemsize == 0)
+    prefix = first[:digits].tobytes()
+    rows = [(b"%s%d,), }" % (prefix, c)).ljust(data - 1) + b"\n" for c in (payload // dtype.itemsize).tolist()]
+    good &= np.array([len(r) == data for r in rows])  # a count too long for this header's padding
+    expected = np.frombuffer(b"".join(r if len(r) == data else bytes(data) for r in rows), dtype=np.uint8)
+    expected = expected.reshape(len(rows), data)
+    columns = np.arange(data)
+    for shard, at in by_value(shards):
+        sel = np.flatnonzero(good[at]) if isinstance(at, slice) else at[good[at]]
+        headers = source.array(shard)[offsets[sel, None] + columns]
+        good[sel] = (headers == expected[sel]).all(axis=1)
+    return dtype, data, good
+
+
+_checked: weakref.WeakKeyDictionary[ShardSource, CheckedTokens] = weakref.WeakKeyDictionary()
+
+
+def checked(source: ShardSource) -> CheckedTokens:
+    """The source's ``CheckedTokens`` (one per source and process; forked workers inherit what is checked)."""
+    table = _checked.get(source)
+    if table is None:
+        table = _checked[source] = CheckedTokens(source)
+    return table
+
+
+def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc: Allocator) -> dict | None:
+    """The collated plain batch of ``refs`` (all valid), or None where the batch-level path does not apply."""
+    n = len(refs)
+    starts, counts, groups = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    keys: list = [None] * n
+    buffers: list[memoryview] = []
+    ext = dtype = None
+    for d, at in by_value(refs >> 40):
+        source, index = sources[d], refs[at] & REF_MASK
+        table = checked(source)
+        code = table.at(source, index)
+        if code[0] < 0 or (code != code[0]).any() or ext not in (None, table.ext) or \
+                dtype not in (None, table.dtypes[code[0]]):
+            return None
+        ext, dtype = table.ext, table.dtypes[code[0]]
+        starts[at], counts[at] = table.start[index], table.count[index]
+        for shard, where in by_value(table.shard[index]):
+            groups[np.arange(n)[at][where]] = len(buffers)
+            mine = index[where]  # the shard must still hold the last byte this batch copies (shrunk: its error)
+            last_byte = int((table.start[mine] + table.count[mine] * dtype.itemsize).max())
+            buffers.append(memoryview(source.array(shard, last_byte)))
+        decoded = [k.decode(errors="surrogateescape") for k in source.index.keys[index].tolist()]
+        if isinstance(at, slice):
+            keys = decoded
+        else:
+            for i, k in zip(at.tolist(), decoded):
+                keys[i] = k
+    out = alloc((int(counts.sum()),), torch_dtype(dtype))
+    dst = memoryview(out.view(torch.uint8).numpy())
+    pos = 0
+    for g, start, size in zip(groups.tolist(), starts.tolist(), (counts * dtype.itemsize).tolist()):
+        dst[pos : pos + size] = buffers[g][start : start + size]
+        pos += size
+    batch = bookkeeping(keys, torch.from_numpy(refs), torch.from_numpy(np.ones(n, dtype=bool)), end)
+    if (counts == counts[0]).all():
+        batch[ext], batch["__lengths__"] = out.view(n, int(counts[0])), {}
+    else:
+        batch[ext], batch["__lengths__"] = out, {ext: torch.from_numpy(counts)}
+    return batch
+
+
+__all__ = ["BLOCK", "CheckedTokens", "checked", "gather_tokens", "tokens_only"]

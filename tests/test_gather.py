@@ -1,0 +1,101 @@
+"""The batch-level token path (``dataio.stream.gather``) yields exactly the batch of the general
+per-sample path, and hands anything it does not fully check back to that path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+
+from dataio.config import DataConfig
+from configtree import from_dict
+from dataio.stream.batches import SampleReader, make_ref
+from dataio.stream.collate import collate, plain_memory
+from dataio.stream.gather import gather_tokens, tokens_only
+from dataio.stream.sources import ShardSource
+
+sys.path.insert(0, str(Path(__file__).parent))
+from loader_util import index_dir, npy_bytes  # noqa: E402
+
+
+def token_tars(root: Path, lengths: list[list[int]], dtype=np.int32, prefix="t") -> None:
+    """One tar per entry of ``lengths``, one ``tokens.npy`` member a sample (first token = sample number)."""
+    root.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for shard, sizes in enumerate(lengths):
+        with wds.TarWriter(str(root / f"{prefix}-{shard:06d}.tar")) as w:
+            for size in sizes:
+                w.write({"__key__": f"{prefix}{n:05d}", "tokens.npy": npy_bytes(np.arange(size, dtype=dtype) + n)})
+                n += 1
+    index_dir(root)
+
+
+def general(sources, refs):
+    """The per-sample path's batch of ``refs`` (what BatchMaker made before the batch-level path)."""
+    cfg = from_dict(DataConfig, {"datasets": [{"path": s.path} for s in sources]}, "data")
+    samples, keys, kept, bad = SampleReader(cfg, sources, bad_so_far=0).read(refs, defer_npy=True)
+    assert bad == 0 and len(kept) == len(refs)
+    return collate(samples, keys, torch.from_numpy(refs), torch.ones(len(refs), dtype=torch.bool), end=7,
+                   alloc=plain_memory)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        elif isinstance(a[k], dict):
+            assert_same(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+def test_same_batch_as_the_general_path(tmp_path):
+    rng = np.random.default_rng(0)
+    token_tars(tmp_path / "a", [rng.integers(0, 300, 40).tolist(), rng.integers(0, 300, 25).tolist()])
+    token_tars(tmp_path / "b", [[5] * 30], prefix="u")  # equal lengths: a (B, L) batch
+    token_tars(tmp_path / "c", [[4, 9, 1000000]], dtype=np.int64, prefix="w")  # 7-digit count, other dtype
+    a, b, c = (ShardSource(str(tmp_path / n)) for n in "abc")
+    assert tokens_only([a, b])
+    cases = [([a], make_ref(0, np.arange(65))),  # across both shards
+             ([a], make_ref(0, rng.permutation(65)[:32])),  # shuffled
+             ([a, b], make_ref(rng.integers(0, 2, 40), rng.integers(0, 25, 40))),  # blended, interleaved
+             ([b], make_ref(0, np.arange(8))),
+             ([c], make_ref(0, np.arange(3)))]
+    for sources, refs in cases:
+        batch = gather_tokens(sources, refs, 7, plain_memory)
+        assert batch is not None
+        assert_same(batch, general(sources, refs))
+    assert gather_tokens([b], make_ref(0, np.arange(8)), 7, plain_memory)["tokens.npy"].shape == (8, 5)
+    # mixed dtypes across datasets: the general path's business
+    assert gather_tokens([a, c], make_ref(np.array([0, 1]), np.array([0, 0])), 7, plain_memory) is None
+
+
+@pytest.mark.parametrize("damage", ["pickle dtype", "shape", "magic", "key"])
+def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
+    token_tars(tmp_path, [[3, 4, 5]])
+    tar = tmp_path / "t-000000.tar"
+    data = bytearray(tar.read_bytes())
+    at = data.index(b"\x93NUMPY", data.index(b"t00001."))  # the second sample's member
+    if damage == "pickle dtype":
+        data[at:at + 30] = data[at:at + 30].replace(b"'<i4'", b"'|O4'")
+    elif damage == "shape":
+        data[at:at + 90] = data[at:at + 90].replace(b"(4,)", b"(2,)")
+    elif damage == "magic":
+        data[at + 1] = ord("X")
+    else:
+        k = data.index(b"t00001.")
+        data[k + 5] = ord("9")
+    tar.write_bytes(bytes(data))
+    source = ShardSource(str(tmp_path))
+    assert gather_tokens([source], make_ref(0, np.arange(3)), 3, plain_memory) is None
+    intact = make_ref(0, np.array([0, 2]))  # only the damaged sample is left to the general path
+    assert_same(gather_tokens([source], intact, 7, plain_memory), general([source], intact))
+    # every damage, a shape shorter than the payload included (bytes beyond the shape are refused as in
+    # `dataio verify`), is an error of the general path naming the sample
+    with pytest.raises(Exception, match="t00001"):  # and the general path names the sample
+        general([source], make_ref(0, np.arange(3)))
