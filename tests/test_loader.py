@@ -329,21 +329,16 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
         if path.is_file():
             fs.pipe(f"/hr/{path.relative_to(root)}", path.read_bytes())
     monkeypatch.setattr(sources, "BACKOFF_S", 0.0)
-    real_open = fsspec.open
+    real_open = sources.open_remote
     failures = []
 
-    def flaky_open(*args, **kwargs):
-        f = real_open(*args, **kwargs)
+    def flaky_open(url):
         if not failures:
             failures.append(1)
+            raise ConnectionResetError("connection reset by peer")
+        return real_open(url)
 
-            class Broken:
-                def open(self):
-                    raise ConnectionResetError("connection reset by peer")
-            return Broken()
-        return f
-
-    monkeypatch.setattr(fsspec, "open", flaky_open)
+    monkeypatch.setattr(sources, "open_remote", flaky_open)
     batches = keys_of(build_loader(cfg("memory://hr", batch_size=5)))
     assert failures and sorted(k for b in batches for k in b) == sorted(all_keys)
     local = keys_of(build_loader(cfg(str(root), batch_size=5)))

@@ -75,6 +75,15 @@ def load_remote_index(url: str) -> DatasetIndex:
                         job=manifest.get("job", {}), **arrays)
 
 
+def open_remote(url: str):
+    """A block-cached fsspec file; the block options go to ``fs.open``, not ``fsspec.open``, which would
+    hand them to the filesystem's constructor (s3fs passes them on to botocore, which refuses them)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.open(path, "rb", block_size=REMOTE_BLOCK, cache_type="blockcache")
+
+
 class ShardSource:
     """One dataset (one split of an indexed directory or URL): sample indices -> raw member bytes."""
 
@@ -207,9 +216,7 @@ class ShardSource:
         def attempt():
             f = self._remote_files.get(shard)
             if f is None:
-                import fsspec
-
-                f = fsspec.open(self.shard_path(shard), "rb", block_size=REMOTE_BLOCK, cache_type="blockcache").open()
+                f = open_remote(self.shard_path(shard))
                 self._check_size(shard, f.size)
                 self._remote_files[shard] = f
                 if len(self._remote_files) > OPEN_REMOTE_SHARDS:
@@ -229,4 +236,4 @@ class ShardSource:
         return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")
 
 
-__all__ = ["ShardFormatError", "ShardSource", "by_value", "load_remote_index", "retry"]
+__all__ = ["ShardFormatError", "ShardSource", "by_value", "load_remote_index", "open_remote", "retry"]

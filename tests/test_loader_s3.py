@@ -1,0 +1,203 @@
+"""The loader over the S3 protocol: a moto S3 server on loopback, reached the way users configure it
+(``s3://bucket/prefix`` with the endpoint and keys from the standard AWS environment variables), and a
+loopback proxy in front of it that injects faults on every Nth request (connection reset, 500/503,
+a slow response, a truncated body). An epoch over S3 must equal the same epoch read locally: same
+keys, same tensors, each sample exactly once, faults or not."""
+
+import http.client
+import http.server
+import itertools
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+from dataio import build_loader  # noqa: E402
+from dataio.stream import sources  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from loader_util import make_text_dataset  # noqa: E402
+
+SHARDS = [7, 5, 3, 1, 6]
+BUCKET = "corpus"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on loopback holding ``s3://corpus/text/`` (shards, ``.nv-meta/``, headrace index)
+    uploaded from a local copy; yields ``(endpoint, local root, keys)``."""
+    import boto3
+
+    root = tmp_path_factory.mktemp("s3text")
+    keys = make_text_dataset(root, SHARDS)
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client.create_bucket(Bucket=BUCKET)
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), BUCKET, f"text/{path.relative_to(root).as_posix()}")
+    try:
+        yield endpoint, root, keys
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    """Point the standard AWS environment at an endpoint; s3fs caches filesystems per options, not
+    per environment, so its cache is cleared on each change."""
+    import s3fs
+
+    def point(endpoint: str) -> None:
+        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+
+    yield point
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def epoch(path, **kw):
+    """Every batch of one epoch as ``(keys, tokens, json)``."""
+    config = {"datasets": [{"path": str(path)}], "batch_size": 4, "epochs": 1, "num_workers": 0,
+              "shuffle_window": 4, "seed": 3}
+    config.update(kw)
+    return [(list(b["__key__"]), b["tokens.npy"].numpy().copy(), [j["n"] for j in b["json"]])
+            for b in build_loader(config)]
+
+
+def assert_same_epoch(got, want, keys):
+    assert [k for b in got for k in b[0]] == [k for b in want for k in b[0]]
+    assert sorted(k for b in got for k in b[0]) == sorted(keys)  # each sample exactly once
+    for (_, tokens, meta), (_, want_tokens, want_meta) in zip(got, want):
+        np.testing.assert_array_equal(tokens, want_tokens)
+        assert meta == want_meta
+
+
+def test_epoch_over_s3_equals_the_local_epoch(s3, aws_env):
+    endpoint, root, keys = s3
+    aws_env(endpoint)
+    want = epoch(root)
+    assert_same_epoch(epoch(f"s3://{BUCKET}/text"), want, keys)
+    assert_same_epoch(epoch(f"s3://{BUCKET}/text", num_workers=2), want, keys)  # forked workers
+
+
+class FaultProxy(http.server.ThreadingHTTPServer):
+    """Forwards HTTP to ``upstream``; request number k (from 1) with ``k % every == 0`` gets the next
+    fault of ``faults`` instead of (or on top of) the upstream answer."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream_port: int, faults: list[str], every: int):
+        super().__init__(("127.0.0.1", 0), FaultHandler)
+        self.upstream_port, self.faults, self.every = upstream_port, itertools.cycle(faults), every
+        self.count, self.injected, self.lock = 0, [], threading.Lock()
+
+    def next_fault(self, method: str, path: str) -> str | None:
+        with self.lock:
+            self.count += 1
+            if self.count % self.every:
+                return None
+            fault = next(self.faults)
+            if fault == "truncate" and method != "GET":  # a HEAD/PUT has no body to cut short
+                return None
+            self.injected.append((fault, method, path))
+            return fault
+
+
+class FaultHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _forward(self):
+        fault = self.server.next_fault(self.command, self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if fault == "reset":  # RST instead of FIN: the client sees "connection reset by peer"
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
+        if fault in ("500", "503"):
+            code = int(fault)
+            error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"
+                     + (b"InternalError" if code == 500 else b"SlowDown") + b"</Code><Message>injected</Message></Error>")
+            self.send_response(code)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(error)))
+            self.end_headers()
+            self.wfile.write(error)
+            return
+        if fault == "slow":
+            time.sleep(0.5)
+        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=30)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+        upstream.request(self.command, self.path, body=body, headers=headers)
+        resp = upstream.getresponse()
+        data = resp.read()
+        upstream.close()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
+                self.send_header(k, v)
+        # a HEAD answers with the object's length and no body
+        self.send_header("Content-Length", resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data)))
+        self.end_headers()
+        if fault == "truncate" and len(data) > 1:  # headers promise the whole body; half of it arrives
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+
+@pytest.fixture
+def fault_proxy(s3):
+    proxies = []
+
+    def start(faults, every):
+        proxy = FaultProxy(int(s3[0].rsplit(":", 1)[1]), faults, every)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        proxies.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+@pytest.mark.parametrize("faults", [["reset"], ["500", "503"], ["slow", "truncate"]])
+def test_faults_are_retried_and_no_sample_is_lost_or_repeated(s3, aws_env, fault_proxy, monkeypatch, faults):
+    endpoint, root, keys = s3
+    monkeypatch.setattr(sources, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(sources, "REMOTE_BLOCK", 4096)  # several ranged GETs a shard: more requests to fault
+    proxy = fault_proxy(faults, every=3)
+    aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
+    got = epoch(f"s3://{BUCKET}/text")
+    injected = {fault for fault, _, _ in proxy.injected}
+    assert injected == set(faults), proxy.injected
+    assert_same_epoch(got, epoch(root), keys)
