@@ -23,5 +23,9 @@ fi
 # litdata, a peer loader in `dataio bench`: --no-deps, because its declared dependencies (torchvision)
 # pull another torch; then the light dependencies it imports (none of them touches torch).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps litdata==0.2.76 lightning-utilities==0.15.3
-.venv/bin/python -m pip install -q --disable-pip-version-check boto3 requests filelock
+# boto3 (and moto, the S3 server of tests/test_loader_s3.py, which needs it) pinned to the botocore that
+# s3fs's aiobotocore accepts: boto3 shares botocore's version numbers; a newer boto3 pulls a botocore that
+# aiobotocore refuses, and an unpinned resolve backtracks through boto3 releases for minutes.
+botocore=$(.venv/bin/python -c "from importlib.metadata import version; print(version('botocore'))")
+.venv/bin/python -m pip install -q --disable-pip-version-check "boto3==$botocore" "botocore==$botocore" 'moto[server]' requests filelock
 echo "$want" > "$stamp"
