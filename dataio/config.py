@@ -24,6 +24,9 @@ class DatasetSpec:
     path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), or see dataio.stream.interop
     weight: float = 1.0  # relative share of the blended stream
     split: str = "train"  # which shards of the directory (the manifest's split of each shard)
+    # fsspec options of a URL path (s3fs: endpoint_url, key, secret, anon, client_kwargs, ...); the
+    # standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) applies where none is given
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self):
         if not self.weight > 0:

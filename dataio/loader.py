@@ -146,7 +146,7 @@ def open_source(spec) -> ShardSource:
     from dataio.stream import interop
 
     if "://" in spec.path or (Path(spec.path) / INDEX_DIR).exists():
-        return ShardSource(spec.path, split=spec.split)
+        return ShardSource(spec.path, split=spec.split, storage_options=spec.storage_options)
     if interop.is_lhotse_manifest(spec.path):
         return interop.LhotseCutSource(spec.path)
     if interop.is_energon_dir(spec.path):

@@ -332,11 +332,11 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
     real_open = sources.open_remote
     failures = []
 
-    def flaky_open(url):
+    def flaky_open(url, storage_options=None):
         if not failures:
             failures.append(1)
             raise ConnectionResetError("connection reset by peer")
-        return real_open(url)
+        return real_open(url, storage_options)
 
     monkeypatch.setattr(sources, "open_remote", flaky_open)
     batches = keys_of(build_loader(cfg("memory://hr", batch_size=5)))

@@ -101,6 +101,20 @@ def test_epoch_over_s3_equals_the_local_epoch(s3, aws_env):
     assert_same_epoch(epoch(f"s3://{BUCKET}/text", num_workers=2), want, keys)  # forked workers
 
 
+def test_endpoint_and_keys_from_storage_options(s3, aws_env, monkeypatch):
+    """``storage_options`` of a ``datasets:`` entry reach s3fs: with the environment pointing nowhere,
+    the options alone find the server."""
+    endpoint, root, keys = s3
+    aws_env("http://127.0.0.1:9")  # discard port: nothing listens
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    config = {"datasets": [{"path": f"s3://{BUCKET}/text", "storage_options": options}], "batch_size": 4,
+              "epochs": 1, "num_workers": 0, "shuffle_window": 4, "seed": 3}
+    got = [k for b in build_loader(config) for k in b["__key__"]]
+    assert got == [k for b in epoch(root) for k in b[0]]
+
+
 class FaultProxy(http.server.ThreadingHTTPServer):
     """Forwards HTTP to ``upstream``; request number k (from 1) with ``k % every == 0`` gets the next
     fault of ``faults`` instead of (or on top of) the upstream answer."""

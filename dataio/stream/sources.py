@@ -62,11 +62,11 @@ def retry(fn, what: str):
             time.sleep(BACKOFF_S * 2**attempt)
 
 
-def load_remote_index(url: str) -> DatasetIndex:
+def load_remote_index(url: str, storage_options: dict | None = None) -> DatasetIndex:
     """The headrace index of a dataset behind an fsspec URL (a few small files, read whole)."""
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     d = f"{root.rstrip('/')}/{INDEX_DIR}"
     manifest = json.loads(retry(lambda: fs.cat_file(f"{d}/manifest.json"), f"{url}: reading the index"))
     arrays = {name: np.load(io.BytesIO(retry(lambda n=name: fs.cat_file(f"{d}/{n}.npy"), url)), allow_pickle=False)
@@ -75,23 +75,24 @@ def load_remote_index(url: str) -> DatasetIndex:
                         job=manifest.get("job", {}), **arrays)
 
 
-def open_remote(url: str):
+def open_remote(url: str, storage_options: dict | None = None):
     """A block-cached fsspec file; the block options go to ``fs.open``, not ``fsspec.open``, which would
     hand them to the filesystem's constructor (s3fs passes them on to botocore, which refuses them)."""
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     return fs.open(path, "rb", block_size=REMOTE_BLOCK, cache_type="blockcache")
 
 
 class ShardSource:
     """One dataset (one split of an indexed directory or URL): sample indices -> raw member bytes."""
 
-    def __init__(self, path: str, *, split: str = "train", index: DatasetIndex | None = None):
-        self.path = path
+    def __init__(self, path: str, *, split: str = "train", index: DatasetIndex | None = None,
+                 storage_options: dict | None = None):
+        self.path, self.storage_options = path, storage_options
         self.remote = "://" in path and not path.startswith("file://")
         if index is None:
-            index = load_remote_index(path) if "://" in path else load_index(path)
+            index = load_remote_index(path, storage_options) if "://" in path else load_index(path)
         self.index = index
         shard_ids = [i for i, s in enumerate(index.shards) if s.split == split]
         if not shard_ids:
@@ -216,7 +217,7 @@ class ShardSource:
         def attempt():
             f = self._remote_files.get(shard)
             if f is None:
-                f = open_remote(self.shard_path(shard))
+                f = open_remote(self.shard_path(shard), self.storage_options)
                 self._check_size(shard, f.size)
                 self._remote_files[shard] = f
                 if len(self._remote_files) > OPEN_REMOTE_SHARDS:
