@@ -17,7 +17,7 @@ from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, VOCAB, packed_batches  # noqa: E402
 
 from kernels.grouped_experts import grouped_experts  # noqa: E402
-from training.config import DistributedConfig, load_job_config  # noqa: E402
+from training.config import load_job_config  # noqa: E402
 from training.parallel_dims import ParallelDims  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

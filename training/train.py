@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from configtree import ConfigError, to_dict
+from configtree import to_dict
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
@@ -195,10 +195,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             print("the model has no attention interface (training.families): one document per row, sdpa, "
                   "data.packing: none",
                   flush=True)
-    try:
-        dims = ParallelDims.from_config(cfg.distributed, world)
-    except ValueError as e:  # a layout rule the world size breaks: the CLI prints it as one line
-        raise ConfigError(str(e)) from e
+    dims = ParallelDims.from_config(cfg.distributed, world)  # its rules already passed check_job (as ConfigError)
     meshes = dims.build_meshes(device.type)
     coords = rank_coordinates(meshes["world"])
     out_dir = Path(cfg.trainer.output_dir)
