@@ -82,6 +82,112 @@ def test_no_rows_still_reaches_inputs_and_weights():
     assert x.grad.shape == (0, 8) and gate_up.grad.abs().sum() == 0 and down.grad.abs().sum() == 0
 
 
+# -- capacity factor (token dropping) -------------------------------------------------------------------
+
+def dropping_oracle(experts, x, index, weights, capacity):
+    """Loop reference of Megatron's token dropping: per expert, its (token, slot) assignments in token order
+    (``position``) or by router weight, highest first (``probs``); the first C are computed, the rest add
+    nothing. Returns (output, dropped assignments)."""
+    tokens, k = index.shape
+    num_experts = experts.gate_up_proj.shape[0]
+    limit = capacity.per_expert(tokens, k, num_experts)
+    parts, dropped = [[] for _ in range(tokens)], 0
+    for e in range(num_experts):
+        pairs = [(t, j) for t in range(tokens) for j in range(k) if index[t, j] == e]
+        if capacity.policy == "probs":
+            pairs.sort(key=lambda pair: -float(weights[pair].detach()))
+        dropped += max(0, len(pairs) - limit)
+        for t, j in pairs[:limit]:
+            gate, up = F.linear(x[t], experts.gate_up_proj[e]).chunk(2)
+            parts[t].append(weights[t, j] * F.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
+    return torch.stack([sum(p, torch.zeros_like(x[0])) for p in parts]), dropped
+
+
+def experts_case(seed: int = 0):
+    """A Qwen3-MoE experts module and a skewed top-2 routing of 24 tokens over 6 experts (expert 0 wanted by
+    most tokens, expert 5 by none)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=16, moe_intermediate_size=8, num_experts=6,
+                                  num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    experts = Qwen3MoeExperts(config)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    logits = torch.randn(24, 6) + torch.tensor([3.0, 1.0, 0.5, 0.0, 0.0, -1e9])
+    weights, index = logits.softmax(-1).topk(2, dim=-1)
+    return experts, torch.randn(24, 16), index, weights / weights.sum(-1, keepdim=True)
+
+
+def run_experts(experts, x, index, weights, forward):
+    """Output and gradients of x, the router weights and both expert weights for ``forward``."""
+    experts.zero_grad()
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    out, *extra = forward(experts, x, index, weights)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [out.detach(), x.grad, weights.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone(),
+            *extra]
+
+
+def ours(capacity, impl="grouped_mm"):
+    from training.expert_parallel import MoEStats, routed_experts_forward
+
+    def forward(experts, x, index, weights):
+        stats = MoEStats()
+        out = routed_experts_forward(experts, x, index, weights, layer=0, num_experts=6, ep_group=None, ep=1,
+                                     impl=impl, stats=stats, capacity=capacity)
+        return out, stats.dropped
+    return forward
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_drops_like_the_loop_oracle(policy, pad):
+    """Grouped GEMM with dropping (and padding to capacity) = the per-assignment loop oracle: output and the
+    gradients of tokens, router weights and experts; the same number of drops; the two policies differ."""
+    from training.moe_routing import Capacity
+
+    experts, x, index, weights = experts_case()
+    capacity = Capacity(factor=1.0, policy=policy, pad=pad)
+    *got, dropped = run_experts(experts, x, index, weights, ours(capacity))
+    *want, want_dropped = run_experts(experts, x, index, weights, lambda *a: dropping_oracle(*a, capacity))
+    assert dropped == want_dropped > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    other = Capacity(factor=1.0, policy={"probs": "position", "position": "probs"}[policy], pad=pad)
+    assert not torch.allclose(got[0], run_experts(experts, x, index, weights, ours(other))[0])
+
+
+@pytest.mark.parametrize("policy, pad", [("position", False), ("probs", False), ("probs", True)])
+def test_capacity_that_drops_nothing_equals_dropless(policy, pad):
+    """factor 3 = E / k: capacity T >= any expert's load. position without padding is the dropless row order
+    (bit-for-bit); probs reorders rows within an expert and padding adds zero-weight rows (within rounding)."""
+    from training.moe_routing import Capacity
+
+    experts, x, index, weights = experts_case(1)
+    *dropless, _ = run_experts(experts, x, index, weights, ours(None))
+    *got, dropped = run_experts(experts, x, index, weights, ours(Capacity(factor=3.0, policy=policy, pad=pad)))
+    assert dropped == 0
+    for g, w in zip(got, dropless):
+        if policy == "position" and not pad:
+            assert torch.equal(g, w)
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_routes_have_static_shapes():
+    """With padding the rows per expert are the capacity whatever the routing: N = E * C."""
+    from training.moe_routing import Capacity, plan_routes
+
+    capacity = Capacity(factor=1.25, pad=True)
+    for seed in range(3):
+        _, _, index, weights = experts_case(seed)
+        routes = plan_routes(index, weights, 6, capacity)
+        assert routes.counts.tolist() == [10] * 6 and routes.token_of_row.shape == (60,)  # ceil(24*2/6*1.25)
+        assert int(routes.routed.sum()) == 48
+
+
 # -- models ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -134,7 +240,8 @@ def test_moe_recipes_train_on_the_real_loader(tmp_path, process_group, recipe):
         "checkpoint.interval=0", "data.packing_buffer=8"])
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]
-    assert all(r["moe_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 and r["a2a_bytes"] == 0 for r in history)
+    assert all(r["moe_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 and r["a2a_bytes"] == 0 and r["moe_dropped"] == 0
+               for r in history)
     assert (tmp_path / "out" / "hf" / "model.safetensors.index.json").is_file()
 
 
@@ -179,6 +286,9 @@ def bad_layout(model_type_fields: dict, world: int, **distributed):
     (2, dict(moe=dict(wrap_outer_model=False)), r"moe.wrap_outer_model=false is not supported"),
     (2, dict(moe=dict(lm_head_precision="float32")), r"moe.lm_head_precision='float32' is not supported"),
     (2, dict(moe=dict(ignore_router_for_ac=True)), r"ignore_router_for_ac=true only matters with"),
+    (1, dict(moe=dict(capacity_factor=0.0)), r"moe.capacity_factor=0.0 must be > 0 \(null: dropless\)"),
+    (1, dict(moe=dict(capacity_factor=1.0, experts_implementation="hf")), r"capacity_factor needs experts_impl"),
+    (1, dict(moe=dict(pad_to_capacity=True)), r"pad_to_capacity=true needs distributed.moe.capacity_factor"),
 ])
 def test_bad_moe_layouts_fail_with_one_line(world, distributed, message):
     with pytest.raises(ValueError, match=message) as err:

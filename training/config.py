@@ -75,6 +75,11 @@ class MoEConfig:
     lm_head_precision: str | None = None  # only the root's own precision is supported
     experts_implementation: str = "grouped_mm"  # grouped_mm | loop | hf (transformers' own, ep_size 1 only)
     aux_loss_coef: float | None = None  # router load-balancing loss weight; null: config.router_aux_loss_coef
+    # Megatron-Core's token dropping (training.moe_routing): null = dropless; else each expert computes at most
+    # ceil(tokens * top_k / num_experts * capacity_factor) of the tokens a rank routes in a micro-batch.
+    capacity_factor: float | None = None
+    token_drop_policy: Literal["probs", "position"] = "probs"  # keep the highest router weights / earliest tokens
+    pad_to_capacity: bool = False  # every expert gets exactly its capacity in rows (static shapes)
 
 
 @dataclass(kw_only=True)

@@ -4,8 +4,10 @@
 (``Qwen3MoeExperts`` / ``MixtralExperts`` / ``OlmoeExperts``: ``forward(x, top_k_index, top_k_weights)``)
 on that instance; the router, the module's parameters and their names stay transformers' own.
 
-Algorithm (dropless: every routed token is computed, however unbalanced the routing):
-1. sort the T*k (token, expert) assignments by expert; ``counts[e]`` assignments go to expert e;
+Algorithm (dropless by default: every routed token is computed, however unbalanced the routing):
+1. sort the T*k (token, expert) assignments by expert; ``counts[e]`` assignments go to expert e
+   (``training.moe_routing``; with a capacity factor it first drops what exceeds each expert's capacity,
+   computed on this rank's tokens, and may pad every expert to exactly that capacity);
 2. EP only: exchange the counts (``all_to_all_single`` on E integers), then send each rank the rows for
    its E/ep experts and receive the rows other ranks routed to ours (``all_to_all_single`` with uneven
    splits, autograd-aware: its backward is the reverse exchange), and regroup the received rows
@@ -15,8 +17,8 @@ Algorithm (dropless: every routed token is computed, however unbalanced the rout
 
 Cost per MoE layer and rank: two exchanges of k * T * H activations forward and two backward, plus one
 of E counts; the expert matmuls are those of the routed tokens only. ``MoEStats`` records tokens per
-expert (forward only, not during an activation-checkpoint recompute) and bytes / seconds spent in the
-token exchanges, for the trainer's per-step metrics.
+expert (forward only, not during an activation-checkpoint recompute), the assignments dropped, and bytes /
+seconds spent in the token exchanges, for the trainer's per-step metrics.
 
 Expert gradients: under EP each rank's local expert gradient already sums the contributions of the
 whole ep group (the exchange's backward brings them home), and FSDP2 then averages over ``ep_shard``;
@@ -36,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kernels.grouped_experts import grouped_experts
+from training.moe_routing import Capacity, plan_routes
 
 
 @dataclass
@@ -43,16 +46,20 @@ class MoEStats:
     """Per-rank accumulators between two ``reset`` calls (one optimizer step)."""
 
     tokens_per_expert: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (E,) float64 counts
+    dropped: float = 0.0  # assignments the capacity factor dropped (all layers)
     aux_losses: list[float] = field(default_factory=list)  # router load-balancing loss per micro-batch
     a2a_bytes: int = 0
     a2a_seconds: float = 0.0
 
-    def add_counts(self, layer: int, counts: torch.Tensor) -> None:
+    def add_counts(self, layer: int, counts: torch.Tensor, dropped: torch.Tensor) -> None:
+        """The router's assignments per expert (before any capacity drop) and how many were dropped."""
         counts = counts.detach().to("cpu", torch.float64)
         self.tokens_per_expert[layer] = self.tokens_per_expert.get(layer, 0) + counts
+        self.dropped += float(dropped)
 
     def reset(self) -> None:
         self.tokens_per_expert, self.aux_losses, self.a2a_bytes, self.a2a_seconds = {}, [], 0, 0.0
+        self.dropped = 0.0
 
 
 def _timed_all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group, stats) -> torch.Tensor:
@@ -105,16 +112,13 @@ def _in_backward() -> bool:
 
 def routed_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor, *, layer: int, num_experts: int, ep_group, ep: int,
-                           impl: str, stats: MoEStats | None) -> torch.Tensor:
+                           impl: str, stats: MoEStats | None, capacity: Capacity | None = None) -> torch.Tensor:
     """``experts(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`` (module doc)."""
-    tokens, k = top_k_index.shape
-    flat_expert = top_k_index.reshape(-1)
-    order = flat_expert.argsort(stable=True)
-    token_of_row = order // k
-    counts = torch.bincount(flat_expert, minlength=num_experts)
+    routes = plan_routes(top_k_index, top_k_weights, num_experts, capacity)
+    counts = routes.counts
     if stats is not None and not _in_backward():
-        stats.add_counts(layer, counts)
-    rows = hidden_states[token_of_row]
+        stats.add_counts(layer, routes.routed, routes.dropped)
+    rows = hidden_states[routes.token_of_row]
     gate_up, down = _local(experts.gate_up_proj, ep), _local(experts.down_proj, ep)
     if ep == 1:
         out_rows = grouped_experts(rows, gate_up, down, counts, experts.act_fn, impl)
@@ -132,16 +136,16 @@ def routed_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_
         computed = grouped_experts(received[by_expert], gate_up, down, local_counts, experts.act_fn, impl)
         computed = computed[by_expert.argsort()]
         out_rows = _AllToAll.apply(computed, send, recv, ep_group, stats)
-    weighted = out_rows * top_k_weights.reshape(-1)[order, None]
-    out = hidden_states.new_zeros(tokens, hidden_states.shape[-1])
-    return out.index_add(0, token_of_row, weighted.to(out.dtype))
+    weighted = out_rows * routes.weight_of_row[:, None]
+    out = hidden_states.new_zeros(hidden_states.shape)
+    return out.index_add(0, routes.token_of_row, weighted.to(out.dtype))
 
 
 def install_experts_forward(experts: nn.Module, *, layer: int, num_experts: int, ep_group, ep: int, impl: str,
-                            stats: MoEStats | None) -> None:
+                            stats: MoEStats | None, capacity: Capacity | None = None) -> None:
     """Make ``experts`` (one HF fused-experts module) run ``routed_experts_forward``."""
     experts.forward = functools.partial(routed_experts_forward, experts, layer=layer, num_experts=num_experts,
-                                        ep_group=ep_group, ep=ep, impl=impl, stats=stats)
+                                        ep_group=ep_group, ep=ep, impl=impl, stats=stats, capacity=capacity)
 
 
 __all__ = ["MoEStats", "install_experts_forward", "routed_experts_forward"]

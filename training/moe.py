@@ -39,6 +39,7 @@ from kernels.grouped_experts import IMPLEMENTATIONS
 from kernels.loss import IGNORE_INDEX
 from training.config import DistributedConfig
 from training.expert_parallel import MoEStats, install_experts_forward
+from training.moe_routing import Capacity
 from training.parallel_dims import ParallelDims
 from training.parallelize import MOE_MODEL_TYPES, dense_mlp_plan, parallelize_decoder_lm
 
@@ -77,6 +78,14 @@ def check_moe(dims: ParallelDims, cfg: DistributedConfig, hf_config) -> None:
     if moe.ignore_router_for_ac and not cfg.activation_checkpointing:
         raise ConfigError("distributed.moe.ignore_router_for_ac=true only matters with "
                          "distributed.activation_checkpointing=true")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"distributed.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: dropless)")
+    if moe.capacity_factor is not None and moe.experts_implementation == "hf":
+        raise ConfigError("distributed.moe.capacity_factor needs experts_implementation grouped_mm or loop: "
+                         "transformers' own experts forward cannot drop tokens")
+    if moe.pad_to_capacity and moe.capacity_factor is None:
+        raise ConfigError("distributed.moe.pad_to_capacity=true needs distributed.moe.capacity_factor (dropless "
+                         "routing has no capacity to pad to)")
     if dims.tp > 1 and hf_config.model_type == "olmoe":
         raise ConfigError("tp_size > 1 with olmoe is not supported: its q_norm/k_norm normalize over all heads "
                          "at once, which a head-sharded q/k projection cannot compute locally")
@@ -156,10 +165,12 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
         meshes = meshes | build_moe_meshes(dims, meshes)
         ep_mesh, ep_group = meshes["ep"], meshes["ep"].get_group()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    capacity = None if cfg.moe.capacity_factor is None else Capacity(
+        factor=cfg.moe.capacity_factor, policy=cfg.moe.token_drop_policy, pad=cfg.moe.pad_to_capacity)
     for layer, mlp in sparse_blocks(model):
         if cfg.moe.experts_implementation != "hf":
             install_experts_forward(mlp.experts, layer=layer, num_experts=experts, ep_group=ep_group, ep=dims.ep,
-                                    impl=cfg.moe.experts_implementation, stats=stats)
+                                    impl=cfg.moe.experts_implementation, stats=stats, capacity=capacity)
         if ep_mesh is not None:
             shard_experts(mlp, ep_mesh)
             fully_shard(mlp.experts, mesh=meshes["ep_shard"], mp_policy=mp,
@@ -177,6 +188,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
 def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
     """This step's MoE figures over all ranks (a collective on ``loss_mesh``; {} for dense models):
     ``moe_imbalance`` (max over layers of max/mean tokens per expert, 1.0 = perfectly balanced),
+    ``moe_dropped`` (fraction of the router's token-expert assignments the capacity factor dropped),
     ``moe_aux_loss`` (mean over micro-batches and ranks), ``a2a_bytes`` (sent per rank, forward + backward)
     and ``a2a_s`` (seconds in the token exchanges, the slowest rank)."""
     stats = getattr(getattr(model, "module", model), "moe_stats", None)
@@ -186,13 +198,16 @@ def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
     layers = sorted(stats.tokens_per_expert)
     counts = torch.stack([stats.tokens_per_expert[i] for i in layers]) if layers else torch.zeros(0, 1)
     dist.all_reduce(counts, group=group)
-    sums = torch.tensor([sum(stats.aux_losses), len(stats.aux_losses), stats.a2a_bytes], dtype=torch.float64)
+    sums = torch.tensor([sum(stats.aux_losses), len(stats.aux_losses), stats.a2a_bytes, stats.dropped],
+                        dtype=torch.float64)
     dist.all_reduce(sums, group=group)
     seconds = torch.tensor(stats.a2a_seconds, dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     imbalance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item() if layers else None
     ranks = loss_mesh.size()
-    return {"moe_imbalance": imbalance, "moe_aux_loss": (sums[0] / sums[1]).item() if sums[1] else None,
+    routed = counts.sum().item()
+    return {"moe_imbalance": imbalance, "moe_dropped": sums[3].item() / routed if routed else None,
+            "moe_aux_loss": (sums[0] / sums[1]).item() if sums[1] else None,
             "a2a_bytes": sums[2].item() / ranks, "a2a_s": seconds.item()}
 
 
