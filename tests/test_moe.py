@@ -245,6 +245,53 @@ def test_moe_recipes_train_on_the_real_loader(tmp_path, process_group, recipe):
     assert (tmp_path / "out" / "hf" / "model.safetensors.index.json").is_file()
 
 
+# -- hf/ export layout -------------------------------------------------------------------------------------
+
+def safetensors_dir(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, recipe):
+    """transformers' ``save_pretrained`` of a MoE model built from its config writes the hub's per-expert
+    layout (it reverts the load-time fusion; a model loaded from fused tensors would be saved fused). The
+    trainer loads that layout (per-expert views through DCP's reader), and its export (DCP's HF writer) writes
+    the same keys and tensors by default, the in-memory 3D tensors with ``fused``; both reload with
+    from_pretrained to the same logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.checkpoint import export_hf
+    from training.train import build_model
+
+    fields = recipe_fields(recipe)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    hf.save_pretrained(tmp_path / "save_pretrained")
+    want = safetensors_dir(tmp_path / "save_pretrained")
+    assert any(".experts.0." in k for k in want) and not any("gate_up_proj" in k for k in want)
+
+    cfg = load_job_config(None, base=dict(model=dict(pretrained_path=str(tmp_path / "save_pretrained")),
+                                          data=dict(datasets=[dict(path="unused")], seq_len=32)))
+    dims = ParallelDims.from_config(cfg.distributed, 1)
+    model, hf_config = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    export_hf(model, hf_config, tmp_path / "per_expert")
+    export_hf(model, hf_config, tmp_path / "fused", experts_layout="fused")
+    got = safetensors_dir(tmp_path / "per_expert")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    assert sorted(safetensors_dir(tmp_path / "fused")) == sorted(hf.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        logits = hf(input_ids=ids).logits
+        for layout in ("per_expert", "fused"):
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / layout)
+            assert all(torch.equal(v, hf.state_dict()[k]) for k, v in reloaded.state_dict().items())
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=1e-6, atol=1e-6)
+
+
 # -- configuration --------------------------------------------------------------------------------------
 
 def test_automodel_moe_section_loads_as_written(tmp_path):

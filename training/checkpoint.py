@@ -12,7 +12,8 @@ holding ``trainer_state.json``, so a crash at any moment leaves the previous che
 
 The HF export (``export_hf``) never gathers the model: every rank writes its shards with DCP's
 ``HuggingFaceStorageWriter`` and every rank consolidates a share of the output files, so peak memory per
-rank is its shard plus one tensor being copied (BENCHMARKS.md "hf export memory").
+rank is its shard plus one tensor being copied (BENCHMARKS.md "hf export memory"). MoE experts are written
+per expert, as ``save_pretrained`` and the hub have them, by the ranks holding them (``training.hf_experts``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from training.hf_experts import expert_converters, hub_names, per_expert_views
 from training.loss import unwrap_causal_lm
 from training.parallel_dims import gather_objects
 
@@ -101,7 +103,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None, *,
-              shard_size_mb: float = 5000.0) -> Path:
+              shard_size_mb: float = 5000.0, experts_layout: str = "per_expert") -> Path:
     """Consolidated, sharded safetensors (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``)
     + ``config.json`` (+ tokenizer) that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective.
 
@@ -109,13 +111,18 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     (``save_distributed``), then each rank consolidates the output files ``k`` with ``k % world == rank``
     (torch's ``consolidate_safetensors_files_on_every_rank``, the path torchtitan exports with), reading
     the shard files back from the shared directory. Output files hold at most ``shard_size_mb`` (one
-    tensor larger than that gets a file of its own)."""
+    tensor larger than that gets a file of its own). MoE experts: ``experts_layout`` ``per_expert`` writes the
+    keys transformers' ``save_pretrained`` writes (the hub's, ``training.hf_experts``), ``fused`` the in-memory
+    3D tensors (which only transformers 5 loads)."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 
     state = get_model_state_dict(model)  # this rank's shards (DTensor) under HF names
+    hf = unwrap_causal_lm(model)
     if getattr(hf_config, "tie_word_embeddings", False):  # stored once, as the embedding; re-tied on load
-        hf = unwrap_causal_lm(model)
         state.pop(next(n for n, m in hf.named_modules() if m is hf.get_output_embeddings()) + ".weight")
+    if experts_layout == "per_expert" and expert_converters(hf):
+        state = per_expert_views(hf, state)
+        state = dict(zip(hub_names(hf, state).values(), state.values()))
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if dist.get_rank() == 0:

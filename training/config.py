@@ -158,6 +158,9 @@ class CheckpointConfig:
     keep_last: int | None = None  # delete older checkpoints beyond this many
     export_hf: bool = True  # write output_dir/hf (config.json + sharded safetensors + index [+ tokenizer]) at the end
     export_shard_size_mb: float = 5000.0  # most bytes per hf/ safetensors file
+    # MoE experts in hf/: per_expert = the keys save_pretrained and the hub use (vLLM, SGLang, transformers 4
+    # read them); fused = transformers 5's in-memory 3D gate_up_proj / down_proj
+    export_hf_experts: Literal["per_expert", "fused"] = "per_expert"
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,8 @@ The model is created on the meta device (no memory), parallelized there (TP / FS
 DTensor shards), then ``to_empty`` allocates each rank's shard only, and the weights are filled in place:
 either transformers' own ``_init_weights`` (random ops on DTensors draw per-shard values; RoPE buffers are
 recomputed) or a local safetensors checkpoint read through DCP's ``HuggingFaceStorageReader``, which
-copies only the slices each rank owns, file by file. Peak memory per rank is its shard plus one tensor.
+copies only the slices each rank owns, file by file (MoE experts stored fused or per expert, as the hub has
+them: ``training.hf_experts``). Peak memory per rank is its shard plus one tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config import JobConfig, ModelConfig
 from training.families import check_family, supports_packed_attention
+from training.hf_experts import per_expert_views
 from training.loss import unwrap_causal_lm
 
 
@@ -107,7 +109,9 @@ def load_safetensors(model: nn.Module, path: str) -> None:
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
     stored_as = checkpoint_names(hf, path)
     stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
-    dcp.load({k if k in stored else stored_as.get(k, k): v for k, v in state.items()},
+    # fused MoE experts stored per expert (the hub's layout) are read into per-expert views of the local experts
+    reads = per_expert_views(hf, state, keep_fused=stored_as.keys() | stored)
+    dcp.load({k if k in stored else stored_as.get(k, k): v for k, v in reads.items()},
              storage_reader=dcp.HuggingFaceStorageReader(path))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # dcp.load filled these in place
 

@@ -327,7 +327,8 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         export_salm(model, cfg, out_dir)
     elif cfg.checkpoint.export_hf:
         checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
-                             shard_size_mb=cfg.checkpoint.export_shard_size_mb)
+                             shard_size_mb=cfg.checkpoint.export_shard_size_mb,
+                             experts_layout=cfg.checkpoint.export_hf_experts)
     logger.summary()
     logger.close()
     return logger.history
