@@ -1,6 +1,7 @@
 """Expert parallelism on real gloo process groups: one 4-rank launch runs every check of
-tests/dist/moe_checks.py (EP exchange vs transformers' experts, ep2 / ep4 / ep2 x tp2 layouts vs the
-single-process reference, resume at another ep_size, fused hf export logits)."""
+tests/dist/moe_checks.py (EP exchange vs transformers' experts, ep2 / ep4 / ep2 x tp2 layouts and two with a
+capacity factor vs the single-process reference, resume at another ep_size, per-expert and fused hf export
+logits), starting from a ``save_pretrained`` (per-expert) checkpoint."""
 
 from __future__ import annotations
 
@@ -8,19 +9,25 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from test_moe import recipe_fields, save_fused  # noqa: E402
+from test_moe import recipe_fields  # noqa: E402
 from test_training_dist import REPO, torchrun  # noqa: E402
 
 
 @pytest.mark.slow
 def test_expert_parallel_layouts_match_one_process(tmp_path):
     fields = recipe_fields("debug_qwen3_moe") | dict(head_dim=8, attention_dropout=0.0)
-    save_fused(tmp_path / "pretrained", fields)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).save_pretrained(
+        tmp_path / "pretrained")
     out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "moe_checks.py")
     for check in ("ep experts forward/backward equal", "ep2 first-step", "ep4_loop first-step", "ep2_tp2 first-step",
-                  "ep2 matches", "ep4_loop matches", "ep2_tp2 matches", "ep2 checkpoint resumes at ep4",
-                  "fused hf export reloads"):
+                  "ep2_cap first-step", "ep4_cap_pad first-step", "ep2 matches", "ep4_loop matches",
+                  "ep2_tp2 matches", "ep2_cap matches", "ep4_cap_pad matches", "ep2 checkpoint resumes at ep4",
+                  "per-expert and fused hf exports reload"):
         assert out.count(f"OK {check}") == 4, out[-3000:]

@@ -1,16 +1,21 @@
 """torchrun script: MoE expert parallelism on gloo against one process (``torchrun --nproc-per-node 4
-tests/dist/moe_checks.py WORKDIR``; WORKDIR holds ``pretrained/``, a tiny Qwen3-MoE in transformers' fused layout).
+tests/dist/moe_checks.py WORKDIR``; WORKDIR holds ``pretrained/``, a tiny Qwen3-MoE as ``save_pretrained`` writes it:
+the hub's per-expert layout, which every rank reads into its own experts).
 
 1. The experts forward alone, over the 4-rank ep group with hand-made routing (top-3; expert 5 and all of
    rank 3's experts receive no token): outputs, input and weight gradients equal transformers' own experts
    module in one process, for grouped GEMM and the per-expert loop.
 2. Layouts ep2 (dp2 x ep2 FSDP2), ep4 (ep = dp) with the loop kernel, ep2 x tp2+SP with activation
-   checkpointing that keeps router outputs: the first step's loss (cross-entropy + the model's router aux loss)
-   and the full gradients of the routers and experts equal the single-process HF reference; then STEPS
-   optimizer steps give the reference's losses and weights (read from the fused ``hf/`` export); MoE metrics
-   are logged.
-3. The ep2 run's step-2 checkpoint resumes at ep4 with the uninterrupted losses; the exported ``hf/`` reloads
-   with ``from_pretrained`` and gives the sharded model's logits.
+   checkpointing that keeps router outputs, and two with a capacity factor (ep2: 1.0, drop by router weight;
+   ep4: 1.25, drop by position, padded to capacity): the first step's loss (cross-entropy + the model's router
+   aux loss) and the full gradients of the routers and experts equal the single-process HF reference (for the
+   capacity layouts: HF's model running headrace's experts forward with the same capacity in one process,
+   which test_moe.py checks against a loop oracle); then STEPS optimizer steps give the reference's losses and
+   weights (read from the per-expert ``hf/`` export, named and split as transformers' own
+   ``revert_weight_conversion`` of the reference); MoE metrics are logged (``moe_dropped`` > 0 only with a
+   capacity factor).
+3. The ep2 run's step-2 checkpoint resumes at ep4 with the uninterrupted losses; the exported ``hf/`` (per
+   expert) and a fused export of the same sharded model reload with ``from_pretrained`` and give its logits.
 Prints ``OK <check>`` per passed check; any mismatch raises.
 """
 
@@ -30,7 +35,9 @@ from train_layouts import check_close, check_exported_params, job, loaders  # no
 from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
 from training import checkpoint  # noqa: E402
 from training.config import OptimConfig  # noqa: E402
-from training.expert_parallel import routed_experts_forward  # noqa: E402
+from training.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
+from training.moe import sparse_blocks  # noqa: E402
+from training.moe_routing import Capacity  # noqa: E402
 from training.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from training.parallel_dims import ParallelDims  # noqa: E402
 from training.train import build_model, forward_loss_sum, train  # noqa: E402
@@ -42,13 +49,30 @@ LAYOUTS = {
     "ep4_loop": (dict(strategy="fsdp2", ep_size=4, moe=dict(experts_implementation="loop")), 1),
     "ep2_tp2": (dict(strategy="fsdp2", ep_size=2, tp_size=2, sequence_parallel=True, activation_checkpointing=True,
                      moe=dict(ignore_router_for_ac=True)), 2),
+    "ep2_cap": (dict(strategy="fsdp2", ep_size=2, moe=dict(capacity_factor=1.0, token_drop_policy="probs")), 1),
+    "ep4_cap_pad": (dict(strategy="fsdp2", ep_size=4, moe=dict(capacity_factor=1.25, token_drop_policy="position",
+                                                               pad_to_capacity=True)), 1),
 }
 
 
-def hf_model(workdir: Path):
+def capacity_of(distributed: dict) -> Capacity | None:
+    moe = distributed.get("moe", {})
+    if moe.get("capacity_factor") is None:
+        return None
+    return Capacity(factor=moe["capacity_factor"], policy=moe["token_drop_policy"], pad=moe.get("pad_to_capacity", False))
+
+
+def hf_model(workdir: Path, capacity: Capacity | None = None):
+    """The pretrained model as transformers runs it; with a capacity, its experts run headrace's forward (one
+    process, no EP) with that capacity."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation=register_varlen_attention())
+    model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation=register_varlen_attention())
+    if capacity is not None:
+        for layer, mlp in sparse_blocks(model):
+            install_experts_forward(mlp.experts, layer=layer, num_experts=model.config.num_experts, ep_group=None,
+                                    ep=1, impl="grouped_mm", stats=None, capacity=capacity)
+    return model
 
 
 def reference_loss(model, micro) -> torch.Tensor:
@@ -65,16 +89,19 @@ def reference_loss(model, micro) -> torch.Tensor:
     return total
 
 
-def reference(workdir: Path, batches):
-    """(losses, first-step mlp gradients, final weights, first-step loss sum) of plain single-process training,
-    computed on rank 0 and broadcast (every rank would compute the same, on 2 shared cores)."""
-    result = [_reference(workdir, batches) if dist.get_rank() == 0 else None]
+def reference(workdir: Path, batches, capacity: Capacity | None):
+    """(losses, first-step mlp gradients, final weights in the hub layout, first-step loss sum) of plain
+    single-process training, computed on rank 0 and broadcast (every rank would compute the same, on 2 shared
+    cores)."""
+    result = [_reference(workdir, batches, capacity) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
 
-def _reference(workdir: Path, batches):
-    model = hf_model(workdir)
+def _reference(workdir: Path, batches, capacity: Capacity | None):
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = hf_model(workdir, capacity)
     cfg = OptimConfig(**OPTIM)
     opt = build_optimizer(model, cfg)
     losses, first_grads = [], None
@@ -91,7 +118,8 @@ def _reference(workdir: Path, batches):
         opt.step()
         opt.zero_grad()
         losses.append(float(total))
-    return losses, first_grads, {k: v.detach().clone() for k, v in model.state_dict().items()}, first_loss_sum
+    hub = revert_weight_conversion(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return losses, first_grads, hub, first_loss_sum
 
 
 def check_experts_forward() -> None:
@@ -137,11 +165,12 @@ def check_experts_forward() -> None:
     print("OK ep experts forward/backward equal transformers' experts (top-3, empty experts and rank)", flush=True)
 
 
-def check_first_gradients(workdir: Path, batches, want_grads: dict, want_loss: float) -> None:
+def check_first_gradients(workdir: Path, batches, refs: dict) -> None:
     """First step of each layout (no optimizer step): loss and router/expert gradients vs the reference."""
     world = dist.get_world_size()
     tokens = sum(int((mb["labels"] != -100).sum()) for mb in batches[:GLOBAL_MICRO])
     for name, (distributed, k) in LAYOUTS.items():
+        _, want_grads, _, want_loss = refs[capacity_of(distributed)]
         cfg = job(workdir, f"grads_{name}", distributed, k)
         dims = ParallelDims.from_config(cfg.distributed, world)
         meshes = dims.build_meshes("cpu")
@@ -169,14 +198,19 @@ def check_first_gradients(workdir: Path, batches, want_grads: dict, want_loss: f
 
 def run(workdir: Path, batches) -> None:
     check_experts_forward()
-    ref_losses, first_grads, ref_params, first_loss = reference(workdir, batches)
-    check_first_gradients(workdir, batches, first_grads, first_loss)
+    refs = {cap: reference(workdir, batches, cap) for cap in dict.fromkeys(capacity_of(d) for d, _ in LAYOUTS.values())}
+    for cap, (_, grads, _, _) in refs.items():  # dropping moves expert gradients far beyond the checks' tolerance
+        dropless = refs[None][1]
+        gap = max(float((grads[n] - dropless[n]).abs().max() / dropless[n].abs().max()) for n in grads if "experts" in n)
+        assert cap is None or gap > 1e-2, (cap, gap)
+    check_first_gradients(workdir, batches, refs)
     results = {}
     for name, (distributed, k) in LAYOUTS.items():
+        ref_losses, _, ref_params, _ = refs[capacity_of(distributed)]
         history = train(job(workdir, name, distributed, k), loaders(batches, k))
         check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
         assert all(r["moe_imbalance"] >= 1.0 and r["a2a_bytes"] > 0 and r["a2a_s"] > 0 and r["moe_aux_loss"] > 0
-                   for r in history), history
+                   and (r["moe_dropped"] > 0) == (capacity_of(distributed) is not None) for r in history), history
         check_exported_params(workdir, name, ref_params)
         results[name] = history
         print(f"OK {name} matches the single-process reference (losses, weights, metrics)", flush=True)
@@ -191,21 +225,24 @@ def run(workdir: Path, batches) -> None:
     check_close("resume_ep4 losses", [r["loss"] for r in history], [r["loss"] for r in results["ep2"][2:]], 2e-5)
     print("OK ep2 checkpoint resumes at ep4 with the uninterrupted losses", flush=True)
 
-    # Export == trained model: the sharded ep2 model from its final checkpoint vs the fused hf/ export.
+    # Export == trained model: the sharded ep2 model from its final checkpoint vs its hf/ export (per expert)
+    # and a fused export of the same sharded model.
     cfg = job(workdir, "ep2", LAYOUTS["ep2"][0], 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, hf_config = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
     checkpoint.load(workdir / "ep2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
+    checkpoint.export_hf(model, hf_config, workdir / "ep2_fused", experts_layout="fused")
     batch = batches[dist.get_rank()]
     with torch.no_grad():
         sharded = model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))  # no labels: logits
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(workdir / "ep2" / "hf", attn_implementation=register_varlen_attention())
-    with torch.no_grad():
-        exported = hf(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
-    check_close("exported logits", exported, sharded, 1e-5)
-    print("OK fused hf export reloads with the sharded model's logits", flush=True)
+    for export in (workdir / "ep2" / "hf", workdir / "ep2_fused"):
+        hf = AutoModelForCausalLM.from_pretrained(export, attn_implementation=register_varlen_attention())
+        with torch.no_grad():
+            exported = hf(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
+        check_close(f"{export} logits", exported, sharded, 1e-5)
+    print("OK per-expert and fused hf exports reload with the sharded model's logits", flush=True)
 
 
 def main() -> None:
