@@ -2,12 +2,19 @@
 
     .venv/bin/python -m tools.bench_moe experts [--tokens 4096] [--experts 16] [--hidden 512] [--device cpu]
     .venv/bin/python -m tools.bench_moe ep [--ep 2 4] [--tokens 4096]      # launches torchrun per ep size
+    .venv/bin/python -m tools.bench_moe capacity [--factors none 1.25 1.0] [--skew 0 1]
 
 experts: forward+backward of one Qwen3-MoE sparse block (router + experts, top-k routing, bf16 or fp32) on
 ``--tokens`` tokens; tokens/s for headrace's ``grouped_mm`` and ``loop`` experts forward and for
 transformers' ``experts_implementation`` ``eager`` and ``grouped_mm`` on the same module and input (its
 ``batched_mm`` took 59 s a step at the defaults: ``--hf-impls`` adds it), interleaved rounds, best round
 reported (dataio.bench.timing).
+
+capacity: headrace's ``grouped_mm`` forward+backward of the same block with dropless routing and with each
+capacity factor (``training.moe_routing``; ``--pad`` adds the padded-to-capacity variants), tokens/s and the
+fraction of token-expert assignments dropped. The random router routes random tokens almost evenly; ``--skew``
+adds ``skew`` times one fixed random unit direction to every token (a shared component, as real hidden states
+have), which gives each expert a fixed logit offset and the routing a lasting imbalance.
 
 ep: the same block on ``--tokens`` tokens per rank with its experts split over ``ep`` gloo ranks
 (training.expert_parallel): per fwd+bwd step, the step time, the seconds inside the four token exchanges
@@ -76,6 +83,37 @@ def bench_experts(args) -> dict:
     return {name: {"seconds": s, "tokens_per_s": args.tokens / s} for name, s in best.items()}
 
 
+def bench_capacity(args) -> list[dict]:
+    from training.expert_parallel import MoEStats, install_experts_forward
+    from training.moe_routing import Capacity
+
+    variants = [(None if f == "none" else float(f), pad) for f in args.factors
+                for pad in ((False, True) if args.pad and f != "none" else (False,))]
+    out = []
+    for skew in args.skew:
+        gen = torch.Generator().manual_seed(1)
+        direction = torch.randn(args.hidden, generator=gen)
+        x = (torch.randn(1, args.tokens, args.hidden, generator=gen) + skew * direction / direction.norm())
+        x = x.to(args.device, args.dtype).requires_grad_()
+        calls, stats = {}, {}
+        for factor, pad in variants:
+            name = f"skew {skew} factor {factor}" + (" padded" if pad else "")
+            block, stats[name] = build_block(args), MoEStats()
+            install_experts_forward(block.experts, layer=0, num_experts=args.experts, ep_group=None, ep=1,
+                                    impl="grouped_mm", stats=stats[name],
+                                    capacity=None if factor is None else Capacity(factor=factor, pad=pad))
+            calls[name] = fwd_bwd(block, x)
+        for call in calls.values():  # warm-up, and the routing statistics of one step
+            call()
+        dropped = {name: s.dropped / float(s.tokens_per_expert[0].sum()) for name, s in stats.items()}
+        imbalance = next(float(s.tokens_per_expert[0].max() / s.tokens_per_expert[0].mean()) for s in stats.values())
+        best = best_interleaved(calls, args.repeats)
+        out += [{"skew": skew, "factor": factor, "pad": pad, "imbalance": imbalance, "dropped": dropped[name],
+                 "seconds": best[name], "tokens_per_s": args.tokens / best[name]}
+                for (factor, pad), name in zip(variants, calls)]
+    return out
+
+
 def ep_worker(args) -> None:
     """One rank of ``tools.bench_moe ep`` (under torchrun): time fwd+bwd steps of the EP-split block."""
     import torch.distributed as dist
@@ -130,7 +168,7 @@ def bench_ep(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["experts", "ep", "_ep_worker"])
+    parser.add_argument("what", choices=["experts", "ep", "capacity", "_ep_worker"])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=256, help="moe_intermediate_size")
@@ -140,15 +178,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--factors", nargs="+", default=["none", "1.25", "1.0"], help="capacity factors (none: dropless)")
+    parser.add_argument("--pad", action="store_true", help="capacity: also pad every expert to its capacity")
+    parser.add_argument("--skew", type=float, nargs="+", default=[0.0, 8.0], help="capacity: shared token component")
     parser.add_argument("--hf-impls", nargs="+", default=list(HF_IMPLS), help="transformers experts_implementation(s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
     args.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.what == "_ep_worker":
         return ep_worker(args)
-    result = bench_experts(args) if args.what == "experts" else bench_ep(args)
+    result = {"experts": bench_experts, "ep": bench_ep, "capacity": bench_capacity}[args.what](args)
     if args.json:
         print(json.dumps(result))
+    elif args.what == "capacity":
+        for r in result:
+            factor = "dropless" if r["factor"] is None else f"factor {r['factor']}" + (" padded" if r["pad"] else "")
+            print(f"skew {r['skew']:4.1f} (imbalance {r['imbalance']:4.2f}) {factor:20s} {r['tokens_per_s']:10.0f} "
+                  f"tokens/s  {r['seconds'] * 1e3:8.1f} ms  dropped {100 * r['dropped']:5.2f}%")
     elif args.what == "experts":
         base = result["transformers eager"]["tokens_per_s"]
         for name, r in result.items():
