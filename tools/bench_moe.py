@@ -11,8 +11,9 @@ transformers' ``experts_implementation`` ``eager`` and ``grouped_mm`` on the sam
 reported (dataio.bench.timing).
 
 capacity: headrace's ``grouped_mm`` forward+backward of the same block with dropless routing and with each
-capacity factor (``training.moe_routing``; ``--pad`` adds the padded-to-capacity variants), tokens/s and the
-fraction of token-expert assignments dropped. The random router routes random tokens almost evenly; ``--skew``
+capacity factor (``training.moe_routing``; ``--pad`` adds the padded-to-capacity variants): tokens/s (wall, and
+per CPU-second of this process, which the other jobs on a shared box do not move), best of interleaved rounds,
+and the fraction of token-expert assignments dropped. The random router routes random tokens almost evenly; ``--skew``
 adds ``skew`` times one fixed random unit direction to every token (a shared component, as real hidden states
 have), which gives each expert a fixed logit offset and the routing a lasting imbalance.
 
@@ -25,6 +26,7 @@ and gloo's TCP loopback, not a network: read it as the protocol's overhead, not 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dataio.bench.timing import best_interleaved
+from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved, timed
 
 HEADRACE_IMPLS = ("grouped_mm", "loop")
 HF_IMPLS = ("eager", "grouped_mm")  # batched_mm gathers a weight copy per token: 59 s a step at the defaults
@@ -107,10 +109,21 @@ def bench_capacity(args) -> list[dict]:
             call()
         dropped = {name: s.dropped / float(s.tokens_per_expert[0].sum()) for name, s in stats.items()}
         imbalance = next(float(s.tokens_per_expert[0].max() / s.tokens_per_expert[0].mean()) for s in stats.values())
-        best = best_interleaved(calls, args.repeats)
-        out += [{"skew": skew, "factor": factor, "pad": pad, "imbalance": imbalance, "dropped": dropped[name],
-                 "seconds": best[name], "tokens_per_s": args.tokens / best[name]}
-                for (factor, pad), name in zip(variants, calls)]
+        rounds = interleaved({name: functools.partial(wall_and_cpu, call) for name, call in calls.items()},
+                             args.repeats)
+        for (factor, pad), name in zip(variants, calls):
+            seconds, cpu = min(r[0] for r in rounds[name]), min(r[1] for r in rounds[name])
+            out.append({"skew": skew, "factor": factor, "pad": pad, "imbalance": imbalance, "dropped": dropped[name],
+                        "seconds": seconds, "tokens_per_s": args.tokens / seconds, "cpu_seconds": cpu,
+                        "tokens_per_cpu_s": args.tokens / cpu})
+    return out
+
+
+def wall_and_cpu(call) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds of one call (CPU seconds do not depend on the share of the
+    cores other jobs leave; on CUDA they are not the kernels' time)."""
+    start = cpu_seconds()[0]
+    return timed(call), cpu_seconds()[0] - start
     return out
 
 
@@ -193,8 +206,9 @@ def main() -> None:
     elif args.what == "capacity":
         for r in result:
             factor = "dropless" if r["factor"] is None else f"factor {r['factor']}" + (" padded" if r["pad"] else "")
-            print(f"skew {r['skew']:4.1f} (imbalance {r['imbalance']:4.2f}) {factor:20s} {r['tokens_per_s']:10.0f} "
-                  f"tokens/s  {r['seconds'] * 1e3:8.1f} ms  dropped {100 * r['dropped']:5.2f}%")
+            print(f"skew {r['skew']:4.1f} (imbalance {r['imbalance']:4.2f}) {factor:20s} {r['tokens_per_s']:8.0f} "
+                  f"tokens/s {r['tokens_per_cpu_s']:8.0f} tokens/CPU-s {r['seconds'] * 1e3:7.1f} ms  "
+                  f"dropped {100 * r['dropped']:5.2f}%")
     elif args.what == "experts":
         base = result["transformers eager"]["tokens_per_s"]
         for name, r in result.items():
