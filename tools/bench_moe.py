@@ -124,7 +124,6 @@ def wall_and_cpu(call) -> tuple[float, float]:
     cores other jobs leave; on CUDA they are not the kernels' time)."""
     start = cpu_seconds()[0]
     return timed(call), cpu_seconds()[0] - start
-    return out
 
 
 def ep_worker(args) -> None:
@@ -191,7 +190,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--factors", nargs="+", default=["none", "1.25", "1.0"], help="capacity factors (none: dropless)")
+    parser.add_argument("--factors", nargs="+", default=["none", "1.25", "1.0"],
+                        help="capacity factors (none: dropless)")
     parser.add_argument("--pad", action="store_true", help="capacity: also pad every expert to its capacity")
     parser.add_argument("--skew", type=float, nargs="+", default=[0.0, 8.0], help="capacity: shared token component")
     parser.add_argument("--hf-impls", nargs="+", default=list(HF_IMPLS), help="transformers experts_implementation(s)")

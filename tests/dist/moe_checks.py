@@ -59,7 +59,8 @@ def capacity_of(distributed: dict) -> Capacity | None:
     moe = distributed.get("moe", {})
     if moe.get("capacity_factor") is None:
         return None
-    return Capacity(factor=moe["capacity_factor"], policy=moe["token_drop_policy"], pad=moe.get("pad_to_capacity", False))
+    return Capacity(factor=moe["capacity_factor"], policy=moe["token_drop_policy"],
+                    pad=moe.get("pad_to_capacity", False))
 
 
 def hf_model(workdir: Path, capacity: Capacity | None = None):
@@ -67,7 +68,8 @@ def hf_model(workdir: Path, capacity: Capacity | None = None):
     process, no EP) with that capacity."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation=register_varlen_attention())
+    model = AutoModelForCausalLM.from_pretrained(workdir / "pretrained",
+                                                 attn_implementation=register_varlen_attention())
     if capacity is not None:
         for layer, mlp in sparse_blocks(model):
             install_experts_forward(mlp.experts, layer=layer, num_experts=model.config.num_experts, ep_group=None,
@@ -198,10 +200,12 @@ def check_first_gradients(workdir: Path, batches, refs: dict) -> None:
 
 def run(workdir: Path, batches) -> None:
     check_experts_forward()
-    refs = {cap: reference(workdir, batches, cap) for cap in dict.fromkeys(capacity_of(d) for d, _ in LAYOUTS.values())}
+    capacities = dict.fromkeys(capacity_of(distributed) for distributed, _ in LAYOUTS.values())
+    refs = {cap: reference(workdir, batches, cap) for cap in capacities}
+    dropless = refs[None][1]
     for cap, (_, grads, _, _) in refs.items():  # dropping moves expert gradients far beyond the checks' tolerance
-        dropless = refs[None][1]
-        gap = max(float((grads[n] - dropless[n]).abs().max() / dropless[n].abs().max()) for n in grads if "experts" in n)
+        gap = max(float((grads[n] - dropless[n]).abs().max() / dropless[n].abs().max())
+                  for n in grads if "experts" in n)
         assert cap is None or gap > 1e-2, (cap, gap)
     check_first_gradients(workdir, batches, refs)
     results = {}
