@@ -3,7 +3,8 @@
 ``parallelize_moe_lm`` is the MoE family's parallelize function (``training.parallelize`` dispatches to it on
 ``model_type``). On the meta model, in this order:
 
-1. every sparse MLP's experts module runs ``training.expert_parallel`` (sort by expert, [EP exchange],
+1. every sparse MLP's experts module runs ``training.expert_parallel`` (sort by expert, or with
+   ``moe.capacity_factor`` drop what exceeds each expert's capacity (``training.moe_routing``), [EP exchange],
    grouped GEMM or per-expert loop, combine); with ``ep_size > 1`` its fused 3D weights ``gate_up_proj``
    ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)`` become DTensors ``Shard(0)`` on the ``ep`` mesh (each rank
    holds E/ep experts, DCP reshards them to any other ep) and are ``fully_shard``-ed over ``ep_shard``;
