@@ -1,5 +1,6 @@
-"""MoE in one process: the grouped-experts kernel against its loop oracle, the three MoE families through the
-trainer's model (chunked loss + router aux loss) against transformers' own forward, the debug recipes, and the
+"""MoE in one process: the grouped-experts kernel against its loop oracle, capacity-factor dropping against a
+per-assignment loop oracle, the three MoE families through the trainer's model (chunked loss + router aux loss)
+against transformers' own forward, the hf/ export against save_pretrained's layout, the debug recipes, and the
 one-line configuration errors. Expert parallelism over gloo is in test_moe_dist.py."""
 
 from __future__ import annotations
