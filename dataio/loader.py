@@ -3,7 +3,8 @@
 The whole stream is a pure function of position, composed of small stages (the map of a sample's
 path, stage by stage, with each stage's state, is docs/data-path.md):
 
-1. ``dataio.stream.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form.
+1. ``dataio.stream.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form
+   (``dataio.stream.epochized`` for an energon ``blend_epochized`` metadataset, ``dataio.stream.datasets``).
 2. ``dataio.stream.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``,
    shuffled by shard order and in-window permutation from the seed -> a global sample index.
 3. ``dataio.stream.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
@@ -28,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -40,10 +40,9 @@ from dataio.batching.plain import PlainBatches
 from dataio.batching.stage import Stage
 from dataio.config import DataConfig
 from dataio.loader_state import STATE_VERSION, check_states, data_identity
-from dataio.stream.blend import BlendSchedule
+from dataio.stream.datasets import open_datasets, open_source
 from dataio.stream.rank import RankStream
 from dataio.stream.seeding import fresh_seed
-from dataio.stream.sources import ShardSource
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,10 @@ class Loader:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
-        sources = [open_source(d) for d in cfg.datasets]
-        blend = BlendSchedule([d.weight for d in cfg.datasets], [len(s) for s in sources],
-                              epochs=cfg.epochs, stop_on_first_exhausted=cfg.stop_on_first_exhausted)
-        self.stream = RankStream(cfg, sources, blend, seed=_resolve_seed(cfg.seed, dp_size), dp_rank=dp_rank,
-                                 dp_size=dp_size)
+        self.datasets = open_datasets(cfg)  # sources (metadatasets flattened) and their schedule
+        self.stream = RankStream(cfg, self.datasets.sources, self.datasets.schedule,
+                                 seed=_resolve_seed(cfg.seed, dp_size), dp_rank=dp_rank, dp_size=dp_size,
+                                 subflavors=self.datasets.subflavors)
         self.stage = batching_stage(self.stream)
         self._fingerprint = self._make_fingerprint()
 
@@ -133,27 +131,12 @@ class Loader:
 
     def _make_fingerprint(self) -> str:
         sources = self.stream.sources
-        what = {"data": [(d.split, d.weight, data_identity(s)) for d, s in zip(self.cfg.datasets, sources)],
+        what = {"data": [(split, weight, data_identity(s)) for (split, weight), s in zip(self.datasets.entries, sources)],
                 "shuffle": self.cfg.shuffle, "window": self.cfg.shuffle_window, "epochs": self.cfg.epochs,
                 "stop_on_first_exhausted": self.cfg.stop_on_first_exhausted}
+        if self.datasets.epochized:
+            what["epochized"] = True
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def open_source(spec) -> ShardSource:
-    """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
-    ``dataio.stream.interop``) an energon-prepared directory, a Lhotse cuts manifest or a Lhotse Shar directory."""
-    from dataio.shards.index import INDEX_DIR
-    from dataio.stream import interop
-
-    if "://" in spec.path or (Path(spec.path) / INDEX_DIR).exists():
-        return ShardSource(spec.path, split=spec.split, storage_options=spec.storage_options)
-    if interop.is_lhotse_manifest(spec.path):
-        return interop.LhotseCutSource(spec.path)
-    if interop.is_energon_dir(spec.path):
-        return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path))
-    if interop.is_lhotse_shar(spec.path):
-        return interop.SharSource(spec.path, split=spec.split)
-    return ShardSource(spec.path, split=spec.split)  # raises: no index, with the `dataio index` hint
 
 
 def _resolve_seed(seed: int | str, dp_size: int) -> int:

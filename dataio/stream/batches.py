@@ -20,6 +20,7 @@ from dataio.shards.formats import is_token_member
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
 from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.order import EpochOrder
 from dataio.stream.seeding import SeedSchedule
@@ -121,9 +122,10 @@ class SampleReader:
 class BatchMaker:
     """Plain batch ``b`` of one rank's stream (the rank-local positions after ``first_local``)."""
 
-    def __init__(self, *, reader: SampleReader, blend: BlendSchedule, seed: int | SeedSchedule, layout: Layout,
-                 dp_rank: int, first_local: int, batch_size: int):
+    def __init__(self, *, reader: SampleReader, blend: BlendSchedule | EpochizedSchedule, seed: int | SeedSchedule,
+                 layout: Layout, dp_rank: int, first_local: int, batch_size: int, subflavors: list[dict] | None = None):
         cfg = reader.cfg
+        self.subflavors = subflavors  # per dataset: energon's __subflavors__ (dataio.stream.metadataset)
         self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
         self.first_local, self.batch_size = first_local, batch_size
         self.local_end = layout.local_count(dp_rank, blend.end)
@@ -157,7 +159,7 @@ class BatchMaker:
         batch = gather_tokens(self.sources, refs, max(lo, hi), alloc) if self.tokens_only and len(refs) else None
         if batch is not None:  # token batches: read, checked and collated per batch (dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
-            return batch
+            return self._with_subflavors(batch)
         samples, keys, kept, bad = self.reader.read(refs, defer_npy=True)
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
@@ -168,6 +170,11 @@ class BatchMaker:
         batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=max(lo, hi), alloc=alloc)
         batch["__pos__"] = torch.from_numpy(local[kept])
         batch["__bad__"] = bad
+        return self._with_subflavors(batch)
+
+    def _with_subflavors(self, batch: dict) -> dict:
+        if self.subflavors is not None:
+            batch["__subflavors__"] = [self.subflavors[d] for d in (batch["__ref__"] >> REF_BITS).tolist()]
         return batch
 
 

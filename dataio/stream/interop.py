@@ -11,7 +11,9 @@ cost is one pass over the sqlite rows (~1 s per 1M parts). Each shard's split co
 ``shard_{000000..000009}.tar``; ``exclude`` drops whole shards or ``shard/key`` samples), read with
 ``yaml.safe_load`` + ``braceexpand`` (what energon itself uses; energon's own parser costs a 0.4 s
 import). Shards that no split lists are left out, as energon leaves them out; without a split file
-every shard counts as ``train``. Token counts and durations are unknown.
+every shard counts as ``train``. Token counts and durations are unknown. The directory may be an fsspec
+URL (``s3://``, ``memory://``; ``Folder``, with the entry's ``storage_options``): the metadata files are
+read whole (the sqlite into memory), the shards then like any remote shard.
 
 Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (lazy random access to cut i);
 a Shar directory becomes a ``SharSource``: its ``recording.NNNNNN.tar`` files are plain tars, indexed
@@ -34,28 +36,71 @@ import numpy as np
 
 from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
 from dataio.stream.cuts_index import CutsIndex
-from dataio.stream.sources import ShardSource
+from dataio.stream.sources import ShardSource, retry
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 
 
-def is_energon_dir(root: str) -> bool:
-    return (Path(root) / META_DIR / "index.sqlite").exists() and (Path(root) / META_DIR / ".info.json").exists()
+class Folder:
+    """The files of a dataset folder: a local directory, or an fsspec URL (``s3://``, ``memory://``, ...)
+    opened with the entry's ``storage_options``; remote reads are retried like shard reads."""
+
+    def __init__(self, root: str, storage_options: dict | None = None):
+        self.root = root.rstrip("/")
+        self.fs = None
+        if "://" in root and not root.startswith("file://"):
+            import fsspec
+
+            self.fs, self.base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        else:
+            self.local = Path(root[len("file://"):] if root.startswith("file://") else root)
+
+    def read(self, rel: str) -> bytes | None:
+        """The bytes of ``root/rel``; None when there is no such file."""
+        if self.fs is None:
+            path = self.local / rel
+            return path.read_bytes() if path.is_file() else None
+        path = f"{self.base.rstrip('/')}/{rel}"
+        if not self.fs.exists(path):
+            return None
+        return retry(lambda: self.fs.cat_file(path), f"{self.root}/{rel}: reading")
+
+    def size(self, rel: str) -> int:
+        if self.fs is None:
+            return (self.local / rel).stat().st_size
+        return int(retry(lambda: self.fs.size(f"{self.base.rstrip('/')}/{rel}"), f"{self.root}/{rel}: stat"))
+
+    def sqlite(self, rel: str) -> sqlite3.Connection:
+        """A read-only connection to ``root/rel`` (a remote database is fetched whole into memory)."""
+        if self.fs is None:
+            return sqlite3.connect(f"file:{self.local / rel}?mode=ro", uri=True)
+        db = sqlite3.connect(":memory:")
+        db.deserialize(self.read(rel) or b"")
+        return db
 
 
-def energon_splits(root: str) -> tuple[dict[str, str] | None, set[str]]:
+def is_energon_dir(root: str, storage_options: dict | None = None) -> bool:
+    folder = Folder(root, storage_options)
+    if folder.fs is None:
+        return (folder.local / META_DIR / "index.sqlite").exists() and (folder.local / META_DIR / ".info.json").exists()
+    base = folder.base.rstrip("/")
+    return folder.fs.exists(f"{base}/{META_DIR}/index.sqlite") and folder.fs.exists(f"{base}/{META_DIR}/.info.json")
+
+
+def energon_splits(root: str, storage_options: dict | None = None) -> tuple[dict[str, str] | None, set[str]]:
     """``({shard name: split}, {excluded "shard/key"})`` from the directory's energon split config;
     ``(None, set())`` when it has none. A shard listed under two splits is an error (a headrace shard
     belongs to one split)."""
     import braceexpand
     import yaml
 
-    meta = Path(root) / META_DIR
-    path = next((meta / name for name in SPLIT_FILES if (meta / name).exists()), None)
-    if path is None:
+    folder = Folder(root, storage_options)
+    found = next(((name, data) for name in SPLIT_FILES if (data := folder.read(f"{META_DIR}/{name}")) is not None),
+                 None)
+    if found is None:
         return None, set()
-    with open(path) as f:
-        config = yaml.safe_load(f)  # JSON is YAML: one parser for both files
+    path = f"{folder.root}/{META_DIR}/{found[0]}"
+    config = yaml.safe_load(found[1])  # JSON is YAML: one parser for both files
     parts = config.get("split_parts") if isinstance(config, dict) else None
     if not isinstance(parts, dict) or not all(isinstance(p, list) for p in parts.values()):
         raise ValueError(f"{path}: expected `split_parts: {{split: [shard patterns], ...}}`")
@@ -68,15 +113,25 @@ def energon_splits(root: str) -> tuple[dict[str, str] | None, set[str]]:
     return split_of, {e for e in excluded if "/" in e}
 
 
-def energon_index(root: str) -> DatasetIndex:
-    """The headrace index of an energon-prepared directory, built from its ``index.sqlite``, with each
-    shard's split from its ``split.yaml``."""
-    meta = Path(root) / META_DIR
-    with open(meta / ".info.json") as f:
-        shard_counts = json.load(f)["shard_counts"]
+def energon_subflavors(root: str, storage_options: dict | None = None) -> dict:
+    """The ``subflavors`` of the directory's ``.nv-meta/dataset.yaml`` (energon starts every sample's
+    ``__subflavors__`` from them); ``{}`` when it names none."""
+    import yaml
+
+    data = Folder(root, storage_options).read(f"{META_DIR}/dataset.yaml")
+    config = yaml.safe_load(data) if data else None
+    found = config.get("subflavors") if isinstance(config, dict) else None
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def energon_index(root: str, storage_options: dict | None = None) -> DatasetIndex:
+    """The headrace index of an energon-prepared directory or URL, built from its ``index.sqlite``, with
+    each shard's split from its ``split.yaml``."""
+    folder = Folder(root, storage_options)
+    shard_counts = json.loads(folder.read(f"{META_DIR}/.info.json"))["shard_counts"]
     names = list(shard_counts)
-    split_of, excluded_samples = energon_splits(root)
-    db = sqlite3.connect(f"file:{meta / 'index.sqlite'}?mode=ro", uri=True)
+    split_of, excluded_samples = energon_splits(root, storage_options)
+    db = folder.sqlite(f"{META_DIR}/index.sqlite")
     try:
         rows = db.execute("SELECT tar_file_id, sample_index, sample_key, byte_offset, byte_size FROM samples "
                           "ORDER BY tar_file_id, sample_index").fetchall()
@@ -113,12 +168,12 @@ def energon_index(root: str) -> DatasetIndex:
     samples, keys = samples[keep], keys[keep]
     counts = np.bincount(samples["shard"], minlength=len(kept))
     shards = [ShardInfo(name=names[i], split=split_of[names[i]] if split_of else "train", samples=int(n),
-                        bytes=(Path(root) / names[i]).stat().st_size) for i, n in zip(kept, counts)]
+                        bytes=folder.size(names[i])) for i, n in zip(kept, counts)]
     return DatasetIndex(shards=shards, extensions=extensions, samples=samples, members=members, keys=keys,
                         job={"source": "energon index.sqlite"})
 
 
-__all__ = ["energon_index", "energon_splits", "is_energon_dir"]
+__all__ = ["Folder", "energon_index", "energon_splits", "energon_subflavors", "is_energon_dir"]
 
 
 # ---------------------------------------------------------------------------------------- lhotse

@@ -24,6 +24,7 @@ from dataio.stream.batches import BatchMaker, SampleReader
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator
 from dataio.stream.decode import SampleDecodeError
+from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.seeding import SeedSchedule
 from dataio.stream.sources import ShardSource
 from dataio.stream.split import Layout, relayout
@@ -36,9 +37,9 @@ MAX_READ = 1024
 class RankStream:
     """The sample stream of DP rank ``dp_rank`` of ``dp_size``: position state and plain batches."""
 
-    def __init__(self, cfg: DataConfig, sources: list[ShardSource], blend: BlendSchedule, *, seed: int,
-                 dp_rank: int, dp_size: int):
-        self.cfg, self.sources, self.blend = cfg, sources, blend
+    def __init__(self, cfg: DataConfig, sources: list[ShardSource], blend: BlendSchedule | EpochizedSchedule, *,
+                 seed: int, dp_rank: int, dp_size: int, subflavors: list[dict] | None = None):
+        self.cfg, self.sources, self.blend, self.subflavors = cfg, sources, blend, subflavors
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.layout = Layout(start=0, dp_size=dp_size)
         self.consumed = 0
@@ -70,7 +71,8 @@ class RankStream:
         after the batch) for the stage to advance ``consumed``."""
         batch_size = batch_size or self.cfg.batch_size
         maker = BatchMaker(reader=self.reader(), blend=self.blend, seed=self.seeds, layout=self.layout,
-                           dp_rank=self.dp_rank, first_local=self.consumed, batch_size=batch_size)
+                           dp_rank=self.dp_rank, first_local=self.consumed, batch_size=batch_size,
+                           subflavors=self.subflavors)
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
         return self.run(maker, first=0, last=self.num_batches(batch_size), epoch=self.blend.epoch_at(start_pos),
                         slot_bytes=self._slot_bytes(batch_size))
