@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from dataio.shards.index import merge_parts
+from dataio.shards.index import INDEX_DIR, META_DIR, merge_parts
 from dataio.shards.tarscan import scan_shard
 
 
@@ -39,6 +39,27 @@ def make_text_dataset(root: Path, shard_sizes: list[int], *, prefix: str = "doc"
                 keys.append(key)
                 n += 1
     index_dir(root)
+    return keys
+
+
+def energon_prepared(root: Path, shard_sizes: list[int], *, keep_index: bool = False, subflavors: dict | None = None,
+                     prefix: str = "doc", **split) -> list[str]:
+    """Text shards (``make_text_dataset``) prepared by energon's own ``WebdatasetPreparator`` with ``split``
+    (``split_parts_ratio`` / ``split_parts_patterns``) and a CrudeWebdataset ``dataset.yaml`` (with
+    ``subflavors``), so ``megatron.energon`` loads it; without ``keep_index`` the headrace index is removed
+    (the loader then reads energon's sqlite). Returns the keys."""
+    import shutil
+
+    import yaml
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    keys = make_text_dataset(root, shard_sizes, prefix=prefix)
+    if not keep_index:
+        shutil.rmtree(root / INDEX_DIR)
+    WebdatasetPreparator.prepare_dataset(root, sorted(p.name for p in root.glob("*.tar")), workers=1, **split)
+    dataset = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+    (root / META_DIR / "dataset.yaml").write_text(yaml.safe_dump({**dataset, **({"subflavors": subflavors}
+                                                                                 if subflavors else {})}))
     return keys
 
 

@@ -2,7 +2,6 @@
 headrace index; its split.yaml decides which shards a split reads), a Lhotse cuts manifest and a
 Lhotse Shar directory (transcripts carried as the `json` member `dataio shard` writes)."""
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -12,21 +11,11 @@ import soundfile
 import yaml
 from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
-from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
 from dataio import build_loader
-from dataio.shards.index import INDEX_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import make_text_dataset  # noqa: E402
-
-
-def energon_prepared(root: Path, shard_sizes: list[int], **split) -> list[str]:
-    """Text shards prepared by `energon prepare` alone (the headrace index removed); returns the keys."""
-    keys = make_text_dataset(root, shard_sizes)
-    shutil.rmtree(root / INDEX_DIR)
-    WebdatasetPreparator.prepare_dataset(root, sorted(p.name for p in root.glob("*.tar")), workers=1, **split)
-    return keys
+from loader_util import energon_prepared  # noqa: E402
 
 
 def stream_keys(path: Path, **entry) -> list[str]:
