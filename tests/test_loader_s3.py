@@ -24,7 +24,7 @@ from dataio import build_loader  # noqa: E402
 from dataio.stream import sources  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import make_text_dataset  # noqa: E402
+from loader_util import energon_prepared, make_text_dataset  # noqa: E402
 
 SHARDS = [7, 5, 3, 1, 6]
 BUCKET = "corpus"
@@ -51,13 +51,22 @@ def s3(tmp_path_factory):
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
     client.create_bucket(Bucket=BUCKET)
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), BUCKET, f"text/{path.relative_to(root).as_posix()}")
+    upload(endpoint, root, "text")
     try:
         yield endpoint, root, keys
     finally:
         server.stop()
+
+
+def upload(endpoint: str, root: Path, prefix: str) -> None:
+    """Every file under ``root`` to ``s3://BUCKET/prefix/``."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(root).as_posix()}")
 
 
 @pytest.fixture
@@ -76,9 +85,10 @@ def aws_env(monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def epoch(path, **kw):
-    """Every batch of one epoch as ``(keys, tokens, json)``."""
-    config = {"datasets": [{"path": str(path)}], "batch_size": 4, "epochs": 1, "num_workers": 0,
+def epoch(path, options=None, **kw):
+    """Every batch of one epoch as ``(keys, tokens, json)`` (``options``: the dataset's storage_options)."""
+    dataset = {"path": str(path), **({"storage_options": options} if options else {})}
+    config = {"datasets": [dataset], "batch_size": 4, "epochs": 1, "num_workers": 0,
               "shuffle_window": 4, "seed": 3}
     config.update(kw)
     return [(list(b["__key__"]), b["tokens.npy"].numpy().copy(), [j["n"] for j in b["json"]])
@@ -113,6 +123,22 @@ def test_endpoint_and_keys_from_storage_options(s3, aws_env, monkeypatch):
               "epochs": 1, "num_workers": 0, "shuffle_window": 4, "seed": 3}
     got = [k for b in build_loader(config) for k in b["__key__"]]
     assert got == [k for b in epoch(root) for k in b[0]]
+
+
+def test_energon_dir_and_metadataset_take_storage_options(s3, aws_env, monkeypatch, tmp_path):
+    """An energon-prepared directory (energon's sqlite, no headrace index) and a metadataset naming it, on
+    S3: ``storage_options`` reach the metadata reads and the shards alike."""
+    endpoint, _, keys = s3
+    local = tmp_path / "energon"
+    assert energon_prepared(local, SHARDS, split_parts_ratio=[("train", 1.0)]) == keys
+    (tmp_path / "meta.yaml").write_text("__module__: megatron.energon\n__class__: MetadatasetV2\n"
+                                        "splits: {train: {blend_epochized: [{repetitions: 2, path: energon}]}}\n")
+    upload(endpoint, tmp_path, "mds")
+    aws_env("http://127.0.0.1:9")  # discard port: only the options find the server
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    assert_same_epoch(epoch(f"s3://{BUCKET}/mds/energon", options), epoch(local), keys)
+    twice = epoch(f"s3://{BUCKET}/mds/meta.yaml", options)
+    assert sorted(k for b in twice for k in b[0]) == sorted(keys * 2)
 
 
 class FaultProxy(http.server.ThreadingHTTPServer):
