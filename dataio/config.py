@@ -21,7 +21,8 @@ DEFAULT_SEQ_LEN = 2048
 
 @dataclass(kw_only=True)
 class DatasetSpec:
-    path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), or see dataio.stream.interop
+    path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), an energon metadataset YAML
+    # (dataio.stream.metadataset; split picks its splits: key), or see dataio.stream.interop
     weight: float = 1.0  # relative share of the blended stream
     split: str = "train"  # which shards of the directory (the manifest's split of each shard)
     # fsspec options of a URL path (s3fs: endpoint_url, key, secret, anon, client_kwargs, ...); the

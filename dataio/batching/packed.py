@@ -36,7 +36,7 @@ class PackedBatches:
         self.packed_batches = 0
         self.token_exts = [token_ext(s) for s in stream.sources]
         if None in self.token_exts:
-            bad = cfg.datasets[self.token_exts.index(None)].path
+            bad = stream.sources[self.token_exts.index(None)].path  # a leaf, when an entry is a metadataset
             raise ValueError(f"packing: {cfg.packing} with seq_len: {cfg.seq_len} needs token members (*.npy); "
                              f"{bad} has none (leave seq_len unset for plain batches)")
 

@@ -20,7 +20,7 @@ from dataio.config import DataConfig, DatasetSpec
 from dataio.stream import interop, metadataset
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.epochized import EpochizedSchedule
-from dataio.stream.sources import ShardSource
+from dataio.stream.sources import ShardSource, SplitError
 
 
 def open_source(spec: DatasetSpec) -> ShardSource:
@@ -106,7 +106,7 @@ def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None) -> ShardSource:
     try:
         return open_source(spec)
     except (ValueError, FileNotFoundError) as e:
-        where = leaf.split_where if "split" in str(e) else leaf.where
+        where = leaf.split_where if isinstance(e, SplitError) else leaf.where
         raise ConfigError(f"{where}: {' '.join(str(e).split())}") from e
 
 

@@ -51,6 +51,10 @@ def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
     return [(v, np.flatnonzero(values == v)) for v in sorted(set(values.tolist()))]
 
 
+class SplitError(ValueError):
+    """A dataset has no shards in the split asked for."""
+
+
 def retry(fn, what: str):
     """Call ``fn()``; on a transient storage error retry with backoff 0.5, 1, 2, 4 s, then re-raise."""
     for attempt in range(RETRIES):
@@ -97,7 +101,7 @@ class ShardSource:
         shard_ids = [i for i, s in enumerate(index.shards) if s.split == split]
         if not shard_ids:
             splits = sorted({s.split for s in index.shards})
-            raise ValueError(f"{path}: no shards in split {split!r} (splits: {', '.join(splits) or 'none'})")
+            raise SplitError(f"{path}: no shards in split {split!r} (splits: {', '.join(splits) or 'none'})")
         counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self.shard_starts, self.shard_sizes = starts[shard_ids], counts[shard_ids]
@@ -237,4 +241,4 @@ class ShardSource:
         return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")
 
 
-__all__ = ["ShardFormatError", "ShardSource", "by_value", "load_remote_index", "open_remote", "retry"]
+__all__ = ["ShardFormatError", "ShardSource", "SplitError", "by_value", "load_remote_index", "open_remote", "retry"]
