@@ -131,7 +131,8 @@ class Loader:
 
     def _make_fingerprint(self) -> str:
         sources = self.stream.sources
-        what = {"data": [(split, weight, data_identity(s)) for (split, weight), s in zip(self.datasets.entries, sources)],
+        entries = zip(self.datasets.entries, sources)
+        what = {"data": [(split, weight, data_identity(s)) for (split, weight), s in entries],
                 "shuffle": self.cfg.shuffle, "window": self.cfg.shuffle_window, "epochs": self.cfg.epochs,
                 "stop_on_first_exhausted": self.cfg.stop_on_first_exhausted}
         if self.datasets.epochized:

@@ -40,3 +40,25 @@ def test_small_dataset_repeats_large_one_does_not_restart_and_stream_ends():
 def test_integer_weights_are_exact_for_simple_ratios():
     assert integer_weights([0.7, 0.3]).tolist() == [7, 3]
     assert integer_weights([2, 2, 4]).tolist() == [1, 1, 2]
+
+
+@pytest.mark.parametrize("chunk,counts", [(7, [3, 5, 2]), (7, [100, 1, 37, 8]), (7, [1]), (7, [2_000, 3, 500]),
+                                          (1 << 16, [3, 5, 2]), (1 << 16, [200_000, 3, 50_000])])
+def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, chunk, counts):
+    """Each epoch has exactly counts[d] draws of d, numbered on across epochs, within ~2 of the even share
+    at every prefix, and draws_before agrees with locate (chunk 7: many chunks; 1 << 16, the default:
+    one chunk, or four)."""
+    from dataio.stream import epochized
+
+    monkeypatch.setattr(epochized, "CHUNK", chunk)
+    schedule = epochized.EpochizedSchedule(counts, epochs=2)
+    size = schedule.period
+    assert size == sum(counts) and schedule.end == 2 * size and schedule.epoch_at(size) == 1
+    dataset, draw = schedule.locate(np.arange(2 * size))
+    for d, c in enumerate(counts):
+        assert (np.sort(draw[dataset == d]) == np.arange(2 * c)).all()
+        assert (np.sort(draw[:size][dataset[:size] == d]) == np.arange(c)).all()  # epoch 0: draws 0..c-1
+        share = np.cumsum(dataset[:size] == d) - np.arange(1, size + 1) * c / size
+        assert np.abs(share).max() <= 2.5
+        for p in (0, 1, size // 3, size - 1, size, 2 * size - 1):
+            assert schedule.draws_before(d, p) == np.count_nonzero(dataset[:p] == d)

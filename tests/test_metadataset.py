@@ -45,7 +45,8 @@ def mds(tmp_path_factory):
         "c": energon_prepared(base / "c", [4, 4], prefix="c", split_parts_ratio=[("train", 1.0)]),
     }
     write_mds(base / "inner_epochized.yaml",
-              {"blend_epochized": [{"repetitions": 1.5, "path": "c", "subflavors": {"origin": "c-inner", "lang": "x"}}]})
+              {"blend_epochized": [{"repetitions": 1.5, "path": "c",
+                                    "subflavors": {"origin": "c-inner", "lang": "x"}}]})
     write_mds(base / "epochized.yaml", {"blend_epochized": [
         {"repetitions": 2, "path": "a", "subflavors": {"origin": "a"}},
         {"repetitions": 1, "path": str(base / "b")},  # an absolute path
@@ -60,7 +61,8 @@ def mds(tmp_path_factory):
 
 def energon_samples(path: Path, n: int | None = None, *, repeat: bool) -> list[tuple[str, dict]]:
     """``(key, __subflavors__)`` of the samples megatron-energon's train loader yields for the metadataset."""
-    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, WorkerConfig, get_loader, get_train_dataset, stateless
+    from megatron.energon import (Cooker, DefaultTaskEncoder, Sample, WorkerConfig, get_loader, get_train_dataset,
+                                  stateless)
     from megatron.energon.edataclass import edataclass
 
     @edataclass
@@ -115,7 +117,7 @@ def test_blend_epochized_epoch_is_energons_multiset(mds):
     assert exact == {**{k: 2 for k in keys["a"][:7]}, **{k: 1 for k in keys["b"]}}
     for counts in (count_theirs, count_ours):
         assert sum(n for k, n in counts.items() if k[0] == "c") == 12
-        assert set(k for k in counts if k[0] == "c") == set(keys["c"]) and set(counts.values()) <= {1, 2}
+        assert {k for k in counts if k[0] == "c"} == set(keys["c"]) and set(counts.values()) <= {1, 2}
     assert flavors_by_dataset(ours) == flavors_by_dataset(theirs) == {
         "a": {"origin": "a"}, "b": {"origin": "b-yaml", "kind": "text"}, "c": {"origin": "c-outer", "lang": "x"}}
     # Two epochs: c's second epoch goes on with the other half of its pass, so each c sample comes 3 times.
@@ -144,7 +146,7 @@ def test_blend_mixes_like_energon(mds):
 
 
 def test_metadataset_blends_with_a_plain_entry_by_weight(mds):
-    base, keys = mds
+    base, _ = mds
     config = {"datasets": [{"path": str(base / "blend.yaml"), "weight": 1}, {"path": str(base / "c"), "weight": 1}]}
     samples = our_samples(config, 600)
     c_share = sum(k[0] == "c" for k, _ in samples) / len(samples)
@@ -153,7 +155,7 @@ def test_metadataset_blends_with_a_plain_entry_by_weight(mds):
 
 
 def test_elastic_resume_dp2_to_dp3_exactly_once(mds):
-    base, keys = mds
+    base, _ = mds
     config = {"datasets": [{"path": str(base / "epochized.yaml")}], "epochs": 2, "batch_size": 3,
               "num_workers": 0, "shuffle_window": 4, "seed": 5}
     reference = collections.Counter(k for b in keys_of(build_loader(config)) for k in b)
@@ -184,7 +186,8 @@ def test_metadataset_errors_are_one_line_naming_file_and_key(mds, tmp_path):
     assert error(path=tmp_path / "v1.yaml").startswith(f"{tmp_path / 'v1.yaml'}: __class__: 'Metadataset'")
     assert error({"blend": [{"weight": 1}]}) == (f"{bad}: splits.train.blend[0].path: missing: every dataset entry "
                                                  "needs the path of a prepared dataset or metadataset")
-    assert error({"blend": [{"path": "nope"}]}) == f"{bad}: splits.train.blend[0].path: {tmp_path / 'nope'}: no such dataset"
+    assert error({"blend": [{"path": "nope"}]}) == (
+        f"{bad}: splits.train.blend[0].path: {tmp_path / 'nope'}: no such dataset")
     assert error({"blend": [{"weight": 1, "path": str(base / "a")}, {"weight": -1, "path": str(base / "b")}]}) == (
         f"{bad}: splits.train.blend[1].weight: must be a finite number >= 0, got -1")
     message = error({"blend": [{"path": str(base / "a"), "split_part": "bogus"}]})

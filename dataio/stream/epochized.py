@@ -85,7 +85,8 @@ class EpochizedSchedule:
         first = self._before(np.array([chunk]))[0]
         pattern, _ = self._pattern(chunk)
         slot = within - int(first.sum())
-        return epoch * int(self.counts[dataset]) + int(first[dataset]) + int(np.count_nonzero(pattern[:slot] == dataset))
+        here = int(np.count_nonzero(pattern[:slot] == dataset))
+        return epoch * int(self.counts[dataset]) + int(first[dataset]) + here
 
     def epoch_at(self, position: int) -> int:
         return int(position) // self.period

@@ -53,7 +53,7 @@ class Folder:
 
             self.fs, self.base = fsspec.core.url_to_fs(root, **(storage_options or {}))
         else:
-            self.local = Path(root[len("file://"):] if root.startswith("file://") else root)
+            self.local = Path(root.removeprefix("file://"))
 
     def read(self, rel: str) -> bytes | None:
         """The bytes of ``root/rel``; None when there is no such file."""

@@ -109,7 +109,7 @@ def _load(path: str, storage_options: dict | None, where: str) -> dict:
                           "megatron.energon MetadatasetV2 files")
     extra = set(doc) - {"__module__", "__class__", "splits"}
     if extra:
-        raise _fail(path, f"unknown key {sorted(extra)[0]!r} (a MetadatasetV2 has __module__, __class__, splits)")
+        raise _fail(path, f"unknown key {min(extra)!r} (a MetadatasetV2 has __module__, __class__, splits)")
     if not isinstance(doc.get("splits"), dict):
         raise _fail(path, "splits: expected a mapping of split names to a blend, blend_epochized or path")
     return doc
@@ -131,14 +131,14 @@ def _node(file: str, node, key: str, split: str, inherited: dict, storage_option
           stack: tuple[str, ...]) -> tuple[bool | None, list[Leaf]]:
     if not isinstance(node, dict):
         raise _fail(key, "expected a mapping with blend, blend_epochized or path")
-    for name in UNSUPPORTED:
+    for name, reason in UNSUPPORTED.items():
         if name in node:
-            raise _fail(f"{key}.{name}", UNSUPPORTED[name])
+            raise _fail(f"{key}.{name}", reason)
     mode = [m for m in ("blend", "blend_epochized") if m in node]
     if not mode:
         return _reference(file, node, key, split, inherited, storage_options, stack, extra=())
     if len(node) != 1:
-        raise _fail(key, f"unknown key {sorted(set(node) - set(mode))[0]!r} beside {mode[0]}")
+        raise _fail(key, f"unknown key {min(set(node) - set(mode))!r} beside {mode[0]}")
     entries = node[mode[0]]
     if not isinstance(entries, list) or not entries:
         raise _fail(f"{key}.{mode[0]}", "expected a non-empty list of datasets")
