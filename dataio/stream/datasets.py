@@ -32,7 +32,7 @@ def open_source(spec: DatasetSpec) -> ShardSource:
     options = spec.storage_options
     if "://" in spec.path:
         index = None
-        if not interop.Folder(spec.path, options).read(f"{INDEX_DIR}/manifest.json") \
+        if not interop.Folder(spec.path, options).exists(f"{INDEX_DIR}/manifest.json") \
                 and interop.is_energon_dir(spec.path, options):
             index = interop.energon_index(spec.path, options)
         return ShardSource(spec.path, split=spec.split, index=index, storage_options=options)

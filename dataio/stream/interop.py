@@ -55,15 +55,18 @@ class Folder:
         else:
             self.local = Path(root.removeprefix("file://"))
 
+    def exists(self, rel: str) -> bool:
+        if self.fs is None:
+            return (self.local / rel).is_file()
+        return bool(retry(lambda: self.fs.exists(f"{self.base.rstrip('/')}/{rel}"), f"{self.root}/{rel}: stat"))
+
     def read(self, rel: str) -> bytes | None:
         """The bytes of ``root/rel``; None when there is no such file."""
-        if self.fs is None:
-            path = self.local / rel
-            return path.read_bytes() if path.is_file() else None
-        path = f"{self.base.rstrip('/')}/{rel}"
-        if not self.fs.exists(path):
+        if not self.exists(rel):
             return None
-        return retry(lambda: self.fs.cat_file(path), f"{self.root}/{rel}: reading")
+        if self.fs is None:
+            return (self.local / rel).read_bytes()
+        return retry(lambda: self.fs.cat_file(f"{self.base.rstrip('/')}/{rel}"), f"{self.root}/{rel}: reading")
 
     def size(self, rel: str) -> int:
         if self.fs is None:
@@ -81,10 +84,7 @@ class Folder:
 
 def is_energon_dir(root: str, storage_options: dict | None = None) -> bool:
     folder = Folder(root, storage_options)
-    if folder.fs is None:
-        return (folder.local / META_DIR / "index.sqlite").exists() and (folder.local / META_DIR / ".info.json").exists()
-    base = folder.base.rstrip("/")
-    return folder.fs.exists(f"{base}/{META_DIR}/index.sqlite") and folder.fs.exists(f"{base}/{META_DIR}/.info.json")
+    return folder.exists(f"{META_DIR}/index.sqlite") and folder.exists(f"{META_DIR}/.info.json")
 
 
 def energon_splits(root: str, storage_options: dict | None = None) -> tuple[dict[str, str] | None, set[str]]:
