@@ -42,15 +42,17 @@ def test_integer_weights_are_exact_for_simple_ratios():
     assert integer_weights([2, 2, 4]).tolist() == [1, 1, 2]
 
 
-@pytest.mark.parametrize("chunk,counts", [(7, [3, 5, 2]), (7, [100, 1, 37, 8]), (7, [1]), (7, [2_000, 3, 500]),
-                                          (1 << 16, [3, 5, 2]), (1 << 16, [200_000, 3, 50_000])])
-def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, chunk, counts):
-    """Each epoch has exactly counts[d] draws of d, numbered on across epochs, within ~2 of the even share
-    at every prefix, and draws_before agrees with locate (chunk 7: many chunks; 1 << 16, the default:
-    one chunk, or four)."""
+@pytest.mark.parametrize("exact_path", [False, True])
+@pytest.mark.parametrize("counts", [[3, 5, 2], [100, 1, 37, 8], [1], [2_000, 3, 500, 7, 7, 90, 1, 64],
+                                    [200_000, 3, 50_000]])
+def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, exact_path, counts):
+    """Each epoch has exactly counts[d] draws of d, numbered on across epochs, within 1 + log2(datasets)
+    of the even share at every prefix, and draws_before agrees with locate (``exact_path``: the Python
+    integer steps of epochs past int64's reach, forced)."""
     from dataio.stream import epochized
 
-    monkeypatch.setattr(epochized, "CHUNK", chunk)
+    if exact_path:
+        monkeypatch.setattr(epochized, "INT64_SAFE", 0)
     schedule = epochized.EpochizedSchedule(counts, epochs=2)
     size = schedule.period
     assert size == sum(counts) and schedule.end == 2 * size and schedule.epoch_at(size) == 1
@@ -59,6 +61,20 @@ def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, chunk, counts):
         assert (np.sort(draw[dataset == d]) == np.arange(2 * c)).all()
         assert (np.sort(draw[:size][dataset[:size] == d]) == np.arange(c)).all()  # epoch 0: draws 0..c-1
         share = np.cumsum(dataset[:size] == d) - np.arange(1, size + 1) * c / size
-        assert np.abs(share).max() <= 2.5
+        assert np.abs(share).max() <= 1 + np.log2(len(counts))
         for p in (0, 1, size // 3, size - 1, size, 2 * size - 1):
             assert schedule.draws_before(d, p) == np.count_nonzero(dataset[:p] == d)
+
+
+def test_epochized_epoch_past_int64_products():
+    """An epoch of 4e9 positions (x * a passes int64): the last positions still end every count exactly."""
+    from dataio.stream.epochized import EpochizedSchedule
+
+    counts = [4_000_000_000, 3, 1_000]
+    schedule = EpochizedSchedule(counts)
+    size = schedule.period
+    dataset, draw = schedule.locate(np.arange(size - 5_000, size + 5))
+    for d, c in enumerate(counts):
+        mine = draw[dataset == d]
+        assert schedule.draws_before(d, size - 5_000) + np.count_nonzero(mine < c) == c  # the epoch's last draws
+        assert (mine[mine >= c] == np.arange(c, c + np.count_nonzero(mine >= c))).all()  # then epoch 1 starts

@@ -40,17 +40,6 @@ def integer_weights(weights: list[float]) -> np.ndarray:
     return np.array([c // g for c in counts], dtype=np.int64)
 
 
-def interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(pattern, occurrence)`` of one period with exactly ``counts[d]`` draws of dataset ``d``: draw ``k``
-    of ``d`` at the ideal time ``(k + 1/2) / counts[d]``, all sorted (ties by dataset id). O(S log S)."""
-    counts = np.asarray(counts, dtype=np.int64)
-    times = np.concatenate([(2 * np.arange(c) + 1) / (2 * c) for c in counts if c > 0] or [np.zeros(0)])
-    owner = np.repeat(np.arange(len(counts)), counts)
-    order = np.lexsort((owner, times))
-    occurrence = np.concatenate([np.arange(c) for c in counts])[order]
-    return owner[order].astype(np.int64), occurrence.astype(np.int64)
-
-
 class BlendSchedule:
     """Which dataset (and which of its draws) sits at each global position of the blended stream."""
 
@@ -61,7 +50,11 @@ class BlendSchedule:
         self.counts = integer_weights(weights)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.period = int(self.counts.sum())
-        self.pattern, self.occurrence = interleave(self.counts)
+        times = np.concatenate([(2 * np.arange(c) + 1) / (2 * c) for c in self.counts])
+        owner = np.repeat(np.arange(len(self.counts)), self.counts)
+        order = np.lexsort((owner, times))
+        self.pattern = owner[order].astype(np.int64)
+        self.occurrence = np.concatenate([np.arange(c) for c in self.counts])[order]
         # Positions (within the period) of each dataset's draws, for inverting draw -> position.
         self._slots = [np.flatnonzero(self.pattern == d) for d in range(len(self.counts))]
         # The dataset that decides the end of a finite stream (and whose passes count as epochs).
@@ -90,4 +83,4 @@ class BlendSchedule:
         return self.draws_before(self.leader, position) // int(self.sizes[self.leader])
 
 
-__all__ = ["BlendSchedule", "integer_weights", "interleave"]
+__all__ = ["BlendSchedule", "integer_weights"]

@@ -7,25 +7,24 @@ samples with ``repetitions r_d`` contributes ``counts[d] = floor(r_d * N_d)`` dr
 half of one pass -- the next epoch goes on with the second half (energon restarts the pass, so the same
 half may come again; here every sample comes once per two epochs).
 
-Algorithm: ``dataio.stream.blend``'s closed form needs a pattern of one whole period, which here is the
-epoch (millions of positions, not the <= 100,000 of a weight ratio). So the epoch is cut into
-``M = ceil(S / CHUNK)`` chunks, chunk ``c`` holding ``floor(L_d (c+1) / M) - floor(L_d c / M)`` draws of
-dataset ``d``; the chunk's start is ``sum_d floor(L_d c / M)`` (closed form), and inside it the draws are
-interleaved like a blend period (``interleave``; built when a chunk is first touched, a few cached).
-Position -> (dataset, draw) is therefore O(datasets) a position plus O(CHUNK log CHUNK) per new chunk
-(~5 ms), memory O(CHUNK), and at every prefix each dataset's count is within two draws of its share.
-The loader's epoch is the stream's: ``position // S``.
+Algorithm: ``dataio.stream.blend``'s closed form repeats a pattern of one period, which here would be
+the whole epoch (millions of positions). Instead the datasets are the leaves of a balanced binary tree,
+and a node of ``n`` positions gives its left child (``a`` of them) the positions where
+``C(x) = floor((x a + n // 2) / n)`` steps up (a rounded Bresenham line): ``C(n) = a`` exactly, the left
+child's index of node position ``x`` is ``C(x)`` and the right child's ``x - C(x)``. So position ->
+(dataset, draw) is ``ceil(log2 datasets)`` integer steps, vectorised over a batch, with no tables and
+no per-epoch memory; each level keeps its split within half a draw of even, so at every prefix of an
+epoch each dataset's count is within ``~1 + log2(datasets)`` draws of its share. ``x a`` stays in int64
+for epochs below ~3e9 positions; above that the steps use Python integers (exact, slower). Cost, CPU
+per 1024-sample batch on the shared 2-core box: 76 us with 4 datasets, 175 us with 64 (``BlendSchedule``:
+~22 us), i.e. 0.07-0.17 us a sample against the loader's ~6.5. The loader's epoch is ``position // S``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
-from dataio.stream.blend import interleave
-
-CHUNK = 1 << 16
+INT64_SAFE = 3_037_000_499  # epochs up to this: x * a < n * n fits int64
 
 
 class EpochizedSchedule:
@@ -36,60 +35,61 @@ class EpochizedSchedule:
         if len(self.counts) == 0 or (self.counts <= 0).any():
             raise ValueError(f"every dataset of an epochized blend needs at least one draw, got {list(counts)}")
         self.period = int(self.counts.sum())  # positions per epoch
-        self.chunks = -(-self.period // CHUNK)
         self.end = None if epochs is None else epochs * self.period
-        self._patterns: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        # The tree as arrays over node ids (0: the root), node covering datasets [lo, hi); a leaf is its own
+        # left and right child holding all its positions, so every path takes `depth` steps, no masking.
+        nodes: list[list[int]] = []  # [lo, hi, left, right]
 
-    def _before(self, chunks: np.ndarray) -> np.ndarray:
-        """Draws of each dataset before each chunk: ``floor(L_d c / M)``, shape ``(len(chunks), datasets)``
-        (split so that no product passes int64)."""
-        c = np.asarray(chunks, dtype=np.int64)[:, None]
-        whole, part = np.divmod(self.counts, self.chunks)
-        return whole * c + (part * c) // self.chunks
+        def build(lo: int, hi: int) -> int:
+            me = len(nodes)
+            nodes.append([lo, hi, me, me])
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                nodes[me][2], nodes[me][3] = build(lo, mid), build(mid, hi)
+            return me
 
-    def _chunk_of(self, within: np.ndarray) -> np.ndarray:
-        """The chunk of each position inside an epoch (chunk ``c`` starts within ``datasets`` below ``c S / M``)."""
-        guess = np.minimum(within * self.chunks // self.period, self.chunks - 1)
-        lo = max(0, int(guess.min()) - 1)  # the chunk is >= guess; above it by at most ~2 datasets / CHUNK
-        hi = min(self.chunks, int(guess.max()) + 2 * len(self.counts) // CHUNK + 3)
-        starts = self._before(np.arange(lo, hi + 1)).sum(axis=1)
-        return lo + np.searchsorted(starts, within, side="right") - 1
+        build(0, len(self.counts))
+        self.lo, self.hi, self.left, self.right = np.array(nodes, dtype=np.int64).T
+        self.depth = (len(self.counts) - 1).bit_length()  # of a midpoint-split tree
+        cum = np.concatenate([[0], np.cumsum(self.counts)])
+        self.total = cum[self.hi] - cum[self.lo]  # positions of each node per epoch
+        self.left_total = self.total[self.left]
+        self.exact = self.period > INT64_SAFE
 
-    def _pattern(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        entry = self._patterns.get(chunk)
-        if entry is None:
-            first, last = self._before(np.array([chunk, chunk + 1]))
-            entry = self._patterns[chunk] = interleave(last - first)
-            if len(self._patterns) > 4:  # batches walk through chunks in order; a few suffice
-                self._patterns.popitem(last=False)
-        return entry
+    def _count(self, node: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``C(x)`` of each node -- its left child's positions among its first ``x`` -- and whether position
+        ``x`` is the left child's (``C(x + 1) > C(x)``: the remainder of ``C(x)``'s division is ``>= n - a``)."""
+        a, n = self.left_total[node], self.total[node]
+        if self.exact:  # Python integers (numpy's divmod does not take object arrays)
+            x, a, n = x.astype(object), a.astype(object), n.astype(object)
+            t = x * a + n // 2
+            return (t // n).astype(np.int64), (t % n >= n - a).astype(bool)
+        before, rem = np.divmod(x * a + n // 2, n)
+        return before, rem >= n - a
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(dataset, draw)`` of each global position."""
-        epoch, within = np.divmod(np.asarray(positions, dtype=np.int64), self.period)
-        chunk = self._chunk_of(within)
-        dataset, draw = np.empty_like(within), np.empty_like(within)
-        for c in np.unique(chunk):
-            at = chunk == c
-            first = self._before(np.array([c]))[0]
-            pattern, occurrence = self._pattern(int(c))
-            slot = within[at] - first.sum()
-            dataset[at] = pattern[slot]
-            draw[at] = first[pattern[slot]] + occurrence[slot]
-        return dataset, epoch * self.counts[dataset] + draw
+        epoch, x = np.divmod(np.asarray(positions, dtype=np.int64), self.period)
+        node = np.zeros_like(x)
+        for _ in range(self.depth):
+            before, goes_left = self._count(node, x)
+            x = np.where(goes_left, before, x - before)
+            node = np.where(goes_left, self.left[node], self.right[node])
+        dataset = self.lo[node]
+        return dataset, epoch * self.counts[dataset] + x
 
     def draws_before(self, dataset: int, position: int) -> int:
-        """How many draws ``dataset`` has at positions ``< position``."""
-        epoch, within = divmod(int(position), self.period)
-        chunk = int(self._chunk_of(np.array([within]))[0])
-        first = self._before(np.array([chunk]))[0]
-        pattern, _ = self._pattern(chunk)
-        slot = within - int(first.sum())
-        here = int(np.count_nonzero(pattern[:slot] == dataset))
-        return epoch * int(self.counts[dataset]) + int(first[dataset]) + here
+        """How many draws ``dataset`` has at positions ``< position`` (counted down the tree's path to it)."""
+        epoch, x = divmod(int(position), self.period)
+        node = 0
+        while self.left[node] != node:
+            before = int(self._count(np.array([node]), np.array([x]))[0][0])
+            left = int(self.left[node])
+            node, x = (left, before) if dataset < self.hi[left] else (int(self.right[node]), x - before)
+        return epoch * int(self.counts[dataset]) + x
 
     def epoch_at(self, position: int) -> int:
         return int(position) // self.period
 
 
-__all__ = ["CHUNK", "EpochizedSchedule"]
+__all__ = ["EpochizedSchedule"]
