@@ -16,8 +16,9 @@ child's index of node position ``x`` is ``C(x)`` and the right child's ``x - C(x
 no per-epoch memory; each level keeps its split within half a draw of even, so at every prefix of an
 epoch each dataset's count is within ``~1 + log2(datasets)`` draws of its share. ``x a`` stays in int64
 for epochs below ~3e9 positions; above that the steps use Python integers (exact, slower). Cost, CPU
-per 1024-sample batch on the shared 2-core box: 76 us with 4 datasets, 175 us with 64 (``BlendSchedule``:
-~22 us), i.e. 0.07-0.17 us a sample against the loader's ~6.5. The loader's epoch is ``position // S``.
+per 1024-sample batch (``tools/bench_schedule.py``, BENCHMARKS.md): 49-71 us with 4 datasets, 123-146 us
+with 64 (``BlendSchedule``: 13-21 us), 0.05-0.14 us a sample against the loader's ~6.5.
+The loader's epoch is ``position // S``.
 """
 
 from __future__ import annotations
