@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -35,22 +34,32 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
     return newest, "dcp"
 
 
+def check_inputs(cfg, path: str) -> tuple[Path, str]:
+    """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
+    cannot hold the model."""
+    from training.validation import check_validation
+
+    ckpt, kind = resolve_checkpoint(path)
+    check_validation(cfg)
+    if kind == "hf" and cfg.model.kind == "salm":
+        raise ValueError(f"--checkpoint {path}: a SALM is evaluated from its DCP checkpoints (the hf/ export holds "
+                         "only its LLM); its decoding WER: python -m training.speech.eval")
+    return ckpt, kind
+
+
 def evaluate_checkpoint(cfg, path: str) -> dict:
-    """Build the model of ``cfg``, load the weights at ``path``, run the val stream (a collective)."""
+    """Build the model of ``cfg`` (its pipeline when pp > 1), load the weights at ``path``, run the val
+    stream (a collective)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
 
     from training.parallel_dims import ParallelDims
-    from training.train import build_model, forward_loss_sum, init_distributed, pick_device
-    from training.validation import run_validation, val_data_config
+    from training.train import build_model_or_pipeline, init_distributed, pick_device
+    from training.validation import make_validator
 
-    ckpt, kind = resolve_checkpoint(path)
-    val_cfg = val_data_config(cfg.data)
-    if val_cfg is None:
-        raise ValueError("training.eval needs a data.val stream (e.g. data.val: {datasets: [{path: ..., split: val}]})")
+    ckpt, kind = check_inputs(cfg, path)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
                                                                  pretrained_path=str(ckpt)))
@@ -59,14 +68,13 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     meshes = dims.build_meshes(device.type)
     torch.manual_seed(cfg.trainer.seed)
-    model, _ = build_model(cfg, dims, meshes, device)
+    model, _, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
+    validate = make_validator(cfg, dims, meshes, device, model, pipe)
     if kind == "dcp":
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(ckpt))
         set_model_state_dict(model, state["model"])
-    autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # as the trainer does
-    result = run_validation(model, functools.partial(forward_loss_sum, autocast=autocast), val_cfg, meshes, device)
-    return {"checkpoint": str(ckpt), **result}
+    return {"checkpoint": str(ckpt), **validate()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_job_config(args.config, args.overrides)
-        resolve_checkpoint(args.checkpoint)
+        check_inputs(cfg, args.checkpoint)
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

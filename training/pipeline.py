@@ -283,6 +283,7 @@ class Pipeline:
     schedule: object
     class_name: str
     n_microbatches: int
+    microbatch_size: int  # rows per microbatch (a step runs n_microbatches x microbatch_size rows)
     scale_grads_in_schedule: bool
     loss: ScaledLoss
     timer: PipelineTimer
@@ -352,7 +353,8 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
               f"of {pcfg.pp_microbatch_size} rows, theoretical bubble "
               f"{bubble_theory(class_name, pp, len(mine), n_micro):.3f}", flush=True)
     return Pipeline(part=part, stages=stages, stage_ranges=ranges, schedule=schedule, class_name=class_name,
-                    n_microbatches=n_micro, scale_grads_in_schedule=pcfg.scale_grads_in_schedule, loss=loss,
+                    n_microbatches=n_micro, microbatch_size=pcfg.pp_microbatch_size,
+                    scale_grads_in_schedule=pcfg.scale_grads_in_schedule, loss=loss,
                     timer=PipelineTimer(stages, device), pp_mesh=meshes["pp"])
 
 

@@ -57,7 +57,7 @@ from training.profiling import StepProfiler
 from training.wandb_run import open_run
 from training.validate import check_job, check_vocab
 from training.telemetry import rank_spread
-from training.validation import run_validation, val_data_config
+from training.validation import make_validator
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
@@ -172,6 +172,29 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return model, hf_config
 
 
+def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
+    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``training.pipeline``) and its model part
+    (transformers' names), else ``build_model``'s model and None."""
+    if dims.pp == 1:
+        return *build_model(cfg, dims, meshes, device), None
+    hf_config = build_hf_config(cfg.model)
+    pipe = build_pipeline(cfg, dims, meshes, device, hf_config)
+    return pipe.part, hf_config, pipe
+
+
+def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Callable:
+    """``forward(model, batch, autocast)`` -> summed loss of a batch: a SALM's, or the causal LM's (attention
+    over the cp group when cp > 1, ``training.context_parallel``)."""
+    if cfg.model.kind == "salm":
+        from training.speech.job import salm_loss_sum
+
+        return salm_loss_sum
+    if dims.cp > 1:
+        return functools.partial(forward_loss_sum,
+                                 attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
+    return forward_loss_sum
+
+
 def gather_loader_states(batches: DevicePrefetcher, dp_mesh: DeviceMesh) -> list:
     """Every dp rank's loader state as of the last batch trained on, ordered by dp rank (TP/CP/PP
     peers hold identical ones). Taken from the prefetcher, which may have read ahead of the step."""
@@ -207,13 +230,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
     torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
-    pipe = None
-    if dims.pp > 1:  # training.pipeline: this rank's stages; ``model`` is its part (transformers' names)
-        hf_config = build_hf_config(cfg.model)
-        pipe = build_pipeline(cfg, dims, meshes, device, hf_config)
-        model = pipe.part
-    else:
-        model, hf_config = build_model(cfg, dims, meshes, device)
+    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
     autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # FSDP2 casts via its policy
     optimizer = build_optimizer(model, cfg.optim)
 
@@ -224,14 +241,11 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         make_loader = functools.partial(build_loader, cfg.data)
     loader = make_loader(dp_rank, dp_size)
     check_vocab(hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
-    forward = forward_loss_sum
-    if cfg.model.kind == "salm":  # audio batches -> prompt + transcript token layout; the SALM's forward
-        from training.speech.job import salm_loss_sum, wrap_loader
+    if cfg.model.kind == "salm":  # audio batches -> prompt + transcript token layout
+        from training.speech.job import wrap_loader
 
-        loader, forward = wrap_loader(loader, model, cfg, dims), salm_loss_sum
-    if dims.cp > 1:  # attention over the cp group (training.context_parallel)
-        forward = functools.partial(forward_loss_sum,
-                                    attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
+        loader = wrap_loader(loader, model, cfg, dims)
+    forward = step_forward(cfg, dims, meshes)
     torch.manual_seed(seed_for_rank(cfg.trainer.seed, dp_rank))
     ckpt_dir = out_dir / "checkpoints"
     step = 0
@@ -246,7 +260,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
         first = loader.reseed(cfg.trainer.data_seed)
         if rank == 0:
             print(f"data seed {cfg.trainer.data_seed} orders each dataset's epochs from {first} on", flush=True)
-    val_cfg = val_data_config(cfg.data) if cfg.trainer.eval_every else None
+    validate = make_validator(cfg, dims, meshes, device, model, pipe) if cfg.trainer.eval_every else None
 
     run = open_run(cfg.logging.wandb, out_dir, to_dict(cfg)) if cfg.logging.wandb and rank == 0 else None
     logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
@@ -303,10 +317,9 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
             from training.speech.eval import eval_in_training
 
             eval_in_training(model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
-        if val_cfg is not None and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.max_steps):
+        if validate is not None and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.max_steps):
             validating = time.perf_counter()
-            logger.log_val({"step": step, **run_validation(
-                model, functools.partial(forward_loss_sum, autocast=autocast), val_cfg, meshes, device)})
+            logger.log_val({"step": step, **validate()})
             window_start += time.perf_counter() - validating  # validation time is not training throughput
         interval = cfg.checkpoint.interval
         if interval and step % interval == 0 and step < cfg.trainer.max_steps:
@@ -334,4 +347,4 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     return logger.history
 
 
-__all__ = ["build_model", "gradient_sync", "init_distributed", "seed_for_rank", "train", "train_step"]
+__all__ = ["build_model", "build_model_or_pipeline", "gradient_sync", "init_distributed", "seed_for_rank", "step_forward", "train", "train_step"]

@@ -51,10 +51,6 @@ def check_job(cfg, world_size: int | None = None) -> None:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}: must be {rule}, got {value!r}")
-    if cfg.trainer.eval_every and (cfg.distributed.pp_size > 1 or cfg.distributed.cp_size > 1
-                                   or cfg.model.kind == "salm"):
-        raise ConfigError("trainer.eval_every: the validation loss runs the whole model's plain forward, not yet a "
-                          "pipeline's (pp_size > 1), a CP group's (cp_size > 1) or a SALM's (model.speech.eval_every)")
     if cfg.model.config is not None:
         model_type = cfg.model.config.get("model_type")
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -70,6 +66,10 @@ def check_job(cfg, world_size: int | None = None) -> None:
         ParallelDims.from_config(cfg.distributed, world_size)
     except ValueError as e:  # its messages name the rule; here they become a config error (one line)
         raise ConfigError(str(e) if str(e).startswith("distributed.") else f"distributed: {e}") from None
+    if cfg.trainer.eval_every:
+        from training.validation import check_validation
+
+        check_validation(cfg)
 
 
 def check_vocab(vocab_size: int, tokenizer_path: str | None, sources) -> None:

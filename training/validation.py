@@ -1,28 +1,47 @@
-"""Validation: loss and perplexity of the model over the whole ``data.val`` stream, on every DP rank at once.
+"""Validation: loss and perplexity of the model over the whole ``data.val`` stream, on every rank at once.
 
 The val stream is the ``data:`` section with ``data.val``'s keys laid over it (typically
 ``datasets: [{path: ..., split: val}]``) and ``epochs: 1``: any dataset the loader reads, batched and
-packed like the training data. The loader's layout (``dataio.stream.split``) gives DP rank ``r`` the global
-positions ``r, r + dp, ...``, so across DP ranks every val sample is read exactly once; at the tail the
-loader pads the ranks that ran out with loss-free batches (labels all -100) so that every rank runs the
-same number of forwards (FSDP2's collectives) and padding adds nothing. Per batch: one forward without
-autograd (the chunked loss of ``CausalLMLoss``, so no ``[tokens, vocab]`` logits); then one all-reduce of
-(loss sum, labelled tokens) over the loss mesh (dp x cp) and one of the document count over dp.
-``loss = sum / tokens``, ``ppl = exp(loss)``: exactly a single process's figure over the same samples.
+packed like the training data (a SALM's audio batches get its prompt + transcript layout, as in training).
+The loader's layout (``dataio.stream.split``) gives DP rank ``r`` the global positions ``r, r + dp, ...``,
+so across DP ranks every val sample is read exactly once; TP/CP/PP peers read the same batches. At the
+tail the loader pads the ranks that ran out with loss-free batches (labels all -100; a rank's padding
+sample flagged ``__valid__ = False`` has its labels masked here) so every rank runs the same number of
+forwards (FSDP2's collectives) and padding adds nothing.
+
+Per batch, one forward without autograd, by layout:
+- plain / TP / FSDP2 / SALM: the step's forward (``training.train.step_forward``: the chunked loss of
+  ``CausalLMLoss``, so no ``[tokens, vocab]`` logits; a SALM's answer-token loss);
+- context parallel: the batch goes through the trainer's ``cp_batch_transform`` (this rank's head-tail
+  chunks) and attention runs over the cp group; each rank sums its own tokens' losses;
+- pipeline parallel: val rows are regrouped into the training step's row count and run forward-only by
+  the training schedule (``schedule.eval``: the same microbatches and stages, no backward); the last
+  stage returns each microbatch's summed loss. The rows left at the end are padded with loss-free rows,
+  and a dp rank that ran fewer schedule calls adds loss-free ones (one all-reduce of the count).
+Then one all-reduce of (loss sum, labelled tokens) over the loss mesh (dp x cp; under PP the loss sum is
+also summed over pp, where only the last stage holds it) and one of the document count over dp, so every
+rank returns the same figures. ``loss = sum / tokens``, ``ppl = exp(loss)``: a single process's figure
+over the same samples. Cost: one forward of the val set per ``eval_every`` steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from configtree import from_dict, to_dict
+from configtree import ConfigError, from_dict, to_dict
+from dataio.batching.prefetch import DevicePrefetcher
 from dataio.config import DataConfig
 from kernels.loss import IGNORE_INDEX
+
+PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")
 
 
 def val_data_config(data: DataConfig) -> DataConfig | None:
@@ -37,42 +56,192 @@ def val_data_config(data: DataConfig) -> DataConfig | None:
 
 
 def documents_started(batch: dict) -> int:
-    """Documents whose first piece is in ``batch`` (a document split over rows or batches counts once)."""
-    return sum(offset == 0 for row in batch["__docs__"] for _, offset, _ in row)
+    """Documents whose first piece is in ``batch`` (a document split over rows or batches counts once); for a
+    batch of whole samples (audio), its valid samples."""
+    if "__docs__" in batch:
+        return sum(offset == 0 for row in batch["__docs__"] for _, offset, _ in row)
+    valid = batch.get("__valid__")
+    return len(batch["__key__"]) if valid is None else int(torch.as_tensor(valid).sum())
+
+
+def labelled_tokens(batch: dict) -> int:
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+def mask_invalid_rows(batch: dict) -> dict:
+    """Labels of the rows flagged ``__valid__ = False`` (a rank's tail padding sample) set to -100."""
+    valid = batch.get("__valid__")
+    if valid is None or bool(torch.as_tensor(valid).all()):
+        return batch
+    labels = batch["labels"].clone()
+    labels[~torch.as_tensor(valid, dtype=torch.bool)] = IGNORE_INDEX
+    return {**batch, "labels": labels}
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module):
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def reduce_figures(loss_sum: torch.Tensor, tokens: int, docs: int, *, loss_group, dp_group, pp_group=None) -> dict:
+    """The val figures from this rank's loss sum (fp64 scalar), labelled tokens and documents (module docstring)."""
+    if pp_group is not None:
+        dist.all_reduce(loss_sum, group=pp_group)  # only the last stage's ranks hold losses
+    sums = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64, device=loss_sum.device)])
+    dist.all_reduce(sums, group=loss_group)
+    count = torch.tensor([float(docs)], dtype=torch.float64, device=loss_sum.device)
+    dist.all_reduce(count, group=dp_group)
+    loss = (sums[0] / sums[1].clamp(min=1)).item()
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(sums[1]),
+            "val_docs": int(count)}
+
+
+def val_batches(loader: Iterable[dict], device: torch.device,
+                transform: Callable[[dict], dict] | None = None) -> DevicePrefetcher:
+    """``loader`` read ahead in a thread, as in training (``DevicePrefetcher``): a rank whose stream ended
+    waits in the loader's tail all-reduce there while the others still run forwards (in the loop's own
+    thread that wait would block their FSDP2 collectives). On the host, per batch: its documents are counted
+    (``__val_docs__``), rows flagged invalid lose their labels, then ``transform`` (CP: this rank's chunks)."""
+
+    def prepare(batch: dict) -> dict:
+        docs = documents_started(batch)
+        batch = mask_invalid_rows(batch)
+        return {**(transform(batch) if transform is not None else batch), "__val_docs__": docs}
+
+    return DevicePrefetcher(loader, device, transform=prepare)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loss_sum: Callable[[nn.Module, dict], torch.Tensor], batches: Iterable[dict],
              device: torch.device, *, loss_group=None, dp_group=None) -> dict:
     """Mean token loss, perplexity, labelled tokens and documents of ``batches`` (this rank's share of the
-    val stream), reduced over ``loss_group`` (dp x cp) and ``dp_group``. A collective."""
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
-    docs = torch.zeros(1, dtype=torch.float64, device=device)
-    for batch in batches:
-        on_device = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in batch.items() if not k.startswith("__")}
-        sums[0] += loss_sum(model, on_device).double()
-        sums[1] += int((batch["labels"] != IGNORE_INDEX).sum())
-        docs += documents_started(batch)
-    model.train(was_training)
-    dist.all_reduce(sums, group=loss_group)
-    dist.all_reduce(docs, group=dp_group)
-    loss = (sums[0] / sums[1].clamp(min=1)).item()
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(sums[1]),
-            "val_docs": int(docs)}
+    val stream from ``val_batches``), reduced over ``loss_group`` (dp x cp) and ``dp_group``. A collective."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = docs = 0
+    with eval_mode(model):
+        for batch in batches:
+            docs += batch["__val_docs__"]
+            tokens += labelled_tokens(batch)
+            total += loss_sum(model, {k: v for k, v in batch.items() if not k.startswith("__")}).double()
+    return reduce_figures(total, tokens, docs, loss_group=loss_group, dp_group=dp_group)
 
 
-def run_validation(model: nn.Module, loss_sum: Callable[[nn.Module, dict], torch.Tensor], val_cfg: DataConfig,
-                   meshes: dict, device: torch.device) -> dict:
-    """One pass over the val stream with a fresh loader for this rank's DP index (see the module docstring)."""
+def loss_free_rows(like: dict, rows: int) -> dict:
+    """``rows`` rows shaped like ``like``'s that add no loss: token 0, labels -100, one segment per row."""
+    ids, labels, positions = (like[k] for k in PIPELINE_INPUTS)
+    seq_len = ids.shape[1]
+    return {"input_ids": ids.new_zeros(rows, seq_len), "labels": labels.new_full((rows, seq_len), IGNORE_INDEX),
+            "position_ids": torch.arange(seq_len, dtype=positions.dtype, device=positions.device).expand(rows, -1)}
+
+
+@torch.no_grad()
+def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp_group) -> dict:
+    """``evaluate`` through the training schedule's forward-only path (module docstring). A collective over
+    the pp and dp groups."""
+    step_rows = pipe.n_microbatches * pipe.microbatch_size
+    pending: list[dict] = []  # host rows not run yet (input_ids, labels, position_ids)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = docs = calls = 0
+    template = None
+
+    def run(rows: dict) -> None:
+        nonlocal total, calls
+        args = (rows["input_ids"],) if pipe.has_first else ()
+        kwargs = {"position_ids": rows["position_ids"]}
+        if pipe.has_last:
+            kwargs["labels"] = rows["labels"]
+        losses: list[torch.Tensor] = []
+        pipe.loss.scale = 1.0  # the summed loss itself (the train step sets its scale before every step)
+        pipe.schedule.eval(*args, target=rows["labels"] if pipe.has_last else None, losses=losses,
+                           return_outputs=False, **kwargs)
+        if losses:
+            total += torch.stack(losses).to(torch.float64).sum()
+        calls += 1
+
+    def take(n: int) -> dict:
+        rows = {k: torch.cat([b[k] for b in pending]) for k in PIPELINE_INPUTS}
+        rest = {k: v[n:] for k, v in rows.items()}
+        pending[:] = [rest] if len(rest["labels"]) else []
+        return {k: v[:n] for k, v in rows.items()}
+
+    with eval_mode(pipe.part):
+        for batch in batches:
+            docs += batch["__val_docs__"]
+            tokens += labelled_tokens(batch)
+            pending.append({k: batch[k] for k in PIPELINE_INPUTS})
+            if template is None:
+                template = pending[-1]
+            while sum(len(b["labels"]) for b in pending) >= step_rows:
+                run(take(step_rows))
+        if pending:
+            left = sum(len(b["labels"]) for b in pending)
+            pending.append(loss_free_rows(template, step_rows - left))
+            run(take(step_rows))
+        most = torch.tensor([calls], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=dp_group)  # dp ranks run the same number of calls
+        if template is None and int(most) > 0:
+            raise RuntimeError("validation: this dp rank got no val batch while others did")
+        for _ in range(int(most) - calls):
+            run(loss_free_rows(template, step_rows))
+    return reduce_figures(total, tokens, docs, loss_group=dp_group, dp_group=dp_group,
+                          pp_group=pipe.pp_mesh.get_group())
+
+
+def check_validation(cfg) -> None:
+    """ConfigError (one line naming the key) when the job's val stream cannot run on its layout."""
+    from training.pipeline import V_SHAPED, schedule_class_name
+
+    val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
+    if val_cfg is None:
+        raise ConfigError("data.val: validation needs a val stream (e.g. data.val: {datasets: [{path: ..., "
+                          "split: val}]})")
+    cp = dist_cfg.cp_size
+    if cp > 1 and (val_cfg.seq_len is None or val_cfg.seq_len % (2 * cp) or val_cfg.packing == "none"):
+        raise ConfigError(f"data.val: distributed.cp_size={cp} needs packed val rows (packing greedy or best_fit) "
+                          f"with seq_len divisible by {2 * cp}; got packing {val_cfg.packing}, seq_len {val_cfg.seq_len}")
+    try:
+        v_shaped = dist_cfg.pp_size > 1 and schedule_class_name(dist_cfg.pipeline.pp_schedule) in V_SHAPED
+    except ValueError as e:  # an unknown schedule name (the message names the key)
+        raise ConfigError(str(e)) from None
+    if v_shaped:
+        raise ConfigError(f"distributed.pipeline.pp_schedule {dist_cfg.pipeline.pp_schedule}: validation is not "
+                          "supported under the V schedules (torch 2.13's forward-only schedule.eval still hands "
+                          "gradients between a rank's two stages and fails); validate with another schedule, e.g. "
+                          "python -m training.eval ... distributed.pipeline.pp_schedule=1f1b")
+
+
+def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
+    """The hook of the trainer and ``training.eval``: a function that runs one pass over the val stream with
+    a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
     from dataio import build_loader
+    from training.context_parallel import cp_batch_transform
+    from training.train import step_forward
 
+    check_validation(cfg)
+    val_cfg = val_data_config(cfg.data)
     dp = meshes["dp"]
-    loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
-    return evaluate(model, loss_sum, loader, device, loss_group=meshes["dp_cp"].get_group(),
-                    dp_group=dp.get_group())
+
+    transform = cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
+
+    def batches() -> DevicePrefetcher:
+        loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
+        if cfg.model.kind == "salm":
+            from training.speech.job import wrap_loader
+
+            loader = wrap_loader(loader, model, cfg, dims)
+        return val_batches(loader, device, transform)
+
+    if pipe is not None:
+        return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
+    autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # as the trainer does
+    forward = functools.partial(step_forward(cfg, dims, meshes), autocast=autocast)
+    return lambda: evaluate(model, forward, batches(), device, loss_group=meshes["dp_cp"].get_group(),
+                            dp_group=dp.get_group())
 
 
-__all__ = ["documents_started", "evaluate", "run_validation", "val_data_config"]
+__all__ = ["check_validation", "documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches", "val_data_config"]

@@ -81,7 +81,7 @@ class SpeechBatches:
         slots = self.salm.audio_slots(batch["audio_lens"])
         out = build_batch(self.template, slots, self.answers(batch), multiple_of=self.multiple_of)
         return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], **out,
-                **{k: batch[k] for k in ("__key__", "text") if k in batch}}
+                **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch}}
 
     def __iter__(self):
         return map(self.convert, self.loader)
