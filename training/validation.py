@@ -105,7 +105,8 @@ def val_batches(loader: Iterable[dict], device: torch.device,
                 transform: Callable[[dict], dict] | None = None) -> DevicePrefetcher:
     """``loader`` read ahead in a thread, as in training (``DevicePrefetcher``): a rank whose stream ended
     waits in the loader's tail all-reduce there while the others still run forwards (in the loop's own
-    thread that wait would block their FSDP2 collectives). On the host, per batch: its documents are counted
+    thread that wait would block their FSDP2 collectives; give the loader a group of its own,
+    ``stream.sync_group``). On the host, per batch: its documents are counted
     (``__val_docs__``), rows flagged invalid lose their labels, then ``transform`` (CP: this rank's chunks)."""
 
     def prepare(batch: dict) -> dict:
@@ -227,9 +228,13 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     dp = meshes["dp"]
 
     transform = cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
+    # The loader's tail agreement runs in the read-ahead thread: on a group of its own, never one the
+    # forwards use at the same time (a mesh dim spanning every rank reuses the default group).
+    tail_group = dist.new_group(backend="gloo")
 
     def batches() -> DevicePrefetcher:
         loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
+        loader.stream.sync_group = tail_group
         if cfg.model.kind == "salm":
             from training.speech.job import wrap_loader
 

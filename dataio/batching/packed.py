@@ -80,7 +80,7 @@ class PackedBatches:
         if stream.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return
         most = torch.tensor([self.packed_batches])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=stream.sync_group)
         if int(most) > self.packed_batches and last is None:
             raise RuntimeError(f"DP rank {stream.dp_rank} packed no batch at all while others did: too little data "
                                f"for dp_size={stream.dp_size}")

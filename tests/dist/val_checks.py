@@ -6,7 +6,7 @@ batch, so the pipeline regroups val rows into its 4-row steps). The reference is
 alone: a plain transformers model, full logits, over the whole val stream read as one dp rank.
 
 1. ``training.eval``'s ``evaluate_checkpoint`` on the starting weights (``hf`` kind) at pp 4 (1F1B), pp 2 x
-   dp 2 (1F1B, Interleaved1F1B, InterleavedZeroBubble), pp 2 x tp 2, cp 4 (allgather), cp 2 x dp 2 (ring) and dp 4:
+   dp 2 (1F1B, Interleaved1F1B), pp 2 x tp 2, cp 4 (allgather), cp 2 x dp 2 (ring) and dp 4:
    val loss, perplexity, tokens and documents equal the reference;
 2. training with ``trainer.eval_every: 1`` at pp 2 x dp 2 and at cp 2 x dp 2 (2 steps): the losses equal the
    single-process reference of tests/dist/train_layouts.py (training goes on right after validation), and
@@ -41,10 +41,11 @@ VAL_DOCS = 30
 VAL = dict(batch_size=3)
 
 
-def val_job(workdir: Path, name: str, distributed: dict, grad_accum: int = 2, **trainer):
+def val_job(workdir: Path, name: str, distributed: dict, grad_accum: int = 2, eval_every: int = 0):
     """``train_layouts.job`` with the val stream; pp runs use microbatches of one row."""
-    cfg = job(workdir, name, dict(strategy="fsdp2", **distributed), grad_accum, max_steps=2, **trainer)
+    cfg = job(workdir, name, dict(strategy="fsdp2", **distributed), grad_accum, max_steps=2)
     cfg.data.val = dict(datasets=[dict(path=str(workdir / "val"))], **VAL)
+    cfg.trainer.eval_every = eval_every
     cfg.distributed.pipeline.pp_microbatch_size = 1
     cfg.checkpoint.export_hf = False
     return cfg
@@ -75,7 +76,6 @@ LAYOUTS = {
     "pp4_1f1b": dict(pp_size=4, pipeline=dict(pp_schedule="1f1b")),
     "pp2_dp2_1f1b": dict(pp_size=2, pipeline=dict(pp_schedule="1f1b")),
     "pp2_dp2_interleaved": dict(pp_size=2, pipeline=dict(pp_schedule="interleaved_1f1b")),
-    "pp2_dp2_zero_bubble": dict(pp_size=2, pipeline=dict(pp_schedule="zero_bubble")),
     "pp2_tp2": dict(pp_size=2, tp_size=2, pipeline=dict(pp_schedule="1f1b")),
     "cp4_allgather": dict(cp_size=4, cp_comm="allgather"),
     "cp2_dp2_ring": dict(cp_size=2, cp_comm="ring"),
@@ -92,7 +92,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     if dist.get_rank() == 0:
-        save_pretrained_tiny(workdir / "pretrained", dict(TINY_LLAMA, num_hidden_layers=4, vocab_size=1024))
+        # initializer_range 0.3: far from uniform logits (val loss ~9.6, not ln 1024), so a wrong attention
+        # span or a token counted twice moves the loss well past the tolerance
+        save_pretrained_tiny(workdir / "pretrained", dict(TINY_LLAMA, num_hidden_layers=4, vocab_size=1024,
+                                                          initializer_range=0.3))
         make_text_dataset(workdir / "val", [17, VAL_DOCS - 17], prefix="val", seed=1)
     dist.barrier()
     want = reference(workdir)
