@@ -1,5 +1,5 @@
 """One 4-rank gloo launch: SALM under FSDP2 and FSDP2 + TP + SP against a single-process reference, exact
-resume, export of LLM + encoder + adapter, eval during training vs eval of the export (see tests/dist/speech_layouts.py)."""
+resume, export of LLM + encoder + adapter, validation loss at dp 4 / dp 2 x tp 2 vs one process, eval during training vs eval of the export (see tests/dist/speech_layouts.py)."""
 
 from __future__ import annotations
 
@@ -10,5 +10,6 @@ from test_training_dist import REPO, torchrun
 @pytest.mark.slow
 def test_salm_layouts_match_single_process_and_resume(tmp_path):
     out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "speech_layouts.py")
-    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "eval during training equals", "resume reproduces"):
+    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "salm validation at dp4 and dp2 x tp2 equals",
+                  "eval during training equals", "resume reproduces"):
         assert out.count(f"OK {check}") == 4, out[-3000:]

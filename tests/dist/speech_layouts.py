@@ -7,7 +7,8 @@ there FSDP2 (dp=4) and FSDP2 x TP=2 with sequence parallelism (dp=2, 2 micro-ste
 the same global batches (bucketed-collate audio batches of different audio and transcript lengths); their
 losses and gradient norms, and the exported weights of all three parts, must match a single-process
 reference that trains ``load_salm(init)`` on each rank. A run stopped at step 2 and resumed must
-reproduce the uninterrupted losses. Prints ``OK <check>`` per passed check; any mismatch raises.
+reproduce the uninterrupted losses. The SALM's validation loss (answer tokens, ``data.val``) of the
+fsdp2 run's checkpoint at dp 4 and dp 2 x tp 2 equals one process's. Prints ``OK <check>`` per passed check; any mismatch raises.
 """
 
 from __future__ import annotations
@@ -78,6 +79,57 @@ def exported(out_dir: Path) -> dict:
     return params
 
 
+def val_stream(workdir: Path) -> dict:
+    return dict(datasets=[dict(path=str(workdir / "audio"))])
+
+
+def check_validation(workdir: Path, init: Path) -> None:
+    """The fsdp2 run's last checkpoint validated by ``training.eval`` at dp 4 and at dp 2 x tp 2 (+SP) equals
+    one process's validation of it (a plain SALM on each rank, the val stream read as one dp rank); the
+    figures logged in training count the same utterances and answer tokens (its loss differs: each rank's
+    encoder BatchNorm keeps running statistics of its own batches, the checkpoint holds one rank's)."""
+    import functools
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from dataio import build_loader
+    from training.eval import evaluate_checkpoint, resolve_checkpoint
+    from training.model import build_hf_config
+    from training.speech.model import build_meta_salm, materialize_salm
+    from training.validation import evaluate as evaluate_val
+    from training.validation import val_batches, val_data_config
+
+    ckpt, _ = resolve_checkpoint(str(workdir / "fsdp2" / "checkpoints"))
+    got = {}
+    for name, distributed in (("dp4", dict(strategy="fsdp2")),
+                              ("dp2_tp2_sp", dict(strategy="fsdp2", tp_size=2, sequence_parallel=True))):
+        cfg = salm_job(workdir, f"val_{name}", init=init, distributed=distributed)
+        cfg.data.val = val_stream(workdir)
+        got[name] = evaluate_checkpoint(cfg, str(ckpt))
+    model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
+    materialize_salm(model, torch.device("cpu"), None)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    solo, _ = dist.new_subgroups(group_size=1)
+    loader = SpeechBatches(build_loader(val_data_config(cfg.data), 0, 1), model, cfg.model.speech,
+                           cfg.model.tokenizer)
+    want = evaluate_val(model, functools.partial(salm_loss_sum, autocast=False),
+                        val_batches(loader, torch.device("cpu")),
+                        torch.device("cpu"), loss_group=solo, dp_group=solo)
+    assert want["val_docs"] == 8 and want["val_tokens"] > 0, want
+    for name, figures in got.items():
+        assert (figures["val_docs"], figures["val_tokens"]) == (want["val_docs"], want["val_tokens"]), (name, figures)
+        check_close(f"salm {name} val_loss", torch.tensor(figures["val_loss"]), torch.tensor(want["val_loss"]), 1e-5)
+    dist.barrier()  # rank 0 has closed metrics.jsonl
+    logged = [r for r in map(json.loads, open(workdir / "fsdp2" / "metrics.jsonl")) if "val_loss" in r]
+    assert [(r["step"], r["val_docs"], r["val_tokens"]) for r in logged] == [(STEPS, 8, want["val_tokens"])], logged
+    print(f"OK salm validation at dp4 and dp2 x tp2 equals one process's ({want['val_tokens']} answer tokens)",
+          flush=True)
+
+
 def main() -> None:
     workdir = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -100,8 +152,10 @@ def main() -> None:
     for name, distributed, k, extra in (
             ("fsdp2", dict(strategy="fsdp2"), 1, evals),
             ("fsdp2_tp_sp", dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 2, {})):
-        history = train(salm_job(workdir, name, init=init, distributed=distributed, grad_accum=k,
-                                 max_steps=STEPS, **extra), loaders(k))
+        cfg = salm_job(workdir, name, init=init, distributed=distributed, grad_accum=k, max_steps=STEPS, **extra)
+        if name == "fsdp2":  # + the val loss at the last step (trainer.eval_every)
+            cfg.data.val, cfg.trainer.eval_every = val_stream(workdir), STEPS
+        history = train(cfg, loaders(k))
         check_close(f"{name} losses", [r["loss"] for r in history], ref_losses, 2e-5)
         check_close(f"{name} relative grad norms", [r["grad_norm"] / n - 1 for r, n in zip(history, ref_norms)],
                     [0.0] * STEPS, 1e-5)  # the first step's norm is ~2.6e3 (fresh weights)
@@ -113,6 +167,8 @@ def main() -> None:
                 check_close(f"{name} param {key}", value, ref_params[key], 5e-5)
         results[name] = history
         print(f"OK {name} matches the single-process reference", flush=True)
+
+    check_validation(workdir, init)
 
     # Eval: the export decoded by python -m training.speech.eval's path (every rank holds the whole model)
     # gives the hypotheses the sharded model gave during training.
