@@ -347,4 +347,5 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     return logger.history
 
 
-__all__ = ["build_model", "build_model_or_pipeline", "gradient_sync", "init_distributed", "seed_for_rank", "step_forward", "train", "train_step"]
+__all__ = ["build_model", "build_model_or_pipeline", "gradient_sync", "init_distributed", "seed_for_rank",
+           "step_forward", "train", "train_step"]

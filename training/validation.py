@@ -204,7 +204,8 @@ def check_validation(cfg) -> None:
     cp = dist_cfg.cp_size
     if cp > 1 and (val_cfg.seq_len is None or val_cfg.seq_len % (2 * cp) or val_cfg.packing == "none"):
         raise ConfigError(f"data.val: distributed.cp_size={cp} needs packed val rows (packing greedy or best_fit) "
-                          f"with seq_len divisible by {2 * cp}; got packing {val_cfg.packing}, seq_len {val_cfg.seq_len}")
+                          f"with seq_len divisible by {2 * cp}; got packing {val_cfg.packing}, "
+                          f"seq_len {val_cfg.seq_len}")
     try:
         v_shaped = dist_cfg.pp_size > 1 and schedule_class_name(dist_cfg.pipeline.pp_schedule) in V_SHAPED
     except ValueError as e:  # an unknown schedule name (the message names the key)
@@ -249,4 +250,5 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
                             dp_group=dp.get_group())
 
 
-__all__ = ["check_validation", "documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches", "val_data_config"]
+__all__ = ["check_validation", "documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches",
+           "val_data_config"]

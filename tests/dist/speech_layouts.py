@@ -8,7 +8,8 @@ the same global batches (bucketed-collate audio batches of different audio and t
 losses and gradient norms, and the exported weights of all three parts, must match a single-process
 reference that trains ``load_salm(init)`` on each rank. A run stopped at step 2 and resumed must
 reproduce the uninterrupted losses. The SALM's validation loss (answer tokens, ``data.val``) of the
-fsdp2 run's checkpoint at dp 4 and dp 2 x tp 2 equals one process's. Prints ``OK <check>`` per passed check; any mismatch raises.
+fsdp2 run's checkpoint at dp 4 and dp 2 x tp 2 equals one process's. Prints ``OK <check>`` per passed
+check; any mismatch raises.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ alone: a plain transformers model, full logits, over the whole val stream read a
    val loss, perplexity, tokens and documents equal the reference;
 2. training with ``trainer.eval_every: 1`` at pp 2 x dp 2 and at cp 2 x dp 2 (2 steps): the losses equal the
    single-process reference of tests/dist/train_layouts.py (training goes on right after validation), and
-   the val figures logged at step 2 equal ``evaluate_checkpoint`` of the run's step-2 DCP checkpoint at another layout (dp 4, and
-   the pp checkpoint also at cp 2 x dp 2): a pp or cp checkpoint evaluates at any layout.
+   the val figures logged at step 2 equal ``evaluate_checkpoint`` of the run's step-2 DCP checkpoint at other
+   layouts (dp 4, and the pp checkpoint also at cp 2 x dp 2): a pp or cp checkpoint evaluates at any layout.
 Prints ``OK <check>`` per passed check; any mismatch raises.
 """
 
