@@ -145,7 +145,7 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
     """``evaluate`` through the training schedule's forward-only path (module docstring). A collective over
     the pp and dp groups."""
     step_rows = pipe.n_microbatches * pipe.microbatch_size
-    pending: list[dict] = []  # host rows not run yet (input_ids, labels, position_ids)
+    pending: list[dict] = []  # rows not run yet (input_ids, labels, position_ids)
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = docs = calls = 0
     template = None
