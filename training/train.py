@@ -156,6 +156,16 @@ def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
     return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
 
 
+def give_tail_group(loader) -> None:
+    """A finite packed stream's ranks agree on their last batch with one all_reduce, run in the
+    prefetcher's read-ahead thread: on a gloo group of its own, never one the step's collectives use
+    at the same time (a mesh dim spanning every rank reuses the default group). Collective: every
+    rank calls it at the same point."""
+    stream = getattr(loader, "stream", None)
+    if stream is not None and dist.is_initialized():
+        stream.sync_group = dist.new_group(backend="gloo")
+
+
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta ``CausalLMLoss`` -> parallelize -> allocate this rank's shards -> init or load (-> DDP).
     Returns (model, hf_config)."""
@@ -240,6 +250,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
         make_loader = functools.partial(build_loader, cfg.data)
     loader = make_loader(dp_rank, dp_size)
+    give_tail_group(loader)
     check_vocab(hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
     if cfg.model.kind == "salm":  # audio batches -> prompt + transcript token layout
         from training.speech.job import wrap_loader

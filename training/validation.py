@@ -229,9 +229,7 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     dp = meshes["dp"]
 
     transform = cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
-    # The loader's tail agreement runs in the read-ahead thread: on a group of its own, never one the
-    # forwards use at the same time (a mesh dim spanning every rank reuses the default group).
-    tail_group = dist.new_group(backend="gloo")
+    tail_group = dist.new_group(backend="gloo")  # see give_tail_group
 
     def batches() -> DevicePrefetcher:
         loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
