@@ -9,7 +9,7 @@
   host, inside the prefetcher's thread, so it overlaps the step; its state is the loader's;
 - ``salm_loss_sum``: the step's forward (log-mel on the device happens inside the model);
 - ``export_salm``: ``hf/`` (the LLM, loadable by ``AutoModelForCausalLM``), ``encoder/`` (config.json +
-  model.safetensors, loadable by ``ParakeetEncoder.from_pretrained``), ``adapter/model.safetensors`` and
+  model.safetensors, loadable by ``ParakeetEncoder`` / ``WhisperEncoder.from_pretrained``), ``adapter/model.safetensors`` and
   ``salm.json`` (the speech config) -- ``load_salm(dir)`` rebuilds the pair for inference.
 """
 
@@ -47,8 +47,12 @@ def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: t
                          "split over the tp ranks); evaluate the export with python -m training.speech.eval")
     llm_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    model = parallelize_salm(build_meta_salm(llm_config, cfg.model.speech), dims, meshes, cfg.distributed,
-                             param_dtype)
+    model = build_meta_salm(llm_config, cfg.model.speech)
+    limit, longest = model.front.max_seconds(model.encoder), cfg.data.decode.max_duration
+    if limit is not None and (longest is None or longest > limit):
+        raise ValueError(f"model.speech.encoder ({cfg.model.speech.encoder.kind}) takes at most {limit:g} s of audio: "
+                         f"set data.decode.max_duration <= {limit:g} (longer utterances become counted decode skips)")
+    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype)
     materialize_salm(model, device, cfg.model.pretrained_path)
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
     if cfg.distributed.strategy == "ddp":
