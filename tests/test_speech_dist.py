@@ -1,5 +1,6 @@
 """One 4-rank gloo launch: SALM under FSDP2 and FSDP2 + TP + SP against a single-process reference, exact
-resume, export of LLM + encoder + adapter, eval during training vs eval of the export (see tests/dist/speech_layouts.py)."""
+resume, export of LLM + encoder + adapter, eval during training vs eval of the export; Whisper's encoder under
+FSDP2 x TP + activation checkpointing, and in bf16 frozen (see tests/dist/speech_layouts.py)."""
 
 from __future__ import annotations
 
@@ -10,5 +11,6 @@ from test_training_dist import REPO, torchrun
 @pytest.mark.slow
 def test_salm_layouts_match_single_process_and_resume(tmp_path):
     out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "speech_layouts.py")
-    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "eval during training equals", "resume reproduces"):
+    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "whisper_fsdp2_tp_ac matches",
+                  "whisper bf16 with a frozen encoder", "eval during training equals", "resume reproduces"):
         assert out.count(f"OK {check}") == 4, out[-3000:]
