@@ -127,7 +127,8 @@ def main() -> None:
                              precision="bf16", speech_extra=dict(encoder=dict(
                                  kind="whisper", pretrained_path=str(inits["whisper"] / "encoder"), freeze=True))),
                     loaders(1))
-    check_close("whisper bf16 first loss", history[0]["loss"] / refs["whisper"][0][0], 1.0, 1e-2)
+    # bf16's unit roundoff is 2^-9 ~ 2e-3; the summed loss's relative error is far below it (measured 8e-5)
+    check_close("whisper bf16 first loss", history[0]["loss"] / refs["whisper"][0][0], 1.0, 1e-3)
     if dist.get_rank() == 0:
         params = exported(workdir / "whisper_bf16_frozen")
         initial = exported(inits["whisper"])
