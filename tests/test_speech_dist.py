@@ -11,6 +11,6 @@ from test_training_dist import REPO, torchrun
 @pytest.mark.slow
 def test_salm_layouts_match_single_process_and_resume(tmp_path):
     out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "speech_layouts.py")
-    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "whisper_fsdp2_tp_ac matches",
+    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "whisper from scratch under fsdp2", "whisper_fsdp2_tp_ac matches",
                   "whisper bf16 with a frozen encoder", "eval during training equals", "resume reproduces"):
         assert out.count(f"OK {check}") == 4, out[-3000:]

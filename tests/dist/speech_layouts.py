@@ -8,7 +8,8 @@ the same global batches (bucketed-collate audio batches of different audio and t
 losses and gradient norms, and the exported weights of all three parts, must match a single-process
 reference that trains ``load_salm(init)`` on each rank. A run stopped at step 2 and resumed must
 reproduce the uninterrupted losses. The same for a SALM on Whisper's encoder (its own seeded init in
-``WORKDIR/init_whisper``): FSDP2 (dp=2) x TP=2 with activation checkpointing matches its reference, and a
+``WORKDIR/init_whisper``): built from scratch under FSDP2 its fixed position table is the unsharded one;
+FSDP2 (dp=2) x TP=2 with activation checkpointing matches its reference, and a
 bf16 run with the encoder frozen stays within bf16 rounding of the first loss and exports the encoder
 unchanged. Prints ``OK <check>`` per passed check; any mismatch raises.
 """
@@ -48,6 +49,27 @@ def make_init(workdir: Path, encoder: str) -> Path:
     export_salm(model, cfg, out)
     dist.barrier()
     return out
+
+
+def check_whisper_sharded_init(workdir: Path, init: Path) -> None:
+    """A Whisper SALM from scratch under FSDP2 over all ranks: every ``WhisperEncoderLayer`` is an FSDP2 unit and
+    the fixed sinusoidal position table (a sharded, frozen parameter) is the single-process init's, row for row."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from training.parallel_dims import ParallelDims
+    from training.speech.job import build_salm
+
+    cfg = salm_job(workdir, "scratch", encoder="whisper")
+    dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
+    model, _ = build_salm(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    layers = model.encoder.layers
+    assert all(isinstance(layer, FSDPModule) and type(layer).__name__ == "FSDPWhisperEncoderLayer" for layer in layers)
+    table = model.encoder.embed_positions.weight
+    want = load_file(init / "encoder" / "model.safetensors")["embed_positions.weight"]
+    assert isinstance(table, DTensor) and not table.requires_grad and torch.equal(table.full_tensor(), want)
+    print("OK whisper from scratch under fsdp2", flush=True)
 
 
 def reference(workdir: Path, init: Path, batches) -> tuple[list[float], list[float], dict]:
@@ -93,6 +115,7 @@ def main() -> None:
     inits = {encoder: make_init(workdir, encoder) for encoder in ("parakeet", "whisper")}
     batches = audio_batches(STEPS * GLOBAL_MICRO)
     refs = {encoder: reference(workdir, init, batches) for encoder, init in inits.items()}
+    check_whisper_sharded_init(workdir, inits["whisper"])
 
     def loaders(k):
         return lambda dp_rank, dp_size: ListLoader(batches, dp_rank, dp_size, k)

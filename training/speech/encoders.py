@@ -81,6 +81,9 @@ class ParakeetFrontEnd:
 
         return ParakeetEncoder(config)
 
+    def initialize(self, encoder: nn.Module) -> None:
+        encoder.initialize_weights()  # in-place random ops: each FSDP2 shard draws its own values
+
     def features(self, encoder: nn.Module, audio: torch.Tensor,
                  audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return log_mel(audio, audio_lens, self.cfg)
@@ -113,6 +116,22 @@ class WhisperFrontEnd:
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
         return WhisperEncoder(config)
+
+    def initialize(self, encoder: nn.Module) -> None:
+        """transformers' init, except the fixed sinusoidal position table: its init copies the whole table into
+        the parameter, which under FSDP2 is a shard (every rank would get the first rows); each rank writes
+        its own rows of the table instead (computed locally, no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from transformers.models.whisper.modeling_whisper import sinusoids
+
+        weight = encoder.embed_positions.weight
+        weight._is_hf_initialized = True  # transformers' init functions skip a tensor marked so
+        encoder.initialize_weights()
+        table = sinusoids(*weight.shape).to(weight.device)
+        if isinstance(weight, DTensor):
+            table = distribute_tensor(table, weight.device_mesh, weight.placements, src_data_rank=None)
+        with torch.no_grad():
+            weight.copy_(table)
 
     @staticmethod
     def window_frames(encoder: nn.Module) -> int:

@@ -138,8 +138,6 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
 @torch.no_grad()
 def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) -> None:
     """Allocate each rank's shards, initialize, then load whatever has a local checkpoint."""
-    from torch.distributed.tensor.experimental import implicit_replication
-
     from training.model import load_safetensors, materialize
 
     materialize(model.llm, device, llm_path)
@@ -147,8 +145,7 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
     model.adapter.to_empty(device=device)
     for module in model.encoder.modules():
         module._is_hf_initialized = False
-    with implicit_replication():  # Whisper copies a full sinusoid table into its (sharded) position embedding
-        model.encoder.initialize_weights()
+    model.front.initialize(model.encoder)
     model.adapter.reset_parameters()
     if path := model.cfg.encoder.pretrained_path:
         load_safetensors(model.encoder, path, prefix=model.front.checkpoint_prefix(path))
