@@ -141,7 +141,7 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path):
                                    model.eval().encode(batch["audio"], batch["audio_lens"]))
 
 
-def test_whisper_window_must_bound_the_audio(tmp_path):
+def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
     from configtree import to_dict
     from training.config import load_job_config
     from training.parallel_dims import ParallelDims
@@ -149,10 +149,12 @@ def test_whisper_window_must_bound_the_audio(tmp_path):
 
     save_tokenizer(tmp_path / "tokenizer.json")
     raw = to_dict(salm_job(tmp_path, "x", encoder="whisper"))
-    raw["data"]["decode"]["max_duration"] = 1.0
-    with pytest.raises(ValueError, match=r"takes at most 0.8 s of audio: set data.decode.max_duration <= 0.8"):
+    for decode, error in ((dict(max_duration=1.0), r"takes at most 0.8 s of audio: set data.decode.max_duration <= 0.8"),
+                          (dict(sample_rate=8000), r"data.decode.sample_rate 8000 != 16000 Hz, the rate the whisper")):
+        raw["data"]["decode"].update(decode)
         cfg = load_job_config(None, base=raw)
-        build_salm(cfg, ParallelDims.from_config(cfg.distributed, 1), {}, torch.device("cpu"))
+        with pytest.raises(ValueError, match=error):
+            build_salm(cfg, ParallelDims.from_config(cfg.distributed, 1), {}, torch.device("cpu"))
 
 
 def test_word_errors_and_wer():
