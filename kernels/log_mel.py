@@ -1,4 +1,4 @@
-"""Log-mel features of a padded waveform batch on the device, matching the loader's DALI path.
+"""Log-mel features of a padded waveform batch on the device: the loader's DALI path, and Whisper's.
 
 ``log_mel(audio, lengths, cfg)`` computes, in plain torch on whatever device ``audio`` lives (no
 torchaudio), the same features as ``dataio.stream.dali``'s ``features: log_mel`` graph
@@ -17,6 +17,17 @@ Measured against DALI 2.4 on CPU (tests/test_kernels_log_mel.py): max |differenc
 utterances of different lengths in one batch (float32 FFT rounding). Frames past an utterance's end are
 set to -80 dB (the floor). The output is scaled to about [-1, 1] by ``(db + 40) / 40`` for the encoder
 (``scale: true``, the default for training; ``scale: false`` returns DALI's dB values).
+
+``whisper_log_mel(audio, lengths, n_mels, window_frames)`` computes transformers' ``WhisperFeatureExtractor``
+features on the device: every utterance zero-padded to Whisper's fixed window (30 s = 3000 frames for
+the released checkpoints), centred STFT (n_fft 400, hop 160, periodic Hann, reflect padding of the
+whole window) without its last frame, Slaney mel bank (80 or 128 bins), ``log10(max(x, 1e-10))``
+floored at the utterance's maximum - 8, then ``(x + 4) / 4``. The frames the real audio covers are
+``ceil(length / hop)`` (the extractor's attention mask). Measured against the extractor in
+tests/test_kernels_log_mel.py. Cost: the STFT of the whole window per utterance (the encoder's input
+size is fixed anyway).
+
+Both run with autocast off: the mel matmul and the log must stay in float32 under a bf16 step.
 
 ``spec_augment`` masks random frequency bands and time spans per utterance (SpecAugment without time
 warping), drawing from an explicit ``torch.Generator`` so runs are reproducible per rank.
@@ -62,22 +73,30 @@ def num_frames(lengths: torch.Tensor, hop_length: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _tables(cfg_key: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(window ``[n_fft]``, mel matrix ``[n_mels, n_fft // 2 + 1]``) for one parameter set and device."""
+def _mel_matrix(sample_rate: int, n_mels: int, n_fft: int, device: str) -> torch.Tensor:
+    """Slaney mel bank with Slaney area normalisation, ``[n_mels, n_fft // 2 + 1]`` (DALI's and Whisper's)."""
     from transformers.audio_utils import mel_filter_bank
 
+    mel = mel_filter_bank(num_frequency_bins=n_fft // 2 + 1, num_mel_filters=n_mels, min_frequency=0.0,
+                          max_frequency=sample_rate / 2, sampling_rate=sample_rate, norm="slaney",
+                          mel_scale="slaney")
+    return torch.from_numpy(mel.T).float().to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(cfg_key: tuple, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(window ``[n_fft]``, mel matrix ``[n_mels, n_fft // 2 + 1]``) for one parameter set and device."""
     sample_rate, n_mels, n_fft, win_length = cfg_key
     i = torch.arange(win_length, dtype=torch.float64)
     hann = 0.5 * (1 - torch.cos(2 * math.pi * (i + 0.5) / win_length))
     left = (n_fft - win_length) // 2
     window = torch.zeros(n_fft, dtype=torch.float64)
     window[left : left + win_length] = hann
-    mel = mel_filter_bank(num_frequency_bins=n_fft // 2 + 1, num_mel_filters=n_mels, min_frequency=0.0,
-                          max_frequency=sample_rate / 2, sampling_rate=sample_rate, norm="slaney",
-                          mel_scale="slaney")
-    return window.float().to(device), torch.from_numpy(mel.T).float().to(device)
+    return window.float().to(device), _mel_matrix(sample_rate, n_mels, n_fft, device)
 
 
+@torch.autocast("cuda", enabled=False)
+@torch.autocast("cpu", enabled=False)
 def log_mel(audio: torch.Tensor, lengths: torch.Tensor, cfg: LogMelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``audio [B, T]`` (zero-padded, float) with valid ``lengths [B]`` -> (features ``[B, n_mels, F]``,
     frames ``[B]``)."""
@@ -105,6 +124,39 @@ def log_mel(audio: torch.Tensor, lengths: torch.Tensor, cfg: LogMelConfig) -> tu
     db = 10.0 * torch.log10(torch.clamp(mels / peak.clamp(min=torch.finfo(mels.dtype).tiny), min=1e-8))
     db = db.masked_fill(~valid[:, None, :], CUTOFF_DB)
     return ((db - CUTOFF_DB / 2) / (-CUTOFF_DB / 2) if cfg.scale else db), frames
+
+
+WHISPER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_HOP = 16000, 400, 160  # WhisperFeatureExtractor's
+
+
+def whisper_num_frames(lengths: torch.Tensor) -> torch.Tensor:
+    """Whisper frames the audio covers (frame centres inside it): ``ceil(length / hop)``."""
+    return -torch.div(-lengths, WHISPER_HOP, rounding_mode="floor")
+
+
+@torch.autocast("cuda", enabled=False)
+@torch.autocast("cpu", enabled=False)
+def whisper_log_mel(audio: torch.Tensor, lengths: torch.Tensor, n_mels: int,
+                    window_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``audio [B, T]`` (16 kHz) with valid ``lengths [B]`` -> (Whisper features ``[B, n_mels, window_frames]``,
+    frames of real audio ``[B]``); see the module docstring. Raises if an utterance is longer than the window."""
+    window_samples = window_frames * WHISPER_HOP
+    lengths = lengths.to(audio.device)
+    if int(lengths.max()) > window_samples:
+        raise ValueError(f"audio of {int(lengths.max()) / WHISPER_SAMPLE_RATE:.2f} s is longer than the Whisper "
+                         f"encoder's window of {window_samples / WHISPER_SAMPLE_RATE:g} s")
+    audio = audio[:, :window_samples].float()
+    # zeros after each utterance's end, up to the window (the extractor pads every utterance with silence)
+    audio = audio * (torch.arange(audio.shape[1], device=audio.device)[None, :] < lengths[:, None])
+    audio = torch.nn.functional.pad(audio, (0, window_samples - audio.shape[1]))
+    window = torch.hann_window(WHISPER_N_FFT, device=audio.device)
+    spec = torch.stft(audio, n_fft=WHISPER_N_FFT, hop_length=WHISPER_HOP, window=window, center=True,
+                      pad_mode="reflect", return_complex=True)[..., :-1]
+    power = spec.real.square() + spec.imag.square()
+    mels = torch.matmul(_mel_matrix(WHISPER_SAMPLE_RATE, n_mels, WHISPER_N_FFT, str(audio.device)), power)
+    logs = torch.clamp(mels, min=1e-10).log10()
+    logs = torch.maximum(logs, logs.amax(dim=(1, 2), keepdim=True) - 8.0)
+    return (logs + 4.0) / 4.0, whisper_num_frames(lengths)
 
 
 @dataclass(kw_only=True)
@@ -147,4 +199,5 @@ def spec_augment(features: torch.Tensor, frames: torch.Tensor, cfg: SpecAugmentC
     return features.masked_fill(mask, fill)
 
 
-__all__ = ["CUTOFF_DB", "LogMelConfig", "SpecAugmentConfig", "log_mel", "num_frames", "spec_augment"]
+__all__ = ["CUTOFF_DB", "WHISPER_HOP", "WHISPER_N_FFT", "WHISPER_SAMPLE_RATE", "LogMelConfig", "SpecAugmentConfig",
+           "log_mel", "num_frames", "spec_augment", "whisper_log_mel", "whisper_num_frames"]

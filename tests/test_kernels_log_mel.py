@@ -1,4 +1,5 @@
-"""kernels.log_mel against the loader's DALI log-mel path (DALI on CPU), and SpecAugment's masks."""
+"""kernels.log_mel against the loader's DALI log-mel path (DALI on CPU) and against transformers'
+WhisperFeatureExtractor, and SpecAugment's masks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.log_mel import LogMelConfig, SpecAugmentConfig, log_mel, spec_augment
+from kernels.log_mel import LogMelConfig, SpecAugmentConfig, log_mel, spec_augment, whisper_log_mel
 
 TOLERANCE_DB = 1e-3  # the stated tolerance (README "Speech LLMs"): float32 FFT rounding only
 
@@ -60,6 +61,40 @@ def test_log_mel_matches_dali_per_utterance_in_a_padded_batch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_log_mel_on_cuda_matches_dali_gpu_features():
     _compare_with_dali("gpu")
+
+
+def _compare_with_whisper_extractor(device: str, n_mels: int, window_frames: int) -> None:
+    """The padded batch on ``device`` vs the extractor's per-utterance features on the CPU (its own 30 s padding,
+    or a shorter window through ``max_length``), and the real-audio frames vs its attention mask."""
+    from transformers import WhisperFeatureExtractor
+
+    waves = _utterances()
+    extractor = WhisperFeatureExtractor(feature_size=n_mels)
+    want = extractor(waves, sampling_rate=16000, max_length=window_frames * 160, return_attention_mask=True,
+                     return_tensors="pt")
+    audio = torch.zeros(len(waves), max(len(w) for w in waves))
+    for row, w in zip(audio, waves):
+        row[: len(w)] = torch.from_numpy(w)
+    audio[1, len(waves[1]):] = 1.0  # whatever the batch padding holds, each utterance sees silence after its end
+    audio, lengths = audio.to(device), torch.tensor([len(w) for w in waves], device=device)
+    with torch.autocast(audio.device.type, dtype=torch.bfloat16):  # a bf16 step computes its features in fp32
+        ours, frames = whisper_log_mel(audio, lengths, n_mels, window_frames)
+    assert ours.dtype == torch.float32 and ours.shape == want["input_features"].shape == (3, n_mels, window_frames)
+    assert frames.tolist() == want["attention_mask"].sum(1).tolist()
+    torch.testing.assert_close(ours.cpu(), want["input_features"], rtol=0, atol=1e-5)  # measured 1.2e-7 on CPU
+    with pytest.raises(ValueError, match="longer than the Whisper encoder's window of 1.25 s"):
+        whisper_log_mel(audio, lengths, n_mels, 125)
+
+
+@pytest.mark.parametrize("n_mels,window_frames", [(80, 3000), (128, 3000), (80, 200)])
+def test_whisper_log_mel_matches_whisper_feature_extractor(n_mels, window_frames):
+    _compare_with_whisper_extractor("cpu", n_mels, window_frames)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_whisper_log_mel_on_cuda_matches_whisper_feature_extractor():
+    _compare_with_whisper_extractor("cuda", 128, 3000)
 
 
 def test_spec_augment_masks_within_limits_and_reproducibly():

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from speech_common import SPEECH, TINY_ENCODER, TINY_LLM, audio_batches, save_tokenizer, salm_job  # noqa: E402
+from speech_common import (SPEECH, TINY_ENCODER, TINY_LLM, TINY_WHISPER, audio_batches, save_tokenizer,  # noqa: E402
+                           salm_job)
 
 from configtree import ConfigError  # noqa: E402
 from training.speech.eval import corpus_wer, word_errors  # noqa: E402
@@ -34,13 +35,13 @@ def test_prompt_layout_answers_and_labels():
     assert gen["audio_mask"][1].tolist() == [False] * 4 + [True, False]
 
 
-def _tiny_salm(tmp_path):
+def _tiny_salm(tmp_path, **job):
     from training.model import build_hf_config
     from training.speech.job import SpeechBatches
     from training.speech.model import build_meta_salm, materialize_salm
 
     save_tokenizer(tmp_path / "tokenizer.json")
-    cfg = salm_job(tmp_path, "unit")
+    cfg = salm_job(tmp_path, "unit", **job)
     torch.manual_seed(0)
     model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
     materialize_salm(model, torch.device("cpu"), None)
@@ -77,6 +78,85 @@ def test_placeholder_replaced_by_frames_and_loss_on_answers_only(tmp_path):
     assert torch.equal(speech.convert(raw)["labels"], changed["labels"])
 
 
+def _whisper_checkpoint(path: Path):
+    """A tiny whole Whisper model (encoder + decoder) saved as a HF checkpoint in float16, like large-v3's."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(1)
+    whisper = WhisperForConditionalGeneration(WhisperConfig(
+        **TINY_WHISPER, vocab_size=64, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
+        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=1)).eval()
+    whisper.to(torch.float16).save_pretrained(path)
+    return whisper.float()
+
+
+def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path):
+    """A SALM on a whole Whisper checkpoint's encoder: the weights are the checkpoint's; every utterance gets the
+    adapter frames its real audio covers (the extractor's attention mask, halved by the encoder's conv, then
+    stacked by the adapter); the frames written into the slots equal transformers' WhisperEncoder on
+    WhisperFeatureExtractor's features of each utterance alone; backward reaches the encoder, not its fixed
+    positions; the export's encoder/ loads back through load_salm."""
+    from transformers import WhisperFeatureExtractor
+
+    from training.speech.job import export_salm, load_salm
+
+    whisper = _whisper_checkpoint(tmp_path / "whisper")
+    model, speech = _tiny_salm(tmp_path, encoder="whisper", speech_extra=dict(
+        encoder=dict(kind="whisper", pretrained_path=str(tmp_path / "whisper"))))
+    ours = dict(model.encoder.named_parameters())
+    for name, value in whisper.model.encoder.named_parameters():
+        assert torch.equal(ours[name], value), name
+    raw = audio_batches(1, rows=3, seed=4)[0]
+    batch = speech.convert(raw)
+    extractor = WhisperFeatureExtractor(feature_size=TINY_WHISPER["num_mel_bins"])
+    waves = [w[:n].numpy() for w, n in zip(raw["audio"], raw["audio_lens"])]
+    feats = extractor(waves, sampling_rate=16000, max_length=2 * TINY_WHISPER["max_source_positions"] * 160,
+                      return_attention_mask=True, return_tensors="pt")
+    mel_frames = feats["attention_mask"].sum(1)
+    encoder_frames = (mel_frames + 1) // 2  # conv2: kernel 3, stride 2, padding 1
+    slots = (encoder_frames + 1) // 2  # adapter.subsampling 2
+    assert len(set(slots.tolist())) == 3 and batch["audio_mask"].sum(1).tolist() == slots.tolist()
+    with torch.no_grad():
+        hidden = whisper.model.encoder(feats["input_features"]).last_hidden_state
+        want = torch.cat([model.adapter(h[None, :n])[0, :s] for h, n, s in zip(hidden, encoder_frames, slots)])
+        torch.testing.assert_close(model.encode(batch["audio"], batch["audio_lens"]), want, rtol=1e-4, atol=1e-5)
+    loss = model(**{k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask",
+                                          "position_ids")})
+    loss.backward()
+    assert torch.isfinite(loss) and model.encoder.embed_positions.weight.grad is None
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.encoder.named_parameters()
+               if n != "embed_positions.weight")
+    cfg = salm_job(tmp_path, "unit", encoder="whisper")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        export_salm(model, cfg, tmp_path / "export")
+    finally:
+        dist.destroy_process_group()
+    loaded, loaded_cfg = load_salm(tmp_path / "export")
+    assert loaded_cfg.encoder.kind == "whisper" and loaded_cfg.features is None
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.encode(batch["audio"], batch["audio_lens"]),
+                                   model.eval().encode(batch["audio"], batch["audio_lens"]))
+
+
+def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
+    from configtree import to_dict
+    from training.config import load_job_config
+    from training.parallel_dims import ParallelDims
+    from training.speech.job import build_salm
+
+    save_tokenizer(tmp_path / "tokenizer.json")
+    raw = to_dict(salm_job(tmp_path, "x", encoder="whisper"))
+    for decode, error in ((dict(max_duration=1.0), r"takes at most 0.8 s of audio: set data.decode.max_duration <= 0.8"),
+                          (dict(sample_rate=8000), r"data.decode.sample_rate 8000 != 16000 Hz, the rate the whisper")):
+        raw["data"]["decode"].update(decode)
+        cfg = load_job_config(None, base=raw)
+        with pytest.raises(ValueError, match=error):
+            build_salm(cfg, ParallelDims.from_config(cfg.distributed, 1), {}, torch.device("cpu"))
+
+
 def test_word_errors_and_wer():
     assert word_errors("a b c".split(), "a b c".split()) == 0
     assert word_errors("a b c".split(), "a x c".split()) == 1
@@ -99,12 +179,26 @@ def test_salm_config_errors(tmp_path):
     raw["data"]["bucketing"] = None
     with pytest.raises(ConfigError, match="salm trains on bucketed audio"):
         load_job_config(None, base=raw)
+    from kernels.log_mel import LogMelConfig
     from training.speech.config import EncoderConfig
-    from training.speech.model import build_encoder_config
+    from training.speech.encoders import ParakeetFrontEnd, WhisperFrontEnd
 
     with pytest.raises(ValueError, match="layerdrop"):
-        build_encoder_config(EncoderConfig(config=dict(TINY_ENCODER, layerdrop=0.1)), 16)
+        ParakeetFrontEnd(LogMelConfig(n_mels=16)).config(EncoderConfig(config=dict(TINY_ENCODER, layerdrop=0.1)))
+    with pytest.raises(ValueError, match="encoder_layerdrop must be 0"):
+        WhisperFrontEnd().config(EncoderConfig(kind="whisper", config=dict(TINY_WHISPER, encoder_layerdrop=0.1)))
     assert SPEECH["features"]["n_mels"] == 16
+    raw = to_dict(salm_job(tmp_path, "x", encoder="whisper"))
+    raw["model"]["speech"]["features"] = {"n_mels": 80}
+    with pytest.raises(ConfigError, match=r"model.speech: features: a whisper encoder takes Whisper's own"):
+        load_job_config(None, base=raw)
+    raw["model"]["speech"]["encoder"]["kind"] = "wav2vec"
+    with pytest.raises(ConfigError, match=r"model.speech.encoder.kind: expected one of \['parakeet', 'whisper'\]"):
+        load_job_config(None, base=raw)
+    (tmp_path / "parakeet").mkdir()
+    (tmp_path / "parakeet" / "config.json").write_text('{"model_type": "parakeet_encoder"}')
+    with pytest.raises(ValueError, match="holds a 'parakeet_encoder' config, not one of \\['whisper'\\]"):
+        WhisperFrontEnd().config(EncoderConfig(kind="whisper", config_path=str(tmp_path / "parakeet")))
 
 
 def test_batch_estimator_finds_the_largest_batch_under_a_budget(tmp_path):
@@ -129,3 +223,5 @@ def test_speech_demo_recipe_loads():
     cfg = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_demo.yaml"))
     assert cfg.model.kind == "salm" and cfg.model.speech.encoder.kind == "parakeet"
     assert cfg.data.bucketing.two_d and cfg.data.seq_len is None
+    whisper = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_whisper_demo.yaml"))
+    assert whisper.model.speech.encoder.kind == "whisper" and whisper.model.speech.features is None

@@ -47,7 +47,7 @@ def run(cfg, steps: int, warmup: int) -> dict:
                    defer_grad_sync=True, autocast=False, forward=salm_loss_sum)
         lens = batch["audio_lens"]
         utts += len(lens)
-        seconds += float(lens.sum()) / cfg.model.speech.features.sample_rate
+        seconds += float(lens.sum()) / cfg.model.speech.sample_rate
         audio_pad.append(1 - float(lens.sum()) / (len(lens) * float(lens.max())))
         ends = (batch["labels"] != -100).int().cumsum(1).argmax(1) + 2  # last answer label + 1 -> row length
         real = torch.arange(batch["labels"].shape[1])[None, :] < ends[:, None]

@@ -61,7 +61,7 @@ def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_siz
     from training.speech.prompt import build_batch
 
     device = next(model.parameters()).device
-    samples = int(seconds * model.cfg.features.sample_rate)
+    samples = int(seconds * model.cfg.sample_rate)
     audio = torch.randn(batch_size, samples, generator=torch.Generator().manual_seed(0)) * 0.1
     lens = torch.full((batch_size,), samples)
     answers = [[speech_batches.template.eos_id] * max(int(tokens) - 1, 0)] * batch_size

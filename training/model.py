@@ -98,8 +98,9 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
         load_safetensors(model, pretrained_path)
 
 
-def load_safetensors(model: nn.Module, path: str) -> None:
-    """Fill ``model`` (plain, FSDP2 or TP-sharded) from a HF safetensors directory, each rank its own slices."""
+def load_safetensors(model: nn.Module, path: str, prefix: str = "") -> None:
+    """Fill ``model`` (plain, FSDP2 or TP-sharded) from a HF safetensors directory, each rank its own slices;
+    ``prefix``: the checkpoint names the model's weights ``prefix + name`` (a part of a bigger model)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -107,7 +108,7 @@ def load_safetensors(model: nn.Module, path: str) -> None:
     hf = unwrap_causal_lm(model)
     if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
-    stored_as = checkpoint_names(hf, path)
+    stored_as = {name[len(prefix):]: key for name, key in checkpoint_names(hf, path).items() if name.startswith(prefix)}
     stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
     # fused MoE experts stored per expert (the hub's layout) are read into per-expert views of the local experts
     reads = per_expert_views(hf, state, keep_fused=stored_as.keys() | stored)

@@ -18,6 +18,9 @@ TINY_LLM = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_
 TINY_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                     subsampling_factor=4, subsampling_conv_channels=8, conv_kernel_size=3, dropout=0.0,
                     attention_dropout=0.0, activation_dropout=0.0)
+# Whisper's encoder with a 0.8 s window (max_source_positions 40 -> 80 mel frames): the test audio is 0.2..0.7 s
+TINY_WHISPER = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=80,
+                    max_source_positions=40, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 SPEECH = dict(prompt="transcribe the audio <|audio|> transcript", features=dict(n_mels=16, n_fft=256,
               win_length=200, hop_length=160), adapter=dict(subsampling=2))
 
@@ -36,16 +39,23 @@ def save_tokenizer(path: Path) -> str:
 
 def salm_job(workdir: Path, name: str, *, init: Path | None = None, distributed: dict | None = None,
              grad_accum: int = 1, max_steps: int = 3, optim: dict | None = None, data_path: str = "unused",
-             speech_extra: dict | None = None, **trainer):
-    """A SALM job: from the exported ``init`` (LLM + encoder + adapter) or fresh inline configs."""
-    speech = dict(SPEECH, **(speech_extra or {}), encoder=dict(config=TINY_ENCODER) if init is None else
-                  dict(pretrained_path=str(init / "encoder")))
+             speech_extra: dict | None = None, encoder: str = "parakeet", **trainer):
+    """A SALM job: from the exported ``init`` (LLM + encoder + adapter) or fresh inline configs; ``encoder``:
+    parakeet (with ``SPEECH``'s features) or whisper (Whisper's own features)."""
+    speech = dict(SPEECH, encoder=dict(
+        kind=encoder, **(dict(config=TINY_WHISPER if encoder == "whisper" else TINY_ENCODER) if init is None
+                         else dict(pretrained_path=str(init / "encoder")))))
+    speech.update(speech_extra or {})
+    if encoder == "whisper":
+        del speech["features"]
     if init is not None:
         speech["adapter"] = dict(SPEECH["adapter"], pretrained_path=str(init / "adapter"))
     model = dict(kind="salm", tokenizer=str(workdir / "tokenizer.json"), speech=speech,
                  **(dict(config=TINY_LLM) if init is None else dict(pretrained_path=str(init / "hf"))))
     return load_job_config(None, base=dict(
-        model=model, data=dict(datasets=[dict(path=data_path)], bucketing=dict(max_duration=2.0)),
+        model=model, data=dict(datasets=[dict(path=data_path)], bucketing=dict(max_duration=2.0),
+                               # whisper: nothing longer than its 0.8 s window reaches it
+                               **(dict(decode=dict(max_duration=0.8)) if encoder == "whisper" else {})),
         distributed=distributed or dict(strategy="fsdp2"),
         # eps=1: AdamW's update is ~ lr * gradient (not lr * sign), so weights compared after training compare
         # gradients; the conv bias before the encoder's BatchNorm has a ~0 gradient that plain Adam would

@@ -7,9 +7,11 @@
       tokenizer: demo/corpus/tokenizer.json
       speech:
         encoder: {kind: parakeet, config: {hidden_size: 128, num_hidden_layers: 4, ...}, freeze: false}
+        # or Whisper's encoder from a local Whisper checkpoint (features: Whisper's own, leave unset):
+        # encoder: {kind: whisper, pretrained_path: /ckpt/whisper-small, freeze: true}
         adapter: {subsampling: 2}
         prompt: "Transcribe the audio. <|audio|> Transcript:"
-        features: {n_mels: 80}               # kernels.log_mel, on the device in the step
+        features: {n_mels: 80}               # kernels.log_mel, on the device in the step (parakeet)
         spec_augment: {freq_masks: 2, time_masks: 2}
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kernels.log_mel import LogMelConfig, SpecAugmentConfig
+from kernels.log_mel import WHISPER_SAMPLE_RATE, LogMelConfig, SpecAugmentConfig
 
 AUDIO_PLACEHOLDER = "<|audio|>"
 
@@ -26,10 +28,10 @@ AUDIO_PLACEHOLDER = "<|audio|>"
 @dataclass(kw_only=True)
 class EncoderConfig:
     """The speech encoder: a transformers encoder config (inline or a local config.json / directory),
-    optionally its weights (``pretrained_path``: config.json + model.safetensors, e.g. an export's
-    ``encoder/``)."""
+    optionally its weights (``pretrained_path``: config.json + safetensors, e.g. an export's ``encoder/``
+    or, for ``whisper``, a whole Whisper checkpoint directory whose ``model.encoder.*`` weights are read)."""
 
-    kind: Literal["parakeet"] = "parakeet"  # FastConformer (transformers ParakeetEncoder)
+    kind: Literal["parakeet", "whisper"] = "parakeet"  # FastConformer (ParakeetEncoder) | WhisperEncoder
     config: dict[str, Any] | None = None
     config_path: str | None = None
     pretrained_path: str | None = None
@@ -63,7 +65,9 @@ class SpeechConfig:
     freeze_llm: bool = False
     prompt: str = f"Transcribe the audio. {AUDIO_PLACEHOLDER} Transcript:"  # one placeholder, the frames' place
     answer_field: str = "text"  # the batch field the loss is taken on (the transcript for ASR)
-    features: LogMelConfig = field(default_factory=LogMelConfig)
+    # log-mel parameters of a parakeet encoder (default: DALI's); a whisper encoder takes Whisper's own features
+    # (n_fft 400, hop 160, its config's num_mel_bins), so it leaves this unset
+    features: LogMelConfig | None = None
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
@@ -71,7 +75,17 @@ class SpeechConfig:
     eval_split: str = "val"
     eval_batch_duration: float = 60.0  # seconds of padded audio per eval batch
 
+    @property
+    def sample_rate(self) -> int:
+        """The audio sample rate the encoder's features expect (the loader's ``decode.sample_rate``)."""
+        return WHISPER_SAMPLE_RATE if self.features is None else self.features.sample_rate
+
     def __post_init__(self):
+        if self.encoder.kind == "whisper" and self.features is not None:
+            raise ValueError("features: a whisper encoder takes Whisper's own log-mel features (n_fft 400, hop 160, "
+                             "n_mels = its config's num_mel_bins); leave model.speech.features unset")
+        if self.encoder.kind == "parakeet" and self.features is None:
+            self.features = LogMelConfig()
         if self.prompt.count(AUDIO_PLACEHOLDER) != 1:
             raise ValueError(f"prompt must contain the audio placeholder {AUDIO_PLACEHOLDER} exactly once: "
                              f"{self.prompt!r}")

@@ -118,7 +118,7 @@ def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, ou
     from training.speech.prompt import load_tokenizer
 
     model, cfg = load_salm(model_dir)
-    loader = eval_loader(data, split, cfg.features.sample_rate, batch_duration)
+    loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
     return decode_split(model, cfg, load_tokenizer(str(Path(model_dir) / "hf")), loader,
                         max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
 
@@ -134,7 +134,7 @@ def eval_in_training(model, cfg, step: int) -> dict:
     salm = getattr(model, "module", model)
     speech = cfg.model.speech
     roots = [m for m in (salm, salm.llm) if isinstance(m, FSDPModule)]
-    loader = eval_loader(cfg.data.datasets[0].path, speech.eval_split, speech.features.sample_rate,
+    loader = eval_loader(cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate,
                          speech.eval_batch_duration)
     salm.eval()
     for m in roots:

@@ -9,8 +9,8 @@
   host, inside the prefetcher's thread, so it overlaps the step; its state is the loader's;
 - ``salm_loss_sum``: the step's forward (log-mel on the device happens inside the model);
 - ``export_salm``: ``hf/`` (the LLM, loadable by ``AutoModelForCausalLM``), ``encoder/`` (config.json +
-  model.safetensors, loadable by ``ParakeetEncoder.from_pretrained``), ``adapter/model.safetensors`` and
-  ``salm.json`` (the speech config) -- ``load_salm(dir)`` rebuilds the pair for inference.
+  model.safetensors, loadable by ``ParakeetEncoder`` / ``WhisperEncoder.from_pretrained``),
+  ``adapter/model.safetensors`` and ``salm.json`` (the speech config) -- ``load_salm(dir)`` rebuilds the pair for inference.
 """
 
 from __future__ import annotations
@@ -47,13 +47,27 @@ def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: t
                          "split over the tp ranks); evaluate the export with python -m training.speech.eval")
     llm_config = build_hf_config(cfg.model)
     param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    model = parallelize_salm(build_meta_salm(llm_config, cfg.model.speech), dims, meshes, cfg.distributed,
-                             param_dtype)
+    model = build_meta_salm(llm_config, cfg.model.speech)
+    check_audio_input(model, cfg.data.decode)
+    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype)
     materialize_salm(model, device, cfg.model.pretrained_path)
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)
     return model, llm_config
+
+
+def check_audio_input(model: SALM, decode) -> None:
+    """The loader's audio suits the encoder: its sample rate (when set), and no utterance longer than the
+    encoder's fixed window (Whisper's), which ``data.decode.max_duration`` turns into counted skips."""
+    kind, rate = model.cfg.encoder.kind, model.cfg.sample_rate
+    if decode.sample_rate is not None and decode.sample_rate != rate:
+        raise ValueError(f"data.decode.sample_rate {decode.sample_rate} != {rate} Hz, the rate the {kind} encoder's "
+                         "features are computed at")
+    limit = model.front.max_seconds(model.encoder)
+    if limit is not None and (decode.max_duration is None or decode.max_duration > limit):
+        raise ValueError(f"model.speech.encoder ({kind}) takes at most {limit:g} s of audio: set "
+                         f"data.decode.max_duration <= {limit:g} (longer utterances become counted decode skips)")
 
 
 class SpeechBatches:
@@ -147,4 +161,4 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
                          multiple_of=dims.tp if dims.sequence_parallel else 1)
 
 
-__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "export_salm", "load_salm", "salm_loss_sum", "wrap_loader"]
+__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum", "wrap_loader"]

@@ -3,9 +3,11 @@
 ``SALM.forward(audio, audio_lens, input_ids, labels, audio_mask, position_ids)`` -> summed answer
 cross-entropy:
 
-1. log-mel features on the device (``kernels.log_mel``, the loader's DALI features to < 1e-3 dB),
-   SpecAugment in training when configured;
-2. the encoder (transformers' ``ParakeetEncoder``: FastConformer, 2^k conv subsampling) -> frames;
+1. log-mel features on the device (``kernels.log_mel``: the loader's DALI features to < 1e-3 dB for a
+   parakeet encoder, ``WhisperFeatureExtractor``'s over a fixed window for a whisper one), SpecAugment in
+   training when configured;
+2. the encoder (transformers' ``ParakeetEncoder``: FastConformer, 2^k conv subsampling, or
+   ``WhisperEncoder``; ``training.speech.encoders``) -> frames;
 3. the adapter stacks ``subsampling`` consecutive frames and projects them to the LLM's width;
 4. ``SpeechLMLoss`` embeds the prompt tokens, writes the valid adapter frames into the positions
    ``audio_mask`` marks (the expanded audio placeholder, see ``training.speech.prompt``), runs the
@@ -22,40 +24,16 @@ Module names: ``encoder.*`` (transformers'), ``adapter.*``, ``llm.model.*`` / ``
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
-from kernels.log_mel import log_mel, num_frames, spec_augment
+from kernels.log_mel import spec_augment
 from training.loss import CausalLMLoss
-from training.speech.config import EncoderConfig, SpeechConfig
-
-
-def build_encoder_config(cfg: EncoderConfig, n_mels: int) -> PretrainedConfig:
-    """The encoder's transformers config (inline fields, a config.json, or a pretrained directory)."""
-    from transformers import ParakeetEncoderConfig
-
-    if cfg.config is not None:
-        fields = dict(cfg.config)
-    else:
-        path = cfg.config_path or cfg.pretrained_path
-        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-            fields = json.load(f)
-        fields.pop("model_type", None)
-    # LayerDrop skips layers at random per rank: FSDP2 ranks would then gather different layers and hang.
-    fields.setdefault("layerdrop", 0.0)
-    if fields["layerdrop"]:
-        raise ValueError("model.speech.encoder.config.layerdrop must be 0 (ranks would skip different layers "
-                         "and FSDP2's collectives would not match)")
-    fields.setdefault("num_mel_bins", n_mels)
-    if fields["num_mel_bins"] != n_mels:
-        raise ValueError(f"model.speech.encoder num_mel_bins {fields['num_mel_bins']} != features.n_mels {n_mels}")
-    return ParakeetEncoderConfig(**fields)
+from training.speech.config import SpeechConfig
+from training.speech.encoders import front_end
 
 
 class Adapter(nn.Module):
@@ -109,23 +87,27 @@ class SALM(nn.Module):
         super().__init__()
         self.encoder, self.adapter, self.llm = encoder, adapter, llm
         self.cfg = cfg
+        self.front = front_end(cfg.encoder.kind, cfg.features)  # features, frame counts of this encoder kind
         self.config = llm.config  # the LLM's (parallelize / metrics read model.config)
         self.augment_generator: torch.Generator | None = None  # SpecAugment's stream (set per rank)
 
     def audio_slots(self, audio_lens: torch.Tensor) -> torch.Tensor:
         """Adapter frames of each utterance, from its sample count alone."""
-        frames = num_frames(audio_lens, self.cfg.features.hop_length)
-        return self.adapter.output_lengths(self.encoder._get_subsampling_output_length(frames).long())
+        return self.adapter.output_lengths(self.front.output_frames(self.encoder, audio_lens))
 
     def encode(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> torch.Tensor:
         """The valid adapter frames of every utterance, concatenated in batch order: ``[sum(slots), H]``."""
-        feats, frames = log_mel(audio, audio_lens, self.cfg.features)
+        feats, frames = self.front.features(self.encoder, audio, audio_lens)
         if self.training and self.cfg.spec_augment.enabled:
             feats = spec_augment(feats, frames, self.cfg.spec_augment, self.augment_generator)
-        mask = torch.arange(feats.shape[-1], device=feats.device)[None, :] < frames[:, None]
-        hidden = self.encoder(feats.transpose(1, 2), attention_mask=mask.long())
-        adapted = self.adapter(hidden.last_hidden_state)
-        slots = self.audio_slots(audio_lens).to(adapted.device)
+        hidden = self.front.hidden(self.encoder, feats, frames)
+        covered = self.front.output_frames(self.encoder, audio_lens).to(hidden.device)
+        # Frames past each utterance's audio are zeroed before the adapter stacks them, so its last slot does
+        # not depend on what else is in the batch; past the longest one (Whisper's window) they are skipped.
+        hidden = hidden[:, : int(covered.max())]
+        hidden = hidden * (torch.arange(hidden.shape[1], device=hidden.device)[None, :] < covered[:, None])[..., None]
+        adapted = self.adapter(hidden)
+        slots = self.adapter.output_lengths(covered)
         valid = torch.arange(adapted.shape[1], device=adapted.device)[None, :] < slots[:, None]
         return adapted[valid]
 
@@ -137,19 +119,19 @@ class SALM(nn.Module):
 
 def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     """The whole SALM on the meta device (fp32 master weights), frozen parts marked."""
-    from transformers import ParakeetEncoder
-
     from training.model import build_meta_model
 
-    enc_config = build_encoder_config(cfg.encoder, cfg.features.n_mels)
+    front = front_end(cfg.encoder.kind, cfg.features)
+    enc_config = front.config(cfg.encoder)
     llm = build_meta_model(llm_config)
     with torch.device("meta"):
-        encoder = ParakeetEncoder(enc_config)
+        encoder = front.build(enc_config)
         adapter = Adapter(enc_config.hidden_size, llm_config.hidden_size, cfg.adapter.subsampling,
                           cfg.adapter.hidden_size)
     model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg)
     for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
-        part.requires_grad_(not frozen)
+        if frozen:  # (not requires_grad_(True) otherwise: Whisper's sinusoidal positions stay fixed)
+            part.requires_grad_(False)
     return model
 
 
@@ -163,12 +145,12 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
     model.adapter.to_empty(device=device)
     for module in model.encoder.modules():
         module._is_hf_initialized = False
-    model.encoder.initialize_weights()
+    model.front.initialize(model.encoder)
     model.adapter.reset_parameters()
-    if model.cfg.encoder.pretrained_path:
-        load_safetensors(model.encoder, model.cfg.encoder.pretrained_path)
+    if path := model.cfg.encoder.pretrained_path:
+        load_safetensors(model.encoder, path, prefix=model.front.checkpoint_prefix(path))
     if model.cfg.adapter.pretrained_path:
         load_safetensors(model.adapter, model.cfg.adapter.pretrained_path)
 
 
-__all__ = ["SALM", "Adapter", "SpeechLMLoss", "build_encoder_config", "build_meta_salm", "materialize_salm"]
+__all__ = ["SALM", "Adapter", "SpeechLMLoss", "build_meta_salm", "materialize_salm"]

@@ -1,0 +1,170 @@
+"""The speech encoders a SALM can use, one small front end per ``model.speech.encoder.kind``: its transformers
+config, the module, its input features, how many output frames an utterance gets, and where a checkpoint
+keeps its weights. Model code stays transformers'.
+
+- ``parakeet``: ``ParakeetEncoder`` (FastConformer) on ``kernels.log_mel.log_mel`` (the loader's DALI
+  features) of the batch's longest utterance, with an attention mask over each utterance's frames; its
+  output frames come from its conv subsampling.
+- ``whisper``: ``WhisperEncoder`` on ``kernels.log_mel.whisper_log_mel`` (transformers'
+  ``WhisperFeatureExtractor`` computed on the device). Every utterance is padded to the encoder's fixed
+  window, ``max_source_positions * 2`` mel frames (30 s for the released checkpoints), as Whisper was
+  trained and as Qwen2-Audio feeds it: ``WhisperEncoder`` refuses any other length and takes no attention
+  mask (every position attends over the silence after the utterance, so trimming the window would change
+  what a pretrained encoder computes). Only the frames the real audio covers go on: ``ceil(samples / 160)``
+  mel frames -> ``(frames - 1) // 2 + 1`` encoder frames (its stride-2 conv) -> the adapter's stacking.
+  Cost: the encoder always runs the whole window (1500 positions, quadratic attention) per utterance, so
+  batches of short utterances pay for 30 s each; a from-scratch encoder can choose a shorter window
+  through ``max_source_positions``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, log_mel, num_frames, whisper_log_mel,
+                             whisper_num_frames)
+from training.speech.config import EncoderConfig
+
+WHISPER_CHECKPOINT_PREFIX = "model.encoder."  # a whole Whisper model's (WhisperForConditionalGeneration) names
+
+
+def _config_fields(cfg: EncoderConfig, model_types: tuple[str, ...]) -> dict:
+    """The encoder config's fields: inline, or a config.json / a directory holding one (of ``model_types``)."""
+    if cfg.config is not None:
+        return dict(cfg.config)
+    path = cfg.config_path or cfg.pretrained_path
+    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+        fields = json.load(f)
+    model_type = fields.pop("model_type", model_types[0])
+    if model_type not in model_types:
+        raise ValueError(f"model.speech.encoder: {path} holds a {model_type!r} config, not one of {list(model_types)} "
+                         f"(encoder.kind: {cfg.kind})")
+    return fields
+
+
+def _no_layerdrop(fields: dict, key: str) -> None:
+    # LayerDrop skips layers at random per rank: FSDP2 ranks would then gather different layers and hang.
+    if fields.setdefault(key, 0.0):
+        raise ValueError(f"model.speech.encoder.config.{key} must be 0 (ranks would skip different layers "
+                         "and FSDP2's collectives would not match)")
+
+
+def _masked_frames(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+
+
+class ParakeetFrontEnd:
+    """FastConformer on the DALI-matched log-mel (see the module docstring)."""
+
+    def __init__(self, features: LogMelConfig):
+        self.cfg = features
+
+    def config(self, cfg: EncoderConfig) -> PretrainedConfig:
+        from transformers import ParakeetEncoderConfig
+
+        fields = _config_fields(cfg, ("parakeet_encoder",))
+        _no_layerdrop(fields, "layerdrop")
+        fields.setdefault("num_mel_bins", self.cfg.n_mels)
+        if fields["num_mel_bins"] != self.cfg.n_mels:
+            raise ValueError(f"model.speech.encoder num_mel_bins {fields['num_mel_bins']} != features.n_mels "
+                             f"{self.cfg.n_mels}")
+        return ParakeetEncoderConfig(**fields)
+
+    def build(self, config: PretrainedConfig) -> nn.Module:
+        from transformers import ParakeetEncoder
+
+        return ParakeetEncoder(config)
+
+    def initialize(self, encoder: nn.Module) -> None:
+        encoder.initialize_weights()  # in-place random ops: each FSDP2 shard draws its own values
+
+    def features(self, encoder: nn.Module, audio: torch.Tensor,
+                 audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return log_mel(audio, audio_lens, self.cfg)
+
+    def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        mask = _masked_frames(frames, feats.shape[-1])
+        return encoder(feats.transpose(1, 2), attention_mask=mask.long()).last_hidden_state
+
+    def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
+        return encoder._get_subsampling_output_length(num_frames(audio_lens, self.cfg.hop_length)).long()
+
+    def checkpoint_prefix(self, path: str) -> str:
+        return ""
+
+    def max_seconds(self, encoder: nn.Module) -> float | None:
+        return None  # any length (the batch's longest sets the feature width)
+
+
+class WhisperFrontEnd:
+    """Whisper's encoder on Whisper's features over its fixed window (see the module docstring)."""
+
+    def config(self, cfg: EncoderConfig) -> PretrainedConfig:
+        from transformers import WhisperConfig
+
+        fields = _config_fields(cfg, ("whisper",))
+        _no_layerdrop(fields, "encoder_layerdrop")
+        return WhisperConfig(**fields)
+
+    def build(self, config: PretrainedConfig) -> nn.Module:
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        return WhisperEncoder(config)
+
+    def initialize(self, encoder: nn.Module) -> None:
+        """transformers' init, except the fixed sinusoidal position table: its init copies the whole table into
+        the parameter, which under FSDP2 is a shard (every rank would get the first rows); each rank writes
+        its own rows of the table instead (computed locally, no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from transformers.models.whisper.modeling_whisper import sinusoids
+
+        weight = encoder.embed_positions.weight
+        weight._is_hf_initialized = True  # transformers' init functions skip a tensor marked so
+        encoder.initialize_weights()
+        table = sinusoids(*weight.shape).to(weight.device)
+        if isinstance(weight, DTensor):
+            table = distribute_tensor(table, weight.device_mesh, weight.placements, src_data_rank=None)
+        with torch.no_grad():
+            weight.copy_(table)
+
+    @staticmethod
+    def window_frames(encoder: nn.Module) -> int:
+        """Mel frames of the fixed input window (what ``WhisperEncoder.forward`` insists on)."""
+        return encoder.config.max_source_positions * encoder.conv1.stride[0] * encoder.conv2.stride[0]
+
+    def max_seconds(self, encoder: nn.Module) -> float | None:
+        return self.window_frames(encoder) * WHISPER_HOP / WHISPER_SAMPLE_RATE
+
+    def features(self, encoder: nn.Module, audio: torch.Tensor,
+                 audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return whisper_log_mel(audio, audio_lens, encoder.config.num_mel_bins, self.window_frames(encoder))
+
+    def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        return encoder(feats).last_hidden_state  # no mask: Whisper attends over the whole window
+
+    def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
+        return encoder._get_feat_extract_output_lengths(whisper_num_frames(audio_lens)).long()
+
+    def checkpoint_prefix(self, path: str) -> str:
+        """``model.encoder.`` for a whole Whisper checkpoint, nothing for an encoder-only one (an export's)."""
+        from safetensors import safe_open
+
+        for file in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                if any(key.startswith(WHISPER_CHECKPOINT_PREFIX) for key in f.keys()):
+                    return WHISPER_CHECKPOINT_PREFIX
+        return ""
+
+
+def front_end(kind: str, features: LogMelConfig | None) -> ParakeetFrontEnd | WhisperFrontEnd:
+    """The front end of ``model.speech.encoder.kind``."""
+    return WhisperFrontEnd() if kind == "whisper" else ParakeetFrontEnd(features)
+
+
+__all__ = ["ParakeetFrontEnd", "WhisperFrontEnd", "front_end"]
