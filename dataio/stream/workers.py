@@ -42,6 +42,7 @@ hangs trips ``timeout`` (``worker_timeout``), both as errors in the main process
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import random
@@ -50,9 +51,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dataio.stream.collate import Allocator, plain_memory
+from dataio.stream.pool import WorkerPool, worker_info
 from dataio.stream.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
@@ -153,9 +154,9 @@ def shared_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def process_memory() -> Allocator:
-    """The allocator for a batch made without a ring: shared memory in a DataLoader worker, plain
-    memory in the main process."""
-    return shared_memory if get_worker_info() is not None else plain_memory
+    """The allocator for a batch made without a ring: shared memory in a worker process, plain memory
+    in the main process."""
+    return shared_memory if worker_info() is not None else plain_memory
 
 
 class _Inline:
@@ -196,13 +197,16 @@ def _from_wire(value, slot: torch.Tensor | None, pin: bool, slot_start: int = 0)
         start = value.offset - slot_start
         view = slot[start : start + math.prod(value.shape) * value.dtype.itemsize].view(value.dtype).view(value.shape)
         return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(view) if pin else view
+    if isinstance(value, torch.Tensor) and pin:
+        return value.pin_memory()
     if isinstance(value, dict):
         return {k: _from_wire(v, slot, pin, slot_start) for k, v in value.items()}
     return value
 
 
-class RankBatches(IterableDataset):
-    """Batches ``first .. last-1`` (``last=None``: endless) of one rank, split over DataLoader workers."""
+class RankBatches:
+    """Batches ``first .. last-1`` (``last=None``: endless) of one rank: made here (``iter``) or split
+    over worker processes in tasks (``worker_tasks``)."""
 
     def __init__(self, make_batch: Callable[[int, Allocator], dict], *, first: int, last: int | None, seed: int,
                  dp_rank: int, epoch: int):
@@ -210,24 +214,32 @@ class RankBatches(IterableDataset):
         self.seed, self.dp_rank, self.epoch = seed, dp_rank, epoch
         self.ring: SharedRing | None = None  # set by ``iterate`` before the workers fork
 
+    @property
+    def per_task(self) -> int:
+        return self.ring.per_task if self.ring is not None else 1
+
+    def num_tasks(self) -> int | None:
+        return None if self.last is None else max(0, -(-(self.last - self.first) // self.per_task))
+
     def __iter__(self) -> Iterator[dict]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None:  # augmentation randomness in decoders: one stream per (rank, worker, epoch)
-            s = derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)
-            torch.manual_seed(s)
-            np.random.seed(s % 2**32)
-            random.seed(s)
-        ring = self.ring if info is not None else None
-        if ring is None:
-            for b in range(self.first + worker, sys.maxsize if self.last is None else self.last, num_workers):
-                yield self.make_batch(b, process_memory())
-            return
-        per_task = ring.per_task
+        for b in range(self.first, sys.maxsize if self.last is None else self.last):
+            yield self.make_batch(b, plain_memory)
+
+    def worker_tasks(self, worker: int, num_workers: int) -> Iterator[list]:
+        """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
+        num_workers, ...``, each a list of ``(slot, wire batch)``."""
+        s = derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)  # augmentation randomness in decoders:
+        torch.manual_seed(s)  # one stream per (rank, worker, epoch)
+        np.random.seed(s % 2**32)
+        random.seed(s)
+        ring, per_task = self.ring, self.per_task
         b = self.first + worker * per_task
         while self.last is None or b < self.last:  # one task: batches b .. b + per_task - 1, sent together
             task = []
             for i in range(b, b + per_task if self.last is None else min(b + per_task, self.last)):
+                if ring is None:
+                    task.append((None, self.make_batch(i, shared_memory)))
+                    continue
                 slot = ring.begin_batch(worker)
                 task.append((slot, _to_wire(self.make_batch(i, ring.allocate), ring)))
             yield task
@@ -263,32 +275,26 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             return
     pin = pin_memory and torch.cuda.is_available()
     ring = batches.ring = SharedRing(num_workers, prefetch, slot_bytes) if slot_bytes > 0 else None
-    # fork: the workers inherit the ring's anonymous mapping (it has no name to pass to a spawned process)
-    # collate_fn: a batch is already made; torch's default (``default_convert``) would walk every
-    # element again -- each of the batch's ``__key__`` strings -- costing ~0.3 ms per 256-sample batch.
-    loader = DataLoader(batches, batch_size=None, collate_fn=_as_made, num_workers=num_workers,
-                        prefetch_factor=prefetch, pin_memory=pin, timeout=timeout, persistent_workers=False,
-                        multiprocessing_context="fork" if ring is not None else None)
-    workers = iter(loader)  # forks them now: they start while the consumer takes the first batch
-    if first is not None:
-        yield first
-        del first  # not held by this frame while the consumer waits for the next one
-    yield from _receive(workers, ring, pin) if ring is not None else workers
-
-
-def _as_made(batch):
-    return batch
-
-
-def _receive(workers: Iterator, ring: SharedRing, pin: bool) -> Iterator[dict]:
-    for task in workers:
-        for slot, wire in task:
-            ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
-            batch = ring.receive(slot, wire, pin)
-            if pin:
-                ring.release_dropped()  # copied out: the slot is free at once
-            yield batch
-            del batch  # not held by this frame while the consumer waits for the next one
+    pool = WorkerPool(batches.worker_tasks, num_workers=num_workers, prefetch=prefetch, timeout=timeout,
+                      num_tasks=batches.num_tasks())  # forks them now: they start while the consumer takes the first batch
+    clean = False
+    try:
+        if first is not None:
+            yield first
+            del first  # not held by this frame while the consumer waits for the next one
+        for task in pool.tasks():
+            for slot, wire in task:
+                if ring is not None:
+                    ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
+                batch = ring.receive(slot, wire, pin) if ring is not None else _from_wire(wire, None, pin)
+                if pin and ring is not None:
+                    ring.release_dropped()  # copied out: the slot is free at once
+                yield batch
+                del batch  # not held by this frame while the consumer waits for the next one
+            del task
+        clean = True
+    finally:  # also when the consumer stops early (GeneratorExit): busy workers are terminated
+        pool.close(clean)
 
 
 __all__ = ["RankBatches", "SharedRing", "batches_per_task", "iterate", "process_memory", "shared_memory"]
