@@ -36,6 +36,7 @@ from dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
 
 REF_MASK = (1 << 40) - 1  # dataio.stream.batches.REF_BITS
 BLOCK = 1024
+SHAPE_END = b",), }"  # after the count in a canonical 1-D header
 UNCHECKED, GENERAL = -2, -1  # ``CheckedTokens.code`` values besides a dtype number
 
 
@@ -119,17 +120,37 @@ def _headers(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, sizes
     dtype, digits, data = layout
     payload = sizes - data
     good = (payload >= 0) & (payload % dtype.itemsize == 0)
-    prefix = first[:digits].tobytes()
-    rows = [(b"%s%d,), }" % (prefix, c)).ljust(data - 1) + b"\n" for c in (payload // dtype.itemsize).tolist()]
-    good &= np.array([len(r) == data for r in rows])  # a count too long for this header's padding
-    expected = np.frombuffer(b"".join(r if len(r) == data else bytes(data) for r in rows), dtype=np.uint8)
-    expected = expected.reshape(len(rows), data)
+    expected, fits = _expected_headers(first[:digits].tobytes(), payload // dtype.itemsize, data)
+    good &= fits
     columns = np.arange(data)
     for shard, at in by_value(shards):
         sel = np.flatnonzero(good[at]) if isinstance(at, slice) else at[good[at]]
         headers = source.array(shard)[offsets[sel, None] + columns]
         good[sel] = (headers == expected[sel]).all(axis=1)
     return dtype, data, good
+
+
+def _expected_headers(prefix: bytes, counts: np.ndarray, data: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(headers, fits)``: each count's canonical header, ``prefix`` + its digits + ``",), }"`` padded
+    with spaces to ``data - 1`` bytes + a newline, as a ``(len(counts), data)`` array built a column at
+    a time; ``fits`` is False where the count is too long for this padding (or negative)."""
+    negative = counts < 0
+    counts = np.maximum(counts, 0)
+    digits = np.ones(len(counts), dtype=np.int64)
+    power = 10
+    while (counts >= power).any():
+        digits += counts >= power
+        power *= 10
+    start = len(prefix)
+    fits = (start + digits + len(SHAPE_END) <= data - 1) & ~negative
+    headers = np.full((len(counts), data), ord(" "), dtype=np.uint8)
+    headers[:, :start] = np.frombuffer(prefix, dtype=np.uint8)
+    headers[:, data - 1] = ord("\n")
+    end = np.frombuffer(SHAPE_END + b" ", dtype=np.uint8)  # the shape's closing bytes, then padding
+    for j in range(min(int(digits.max(initial=1)) + len(SHAPE_END), data - 1 - start)):
+        digit = ord("0") + counts // 10 ** np.maximum(digits - 1 - j, 0) % 10
+        headers[:, start + j] = np.where(j < digits, digit, end[np.clip(j - digits, 0, len(SHAPE_END))])
+    return headers, fits
 
 
 _checked: weakref.WeakKeyDictionary[ShardSource, CheckedTokens] = weakref.WeakKeyDictionary()

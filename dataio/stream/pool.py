@@ -32,6 +32,7 @@ which task a worker makes is fixed by its number.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import pickle
 import signal
@@ -78,8 +79,9 @@ class WorkerPool:
                 results_in, results_out = _CONTEXT.Pipe(duplex=False)
                 requests_in, requests_out = _CONTEXT.Pipe(duplex=False)
                 inherited = [*self.requests, *self.results, results_in, requests_out]  # main's ends: closed in the child
+                mine = None if num_tasks is None else len(range(w, num_tasks, num_workers))
                 proc = _CONTEXT.Process(target=_worker_main, name=f"headrace-worker-{w}", daemon=True,
-                                        args=(w, num_workers, tasks, requests_in, results_out, inherited))
+                                        args=(w, num_workers, tasks, mine, requests_in, results_out, inherited))
                 proc.start()
                 results_out.close()  # the worker's ends: its death is then EOF here
                 requests_in.close()
@@ -100,6 +102,8 @@ class WorkerPool:
             payload = self._receive(w)
             self._ask(w)
             t += 1
+            if self.num_tasks is not None and t + self.num_workers > self.num_tasks:
+                self.requests[w].close()  # its last task is here (handles fetched): it may exit now
             yield payload
             del payload
 
@@ -167,8 +171,11 @@ def _exit_message(proc, w: int) -> str:
     return f"worker {w} (pid {proc.pid}) exited unexpectedly ({how})"
 
 
-def _worker_main(worker: int, num_workers: int, tasks: Callable[[int, int], Iterator[Any]], requests: Connection,
-                 results: Connection, inherited: list[Connection]) -> None:
+def _worker_main(worker: int, num_workers: int, tasks: Callable[[int, int], Iterator[Any]], count: int | None,
+                 requests: Connection, results: Connection, inherited: list[Connection]) -> None:
+    """Make ``count`` (None: endless) tasks, each when asked, then wait for the main process to close
+    the request pipe: a tensor sent by handle (torch's shared memory) is fetched from this process
+    when the main process unpickles it."""
     global _worker
     _worker = (worker, num_workers)
     for conn in inherited:
@@ -176,13 +183,10 @@ def _worker_main(worker: int, num_workers: int, tasks: Callable[[int, int], Iter
     torch.set_num_threads(1)  # as torch's DataLoader workers: n workers must not each spawn a core's worth of threads
     try:
         made = tasks(worker, num_workers)
-        while True:
+        for _ in itertools.repeat(None) if count is None else range(count):
             requests.recv_bytes()  # EOFError: the main process is done (or gone)
-            try:
-                payload = next(made)
-            except StopIteration:
-                return
-            results.send((OK, payload))
+            results.send((OK, next(made)))
+        requests.recv_bytes()  # EOF once the main process has received the last task
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # closed by the main process; Ctrl-C: its to report
         return
     except BaseException as e:

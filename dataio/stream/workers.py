@@ -225,13 +225,16 @@ class RankBatches:
         for b in range(self.first, sys.maxsize if self.last is None else self.last):
             yield self.make_batch(b, plain_memory)
 
-    def worker_tasks(self, worker: int, num_workers: int) -> Iterator[list]:
+    def worker_seed(self, worker: int) -> int:
+        """The seed of worker ``worker``'s augmentation randomness (decoders): one stream per (rank, worker, epoch)."""
+        return derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)
+
+    def worker_tasks(self, worker: int, num_workers: int, seed: int) -> Iterator[list]:
         """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
-        num_workers, ...``, each a list of ``(slot, wire batch)``."""
-        s = derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)  # augmentation randomness in decoders:
-        torch.manual_seed(s)  # one stream per (rank, worker, epoch)
-        np.random.seed(s % 2**32)
-        random.seed(s)
+        num_workers, ...``, each a list of ``(slot, wire batch)``; ``seed`` seeds the global generators."""
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: a forked worker cannot use CUDA
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
         ring, per_task = self.ring, self.per_task
         b = self.first + worker * per_task
         while self.last is None or b < self.last:  # one task: batches b .. b + per_task - 1, sent together
@@ -275,7 +278,8 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             return
     pin = pin_memory and torch.cuda.is_available()
     ring = batches.ring = SharedRing(num_workers, prefetch, slot_bytes) if slot_bytes > 0 else None
-    pool = WorkerPool(batches.worker_tasks, num_workers=num_workers, prefetch=prefetch, timeout=timeout,
+    seeds = [batches.worker_seed(w) for w in range(num_workers)]  # here: derive_seed may import numpy.random
+    pool = WorkerPool(lambda w, n: batches.worker_tasks(w, n, seeds[w]), num_workers=num_workers, prefetch=prefetch, timeout=timeout,
                       num_tasks=batches.num_tasks())  # forks them now: they start while the consumer takes the first batch
     clean = False
     try:
