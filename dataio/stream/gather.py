@@ -75,7 +75,7 @@ class CheckedTokens:
         shards = rows["shard"].astype(np.int64)
         offsets, sizes = members["offset"].astype(np.int64), members["size"].astype(np.int64)
         keys = source.index.keys[lo:hi]
-        ok = (rows["member_count"] == 1) & (members["ext"] == 0) & (offsets >= 512)
+        ok = (rows["member_count"] == 1) & (members["ext"] == 0) & (offsets >= 512) & (offsets % 8 == 0)
         if keys.dtype.kind != "S" or keys.dtype.itemsize >= TAR_NAME_FIELD:  # long names: the general path
             ok[:] = False
         code = np.full(hi - lo, GENERAL, dtype=np.int8)
@@ -102,11 +102,31 @@ def _keys_match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, ke
     lengths = np.count_nonzero(expected, axis=1)
     expected[np.arange(len(keys)), lengths] = ord(".")
     compared = np.arange(width + 1) <= lengths[:, None]
-    columns = np.arange(width + 1) - 512  # the ustar name field opens the 512-byte header before the payload
-    match = np.empty(len(keys), dtype=bool)
+    # the ustar name field opens the 512-byte header before the payload
+    return _match(source, shards, offsets - 512, expected, compared)
+
+
+def _match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, expected: np.ndarray,
+           compared: np.ndarray | None = None) -> np.ndarray:
+    """Whether the bytes at ``offsets`` (multiples of 8) of each sample's shard equal its row of
+    ``expected`` where ``compared`` (None: everywhere): compared as 8-byte words, one fancy-index
+    gather per shard (8x fewer elements than bytes)."""
+    n, length = expected.shape
+    words = -(-length // 8)
+    padded = np.zeros((n, words * 8), dtype=np.uint8)
+    padded[:, :length] = expected
+    mask = np.zeros((n, words * 8), dtype=np.uint8)
+    mask[:, :length] = 0xFF if compared is None else compared * np.uint8(0xFF)
+    padded, mask = padded.view(np.uint64), mask.view(np.uint64)
+    match = np.zeros(n, dtype=bool)
     for shard, at in by_value(shards):
-        names = source.array(shard)[offsets[at, None] + columns]
-        match[at] = ~((names != expected[at]) & compared[at]).any(axis=1)
+        array = source.array(shard)
+        array = array[: len(array) // 8 * 8].view(np.uint64)
+        first = offsets[at] // 8
+        inside = np.flatnonzero(first + words <= len(array))  # a sample at the very end: the general path
+        rows = np.arange(n)[at][inside]
+        found = array[first[inside, None] + np.arange(words)]
+        match[rows] = ~((found ^ padded[rows]) & mask[rows]).any(axis=1)
     return match
 
 
@@ -122,11 +142,8 @@ def _headers(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, sizes
     good = (payload >= 0) & (payload % dtype.itemsize == 0)
     expected, fits = _expected_headers(first[:digits].tobytes(), payload // dtype.itemsize, data)
     good &= fits
-    columns = np.arange(data)
-    for shard, at in by_value(shards):
-        sel = np.flatnonzero(good[at]) if isinstance(at, slice) else at[good[at]]
-        headers = source.array(shard)[offsets[sel, None] + columns]
-        good[sel] = (headers == expected[sel]).all(axis=1)
+    sel = np.flatnonzero(good)
+    good[sel] = _match(source, shards[sel], offsets[sel], expected[sel])
     return dtype, data, good
 
 
