@@ -170,6 +170,24 @@ def _expected_headers(prefix: bytes, counts: np.ndarray, data: int) -> tuple[np.
     return headers, fits
 
 
+def _shard_views(source: ShardSource, shards: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, list[memoryview]]:
+    """``(group, views)``: the map of each distinct shard of ``shards`` (``views[group[i]]`` is sample
+    ``i``'s), each checked to still hold the last byte the batch copies from it (``ends``' maximum:
+    a shard that shrank raises its error). A fixed number of numpy calls, then one call per shard."""
+    if shards.min() == shards.max():  # one shard: the usual case without shuffling
+        return np.zeros(len(shards), dtype=np.int64), [memoryview(source.array(int(shards[0]), int(ends.max())))]
+    order = np.argsort(shards, kind="stable")
+    ranked = shards[order]
+    opens = np.empty(len(ranked), dtype=bool)  # where a new shard starts in ``ranked``
+    opens[0] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=opens[1:])
+    firsts = np.flatnonzero(opens)
+    group = np.empty(len(shards), dtype=np.int64)
+    group[order] = np.cumsum(opens) - 1
+    last_bytes = np.maximum.reduceat(ends[order], firsts)
+    return group, [memoryview(source.array(shard, end)) for shard, end in zip(ranked[firsts].tolist(), last_bytes.tolist())]
+
+
 _checked: weakref.WeakKeyDictionary[ShardSource, CheckedTokens] = weakref.WeakKeyDictionary()
 
 
@@ -197,11 +215,9 @@ def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc:
             return None
         ext, dtype = table.ext, table.dtypes[code[0]]
         starts[at], counts[at] = table.start[index], table.count[index]
-        for shard, where in by_value(table.shard[index]):
-            groups[np.arange(n)[at][where]] = len(buffers)
-            mine = index[where]  # the shard must still hold the last byte this batch copies (shrunk: its error)
-            last_byte = int((table.start[mine] + table.count[mine] * dtype.itemsize).max())
-            buffers.append(memoryview(source.array(shard, last_byte)))
+        group, views = _shard_views(source, table.shard[index], starts[at] + counts[at] * dtype.itemsize)
+        groups[at] = group + len(buffers)
+        buffers += views
         decoded = [k.decode(errors="surrogateescape") for k in source.index.keys[index].tolist()]
         if isinstance(at, slice):
             keys = decoded
