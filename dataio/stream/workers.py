@@ -181,7 +181,7 @@ def _to_wire(value, ring: SharedRing | None):
     if isinstance(value, torch.Tensor):
         if ring is not None and ring.holds(value):
             return _InRing(value.data_ptr() - ring.base, tuple(value.shape), value.dtype)
-        if value.nbytes <= SMALL_TENSOR_BYTES and not value.is_shared():
+        if value.nbytes <= SMALL_TENSOR_BYTES:  # by value, even one in shared memory: cheaper than its handle
             return _Inline(value.numpy())
         return value
     if isinstance(value, dict):
