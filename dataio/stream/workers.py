@@ -1,43 +1,43 @@
-"""Worker processes: torch's DataLoader running a stateless batch function, read back in order.
+"""Worker processes: a stateless batch function run in forked workers (``dataio.stream.pool``), read
+back in order.
 
-Worker ``w`` of ``num_workers`` computes batches ``first + w, first + w + num_workers, ...`` of the
-rank's stream with ``make_batch(b)``; torch's DataLoader asks its workers round-robin and returns
-results in request order, so the main process sees batches ``first, first + 1, ...`` whatever the
-worker timing. With a ring, a worker's unit is a task of ``per_task`` consecutive batches (task
-``t`` = batches ``first + t*per_task ...``, worker ``w`` takes tasks ``w, w + num_workers, ...``),
-``per_task`` chosen from the slot size so one message carries ~4 MB (``batches_per_task``): small
-batches then pay the DataLoader's per-message cost once per task, and the ring has
-``(prefetch + 3) * per_task`` slots per worker.
+A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batches ``first +
+t*per_task ...``; worker ``w`` of ``num_workers`` makes tasks ``w, w + num_workers, ...``, each when
+the main process asks for it), ``per_task`` chosen from the slot size so one message carries ~4 MB
+(``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a pickle
+of a few hundred bytes) once per task. The main process reads task ``t`` from worker ``t %
+num_workers``, so it sees batches ``first, first + 1, ...`` whatever the worker timing.
 
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
-worker of ``(prefetch + 3) * per_task`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
-touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of the
-process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker collates each batch
-straight into a free slot; ``shared_memory`` in a worker without one; ``plain_memory`` in the main
-process) and the worker sends only ``(slot, offset, shape, dtype)`` of each ring tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all sharing
-one per-batch storage; the slot goes back to its worker (a flag in shared memory) once every tensor
-of that batch has been dropped, which the main process checks at each ``next()`` (the storage's
-reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``) keeps their
-slots; once a worker finds none free it sends that batch by torch's default path (a shared-memory
-file per tensor), so holding batches is always safe, only slower. With ``pin_memory`` tensors are
-copied once into pinned memory instead and the slot is released at once. Versus torch's default for
-every batch (a new shared-memory file per tensor, its file descriptor passed over a socket and mapped
-again in the main process), this costs no copy and no system call per batch in the main process.
-Tensors of at most 64 KB (lengths, references) travel by value in the pickle; nothing else touches
-the batch on the way (``collate_fn`` is the identity: torch's default would walk every key string).
+worker of ``(prefetch + 3) * per_task`` slots (``mmap(-1)``: inherited by the forked workers, no
+file, pages touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the
+allocator of the process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker
+collates each batch straight into a free slot; ``shared_memory`` in a worker without one;
+``plain_memory`` in the main process) and the worker sends only ``(slot, offset, shape, dtype)`` of
+each ring tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all
+sharing one per-batch storage; the slot goes back to its worker (a flag in shared memory) once
+every tensor of that batch has been dropped, which the main process checks at each ``next()`` (the
+storage's reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``)
+keeps their slots; once a worker finds none free it sends that batch by torch's handles (a
+shared-memory file per tensor, its descriptor passed over a socket), so holding batches is always
+safe, only slower. With ``pin_memory`` tensors are copied once into pinned memory instead and the
+slot is released at once. Tensors of at most 64 KB (lengths, references) travel by value in the
+pickle; nothing else touches the batch on the way (a worker's batch is what ``make_batch`` returned).
 
 Start-up: the main process makes the first batch itself, then forks the workers, which start at the
 second; so the first batch comes as fast as in one process and the workers inherit whatever it set up
 lazily (see ``iterate``). Workers live for one pass over ``batches``: an endless stream forks them
-once per run, a finite one once per epoch (~50 ms on 2 cores: fork, start, shut-down).
+once per run, a finite one once per epoch (fork, start and shut-down: ~10-20 ms of CPU on 2 cores).
 
 Why not torchdata's ``StatefulDataLoader``: it resumes by snapshotting each worker's iterator state
 and needs the same worker count to restore it. Here a batch is a pure function of its number, so the
 loader's state is the position the trainer has consumed; on resume the workers simply start at that
 batch. Batches that were prefetched but not consumed are recomputed, never lost or repeated, and the
-worker count may change freely. The plain DataLoader also gives the failure handling we want: a
-worker that dies is reported by its watchdog ("worker (pid N) exited unexpectedly") and one that
-hangs trips ``timeout`` (``worker_timeout``), both as errors in the main process.
+worker count may change freely. Why not torch's plain DataLoader (used here before): its per-message
+machinery (index and result ``multiprocessing.Queue``s with their feeder threads and locks, the
+profiler hook around each ``next()``) cost more CPU than making a small batch; the pool keeps its
+failure handling -- a dead worker, a hung one (``worker_timeout``), an exception in one: each an
+error in the main process (see ``dataio.stream.pool``).
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ class SharedRing:
 
 def batches_per_task(slot_bytes: int) -> int:
     """Batches a worker makes per request and sends in one message: enough for ~``TASK_BYTES``, so
-    the DataLoader's fixed cost per message (index queue, result queue, pickle: ~0.3-0.6 ms of CPU
-    between the two processes, measured) is paid per few MB, not per small batch."""
+    the fixed cost per message (a pipe write and read, a pickle, a poll: ~0.1 ms of CPU between
+    the two processes; torch's DataLoader took ~0.4-1 ms, measured) is paid per few MB, not per small batch."""
     return max(1, min(MAX_BATCHES_PER_TASK, TASK_BYTES // max(slot_bytes, 1)))
 
 
@@ -241,7 +241,7 @@ class RankBatches:
             task = []
             for i in range(b, b + per_task if self.last is None else min(b + per_task, self.last)):
                 if ring is None:
-                    task.append((None, self.make_batch(i, shared_memory)))
+                    task.append((None, _to_wire(self.make_batch(i, shared_memory), None)))
                     continue
                 slot = ring.begin_batch(worker)
                 task.append((slot, _to_wire(self.make_batch(i, ring.allocate), ring)))
