@@ -129,6 +129,10 @@ def bad_sample_at_4(b, alloc):
     return make_batch(b, alloc)
 
 
+def unpicklable_at_2(b, alloc):
+    return {"b": b, "f": (lambda: b) if b == 2 else None}
+
+
 def sigbus_at_3(b, alloc):
     if b == 3:
         os.kill(os.getpid(), signal.SIGBUS)
@@ -147,6 +151,11 @@ def test_a_worker_exception_is_re_raised_as_itself_and_a_signal_is_named():
             pass
     assert (caught.value.shard, caught.value.key, caught.value.member) == ("s-000001.tar", "k42", "tokens.npy")
     assert any("bad_sample_at_4" in note for note in caught.value.__notes__)
+    batches = RankBatches(unpicklable_at_2, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    with pytest.raises(Exception, match="lambda") as caught:  # a batch that cannot be sent: pickle's own error
+        for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=30):
+            pass
+    assert any("raised in worker 1" in note for note in caught.value.__notes__)  # batch 2: task 1 (batch 0 made here)
     batches = RankBatches(sigbus_at_3, first=0, last=None, seed=0, dp_rank=0, epoch=0)
     with pytest.raises(RuntimeError, match=r"exited unexpectedly \(killed by signal SIGBUS: Bus error\)"):
         for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=30):

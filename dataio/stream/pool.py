@@ -39,6 +39,7 @@ import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 from typing import Any, Callable, Iterator
 
 import torch
@@ -181,25 +182,49 @@ def _worker_main(worker: int, num_workers: int, tasks: Callable[[int, int], Iter
     for conn in inherited:
         conn.close()
     torch.set_num_threads(1)  # as torch's DataLoader workers: n workers must not each spawn a core's worth of threads
+    made = tasks(worker, num_workers)
     try:
-        made = tasks(worker, num_workers)
         for _ in itertools.repeat(None) if count is None else range(count):
-            requests.recv_bytes()  # EOFError: the main process is done (or gone)
-            results.send((OK, next(made)))
-        requests.recv_bytes()  # EOF once the main process has received the last task
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # closed by the main process; Ctrl-C: its to report
+            if not _wait_for_request(requests):
+                return
+            try:
+                payload = next(made)
+                message = _ForkingPickler.dumps((OK, payload))  # torch's reductions: shared tensors by handle
+            except KeyboardInterrupt:  # Ctrl-C reaches every process: the main process reports it
+                return
+            except BaseException as e:
+                _send_error(results, e)
+                return
+            try:
+                results.send_bytes(message)
+            except OSError:  # the main process closed the pipe (stopped early) or is gone
+                return
+            del payload, message
+        _wait_for_request(requests)  # EOF once the main process has received the last task
+    except KeyboardInterrupt:
         return
-    except BaseException as e:
-        trace = traceback.format_exc()
-        try:
-            exc_bytes = pickle.dumps(e)
-            pickle.loads(exc_bytes)  # one that pickles but cannot be rebuilt: sent as text only
-        except Exception:
-            exc_bytes = None
-        try:
-            results.send((ERROR, exc_bytes, trace))
-        except OSError:  # the main process is gone
-            pass
+
+
+def _wait_for_request(requests: Connection) -> bool:
+    """Block until the main process asks for a task (True) or closes the pipe (False)."""
+    try:
+        requests.recv_bytes()
+        return True
+    except (EOFError, OSError):
+        return False
+
+
+def _send_error(results: Connection, e: BaseException) -> None:
+    trace = traceback.format_exc()
+    try:
+        exc_bytes = pickle.dumps(e)
+        pickle.loads(exc_bytes)  # one that pickles but cannot be rebuilt: sent as text only
+    except Exception:
+        exc_bytes = None
+    try:
+        results.send((ERROR, exc_bytes, trace))
+    except OSError:  # the main process is gone
+        pass
 
 
 __all__ = ["WorkerError", "WorkerPool", "worker_info"]
