@@ -149,24 +149,25 @@ def _headers(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, sizes
 
 def _expected_headers(prefix: bytes, counts: np.ndarray, data: int) -> tuple[np.ndarray, np.ndarray]:
     """``(headers, fits)``: each count's canonical header, ``prefix`` + its digits + ``",), }"`` padded
-    with spaces to ``data - 1`` bytes + a newline, as a ``(len(counts), data)`` array built a column at
-    a time; ``fits`` is False where the count is too long for this padding (or negative)."""
+    with spaces to ``data - 1`` bytes + a newline, as a ``(len(counts), data)`` array; the variable part
+    (digits, then the closing bytes) is one table lookup: row ``i`` reads its right-aligned decimal
+    digits followed by the closing bytes from ``digits`` columns before the end of its digits. ``fits``
+    is False where the count is too long for this padding (or negative)."""
     negative = counts < 0
     counts = np.maximum(counts, 0)
-    digits = np.ones(len(counts), dtype=np.int64)
-    power = 10
-    while (counts >= power).any():
-        digits += counts >= power
-        power *= 10
-    start = len(prefix)
-    fits = (start + digits + len(SHAPE_END) <= data - 1) & ~negative
+    width = len(str(int(counts.max(initial=0))))
+    lengths = 1 + (counts[:, None] >= 10 ** np.arange(1, width, dtype=np.int64)).sum(axis=1)  # digits per count
+    start, closing = len(prefix), np.frombuffer(SHAPE_END + b" ", dtype=np.uint8)  # after the digits: padding
+    fits = (start + lengths + len(SHAPE_END) <= data - 1) & ~negative
+    table = np.empty((len(counts), width + len(closing)), dtype=np.uint8)  # right-aligned digits, closing bytes
+    table[:, :width] = ord("0") + counts[:, None] // 10 ** np.arange(width - 1, -1, -1, dtype=np.int64) % 10
+    table[:, width:] = closing
+    span = min(width + len(SHAPE_END), data - 1 - start)  # the columns the digits and closing bytes can reach
+    columns = np.minimum(np.arange(span) + (width - lengths)[:, None], table.shape[1] - 1)  # past the table: padding
     headers = np.full((len(counts), data), ord(" "), dtype=np.uint8)
     headers[:, :start] = np.frombuffer(prefix, dtype=np.uint8)
+    headers[:, start : start + span] = np.take_along_axis(table, columns, axis=1)
     headers[:, data - 1] = ord("\n")
-    end = np.frombuffer(SHAPE_END + b" ", dtype=np.uint8)  # the shape's closing bytes, then padding
-    for j in range(min(int(digits.max(initial=1)) + len(SHAPE_END), data - 1 - start)):
-        digit = ord("0") + counts // 10 ** np.maximum(digits - 1 - j, 0) % 10
-        headers[:, start + j] = np.where(j < digits, digit, end[np.clip(j - digits, 0, len(SHAPE_END))])
     return headers, fits
 
 
