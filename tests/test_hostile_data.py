@@ -394,6 +394,7 @@ def test_manifest_audio_path_must_be_a_string(tmp_path):
 def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatch):
     """A worker that dies of SIGBUS (the shard shrank between the size check and the copy) is reported
     as the shard's error, not as the signal: the main process stats the shards once a worker dies so."""
+    import faulthandler
     import os
     import signal
 
@@ -408,6 +409,7 @@ def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatc
     def truncate_then_die(self, b, alloc):  # forked workers inherit the patch
         if b == 3:
             os.truncate(tmp_path / "doc-000001.tar", 4096)
+            faulthandler.disable()  # pytest's handler, inherited by the fork, would print every module's name
             os.kill(os.getpid(), signal.SIGBUS)
         return made(self, b, alloc)
 
