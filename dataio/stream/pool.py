@@ -24,10 +24,10 @@ sending sees a broken pipe -- and joins the workers, terminating those still bus
 
 Why not torch's DataLoader: per task it runs its index queue (a ``multiprocessing.Queue``: a pickle,
 a lock and a feeder thread on each side), a result queue likewise, and the profiler's
-``record_function`` around each ``next()``: ~0.4-1 ms of CPU between the processes per task,
-measured (BENCHMARKS.md "Loader per-sample cost"), against one pipe write and one pipe read + a
-pickle of a few hundred bytes here. It also needs nothing of the DataLoader's sampler machinery:
-which task a worker makes is fixed by its number.
+``record_function`` around each ``next()``: ~140 us of CPU between the processes per message
+without tensors, against ~50 us here (one pipe write and one pipe read + a pickle of a few hundred
+bytes; BENCHMARKS.md "Loader per-sample cost", round 2). It also needs nothing of the DataLoader's
+sampler machinery: which task a worker makes is fixed by its number.
 """
 
 from __future__ import annotations
