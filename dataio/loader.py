@@ -101,11 +101,7 @@ class Loader:
         return len(self.stage)
 
     def __iter__(self) -> Iterator[dict]:
-        try:
-            yield from self.stage
-        except RuntimeError as e:  # here, not in the stream: torch's SIGCHLD handler raises in whatever frame runs
-            self.stream.explain_worker_crash(e)
-            raise
+        yield from self.stage
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -42,16 +42,14 @@ def debug_requested(flag: bool = False) -> bool:
 
 
 def one_line(e: BaseException) -> str:
-    """The message of ``e`` as one line. An error re-raised from a torch DataLoader worker carries the
-    worker's traceback in its text; its last line is the original message."""
+    """The message of ``e`` as one line (an error re-raised from a loader worker is the worker's own
+    exception, its traceback in a note, not in the text)."""
     text = str(e).strip()
     if isinstance(e, OSError) and e.filename is not None:
         text = f"{e.filename}: {e.strerror or text}"
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return type(e).__name__
-    if "Original Traceback" in text:
-        return lines[-1].split(": ", 1)[-1]
     return lines[0]
 
 

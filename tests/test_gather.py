@@ -75,7 +75,7 @@ def test_same_batch_as_the_general_path(tmp_path):
     assert gather_tokens([a, c], make_ref(np.array([0, 1]), np.array([0, 0])), 7, plain_memory) is None
 
 
-@pytest.mark.parametrize("damage", ["pickle dtype", "shape", "magic", "key"])
+@pytest.mark.parametrize("damage", ["pickle dtype", "shape", "magic", "key", "padding"])
 def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
     token_tars(tmp_path, [[3, 4, 5]])
     tar = tmp_path / "t-000000.tar"
@@ -87,6 +87,8 @@ def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
         data[at:at + 90] = data[at:at + 90].replace(b"(4,)", b"(2,)")
     elif damage == "magic":
         data[at + 1] = ord("X")
+    elif damage == "padding":  # the header's last padding byte (before its newline): the end of a word compare
+        data[data.index(b"\n", at) - 1] = ord("x")
     else:
         k = data.index(b"t00001.")
         data[k + 5] = ord("9")
@@ -99,3 +101,20 @@ def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
     # `dataio verify`), is an error of the general path naming the sample
     with pytest.raises(Exception, match="t00001"):  # and the general path names the sample
         general([source], make_ref(0, np.arange(3)))
+
+
+def test_expected_headers_are_the_canonical_bytes():
+    """The column-wise headers equal ``prefix + count + ",), }"`` padded, for counts of every digit count."""
+    from dataio.stream.gather import _expected_headers
+
+    prefix, data = b"\x93NUMPY\x01\x00v\x00{'descr': '<i4', 'fortran_order': False, 'shape': (", 80
+    rng = np.random.default_rng(0)
+    counts = np.concatenate([rng.integers(0, 10**k, 50) for k in range(1, 19)] + [10 ** np.arange(19), [-3]])
+    headers, fits = _expected_headers(prefix, counts, data)
+    for c, row, fit in zip(counts.tolist(), headers, fits.tolist()):
+        want = (b"%s%d,), }" % (prefix, c)).ljust(data - 1) + b"\n"
+        assert fit == (len(want) == data and c >= 0), c
+        if fit:
+            assert row.tobytes() == want, c
+    room = data - 1 - len(prefix) - len(b",), }")  # digits that fit
+    assert (fits == ((counts >= 0) & (counts < 10**room))).all() and 0 < room < 18

@@ -389,3 +389,31 @@ def test_manifest_audio_path_must_be_a_string(tmp_path):
     manifest = _manifest(tmp_path, [{"audio_filepath": 7, "duration": 1, "text": "x"}], {})
     with pytest.raises(CommandError, match=r"m\.jsonl:1: field 'audio_filepath' must be a non-empty string, got 7"):
         _shard_cmd(manifest, "--output", tmp_path / "out")
+
+
+def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatch):
+    """A worker that dies of SIGBUS (the shard shrank between the size check and the copy) is reported
+    as the shard's error, not as the signal: the main process stats the shards once a worker dies so."""
+    import faulthandler
+    import os
+    import signal
+
+    import loader_util
+    from dataio import build_loader
+    from dataio.stream.batches import BatchMaker
+    from dataio.stream.sources import ShardFormatError
+
+    loader_util.make_text_dataset(tmp_path, [40, 40])
+    made = BatchMaker.__call__
+
+    def truncate_then_die(self, b, alloc):  # forked workers inherit the patch
+        if b == 3:
+            os.truncate(tmp_path / "doc-000001.tar", 4096)
+            faulthandler.disable()  # pytest's handler, inherited by the fork, would print every module's name
+            os.kill(os.getpid(), signal.SIGBUS)
+        return made(self, b, alloc)
+
+    monkeypatch.setattr(BatchMaker, "__call__", truncate_then_die)
+    loader = build_loader(_loader_cfg(tmp_path, num_workers=2, prefetch=1))
+    with pytest.raises(ShardFormatError, match=r"doc-000001\.tar.*truncated shard: 4096 bytes"):
+        list(loader)

@@ -1,6 +1,9 @@
-"""Worker processes: batches come back in order for any worker count; a dead or hung worker is an error."""
+"""Worker processes: batches come back in order for any worker count; a dead or hung worker, or an
+exception in one, is an error in the main process."""
 
+import faulthandler
 import os
+import signal
 import time
 
 import pytest
@@ -117,3 +120,58 @@ def test_workers_hand_back_the_batch_as_made():
     for b in iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30):
         assert b["keys"] == [f"k{b['b']}"]
         assert type(b["array"]).__name__ == "ndarray" and b["array"].tolist() == [0, 1, 2, 3]
+
+
+def bad_sample_at_4(b, alloc):
+    from dataio.stream.decode import SampleDecodeError
+
+    if b == 4:
+        raise SampleDecodeError("bad header", shard="s-000001.tar", key="k42", member="tokens.npy")
+    return make_batch(b, alloc)
+
+
+def unpicklable_at_2(b, alloc):
+    return {"b": b, "f": (lambda: b) if b == 2 else None}
+
+
+def sigbus_at_3(b, alloc):
+    if b == 3:
+        faulthandler.disable()  # pytest's handler, inherited by the fork, would print every module's name
+        os.kill(os.getpid(), signal.SIGBUS)
+    return make_batch(b, alloc)
+
+
+def test_a_worker_exception_is_re_raised_as_itself_and_a_signal_is_named():
+    """The main process re-raises a worker's exception with its type and attributes (the sample named),
+    the worker's traceback attached; a worker killed by a signal is reported with the signal's name
+    (SIGBUS: "Bus error", which ``RankStream.explain_worker_crash`` turns into the shard's error)."""
+    from dataio.stream.decode import SampleDecodeError
+
+    batches = RankBatches(bad_sample_at_4, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    with pytest.raises(SampleDecodeError, match="k42") as caught:
+        for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=30):
+            pass
+    assert (caught.value.shard, caught.value.key, caught.value.member) == ("s-000001.tar", "k42", "tokens.npy")
+    assert any("bad_sample_at_4" in note for note in caught.value.__notes__)
+    batches = RankBatches(unpicklable_at_2, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    with pytest.raises(Exception, match="lambda") as caught:  # a batch that cannot be sent: pickle's own error
+        for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=30):
+            pass
+    assert any("raised in worker 1" in note for note in caught.value.__notes__)  # batch 2: task 1 (batch 0 made here)
+    batches = RankBatches(sigbus_at_3, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    with pytest.raises(RuntimeError, match=r"exited unexpectedly \(killed by signal SIGBUS: Bus error\)"):
+        for _ in iterate(batches, num_workers=2, prefetch=1, pin_memory=False, timeout=30):
+            pass
+
+
+def test_stopping_early_ends_every_worker():
+    """A consumer that stops (or breaks out with an error) leaves no worker behind, whatever it held."""
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    batches = RankBatches(fitting_batch, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    stream = iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, slot_bytes=8_000)
+    held = [next(stream) for _ in range(30)]  # more than the ring holds: later ones by torch's handles
+    assert [b["b"] for b in held] == list(range(30)) and all(bool((b["x"] == b["b"]).all()) for b in held)
+    stream.close()
+    assert {p.pid for p in multiprocessing.active_children()} == before

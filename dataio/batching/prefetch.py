@@ -7,7 +7,7 @@ batches from the loader ``depth`` batches ahead, so the loader's main-process wo
 packing) overlaps the step instead of counting as data wait. On CUDA, additionally:
 
 - that thread pins each batch, once, into page-locked memory (tensors the loader already pinned are
-  kept); DataLoader workers never pin, so there are no per-worker pinned copies;
+  kept); loader workers never pin, so there are no per-worker pinned copies;
 - the main thread issues each copy with ``non_blocking=True`` on a dedicated CUDA stream, ``depth``
   batches ahead of the one the consumer is using, so the copy overlaps the previous step's compute;
 - before handing a batch over, the consumer's stream ``wait_stream``s the copy stream (a GPU-side

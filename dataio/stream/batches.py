@@ -95,8 +95,8 @@ class SampleReader:
         """``(key, shard, members)`` of each of ``refs``, or the error of an unreadable one."""
         dataset, index = refs >> REF_BITS, refs & ((1 << REF_BITS) - 1)
         raw: list = [None] * len(refs)
-        for d in np.unique(dataset):
-            at = np.flatnonzero(dataset == d)
+        for d, at in by_value(dataset):
+            at = np.arange(len(refs))[at]
             source = self.sources[d]
             try:
                 for i, item in zip(at, source.read(index[at])):

@@ -23,6 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 from dataio.stream.seeding import SeedSchedule, rng
+from dataio.stream.sources import by_value
 
 
 class EpochOrder:
@@ -68,9 +69,8 @@ class EpochOrder:
         if first == last:  # the common case: a whole batch inside one window
             return first * self.window + self._window_perm(epoch, first)[within]
         out = np.empty_like(positions)
-        for w in np.unique(window):
-            mask = window == w
-            out[mask] = w * self.window + self._window_perm(epoch, int(w))[within[mask]]
+        for w, at in by_value(window):
+            out[at] = w * self.window + self._window_perm(epoch, w)[within[at]]
         return out
 
     def _window_perm(self, epoch: int, w: int) -> np.ndarray:

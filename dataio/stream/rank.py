@@ -28,6 +28,7 @@ from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.seeding import SeedSchedule
 from dataio.stream.sources import ShardSource
 from dataio.stream.split import Layout, relayout
+from dataio.stream.pool import WorkerError
 from dataio.stream.workers import RankBatches, iterate
 
 READ_BYTES = 1 << 20
@@ -91,16 +92,20 @@ class RankStream:
         cfg = self.cfg
         batches = RankBatches(make, first=first, last=last, seed=self.seeds.latest, dp_rank=self.dp_rank,
                               epoch=epoch)
-        for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
-                             timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
-                             first_here=self.fork_safe):
-            self._count_bad(batch.pop("__bad__"))
-            yield batch
-            del batch  # a worker's ring slot comes back once the consumer drops the batch too
+        try:
+            for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
+                                 timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
+                                 first_here=self.fork_safe):
+                self._count_bad(batch.pop("__bad__"))
+                yield batch
+                del batch  # a worker's ring slot comes back once the consumer drops the batch too
+        except WorkerError as e:
+            self.explain_worker_crash(e)
+            raise
 
-    def explain_worker_crash(self, error: RuntimeError) -> None:
-        """torch reports a worker killed by SIGBUS as "... Bus error ... out of shared memory"; the likely cause
-        here is a page touched past the end of a shard that shrank under the map: raise that shard's error."""
+    def explain_worker_crash(self, error: WorkerError) -> None:
+        """A worker killed by SIGBUS ("... killed by signal SIGBUS: Bus error"): the likely cause here is a
+        page touched past the end of a shard that shrank under the map: raise that shard's error."""
         if "Bus error" in str(error):
             for source in self.sources:
                 if hasattr(source, "check_sizes"):

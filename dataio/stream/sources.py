@@ -179,8 +179,8 @@ class ShardSource:
     def _map(self, shard: int, end: int = 0):
         """The shard's map, after checking (``mmap.size()``: one ``fstat`` of the map's own descriptor)
         that the file still holds byte ``end - 1``: touching a mapped page past the end of a file that
-        was truncated under us is SIGBUS, which kills the process with no message (or, in a worker,
-        reads as "out of shared memory"). A truncation between this check and the batch's copy is not
+        was truncated under us is SIGBUS, which kills the process with no message (in a worker: "killed
+        by signal SIGBUS", see ``RankStream.explain_worker_crash``). A truncation between this check and the batch's copy is not
         caught (microseconds; a signal handler cannot resume a faulting access)."""
         self._reset_if_forked()
         entry = self._maps.get(shard)

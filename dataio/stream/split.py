@@ -3,8 +3,8 @@
 Rule: from the layout's ``start`` position, DP rank ``r`` of ``n`` takes the global positions
 ``start + r + n*j`` for ``j = 0, 1, ...`` (its local stream). DP ranks are disjoint and together cover
 every position exactly once; TP/PP/CP peers share ``r`` and so get identical data. Batch ``b`` of a rank
-is its local positions ``[j0 + b*B, j0 + (b+1)*B)``. DataLoader workers take whole batches
-(``b % num_workers == w``) and the main process reads them back in batch order, so the stream does not
+is its local positions ``[j0 + b*B, j0 + (b+1)*B)``. Worker processes take whole batches
+(in tasks of consecutive batches, round-robin) and the main process reads them back in batch order, so the stream does not
 depend on the worker count or timing.
 
 The tail of a finite stream: with ``T`` positions left, every rank yields exactly

@@ -1,47 +1,48 @@
-"""Worker processes: torch's DataLoader running a stateless batch function, read back in order.
+"""Worker processes: a stateless batch function run in forked workers (``dataio.stream.pool``), read
+back in order.
 
-Worker ``w`` of ``num_workers`` computes batches ``first + w, first + w + num_workers, ...`` of the
-rank's stream with ``make_batch(b)``; torch's DataLoader asks its workers round-robin and returns
-results in request order, so the main process sees batches ``first, first + 1, ...`` whatever the
-worker timing. With a ring, a worker's unit is a task of ``per_task`` consecutive batches (task
-``t`` = batches ``first + t*per_task ...``, worker ``w`` takes tasks ``w, w + num_workers, ...``),
-``per_task`` chosen from the slot size so one message carries ~4 MB (``batches_per_task``): small
-batches then pay the DataLoader's per-message cost once per task, and the ring has
-``(prefetch + 3) * per_task`` slots per worker.
+A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batches ``first +
+t*per_task ...``; worker ``w`` of ``num_workers`` makes tasks ``w, w + num_workers, ...``, each when
+the main process asks for it), ``per_task`` chosen from the slot size so one message carries ~4 MB
+(``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a pickle
+of a few hundred bytes) once per task. The main process reads task ``t`` from worker ``t %
+num_workers``, so it sees batches ``first, first + 1, ...`` whatever the worker timing.
 
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
-worker of ``(prefetch + 3) * per_task`` slots (``mmap(-1)``: inherited by the forked workers, no file, pages
-touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of the
-process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker collates each batch
-straight into a free slot; ``shared_memory`` in a worker without one; ``plain_memory`` in the main
-process) and the worker sends only ``(slot, offset, shape, dtype)`` of each ring tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all sharing
-one per-batch storage; the slot goes back to its worker (a flag in shared memory) once every tensor
-of that batch has been dropped, which the main process checks at each ``next()`` (the storage's
-reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``) keeps their
-slots; once a worker finds none free it sends that batch by torch's default path (a shared-memory
-file per tensor), so holding batches is always safe, only slower. With ``pin_memory`` tensors are
-copied once into pinned memory instead and the slot is released at once. Versus torch's default for
-every batch (a new shared-memory file per tensor, its file descriptor passed over a socket and mapped
-again in the main process), this costs no copy and no system call per batch in the main process.
-Tensors of at most 64 KB (lengths, references) travel by value in the pickle; nothing else touches
-the batch on the way (``collate_fn`` is the identity: torch's default would walk every key string).
+worker of ``(prefetch + 3) * per_task`` slots (``mmap(-1)``: inherited by the forked workers, no
+file, pages touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the
+allocator of the process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker
+collates each batch straight into a free slot; ``shared_memory`` in a worker without one;
+``plain_memory`` in the main process) and the worker sends only ``(slot, offset, shape, dtype)`` of
+each ring tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all
+sharing one per-batch storage; the slot goes back to its worker (a flag in shared memory) once
+every tensor of that batch has been dropped, which the main process checks at each ``next()`` (the
+storage's reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``)
+keeps their slots; once a worker finds none free it sends that batch by torch's handles (a
+shared-memory file per tensor, its descriptor passed over a socket), so holding batches is always
+safe, only slower. With ``pin_memory`` tensors are copied once into pinned memory instead and the
+slot is released at once. Tensors of at most 64 KB (lengths, references) travel by value in the
+pickle; nothing else touches the batch on the way (a worker's batch is what ``make_batch`` returned).
 
 Start-up: the main process makes the first batch itself, then forks the workers, which start at the
 second; so the first batch comes as fast as in one process and the workers inherit whatever it set up
 lazily (see ``iterate``). Workers live for one pass over ``batches``: an endless stream forks them
-once per run, a finite one once per epoch (~50 ms on 2 cores: fork, start, shut-down).
+once per run, a finite one once per epoch (fork, start and shut-down: ~10-20 ms of CPU on 2 cores).
 
 Why not torchdata's ``StatefulDataLoader``: it resumes by snapshotting each worker's iterator state
 and needs the same worker count to restore it. Here a batch is a pure function of its number, so the
 loader's state is the position the trainer has consumed; on resume the workers simply start at that
 batch. Batches that were prefetched but not consumed are recomputed, never lost or repeated, and the
-worker count may change freely. The plain DataLoader also gives the failure handling we want: a
-worker that dies is reported by its watchdog ("worker (pid N) exited unexpectedly") and one that
-hangs trips ``timeout`` (``worker_timeout``), both as errors in the main process.
+worker count may change freely. Why not torch's plain DataLoader (used here before): its per-message
+machinery (index and result ``multiprocessing.Queue``s with their feeder threads and locks, the
+profiler hook around each ``next()``) cost more CPU than making a small batch; the pool keeps its
+failure handling -- a dead worker, a hung one (``worker_timeout``), an exception in one: each an
+error in the main process (see ``dataio.stream.pool``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import random
@@ -50,9 +51,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dataio.stream.collate import Allocator, plain_memory
+from dataio.stream.pool import WorkerPool, worker_info
 from dataio.stream.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
@@ -142,8 +143,8 @@ class SharedRing:
 
 def batches_per_task(slot_bytes: int) -> int:
     """Batches a worker makes per request and sends in one message: enough for ~``TASK_BYTES``, so
-    the DataLoader's fixed cost per message (index queue, result queue, pickle: ~0.3-0.6 ms of CPU
-    between the two processes, measured) is paid per few MB, not per small batch."""
+    the fixed cost per message (a pipe write and read, a pickle, a poll: ~0.1 ms of CPU between
+    the two processes; torch's DataLoader took ~0.4-1 ms, measured) is paid per few MB, not per small batch."""
     return max(1, min(MAX_BATCHES_PER_TASK, TASK_BYTES // max(slot_bytes, 1)))
 
 
@@ -153,9 +154,9 @@ def shared_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def process_memory() -> Allocator:
-    """The allocator for a batch made without a ring: shared memory in a DataLoader worker, plain
-    memory in the main process."""
-    return shared_memory if get_worker_info() is not None else plain_memory
+    """The allocator for a batch made without a ring: shared memory in a worker process, plain memory
+    in the main process."""
+    return shared_memory if worker_info() is not None else plain_memory
 
 
 class _Inline:
@@ -180,7 +181,7 @@ def _to_wire(value, ring: SharedRing | None):
     if isinstance(value, torch.Tensor):
         if ring is not None and ring.holds(value):
             return _InRing(value.data_ptr() - ring.base, tuple(value.shape), value.dtype)
-        if value.nbytes <= SMALL_TENSOR_BYTES and not value.is_shared():
+        if value.nbytes <= SMALL_TENSOR_BYTES:  # by value, even one in shared memory: cheaper than its handle
             return _Inline(value.numpy())
         return value
     if isinstance(value, dict):
@@ -196,13 +197,16 @@ def _from_wire(value, slot: torch.Tensor | None, pin: bool, slot_start: int = 0)
         start = value.offset - slot_start
         view = slot[start : start + math.prod(value.shape) * value.dtype.itemsize].view(value.dtype).view(value.shape)
         return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(view) if pin else view
+    if isinstance(value, torch.Tensor) and pin:
+        return value.pin_memory()
     if isinstance(value, dict):
         return {k: _from_wire(v, slot, pin, slot_start) for k, v in value.items()}
     return value
 
 
-class RankBatches(IterableDataset):
-    """Batches ``first .. last-1`` (``last=None``: endless) of one rank, split over DataLoader workers."""
+class RankBatches:
+    """Batches ``first .. last-1`` (``last=None``: endless) of one rank: made here (``iter``) or split
+    over worker processes in tasks (``worker_tasks``)."""
 
     def __init__(self, make_batch: Callable[[int, Allocator], dict], *, first: int, last: int | None, seed: int,
                  dp_rank: int, epoch: int):
@@ -210,24 +214,35 @@ class RankBatches(IterableDataset):
         self.seed, self.dp_rank, self.epoch = seed, dp_rank, epoch
         self.ring: SharedRing | None = None  # set by ``iterate`` before the workers fork
 
+    @property
+    def per_task(self) -> int:
+        return self.ring.per_task if self.ring is not None else 1
+
+    def num_tasks(self) -> int | None:
+        return None if self.last is None else max(0, -(-(self.last - self.first) // self.per_task))
+
     def __iter__(self) -> Iterator[dict]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None:  # augmentation randomness in decoders: one stream per (rank, worker, epoch)
-            s = derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)
-            torch.manual_seed(s)
-            np.random.seed(s % 2**32)
-            random.seed(s)
-        ring = self.ring if info is not None else None
-        if ring is None:
-            for b in range(self.first + worker, sys.maxsize if self.last is None else self.last, num_workers):
-                yield self.make_batch(b, process_memory())
-            return
-        per_task = ring.per_task
+        for b in range(self.first, sys.maxsize if self.last is None else self.last):
+            yield self.make_batch(b, plain_memory)
+
+    def worker_seed(self, worker: int) -> int:
+        """The seed of worker ``worker``'s augmentation randomness (decoders): one stream per (rank, worker, epoch)."""
+        return derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)
+
+    def worker_tasks(self, worker: int, num_workers: int, seed: int) -> Iterator[list]:
+        """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
+        num_workers, ...``, each a list of ``(slot, wire batch)``; ``seed`` seeds the global generators."""
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: a forked worker cannot use CUDA
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        ring, per_task = self.ring, self.per_task
         b = self.first + worker * per_task
         while self.last is None or b < self.last:  # one task: batches b .. b + per_task - 1, sent together
             task = []
             for i in range(b, b + per_task if self.last is None else min(b + per_task, self.last)):
+                if ring is None:
+                    task.append((None, _to_wire(self.make_batch(i, shared_memory), None)))
+                    continue
                 slot = ring.begin_batch(worker)
                 task.append((slot, _to_wire(self.make_batch(i, ring.allocate), ring)))
             yield task
@@ -263,32 +278,27 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             return
     pin = pin_memory and torch.cuda.is_available()
     ring = batches.ring = SharedRing(num_workers, prefetch, slot_bytes) if slot_bytes > 0 else None
-    # fork: the workers inherit the ring's anonymous mapping (it has no name to pass to a spawned process)
-    # collate_fn: a batch is already made; torch's default (``default_convert``) would walk every
-    # element again -- each of the batch's ``__key__`` strings -- costing ~0.3 ms per 256-sample batch.
-    loader = DataLoader(batches, batch_size=None, collate_fn=_as_made, num_workers=num_workers,
-                        prefetch_factor=prefetch, pin_memory=pin, timeout=timeout, persistent_workers=False,
-                        multiprocessing_context="fork" if ring is not None else None)
-    workers = iter(loader)  # forks them now: they start while the consumer takes the first batch
-    if first is not None:
-        yield first
-        del first  # not held by this frame while the consumer waits for the next one
-    yield from _receive(workers, ring, pin) if ring is not None else workers
-
-
-def _as_made(batch):
-    return batch
-
-
-def _receive(workers: Iterator, ring: SharedRing, pin: bool) -> Iterator[dict]:
-    for task in workers:
-        for slot, wire in task:
-            ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
-            batch = ring.receive(slot, wire, pin)
-            if pin:
-                ring.release_dropped()  # copied out: the slot is free at once
-            yield batch
-            del batch  # not held by this frame while the consumer waits for the next one
+    seeds = [batches.worker_seed(w) for w in range(num_workers)]  # here: derive_seed may import numpy.random
+    pool = WorkerPool(lambda w, n: batches.worker_tasks(w, n, seeds[w]), num_workers=num_workers, prefetch=prefetch, timeout=timeout,
+                      num_tasks=batches.num_tasks())  # forks them now: they start while the consumer takes the first batch
+    clean = False
+    try:
+        if first is not None:
+            yield first
+            del first  # not held by this frame while the consumer waits for the next one
+        for task in pool.tasks():
+            for slot, wire in task:
+                if ring is not None:
+                    ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
+                batch = ring.receive(slot, wire, pin) if ring is not None else _from_wire(wire, None, pin)
+                if pin and ring is not None:
+                    ring.release_dropped()  # copied out: the slot is free at once
+                yield batch
+                del batch  # not held by this frame while the consumer waits for the next one
+            del task
+        clean = True
+    finally:  # also when the consumer stops early (GeneratorExit): busy workers are terminated
+        pool.close(clean)
 
 
 __all__ = ["RankBatches", "SharedRing", "batches_per_task", "iterate", "process_memory", "shared_memory"]
