@@ -49,6 +49,10 @@ class DataConfig:
     worker_timeout: float = 120.0  # seconds without a batch before a worker counts as hung
     max_bad_samples: int = 0  # undecodable / corrupt samples skipped (per DP rank) before it is an error
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    # Local disk cache of remote (URL) shards, shared by the workers and ranks of a node
+    # (dataio.stream.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
+    cache_dir: str | None = None  # None: remote shards are read by ranged GETs on every epoch
+    cache_limit: int | str | None = None  # bytes or a size ("50GB", "1.5TiB"); least recently used evicted; None: no limit
     # The batching stage (dataio.batching.packing / dataio.batching.bucketing). Token batches come in one of two layouts:
     # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from dataio.batching.packing
     # (packing: none puts one document per row, padded: the trainer's unpacked baseline);
@@ -74,6 +78,12 @@ class DataConfig:
             self.packing_config()  # PackingConfig checks seq_len and packing_buffer
         if self.num_workers < 0 or self.max_bad_samples < 0:
             raise ValueError("num_workers and max_bad_samples must be >= 0")
+        if isinstance(self.cache_limit, str):
+            from dataio.prepare.plan import parse_size
+
+            self.cache_limit = parse_size(self.cache_limit)
+        if self.cache_limit is not None and (self.cache_dir is None or self.cache_limit < 1):
+            raise ValueError(f"cache_limit ({self.cache_limit}) needs cache_dir and must be positive")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"epochs must be >= 1 or null (endless), got {self.epochs}")
 

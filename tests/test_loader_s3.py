@@ -142,26 +142,39 @@ def test_energon_dir_and_metadataset_take_storage_options(s3, aws_env, monkeypat
 
 
 class FaultProxy(http.server.ThreadingHTTPServer):
-    """Forwards HTTP to ``upstream``; request number k (from 1) with ``k % every == 0`` gets the next
-    fault of ``faults`` instead of (or on top of) the upstream answer."""
+    """Forwards HTTP to ``upstream`` and records every request; request number k (from 1) with
+    ``k % every == 0`` gets the next fault of ``faults`` instead of (or on top of) the upstream answer
+    (``every=0``: none). A ``stall`` holds the answer for ``stall_s`` (or until ``unstall`` is set)."""
 
     daemon_threads = True
 
-    def __init__(self, upstream_port: int, faults: list[str], every: int):
+    def __init__(self, upstream_port: int, faults: list[str], every: int, stall_s: float = 0.0):
         super().__init__(("127.0.0.1", 0), FaultHandler)
         self.upstream_port, self.faults, self.every = upstream_port, itertools.cycle(faults), every
-        self.count, self.injected, self.lock = 0, [], threading.Lock()
+        self.count, self.injected, self.requests, self.lock = 0, [], [], threading.Lock()
+        self.stall_s, self.unstall = stall_s, threading.Event()
 
     def next_fault(self, method: str, path: str) -> str | None:
         with self.lock:
+            self.requests.append((method, path))
             self.count += 1
-            if self.count % self.every:
+            if not self.every or self.count % self.every:
                 return None
             fault = next(self.faults)
-            if fault == "truncate" and method != "GET":  # a HEAD/PUT has no body to cut short
+            if fault in ("truncate", "stall") and method != "GET":  # a HEAD/PUT has no body to cut short
                 return None
             self.injected.append((fault, method, path))
             return fault
+
+    def shard_gets(self) -> dict[str, int]:
+        """GET requests per shard (``.tar``) path."""
+        with self.lock:
+            paths = [path.split("?")[0] for method, path in self.requests if method == "GET"]
+        return {p: paths.count(p) for p in sorted(set(paths)) if p.endswith(".tar")}
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that gave up on a stalled answer: expected
+            super().handle_error(request, client_address)
 
 
 class FaultHandler(http.server.BaseHTTPRequestHandler):
@@ -189,6 +202,8 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             return
         if fault == "slow":
             time.sleep(0.2)
+        if fault == "stall":  # past the client's read timeout: it gives up and asks again
+            self.server.unstall.wait(self.server.stall_s)
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=30)
         headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
         upstream.request(self.command, self.path, body=body, headers=headers)
@@ -218,14 +233,15 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
 def fault_proxy(s3):
     proxies = []
 
-    def start(faults, every):
-        proxy = FaultProxy(int(s3[0].rsplit(":", 1)[1]), faults, every)
+    def start(faults, every, stall_s=0.0):
+        proxy = FaultProxy(int(s3[0].rsplit(":", 1)[1]), faults, every, stall_s)
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         proxies.append(proxy)
         return proxy
 
     yield start
     for proxy in proxies:
+        proxy.unstall.set()
         proxy.shutdown()
         proxy.server_close()
 
@@ -242,4 +258,22 @@ def test_faults_are_retried_and_no_sample_is_lost_or_repeated(s3, aws_env, fault
     got = epoch(f"s3://{BUCKET}/text")
     injected = {fault for fault, _, _ in proxy.injected}
     assert injected == set(faults), proxy.injected
+    assert_same_epoch(got, epoch(root), keys)
+
+
+def test_read_timeout_is_retried(s3, aws_env, fault_proxy, monkeypatch):
+    """Every 4th GET stalls past s3fs's configured read timeout (``storage_options.config_kwargs``):
+    the read is given up and retried, and the epoch is still the local one, each sample once."""
+    endpoint, root, keys = s3
+    monkeypatch.setattr(sources, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(sources, "REMOTE_BLOCK", 8192)
+    proxy = fault_proxy(["stall"], every=4, stall_s=3.0)
+    aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    options = {"config_kwargs": {"read_timeout": 0.3, "connect_timeout": 1}}
+    t0 = time.monotonic()
+    got = epoch(f"s3://{BUCKET}/text", datasets=[{"path": f"s3://{BUCKET}/text", "storage_options": options}])
+    stalled = [path for fault, _, path in proxy.injected if fault == "stall"]
+    print("STALLED", len(stalled), time.monotonic() - t0, len(proxy.requests))
+    assert stalled and time.monotonic() - t0 < 3.0 * len(stalled), proxy.injected  # timed out, not waited out
     assert_same_epoch(got, epoch(root), keys)

@@ -20,13 +20,14 @@ from dataio.config import DataConfig, DatasetSpec
 from dataio.stream import interop, metadataset
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.epochized import EpochizedSchedule
+from dataio.stream.shardcache import ShardCache
 from dataio.stream.sources import ShardSource, SplitError
 
 
-def open_source(spec: DatasetSpec) -> ShardSource:
+def open_source(spec: DatasetSpec, cache: ShardCache | None = None) -> ShardSource:
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
     ``dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
-    Shar directory."""
+    Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given."""
     from dataio.shards.index import INDEX_DIR
 
     options = spec.storage_options
@@ -35,7 +36,7 @@ def open_source(spec: DatasetSpec) -> ShardSource:
         if not interop.Folder(spec.path, options).exists(f"{INDEX_DIR}/manifest.json") \
                 and interop.is_energon_dir(spec.path, options):
             index = interop.energon_index(spec.path, options)
-        return ShardSource(spec.path, split=spec.split, index=index, storage_options=options)
+        return ShardSource(spec.path, split=spec.split, index=index, storage_options=options, cache=cache)
     if (Path(spec.path) / INDEX_DIR).exists():
         return ShardSource(spec.path, split=spec.split)
     if interop.is_lhotse_manifest(spec.path):
@@ -61,6 +62,7 @@ class Datasets:
 
 def open_datasets(cfg: DataConfig) -> Datasets:
     leaves, epochized, meta = [], False, False
+    cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None  # one for all the datasets
     for i, spec in enumerate(cfg.datasets):
         if not metadataset.is_metadataset(spec.path):
             leaves.append((spec, spec.weight, None))
@@ -80,7 +82,7 @@ def open_datasets(cfg: DataConfig) -> Datasets:
             leaves.append((leaf_spec, leaf.share if epochized else spec.weight * leaf.share, leaf))
     sources, subflavors = [], []
     for spec, _, leaf in leaves:
-        sources.append(_open_leaf(spec, leaf))
+        sources.append(_open_leaf(spec, leaf, cache))
         subflavors.append({} if leaf is None else {**interop.energon_subflavors(spec.path, spec.storage_options),
                                                    **leaf.subflavors})
     entries = [(spec.split, share) for spec, share, _ in leaves]
@@ -99,12 +101,12 @@ def open_datasets(cfg: DataConfig) -> Datasets:
                     epochized=epochized)
 
 
-def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None) -> ShardSource:
+def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None, cache: ShardCache | None) -> ShardSource:
     """``open_source``; a leaf's failure names its metadataset entry (file and key) in one line."""
     if leaf is None:
-        return open_source(spec)
+        return open_source(spec, cache)
     try:
-        return open_source(spec)
+        return open_source(spec, cache)
     except (ValueError, FileNotFoundError) as e:
         where = leaf.split_where if isinstance(e, SplitError) else leaf.where
         raise ConfigError(f"{where}: {' '.join(str(e).split())}") from e

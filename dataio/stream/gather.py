@@ -41,9 +41,9 @@ UNCHECKED, GENERAL = -2, -1  # ``CheckedTokens.code`` values besides a dtype num
 
 
 def tokens_only(sources: list[ShardSource]) -> bool:
-    """Whether every dataset is a local indexed one (not a foreign format, ``dataio.stream.interop``)
-    with only ``.npy`` members (then ``gather_tokens`` is tried)."""
-    return all(isinstance(s, ShardSource) and not s.remote and len(s.index.extensions) == 1 and is_token_member(s.index.extensions[0])
+    """Whether every dataset is a mapped (local or disk-cached) indexed one (not a foreign format,
+    ``dataio.stream.interop``) with only ``.npy`` members (then ``gather_tokens`` is tried)."""
+    return all(isinstance(s, ShardSource) and not s.ranged and len(s.index.extensions) == 1 and is_token_member(s.index.extensions[0])
                for s in sources)
 
 

@@ -8,7 +8,9 @@ but the buffers are writable, so numpy/torch views need no read-only special cas
 (any fsspec URL: ``s3://`` with the ``s3`` extra, ``gs://``, ``http(s)://``, ``file://``) is read through
 an fsspec file with a block cache of ``REMOTE_BLOCK`` bytes, so nearby samples come from one ranged
 GET; transient storage errors (``OSError``, timeouts) are retried with exponential backoff before they
-count as failures.
+count as failures. With a ``ShardCache`` (``data.cache_dir``) a remote shard is instead downloaded whole
+on first use (``dataio.stream.shardcache``) and mapped like a local one; a process keeps at most
+``OPEN_CACHED_SHARDS`` such maps, each holding its shard in the cache until the map is closed.
 
 Every read checks that the tar header right before the sample's first payload names the sample's key
 (one short ``bytes`` compare), so an index that disagrees with its tar is an error naming the shard and
@@ -28,12 +30,14 @@ from collections import OrderedDict
 import numpy as np
 
 from dataio.stream.decode import SampleDecodeError
+from dataio.stream.shardcache import ShardCache, local_name, unlock
 from dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
 
 REMOTE_BLOCK = 8 << 20
 RETRIES = 5
 BACKOFF_S = 0.5
 OPEN_REMOTE_SHARDS = 8
+OPEN_CACHED_SHARDS = 4
 TAR_NAME_FIELD = 100  # bytes of the ustar name field; longer keys live in a pax/GNU long-name record
 
 
@@ -92,9 +96,11 @@ class ShardSource:
     """One dataset (one split of an indexed directory or URL): sample indices -> raw member bytes."""
 
     def __init__(self, path: str, *, split: str = "train", index: DatasetIndex | None = None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, cache: ShardCache | None = None):
         self.path, self.storage_options = path, storage_options
         self.remote = "://" in path and not path.startswith("file://")
+        self.cache = cache if self.remote else None
+        self.ranged = self.remote and self.cache is None  # read by ranged GETs, not through a map
         if index is None:
             index = load_remote_index(path, storage_options) if "://" in path else load_index(path)
         self.index = index
@@ -110,7 +116,11 @@ class ShardSource:
             for s in shard_ids if counts[s]
         }
         self._ext_names = list(index.extensions)
-        self._maps: dict[int, object] = {}
+        if self.cache is not None:
+            self._cache_folder = self.cache.folder(path, index)
+            self.cache.check_fits(path, {index.shards[s].name: self._shard_bytes(s) for s in shard_ids})
+        self._maps: OrderedDict[int, tuple] = OrderedDict()  # shard -> (mmap, memoryview, cache lock fd)
+        self._closing: list[tuple] = []  # (mmap, lock fd) of cached shards dropped while views of them were alive
         self._arrays: dict[int, np.ndarray] = {}
         self._remote_files: OrderedDict[int, object] = OrderedDict()
         self._pid = os.getpid()
@@ -137,10 +147,10 @@ class ShardSource:
         shards = rows["shard"].tolist()
         # local: each shard's map (and path) looked up once per call, not once per sample; a shard
         # that shrank since it was mapped is an error here, before a page past its end is touched
-        maps = {} if self.remote else {s: self._map(s, self._read_end(rows, s)) for s in set(shards)}
+        maps = {} if self.ranged else {s: self._map(s, self._read_end(rows, s)) for s in set(shards)}
         paths = {s: self.shard_path(s) for s in set(shards)}
         for shard, start, key, n in zip(shards, rows["offset"].tolist(), keys, counts.tolist()):
-            if self.remote:
+            if self.ranged:
                 buf, base = self._read_remote(shard, start, offsets[m + n - 1] + sizes[m + n - 1] - start), start
             else:
                 buf, base = maps[shard], 0
@@ -168,7 +178,11 @@ class ShardSource:
 
     def _reset_if_forked(self) -> None:
         if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
-            self._maps, self._arrays, self._remote_files, self._pid = {}, {}, OrderedDict(), os.getpid()
+            for fd in [e[-1] for e in self._maps.values()] + [fd for _, fd in self._closing]:
+                if fd is not None:
+                    os.close(fd)  # the parent's lock: closed here, never unlocked (that would free the parent's)
+            self._maps, self._closing, self._arrays = OrderedDict(), [], {}
+            self._remote_files, self._pid = OrderedDict(), os.getpid()
 
     @staticmethod
     def _read_end(rows: np.ndarray, shard: int) -> int:
@@ -185,28 +199,71 @@ class ShardSource:
         self._reset_if_forked()
         entry = self._maps.get(shard)
         if entry is None:
-            path = self.shard_path(shard)
-            if path.startswith("file://"):
-                path = path[len("file://"):]
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._check_size(shard, size)
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-            entry = self._maps[shard] = (mapped, memoryview(mapped) if mapped is not None else memoryview(b""))
-        mapped, buf = entry
+            entry = self._maps[shard] = self._open_map(shard)
+            if self.cache is not None:
+                self._close_cached(OPEN_CACHED_SHARDS)
+        elif self.cache is not None:
+            self._maps.move_to_end(shard)
+        mapped, buf, _ = entry
         size = mapped.size() if mapped is not None else 0
         if size < end:
             raise ShardFormatError(f"shard shrank to {size} bytes while mapped (modified under the loader?); "
                                    f"this read needs bytes up to {end}", shard=self.shard_path(shard))
         return buf
 
+    def _open_map(self, shard: int) -> tuple:
+        """``(mmap or None when empty, its memoryview, lock fd or None)`` of a local or cached shard."""
+        fd = None
+        if self.cache is not None:
+            path, fd = self.cache.acquire(self._cache_folder, self.index.shards[shard].name, self.shard_path(shard),
+                                          self._shard_bytes(shard), self.storage_options)
+        else:
+            path = self.shard_path(shard)
+            path = path[len("file://"):] if path.startswith("file://") else path
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._check_size(shard, size)
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        except BaseException:
+            if fd is not None:
+                unlock(fd)
+            raise
+        return mapped, memoryview(mapped) if mapped is not None else memoryview(b""), fd
+
+    def _close_cached(self, keep: int) -> None:
+        """Close all but the ``keep`` most recently used maps of cached shards, each releasing its shard
+        to eviction once no view of it is alive (a map with live views is retried on the next call)."""
+        while len(self._maps) > keep:
+            shard, (mapped, _, fd) = self._maps.popitem(last=False)  # its memoryview: dropped here, not released
+            self._arrays.pop(shard, None)  # (a batch being read may still hold it)
+            self._closing.append((mapped, fd))
+        still = []
+        for mapped, fd in self._closing:
+            try:
+                if mapped is not None:
+                    mapped.close()
+            except BufferError:  # a sample's payload (or the batch being read) still views the map
+                still.append((mapped, fd))
+                continue
+            unlock(fd)
+        self._closing = still
+
+    def _shard_bytes(self, shard: int) -> int:
+        """The shard's size from the index (its last indexed byte when the index has no size)."""
+        return self.index.shards[shard].bytes or self._needed.get(shard, 0)
+
     def check_sizes(self) -> None:
-        """ShardFormatError naming the first local shard now shorter than its index needs (one ``stat``
-        a shard): how a worker's SIGBUS is traced back to the shard that shrank under it."""
-        if self.remote:
+        """ShardFormatError naming the first local (or cached) shard now shorter than its index needs (one
+        ``stat`` a shard): how a worker's SIGBUS is traced back to the shard that shrank under it."""
+        if self.ranged:
             return
         for shard in self._needed:
             path = self.shard_path(shard)
+            if self.cache is not None:
+                path = str(self._cache_folder / local_name(self.index.shards[shard].name))
+                if not os.path.exists(path):
+                    continue
             self._check_size(shard, os.stat(path[len("file://"):] if path.startswith("file://") else path).st_size)
 
     def _check_size(self, shard: int, size: int) -> None:
