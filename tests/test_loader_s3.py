@@ -274,6 +274,140 @@ def test_read_timeout_is_retried(s3, aws_env, fault_proxy, monkeypatch):
     t0 = time.monotonic()
     got = epoch(f"s3://{BUCKET}/text", datasets=[{"path": f"s3://{BUCKET}/text", "storage_options": options}])
     stalled = [path for fault, _, path in proxy.injected if fault == "stall"]
-    print("STALLED", len(stalled), time.monotonic() - t0, len(proxy.requests))
     assert stalled and time.monotonic() - t0 < 3.0 * len(stalled), proxy.injected  # timed out, not waited out
     assert_same_epoch(got, epoch(root), keys)
+
+
+# -- the local disk cache of remote shards (data.cache_dir / data.cache_limit) ----------------------------
+
+def cached_files(cache_dir: Path) -> dict[str, int]:
+    """Complete cached shards (name -> bytes) and, under ``.parts/``, downloads in progress."""
+    return {p.relative_to(cache_dir).as_posix(): p.stat().st_size for p in cache_dir.rglob("*")
+            if p.is_file() and ".locks" not in p.parts and p.name != ".lock"}
+
+
+def local_epochs(root, epochs, **kw):
+    return [k for b in epoch(root, epochs=epochs, **kw) for k in b[0]]
+
+
+def test_cache_second_epoch_downloads_nothing(s3, aws_env, fault_proxy, tmp_path):
+    endpoint, root, keys = s3
+    proxy = fault_proxy([], every=0)
+    aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
+    url, cache = f"s3://{BUCKET}/text", tmp_path / "cache"
+    got = epoch(url, epochs=2, cache_dir=str(cache))
+    want = epoch(root, epochs=2)
+    assert [k for b in got for k in b[0]] == [k for b in want for k in b[0]]
+    for (_, tokens, meta), (_, want_tokens, want_meta) in zip(got, want):
+        np.testing.assert_array_equal(tokens, want_tokens)
+        assert meta == want_meta
+    shards = sorted(p.name for p in root.glob("*.tar"))
+    assert proxy.shard_gets() == {f"/{BUCKET}/text/{name}": 1 for name in shards}  # each once, over 2 epochs
+    files = cached_files(cache)
+    assert sorted(Path(f).name for f in files) == shards
+    assert all(size == (root / Path(f).name).stat().st_size for f, size in files.items())
+    # a new loader (as a new run would) with workers: served from the cache, nothing downloaded again
+    assert_same_epoch(epoch(url, cache_dir=str(cache), num_workers=2), epoch(root), keys)
+    assert sum(proxy.shard_gets().values()) == len(shards)
+
+
+def test_cache_limit_evicts_least_recently_used(s3, aws_env, fault_proxy, tmp_path, monkeypatch, caplog):
+    """A limit of the most bytes one batch's shards take (those are mapped while it is read), below the
+    dataset's size: the disk never holds more, shards are evicted and fetched again, the stream is unchanged."""
+    from dataio.shards.index import load_index
+
+    endpoint, root, keys = s3
+    monkeypatch.setattr(sources, "OPEN_CACHED_SHARDS", 1)
+    proxy = fault_proxy([], every=0)
+    aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
+    index = load_index(str(root))
+    shard_of = dict(zip(keys, index.samples["shard"].tolist()))
+    sizes = [(root / s.name).stat().st_size for s in index.shards]
+    limit = max(sum(sizes[s] for s in {shard_of[k] for k in b[0]}) for b in epoch(root, epochs=2))
+    assert limit < sum(sizes)
+    cache = tmp_path / "cache"
+    config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 4, "epochs": 2, "num_workers": 0,
+              "shuffle_window": 4, "seed": 3, "cache_dir": str(cache), "cache_limit": f"{limit}B"}
+    got, peak = [], 0
+    for batch in build_loader(config):
+        got += batch["__key__"]
+        peak = max(peak, sum(cached_files(cache).values()))
+    assert got == local_epochs(root, 2)
+    assert 0 < peak <= limit and sum(cached_files(cache).values()) <= limit
+    assert "over the limit" not in caplog.text
+    assert sum(proxy.shard_gets().values()) > len(sizes)  # evicted shards came back in epoch 2
+    with pytest.raises(ValueError, match=r"data.cache_limit: .* cannot hold shard"):
+        build_loader({**config, "cache_limit": max(sizes) - 1})
+
+
+RANK = """
+import json, sys
+from dataio import build_loader
+cfg, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+print(json.dumps([k for b in build_loader(cfg, dp_rank=rank, dp_size=2) for k in b["__key__"]]))
+"""
+
+
+def test_cache_shared_by_ranks_and_workers(s3, aws_env, fault_proxy, tmp_path):
+    """Two ranks (processes) of two workers each start together on one cache, each GET slowed down so
+    that they wait on each other's downloads: every shard is downloaded once, and every sample is
+    served once, as without the cache."""
+    import json
+    import subprocess
+
+    endpoint, root, keys = s3
+    proxy = fault_proxy(["slow"], every=1)
+    aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
+    config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 2, "epochs": 1, "num_workers": 2,
+              "shuffle_window": 4, "seed": 3, "cache_dir": str(tmp_path / "cache")}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, json.dumps(config), str(r)], stdout=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0]
+    got = [json.loads(out) for out in outs]
+    local = {**config, "datasets": [{"path": str(root)}], "cache_dir": None, "num_workers": 0}
+    for r in range(2):
+        assert got[r] == [k for b in build_loader(local, dp_rank=r, dp_size=2) for k in b["__key__"]]
+    assert sorted(k for g in got for k in g if k) == sorted(keys)
+    shards = sorted(p.name for p in root.glob("*.tar"))
+    assert proxy.shard_gets() == {f"/{BUCKET}/text/{name}": 1 for name in shards}
+    files = cached_files(tmp_path / "cache")
+    assert sorted(Path(f).name for f in files) == shards  # no part file left over
+
+
+KILLED = """
+import json, sys
+from dataio import build_loader
+next(iter(build_loader(json.loads(sys.argv[1]))))
+"""
+
+
+def test_killed_download_leaves_no_complete_file(s3, aws_env, fault_proxy, tmp_path, monkeypatch):
+    """A process killed (SIGKILL) while its download hangs leaves only its part file; the next run
+    removes it and serves the full stream."""
+    import json
+    import signal
+    import subprocess
+
+    endpoint, root, keys = s3
+    stalling = fault_proxy(["stall"], every=1, stall_s=60)
+    aws_env(f"http://127.0.0.1:{stalling.server_address[1]}")
+    cache = tmp_path / "cache"
+    config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 4, "num_workers": 0, "epochs": 1,
+              "shuffle_window": 4, "seed": 3, "cache_dir": str(cache), "cache_limit": "1MB"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(config)])
+    try:
+        deadline = time.monotonic() + 60
+        while not any(".parts" in f for f in cached_files(cache)) or not stalling.injected:
+            assert time.monotonic() < deadline and proc.poll() is None, "the download never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    files = cached_files(cache)
+    assert files and all(".parts/" in f for f in files), files  # nothing under a shard's own name
+    proxy = fault_proxy([], every=0)
+    aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
+    assert_same_epoch(epoch(f"s3://{BUCKET}/text", cache_dir=str(cache), cache_limit="1MB"), epoch(root), keys)
+    assert sorted(Path(f).name for f in cached_files(cache)) == sorted(p.name for p in root.glob("*.tar"))

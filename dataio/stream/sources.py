@@ -199,9 +199,9 @@ class ShardSource:
         self._reset_if_forked()
         entry = self._maps.get(shard)
         if entry is None:
+            if self.cache is not None:  # before the download: what this frees may make room for it
+                self._close_cached(OPEN_CACHED_SHARDS - 1)
             entry = self._maps[shard] = self._open_map(shard)
-            if self.cache is not None:
-                self._close_cached(OPEN_CACHED_SHARDS)
         elif self.cache is not None:
             self._maps.move_to_end(shard)
         mapped, buf, _ = entry
