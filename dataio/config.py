@@ -81,7 +81,10 @@ class DataConfig:
         if isinstance(self.cache_limit, str):
             from dataio.prepare.plan import parse_size
 
-            self.cache_limit = parse_size(self.cache_limit)
+            try:
+                self.cache_limit = parse_size(self.cache_limit)
+            except ValueError as e:
+                raise ValueError(f"cache_limit: {e}") from None
         if self.cache_limit is not None and (self.cache_dir is None or self.cache_limit < 1):
             raise ValueError(f"cache_limit ({self.cache_limit}) needs cache_dir and must be positive")
         if self.epochs is not None and self.epochs < 1:

@@ -144,19 +144,22 @@ def test_energon_dir_and_metadataset_take_storage_options(s3, aws_env, monkeypat
 class FaultProxy(http.server.ThreadingHTTPServer):
     """Forwards HTTP to ``upstream`` and records every request; request number k (from 1) with
     ``k % every == 0`` gets the next fault of ``faults`` instead of (or on top of) the upstream answer
-    (``every=0``: none). A ``stall`` holds the answer for ``stall_s`` (or until ``unstall`` is set)."""
+    (``every=0``: none; ``where``: only requests whose path contains it are numbered). A ``stall`` holds
+    the answer for ``stall_s`` (or until ``unstall`` is set)."""
 
     daemon_threads = True
 
-    def __init__(self, upstream_port: int, faults: list[str], every: int, stall_s: float = 0.0):
+    def __init__(self, upstream_port: int, faults: list[str], every: int, stall_s: float = 0.0, where: str = ""):
         super().__init__(("127.0.0.1", 0), FaultHandler)
         self.upstream_port, self.faults, self.every = upstream_port, itertools.cycle(faults), every
         self.count, self.injected, self.requests, self.lock = 0, [], [], threading.Lock()
-        self.stall_s, self.unstall = stall_s, threading.Event()
+        self.stall_s, self.unstall, self.where = stall_s, threading.Event(), where
 
     def next_fault(self, method: str, path: str) -> str | None:
         with self.lock:
             self.requests.append((method, path))
+            if self.where not in path:
+                return None
             self.count += 1
             if not self.every or self.count % self.every:
                 return None
@@ -233,8 +236,8 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
 def fault_proxy(s3):
     proxies = []
 
-    def start(faults, every, stall_s=0.0):
-        proxy = FaultProxy(int(s3[0].rsplit(":", 1)[1]), faults, every, stall_s)
+    def start(faults, every, stall_s=0.0, where=""):
+        proxy = FaultProxy(int(s3[0].rsplit(":", 1)[1]), faults, every, stall_s, where)
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         proxies.append(proxy)
         return proxy
@@ -338,6 +341,10 @@ def test_cache_limit_evicts_least_recently_used(s3, aws_env, fault_proxy, tmp_pa
     assert sum(proxy.shard_gets().values()) > len(sizes)  # evicted shards came back in epoch 2
     with pytest.raises(ValueError, match=r"data.cache_limit: .* cannot hold shard"):
         build_loader({**config, "cache_limit": max(sizes) - 1})
+    with pytest.raises(ValueError, match=r"^data: cache_limit: not a size: 'lots'"):
+        build_loader({**config, "cache_limit": "lots"})
+    with pytest.raises(ValueError, match=r"^data: cache_limit \(1000000000\) needs cache_dir"):
+        build_loader({**config, "cache_limit": "1GB", "cache_dir": None})
 
 
 RANK = """
@@ -356,7 +363,7 @@ def test_cache_shared_by_ranks_and_workers(s3, aws_env, fault_proxy, tmp_path):
     import subprocess
 
     endpoint, root, keys = s3
-    proxy = fault_proxy(["slow"], every=1)
+    proxy = fault_proxy(["slow"], every=1, where=".tar")
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
     config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 2, "epochs": 1, "num_workers": 2,
               "shuffle_window": 4, "seed": 3, "cache_dir": str(tmp_path / "cache")}
@@ -390,7 +397,7 @@ def test_killed_download_leaves_no_complete_file(s3, aws_env, fault_proxy, tmp_p
     import subprocess
 
     endpoint, root, keys = s3
-    stalling = fault_proxy(["stall"], every=1, stall_s=60)
+    stalling = fault_proxy(["stall"], every=1, stall_s=60, where=".tar")
     aws_env(f"http://127.0.0.1:{stalling.server_address[1]}")
     cache = tmp_path / "cache"
     config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 4, "num_workers": 0, "epochs": 1,
