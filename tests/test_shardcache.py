@@ -80,3 +80,20 @@ def test_folder_names(data, tmp_path):
     index.shards[0].bytes += 1  # re-indexed data: another folder
     assert cache.folder("s3://a/b", index) != ShardCache(str(tmp_path)).folder("s3://a/b", load_index(str(root)))
     assert local_name("sub/../x.tar") == "sub%2F..%2Fx.tar" and local_name("..") == "%2E." and os.sep not in local_name("a/b")
+
+
+def test_a_short_object_is_an_error_and_leaves_nothing(data, tmp_path):
+    """An object shorter than the index says (rewritten under the index): a ShardFormatError naming it, no
+    file under the shard's name, no part file left."""
+    from dataio.stream.sources import ShardFormatError
+
+    root, index, sizes = data
+    name = sorted(sizes)[0]
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / name).write_bytes((root / name).read_bytes()[:1000])
+    cache = ShardCache(str(tmp_path / "cache"), limit=10 * sizes[name])
+    folder = cache.folder(f"file://{short}", index)
+    with pytest.raises(ShardFormatError, match=f"{name}.: truncated shard: 1000 bytes, the index says {sizes[name]}"):
+        cache.acquire(folder, name, f"file://{short}/{name}", sizes[name], None)
+    assert [p for p in folder.rglob("*") if p.is_file() and p.parent.name != ".locks"] == []

@@ -143,8 +143,9 @@ class ShardCache:
 
         from dataio.stream.sources import ShardFormatError, retry
 
-        for stale in (folder / PARTS).glob(f"{name}.*"):  # a dead downloader's (the exclusive lock is ours)
-            stale.unlink(missing_ok=True)
+        for stale in (folder / PARTS).iterdir():  # a dead downloader's (the exclusive lock is ours)
+            if _part_of(stale) == name:
+                stale.unlink(missing_ok=True)
         part = folder / PARTS / f"{name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             with open(part, "wb") as out:
@@ -209,7 +210,7 @@ class ShardCache:
                 if path.name not in (LOCKS, PARTS):
                     entries.append(_entry(path, folder / LOCKS / path.name))
             for path in (folder / PARTS).iterdir() if (folder / PARTS).is_dir() else ():
-                entries.append(_entry(path, folder / LOCKS / path.name.rsplit(".", 2)[0], stale=True))
+                entries.append(_entry(path, folder / LOCKS / _part_of(path), stale=True))
         entries = [e for e in entries if e is not None]
         return sorted(entries, key=lambda e: e.mtime)
 
@@ -220,6 +221,11 @@ def _entry(path: Path, lock_path: Path, stale: bool = False) -> Entry | None:
     except FileNotFoundError:  # removed since the listing
         return None
     return Entry(path=path, size=st.st_size, mtime=0.0 if stale else st.st_mtime, lock=lock_path)
+
+
+def _part_of(part: Path) -> str:
+    """The shard name of a part file ``<shard>.<pid>.<hex>``."""
+    return part.name.rsplit(".", 2)[0]
 
 
 def _current(fd: int, path: Path) -> bool:
