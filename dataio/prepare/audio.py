@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+from typing import NamedTuple
 
 import numpy as np
 import soundfile as sf
@@ -91,8 +92,19 @@ def _vorbis_comment_ok(body: bytes) -> bool:
     return pos == len(body)
 
 
-def _wav_header(head: bytes, file_size: int) -> tuple[int, int] | None:
-    """``(sample_rate, frames)`` of a PCM / float WAV whose ``data`` chunk lies inside the file; None otherwise."""
+class WavFormat(NamedTuple):
+    """A PCM / float WAV's layout: the ``data`` chunk's samples start at ``data_offset``, interleaved."""
+
+    rate: int
+    frames: int
+    channels: int
+    tag: int  # 1: integer PCM, 3: IEEE float (the sub-format of WAVE_FORMAT_EXTENSIBLE)
+    bits: int
+    data_offset: int
+
+
+def wav_format(head: bytes, file_size: int) -> WavFormat | None:
+    """The layout of a PCM / float WAV whose ``data`` chunk lies inside the file; None otherwise."""
     pos, fmt = 12, None
     while pos + 8 <= len(head):
         chunk, length = head[pos : pos + 4], int.from_bytes(head[pos + 4 : pos + 8], "little")
@@ -108,15 +120,22 @@ def _wav_header(head: bytes, file_size: int) -> tuple[int, int] | None:
             if (bits not in _WAV_FORMATS.get(tag, ()) or not 0 < channels <= _MAX_CHANNELS
                     or not 0 < rate <= MAX_SAMPLE_RATE or block_align != channels * bits // 8):
                 return None
-            fmt = (rate, block_align)
+            fmt = (rate, channels, tag, bits)
         elif chunk == b"data":
             if fmt is None or body + length > file_size:
                 return None  # libsndfile clamps a truncated data chunk; let it
-            return fmt[0], length // fmt[1]
+            rate, channels, tag, bits = fmt
+            return WavFormat(rate, length // (channels * bits // 8), channels, tag, bits, body)
         elif chunk not in _WAV_SKIPPED_CHUNKS:
             return None  # libsndfile parses these (PEAK, cue, ...) or stops at unknown ones: let it
         pos = body + length + (length & 1)
     return None
+
+
+def _wav_header(head: bytes, file_size: int) -> tuple[int, int] | None:
+    """``(sample_rate, frames)`` of a PCM / float WAV whose ``data`` chunk lies inside the file; None otherwise."""
+    layout = wav_format(head, file_size)
+    return None if layout is None else (layout.rate, layout.frames)
 
 
 def parse_header(head: bytes, file_size: int) -> tuple[int, int] | None:

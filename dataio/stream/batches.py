@@ -17,6 +17,7 @@ import torch
 
 from dataio.config import DataConfig
 from dataio.shards.formats import is_token_member
+from dataio.stream.audio_batch import decode_pending
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
 from dataio.stream.decode import SampleDecodeError, decode_sample
@@ -63,16 +64,20 @@ class SampleReader:
         """Whether a batch may be made in the main process before it forks workers."""
         return getattr(self.batch_audio, "fork_safe", True)
 
-    def read(self, refs: np.ndarray, *, defer_npy: bool = False) -> tuple[list[dict], list[str], np.ndarray, int]:
+    def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None
+             ) -> tuple[list[dict], list[str], np.ndarray, int]:
         """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
         bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
-        arrays as ``NpyView`` for ``dataio.stream.collate`` to copy straight into the batch)."""
+        arrays as ``NpyView`` for ``dataio.stream.collate`` to copy straight into the batch; ``alloc``:
+        soundfile audio decoded straight into one tensor from it, ``dataio.stream.audio_batch``)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
+        pending = alloc is not None
         for i, item in enumerate(self._raw(refs)):
             if not isinstance(item, SampleDecodeError):
                 key, shard, members = item
                 try:
-                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy))
+                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
+                                                 defer_audio=pending))
                     keys.append(key)
                     shards.append(shard)
                     kept.append(i)
@@ -81,14 +86,17 @@ class SampleReader:
                     item = e
             self._skip(item)
             bad += 1
+        failed = {}
         if self.batch_audio is not None and samples:  # the audio decode_sample left raw, per batch
             failed = self.batch_audio(samples, keys, shards)
+        elif pending and samples:  # the audio decode_sample left pending, into one tensor per member
+            failed = decode_pending(samples, keys, shards, self.cfg.decode, alloc)
+        if failed:
             for s in sorted(failed):
                 self._skip(failed[s])
-            if failed:
-                bad += len(failed)
-                good = [s for s in range(len(samples)) if s not in failed]
-                samples, keys, kept = [samples[s] for s in good], [keys[s] for s in good], [kept[s] for s in good]
+            bad += len(failed)
+            good = [s for s in range(len(samples)) if s not in failed]
+            samples, keys, kept = [samples[s] for s in good], [keys[s] for s in good], [kept[s] for s in good]
         return samples, keys, np.asarray(kept, dtype=np.int64), bad
 
     def _raw(self, refs: np.ndarray) -> list[tuple[str, str, dict] | SampleDecodeError]:
@@ -160,11 +168,11 @@ class BatchMaker:
         if batch is not None:  # token batches: read, checked and collated per batch (dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
             return self._with_subflavors(batch)
-        samples, keys, kept, bad = self.reader.read(refs, defer_npy=True)
+        samples, keys, kept, bad = self.reader.read(refs, defer_npy=True, alloc=alloc)
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
             refs = self.refs(np.array([self.layout.start]))
-            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True)
+            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc)
             valid = torch.zeros(len(samples), dtype=torch.bool)
             local = np.full(len(samples), -1)
         batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=max(lo, hi), alloc=alloc)

@@ -46,7 +46,8 @@ import soundfile
 import soxr
 import torch
 
-from dataio.prepare.audio import check_declared
+from dataio.prepare.audio import HEADER_BYTES, WavFormat, check_declared, parse_header, wav_format
+from dataio.stream import libsndfile
 from dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
 
 Buffer = bytes | bytearray | memoryview
@@ -81,6 +82,8 @@ class DecodeConfig:
     dtype: Literal["float32", "int16"] = "float32"  # waveform dtype; int16 halves the bytes moved to the trainer
     resample_quality: Literal["QQ", "LQ", "MQ", "HQ", "VHQ"] = "HQ"  # soxr quality preset
     max_duration: float | None = None  # seconds; longer audio is a SampleDecodeError, checked before decoding
+    # soundfile's libsndfile build: auto (the system's when >= 1.1.0: 2x faster FLAC), bundled, or a path
+    libsndfile: str = "auto"
     dali: DaliConfig = field(default_factory=DaliConfig)
 
     def __post_init__(self):
@@ -88,6 +91,7 @@ class DecodeConfig:
             raise ValueError(f"decode.sample_rate must be positive or null, got {self.sample_rate}")
         if self.max_duration is not None and self.max_duration <= 0:
             raise ValueError(f"decode.max_duration must be positive or null, got {self.max_duration}")
+        libsndfile.check(self.libsndfile)
 
 
 class Audio(NamedTuple):
@@ -194,6 +198,7 @@ def _check_payload(buf: Buffer, data_offset: int, shape: tuple[int, ...], dtype:
 
 def decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio:
     """Decode an audio payload with libsndfile, downmix and resample per ``cfg``."""
+    libsndfile.use(cfg.libsndfile)
     with soundfile.SoundFile(io.BytesIO(buf)) as f:
         rate = f.samplerate
         check_declared(rate, f.frames, len(buf), max_duration=cfg.max_duration)  # before allocating for it
@@ -217,6 +222,42 @@ def decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio:
     return Audio(torch.from_numpy(audio), rate)
 
 
+class PendingAudio(NamedTuple):
+    """An audio member whose header was parsed and checked but not yet decoded: the loader decodes a
+    batch of them straight into the batch tensor (``dataio.stream.audio_batch``)."""
+
+    buf: Buffer
+    rate: int  # the file's
+    frames: int  # the file's, as its header declares
+    out_frames: int  # at most this many at the target rate (the room it takes in the batch)
+    wav: WavFormat | None  # the layout of a WAV (read without libsndfile when it is 16-bit PCM or float)
+
+
+# Decoded bytes a member may declare per encoded byte and still be decoded into the batch: real FLAC
+# speech is 2-4 (float32 out), digital silence ~20; a header declaring more (up to the 6000 frames a
+# byte check_declared allows) is decoded alone by decode_audio, which names it if it cannot be allocated.
+MAX_DECODED_PER_ENCODED = 64
+
+
+def pending_audio(buf: Buffer, cfg: DecodeConfig) -> PendingAudio | None:
+    """``buf`` as a ``PendingAudio`` when its FLAC / WAV header parses (``dataio.prepare.audio``, ~5 us)
+    and it decodes to one channel at most ``MAX_DECODED_PER_ENCODED`` x its size; None when
+    ``decode_audio`` should decode it now (other codecs, ``mono: false``, unusual headers)."""
+    if not cfg.mono:
+        return None
+    head = bytes(buf[:HEADER_BYTES])
+    parsed = parse_header(head, len(buf))
+    if parsed is None:
+        return None
+    rate, frames = parsed
+    check_declared(rate, frames, len(buf), max_duration=cfg.max_duration)
+    target = cfg.sample_rate or rate
+    out_frames = frames if target == rate else -(-frames * target // rate)  # soxr rounds the duration: <= ceil
+    if out_frames * 4 > MAX_DECODED_PER_ENCODED * len(buf):
+        return None
+    return PendingAudio(buf, rate, frames, out_frames, wav_format(head, len(buf)) if head[:4] == b"RIFF" else None)
+
+
 # --------------------------------------------------------------------------------------------- text
 
 
@@ -238,15 +279,18 @@ def _decode_npy(buf: Buffer, cfg: DecodeConfig) -> torch.Tensor:
     return decode_npy(buf)
 
 
+def _decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio | memoryview:
+    # With audio: dali (or raw) the buffer stays encoded, as a memoryview whether the source gave a view
+    # or bytes, so that dataio.stream.collate makes it a uint8 tensor (and dataio.stream.dali decodes a batch at once).
+    return decode_audio(buf, cfg) if cfg.audio == "soundfile" else memoryview(buf)
+
+
 _DECODERS: dict[str, Callable[[Buffer, DecodeConfig], Any]] = {
     "npy": _decode_npy,
     "json": lambda buf, cfg: decode_json(buf),
     "txt": lambda buf, cfg: decode_text(buf),
     **{ext: lambda buf, cfg: decode_int(buf) for ext in ("cls", "cls2", "class", "index", "id", "count")},
-    # With audio: dali (or raw) the buffer stays encoded, as a memoryview whether the source gave a view
-    # or bytes, so that dataio.stream.collate makes it a uint8 tensor (and dataio.stream.dali decodes a batch at once).
-    **{ext: lambda buf, cfg: decode_audio(buf, cfg) if cfg.audio == "soundfile" else memoryview(buf)
-       for ext in AUDIO_EXTENSIONS},
+    **{ext: _decode_audio for ext in AUDIO_EXTENSIONS},
 }
 
 
@@ -274,25 +318,39 @@ def decoder_for(ext: str) -> Callable[[Buffer, DecodeConfig], Any]:
 
 def decode_sample(
     members: dict[str, Buffer], cfg: DecodeConfig, *, key: str | None = None, shard: str | None = None,
-    defer_npy: bool = False,
+    defer_npy: bool = False, defer_audio: bool = False,
 ) -> dict[str, Any]:
     """Decode one sample's members: ``{ext: raw buffer}`` -> ``{ext: value}`` (same keys, same order).
 
     ``key`` and ``shard`` only label errors. ``defer_npy``: 1-D ``.npy`` members become checked
-    ``NpyView``s for ``dataio.stream.collate`` to copy into the batch (the loader's plain batches). Raises
+    ``NpyView``s for ``dataio.stream.collate`` to copy into the batch (the loader's plain batches).
+    ``defer_audio`` (with ``audio: soundfile``): FLAC / WAV members whose headers parse become checked
+    ``PendingAudio`` for ``dataio.stream.audio_batch`` to decode into the batch tensor. Raises
     ``SampleDecodeError`` (``UnsafeMemberError`` for pickle members) naming shard, key and member;
     the loader counts it against ``max_bad_samples``.
     Token tensors share memory with their buffers, so do not reuse a block while its samples live.
     """
     out = {}
+    defer_audio = defer_audio and cfg.audio == "soundfile"
     for ext, buf in members.items():
         try:
             decoder = decoder_for(ext)
-            out[ext] = npy_view(buf) if defer_npy and decoder is _decode_npy else decoder(buf, cfg)
-        except SampleDecodeError as e:
-            raise type(e)(e.reason, shard=shard, key=key, member=ext) from None
+            if defer_npy and decoder is _decode_npy:
+                out[ext] = npy_view(buf)
+            elif defer_audio and decoder is _decode_audio:
+                out[ext] = pending_audio(buf, cfg) or decode_audio(buf, cfg)
+            else:
+                out[ext] = decoder(buf, cfg)
         except MemoryError:
             raise
-        except Exception as e:  # any library's complaint about a bad payload becomes one error type
-            raise SampleDecodeError(f"{type(e).__name__}: {e}", shard=shard, key=key, member=ext) from e
+        except Exception as e:
+            raise member_error(e, shard=shard, key=key, member=ext) from None if isinstance(e, SampleDecodeError) else e
     return out
+
+
+def member_error(e: Exception, *, shard: str | None, key: str | None, member: str) -> SampleDecodeError:
+    """``e`` (from decoding ``member``) as the ``SampleDecodeError`` that names the sample: any library's
+    complaint about a bad payload becomes this one error type."""
+    if isinstance(e, SampleDecodeError):
+        return type(e)(e.reason, shard=shard, key=key, member=member)
+    return SampleDecodeError(f"{type(e).__name__}: {e}", shard=shard, key=key, member=member)

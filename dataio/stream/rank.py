@@ -20,6 +20,7 @@ import numpy as np
 
 from dataio.batching.stage import same_layout
 from dataio.config import DataConfig
+from dataio.stream.audio_batch import mean_decoded_bytes
 from dataio.stream.batches import BatchMaker, SampleReader
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator
@@ -116,8 +117,10 @@ class RankStream:
 
     def _slot_bytes(self, batch_size: int) -> int:
         """Shared slot size per batch: twice the mean stored bytes of a batch (decoded tokens take the
-        bytes they are stored in), 1 MiB .. 256 MiB; a bigger batch takes the slower default path."""
-        return int(min(256 << 20, max(1 << 20, 2 * self._mean_sample_bytes() * batch_size)))
+        bytes they are stored in), or 1.5x its decoded audio when that is more, 1 MiB .. 256 MiB; a bigger
+        batch takes the slower default path."""
+        audio = max(mean_decoded_bytes(np.asarray(s.index.samples["duration"]), self.cfg.decode) for s in self.sources)
+        return int(min(256 << 20, max(1 << 20, max(2 * self._mean_sample_bytes(), 1.5 * audio) * batch_size)))
 
     def _count_bad(self, bad: int) -> None:
         self.bad_samples += bad
