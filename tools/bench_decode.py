@@ -1,197 +1,197 @@
-"""Decoded-audio throughput: soundfile (1 process, N worker processes) vs NVIDIA DALI CPU (N threads).
+"""Decoded-audio throughput: headrace's loader (0 and N workers) vs NVIDIA DALI's own CPU reader (N threads).
 
-All paths decode the same FLAC utterances (speech-like synthetic audio, ~4.5 s at 16 kHz, ~90 KB each)
-from one memory-mapped blob in page cache into float32 batches in the main process:
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_decode --rounds 5 --baseline /tmp/before
 
-- ``soundfile``: ``dataio.stream.decode.decode_sample`` in a torch ``DataLoader`` (num_workers=0, then N),
-  collated by the loader's ``dataio.stream.collate.collate_field`` (one flat tensor + lengths, allocated in
-  shared memory inside a worker, so a batch crosses to the main process as a file descriptor).
-- ``dali``: ``dataio.stream.dali.DaliAudioDecoder`` with ``num_threads=N``, ``device_id=None`` (CPU only),
-  padded ``[B, T]`` batches as DALI returns them.
+Cases (each a shard directory built once by ``dataio.bench.synth`` under ``--data``, ``--hours`` of
+``corpus.speech_like`` utterances of 3-6 s, 16-bit): FLAC at 16 kHz, WAV at 16 kHz, FLAC at 24 kHz
+(resampled to 16 kHz by every path). Paths, all decoding to float32 mono at 16 kHz:
 
-``--libsndfile PATH`` makes soundfile use another libsndfile build (e.g. the one DALI bundles) to
-separate the codec build's speed from the pipeline's.
+- ``headrace w0`` / ``headrace wN``: ``build_loader`` over the shards (``decode.audio: soundfile``,
+  batch ``--batch-size``, no shuffle), ``num_workers`` 0 and N: batches as the trainer gets them;
+- ``baseline w0`` / ``baseline wN``: the same against another checkout (``--baseline DIR``, e.g.
+  ``git archive main | tar -x -C DIR``), run as this script with ``PYTHONPATH=DIR``;
+- ``dali tN``: ``fn.readers.webdataset`` on the same tars + ``fn.decoders.audio`` (downmix, resample
+  to 16 kHz, float) + ``fn.pad``, CPU only (``device_id=None``), ``num_threads`` N, batches copied once
+  into a torch tensor (DALI reuses its buffers): DALI's best case.
 
-Prints, as medians of ``--repeats`` epochs with the paths interleaved: samples/s (each epoch timed from
-its first batch, so worker start-up is not counted); CPU milliseconds per sample (all threads and worker
-processes: the figure that holds on a shared, loaded machine); the ratio soundfile-with-N-workers /
-DALI-N-threads. Plus the per-member cost of a 12.6 KB ``.npy`` token array (``decode_npy`` vs ``np.load``).
-
-    .venv/bin/python -m tools.bench_decode --utterances 3000 --workers 2 --repeats 5
+Every measurement is its own process (``--epoch``), so no path inherits another's state: it runs two
+epochs and reports the second (page cache, pipeline and libraries warm): samples/s from its first batch
+to its last, and CPU milliseconds per sample over the whole epoch, worker processes and threads
+included (``getrusage`` of the process and its joined children): the figure that holds on a loaded,
+shared machine. The paths run interleaved, one epoch each per round, ``--rounds`` rounds; medians are
+printed as a markdown table, one row per case and path.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import mmap
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import soundfile
-import torch
-
-from dataio.bench.corpus import RATE, flac_bytes, speech_like
-from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved
-from dataio.stream.collate import collate_field
-from dataio.stream.workers import process_memory
-from dataio.shards.formats import npy_bytes
-from dataio.stream.decode import DaliConfig, DecodeConfig, decode_sample
+CASES = {"flac16": ("flac", 16000), "wav16": ("wav", 16000), "flac24": ("flac", 24000)}
+TARGET_RATE = 16000
 
 
-def build_corpus(directory: Path, count: int, seed: int = 0) -> tuple[Path, np.ndarray]:
-    """One blob of FLAC payloads + an offsets table (cached in ``directory`` between runs)."""
-    blob, table = directory / f"utterances-{count}.bin", directory / f"utterances-{count}.json"
-    if blob.exists() and table.exists():
-        return blob, np.array(json.loads(table.read_text()), dtype=np.int64)
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    offsets = [0]
-    with open(blob.with_suffix(".tmp"), "wb") as f:
-        for _ in range(count):
-            offsets.append(offsets[-1] + f.write(flac_bytes(speech_like(rng, rng.uniform(3.0, 6.0)))))
-    os.replace(blob.with_suffix(".tmp"), blob)
-    table.write_text(json.dumps(offsets))
-    return blob, np.array(offsets, dtype=np.int64)
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and its waited-for children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-class Utterances(torch.utils.data.Dataset):
-    """Sample i = the decoded FLAC payload i of the blob (memory-mapped per process)."""
-
-    def __init__(self, blob: Path, offsets: np.ndarray, cfg: DecodeConfig):
-        self.blob, self.offsets, self.cfg, self._view = blob, offsets, cfg, None
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def payload(self, i: int) -> memoryview:
-        if self._view is None:  # opened lazily so that each worker maps the file itself
-            with open(self.blob, "rb") as f:
-                self._view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        return self._view[self.offsets[i] : self.offsets[i + 1]]
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return decode_sample({"flac": self.payload(i)}, self.cfg, key=str(i))["flac"].waveform
+def audio_ext(shards: Path) -> str:
+    """The audio member's extension in a case's tars (``flac`` or ``wav``)."""
+    return next(ext for ext in ("flac", "wav") if (shards.parent / f"{shards.name}-{ext}").exists())
 
 
-def collate_waveforms(waves: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loader's own collation: one flat tensor (in shared memory inside a worker) plus lengths."""
-    return collate_field(waves, process_memory())
+def headrace_epochs(shards: Path, workers: int, batch_size: int, count: int):
+    """A callable giving one epoch of the loader's batches as (batch tensor, lengths)."""
+    from dataio import build_loader
+
+    ext = audio_ext(shards)
+    cfg = {"datasets": [{"path": str(shards)}], "batch_size": batch_size, "shuffle": False, "epochs": 1,
+           "num_workers": workers, "decode": {"sample_rate": TARGET_RATE}}
+
+    def epoch():
+        for batch in build_loader(cfg, dp_rank=0, dp_size=1):
+            yield batch[ext], batch["__lengths__"][ext]
+
+    return epoch
 
 
-def time_epoch(batches) -> tuple[float, int, float]:
-    """Wall seconds from the first batch to the last and the samples after the first batch (start-up not
-    counted); CPU milliseconds per sample over the whole epoch, workers included once they are joined."""
-    cpu_start = sum(cpu_seconds())
-    iterator = iter(batches)
-    _, lengths = next(iterator)
-    total, start, samples = len(lengths), time.perf_counter(), 0
-    for _, lengths in iterator:
-        samples += len(lengths)
-    wall = time.perf_counter() - start
-    del iterator  # joins DataLoader workers, so that RUSAGE_CHILDREN has their CPU time
-    return wall, samples, (sum(cpu_seconds()) - cpu_start) / (total + samples) * 1e3
+def dali_epochs(shards: Path, threads: int, batch_size: int, count: int):
+    """A callable giving one epoch of DALI batches (the pipeline built once, reused across epochs)."""
+    import numpy as np
+    import torch
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    tars = sorted(str(p) for p in shards.glob("*.tar"))
+    ext = audio_ext(shards)
+
+    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, prefetch_queue_depth=2)
+    def pipeline():
+        encoded = fn.readers.webdataset(paths=tars, ext=[ext], name="reader", pad_last_batch=True)
+        audio, _ = fn.decoders.audio(encoded, downmix=True, dtype=types.FLOAT, sample_rate=float(TARGET_RATE))
+        return fn.pad(audio, axes=(0,)), audio
+
+    pipe = pipeline()
+    pipe.build()
+
+    def epoch():
+        left = count
+        while left > 0:
+            padded, unpadded = pipe.run()
+            dense = padded.as_tensor()
+            out = feed_ndarray(dense, torch.empty(dense.shape(), dtype=torch.float32))
+            n = min(batch_size, left)
+            lengths = np.array([s[0] for s in unpadded.shape()[:n]], dtype=np.int64)
+            left -= n
+            yield out[:n], lengths
+
+    return epoch
 
 
-def soundfile_epochs(dataset: Utterances, batch_size: int, workers: int):
-    """A callable that runs one epoch through a DataLoader with ``workers`` processes (kept alive)."""
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate_waveforms
-    )  # not persistent: workers exit at the end of each epoch, so their CPU time can be counted
-    return lambda: time_epoch(loader)
+def run_epoch(path: str, shards: Path, batch_size: int) -> dict:
+    """Two epochs of ``path`` (``headrace:N`` or ``dali:N``); the second's figures."""
+    import soundfile
+    import torch
+
+    from dataio.shards.index import load_index
+
+    torch.set_num_threads(1)
+    kind, n = path.split(":")
+    count = len(load_index(shards).samples)
+    epoch = (dali_epochs if kind == "dali" else headrace_epochs)(shards, int(n), batch_size, count)
+    for _ in range(2):
+        cpu = cpu_seconds()
+        batches = epoch()
+        total = len(next(batches)[1])
+        start, after_first = time.perf_counter(), 0
+        for _, lengths in batches:
+            after_first += len(lengths)
+        wall = time.perf_counter() - start
+        del batches  # the loader's workers are joined, so RUSAGE_CHILDREN holds their CPU time
+        cpu = cpu_seconds() - cpu
+    if total + after_first != count:
+        raise AssertionError(f"{path} delivered {total + after_first} of {count} samples")
+    return {"wall_s": wall, "samples_after_first": after_first, "samples": count, "cpu_s": cpu,
+            "libsndfile": soundfile._ffi.string(soundfile._snd.sf_version_string()).decode()}
 
 
-def dali_epochs(dataset: Utterances, batch_size: int, threads: int):
-    """A callable that runs one epoch through ``DaliAudioDecoder`` with ``threads`` CPU threads."""
-    from dataio.stream.dali import DaliAudioDecoder
+def build_cases(data: Path, hours: float) -> dict[str, Path]:
+    from dataio.bench.synth import write_speech
 
-    dali = DaliConfig(num_threads=threads, max_batch_size=batch_size)
-    decoder = DaliAudioDecoder(DecodeConfig(audio="dali", sample_rate=dataset.cfg.sample_rate, dali=dali))
-
-    def batches():
-        for start in range(0, len(dataset), batch_size):
-            out = decoder([dataset.payload(i) for i in range(start, min(start + batch_size, len(dataset)))])
-            yield out.data, out.lengths
-
-    return lambda: time_epoch(batches())
+    out = {}
+    for name, (fmt, rate) in CASES.items():
+        shards = data / name / "speech"
+        if not (shards / ".nv-meta").exists():
+            write_speech(shards, hours, fmt=fmt, rate=rate)
+        out[name] = shards
+    return out
 
 
-def npy_microseconds(count: int = 20000) -> dict[str, float]:
-    """Per-member cost of a 12.6 KB int32 token array: headrace's zero-copy decode vs ``np.load``."""
-    from dataio.stream.decode import decode_npy
-
-    member = memoryview(bytearray(npy_bytes(np.arange(3150, dtype=np.int32))))
-    paths = {
-        "npy_headrace_us": lambda: decode_npy(member),
-        "npy_numpy_load_us": lambda: torch.from_numpy(np.load(io.BytesIO(member), allow_pickle=False)),
-    }
-
-    def loop(decode) -> None:
-        for _ in range(count):
-            decode()
-
-    loops = {name: (lambda decode=decode: loop(decode)) for name, decode in paths.items()}
-    return {name: best / count * 1e6 for name, best in best_interleaved(loops, 3).items()}
+def measure(path: str, shards: Path, batch_size: int, repo: Path | None) -> dict:
+    """One ``--epoch`` process of this script (against ``repo``'s dataio when given)."""
+    env = dict(os.environ, PYTHONPATH=str(repo or Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--epoch", path, "--shards", str(shards),
+           "--batch-size", str(batch_size)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{path} on {shards} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--utterances", type=int, default=3000)
-    parser.add_argument("--workers", type=int, default=2, help="soundfile worker processes = DALI threads")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5, help="epochs per path; the median is reported")
-    parser.add_argument("--sample-rate", type=int, default=RATE, help="decode target (16000: no resampling)")
-    parser.add_argument("--data", type=Path, default=Path("/tmp/headrace-bench-decode"))
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--libsndfile", help="path of a libsndfile.so for soundfile to use instead of its own")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.libsndfile:  # soundfile has no public switch; its cffi handle is swapped before workers fork
-        soundfile._snd = soundfile._ffi.dlopen(args.libsndfile)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", type=Path, default=Path("/tmp/headrace-bench-decode"), help="cases are built here once")
+    p.add_argument("--hours", type=float, default=1.0, help="hours of speech per case")
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated, from " + ",".join(CASES))
+    p.add_argument("--workers", type=int, default=2, help="headrace worker processes = DALI threads")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    p.add_argument("--baseline", type=Path, help="another checkout to time beside this one")
+    p.add_argument("--json", type=Path, help="also write every measurement here")
+    p.add_argument("--epoch", help=argparse.SUPPRESS)  # internal: one measurement, headrace:N or dali:N
+    p.add_argument("--shards", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.epoch:
+        print(json.dumps(run_epoch(args.epoch, args.shards, args.batch_size)))
+        return 0
 
-    blob, offsets = build_corpus(args.data, args.utterances)
-    sizes, seconds = np.diff(offsets), []
-    dataset = Utterances(blob, offsets, DecodeConfig(sample_rate=args.sample_rate))
-    for i in range(0, len(dataset), max(1, len(dataset) // 50)):
-        seconds.append(soundfile.info(io.BytesIO(dataset.payload(i))).duration)
-    results = {
-        "utterances": len(dataset),
-        "mean_kb": float(sizes.mean() / 1000),
-        "mean_seconds": float(np.mean(seconds)),
-        "sample_rate": args.sample_rate,
-        "libsndfile": soundfile._ffi.string(soundfile._snd.sf_version_string()).decode()
-        + ("" if args.libsndfile is None else f" ({args.libsndfile})"),
-    }
-    paths = {
-        "soundfile_1_process": soundfile_epochs(dataset, args.batch_size, 0),
-        f"soundfile_{args.workers}_workers": soundfile_epochs(dataset, args.batch_size, args.workers),
-    }
-    try:
-        paths[f"dali_cpu_{args.workers}_threads"] = dali_epochs(dataset, args.batch_size, args.workers)
-    except ImportError as e:
-        print(f"DALI skipped: {e}", file=sys.stderr)
-    # Interleaved repeats, so that load from other processes on a shared machine hits every path alike.
-    epochs = interleaved(paths, args.repeats)  # name -> [(seconds, samples, CPU ms per sample)]
-    results.update({name: statistics.median(n / sec for sec, n, _ in runs) for name, runs in epochs.items()})
-    results.update({f"{name}_cpu_ms_per_sample": statistics.median(cpu for _, _, cpu in runs)
-                    for name, runs in epochs.items()})
-    if f"dali_cpu_{args.workers}_threads" in results:
-        results["ratio_soundfile_workers_to_dali"] = (
-            results[f"soundfile_{args.workers}_workers"] / results[f"dali_cpu_{args.workers}_threads"]
-        )
-    results.update(npy_microseconds())
+    cases = build_cases(args.data, args.hours)
+    w = args.workers
+    paths = {"headrace w0": ("headrace:0", None), f"headrace w{w}": (f"headrace:{w}", None)}
+    if args.baseline:
+        paths.update({"baseline w0": ("headrace:0", args.baseline.resolve()),
+                      f"baseline w{w}": (f"headrace:{w}", args.baseline.resolve())})
+    paths[f"dali t{w}"] = (f"dali:{w}", None)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for case in args.cases.split(","):
+            for name, (path, repo) in paths.items():
+                runs.setdefault((case, name), []).append(measure(path, cases[case], args.batch_size, repo))
+        print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
     if args.json:
-        print(json.dumps(results))
-    else:
-        for name, value in results.items():
-            print(f"{name:44s} {value:,.2f}" if isinstance(value, float) else f"{name:44s} {value}")
+        args.json.write_text(json.dumps({f"{c}|{n}": v for (c, n), v in runs.items()}, indent=1))
+    print(f"\n{args.rounds} rounds, batch {args.batch_size}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at the end\n")
+    print("| case | path | libsndfile | samples/s | CPU ms / sample | x dali (samples/s) | x dali (CPU) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for case in args.cases.split(","):
+        rate = {n: statistics.median(x["samples_after_first"] / x["wall_s"] for x in runs[(case, n)]) for n in paths}
+        cpu = {n: statistics.median(x["cpu_s"] / x["samples"] * 1e3 for x in runs[(case, n)]) for n in paths}
+        dali = f"dali t{w}"
+        for n in paths:
+            lib = runs[(case, n)][0]["libsndfile"].removeprefix("libsndfile-") if not n.startswith("dali") else "-"
+            print(f"| {case} | {n} | {lib} | {rate[n]:,.0f} | {cpu[n]:.3f} | {rate[n] / rate[dali]:.2f} | "
+                  f"{cpu[dali] / cpu[n]:.2f} |")
     return 0
 
 

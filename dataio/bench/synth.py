@@ -7,7 +7,8 @@
   ``corpus.write_indexed_shards`` (``webdataset.ShardWriter``, the peer ecosystem's writer) in
   shards of ~64 MB.
 - speech: ``corpus.speech_like`` utterances (3-6 s, 16 kHz FLAC, ~90 KB) with a NeMo manifest,
-  sharded by ``dataio shard``.
+  sharded by ``dataio shard``; ``--speech-format wav`` / ``--speech-rate 24000`` write 16-bit WAV or
+  another rate instead (the decoded-audio benchmark's WAV and resampling cases).
 
 Cost on 2 cores: about a minute per GB of text and a few minutes for 3 h of speech; disk: the sizes asked.
 """
@@ -20,8 +21,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import soundfile
 
-from dataio.bench.corpus import demo_token_documents, flac_bytes, speech_like, write_indexed_shards
+from dataio.bench.corpus import RATE, demo_token_documents, flac_bytes, speech_like, write_indexed_shards
 from dataio.shards.formats import npy_bytes
 
 SHARD_BYTES = 64 << 20
@@ -42,15 +44,19 @@ def write_text(out: Path, gigabytes: float) -> None:
     print(f"text: {count:,} documents, {written / 1e9:.2f} GB of int32 tokens in {shards} shards -> {out}")
 
 
-def write_speech(out: Path, hours: float) -> None:
-    src = out.parent / f"{out.name}-flac"
+def write_speech(out: Path, hours: float, *, fmt: str = "flac", rate: int = RATE) -> None:
+    src = out.parent / f"{out.name}-{fmt}"
     src.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     rows, total = [], 0.0
     while total < hours * 3600:
         seconds = float(rng.uniform(3.0, 6.0))
-        path = src / f"u{len(rows):06d}.flac"
-        path.write_bytes(flac_bytes(speech_like(rng, seconds)))
+        path = src / f"u{len(rows):06d}.{fmt}"
+        wave = speech_like(rng, seconds, rate)
+        if fmt == "flac" and rate == RATE:
+            path.write_bytes(flac_bytes(wave))
+        else:
+            soundfile.write(path, wave, rate, subtype="PCM_16")
         rows.append({"audio_filepath": path.name, "duration": seconds, "text": f"utterance {len(rows)}"})
         total += seconds
     manifest = src / "manifest.jsonl"
@@ -66,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-gb", type=float, default=1.0, help="GB of int32 text tokens (0: none)")
     p.add_argument("--speech-hours", type=float, default=3.0, help="hours of speech (0: none)")
+    p.add_argument("--speech-format", choices=["flac", "wav"], default="flac", help="16-bit FLAC or WAV")
+    p.add_argument("--speech-rate", type=int, default=RATE, help="the utterances' sample rate in Hz")
     args = p.parse_args(argv)
     if args.text_gb > 0:
         write_text(args.out / "text", args.text_gb)
     if args.speech_hours > 0:
-        write_speech(args.out / "speech", args.speech_hours)
+        write_speech(args.out / "speech", args.speech_hours, fmt=args.speech_format, rate=args.speech_rate)
     return 0
 
 

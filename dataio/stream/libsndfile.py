@@ -9,8 +9,10 @@ decoded values are the same: FLAC, WAV and MP3 bit for bit, Ogg Vorbis within on
 
 ``decode.libsndfile``:
 
-- ``auto`` (default): the system's libsndfile (``ctypes.util.find_library``) when it is 1.1.0 or newer
-  (the first release that reads MP3, so it decodes every format the wheel's does), else the wheel's;
+- ``auto`` (default): the system's libsndfile (from the dynamic linker's cache, ``ldconfig -p``) when it
+  is 1.1.0 or newer (the first release that reads MP3, so it decodes every format the wheel's does),
+  else the wheel's. It is opened by full path: by its bare name ``libsndfile.so.1`` the dynamic linker
+  hands back the wheel's copy, already loaded under that soname;
 - ``bundled``: the wheel's own;
 - a path: that ``libsndfile.so``.
 
@@ -21,9 +23,9 @@ process then uses the chosen build. Cost after the first call: one string compar
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 import re
+import subprocess
 
 import soundfile
 
@@ -39,16 +41,27 @@ def version(handle) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
+def system_paths() -> list[str]:
+    """Full paths of the libsndfile builds in the dynamic linker's cache."""
+    try:
+        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30,
+                                 env=dict(os.environ, PATH=os.environ.get("PATH", "") + ":/sbin:/usr/sbin")).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.rsplit("=>", 1)[1].strip() for line in listing.splitlines()
+            if line.strip().startswith("libsndfile.so") and "=>" in line]
+
+
 def _system():
     """The system's libsndfile if it is new enough, else None."""
-    name = ctypes.util.find_library("sndfile")
-    if name is None:
-        return None
-    try:
-        handle = soundfile._ffi.dlopen(name)
-    except OSError:
-        return None
-    return handle if version(handle) >= MIN_SYSTEM_VERSION else None
+    for path in system_paths():
+        try:
+            handle = soundfile._ffi.dlopen(path)
+        except OSError:  # another architecture's build
+            continue
+        if version(handle) >= MIN_SYSTEM_VERSION:
+            return handle
+    return None
 
 
 def use(choice: str) -> None:
@@ -76,4 +89,4 @@ def loaded() -> str:
     return soundfile._ffi.string(soundfile._snd.sf_version_string()).decode()
 
 
-__all__ = ["MIN_SYSTEM_VERSION", "check", "loaded", "use", "version"]
+__all__ = ["MIN_SYSTEM_VERSION", "check", "loaded", "system_paths", "use", "version"]
