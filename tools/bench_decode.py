@@ -14,12 +14,14 @@ Cases (each a shard directory built once by ``dataio.bench.synth`` under ``--dat
   to 16 kHz, float) + ``fn.pad``, CPU only (``device_id=None``), ``num_threads`` N, batches copied once
   into a torch tensor (DALI reuses its buffers): DALI's best case.
 
-Every measurement is its own process (``--epoch``), so no path inherits another's state: it runs two
-epochs and reports the second (page cache, pipeline and libraries warm): samples/s from its first batch
-to its last, and CPU milliseconds per sample over the whole epoch, worker processes and threads
-included (``getrusage`` of the process and its joined children): the figure that holds on a loaded,
-shared machine. The paths run interleaved, one epoch each per round, ``--rounds`` rounds; medians are
-printed as a markdown table, one row per case and path.
+Every measurement is its own process (``--epoch``), so no path inherits another's state: one loader
+(or DALI pipeline) runs ``--epochs`` epochs and all but the first are timed (page cache, worker
+processes, their ring, the pipeline and libraries warm): samples/s, and CPU milliseconds per sample
+of the process and its worker processes, all threads (``psutil`` for running workers, ``getrusage``
+once they are joined): the figure that holds on a loaded, shared machine. Start-up (forking workers,
+building the DALI pipeline) falls in the first epoch and is not counted: in training it is paid once.
+The paths run interleaved, one measurement each per round, ``--rounds`` rounds; medians are printed
+as a markdown table, one row per case and path.
 """
 
 from __future__ import annotations
@@ -39,9 +41,18 @@ TARGET_RATE = 16000
 
 
 def cpu_seconds() -> float:
-    """CPU seconds of this process (all threads) and its waited-for children."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    """CPU seconds so far of this process (all threads) and of its children: the running ones (the
+    loader's workers, by ``psutil``) and the ones that ended and were waited for (``getrusage``)."""
+    import psutil
+
+    own, ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:  # ended just now: in the next getrusage
+            pass
+    return total
 
 
 def audio_ext(shards: Path) -> str:
@@ -49,23 +60,20 @@ def audio_ext(shards: Path) -> str:
     return next(ext for ext in ("flac", "wav") if (shards.parent / f"{shards.name}-{ext}").exists())
 
 
-def headrace_epochs(shards: Path, workers: int, batch_size: int, count: int):
-    """A callable giving one epoch of the loader's batches as (batch tensor, lengths)."""
+def headrace_batches(shards: Path, workers: int, batch_size: int, count: int, epochs: int):
+    """The loader's batches over ``epochs`` epochs as (batch tensor, lengths): one loader, its workers
+    and their shared-memory ring kept from one epoch to the next, as in training."""
     from dataio import build_loader
 
     ext = audio_ext(shards)
-    cfg = {"datasets": [{"path": str(shards)}], "batch_size": batch_size, "shuffle": False, "epochs": 1,
+    cfg = {"datasets": [{"path": str(shards)}], "batch_size": batch_size, "shuffle": False, "epochs": epochs,
            "num_workers": workers, "decode": {"sample_rate": TARGET_RATE}}
-
-    def epoch():
-        for batch in build_loader(cfg, dp_rank=0, dp_size=1):
-            yield batch[ext], batch["__lengths__"][ext]
-
-    return epoch
+    for batch in build_loader(cfg, dp_rank=0, dp_size=1):
+        yield batch[ext], batch["__lengths__"][ext]
 
 
-def dali_epochs(shards: Path, threads: int, batch_size: int, count: int):
-    """A callable giving one epoch of DALI batches (the pipeline built once, reused across epochs)."""
+def dali_batches(shards: Path, threads: int, batch_size: int, count: int, epochs: int):
+    """DALI's batches over ``epochs`` epochs as (batch tensor, lengths), from one pipeline."""
     import numpy as np
     import torch
     from nvidia.dali import fn, pipeline_def, types
@@ -82,8 +90,7 @@ def dali_epochs(shards: Path, threads: int, batch_size: int, count: int):
 
     pipe = pipeline()
     pipe.build()
-
-    def epoch():
+    for _ in range(epochs):
         left = count
         while left > 0:
             padded, unpadded = pipe.run()
@@ -94,11 +101,9 @@ def dali_epochs(shards: Path, threads: int, batch_size: int, count: int):
             left -= n
             yield out[:n], lengths
 
-    return epoch
 
-
-def run_epoch(path: str, shards: Path, batch_size: int) -> dict:
-    """Two epochs of ``path`` (``headrace:N`` or ``dali:N``); the second's figures."""
+def run_epoch(path: str, shards: Path, batch_size: int, epochs: int) -> dict:
+    """``epochs`` epochs of ``path`` (``headrace:N`` or ``dali:N``): figures of all but the first."""
     import soundfile
     import torch
 
@@ -107,20 +112,19 @@ def run_epoch(path: str, shards: Path, batch_size: int) -> dict:
     torch.set_num_threads(1)
     kind, n = path.split(":")
     count = len(load_index(shards).samples)
-    epoch = (dali_epochs if kind == "dali" else headrace_epochs)(shards, int(n), batch_size, count)
-    for _ in range(2):
-        cpu = cpu_seconds()
-        batches = epoch()
-        total = len(next(batches)[1])
-        start, after_first = time.perf_counter(), 0
-        for _, lengths in batches:
-            after_first += len(lengths)
-        wall = time.perf_counter() - start
-        del batches  # the loader's workers are joined, so RUSAGE_CHILDREN holds their CPU time
-        cpu = cpu_seconds() - cpu
-    if total + after_first != count:
-        raise AssertionError(f"{path} delivered {total + after_first} of {count} samples")
-    return {"wall_s": wall, "samples_after_first": after_first, "samples": count, "cpu_s": cpu,
+    batches = (dali_batches if kind == "dali" else headrace_batches)(shards, int(n), batch_size, count, epochs)
+    seen = 0
+    while seen < count:  # the first epoch: start-up, page cache, pipeline and libraries warm
+        seen += len(next(batches)[1])
+    start, cpu, timed = time.perf_counter(), cpu_seconds(), 0
+    for _, lengths in batches:
+        timed += len(lengths)
+    wall = time.perf_counter() - start
+    del batches  # the loader's workers are joined, so RUSAGE_CHILDREN holds their CPU time
+    cpu = cpu_seconds() - cpu
+    if seen + timed != count * epochs:
+        raise AssertionError(f"{path} delivered {seen + timed} of {count * epochs} samples")
+    return {"wall_s": wall, "samples_after_first": timed, "samples": count, "cpu_s": cpu,
             "libsndfile": soundfile._ffi.string(soundfile._snd.sf_version_string()).decode()}
 
 
@@ -136,11 +140,11 @@ def build_cases(data: Path, hours: float) -> dict[str, Path]:
     return out
 
 
-def measure(path: str, shards: Path, batch_size: int, repo: Path | None) -> dict:
+def measure(path: str, shards: Path, batch_size: int, epochs: int, repo: Path | None) -> dict:
     """One ``--epoch`` process of this script (against ``repo``'s dataio when given)."""
     env = dict(os.environ, PYTHONPATH=str(repo or Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--epoch", path, "--shards", str(shards),
-           "--batch-size", str(batch_size)]
+           "--batch-size", str(batch_size), "--epochs", str(epochs)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(f"{path} on {shards} failed:\n{done.stderr[-3000:]}")
@@ -156,13 +160,14 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="headrace worker processes = DALI threads")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    p.add_argument("--epochs", type=int, default=3, help="per measurement; the first is not timed")
     p.add_argument("--baseline", type=Path, help="another checkout to time beside this one")
     p.add_argument("--json", type=Path, help="also write every measurement here")
     p.add_argument("--epoch", help=argparse.SUPPRESS)  # internal: one measurement, headrace:N or dali:N
     p.add_argument("--shards", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.epoch:
-        print(json.dumps(run_epoch(args.epoch, args.shards, args.batch_size)))
+        print(json.dumps(run_epoch(args.epoch, args.shards, args.batch_size, args.epochs)))
         return 0
 
     cases = build_cases(args.data, args.hours)
@@ -176,7 +181,7 @@ def main() -> int:
     for r in range(args.rounds):
         for case in args.cases.split(","):
             for name, (path, repo) in paths.items():
-                runs.setdefault((case, name), []).append(measure(path, cases[case], args.batch_size, repo))
+                runs.setdefault((case, name), []).append(measure(path, cases[case], args.batch_size, args.epochs, repo))
         print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps({f"{c}|{n}": v for (c, n), v in runs.items()}, indent=1))
@@ -186,7 +191,8 @@ def main() -> int:
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for case in args.cases.split(","):
         rate = {n: statistics.median(x["samples_after_first"] / x["wall_s"] for x in runs[(case, n)]) for n in paths}
-        cpu = {n: statistics.median(x["cpu_s"] / x["samples"] * 1e3 for x in runs[(case, n)]) for n in paths}
+        cpu = {n: statistics.median(x["cpu_s"] / x["samples_after_first"] * 1e3 for x in runs[(case, n)])
+               for n in paths}
         dali = f"dali t{w}"
         for n in paths:
             lib = runs[(case, n)][0]["libsndfile"].removeprefix("libsndfile-") if not n.startswith("dali") else "-"

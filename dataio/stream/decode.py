@@ -14,7 +14,10 @@ module-level table, built once at import:
 - ``json`` -> ``json.loads``; ``txt`` -> ``str`` (UTF-8); ``cls``/``cls2``/``class``/``index``/``id``
   /``count`` -> ``int``.
 - audio (``flac wav ogg opus mp3``, what libsndfile decodes) -> ``Audio(waveform, sample_rate)``
-  through soundfile, downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With
+  through soundfile (the libsndfile build ``decode.libsndfile`` picks, ``dataio.stream.libsndfile``),
+  downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With ``defer_audio`` (the loader's
+  plain batches) a FLAC / WAV member only has its header parsed and checked here (``PendingAudio``) and
+  is decoded with the rest of its batch straight into the batch tensor (``dataio.stream.audio_batch``). With
   ``cfg.audio == "dali"`` audio members pass through as raw buffers for the loader to decode per
   batch with ``dataio.stream.dali.decode_audio_members``; with ``"raw"`` they stay encoded (collated as
   ``uint8`` bytes + lengths) for a decoder downstream, e.g. on the GPU in the training step.
@@ -341,10 +344,12 @@ def decode_sample(
                 out[ext] = pending_audio(buf, cfg) or decode_audio(buf, cfg)
             else:
                 out[ext] = decoder(buf, cfg)
+        except SampleDecodeError as e:
+            raise member_error(e, shard=shard, key=key, member=ext) from None
         except MemoryError:
             raise
         except Exception as e:
-            raise member_error(e, shard=shard, key=key, member=ext) from None if isinstance(e, SampleDecodeError) else e
+            raise member_error(e, shard=shard, key=key, member=ext) from e
     return out
 
 
