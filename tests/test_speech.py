@@ -90,7 +90,7 @@ def _whisper_checkpoint(path: Path):
     return whisper.float()
 
 
-def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path):
+def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, process_group):
     """A SALM on a whole Whisper checkpoint's encoder: the weights are the checkpoint's; every utterance gets the
     adapter frames its real audio covers (the extractor's attention mask, halved by the encoder's conv, then
     stacked by the adapter); the frames written into the slots equal transformers' WhisperEncoder on
@@ -127,13 +127,7 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.encoder.named_parameters()
                if n != "embed_positions.weight")
     cfg = salm_job(tmp_path, "unit", encoder="whisper")
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        export_salm(model, cfg, tmp_path / "export")
-    finally:
-        dist.destroy_process_group()
+    export_salm(model, cfg, tmp_path / "export")
     loaded, loaded_cfg = load_salm(tmp_path / "export")
     assert loaded_cfg.encoder.kind == "whisper" and loaded_cfg.features is None
     with torch.no_grad():

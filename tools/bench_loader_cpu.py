@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,22 +31,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cpu_seconds(who: int) -> float:
-    r = resource.getrusage(who)
-    return r.ru_utime + r.ru_stime
-
-
 def one(data: str, batch: int, workers: int, epochs: int) -> dict:
     """Median epoch of ``build_loader`` (the tree on ``PYTHONPATH``) at one batch size and worker count."""
     from configtree import from_dict
     from dataio import build_loader
+    from dataio.bench.timing import cpu_seconds
     from dataio.config import DataConfig
 
     cfg = from_dict(DataConfig, {"datasets": [{"path": data}], "batch_size": batch}, "data")
     cfg = dataclasses.replace(cfg, num_workers=workers, epochs=1, packing="none", seq_len=None)
     runs = []
     for epoch in range(epochs + 1):
-        main0, kids0, t0 = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
+        (main0, kids0), t0 = cpu_seconds(), time.perf_counter()
         n, first_at, first_n = 0, None, 0
         for b in build_loader(cfg, dp_rank=0, dp_size=1):
             n += len(b["__key__"])
@@ -55,7 +50,7 @@ def one(data: str, batch: int, workers: int, epochs: int) -> dict:
                 first_at, first_n = time.perf_counter(), n
             del b
         end = time.perf_counter()
-        main, kids = cpu_seconds(resource.RUSAGE_SELF) - main0, cpu_seconds(resource.RUSAGE_CHILDREN) - kids0
+        main, kids = (now - then for now, then in zip(cpu_seconds(), (main0, kids0)))
         if epoch:  # the first one warms imports and the page cache
             runs.append({"samples": n, "main_cpu_s": main, "worker_cpu_s": kids, "first_batch_s": first_at - t0,
                          "samples_per_s": (n - first_n) / (end - first_at), "samples_per_cpu_s": n / (main + kids)})

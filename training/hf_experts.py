@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-LAYOUTS = ("per_expert", "fused")
 _FUSED = {"gate_up_proj": ["MergeModulelist", "Concatenate"], "down_proj": ["MergeModulelist"]}
 
 
@@ -97,4 +96,4 @@ def hub_names(hf: nn.Module, fqns) -> dict[str, str]:
     return names
 
 
-__all__ = ["LAYOUTS", "expert_converters", "hub_names", "local_experts", "per_expert_views"]
+__all__ = ["expert_converters", "hub_names", "local_experts", "per_expert_views"]

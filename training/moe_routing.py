@@ -26,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-DROP_POLICIES = ("probs", "position")
-
 
 @dataclass(frozen=True)
 class Capacity:
@@ -79,4 +77,4 @@ def plan_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_expe
     return Routes(token_of_row, weight_of_row, torch.full_like(counts, per_expert), counts, dropped)
 
 
-__all__ = ["DROP_POLICIES", "Capacity", "Routes", "plan_routes"]
+__all__ = ["Capacity", "Routes", "plan_routes"]

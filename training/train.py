@@ -156,14 +156,18 @@ def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
     return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
 
 
+def new_tail_group():
+    """The group of a finite packed stream's tail agreement (``stream.sync_group``): one all_reduce run in
+    the prefetcher's read-ahead thread, so on a gloo group of its own, never one the step's collectives use
+    at the same time (a mesh dim spanning every rank reuses the default group). Collective: every rank
+    calls it at the same point."""
+    return dist.new_group(backend="gloo")
+
+
 def give_tail_group(loader) -> None:
-    """A finite packed stream's ranks agree on their last batch with one all_reduce, run in the
-    prefetcher's read-ahead thread: on a gloo group of its own, never one the step's collectives use
-    at the same time (a mesh dim spanning every rank reuses the default group). Collective: every
-    rank calls it at the same point."""
     stream = getattr(loader, "stream", None)
     if stream is not None and dist.is_initialized():
-        stream.sync_group = dist.new_group(backend="gloo")
+        stream.sync_group = new_tail_group()
 
 
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):

@@ -107,12 +107,14 @@ def val_batches(loader: Iterable[dict], device: torch.device,
     waits in the loader's tail all-reduce there while the others still run forwards (in the loop's own
     thread that wait would block their FSDP2 collectives; give the loader a group of its own,
     ``stream.sync_group``). On the host, per batch: its documents are counted
-    (``__val_docs__``), rows flagged invalid lose their labels, then ``transform`` (CP: this rank's chunks)."""
+    (``__val_docs__``), rows flagged invalid lose their labels, then ``transform`` (CP: this rank's chunks),
+    whose labelled tokens are counted (``__val_tokens__``: no device-to-host copy in the loop)."""
 
     def prepare(batch: dict) -> dict:
         docs = documents_started(batch)
         batch = mask_invalid_rows(batch)
-        return {**(transform(batch) if transform is not None else batch), "__val_docs__": docs}
+        batch = transform(batch) if transform is not None else batch
+        return {**batch, "__val_docs__": docs, "__val_tokens__": labelled_tokens(batch)}
 
     return DevicePrefetcher(loader, device, transform=prepare)
 
@@ -127,7 +129,7 @@ def evaluate(model: nn.Module, loss_sum: Callable[[nn.Module, dict], torch.Tenso
     with eval_mode(model):
         for batch in batches:
             docs += batch["__val_docs__"]
-            tokens += labelled_tokens(batch)
+            tokens += batch["__val_tokens__"]
             total += loss_sum(model, {k: v for k, v in batch.items() if not k.startswith("__")}).double()
     return reduce_figures(total, tokens, docs, loss_group=loss_group, dp_group=dp_group)
 
@@ -173,7 +175,7 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
     with eval_mode(pipe.part):
         for batch in batches:
             docs += batch["__val_docs__"]
-            tokens += labelled_tokens(batch)
+            tokens += batch["__val_tokens__"]
             pending.append({k: batch[k] for k in PIPELINE_INPUTS})
             if template is None:
                 template = pending[-1]
@@ -222,14 +224,14 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
     from dataio import build_loader
     from training.context_parallel import cp_batch_transform
-    from training.train import step_forward
+    from training.train import new_tail_group, step_forward
 
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
     dp = meshes["dp"]
 
     transform = cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
-    tail_group = dist.new_group(backend="gloo")  # see give_tail_group
+    tail_group = new_tail_group()
 
     def batches() -> DevicePrefetcher:
         loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())

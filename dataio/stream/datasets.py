@@ -57,17 +57,19 @@ class Datasets:
     schedule: BlendSchedule | EpochizedSchedule
     entries: list[tuple[str, float]]
     subflavors: list[dict] | None  # per source; None when no entry is a metadataset
-    epochized: bool = False
+
+    @property
+    def epochized(self) -> bool:
+        return isinstance(self.schedule, EpochizedSchedule)
 
 
 def open_datasets(cfg: DataConfig) -> Datasets:
-    leaves, epochized, meta = [], False, False
+    leaves, epochized = [], False
     cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None  # one for all the datasets
     for i, spec in enumerate(cfg.datasets):
         if not metadataset.is_metadataset(spec.path):
             leaves.append((spec, spec.weight, None))
             continue
-        meta = True
         mds = metadataset.read_metadataset(spec.path, spec.split, spec.storage_options)
         if mds.epochized:
             if len(cfg.datasets) > 1:
@@ -97,17 +99,17 @@ def open_datasets(cfg: DataConfig) -> Datasets:
     else:
         schedule = BlendSchedule([w for _, w in entries], [len(s) for s in sources], epochs=cfg.epochs,
                                  stop_on_first_exhausted=cfg.stop_on_first_exhausted)
-    return Datasets(sources=sources, schedule=schedule, entries=entries, subflavors=subflavors if meta else None,
-                    epochized=epochized)
+    meta = any(leaf is not None for *_, leaf in leaves)
+    return Datasets(sources=sources, schedule=schedule, entries=entries, subflavors=subflavors if meta else None)
 
 
 def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None, cache: ShardCache | None) -> ShardSource:
     """``open_source``; a leaf's failure names its metadataset entry (file and key) in one line."""
-    if leaf is None:
-        return open_source(spec, cache)
     try:
         return open_source(spec, cache)
     except (ValueError, FileNotFoundError) as e:
+        if leaf is None:
+            raise
         where = leaf.split_where if isinstance(e, SplitError) else leaf.where
         raise ConfigError(f"{where}: {' '.join(str(e).split())}") from e
 

@@ -249,7 +249,8 @@ def pending_audio(buf: Buffer, cfg: DecodeConfig) -> PendingAudio | None:
     if not cfg.mono:
         return None
     head = bytes(buf[:HEADER_BYTES])
-    parsed = parse_header(head, len(buf))
+    wav = wav_format(head, len(buf)) if head.startswith(b"RIFF") and head[8:12] == b"WAVE" else None
+    parsed = (wav.rate, wav.frames) if wav is not None else parse_header(head, len(buf))  # one parse per header
     if parsed is None:
         return None
     rate, frames = parsed
@@ -258,7 +259,7 @@ def pending_audio(buf: Buffer, cfg: DecodeConfig) -> PendingAudio | None:
     out_frames = frames if target == rate else -(-frames * target // rate)  # soxr rounds the duration: <= ceil
     if out_frames * 4 > MAX_DECODED_PER_ENCODED * len(buf):
         return None
-    return PendingAudio(buf, rate, frames, out_frames, wav_format(head, len(buf)) if head[:4] == b"RIFF" else None)
+    return PendingAudio(buf, rate, frames, out_frames, wav)
 
 
 # --------------------------------------------------------------------------------------------- text

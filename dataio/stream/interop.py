@@ -61,17 +61,27 @@ class Folder:
         return bool(retry(lambda: self.fs.exists(f"{self.base.rstrip('/')}/{rel}"), f"{self.root}/{rel}: stat"))
 
     def read(self, rel: str) -> bytes | None:
-        """The bytes of ``root/rel``; None when there is no such file."""
-        if not self.exists(rel):
-            return None
+        """The bytes of ``root/rel``; None when there is no such file (one request: no existence check first)."""
         if self.fs is None:
-            return (self.local / rel).read_bytes()
-        return retry(lambda: self.fs.cat_file(f"{self.base.rstrip('/')}/{rel}"), f"{self.root}/{rel}: reading")
+            try:
+                return (self.local / rel).read_bytes()
+            except FileNotFoundError:
+                return None
 
-    def size(self, rel: str) -> int:
+        def attempt():
+            try:
+                return self.fs.cat_file(f"{self.base.rstrip('/')}/{rel}")
+            except FileNotFoundError:
+                return None  # not an error to retry
+
+        return retry(attempt, f"{self.root}/{rel}: reading")
+
+    def sizes(self, rels: list[str]) -> list[int]:
+        """The sizes of ``root/rel`` for each ``rel``: one batched call remotely (fsspec runs them concurrently)."""
         if self.fs is None:
-            return (self.local / rel).stat().st_size
-        return int(retry(lambda: self.fs.size(f"{self.base.rstrip('/')}/{rel}"), f"{self.root}/{rel}: stat"))
+            return [(self.local / rel).stat().st_size for rel in rels]
+        base = self.base.rstrip("/")
+        return [int(n) for n in retry(lambda: self.fs.sizes([f"{base}/{rel}" for rel in rels]), f"{self.root}: stat")]
 
     def sqlite(self, rel: str) -> sqlite3.Connection:
         """A read-only connection to ``root/rel`` (a remote database is fetched whole into memory)."""
@@ -167,8 +177,9 @@ def energon_index(root: str, storage_options: dict | None = None) -> DatasetInde
     samples["shard"] = np.maximum(new_id[sample_ids[:, 0]], 0)
     samples, keys = samples[keep], keys[keep]
     counts = np.bincount(samples["shard"], minlength=len(kept))
-    shards = [ShardInfo(name=names[i], split=split_of[names[i]] if split_of else "train", samples=int(n),
-                        bytes=folder.size(names[i])) for i, n in zip(kept, counts)]
+    sizes = folder.sizes([names[i] for i in kept])
+    shards = [ShardInfo(name=names[i], split=split_of[names[i]] if split_of else "train", samples=int(n), bytes=size)
+              for i, n, size in zip(kept, counts, sizes)]
     return DatasetIndex(shards=shards, extensions=extensions, samples=samples, members=members, keys=keys,
                         job={"source": "energon index.sqlite"})
 

@@ -217,8 +217,7 @@ def _wait_for_request(requests: Connection) -> bool:
 def _send_error(results: Connection, e: BaseException) -> None:
     trace = traceback.format_exc()
     try:
-        exc_bytes = pickle.dumps(e)
-        pickle.loads(exc_bytes)  # one that pickles but cannot be rebuilt: sent as text only
+        exc_bytes = pickle.dumps(e)  # one that pickles but cannot be rebuilt: the main process falls back to text
     except Exception:
         exc_bytes = None
     try:

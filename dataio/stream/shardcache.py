@@ -75,11 +75,8 @@ def lock(path: Path, mode: int) -> int | None:
         except BlockingIOError:
             os.close(fd)
             return None
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
+        if _current(fd, path):
+            return fd
         os.close(fd)
 
 
@@ -106,7 +103,11 @@ class ShardCache:
         self._warned = False
 
     def folder(self, url: str, index: DatasetIndex) -> Path:
-        return self.root / dataset_folder(url, index)
+        """The dataset's cache folder, with its lock and part folders made (once per source, not per shard)."""
+        folder = self.root / dataset_folder(url, index)
+        for d in (folder / LOCKS, folder / PARTS):
+            d.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def check_fits(self, url: str, shard_bytes: dict[str, int]) -> None:
         """ConfigError when the largest shard of dataset ``url`` alone is over ``cache_limit``."""
@@ -123,8 +124,6 @@ class ShardCache:
         downloading ``url`` (``size`` bytes) first when it is not there. Release with ``unlock``."""
         name = local_name(shard_name)
         local, lock_path = folder / name, folder / LOCKS / name
-        for d in (folder / LOCKS, folder / PARTS):
-            d.mkdir(parents=True, exist_ok=True)
         while True:
             fd = lock(lock_path, fcntl.LOCK_SH)
             if local.exists():

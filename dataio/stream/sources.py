@@ -218,8 +218,7 @@ class ShardSource:
             path, fd = self.cache.acquire(self._cache_folder, self.index.shards[shard].name, self.shard_path(shard),
                                           self._shard_bytes(shard), self.storage_options)
         else:
-            path = self.shard_path(shard)
-            path = path[len("file://"):] if path.startswith("file://") else path
+            path = self._disk_path(shard)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -259,12 +258,16 @@ class ShardSource:
         if self.ranged:
             return
         for shard in self._needed:
-            path = self.shard_path(shard)
-            if self.cache is not None:
-                path = str(self._cache_folder / local_name(self.index.shards[shard].name))
-                if not os.path.exists(path):
-                    continue
-            self._check_size(shard, os.stat(path[len("file://"):] if path.startswith("file://") else path).st_size)
+            path = self._disk_path(shard)
+            if self.cache is not None and not os.path.exists(path):
+                continue
+            self._check_size(shard, os.stat(path).st_size)
+
+    def _disk_path(self, shard: int) -> str:
+        """Where the shard's bytes lie on this machine: its cache file (present or not), else its local path."""
+        if self.cache is not None:
+            return str(self._cache_folder / local_name(self.index.shards[shard].name))
+        return self.shard_path(shard).removeprefix("file://")
 
     def _check_size(self, shard: int, size: int) -> None:
         needed = self._needed.get(shard, 0)

@@ -42,7 +42,6 @@ error in the main process (see ``dataio.stream.pool``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import random

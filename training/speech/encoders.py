@@ -55,7 +55,8 @@ def _no_layerdrop(fields: dict, key: str) -> None:
                          "and FSDP2's collectives would not match)")
 
 
-def _masked_frames(lengths: torch.Tensor, width: int) -> torch.Tensor:
+def masked_frames(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, width]``: True at the first ``lengths[b]`` frames of row ``b``."""
     return torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
 
 
@@ -89,7 +90,7 @@ class ParakeetFrontEnd:
         return log_mel(audio, audio_lens, self.cfg)
 
     def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        mask = _masked_frames(frames, feats.shape[-1])
+        mask = masked_frames(frames, feats.shape[-1])
         return encoder(feats.transpose(1, 2), attention_mask=mask.long()).last_hidden_state
 
     def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 from kernels.log_mel import spec_augment
 from training.loss import CausalLMLoss
 from training.speech.config import SpeechConfig
-from training.speech.encoders import front_end
+from training.speech.encoders import front_end, masked_frames
 
 
 class Adapter(nn.Module):
@@ -83,11 +83,11 @@ class SpeechLMLoss(CausalLMLoss):
 class SALM(nn.Module):
     """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
 
-    def __init__(self, encoder: nn.Module, adapter: Adapter, llm: SpeechLMLoss, cfg: SpeechConfig):
+    def __init__(self, encoder: nn.Module, adapter: Adapter, llm: SpeechLMLoss, cfg: SpeechConfig, front):
         super().__init__()
         self.encoder, self.adapter, self.llm = encoder, adapter, llm
         self.cfg = cfg
-        self.front = front_end(cfg.encoder.kind, cfg.features)  # features, frame counts of this encoder kind
+        self.front = front  # features, frame counts of this encoder kind (``front_end``)
         self.config = llm.config  # the LLM's (parallelize / metrics read model.config)
         self.augment_generator: torch.Generator | None = None  # SpecAugment's stream (set per rank)
 
@@ -105,11 +105,10 @@ class SALM(nn.Module):
         # Frames past each utterance's audio are zeroed before the adapter stacks them, so its last slot does
         # not depend on what else is in the batch; past the longest one (Whisper's window) they are skipped.
         hidden = hidden[:, : int(covered.max())]
-        hidden = hidden * (torch.arange(hidden.shape[1], device=hidden.device)[None, :] < covered[:, None])[..., None]
+        hidden = hidden * masked_frames(covered, hidden.shape[1])[..., None]
         adapted = self.adapter(hidden)
         slots = self.adapter.output_lengths(covered)
-        valid = torch.arange(adapted.shape[1], device=adapted.device)[None, :] < slots[:, None]
-        return adapted[valid]
+        return adapted[masked_frames(slots, adapted.shape[1])]
 
     def forward(self, audio: torch.Tensor, audio_lens: torch.Tensor, input_ids: torch.Tensor,
                 labels: torch.Tensor | None, audio_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -128,7 +127,7 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
         encoder = front.build(enc_config)
         adapter = Adapter(enc_config.hidden_size, llm_config.hidden_size, cfg.adapter.subsampling,
                           cfg.adapter.hidden_size)
-    model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg)
+    model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg, front)
     for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
         if frozen:  # (not requires_grad_(True) otherwise: Whisper's sinusoidal positions stay fixed)
             part.requires_grad_(False)
