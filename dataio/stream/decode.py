@@ -153,7 +153,7 @@ class NpyView(NamedTuple):
 # and one dict look-up (dataio.shards.formats.npy_header, the general parser, handles everything else).
 _NPY_1D = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '(<[iuf][248]|\|[iu]1)', 'fortran_order': False, "
                      rb"'shape': \(([0-9]+),\), \} *\n", re.DOTALL)
-_NPY_1D_DTYPES = {f"{order}{kind}{size}".encode(): np.dtype(f"{order}{kind}{size}") for kind in "iuf"
+NPY_1D_DTYPES = {f"{order}{kind}{size}".encode(): np.dtype(f"{order}{kind}{size}") for kind in "iuf"
                   for order, size in [("<", 2), ("<", 4), ("<", 8), ("|", 1)] if (kind, size) != ("f", 1)}
 
 
@@ -161,7 +161,7 @@ def npy_view(buf: Buffer) -> NpyView | torch.Tensor:
     """``decode_npy`` deferred to the batch for 1-D native-order arrays (the header is checked now)."""
     m = _NPY_1D.match(buf) if NATIVE_LITTLE else None
     if m is not None and m.end() - 10 == buf[8] | buf[9] << 8:
-        dtype, count = _NPY_1D_DTYPES[m[1]], int(m[2])
+        dtype, count = NPY_1D_DTYPES[m[1]], int(m[2])
         _check_payload(buf, m.end(), (count,), dtype)
         return NpyView(buf, m.end(), count, dtype)
     shape, _, dtype, data_offset = _npy_parts(buf)
@@ -177,7 +177,7 @@ def npy_1d_layout(buf: Buffer) -> tuple[np.dtype, int, int] | None:
     m = _NPY_1D.match(buf) if NATIVE_LITTLE else None
     if m is None or m.end() - 10 != buf[8] | buf[9] << 8:
         return None
-    return _NPY_1D_DTYPES[m[1]], m.start(2), m.end()
+    return NPY_1D_DTYPES[m[1]], m.start(2), m.end()
 
 
 def _npy_parts(buf: Buffer) -> tuple[tuple[int, ...], bool, np.dtype, int]:

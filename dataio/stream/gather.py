@@ -2,8 +2,8 @@
 (what ``dataio shard --tokenizer`` writes) read and collated with a few numpy operations and one
 ``memcpy`` per sample, instead of ``SampleReader.read`` + ``collate``'s Python work per sample.
 
-Checks, once per sample per process, a block of ``BLOCK`` consecutive sample indices at a time (the
-first time a batch touches the block; ``CheckedTokens``):
+Checks, once per sample per loader (its worker processes share the results), a block of ``BLOCK``
+consecutive sample indices at a time (the first time a batch touches the block; ``CheckedTokens``):
 
 1. the index: one member, the dataset's ``.npy`` extension;
 2. the tar: every key compared with its ustar name field, one ``(block, key width + 1)`` gather per
@@ -24,6 +24,9 @@ as whole arrays. Checking costs ~1-2 us a sample once; the fixed cost per batch 
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
 import weakref
 
 import numpy as np
@@ -31,13 +34,14 @@ import torch
 
 from dataio.shards.formats import is_token_member
 from dataio.stream.collate import Allocator, bookkeeping, torch_dtype
-from dataio.stream.decode import npy_1d_layout
+from dataio.stream.decode import NPY_1D_DTYPES, npy_1d_layout
 from dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
 
 REF_MASK = (1 << 40) - 1  # dataio.stream.batches.REF_BITS
 BLOCK = 1024
 SHAPE_END = b",), }"  # after the count in a canonical 1-D header
-UNCHECKED, GENERAL = -2, -1  # ``CheckedTokens.code`` values besides a dtype number
+UNCHECKED, GENERAL, FIRST_DTYPE_CODE = 0, 1, 2  # ``CheckedTokens.code``: 0 is what fresh pages hold
+TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in every process
 
 
 def tokens_only(sources: list[ShardSource]) -> bool:
@@ -48,25 +52,37 @@ def tokens_only(sources: list[ShardSource]) -> bool:
 
 
 class CheckedTokens:
-    """One dataset's samples as checked token payloads, filled a block at a time (see the module docstring)."""
+    """One dataset's samples as checked token payloads, filled a block at a time (see the module
+    docstring), in shared memory: the processes forked after it is made (the loader's workers, every
+    epoch's) check each block once between them instead of once each -- with two workers taking turns
+    at batches, each would otherwise check every block its batches touch, i.e. all of them. A POSIX
+    record lock on the table's memfd orders the checks and the reads (one process checks a block while
+    another that needs it waits; the lock dies with its holder)."""
 
     def __init__(self, source: ShardSource):
         n = len(source.index.samples)
         self.ext = source.index.extensions[0]  # no reference to the source: it keys this table weakly
-        self.code = np.full(n, UNCHECKED, dtype=np.int8)
-        self.shard = np.empty(n, dtype=np.int64)  # np.empty: pages are touched only as blocks are checked
-        self.start = np.empty(n, dtype=np.int64)  # byte offset of the data in its shard
-        self.count = np.empty(n, dtype=np.int64)
-        self.dtypes: list[np.dtype] = []
+        self._fd = os.memfd_create("headrace-checked-tokens", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, max(1, 25 * n))  # zero-filled, pages touched only as blocks are checked
+        self._map = mmap.mmap(self._fd, max(1, 25 * n))
+        self.start = np.frombuffer(self._map, dtype=np.int64, count=n)  # byte offset of the data in its shard
+        self.count = np.frombuffer(self._map, dtype=np.int64, count=n, offset=8 * n)
+        self.shard = np.frombuffer(self._map, dtype=np.int64, count=n, offset=16 * n)
+        self.code = np.frombuffer(self._map, dtype=np.int8, count=n, offset=24 * n)  # 0: UNCHECKED
 
-    def at(self, source: ShardSource, index: np.ndarray) -> np.ndarray:
-        """``code`` of ``index`` in ``source`` (checking the blocks not checked yet)."""
-        code = self.code[index]
-        if (code == UNCHECKED).any():
-            for block in sorted(set((index[code == UNCHECKED] // BLOCK).tolist())):
-                self._check(source, block)
+    def lookup(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(code, shard, start, count)`` of ``index`` in ``source``, checking the blocks no process has
+        checked yet."""
+        fcntl.lockf(self._fd, fcntl.LOCK_EX)
+        try:
             code = self.code[index]
-        return code
+            if (code == UNCHECKED).any():
+                for block in sorted(set((index[code == UNCHECKED] // BLOCK).tolist())):
+                    self._check(source, block)
+                code = self.code[index]
+            return code, self.shard[index], self.start[index], self.count[index]
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
 
     def _check(self, source: ShardSource, block: int) -> None:
         lo, hi = block * BLOCK, min(len(self.code), (block + 1) * BLOCK)
@@ -86,13 +102,15 @@ class CheckedTokens:
             if layout is not None:
                 dtype, data, good = layout
                 ok[ok] = good
-                if dtype not in self.dtypes:
-                    self.dtypes.append(dtype)
-                code[ok] = self.dtypes.index(dtype)
+                code[ok] = dtype_code(dtype)
                 self.start[lo:hi] = offsets + data
                 self.count[lo:hi] = (sizes - data) // dtype.itemsize
         self.shard[lo:hi] = shards
-        self.code[lo:hi] = code
+        self.code[lo:hi] = code  # last: under the lock, what a process reads is whole either way
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    return FIRST_DTYPE_CODE + TOKEN_DTYPES.index(dtype)
 
 
 def _keys_match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -193,7 +211,7 @@ _checked: weakref.WeakKeyDictionary[ShardSource, CheckedTokens] = weakref.WeakKe
 
 
 def checked(source: ShardSource) -> CheckedTokens:
-    """The source's ``CheckedTokens`` (one per source and process; forked workers inherit what is checked)."""
+    """The source's ``CheckedTokens`` (one per source, shared with the processes forked after it is made)."""
     table = _checked.get(source)
     if table is None:
         table = _checked[source] = CheckedTokens(source)
@@ -210,13 +228,13 @@ def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc:
     for d, at in by_value(refs >> 40):
         source, index = sources[d], refs[at] & REF_MASK
         table = checked(source)
-        code = table.at(source, index)
-        if code[0] < 0 or (code != code[0]).any() or ext not in (None, table.ext) or \
-                dtype not in (None, table.dtypes[code[0]]):
+        code, shard, start, count = table.lookup(source, index)
+        if code[0] < FIRST_DTYPE_CODE or (code != code[0]).any() or ext not in (None, table.ext) or \
+                dtype not in (None, TOKEN_DTYPES[code[0] - FIRST_DTYPE_CODE]):
             return None
-        ext, dtype = table.ext, table.dtypes[code[0]]
-        starts[at], counts[at] = table.start[index], table.count[index]
-        group, views = _shard_views(source, table.shard[index], starts[at] + counts[at] * dtype.itemsize)
+        ext, dtype = table.ext, TOKEN_DTYPES[code[0] - FIRST_DTYPE_CODE]
+        starts[at], counts[at] = start, count
+        group, views = _shard_views(source, shard, start + count * dtype.itemsize)
         groups[at] = group + len(buffers)
         buffers += views
         decoded = [k.decode(errors="surrogateescape") for k in source.index.keys[index].tolist()]
