@@ -103,12 +103,9 @@ def build_audio_corpus(root: Path, utterances: int, per_shard: int) -> None:
 
 
 def page_cache(tars: list[Path]) -> float:
-    buf = bytearray(max(p.stat().st_size for p in tars))
-    t = time.perf_counter()
-    for p in tars:
-        with open(p, "rb", buffering=0) as f:
-            f.readinto(buf)
-    return time.perf_counter() - t
+    from dataio.bench.pagecache import read_seconds
+
+    return read_seconds(tars)
 
 
 def webdataset_epoch(tars: list[Path]) -> tuple[float, int]:

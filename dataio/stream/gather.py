@@ -24,6 +24,7 @@ as whole arrays. Checking costs ~1-2 us a sample once; the fixed cost per batch 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -52,49 +53,70 @@ def tokens_only(sources: list[ShardSource]) -> bool:
 
 
 class CheckedTokens:
-    """One dataset's samples as checked token payloads, filled a block at a time (see the module
-    docstring), in shared memory: the processes forked after it is made (the loader's workers, every
-    epoch's) check each block once between them instead of once each -- with two workers taking turns
-    at batches, each would otherwise check every block its batches touch, i.e. all of them. A POSIX
-    record lock on the table's memfd orders the checks and the reads (one process checks a block while
-    another that needs it waits; the lock dies with its holder)."""
+    """One dataset's samples as checked token payloads (see the module docstring), in shared memory: the
+    processes forked after it is made (the loader's workers, every epoch's) check each sample once
+    between them instead of once each -- with two workers taking turns at batches, each would otherwise
+    check every block its batches touch, i.e. nearly all of them.
+
+    A process checks a whole block of ``BLOCK`` samples when it is the first to claim it; samples of a
+    block another process has claimed but not finished are checked for this batch alone, so no process
+    ever waits for another's check (nor hangs on one that died holding a claim). A POSIX record lock on
+    the table's memfd (held only to claim, publish and read, never while checking) orders the writes
+    and reads between processes; it dies with its holder."""
 
     def __init__(self, source: ShardSource):
-        n = len(source.index.samples)
+        n, blocks = len(source.index.samples), -(-len(source.index.samples) // BLOCK)
         self.ext = source.index.extensions[0]  # no reference to the source: it keys this table weakly
+        size = max(1, 25 * n + blocks)
         self._fd = os.memfd_create("headrace-checked-tokens", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, max(1, 25 * n))  # zero-filled, pages touched only as blocks are checked
-        self._map = mmap.mmap(self._fd, max(1, 25 * n))
+        os.ftruncate(self._fd, size)  # zero-filled, pages touched only as blocks are checked
+        self._map = mmap.mmap(self._fd, size)
         self.start = np.frombuffer(self._map, dtype=np.int64, count=n)  # byte offset of the data in its shard
         self.count = np.frombuffer(self._map, dtype=np.int64, count=n, offset=8 * n)
         self.shard = np.frombuffer(self._map, dtype=np.int64, count=n, offset=16 * n)
         self.code = np.frombuffer(self._map, dtype=np.int8, count=n, offset=24 * n)  # 0: UNCHECKED
+        self.claimed = np.frombuffer(self._map, dtype=np.uint8, count=blocks, offset=25 * n)
 
     def lookup(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(code, shard, start, count)`` of ``index`` in ``source``, checking the blocks no process has
-        checked yet."""
+        """``(code, shard, start, count)`` of ``index`` in ``source``, checking first what no process has."""
+        with self._locked():
+            unchecked = index[self.code[index] == UNCHECKED]
+            if len(unchecked):
+                blocks = np.unique(unchecked // BLOCK)
+                mine = blocks[self.claimed[blocks] == 0]
+                self.claimed[mine] = 1
+        if len(unchecked):
+            others = unchecked[~np.isin(unchecked // BLOCK, mine)]
+            checks = [self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()]
+            if len(others):
+                checks.append(self._check(source, others))
+            with self._locked():
+                for rows, code, shard, start, count in checks:
+                    self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
+                    self.code[rows] = code
+        with self._locked():
+            return self.code[index], self.shard[index], self.start[index], self.count[index]
+
+    @contextlib.contextmanager
+    def _locked(self):
         fcntl.lockf(self._fd, fcntl.LOCK_EX)
         try:
-            code = self.code[index]
-            if (code == UNCHECKED).any():
-                for block in sorted(set((index[code == UNCHECKED] // BLOCK).tolist())):
-                    self._check(source, block)
-                code = self.code[index]
-            return code, self.shard[index], self.start[index], self.count[index]
+            yield
         finally:
             fcntl.lockf(self._fd, fcntl.LOCK_UN)
 
-    def _check(self, source: ShardSource, block: int) -> None:
-        lo, hi = block * BLOCK, min(len(self.code), (block + 1) * BLOCK)
-        rows = source.index.samples[lo:hi]
-        members = source.index.members[np.minimum(rows["member_start"], len(source.index.members) - 1)]
-        shards = rows["shard"].astype(np.int64)
+    def _check(self, source: ShardSource, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``(rows, code, shard, start, count)`` of samples ``rows`` (ascending)."""
+        samples = source.index.samples[rows]
+        members = source.index.members[np.minimum(samples["member_start"], len(source.index.members) - 1)]
+        shards = samples["shard"].astype(np.int64)
         offsets, sizes = members["offset"].astype(np.int64), members["size"].astype(np.int64)
-        keys = source.index.keys[lo:hi]
-        ok = (rows["member_count"] == 1) & (members["ext"] == 0) & (offsets >= 512) & (offsets % 8 == 0)
+        keys = source.index.keys[rows]
+        ok = (samples["member_count"] == 1) & (members["ext"] == 0) & (offsets >= 512) & (offsets % 8 == 0)
         if keys.dtype.kind != "S" or keys.dtype.itemsize >= TAR_NAME_FIELD:  # long names: the general path
             ok[:] = False
-        code = np.full(hi - lo, GENERAL, dtype=np.int8)
+        code = np.full(len(rows), GENERAL, dtype=np.int8)
+        start, count = np.zeros(len(rows), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
         if ok.any():
             ok[ok] = _keys_match(source, shards[ok], offsets[ok], keys[ok])
         if ok.any():
@@ -103,10 +125,8 @@ class CheckedTokens:
                 dtype, data, good = layout
                 ok[ok] = good
                 code[ok] = dtype_code(dtype)
-                self.start[lo:hi] = offsets + data
-                self.count[lo:hi] = (sizes - data) // dtype.itemsize
-        self.shard[lo:hi] = shards
-        self.code[lo:hi] = code  # last: under the lock, what a process reads is whole either way
+                start, count = offsets + data, (sizes - data) // dtype.itemsize
+        return rows, code, shards, start, count
 
 
 def dtype_code(dtype: np.dtype) -> int:
