@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from dataio.stream.workers import RankBatches, iterate
+from dataio.stream.workers import RankBatches, SharedRing, iterate
 
 
 def make_batch(b, alloc):
@@ -53,43 +53,61 @@ def test_hung_worker_is_an_error_within_the_timeout():
 
 
 def ring_batch(b, alloc):
-    x = alloc((1000 + 300 * (b % 4),), torch.int64)  # b % 4 == 3 overflows a 12 KB slot: default path
+    x = alloc((1000 + 300 * (b % 4),), torch.int64)  # b % 4 == 3: 1.9x the nominal 8 KB, still in the ring
     x.fill_(b)
-    return {"b": b, "x": x}
+    return {"b": b, "x": x, "lengths": {"x": torch.tensor([b])}}
 
 
 @pytest.mark.parametrize("prefetch,last", [(1, 40), (3, 37)])
-def test_shared_ring_slots_are_reused_without_overwriting_unread_batches(prefetch, last):
+def test_ring_bytes_are_reused_without_overwriting_unread_batches(prefetch, last):
     batches = RankBatches(ring_batch, first=0, last=last, seed=0, dp_rank=0, epoch=0)
     out = list(iterate(batches, num_workers=2, prefetch=prefetch, pin_memory=False, timeout=30,
-                       slot_bytes=12_004))
+                       batch_bytes=8_000))
     assert batches.ring.per_task == 8  # tasks of 8 batches (the last one short with last=37), in order
     assert [b["b"] for b in out] == list(range(last))
-    for b in out:  # checked after all 40 were made, so every slot was reused many times meanwhile
+    for b in out:  # checked after all were made, so the ring's bytes were reused many times meanwhile
         assert b["x"].shape == (1000 + 300 * (b["b"] % 4),) and bool((b["x"] == b["b"]).all())
+        assert b["lengths"]["x"].tolist() == [b["b"]]  # a nested small tensor, by value
 
 
-def fitting_batch(b, alloc):
-    x = alloc((1000,), torch.int64)
-    x.fill_(b)
-    return {"b": b, "x": x}
-
-
-def test_ring_batches_are_views_whose_slots_come_back_once_dropped():
-    """Batches the consumer drops give their slot back (the same memory serves later batches, with no
-    copy in the main process); batches it keeps are never overwritten."""
-    batches = RankBatches(fitting_batch, first=0, last=60, seed=0, dp_rank=0, epoch=0)
+def test_ring_batches_are_views_whose_bytes_come_back_once_dropped():
+    """Batches the consumer drops give their bytes back (the same memory serves later batches, with no
+    copy in the main process), batches up to twice the nominal size included; batches it keeps are
+    never overwritten."""
+    batches = RankBatches(ring_batch, first=0, last=60, seed=0, dp_rank=0, epoch=0)
     kept, in_ring = [], 0
-    for batch in iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, slot_bytes=8_000):
+    for batch in iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, batch_bytes=8_000):
         ring = batches.ring
         in_ring += ring.base <= batch["x"].data_ptr() < ring.base + len(ring.array)
         if batch["b"] % 7 == 0:
             kept.append(batch)
         del batch
-    # 2 workers x 5 slots: without slots coming back only the first 10 batches would use the ring
-    assert in_ring >= 40
+    # the first batch is made in this process; every later one, big or not, finds room in a ring
+    assert in_ring == 59
     assert [b["b"] for b in kept] == list(range(0, 60, 7))
     assert all(bool((b["x"] == b["b"]).all()) for b in kept)
+
+
+def test_ring_takes_the_lowest_free_bytes_and_gives_them_back_in_any_order():
+    n = 4 << 20  # the nominal batch: one batch a task, so the ring holds (prefetch + 3) of them
+    ring = SharedRing(num_workers=1, prefetch=1, batch_bytes=n)
+    assert ring.per_task == 1 and ring.region == 4 * n
+
+    def batch(nbytes):
+        ring.begin_batch(0)
+        ring.alloc((nbytes,), torch.uint8)
+        return ring.finish_batch()
+
+    a, b, c = batch(n), batch(2 * n), batch(n)  # twice the nominal size: still a batch of the ring
+    assert [h[1:] for h in (a, b, c)] == [(0, n), (n, 3 * n), (3 * n, 4 * n)]
+    assert batch(64) is None  # full: the caller's allocator falls back to shared memory
+    ring.released[b[0]] = 1  # the consumer dropped the middle batch first
+    d = batch(n // 2)
+    assert d[1:] == (n, n + n // 2)  # the lowest gap that holds a nominal batch
+    ring.released[a[0]] = 1
+    assert batch(n)[1:] == (0, n)
+    assert batch(4 * n + 1) is None  # more than the whole ring
+    assert ring.tickets == 16 and ring.released.sum() == 16 - 3  # c, d and the last one are out
 
 
 def pid_batch(b, alloc):
@@ -169,8 +187,8 @@ def test_stopping_early_ends_every_worker():
     import multiprocessing
 
     before = {p.pid for p in multiprocessing.active_children()}
-    batches = RankBatches(fitting_batch, first=0, last=None, seed=0, dp_rank=0, epoch=0)
-    stream = iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, slot_bytes=8_000)
+    batches = RankBatches(ring_batch, first=0, last=None, seed=0, dp_rank=0, epoch=0)
+    stream = iterate(batches, num_workers=2, prefetch=2, pin_memory=False, timeout=30, batch_bytes=8_000)
     held = [next(stream) for _ in range(30)]  # more than the ring holds: later ones by torch's handles
     assert [b["b"] for b in held] == list(range(30)) and all(bool((b["x"] == b["b"]).all()) for b in held)
     stream.close()

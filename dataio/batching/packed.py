@@ -61,7 +61,7 @@ class PackedBatches:
         docs: dict[str, list] = {}
         for ext in set(self.token_exts):
             lengths = chunk["__lengths__"].get(ext)
-            tokens = chunk[ext].clone()  # the packer keeps documents for long: release the worker's ring slot
+            tokens = chunk[ext].clone()  # the packer keeps documents for long: release the worker's ring bytes
             docs[ext] = list(torch.split(tokens, lengths.tolist())) if lengths is not None else list(tokens)
         for i, (ref, pos) in enumerate(zip(refs, positions)):
             if not valid[i]:

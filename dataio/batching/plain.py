@@ -19,7 +19,7 @@ class PlainBatches:
         for batch in self.stream.plain():
             self.stream.consumed = batch.pop("__end__")
             yield batch
-            del batch  # a worker's ring slot comes back once the consumer drops the batch too
+            del batch  # a worker's ring bytes come back once the consumer drops the batch too
 
     def __len__(self) -> int:
         """Batches left in a finite stream; the same on every DP rank."""

@@ -21,7 +21,7 @@ Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample refere
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
 Output tensors come from the allocator the caller passes (``alloc``): inside a worker process
-that is its shared-memory ring slot (``dataio.stream.workers.SharedRing.allocate``), so the one copy
+that is its shared-memory ring (``dataio.stream.workers.SharedRing.allocate``), so the one copy
 from the page cache (``memcpy`` per member, or ``torch.cat`` / ``torch.stack`` of decoded tensors) is
 the only copy from shard to trainer; nothing is pickled but a few offsets.
 """

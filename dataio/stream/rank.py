@@ -78,7 +78,7 @@ class RankStream:
                            subflavors=self.subflavors)
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
         return self.run(maker, first=0, last=self.num_batches(batch_size), epoch=self.blend.epoch_at(start_pos),
-                        slot_bytes=self._slot_bytes(batch_size))
+                        batch_bytes=self._batch_bytes(batch_size))
 
     def read_batch_size(self) -> int:
         """Samples per read for a stage that re-batches them (packing): at least ``cfg.batch_size``,
@@ -87,7 +87,7 @@ class RankStream:
         return max(self.cfg.batch_size, min(MAX_READ, int(READ_BYTES / max(self._mean_sample_bytes(), 1.0))))
 
     def run(self, make: Callable[[int, Allocator], dict], *, first: int, last: int | None, epoch: int,
-            slot_bytes: int = 0) -> Iterator[dict]:
+            batch_bytes: int = 0) -> Iterator[dict]:
         """Batches ``first .. last-1`` of ``make`` (``make(b, alloc)``; its ``__bad__`` counted here and
         removed), computed by ``num_workers`` worker processes and read back in order."""
         cfg = self.cfg
@@ -95,11 +95,11 @@ class RankStream:
                               epoch=epoch)
         try:
             for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
-                                 timeout=cfg.worker_timeout if cfg.num_workers else 0, slot_bytes=slot_bytes,
+                                 timeout=cfg.worker_timeout if cfg.num_workers else 0, batch_bytes=batch_bytes,
                                  first_here=self.fork_safe):
                 self._count_bad(batch.pop("__bad__"))
                 yield batch
-                del batch  # a worker's ring slot comes back once the consumer drops the batch too
+                del batch  # a worker's ring bytes come back once the consumer drops the batch too
         except WorkerError as e:
             self.explain_worker_crash(e)
             raise
@@ -115,10 +115,11 @@ class RankStream:
     def _mean_sample_bytes(self) -> float:
         return max(float(np.mean(s.index.samples["size"])) if len(s) else 0.0 for s in self.sources)
 
-    def _slot_bytes(self, batch_size: int) -> int:
-        """Shared slot size per batch: twice the mean stored bytes of a batch (decoded tokens take the
-        bytes they are stored in), or 1.5x its decoded audio when that is more, 1 MiB .. 256 MiB; a bigger
-        batch takes the slower default path."""
+    def _batch_bytes(self, batch_size: int) -> int:
+        """Nominal bytes of a batch in a worker's shared ring: twice the mean stored bytes of a batch
+        (decoded tokens take the bytes they are stored in), or 1.5x its decoded audio when that is more,
+        1 MiB .. 256 MiB. A ring holds ``(prefetch + 3) * per_task`` of them; each batch takes the bytes it
+        needs, and one that finds no room takes the slower default path."""
         audio = max(mean_decoded_bytes(np.asarray(s.index.samples["duration"]), self.cfg.decode) for s in self.sources)
         return int(min(256 << 20, max(1 << 20, max(2 * self._mean_sample_bytes(), 1.5 * audio) * batch_size)))
 

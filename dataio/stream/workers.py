@@ -3,31 +3,33 @@ back in order.
 
 A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batches ``first +
 t*per_task ...``; worker ``w`` of ``num_workers`` makes tasks ``w, w + num_workers, ...``, each when
-the main process asks for it), ``per_task`` chosen from the slot size so one message carries ~4 MB
-(``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a pickle
-of a few hundred bytes) once per task. The main process reads task ``t`` from worker ``t %
+the main process asks for it), ``per_task`` chosen from the nominal batch bytes so one message carries
+~4 MB (``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a
+pickle of a few hundred bytes) once per task. The main process reads task ``t`` from worker ``t %
 num_workers``, so it sees batches ``first, first + 1, ...`` whatever the worker timing.
 
-Transport: before the workers fork, the main process maps one anonymous shared-memory ring per
-worker of ``(prefetch + 3) * per_task`` slots (``mmap(-1)``: inherited by the forked workers, no
-file, pages touched lazily, so creating it costs nothing). ``make_batch(b, alloc)`` receives the
-allocator of the process it runs in (``SharedRing.allocate`` in a worker with a ring: a worker
-collates each batch straight into a free slot; ``shared_memory`` in a worker without one;
-``plain_memory`` in the main process) and the worker sends only ``(slot, offset, shape, dtype)`` of
-each ring tensor. The main process hands out tensors that *are* views of the slot -- no copy -- all
-sharing one per-batch storage; the slot goes back to its worker (a flag in shared memory) once
-every tensor of that batch has been dropped, which the main process checks at each ``next()`` (the
-storage's reference count: nothing per tensor). A consumer that keeps batches (``list(loader)``)
-keeps their slots; once a worker finds none free it sends that batch by torch's handles (a
-shared-memory file per tensor, its descriptor passed over a socket), so holding batches is always
-safe, only slower. With ``pin_memory`` tensors are copied once into pinned memory instead and the
-slot is released at once. Tensors of at most 64 KB (lengths, references) travel by value in the
-pickle; nothing else touches the batch on the way (a worker's batch is what ``make_batch`` returned).
+Transport: before the workers fork, the main process maps one anonymous shared-memory ring per worker
+(``SharedRing``: ``mmap(-1)``, inherited by the forked workers, no file, pages touched lazily, so
+creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of the process it runs in
+(``SharedRing.allocate`` in a worker with a ring: a worker collates each batch straight into free
+bytes of its ring; ``shared_memory`` in a worker without one; ``plain_memory`` in the main process)
+and the worker sends, per ring tensor, only where it is. The main process hands out tensors that
+*are* views of the ring -- no copy -- all sharing one per-batch storage; the batch's bytes go back to
+its worker (a flag in shared memory) once every tensor of that batch has been dropped, which the main
+process checks at each ``next()`` (the storage's reference count: nothing per tensor). A consumer
+that keeps batches (``list(loader)``) keeps their bytes; once a worker finds no room it sends that
+batch by torch's handles (a shared-memory file per tensor, its descriptor passed over a socket), so
+holding batches is always safe, only slower. With ``pin_memory`` tensors are copied once into pinned
+memory instead and the bytes are released at once. Tensors of at most 64 KB (lengths, references)
+travel by value in the pickle; nothing else touches the batch on the way (a worker's batch is what
+``make_batch`` returned). Only built-in types and numpy arrays go into the pickle (``_to_wire``).
 
 Start-up: the main process makes the first batch itself, then forks the workers, which start at the
 second; so the first batch comes as fast as in one process and the workers inherit whatever it set up
-lazily (see ``iterate``). Workers live for one pass over ``batches``: an endless stream forks them
-once per run, a finite one once per epoch (fork, start and shut-down: ~10-20 ms of CPU on 2 cores).
+lazily (see ``iterate``); ``gc.freeze()`` around the fork keeps the workers' garbage collections off
+the inherited objects (copy-on-write of the whole heap otherwise). Workers live for one pass over
+``batches``: an endless stream forks them once per run, a finite one once per epoch (fork, start and
+shut-down: ~10-20 ms of CPU on 2 cores).
 
 Why not torchdata's ``StatefulDataLoader``: it resumes by snapshotting each worker's iterator state
 and needs the same worker count to restore it. Here a batch is a pure function of its number, so the
@@ -300,7 +302,7 @@ class RankBatches:
 
     def worker_tasks(self, worker: int, num_workers: int, seed: int) -> Iterator[list]:
         """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
-        num_workers, ...``, each a list of ``(slot, wire batch)``; ``seed`` seeds the global generators."""
+        num_workers, ...``, each a list of ``(ring bytes held, wire batch)``; ``seed`` seeds the global generators."""
         torch.default_generator.manual_seed(seed)  # the CPU generator only: a forked worker cannot use CUDA
         np.random.seed(seed % 2**32)
         random.seed(seed)
@@ -320,9 +322,9 @@ class RankBatches:
 
 
 def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
-            slot_bytes: int = 0, first_here: bool = True) -> Iterator[dict]:
+            batch_bytes: int = 0, first_here: bool = True) -> Iterator[dict]:
     """Batches in order, computed in this process (``num_workers=0``) or in worker processes that
-    collate into shared slots of ``slot_bytes`` (0: torch's default transport only).
+    collate into shared rings sized for batches of ``batch_bytes`` (0: torch's default transport only).
 
     With workers and ``first_here``, this process makes the first batch itself before forking them
     (``batches.first`` moves on by one): the first batch comes as fast as without workers, and what
@@ -334,11 +336,11 @@ def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory
     if num_workers == 0:
         return iter(batches)
     return _with_workers(batches, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
-                         timeout=timeout, slot_bytes=slot_bytes, first_here=first_here)
+                         timeout=timeout, batch_bytes=batch_bytes, first_here=first_here)
 
 
 def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
-                  slot_bytes: int, first_here: bool) -> Iterator[dict]:
+                  batch_bytes: int, first_here: bool) -> Iterator[dict]:
     first = None
     if first_here and (batches.last is None or batches.first < batches.last):
         first = batches.make_batch(batches.first, plain_memory)
@@ -347,7 +349,7 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             yield first
             return
     pin = pin_memory and torch.cuda.is_available()
-    ring = batches.ring = SharedRing(num_workers, prefetch, slot_bytes) if slot_bytes > 0 else None
+    ring = batches.ring = SharedRing(num_workers, prefetch, batch_bytes) if batch_bytes > 0 else None
     seeds = [batches.worker_seed(w) for w in range(num_workers)]  # here: derive_seed may import numpy.random
     # Frozen objects are outside every collection: a worker's first full collection would otherwise write
     # to the header of each object it inherited, copying (on write) nearly every page of this process's
@@ -369,7 +371,7 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
                     ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
                 batch = ring.receive(held, wire, pin) if ring is not None else _from_wire(wire, None, pin)
                 if pin and ring is not None:
-                    ring.release_dropped()  # copied out: the slot is free at once
+                    ring.release_dropped()  # copied out: its bytes are free at once
                 yield batch
                 del batch  # not held by this frame while the consumer waits for the next one
             del task
