@@ -118,3 +118,26 @@ def test_expected_headers_are_the_canonical_bytes():
             assert row.tobytes() == want, c
     room = data - 1 - len(prefix) - len(b",), }")  # digits that fit
     assert (fits == ((counts >= 0) & (counts < 10**room))).all() and 0 < room < 18
+
+
+def test_forked_processes_share_the_checks(tmp_path):
+    """A block checked in a forked process (a loader worker) is checked for its parent and siblings too:
+    the table lives in shared memory, so each sample is checked once per loader, not once per process;
+    a process that needs a block another one has claimed checks only its own samples of it."""
+    import os
+
+    from dataio.stream.gather import BLOCK, UNCHECKED, checked
+
+    token_tars(tmp_path / "a", [[3] * (BLOCK + 50)])
+    source = ShardSource(str(tmp_path / "a"))
+    table = checked(source)  # made before the fork, as the loader's first batch makes it
+    table.claimed[1] = 1  # as if another process were checking block 1
+    pid = os.fork()
+    if pid == 0:  # checks block 0 whole, and of block 1 only the two samples asked for
+        refs = make_ref(0, np.array([5, BLOCK + 7, BLOCK + 9]))
+        os._exit(0 if gather_tokens([source], refs, end=3, alloc=plain_memory) is not None else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert (table.code[:BLOCK] != UNCHECKED).all()  # the child's checks, seen here
+    assert np.flatnonzero(table.code[BLOCK:] != UNCHECKED).tolist() == [7, 9]
+    refs = make_ref(0, np.arange(BLOCK - 4, BLOCK + 50))
+    assert_same(gather_tokens([source], refs, end=7, alloc=plain_memory), general([source], refs))
