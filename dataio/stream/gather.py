@@ -80,21 +80,21 @@ class CheckedTokens:
     def lookup(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(code, shard, start, count)`` of ``index`` in ``source``, checking first what no process has."""
         with self._locked():
-            unchecked = index[self.code[index] == UNCHECKED]
-            if len(unchecked):
-                blocks = np.unique(unchecked // BLOCK)
-                mine = blocks[self.claimed[blocks] == 0]
-                self.claimed[mine] = 1
-        if len(unchecked):
-            others = unchecked[~np.isin(unchecked // BLOCK, mine)]
-            checks = [self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()]
-            if len(others):
-                checks.append(self._check(source, others))
-            with self._locked():
-                for rows, code, shard, start, count in checks:
-                    self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
-                    self.code[rows] = code
+            code = self.code[index]
+            unchecked = index[code == UNCHECKED]
+            if not len(unchecked):  # the usual case: one lock, one read
+                return code, self.shard[index], self.start[index], self.count[index]
+            blocks = np.unique(unchecked // BLOCK)
+            mine = blocks[self.claimed[blocks] == 0]
+            self.claimed[mine] = 1
+        others = unchecked[~np.isin(unchecked // BLOCK, mine)]
+        checks = [self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()]
+        if len(others):
+            checks.append(self._check(source, others))
         with self._locked():
+            for rows, code, shard, start, count in checks:
+                self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
+                self.code[rows] = code
             return self.code[index], self.shard[index], self.start[index], self.count[index]
 
     @contextlib.contextmanager
