@@ -13,7 +13,8 @@ import webdataset as wds
 
 from dataio.config import DataConfig
 from configtree import from_dict
-from dataio.stream.batches import SampleReader, make_ref
+from dataio.stream.batches import SampleReader
+from dataio.stream.refs import make_ref
 from dataio.stream.collate import collate, plain_memory
 from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.sources import ShardSource

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dataio import build_loader
-from dataio.stream.batches import split_ref
+from dataio.stream.refs import split_ref
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loader_util import make_text_dataset  # noqa: E402

@@ -2,7 +2,7 @@
 collated plain batch (``BatchMaker``). Both are picklable and keep no state but a bad-sample count,
 so a batch is a pure function of its number and the rank's layout.
 
-Sample references (``__ref__``, packing ``ref``): ``dataset << 40 | global sample index``.
+Sample references (``__ref__``, packing ``ref``): ``dataio.stream.refs``.
 Cost: one vectorised read per dataset per batch (``ShardSource.read``); a read that fails is retried
 sample by sample only to name the bad ones. Token batches (one ``.npy`` member a sample) take the
 batch-level path of ``dataio.stream.gather`` first.
@@ -24,23 +24,12 @@ from dataio.stream.decode import SampleDecodeError, decode_sample
 from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.order import EpochOrder
+from dataio.stream.refs import REF_BITS, REF_MASK, make_ref
 from dataio.stream.seeding import SeedSchedule
 from dataio.stream.sources import ShardSource, by_value
 from dataio.stream.split import Layout
 
 log = logging.getLogger(__name__)
-
-REF_BITS = 40
-
-
-def make_ref(dataset: int | np.ndarray, index: int | np.ndarray):
-    """The int64 reference of sample ``index`` of dataset ``dataset`` (vectorised)."""
-    return (np.asarray(dataset, dtype=np.int64) << REF_BITS) | np.asarray(index, dtype=np.int64)
-
-
-def split_ref(ref: int) -> tuple[int, int]:
-    return int(ref) >> REF_BITS, int(ref) & ((1 << REF_BITS) - 1)
-
 
 def token_ext(source: ShardSource) -> str | None:
     """The token member (``*.npy``) of a source's samples, if any."""
@@ -101,7 +90,7 @@ class SampleReader:
 
     def _raw(self, refs: np.ndarray) -> list[tuple[str, str, dict] | SampleDecodeError]:
         """``(key, shard, members)`` of each of ``refs``, or the error of an unreadable one."""
-        dataset, index = refs >> REF_BITS, refs & ((1 << REF_BITS) - 1)
+        dataset, index = refs >> REF_BITS, refs & REF_MASK
         raw: list = [None] * len(refs)
         for d, at in by_value(dataset):
             at = np.arange(len(refs))[at]
@@ -186,4 +175,4 @@ class BatchMaker:
         return batch
 
 
-__all__ = ["REF_BITS", "BatchMaker", "SampleReader", "make_ref", "split_ref", "token_ext"]
+__all__ = ["BatchMaker", "SampleReader", "token_ext"]

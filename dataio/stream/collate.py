@@ -17,7 +17,7 @@ Per field (member extension, e.g. ``tokens.npy``):
 - anything else (``str``, ``dict`` from JSON, ``bytes``) stays a list.
 
 Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample references, see
-``dataio.stream.batches.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
+``dataio.stream.refs.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
 Output tensors come from the allocator the caller passes (``alloc``): inside a worker process

@@ -36,9 +36,9 @@ import torch
 from dataio.shards.formats import is_token_member
 from dataio.stream.collate import Allocator, bookkeeping, torch_dtype
 from dataio.stream.decode import NPY_1D_DTYPES, npy_1d_layout
+from dataio.stream.refs import REF_BITS, REF_MASK
 from dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
 
-REF_MASK = (1 << 40) - 1  # dataio.stream.batches.REF_BITS
 BLOCK = 1024
 SHAPE_END = b",), }"  # after the count in a canonical 1-D header
 UNCHECKED, GENERAL, FIRST_DTYPE_CODE = 0, 1, 2  # ``CheckedTokens.code``: 0 is what fresh pages hold
@@ -245,7 +245,7 @@ def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc:
     keys: list = [None] * n
     buffers: list[memoryview] = []
     ext = dtype = None
-    for d, at in by_value(refs >> 40):
+    for d, at in by_value(refs >> REF_BITS):
         source, index = sources[d], refs[at] & REF_MASK
         table = checked(source)
         code, shard, start, count = table.lookup(source, index)

@@ -300,9 +300,11 @@ class RankBatches:
         """The seed of worker ``worker``'s augmentation randomness (decoders): one stream per (rank, worker, epoch)."""
         return derive_seed(self.seed, "worker", self.dp_rank, worker, self.epoch)
 
-    def worker_tasks(self, worker: int, num_workers: int, seed: int) -> Iterator[list]:
+    def worker_tasks(self, worker: int, num_workers: int) -> Iterator[list]:
         """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
-        num_workers, ...``, each a list of ``(ring bytes held, wire batch)``; ``seed`` seeds the global generators."""
+        num_workers, ...``, each a list of ``(ring bytes held, wire batch)``, after seeding the global
+        generators with ``worker_seed``."""
+        seed = self.worker_seed(worker)
         torch.default_generator.manual_seed(seed)  # the CPU generator only: a forked worker cannot use CUDA
         np.random.seed(seed % 2**32)
         random.seed(seed)
@@ -350,13 +352,12 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             return
     pin = pin_memory and torch.cuda.is_available()
     ring = batches.ring = SharedRing(num_workers, prefetch, batch_bytes) if batch_bytes > 0 else None
-    seeds = [batches.worker_seed(w) for w in range(num_workers)]  # here: derive_seed may import numpy.random
     # Frozen objects are outside every collection: a worker's first full collection would otherwise write
     # to the header of each object it inherited, copying (on write) nearly every page of this process's
     # heap -- ~10k page faults, ~0.1-0.4 s of CPU per worker per epoch here (Python's gc docs advise it).
     gc.freeze()
     try:
-        pool = WorkerPool(lambda w, n: batches.worker_tasks(w, n, seeds[w]), num_workers=num_workers, prefetch=prefetch,
+        pool = WorkerPool(batches.worker_tasks, num_workers=num_workers, prefetch=prefetch,
                           timeout=timeout, num_tasks=batches.num_tasks())  # forks them: they start while the consumer takes the first batch
     finally:
         gc.unfreeze()  # here; the workers keep theirs frozen
