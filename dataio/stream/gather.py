@@ -69,6 +69,7 @@ class CheckedTokens:
         self.ext = source.index.extensions[0]  # no reference to the source: it keys this table weakly
         size = max(1, 25 * n + blocks)
         self._fd = os.memfd_create("headrace-checked-tokens", os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self._fd)  # the map keeps its own descriptor
         os.ftruncate(self._fd, size)  # zero-filled, pages touched only as blocks are checked
         self._map = mmap.mmap(self._fd, size)
         self.start = np.frombuffer(self._map, dtype=np.int64, count=n)  # byte offset of the data in its shard
