@@ -85,10 +85,12 @@ class CheckedTokens:
             unchecked = index[code == UNCHECKED]
             if not len(unchecked):  # the usual case: one lock, one read
                 return code, self.shard[index], self.start[index], self.count[index]
-            blocks = np.unique(unchecked // BLOCK)
+            blocks = np.array(sorted(set((unchecked // BLOCK).tolist())), dtype=np.int64)  # np.unique: numpy.ma, see by_value
             mine = blocks[self.claimed[blocks] == 0]
             self.claimed[mine] = 1
-        others = unchecked[~np.isin(unchecked // BLOCK, mine)]
+        claimed_here = np.zeros(len(self.claimed), dtype=bool)
+        claimed_here[mine] = True
+        others = unchecked[~claimed_here[unchecked // BLOCK]]
         checks = [self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()]
         if len(others):
             checks.append(self._check(source, others))
