@@ -55,7 +55,9 @@ def test_hung_worker_is_an_error_within_the_timeout():
 def ring_batch(b, alloc):
     x = alloc((1000 + 300 * (b % 4),), torch.int64)  # b % 4 == 3: 1.9x the nominal 8 KB, still in the ring
     x.fill_(b)
-    return {"b": b, "x": x, "lengths": {"x": torch.tensor([b])}}
+    y = alloc((4, 3), torch.int32)
+    y.copy_(torch.arange(12, dtype=torch.int32).view(4, 3) + b)
+    return {"b": b, "x": x, "lengths": {"x": torch.tensor([b])}, "strided": y.t()}
 
 
 @pytest.mark.parametrize("prefetch,last", [(1, 40), (3, 37)])
@@ -68,6 +70,7 @@ def test_ring_bytes_are_reused_without_overwriting_unread_batches(prefetch, last
     for b in out:  # checked after all were made, so the ring's bytes were reused many times meanwhile
         assert b["x"].shape == (1000 + 300 * (b["b"] % 4),) and bool((b["x"] == b["b"]).all())
         assert b["lengths"]["x"].tolist() == [b["b"]]  # a nested small tensor, by value
+        assert torch.equal(b["strided"], (torch.arange(12, dtype=torch.int32).view(4, 3) + b["b"]).t())
 
 
 def test_ring_batches_are_views_whose_bytes_come_back_once_dropped():

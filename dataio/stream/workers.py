@@ -232,8 +232,10 @@ def _to_wire(batch: dict, ring: SharedRing | None) -> tuple[dict, list, list]:
         for k, v in d.items():
             if isinstance(v, torch.Tensor):
                 if ring is not None and ring.holds(v):
-                    in_ring.append(((*path, k), v.data_ptr() - ring.base, tuple(v.shape), DTYPE_CODE[v.dtype]))
-                    continue
+                    if v.is_contiguous():
+                        in_ring.append(((*path, k), v.data_ptr() - ring.base, tuple(v.shape), DTYPE_CODE[v.dtype]))
+                        continue
+                    v = v.contiguous()  # a strided view of the ring: a copy of its own goes, by value or handle
                 if v.nbytes <= SMALL_TENSOR_BYTES:
                     inline.append(((*path, k), v.numpy()))
                     continue
