@@ -1,10 +1,11 @@
 """Builders of hostile inputs shared by the regression tests and the fuzz harness: valid tars with one
 header field rewritten (checksum fixed up, so the damage is the field itself), PAX headers with chosen
-records, and FLAC/WAV files whose headers lie."""
+records, FLAC/WAV files whose headers lie, and WAV files built chunk by chunk."""
 
 from __future__ import annotations
 
 import io
+import struct
 import tarfile
 
 import numpy as np
@@ -70,3 +71,29 @@ def lying_flac(total_frames: int = (1 << 36) - 1, frames: int = 1600) -> bytes:
     packed = (packed & ~((1 << 36) - 1)) | (total_frames & ((1 << 36) - 1))
     data[body + 10 : body + 18] = packed.to_bytes(8, "big")
     return bytes(data)
+
+
+def riff(*chunks: tuple[bytes, bytes]) -> bytes:
+    """A RIFF/WAVE file of ``(id, body)`` chunks in the order given (odd bodies padded)."""
+    body = b"WAVE" + b"".join(cid + struct.pack("<I", len(b)) + b + b"\0" * (len(b) & 1) for cid, b in chunks)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def wav_chunks(samples: np.ndarray, rate: int) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """The ``fmt `` and ``data`` chunks of ``[frames, channels]`` samples: 16-bit PCM for int16, IEEE float
+    (format 3) for float32."""
+    channels, width = samples.shape[1], samples.dtype.itemsize
+    tag = 3 if samples.dtype == np.float32 else 1
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * channels * width, channels * width, 8 * width)
+    return (b"fmt ", fmt), (b"data", samples.astype(samples.dtype.newbyteorder("<")).tobytes())
+
+
+def peak_chunk(channels: int) -> tuple[bytes, bytes]:
+    """A ``PEAK`` chunk as libsndfile writes into float WAVs: version, time stamp, (value, position) a channel."""
+    return b"PEAK", struct.pack("<II", 1, 0) + b"".join(struct.pack("<fI", 0.5, 7) for _ in range(channels))
+
+
+def list_info(software: bytes = b"Lavf60.16.100") -> tuple[bytes, bytes]:
+    """A ``LIST`` ``INFO`` chunk naming the software, as ffmpeg writes one."""
+    text = software + b"\0"
+    return b"LIST", b"INFO" + b"ISFT" + struct.pack("<I", len(text)) + text + b"\0" * (len(text) & 1)

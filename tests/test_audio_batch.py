@@ -19,6 +19,8 @@ from dataio.stream.decode import Audio, DecodeConfig, PendingAudio, SampleDecode
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loader_audio import audio, waveforms  # noqa: E402,F401  (the loader fixture and reader)
 
+from tests.hostile import list_info, peak_chunk, riff, wav_chunks  # noqa: E402
+
 
 def encode(rate: int, seconds: float, channels: int, fmt: str, subtype: str, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
@@ -62,6 +64,45 @@ def test_batch_decode_equals_per_sample_decode_and_is_collated_in_place(dtype):
     assert batch["flac"].data_ptr() == flac[0]["flac"].waveform.data_ptr()
     assert batch["__lengths__"]["flac"].tolist() == [len(s["flac"].waveform) for s in flac]
     assert torch.equal(batch["flac"], torch.cat([s["flac"].waveform for s in flac]))
+
+
+def test_mono_16_bit_and_float_wavs_are_read_in_place_past_metadata_chunks(monkeypatch):
+    """The in-place WAV read (no libsndfile) takes files built field by field, bare and with the chunks
+    real writers put before ``data`` (libsndfile's float WAVs: fact + PEAK; ffmpeg's: LIST), and
+    soundfile's own float WAV; each equals soundfile's decode. libsndfile is made to fail, so any
+    fallback to it fails the test."""
+    rng = np.random.default_rng(5)
+    wave = (0.3 * rng.standard_normal((1601, 1))).clip(-1, 1).astype(np.float32)
+    pcm = (wave * 0x7FFF).astype(np.int16)
+    metadata = [(b"fact", (1601).to_bytes(4, "little")), peak_chunk(1), list_info(), (b"JUNK", bytes(7))]
+    fmt, data = wav_chunks(wave, 16000)
+    pcm_fmt, pcm_data = wav_chunks(pcm, 16000)
+    payloads = [riff(fmt, data), riff(fmt, *metadata, data), encode(16000, 0.2, 1, "WAV", "FLOAT", seed=6),
+                riff(pcm_fmt, list_info(), pcm_data)]
+    cfg = DecodeConfig()
+    expected = [soundfile.read(io.BytesIO(p), dtype="float32")[0] for p in payloads]
+    per_sample = [decode_audio(p, cfg).waveform for p in payloads]
+
+    def libsndfile_opened(*args, **kwargs):
+        raise AssertionError("the in-place WAV read fell back to libsndfile")
+
+    monkeypatch.setattr(soundfile, "SoundFile", libsndfile_opened)
+    samples, failed = batch_of(payloads, cfg)
+    assert not failed
+    for sample, want, ref in zip(samples, expected, per_sample):
+        waveform = sample["audio.wav"].waveform
+        assert torch.equal(waveform, torch.from_numpy(want)) and torch.equal(waveform, ref)
+
+
+def test_chunks_libsndfile_refuses_are_left_to_it_and_named():
+    """A PEAK chunk of the wrong size or before ``fmt `` is an error to libsndfile: the header parser
+    does not skip it, so the member goes to libsndfile, whose complaint names shard, key and member."""
+    wave = np.zeros((800, 1), np.float32)
+    fmt, data = wav_chunks(wave, 16000)
+    tag, body = peak_chunk(2)  # two channels' peaks in a mono file
+    for payload in (riff(fmt, (tag, body), data), riff(peak_chunk(1), fmt, data)):
+        with pytest.raises(SampleDecodeError, match=r"shard 's7.tar', key 'u3', member 'wav'.*PEAK"):
+            decode_sample({"wav": payload}, DecodeConfig(), key="u3", shard="s7.tar", defer_audio=True)
 
 
 def test_pending_only_where_the_header_is_understood():

@@ -127,7 +127,7 @@ def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, r
 
     data = _encoded(fmt, subtype, channels, rate, frames)
     parsed = parse_header(data[:HEADER_BYTES], len(data))
-    if subtype in ("ULAW", "FLOAT", "DOUBLE"):  # compressed WAV, and the PEAK chunk of float WAV: libsndfile's
+    if subtype == "ULAW":  # compressed WAV: libsndfile's
         assert parsed is None
     else:
         assert parsed == (rate, frames)
@@ -138,13 +138,25 @@ def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, r
     assert (info.samplerate, info.frames) == (rate, frames)
 
 
-@pytest.mark.parametrize("fmt, subtype", [("FLAC", "PCM_16"), ("FLAC", "PCM_24"), ("WAV", "PCM_16")])
+def _wav_with_list() -> bytes:
+    from tests.hostile import list_info, riff, wav_chunks
+
+    pcm = np.random.default_rng(1).integers(-3000, 3000, (4000, 1), dtype=np.int16)
+    fmt, data = wav_chunks(pcm, 16000)
+    return riff(fmt, list_info(), (b"JUNK", bytes(6)), data)
+
+
+@pytest.mark.parametrize("fmt, subtype", [("FLAC", "PCM_16"), ("FLAC", "PCM_24"), ("WAV", "PCM_16"),
+                                          ("WAV", "FLOAT"), ("WAV", "LIST")])
 def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, subtype):
+    """Random damage to the first 200 bytes (float WAV: fmt, fact, PEAK; the LIST case: fmt, LIST, JUNK):
+    where the parser answers, libsndfile reads the same rate and length and, for a WAV, the same
+    samples the loader reads in place (``wav_format``'s data offset)."""
     import soundfile as sf
 
-    from dataio.prepare.audio import HEADER_BYTES, parse_header
+    from dataio.prepare.audio import HEADER_BYTES, parse_header, wav_format
 
-    data = _encoded(fmt, subtype, 1, 16000, 4000)
+    data = _wav_with_list() if subtype == "LIST" else _encoded(fmt, subtype, 1, 16000, 4000)
     rng = np.random.default_rng(0)
     answered = 0
     for trial in range(400):
@@ -157,9 +169,51 @@ def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, su
         if parsed is None:
             continue  # probe() asks libsndfile
         answered += 1
-        info = sf.info(io.BytesIO(bytes(damaged)))
+        f = io.BytesIO(bytes(damaged))
+        info = sf.info(f)
         assert parsed == (info.samplerate, info.frames), f"trial {trial}"
+        wav = wav_format(bytes(damaged[:HEADER_BYTES]), len(damaged))
+        if wav is not None and wav.channels == 1 and (wav.tag, wav.bits) in ((1, 16), (3, 32)):
+            dtype = "<i2" if wav.tag == 1 else "<f4"
+            in_place = np.frombuffer(damaged, dtype, count=wav.frames, offset=wav.data_offset)
+            f.seek(0)
+            decoded = sf.read(f, dtype="int16" if wav.tag == 1 else "float32")[0]
+            assert np.array_equal(in_place, decoded, equal_nan=wav.tag == 3), f"trial {trial}"
     assert answered > 50  # the fast path still answers for most harmless changes
+
+
+def test_wav_chunks_before_data_are_skipped_only_where_libsndfile_goes_past_them():
+    """Each chunk kind the parser skips, well formed (skipped: the parser answers what libsndfile reads)
+    and in forms libsndfile refuses (a short fact, a PEAK for another channel count, a LIST with data
+    inside or sub-chunks that overrun it) or that the parser does not vouch for: left to libsndfile."""
+    import soundfile as sf
+
+    from dataio.prepare.audio import parse_header
+    from tests.hostile import list_info, peak_chunk, riff, wav_chunks
+
+    fmt, data = wav_chunks(np.zeros((1000, 2), np.float32), 8000)
+    isft = list_info()[1][4:]  # the LIST's ISFT sub-chunk
+    skipped = {"fact": [(b"fact", bytes(4))], "PEAK": [peak_chunk(2)], "LIST INFO": [list_info()],
+               "LIST adtl": [(b"LIST", b"adtl" + b"labl" + (6).to_bytes(4, "little") + bytes(6))],
+               "short LIST": [(b"LIST", b"INFO")], "LIST under 4 bytes": [(b"LIST", b"IN")],
+               "JUNK": [(b"JUNK", bytes(9))], "bext": [(b"bext", bytes(602))]}
+    refused = {"short fact": [fmt, (b"fact", bytes(2))], "PEAK for 1 channel": [fmt, peak_chunk(1)],
+               "PEAK before fmt": [peak_chunk(2), fmt],
+               "data inside LIST": [fmt, (b"LIST", b"INFO" + b"data" + (8).to_bytes(4, "little") + bytes(8))],
+               "LIST overrun": [fmt, (b"LIST", b"INFO" + isft + bytes(3))]}
+    unvouched = {"LIST of another type": [(b"LIST", b"wavl" + isft)], "cue": [(b"cue ", bytes(4))]}
+    for name, chunks in skipped.items():
+        payload = riff(fmt, *chunks, data)
+        info = sf.info(io.BytesIO(payload))
+        assert parse_header(payload, len(payload)) == (info.samplerate, info.frames) == (8000, 1000), name
+    for name, chunks in refused.items():
+        payload = riff(*chunks, data)
+        assert parse_header(payload, len(payload)) is None, name
+        with pytest.raises(sf.LibsndfileError):
+            sf.info(io.BytesIO(payload))
+    for name, chunks in unvouched.items():
+        payload = riff(fmt, *chunks, data)
+        assert parse_header(payload, len(payload)) is None, name
 
 
 def test_corrupt_audio_is_unreadable():

@@ -9,9 +9,11 @@ target codec has it, so 16- and 24-bit sources stay lossless in FLAC.
 Probing: FLAC and PCM/float WAV headers are parsed here from the first 8 KiB (~5 us a file, against
 ~250 us for ``soundfile.info``, which opens a decoder). The parser only accepts what it fully
 understands (FLAC: every metadata block header up to the first frame's sync code; WAV: ``fmt `` then a
-``data`` chunk that lies inside the file); anything else -- other codecs, ID3-prefixed FLAC, RF64,
-compressed WAV, truncation, corruption -- goes to libsndfile, which stays the judge of what is
-readable and is the test oracle for the values parsed here.
+``data`` chunk that lies inside the file, with only ``fact``, ``PEAK``, ``LIST``, ``JUNK`` or ``bext``
+chunks between, each held to the rules under which libsndfile's parser goes on past it without
+complaint); anything else -- other codecs, ID3-prefixed FLAC, RF64, compressed WAV, truncation,
+corruption -- goes to libsndfile, which stays the judge of what is readable and is the test oracle for
+the values parsed here.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ def sniff_ext(data: bytes) -> str | None:
 HEADER_BYTES = 8192  # what a probe reads of each file; covers FLAC metadata and WAV chunks up to ``data``
 _WAV_FORMATS = {1: (8, 16, 24, 32), 3: (32, 64)}  # PCM, IEEE float: the bit depths libsndfile reads
 _MAX_CHANNELS = 1024  # libsndfile's SF_MAX_CHANNELS
-_WAV_SKIPPED_CHUNKS = (b"fact", b"LIST", b"JUNK", b"junk", b"bext")  # libsndfile skips or only logs these
 MAX_SAMPLE_RATE = 655_350  # FLAC's limit; far above any real recording
 
 
@@ -126,10 +127,44 @@ def wav_format(head: bytes, file_size: int) -> WavFormat | None:
                 return None  # libsndfile clamps a truncated data chunk; let it
             rate, channels, tag, bits = fmt
             return WavFormat(rate, length // (channels * bits // 8), channels, tag, bits, body)
-        elif chunk not in _WAV_SKIPPED_CHUNKS:
-            return None  # libsndfile parses these (PEAK, cue, ...) or stops at unknown ones: let it
+        elif not _skipped_like_libsndfile(chunk, head[body : body + length], length, fmt[1] if fmt else None):
+            return None  # libsndfile parses these (cue, smpl, ...), refuses them or stops at unknown ones: let it
         pos = body + length + (length & 1)
     return None
+
+
+def _skipped_like_libsndfile(chunk: bytes, body: bytes, length: int, channels: int | None) -> bool:
+    """Whether libsndfile's WAV parser, meeting ``chunk`` (``length`` bytes, ``body`` what of it the probe
+    holds; ``channels`` once ``fmt `` was read) before ``data``, goes on from the chunk's end without an
+    error, as skipping it does; False sends the file to libsndfile. Real files carry these: libsndfile
+    (so soundfile) writes ``fact`` + ``PEAK`` into every float WAV, ffmpeg a ``LIST`` naming itself."""
+    if chunk in (b"JUNK", b"junk", b"bext"):  # skipped, or bext's fields read inside it
+        return True
+    if chunk == b"fact":
+        return length >= 4  # its 4-byte frame count is read even from a shorter chunk
+    if chunk == b"PEAK":  # refused before ``fmt `` or unless it holds exactly one (value, position) a channel
+        return channels is not None and length == 8 + 8 * channels
+    if chunk == b"LIST":
+        return _list_walk_ends_at_its_end(body, length)
+    return False
+
+
+def _list_walk_ends_at_its_end(body: bytes, length: int) -> bool:
+    """Whether libsndfile's walk of a LIST chunk (``wavlike_subchunk_parse``) stops at the chunk's end:
+    sure when the list type is INFO or adtl and its sub-chunks (id, size, payload padded to even) tile
+    the body exactly with no ``data`` among them (libsndfile backs out there and takes it for the audio)
+    nor ``exif`` (parsed by other rules). A shorter walk or an overrun is possible otherwise: not taken."""
+    if length <= 8:
+        return True  # an id is read, then length - 4 skipped (backwards below 4): the chunk's end
+    if len(body) < length or body[:4] not in (b"INFO", b"adtl"):
+        return False
+    pos = 4
+    while pos < length:
+        sub, size = body[pos : pos + 4], int.from_bytes(body[pos + 4 : pos + 8], "little")
+        if sub in (b"data", b"exif", b"INFO", b"adtl") or (sub == b"labl" and size < 4):  # labl: size - 4 wraps
+            return False
+        pos += 8 + size + (size & 1)
+    return pos == length
 
 
 def _wav_header(head: bytes, file_size: int) -> tuple[int, int] | None:
