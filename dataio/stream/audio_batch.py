@@ -62,10 +62,16 @@ def _wav_samples(p: PendingAudio) -> np.ndarray:
     return np.frombuffer(p.buf, dtype=dtype, count=p.frames * wav.channels, offset=wav.data_offset)
 
 
+def _at_target_rate(p: PendingAudio, cfg: DecodeConfig) -> bool:
+    """Whether ``p`` needs no resampling: told by its rate, not by ``out_frames == frames``, which a file
+    of a few frames also meets when resampled down (3 at 22.05 kHz -> room for 3 at 16 kHz, rounded up)."""
+    return cfg.sample_rate in (None, p.rate)
+
+
 def _direct_wav(p: PendingAudio, cfg: DecodeConfig) -> bool:
     """Whether ``p`` is a mono 16-bit PCM (or, to float32, IEEE float) WAV at the target rate."""
     wav = p.wav
-    return (wav is not None and wav.channels == 1 and p.out_frames == p.frames
+    return (wav is not None and wav.channels == 1 and _at_target_rate(p, cfg)
             and ((wav.tag, wav.bits) == (1, 16) or (wav.tag, wav.bits, cfg.dtype) == (3, 32, "float32")))
 
 
@@ -82,11 +88,11 @@ def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
         if (f.samplerate, f.frames) != (p.rate, p.frames):
             raise ValueError(f"libsndfile reads {f.frames} frames at {f.samplerate} Hz where the header "
                              f"declares {p.frames} at {p.rate} Hz")
-        if f.channels == 1 and p.out_frames == p.frames:
+        if f.channels == 1 and _at_target_rate(p, cfg):
             return len(f.read(p.frames, dtype=cfg.dtype, out=out))
         audio = f.read(p.frames, dtype=cfg.dtype, always_2d=True, out=scratch(p.frames, f.channels, cfg.dtype))
     if audio.shape[1] > 1:
-        resample = p.out_frames != p.frames
+        resample = not _at_target_rate(p, cfg)
         if cfg.dtype == "float32" and not resample:
             np.mean(audio, axis=1, dtype=np.float32, out=out[: len(audio)])
             return len(audio)
@@ -95,7 +101,7 @@ def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
             audio = audio.astype(np.int16)
     else:
         audio = audio[:, 0]
-    if p.out_frames != p.frames:
+    if not _at_target_rate(p, cfg):
         audio = soxr.resample(audio, p.rate, cfg.sample_rate, quality=cfg.resample_quality)
     if len(audio) > len(out):
         raise AssertionError(f"{len(audio)} decoded frames exceed the {len(out)} reserved")  # a bug, not bad data
