@@ -34,12 +34,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import soundfile
-import soxr
 import torch
 
 from dataio.stream import libsndfile
 from dataio.stream.collate import Allocator
-from dataio.stream.decode import Audio, DecodeConfig, PendingAudio, SampleDecodeError, member_error
+from dataio.stream.decode import (Audio, DecodeConfig, PendingAudio, SampleDecodeError, downmixed_and_resampled,
+                                  member_error)
 
 PCM16_SCALE = np.float32(1.0 / 0x8000)  # libsndfile's short -> float factor (a power of two: exact)
 _TORCH = {"float32": torch.float32, "int16": torch.int16}
@@ -91,18 +91,10 @@ def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
         if f.channels == 1 and _at_target_rate(p, cfg):
             return len(f.read(p.frames, dtype=cfg.dtype, out=out))
         audio = f.read(p.frames, dtype=cfg.dtype, always_2d=True, out=scratch(p.frames, f.channels, cfg.dtype))
-    if audio.shape[1] > 1:
-        resample = not _at_target_rate(p, cfg)
-        if cfg.dtype == "float32" and not resample:
-            np.mean(audio, axis=1, dtype=np.float32, out=out[: len(audio)])
-            return len(audio)
-        audio = audio.mean(axis=1, dtype=np.float32)
-        if cfg.dtype == "int16":
-            audio = audio.astype(np.int16)
-    else:
-        audio = audio[:, 0]
-    if not _at_target_rate(p, cfg):
-        audio = soxr.resample(audio, p.rate, cfg.sample_rate, quality=cfg.resample_quality)
+    if audio.shape[1] > 1 and cfg.dtype == "float32" and _at_target_rate(p, cfg):
+        np.mean(audio, axis=1, dtype=np.float32, out=out[: len(audio)])  # the downmix, with no temporary
+        return len(audio)
+    audio = downmixed_and_resampled(audio, p.rate, cfg)  # pending members are mono (pending_audio)
     if len(audio) > len(out):
         raise AssertionError(f"{len(audio)} decoded frames exceed the {len(out)} reserved")  # a bug, not bad data
     out[: len(audio)] = audio

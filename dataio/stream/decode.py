@@ -211,18 +211,25 @@ def decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio:
             declared = f.frames * f.channels * np.dtype(cfg.dtype).itemsize
             raise ValueError(f"cannot allocate the {declared / 2**30:.1f} GiB its header declares "
                              f"({f.frames} frames x {f.channels} channels)") from None
+    audio = downmixed_and_resampled(audio, rate, cfg)
+    if audio.ndim == 2:
+        audio = np.ascontiguousarray(audio.T)  # [C, T], the torch/torchaudio convention
+    return Audio(torch.from_numpy(audio), cfg.sample_rate or rate)
+
+
+def downmixed_and_resampled(audio: np.ndarray, rate: int, cfg: DecodeConfig) -> np.ndarray:
+    """Decoded ``[T, C]`` samples at ``rate`` as ``cfg`` asks: ``[T]`` when ``cfg.mono`` (the channel
+    mean, taken in float32 and cast back for int16), resampled by soxr to ``cfg.sample_rate``. Shared
+    by ``decode_audio`` and the batch path (``dataio.stream.audio_batch``), which give the same values."""
     if cfg.mono and audio.shape[1] > 1:
         audio = audio.mean(axis=1, dtype=np.float32)
         if cfg.dtype == "int16":
             audio = audio.astype(np.int16)
     elif cfg.mono:
         audio = audio[:, 0]
-    if cfg.sample_rate is not None and cfg.sample_rate != rate:
+    if cfg.sample_rate not in (None, rate):
         audio = soxr.resample(audio, rate, cfg.sample_rate, quality=cfg.resample_quality)
-        rate = cfg.sample_rate
-    if audio.ndim == 2:
-        audio = np.ascontiguousarray(audio.T)  # [C, T], the torch/torchaudio convention
-    return Audio(torch.from_numpy(audio), rate)
+    return audio
 
 
 class PendingAudio(NamedTuple):
