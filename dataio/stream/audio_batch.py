@@ -94,7 +94,7 @@ def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
     if audio.shape[1] > 1 and cfg.dtype == "float32" and _at_target_rate(p, cfg):
         np.mean(audio, axis=1, dtype=np.float32, out=out[: len(audio)])  # the downmix, with no temporary
         return len(audio)
-    audio = downmixed_and_resampled(audio, p.rate, cfg)  # pending members are mono (pending_audio)
+    audio = downmixed_and_resampled(audio, p.rate, cfg)  # to one channel: cfg.mono holds for every pending member
     if len(audio) > len(out):
         raise AssertionError(f"{len(audio)} decoded frames exceed the {len(out)} reserved")  # a bug, not bad data
     out[: len(audio)] = audio
