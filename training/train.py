@@ -1,10 +1,12 @@
-"""The training loop: read top to bottom to see everything a step does.
+"""The training loop: read ``train`` at the bottom first, then the steps it names, then ``train_step``.
 
-``train(cfg)`` sets up the process group and the device mesh (``ParallelDims``), builds the model on
-the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head cross-entropy in token chunks,
-so the fp32 ``[tokens, vocab]`` logits never exist), parallelizes it (TP/SP -> AC -> compile ->
-FSDP2/HSDP, or DDP), materializes each rank's shard, resumes from the newest checkpoint if any, and runs
-``train_step`` until ``max_steps``.
+``train(cfg)`` joins the process group and builds the device meshes (``set_up_meshes``: ``ParallelDims``),
+builds the model on the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head cross-entropy
+in token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelizes it (TP/SP -> AC ->
+compile -> FSDP2/HSDP, or DDP; a pipeline when pp > 1) and materializes each rank's shard, with its
+optimizer (``build_trainer``: a ``Trainer`` holds the live state from there on), builds this dp rank's
+loader, resumes from the newest checkpoint if any, runs ``train_step`` until ``max_steps`` with logging,
+validation and checkpoints on their steps (``run_steps``), then saves the last step and exports ``hf/``.
 
 One step = ``grad_accum`` packed THD micro-batches. The loss is a sum of token cross-entropies divided
 by the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over
