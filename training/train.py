@@ -1,12 +1,13 @@
-"""The training loop: read ``train`` at the bottom first, then the steps it names, then ``train_step``.
+"""The training loop. ``train(cfg)`` at the bottom runs the job as a sequence of steps, each a function here:
 
-``train(cfg)`` joins the process group and builds the device meshes (``set_up_meshes``: ``ParallelDims``),
-builds the model on the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head cross-entropy
-in token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelizes it (TP/SP -> AC ->
-compile -> FSDP2/HSDP, or DDP; a pipeline when pp > 1) and materializes each rank's shard, with its
-optimizer (``build_trainer``: a ``Trainer`` holds the live state from there on), builds this dp rank's
-loader, resumes from the newest checkpoint if any, runs ``train_step`` until ``max_steps`` with logging,
-validation and checkpoints on their steps (``run_steps``), then saves the last step and exports ``hf/``.
+- ``init_distributed`` + ``set_up_meshes``: the process group, ``ParallelDims`` and its device meshes;
+- ``build_trainer``: the model on the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head
+  cross-entropy in token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelized (TP/SP ->
+  AC -> compile -> FSDP2/HSDP, or DDP; this rank's pipeline stages when pp > 1), each rank's shard
+  materialized, and its optimizer; a ``Trainer`` holds this live state and the step reached;
+- ``build_train_loader`` (this dp rank's loader), ``resume`` (the newest checkpoint, if any);
+- ``run_steps``: ``train_step`` until ``max_steps``, logging, validating and checkpointing on their steps;
+- ``save_final_checkpoint``, ``export_model`` (``hf/``), the summary.
 
 One step = ``grad_accum`` packed THD micro-batches. The loss is a sum of token cross-entropies divided
 by the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over
