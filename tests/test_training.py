@@ -98,6 +98,37 @@ def test_warmup_then_cosine():
     assert lr_at(104, cfg, 104) == pytest.approx(0.1) and lr_at(500, cfg, 104) == pytest.approx(0.1)
 
 
+def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch):
+    """Figures over the steps since the window (re)started, on a fake clock: a paused span (validation,
+    checkpoint) is not elapsed time, data waits of batches before the window do not count, pack fill comes
+    from ``fill`` or, without it, from the labelled fraction."""
+    from training import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    waits = [7.0]  # a batch handed out before the window
+    window = metrics.ThroughputWindow(waits, 4, flops_per_token=10.0, peak=160.0, world=2)
+    waits.append(1.0)
+    window.add([{"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 8), "fill": 0.75}], token_ranks=2)
+    now[0] = 3.0
+    with window.paused():
+        now[0] = 103.0
+    waits.append(1.0)
+    labels = torch.tensor([[0] * 8, [-100] * 8])
+    window.add([{"input_ids": torch.zeros(2, 8), "labels": labels}], token_ranks=2)
+    now[0] = 104.0  # 4 s of training in the window
+    figures, step_time = window.figures(6)
+    assert figures == {"tokens_per_s": 16.0, "tokens_per_s_per_device": 8.0, "flops_per_s": 80.0, "mfu": 0.5,
+                       "data_wait_frac": 0.5, "pack_fill": 0.625}
+    assert step_time == 1.0  # (4 s - 2 s of data wait) / 2 steps
+    window.restart(6)
+    waits.append(2.0)
+    window.add([{"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8)}], token_ranks=1)
+    now[0] = 108.0
+    figures, step_time = window.figures(7)
+    assert (figures["tokens_per_s"], figures["data_wait_frac"], figures["pack_fill"], step_time) == (2.0, 0.5, 1.0, 2.0)
+
+
 def test_latest_ignores_partial_checkpoints(tmp_path):
     for name, complete in (("step-00000002", True), ("step-00000004", True), ("step-00000006.tmp", True),
                            ("step-00000008", False)):

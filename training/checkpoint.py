@@ -83,6 +83,14 @@ def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim
     return final
 
 
+def gather_loader_states(batches, dp_mesh) -> list:
+    """Every dp rank's loader state as of the last batch trained on, ordered by dp rank (TP/CP/PP peers hold
+    identical ones): what ``save`` stores. Taken from ``batches`` (the ``DevicePrefetcher``), which may have read
+    ahead of the step. A collective."""
+    by_dp = dict(gather_objects((dp_mesh.get_local_rank(), batches.state_dict())))
+    return [by_dp[r] for r in range(len(by_dp))]
+
+
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Restore model and optimizer from ``path`` into the current layout; returns the trainer state dict,
     after restoring this rank's RNG when the world size is unchanged."""
@@ -200,4 +208,4 @@ def _prune(folder: Path, keep_last: int | None) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["STATE_FILE", "checkpoint_dir", "export_hf", "latest", "load", "save"]
+__all__ = ["STATE_FILE", "checkpoint_dir", "export_hf", "gather_loader_states", "latest", "load", "save"]

@@ -61,6 +61,11 @@ def cp_batch_transform(cp_size: int, cp_rank: int) -> Callable[[dict], dict]:
     return transform
 
 
+def rank_batch_transform(dims, meshes: dict) -> Callable[[dict], dict] | None:
+    """The host-side transform of this rank's batches (training and validation): its CP shard when cp > 1."""
+    return cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
+
+
 def cp_attention_kwargs(mesh, mode: str) -> dict:
     """Extra model kwargs: the CP group when there is one, else nothing."""
     return context_parallel_kwargs(mesh.get_group(), mode) if mesh.size() > 1 else {}
@@ -73,4 +78,5 @@ def cp_step_metrics(micro_batches: list[dict]) -> dict:
             "cp_bytes_sent": exchanged_bytes()}
 
 
-__all__ = ["check_cp_config", "cp_attention_kwargs", "cp_batch_transform", "cp_step_metrics", "reset_exchanged_bytes"]
+__all__ = ["check_cp_config", "cp_attention_kwargs", "cp_batch_transform", "cp_step_metrics", "rank_batch_transform",
+           "reset_exchanged_bytes"]

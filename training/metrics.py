@@ -1,6 +1,9 @@
 """Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console, TensorBoard
 and, when ``logging.wandb`` is set, Weights & Biases (``training.wandb_run``).
 
+Throughput figures cover a window: the steps since the last logged one (``ThroughputWindow``), less the
+time spent validating or checkpointing in it, which is not training.
+
 Model FLOPs per token follow the PaLM/torchtitan count: ``6 * N`` for the matmuls of forward + backward
 over the non-embedding parameters (lm_head included) plus ``12 * layers * hidden * seq_len`` for attention
 scores and values (an upper bound for packed batches, whose documents attend only within themselves).
@@ -11,13 +14,17 @@ Only rank 0 writes; every figure it logs is already reduced over ranks where tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from configtree import to_dict
+from kernels.loss import IGNORE_INDEX
 from training import wandb_run
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
@@ -60,6 +67,46 @@ def max_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # bytes on macOS, KiB on Linux
+
+
+class ThroughputWindow:
+    """The steps since the last logged one: their tokens, pack fill and data wait, over wall time less the
+    ``paused`` spans. ``world`` ranks share the work; ``peak`` is one device's FLOP/s (None: no MFU)."""
+
+    def __init__(self, waits: list[float], step: int, *, flops_per_token: float, peak: float | None, world: int):
+        self.waits = waits  # the prefetcher's data wait per batch handed out (DevicePrefetcher.waits, appended to)
+        self.flops_per_token, self.peak, self.world = flops_per_token, peak, world
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        """A new window, after ``step``."""
+        self.start, self.first_batch, self.first_step = time.perf_counter(), len(self.waits), step
+        self.tokens, self.fill = 0, []
+
+    def add(self, micro_batches: list[dict], token_ranks: int) -> None:
+        """One step over ``micro_batches`` on each of ``token_ranks`` ranks holding distinct tokens (dp x cp)."""
+        self.tokens += sum(mb["input_ids"].numel() for mb in micro_batches) * token_ranks
+        self.fill += [float(mb["fill"]) if "fill" in mb else float((mb["labels"] != IGNORE_INDEX).float().mean())
+                      for mb in micro_batches]
+
+    def figures(self, step: int) -> tuple[dict, float]:
+        """The window up to ``step``: its record fields (``tokens_per_s`` .. ``pack_fill``) and this rank's mean
+        step time without data wait (``telemetry.rank_spread``'s)."""
+        elapsed = time.perf_counter() - self.start
+        tokens_per_s = self.tokens / elapsed
+        flops_per_s = tokens_per_s * self.flops_per_token / self.world
+        wait = sum(self.waits[self.first_batch:])
+        return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world,
+                "flops_per_s": flops_per_s, "mfu": flops_per_s / self.peak if self.peak else None,
+                "data_wait_frac": wait / elapsed,
+                "pack_fill": sum(self.fill) / len(self.fill)}, (elapsed - wait) / (step - self.first_step)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the body's time out of the window."""
+        start = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - start
 
 
 class MetricsLogger:
@@ -166,4 +213,14 @@ class MetricsLogger:
                 wandb_run.finish(self.wandb_run)
 
 
-__all__ = ["PEAK_FLOPS", "MetricsLogger", "flops_per_token", "max_memory_gib", "peak_flops"]
+def build_metrics_logger(cfg, rank: int) -> MetricsLogger:
+    """The job's sink (``cfg`` a JobConfig): rank 0 writes under ``trainer.output_dir`` (and opens the wandb run
+    when ``logging.wandb``), the other ranks only keep the history."""
+    out_dir = Path(cfg.trainer.output_dir)
+    run = wandb_run.open_run(cfg.logging.wandb, out_dir, to_dict(cfg)) if cfg.logging.wandb and rank == 0 else None
+    return MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
+                         tensorboard=cfg.logging.tensorboard, wandb_run=run)
+
+
+__all__ = ["PEAK_FLOPS", "MetricsLogger", "ThroughputWindow", "build_metrics_logger", "flops_per_token",
+           "max_memory_gib", "peak_flops"]

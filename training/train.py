@@ -1,10 +1,13 @@
-"""The training loop: read top to bottom to see everything a step does.
+"""The training loop. ``train(cfg)`` at the bottom runs the job as a sequence of steps, each a function here:
 
-``train(cfg)`` sets up the process group and the device mesh (``ParallelDims``), builds the model on
-the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head cross-entropy in token chunks,
-so the fp32 ``[tokens, vocab]`` logits never exist), parallelizes it (TP/SP -> AC -> compile ->
-FSDP2/HSDP, or DDP), materializes each rank's shard, resumes from the newest checkpoint if any, and runs
-``train_step`` until ``max_steps``.
+- ``init_distributed`` + ``set_up_meshes``: the process group, ``ParallelDims`` and its device meshes;
+- ``build_trainer``: the model on the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head
+  cross-entropy in token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelized (TP/SP ->
+  AC -> compile -> FSDP2/HSDP, or DDP; this rank's pipeline stages when pp > 1), each rank's shard
+  materialized, and its optimizer; a ``Trainer`` holds this live state and the step reached;
+- ``build_train_loader`` (this dp rank's loader), ``resume`` (the newest checkpoint, if any);
+- ``run_steps``: ``train_step`` until ``max_steps``, logging, validating and checkpointing on their steps;
+- ``save_final_checkpoint``, ``export_model`` (``hf/``), the summary.
 
 One step = ``grad_accum`` packed THD micro-batches. The loss is a sum of token cross-entropies divided
 by the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over
@@ -27,9 +30,10 @@ import contextlib
 import functools
 import os
 import socket
-import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,19 +49,22 @@ from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
 from training import checkpoint, moe
 from training.config import JobConfig
-from training.context_parallel import cp_attention_kwargs, cp_batch_transform, cp_step_metrics, reset_exchanged_bytes
+from training.context_parallel import cp_attention_kwargs, cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
 from training.loss import CausalLMLoss
-from training.metrics import MetricsLogger, flops_per_token, max_memory_gib, peak_flops
+from training.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token, max_memory_gib,
+                              peak_flops)
 from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, gather_objects, rank_coordinates
+from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
 from training.parallelize import apply_ddp, parallelize
-from training.pipeline import build_pipeline, pipeline_metrics, pipeline_train_step
+from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
 from training.profiling import StepProfiler
-from training.wandb_run import open_run
 from training.validate import check_job, check_vocab
 from training.telemetry import rank_spread
 from training.validation import make_validator
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
@@ -209,11 +216,206 @@ def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMes
     return forward_loss_sum
 
 
-def gather_loader_states(batches: DevicePrefetcher, dp_mesh: DeviceMesh) -> list:
-    """Every dp rank's loader state as of the last batch trained on, ordered by dp rank (TP/CP/PP
-    peers hold identical ones). Taken from the prefetcher, which may have read ahead of the step."""
-    by_dp = dict(gather_objects((dp_mesh.get_local_rank(), batches.state_dict())))
-    return [by_dp[r] for r in range(len(by_dp))]
+def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
+    """bf16 through ``torch.autocast``: on every model but an FSDP2 one, which casts via its policy."""
+    return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
+
+
+def print_on_rank0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    """The live state of a job: what ``build_trainer`` made and the step reached. The functions below take it
+    first (as ``training.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
+
+    cfg: JobConfig
+    device: torch.device
+    dims: ParallelDims
+    meshes: dict[str, DeviceMesh]
+    model: nn.Module  # with pp > 1 this rank's pipeline part
+    hf_config: PretrainedConfig  # a SALM's: its LLM's
+    pipe: Pipeline | None
+    optimizer: torch.optim.Optimizer
+    forward: Callable[[nn.Module, dict, bool], torch.Tensor]  # ``step_forward``'s
+    autocast: bool
+    step: int = 0  # the last step trained (or resumed from)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.trainer.output_dir)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+
+def with_model_layout(cfg: JobConfig) -> JobConfig:
+    """``cfg``, or its one-document-per-row variant when the model has no attention interface (said once)."""
+    if (unpacked := one_document_per_row(cfg)) is not cfg:
+        print_on_rank0("the model has no attention interface (training.families): one document per row, sdpa, "
+                       "data.packing: none")
+    return unpacked
+
+
+def set_up_meshes(cfg: JobConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
+    """``ParallelDims`` over the world and its meshes; rank 0 prints every rank's coordinates. Collective."""
+    world = dist.get_world_size()
+    dims = ParallelDims.from_config(cfg.distributed, world)  # its rules already passed check_job (as ConfigError)
+    meshes = dims.build_meshes(device.type)
+    coords = rank_coordinates(meshes["world"])
+    print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}")
+    return dims, meshes
+
+
+def save_job_config(cfg: JobConfig) -> None:
+    """Rank 0 creates ``trainer.output_dir`` and writes the resolved job there (``config.yaml``)."""
+    if dist.get_rank() == 0:
+        out_dir = Path(cfg.trainer.output_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "config.yaml", "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Trainer:
+    """The model (this rank's pipeline part when pp > 1) from one seed on every rank, its optimizer (the
+    learning rate is set per step, ``take_step``) and the step's forward."""
+    torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
+    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
+    return Trainer(cfg=cfg, device=device, dims=dims, meshes=meshes, model=model, hf_config=hf_config, pipe=pipe,
+                   optimizer=build_optimizer(model, cfg.optim), forward=step_forward(cfg, dims, meshes),
+                   autocast=uses_autocast(cfg, model))
+
+
+def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:
+    """This dp rank's loader (``make_loader``, by default ``dataio.build_loader`` on ``data:``), its tokens checked
+    against the model's vocabulary; a SALM's audio batches get the prompt + transcript token layout."""
+    cfg = trainer.cfg
+    if make_loader is None:
+        from dataio import build_loader
+
+        make_loader = functools.partial(build_loader, cfg.data)
+    loader = make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp)
+    give_tail_group(loader)
+    check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
+    if cfg.model.kind == "salm":
+        from training.speech.job import wrap_loader
+
+        loader = wrap_loader(loader, trainer.model, cfg, trainer.dims)
+    return loader
+
+
+def resume(trainer: Trainer, loader) -> None:
+    """Continue from the newest complete checkpoint (``checkpoint.resume``): model, optimizer, RNG, every
+    dp rank's loader position and the step; then apply a chained job's own data seed (``trainer.data_seed``,
+    ``training.launch --jobs``)."""
+    cfg = trainer.cfg
+    resume_from = checkpoint.latest(trainer.checkpoints) if cfg.checkpoint.resume else None
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, trainer.model, trainer.optimizer)
+        loader.load_state_dict(state["loader"])
+        trainer.step = state["step"]
+        print_on_rank0(f"resumed from {resume_from} at step {trainer.step}")
+    if cfg.trainer.data_seed is not None:
+        first = loader.reseed(cfg.trainer.data_seed)
+        print_on_rank0(f"data seed {cfg.trainer.data_seed} orders each dataset's epochs from {first} on")
+
+
+def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfiler) -> dict:
+    """Step ``trainer.step``: its learning rate, fresh per-step counters, then ``train_step`` (or the pipeline's)."""
+    cfg, loss_mesh = trainer.cfg, trainer.meshes["dp_cp"]
+    set_lr(trainer.optimizer, lr_at(trainer.step, cfg.optim, cfg.trainer.max_steps))
+    moe.reset_step(trainer.model)
+    reset_exchanged_bytes()  # cp_bytes_sent is per step
+    with profiler.step(trainer.step):
+        if trainer.pipe is not None:
+            stats = pipeline_train_step(trainer.pipe, trainer.optimizer, micro_batches, loss_mesh,
+                                        max_grad_norm=cfg.optim.max_grad_norm)
+        else:
+            stats = train_step(trainer.model, trainer.optimizer, micro_batches, loss_mesh,
+                               max_grad_norm=cfg.optim.max_grad_norm,
+                               defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=trainer.autocast,
+                               forward=trainer.forward)
+    return stats
+
+
+def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float) -> dict:
+    """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step, the window's
+    ``throughput``, memory, MoE, pipeline stage, per-rank spread and CP figures. Collectives on every rank."""
+    device, loss_mesh = trainer.device, trainer.meshes["dp_cp"]
+    return {
+        "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
+        "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
+        "max_mem": max_memory_gib(device), **moe.step_metrics(trainer.model, loss_mesh),
+        **(pipeline_metrics(trainer.pipe, max_memory_gib(device)) if trainer.pipe is not None else {}),
+        **rank_spread(step_time, throughput["data_wait_frac"], device),
+        **(cp_step_metrics(micro_batches) if trainer.dims.cp > 1 else {}),
+    }
+
+
+def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
+    """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
+    checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
+                    checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
+                    keep_last=trainer.cfg.checkpoint.keep_last)
+
+
+def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
+              validate: Callable[[], dict] | None) -> None:
+    """Steps until ``trainer.max_steps`` or the end of a finite stream. Logs every ``log_every`` steps, validates
+    every ``eval_every`` (a SALM also decodes every ``model.speech.eval_every``), saves every
+    ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
+    cfg = trainer.cfg
+    max_steps = cfg.trainer.max_steps
+    flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
+    window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
+                              world=dist.get_world_size())
+    while trainer.step < max_steps:
+        try:
+            micro = next_micro_batches(batches, cfg.trainer.grad_accum)
+        except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
+            print_on_rank0(f"data exhausted after step {trainer.step}")
+            return
+        trainer.step += 1
+        stats = take_step(trainer, micro, profiler)
+        window.add(micro, trainer.dims.dp * trainer.dims.cp)
+        step = trainer.step
+        if step % cfg.trainer.log_every == 0 or step == max_steps:
+            logger.log(step_record(trainer, stats, micro, *window.figures(step)))
+            window.restart(step)
+        if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
+            from training.speech.eval import eval_in_training
+
+            eval_in_training(trainer.model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
+        if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
+            with window.paused():  # validation time is not training throughput
+                logger.log_val({"step": step, **validate()})
+        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < max_steps:
+            with window.paused():  # checkpoint time is not training throughput
+                save_checkpoint(trainer, batches)
+
+
+def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
+    """``checkpoint.save_final``: the last step's checkpoint, unless the interval already wrote it."""
+    folder = trainer.checkpoints
+    saved_already = checkpoint.latest(folder) == checkpoint.checkpoint_dir(folder, trainer.step)
+    if trainer.cfg.checkpoint.save_final and trainer.step > 0 and not saved_already:
+        save_checkpoint(trainer, batches)
+
+
+def export_model(trainer: Trainer) -> None:
+    """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``). Collective."""
+    cfg = trainer.cfg
+    if cfg.checkpoint.export_hf and cfg.model.kind == "salm":
+        from training.speech.job import export_salm
+
+        export_salm(trainer.model, cfg, trainer.out_dir)
+    elif cfg.checkpoint.export_hf:
+        checkpoint.export_hf(trainer.model, trainer.hf_config, trainer.out_dir / "hf", cfg.model.tokenizer,
+                             shard_size_mb=cfg.checkpoint.export_shard_size_mb,
+                             experts_layout=cfg.checkpoint.export_hf_experts)
 
 
 def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = None) -> list[dict]:
@@ -225,142 +427,29 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if (unpacked := one_document_per_row(cfg)) is not cfg:
-        cfg = unpacked
-        if rank == 0:
-            print("the model has no attention interface (training.families): one document per row, sdpa, "
-                  "data.packing: none",
-                  flush=True)
-    dims = ParallelDims.from_config(cfg.distributed, world)  # its rules already passed check_job (as ConfigError)
-    meshes = dims.build_meshes(device.type)
-    coords = rank_coordinates(meshes["world"])
-    out_dir = Path(cfg.trainer.output_dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}",
-              flush=True)
-        with open(out_dir / "config.yaml", "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    cfg = with_model_layout(cfg)
+    dims, meshes = set_up_meshes(cfg, device)
+    save_job_config(cfg)
+    trainer = build_trainer(cfg, device, dims, meshes)
+    loader = build_train_loader(trainer, make_loader)
+    torch.manual_seed(seed_for_rank(cfg.trainer.seed, meshes["dp"].get_local_rank()))
+    resume(trainer, loader)  # a resumed run restores its RNG too
+    validate = (make_validator(cfg, dims, meshes, device, trainer.model, trainer.pipe)
+                if cfg.trainer.eval_every else None)
+    logger = build_metrics_logger(cfg, dist.get_rank())
+    profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
+    batches = DevicePrefetcher(loader, device, transform=rank_batch_transform(dims, meshes))
 
-    torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
-    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
-    autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # FSDP2 casts via its policy
-    optimizer = build_optimizer(model, cfg.optim)
-
-    dp_rank, dp_size = meshes["dp"].get_local_rank(), dims.dp
-    if make_loader is None:
-        from dataio import build_loader
-
-        make_loader = functools.partial(build_loader, cfg.data)
-    loader = make_loader(dp_rank, dp_size)
-    give_tail_group(loader)
-    check_vocab(hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
-    if cfg.model.kind == "salm":  # audio batches -> prompt + transcript token layout
-        from training.speech.job import wrap_loader
-
-        loader = wrap_loader(loader, model, cfg, dims)
-    forward = step_forward(cfg, dims, meshes)
-    torch.manual_seed(seed_for_rank(cfg.trainer.seed, dp_rank))
-    ckpt_dir = out_dir / "checkpoints"
-    step = 0
-    resume_from = checkpoint.latest(ckpt_dir) if cfg.checkpoint.resume else None
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, model, optimizer)
-        loader.load_state_dict(state["loader"])
-        step = state["step"]
-        if rank == 0:
-            print(f"resumed from {resume_from} at step {step}", flush=True)
-    if cfg.trainer.data_seed is not None:  # a chained job's own seed (training.launch --jobs)
-        first = loader.reseed(cfg.trainer.data_seed)
-        if rank == 0:
-            print(f"data seed {cfg.trainer.data_seed} orders each dataset's epochs from {first} on", flush=True)
-    validate = make_validator(cfg, dims, meshes, device, model, pipe) if cfg.trainer.eval_every else None
-
-    run = open_run(cfg.logging.wandb, out_dir, to_dict(cfg)) if cfg.logging.wandb and rank == 0 else None
-    logger = MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
-                           tensorboard=cfg.logging.tensorboard, wandb_run=run)
-    profiler = StepProfiler(cfg.trainer.profile, out_dir, rank, device)
-    flops_tok = flops_per_token(hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
-    peak = peak_flops(device)
-    batches = DevicePrefetcher(loader, device, transform=cp_batch_transform(dims.cp, meshes["cp"].get_local_rank())
-                               if dims.cp > 1 else None)
-    window_start, window_batches, window_tokens, window_fill = time.perf_counter(), 0, 0, []
-    window_first_step = step
-    while step < cfg.trainer.max_steps:
-        try:
-            micro = next_micro_batches(batches, cfg.trainer.grad_accum)
-        except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
-            if rank == 0:
-                print(f"data exhausted after step {step}", flush=True)
-            break
-        step += 1
-        set_lr(optimizer, lr_at(step, cfg.optim, cfg.trainer.max_steps))
-        moe.reset_step(model)
-        reset_exchanged_bytes()  # cp_bytes_sent is per step
-        with profiler.step(step):
-            if pipe is not None:
-                stats = pipeline_train_step(pipe, optimizer, micro, meshes["dp_cp"],
-                                            max_grad_norm=cfg.optim.max_grad_norm)
-            else:
-                stats = train_step(model, optimizer, micro, meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
-                                   defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=autocast,
-                                   forward=forward)
-        window_tokens += sum(mb["input_ids"].numel() for mb in micro) * dims.dp * dims.cp
-        window_fill += [float(mb["fill"]) if "fill" in mb else
-                        float((mb["labels"] != IGNORE_INDEX).float().mean()) for mb in micro]
-        if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_tokens / elapsed
-            flops_per_s = tokens_per_s * flops_tok / world
-            wait = sum(batches.waits[window_batches:])
-            logger.log({
-                "step": step, "loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": stats["grad_norm"], "tokens": stats["tokens"],
-                "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world,
-                "flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
-                "data_wait_frac": wait / elapsed,
-                "pack_fill": sum(window_fill) / len(window_fill),
-                "max_mem": max_memory_gib(device), **moe.step_metrics(model, meshes["dp_cp"]),
-                **(pipeline_metrics(pipe, max_memory_gib(device)) if pipe is not None else {}),
-                **rank_spread((elapsed - wait) / (step - window_first_step), wait / elapsed, device),
-                **(cp_step_metrics(micro) if dims.cp > 1 else {}),
-            })
-            window_start, window_batches, window_tokens, window_fill = time.perf_counter(), len(batches.waits), 0, []
-            window_first_step = step
-        if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
-            from training.speech.eval import eval_in_training
-
-            eval_in_training(model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
-        if validate is not None and (step % cfg.trainer.eval_every == 0 or step == cfg.trainer.max_steps):
-            validating = time.perf_counter()
-            logger.log_val({"step": step, **validate()})
-            window_start += time.perf_counter() - validating  # validation time is not training throughput
-        interval = cfg.checkpoint.interval
-        if interval and step % interval == 0 and step < cfg.trainer.max_steps:
-            saving = time.perf_counter()
-            checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
-                            keep_last=cfg.checkpoint.keep_last)
-            window_start += time.perf_counter() - saving  # checkpoint time is not training throughput
+    run_steps(trainer, batches, logger, profiler, validate)
 
     batches.close()
     profiler.close()
-    saved_already = checkpoint.latest(ckpt_dir) == checkpoint.checkpoint_dir(ckpt_dir, step)
-    if cfg.checkpoint.save_final and step > 0 and not saved_already:
-        checkpoint.save(ckpt_dir, step, model, optimizer, gather_loader_states(batches, meshes["dp"]),
-                        keep_last=cfg.checkpoint.keep_last)
-    if cfg.checkpoint.export_hf and cfg.model.kind == "salm":
-        from training.speech.job import export_salm
-
-        export_salm(model, cfg, out_dir)
-    elif cfg.checkpoint.export_hf:
-        checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
-                             shard_size_mb=cfg.checkpoint.export_shard_size_mb,
-                             experts_layout=cfg.checkpoint.export_hf_experts)
+    save_final_checkpoint(trainer, batches)
+    export_model(trainer)
     logger.summary()
     logger.close()
     return logger.history
 
 
-__all__ = ["build_model", "build_model_or_pipeline", "gradient_sync", "init_distributed", "seed_for_rank",
-           "step_forward", "train", "train_step"]
+__all__ = ["Trainer", "build_model", "build_model_or_pipeline", "build_trainer", "gradient_sync", "init_distributed",
+           "seed_for_rank", "step_forward", "train", "train_step", "uses_autocast"]

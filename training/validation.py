@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from configtree import ConfigError, from_dict, to_dict
 from dataio.batching.prefetch import DevicePrefetcher
@@ -223,14 +222,14 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     """The hook of the trainer and ``training.eval``: a function that runs one pass over the val stream with
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
     from dataio import build_loader
-    from training.context_parallel import cp_batch_transform
-    from training.train import new_tail_group, step_forward
+    from training.context_parallel import rank_batch_transform
+    from training.train import new_tail_group, step_forward, uses_autocast
 
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
     dp = meshes["dp"]
 
-    transform = cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
+    transform = rank_batch_transform(dims, meshes)
     tail_group = new_tail_group()
 
     def batches() -> DevicePrefetcher:
@@ -244,8 +243,7 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
-    autocast = cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)  # as the trainer does
-    forward = functools.partial(step_forward(cfg, dims, meshes), autocast=autocast)
+    forward = functools.partial(step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg, model))
     return lambda: evaluate(model, forward, batches(), device, loss_group=meshes["dp_cp"].get_group(),
                             dp_group=dp.get_group())
 
