@@ -4,7 +4,7 @@
 ``PendingAudio`` (rate and frame count known, ``check_declared`` applied). ``decode_pending`` then
 makes one batch's audio, per member extension:
 
-1. one flat tensor from the batch's allocator (in a DataLoader worker: its shared-memory ring slot)
+1. one flat tensor from the batch's allocator (in a worker process: its shared-memory ring)
    with room for every member at the target rate (``out_frames``: the file's frames, or soxr's output
    length rounded up);
 2. each member decoded in batch order straight into its place:
@@ -130,7 +130,7 @@ def decode_pending(samples: list[dict], keys: Sequence[str], shards: Sequence[st
 
 def mean_decoded_bytes(durations: np.ndarray, cfg: DecodeConfig) -> float:
     """Mean bytes of a sample's audio once decoded here, from the index's ``duration`` column (seconds;
-    NaN where unknown); 0 when it is not decoded here or the rate is unknown. The worker ring's slots are
+    NaN where unknown); 0 when it is not decoded here or the rate is unknown. The worker rings are
     sized from it (``dataio.stream.rank``): decoded 16 kHz float32 is ~3x the FLAC it came from."""
     if cfg.audio != "soundfile" or cfg.sample_rate is None or not len(durations):
         return 0.0
