@@ -106,11 +106,12 @@ def test_ring_takes_the_lowest_free_bytes_and_gives_them_back_in_any_order():
     assert batch(64) is None  # full: the caller's allocator falls back to shared memory
     ring.released[b[0]] = 1  # the consumer dropped the middle batch first
     d = batch(n // 2)
-    assert d[1:] == (n, n + n // 2)  # the lowest gap that holds a nominal batch
+    assert d[1:] == (n, n + n // 2)  # the lowest gap that holds it
     ring.released[a[0]] = 1
-    assert batch(n)[1:] == (0, n)
+    assert batch(n)[1:] == (n + n // 2, 2 * n + n // 2)  # the first gap, exactly n, leaves no slack
+    assert batch(n // 2)[1:] == (0, n // 2)
     assert batch(4 * n + 1) is None  # more than the whole ring
-    assert ring.tickets == 16 and ring.released.sum() == 16 - 3  # c, d and the last one are out
+    assert ring.tickets == 16 and ring.released.sum() == 16 - 4  # c, d and the last two are out
 
 
 def pid_batch(b, alloc):

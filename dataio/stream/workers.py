@@ -64,6 +64,7 @@ ALIGN = 64
 SPARE_BATCHES = 3  # beyond prefetch: the task the consumer holds, the one before it, one of slack (x per_task)
 TASK_BYTES = 4 << 20  # ring bytes (2x a batch's mean) per worker message, see batches_per_task
 MAX_BATCHES_PER_TASK = 8
+SLACK_BYTES = 64 << 10  # room a batch's first tensor leaves for the small ones after it
 TICKETS_PER_BATCH = 4  # a worker's batches out at once, at most, per batch of its ring's nominal size
 # dtypes of ring and inline tensors travel as an index into this tuple (a pickled torch.dtype is a Python call)
 DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -75,8 +76,7 @@ class SharedRing:
     """One ring of ``region`` bytes per worker in one anonymous shared map, mapped before fork.
 
     A worker carves each batch's tensors out of free bytes of its ring: the lowest gap between the
-    batches still out that holds a batch of the nominal size (else the largest that holds the first
-    tensor), so a batch takes the bytes it needs -- a long-tailed batch several times the mean fits as
+    batches still out that holds its first tensor with some slack (else the largest that holds it), so a batch takes the bytes it needs -- a long-tailed batch several times the mean fits as
     long as the ring has the room (fixed slots of twice the mean sent ~10 % of 32-document batches the
     slow way) -- and a consumer that keeps up reuses the same few warm pages (the first touch of a page
     is a page fault in each worker: ~3.7 us here, ~10 ms per 10 MB of ring). Each batch holds a
@@ -141,8 +141,10 @@ class SharedRing:
         return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
 
     def _gap(self, nbytes: int) -> tuple[int, int] | None:
-        """The lowest free range between the batches out that holds a nominal batch and ``nbytes``, else
-        the largest that holds ``nbytes``."""
+        """The lowest free range between the batches out that holds ``nbytes`` and ``SLACK_BYTES`` more
+        (a batch's small tensors after its first one), else the largest that holds ``nbytes``. Asking
+        for more (say a nominal batch) would skip the gap a released batch of the mean size leaves and
+        walk the whole ring: every page of it resident in every worker."""
         gaps, at = [], 0
         for start, end in sorted(self._out.values()):
             if start > at:
@@ -150,7 +152,7 @@ class SharedRing:
             at = max(at, end)
         gaps.append((at, self.region))
         for lo, hi in gaps:
-            if hi - lo >= max(nbytes, self.batch_bytes):
+            if hi - lo >= nbytes + SLACK_BYTES:
                 return lo, hi
         lo, hi = max(gaps, key=lambda g: g[1] - g[0])
         return (lo, hi) if hi - lo >= nbytes else None
