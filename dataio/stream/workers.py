@@ -90,8 +90,7 @@ class SharedRing:
     def __init__(self, num_workers: int, prefetch: int, batch_bytes: int):
         self.per_task = batches_per_task(batch_bytes)
         batches = (prefetch + SPARE_BATCHES) * self.per_task
-        self.batch_bytes = -(-batch_bytes // ALIGN) * ALIGN
-        self.region = batches * self.batch_bytes
+        self.region = batches * (-(-batch_bytes // ALIGN) * ALIGN)
         self.tickets = TICKETS_PER_BATCH * batches
         self._map = mmap.mmap(-1, num_workers * self.region)  # MAP_SHARED | MAP_ANONYMOUS: pages touched lazily
         self.array = np.frombuffer(self._map, dtype=np.uint8)
