@@ -120,7 +120,7 @@ def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Te
 def _all_gather(buf: torch.Tensor, group) -> list[torch.Tensor]:
     size = dist.get_world_size(group)
     out = buf.new_empty(size * buf.shape[0], *buf.shape[1:])  # gloo wants a flat (P*T, ...) output
-    dist.all_gather_single(out, buf, group=group)
+    dist.all_gather_into_tensor(out, buf, group=group)
     _sent[0] += (size - 1) * buf.numel() * buf.element_size()
     return list(out.chunk(size))
 

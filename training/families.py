@@ -9,7 +9,9 @@ family except the hand-tuned TP+SP plan of the Llama family (``training.parallel
 - tensor parallelism: the model config's ``base_model_tp_plan`` (module-path pattern -> style name),
   translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` by ``TP_STYLES``; embeddings and the
   output head get vocab-sharded styles here (tied embeddings included: both shard dim 0 of the one
-  weight, which is re-tied after the plan is applied). A style outside ``TP_STYLES`` fails naming it;
+  weight, which is re-tied after the plan is applied), whether or not the plan names the input embedding
+  (transformers >= 5.24 names GPT-NeoX's ``embed_in`` as ``embedding_rowwise``, the same vocab-parallel
+  style). A style outside ``TP_STYLES`` fails naming it;
 - document-masked attention on packed rows needs the model to route attention through transformers'
   ``AttentionInterface`` (``_supports_attention_backend``). Models that do not (e.g. StableLM, Falcon in
   transformers 5.x) fall back to one document per row: ``data.packing: none`` and ``sdpa``, so the
@@ -44,12 +46,16 @@ POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 # colwise: output features sharded, the local result feeds the next op (local heads); rowwise: input
 # sharded on its last dim, output all-reduced; *_gather_output / *_split_input: the output is gathered
 # whole (used where a norm or a fused projection needs every feature) and the next row-wise layer
-# slices its replicated input again.
+# slices its replicated input again; embedding_rowwise: vocab-parallel embedding (token ids replicated,
+# each rank looks up its vocabulary slice, the partial rows are summed), the style the trainer gives every
+# input embedding. Other styles (packed_*, moe_*, replicated_with_grad_allreduce, mla_kv_a_proj, ...) are
+# refused by check_hf_tp_plan, naming the module and style.
 TP_STYLES = {
     "colwise": lambda: ColwiseParallel(),
     "rowwise": lambda: RowwiseParallel(),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
 }
 
 
@@ -108,11 +114,14 @@ def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
 
     hf = unwrap_causal_lm(model)
     base = hf.base_model
-    parallelize_module(base, tp_mesh, {k: TP_STYLES[v]() for k, v in hf.config.base_model_tp_plan.items()})
-    names = {module: name for name, module in model.named_modules()}
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    # the embedding is styled below with the head, once, whether or not the plan names it
+    in_base = {module: name for name, module in base.named_modules()}
+    plan = {k: v for k, v in hf.config.base_model_tp_plan.items() if k != in_base.get(embedding)}
+    parallelize_module(base, tp_mesh, {k: TP_STYLES[v]() for k, v in plan.items()})
+    names = {module: name for name, module in model.named_modules()}
     parallelize_module(model, tp_mesh, {
-        names[embedding]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        names[embedding]: TP_STYLES["embedding_rowwise"](),
         names[head]: ColwiseParallel(output_layouts=Replicate()),
     })
     retie(model)
