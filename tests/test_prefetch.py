@@ -1,5 +1,6 @@
 """dataio.batching.prefetch: same batches as the input, data-wait accounting, CUDA stream path on a GPU."""
 
+import threading
 import time
 
 import pytest
@@ -34,22 +35,60 @@ def assert_same(a, b):
         assert a == b
 
 
+class _GatedSource:
+    """Batch 0 at once; batch i >= 1 only once ``gates[i]`` is set, and ``produced[i]`` set as it is handed out:
+    the test, not the scheduler, decides when the loader is slow and observes when it ran ahead. Timing
+    assertions on sleeps failed under load (the read-ahead thread scheduled late); these are orderings."""
+
+    def __init__(self, n: int, *, gated: bool):
+        self.gates = [threading.Event() for _ in range(n)]
+        self.produced = [threading.Event() for _ in range(n)]
+        for gate in self.gates[: 1 if gated else n]:
+            gate.set()
+
+    def __iter__(self):
+        for i, (gate, produced) in enumerate(zip(self.gates, self.produced)):
+            assert gate.wait(TIMEOUT_S), f"the test never opened gate {i}"
+            produced.set()
+            yield next(batches(1)) | {"i": i}
+
+
+TIMEOUT_S = 30.0  # a bound on a hang, never reached when the code is right
+
+
 def test_cpu_pass_through_yields_the_same_batches_and_measures_wait():
-    prefetcher = DevicePrefetcher(batches(6, sleep=0.02), "cpu")
-    got = list(prefetcher)
+    got = list(DevicePrefetcher(batches(6), "cpu"))
     for a, b in zip(got, batches(6), strict=True):
         assert_same(a, b)
+    # each wait is the time the consumer was blocked in next(): a batch gated for 200 ms after the call
+    # began is waited for nearly that (100 ms allowed for the scheduler between the timer's start and
+    # next() reading its clock), and never longer than the call itself
+    source = _GatedSource(4, gated=True)
+    prefetcher = DevicePrefetcher(source, "cpu")
+    assert next(prefetcher)["i"] == 0
+    for i in range(1, 4):
+        opener = threading.Timer(0.2, source.gates[i].set)
+        called = time.perf_counter()
+        opener.start()
+        assert next(prefetcher)["i"] == i
+        returned = time.perf_counter()
+        assert 0.1 <= prefetcher.waits[i] <= returned - called
+    with pytest.raises(StopIteration):
+        next(prefetcher)
     stats = prefetcher.stats()
-    assert stats["batches"] == 6 and len(prefetcher.waits) == 6
-    # the source sleeps 20 ms per batch and the consumer does nothing: the wait is most of the time
-    # (the first batch is pulled by the constructor, in the caller's thread, so 5 batches are waited for)
-    assert stats["wait_s"] >= 5 * 0.02 and 0.5 < stats["wait_fraction"] <= 1.0
+    assert stats["batches"] == 4 and len(prefetcher.waits) == 4
+    assert 3 * 0.1 <= stats["wait_s"] <= stats["elapsed_s"] and 0 < stats["wait_fraction"] <= 1.0
 
 
 def test_wait_fraction_drops_when_the_consumer_is_the_bottleneck():
-    prefetcher = DevicePrefetcher(batches(5), "cpu")
-    for _ in prefetcher:
-        time.sleep(0.02)  # a "compute step" much longer than producing a batch
+    """A step that lasts >= 20 ms and until the loader has read two batches ahead: the next batch is
+    queued before it is asked for, so the consumer hardly waits."""
+    source = _GatedSource(6, gated=False)
+    prefetcher = DevicePrefetcher(source, "cpu")
+    for batch in prefetcher:
+        time.sleep(0.02)
+        ahead = min(batch["i"] + 2, 5)
+        assert source.produced[ahead].wait(TIMEOUT_S)
     assert prefetcher.stats()["wait_fraction"] < 0.5
 
 
@@ -117,19 +156,21 @@ def test_cuda_state_lags_read_ahead():
     source = _CountingSource(6)
     prefetcher = DevicePrefetcher(source, "cuda", depth=2)
     first = next(prefetcher)
-    time.sleep(0.2)  # let the pinning thread read ahead
+    deadline = time.monotonic() + TIMEOUT_S
+    while source.pulled < 2 and time.monotonic() < deadline:  # let the pinning thread read ahead
+        time.sleep(0.01)
     assert source.pulled > 1
     assert prefetcher.state_dict() == {"pulled": int(first["x"][0].item())} == {"pulled": 1}
 
 
 def test_cpu_read_ahead_overlaps_the_loader_with_the_step():
-    """The loader's work runs in the read-ahead thread while the consumer computes: with a 20 ms loader
-    and a 30 ms step, the consumer hardly waits (a pass-through would wait ~20 ms every batch)."""
-    prefetcher = DevicePrefetcher(batches(8, sleep=0.02), "cpu")
-    for _ in prefetcher:
-        time.sleep(0.03)
-    waits = prefetcher.waits[1:]  # the first batch cannot be ahead
-    assert sum(waits) < 0.5 * 7 * 0.02
+    """The loader's work runs in the read-ahead thread while the consumer computes: holding batch i, without
+    asking for more, the consumer sees the source produce batch i + 1 (a pass-through never would)."""
+    source = _GatedSource(5, gated=False)
+    prefetcher = DevicePrefetcher(source, "cpu")
+    for batch in prefetcher:
+        if batch["i"] < 4:
+            assert source.produced[batch["i"] + 1].wait(TIMEOUT_S), f"batch {batch['i'] + 1} was not read ahead"
 
 
 def test_bookkeeping_entries_are_not_walked():

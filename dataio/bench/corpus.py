@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dataio.bench.extra import bench_import
+
 RATE = 16000
 
 
@@ -77,9 +79,9 @@ def demo_token_documents(count: int) -> list[np.ndarray]:
 def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = "train-%06d.tar",
                          maxcount: int = 10**9, maxsize: float = 3e9, workers: int = 1) -> int:
     """Write ``samples`` (webdataset dicts) as tars under ``root`` and index them; returns the shard count."""
-    import webdataset as wds
-
     from dataio.prepare.indexing import build_index
+
+    wds = bench_import("webdataset", "write_indexed_shards")
 
     root.mkdir(parents=True, exist_ok=True)
     with wds.ShardWriter(str(root / pattern), maxcount=maxcount, maxsize=maxsize, verbose=0) as sink:

@@ -29,7 +29,8 @@ import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
-import psutil
+
+from dataio.bench.extra import bench_import
 
 
 class ProcessSampler:
@@ -41,18 +42,19 @@ class ProcessSampler:
         self.interval = interval
         self.descendants = descendants
         self.peak_rss = self.start_rss = 0
-        self._root = psutil.Process(os.getpid())
+        self._psutil = bench_import("psutil", "the RSS / CPU sampler of dataio bench")
+        self._root = self._psutil.Process(os.getpid())
         self._cpu: dict[int, float] = {}  # pid -> CPU seconds at the last poll
         self._base: dict[int, float] = {}  # pid -> CPU seconds when first seen before start (excluded)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
 
-    def _processes(self) -> list[psutil.Process]:
+    def _processes(self) -> list:
         if not self.descendants:
             return [self._root]
         try:
             return [self._root, *self._root.children(recursive=True)]
-        except psutil.Error:
+        except self._psutil.Error:
             return [self._root]
 
     def poll(self) -> int:
@@ -64,7 +66,7 @@ class ProcessSampler:
                     rss += p.memory_info().rss
                     t = p.cpu_times()
                     self._cpu[p.pid] = t.user + t.system
-            except psutil.Error:  # exited between listing and reading: its last poll stands
+            except self._psutil.Error:  # exited between listing and reading: its last poll stands
                 continue
         self.peak_rss = max(self.peak_rss, rss)
         return rss

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
+from dataio.bench.extra import INSTALL
 from dataio.shards.formats import is_audio_member
 
 SHUFFLE_BUFFER = 1000
@@ -401,9 +402,8 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
 
 PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(name="headrace", module="dataio", kinds=("text", "audio"), open=open_headrace),
-    Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset),
-    Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon,
-         install="pip install megatron-energon"),
+    Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset, install=INSTALL),
+    Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon, install=INSTALL),
     Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
          install="pip install --no-deps litdata lightning-utilities; pip install boto3 requests "
                  "(litdata's declared deps pull another torch)"),

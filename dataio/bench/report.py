@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from dataio.bench.extra import bench_import
 from dataio.bench.table import cell, markdown_table
 
 RUN_FIELDS = ("loader", "workers", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
@@ -69,9 +70,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    bench_import("matplotlib", "dataio bench's plot").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))

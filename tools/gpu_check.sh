@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# One command for whoever has a GPU for fifteen minutes: versions and device first, then every part below,
+# each time-boxed (`timeout`) so a failure or a hang in one still reports the others, into ONE report file
+# (format: BENCHMARKS.md, "GPU check"). It uses the machine's own Python and torch (no venv, no downloads):
+# a missing package (webdataset, lhotse, soundfile, ...) is reported and the parts needing it are skipped.
+#
+#   bash tools/gpu_check.sh                          # all parts -> runs/gpu_check/report.md
+#   bash tools/gpu_check.sh --report R.md --parts versions,kernels,moe
+#   bash tools/gpu_check.sh --dry-run                # versions for real; every other part listed, not run
+#
+# Parts (default box in s; GPU_CHECK_TIMEOUT_<PART>=S overrides): versions (60), smoke (150: the floor-torch
+# smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP schedules, the
+# dependency checks -- under the machine's torch), gpu_tests (120: pytest -m gpu), shards (60: the demo text
+# shards, built only if demo/shards/text is absent), train_headrace / train_webdataset / train_plain (120
+# each: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train lacks is a
+# failed part, not a failed run), kernels (60: tools.bench_kernels all), moe (45: tools.bench_moe experts).
+# Worst case, every box expiring: ~14 min; the device tool allows 10 min a call, so there split it in two
+# (--parts versions,smoke,gpu_tests,shards then --parts versions,train_headrace,...). PYTHON picks the
+# interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+REPORT=runs/gpu_check/report.md
+PARTS="versions smoke gpu_tests shards train_headrace train_webdataset train_plain kernels moe"
+DRY=0
+while [ $# -gt 0 ]; do
+    case $1 in
+        --report) REPORT=$2; shift 2 ;;
+        --parts) PARTS=${2//,/ }; shift 2 ;;
+        --dry-run) DRY=1; shift ;;
+        -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+done
+declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=120 [shards]=60 [train_headrace]=120 [train_webdataset]=120
+                [train_plain]=120 [kernels]=60 [moe]=45)
+for p in $PARTS; do
+    [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
+done
+mkdir -p "$(dirname "$REPORT")"
+LOGS=$(mktemp -d)
+BODY=$LOGS/body.md
+SUMMARY=()
+FAILED=0
+# The floor-torch smoke subset (kept short: it runs inside the lease).
+SMOKE=(tests/test_dependencies.py tests/test_packaging.py::test_imports_are_cheap tests/test_loader.py
+       tests/test_cp_attention.py tests/test_pipeline.py)
+
+missing() {  # the listed modules this Python cannot import
+    "$PY" - "$@" <<'PY'
+import importlib.util, sys
+def absent(m):
+    try:
+        return importlib.util.find_spec(m) is None
+    except ImportError:  # a parent package is absent
+        return True
+print(" ".join(m for m in sys.argv[1:] if absent(m)))
+PY
+}
+
+# part NAME "NEEDED MODULES" [--if-absent PATH] -- COMMAND...: run COMMAND time-boxed, report its status,
+# wall time and the tail of its output.
+part() {
+    local name=$1 needs=$2; shift 2
+    local unless=""
+    if [ "$1" = --if-absent ]; then unless=$2; shift 2; fi
+    shift  # --
+    case " $PARTS " in *" $name "*) ;; *) return ;; esac
+    local var="GPU_CHECK_TIMEOUT_${name^^}" status secs=0 log=$LOGS/$name.log
+    local box=${!var:-${BOX[$name]}}
+    local absent; absent=$(missing $needs)
+    if [ -n "$unless" ] && [ -e "$unless" ]; then
+        status="skipped: $unless exists"
+    elif [ -n "$absent" ]; then
+        status="skipped: needs $absent (not installed here; carry its wheel: BENCHMARKS.md, GPU check)"
+    elif [ "$DRY" = 1 ] && [ "$name" != versions ]; then
+        status="dry-run"
+    else
+        echo "gpu_check: $name (box ${box}s): $*" >&2
+        local t0; t0=$(date +%s.%N)
+        timeout --kill-after=10 "$box" "$@" >"$log" 2>&1
+        local rc=$?
+        secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.0f", b - a}')
+        case $rc in
+            0) status=ok ;;
+            124|137) status="timed out after ${box}s"; FAILED=1 ;;
+            *) status="failed (exit $rc)"; FAILED=1 ;;
+        esac
+    fi
+    {
+        printf '## %s\n\n$ %s\n\nstatus: %s; wall %s s; box %s s\n\n' "$name" "$*" "$status" "$secs" "$box"
+        if [ -s "$log" ]; then printf '```\n'; tail -n 60 "$log"; printf '```\n'; fi
+        printf '\n'
+    } >>"$BODY"
+    SUMMARY+=("| $name | $status | $secs |")
+    [ "$name" = versions ] && [ -s "$log" ] && cat "$log"
+}
+
+part versions "" -- "$PY" - <<'PY'
+import platform, shutil, subprocess
+print(f"python {platform.python_version()} ({platform.machine()})")
+try:
+    import torch
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f"device {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {p.total_memory / 2**30:.1f} GiB, "
+              f"{p.multi_processor_count} SMs, capability {p.major}.{p.minor}")
+    else:
+        print("device: no CUDA device visible to torch")
+except ImportError as e:
+    print(f"torch: MISSING ({e})")
+if shutil.which("nvidia-smi"):
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=20)
+    print("nvidia-smi:", out.stdout.strip() or out.stderr.strip())
+else:
+    print("nvidia-smi: not found")
+# presence and version from the metadata (importing each would cost more than the box on a loaded CPU)
+from importlib.metadata import PackageNotFoundError, version
+for module, dist in (("transformers",) * 2, ("tokenizers",) * 2, ("safetensors",) * 2, ("numpy",) * 2,
+                     ("yaml", "pyyaml"), ("rich",) * 2, ("braceexpand",) * 2, ("fsspec",) * 2, ("pyarrow",) * 2,
+                     ("lhotse",) * 2, ("soundfile",) * 2, ("soxr",) * 2, ("tensorboard",) * 2, ("webdataset",) * 2,
+                     ("megatron.energon", "megatron-energon"), ("litdata",) * 2, ("psutil",) * 2,
+                     ("matplotlib",) * 2, ("flash_attn", "flash-attn"), ("nvidia.dali", "nvidia-dali-cuda130"),
+                     ("pytest",) * 2, ("pytest_timeout", "pytest-timeout")):
+    try:
+        print(f"{module} {version(dist)}")
+    except PackageNotFoundError:
+        print(f"{module} MISSING")
+PY
+
+part smoke "pytest pytest_timeout webdataset soundfile" -- \
+    env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${SMOKE[@]}"
+part gpu_tests "pytest pytest_timeout" -- \
+    "$PY" -m pytest -q -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
+part shards "tokenizers soundfile" --if-absent demo/shards/text -- env PY="$PY" bash -c \
+    '"$PY" -m tools.demo_corpus --out demo/corpus --speech synthetic && "$PY" -m dataio shard demo/corpus/text.jsonl \
+     --output demo/shards/text --tokenizer demo/corpus/tokenizer.json --samples-per-shard 500 \
+     --split train=0.98,val=0.02 --workers 4' 
+for source in headrace webdataset plain; do
+    needs="tokenizers"; [ "$source" = webdataset ] && needs="tokenizers webdataset"
+    part "train_$source" "$needs" -- "$PY" -m tools.bench_train --config configs/llama_1b.yaml --device cuda \
+        --data demo/shards/text --sources "$source" --steps 20 --warmup 5 --out "runs/gpu_check/train_$source"
+done
+part kernels "" -- "$PY" -m tools.bench_kernels all --device cuda --dtype bfloat16
+part moe "" -- "$PY" -m tools.bench_moe experts --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
+    --intermediate 768 --experts 64 --top-k 8
+
+{
+    printf '# GPU check: %s\n\n' "$(date -u '+%Y-%m-%d %H:%M UTC')"
+    printf 'commit %s%s; `bash tools/gpu_check.sh%s`\n\n' "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+        "$(git diff --quiet HEAD 2>/dev/null || echo ' (+ local changes)')" "$([ "$DRY" = 1 ] && echo ' --dry-run')"
+    printf '| part | status | wall s |\n| --- | --- | ---: |\n'
+    printf '%s\n' "${SUMMARY[@]}"
+    printf '\n'
+    cat "$BODY"
+} >"$REPORT"
+rm -rf "$LOGS"
+echo "gpu_check: report in $REPORT" >&2
+exit "$FAILED"
