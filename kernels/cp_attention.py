@@ -217,7 +217,7 @@ class _CPAttention(torch.autograd.Function):
                 _grad_blocks(saved, *_unpack(buf, k.shape, v.shape), layout, rank, src, dq_halves, dkv)
                 grads.append(_pack(*dkv))
             mine = torch.empty_like(grads[0])
-            dist.reduce_scatter_single(mine, torch.cat(grads), group=group)
+            dist.reduce_scatter_tensor(mine, torch.cat(grads), group=group)
             _sent[0] += (size - 1) * mine.numel() * mine.element_size()
         else:
             ring, buf, dkv_buf = _Ring(group), _pack(k, v), None

@@ -25,7 +25,7 @@ def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
     proc, report = _run(tmp_path, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert report.startswith("# GPU check: ") and "`bash tools/gpu_check.sh --dry-run`" in report
-    table = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| part")]
+    table = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith(("| part", "| ---"))]
     assert [row.split(" | ")[0][2:] for row in table] == PARTS
     assert table[0].startswith("| versions | ok |")
     for row in table[1:]:
@@ -45,7 +45,8 @@ def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
 def test_a_part_past_its_box_is_reported_and_the_others_still_run(tmp_path):
     proc, report = _run(tmp_path, "--parts", "kernels,versions", GPU_CHECK_TIMEOUT_KERNELS="1")
     assert proc.returncode == 1
-    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ")}
+    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ")
+            and not line.startswith("| ---")}
     assert set(rows) == {"part", "versions", "kernels"}
     assert " | ok | " in rows["versions"] and " | timed out after 1s | " in rows["kernels"]
     assert "## kernels\n\n$ " in report and "status: timed out after 1s" in report
