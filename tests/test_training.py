@@ -87,6 +87,11 @@ def test_unsupported_layouts_fail_before_building():
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2, sequence_parallel=True), 2), mistral)
     with pytest.raises(ValueError, match="'stablelm' has no base_model_tp_plan"):
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), stablelm)
+    # a style the trainer does not translate (EXAONE 4's per-head q/k norms) is refused naming module and style
+    exaone4 = AutoConfig.for_model("exaone4", **fields)
+    with pytest.raises(ValueError, match=r"'exaone4' uses TP styles \{'layers\.\*\.self_attn\.q_norm': "
+                                         r"'replicated_with_grad_allreduce'.* that the trainer does not translate"):
+        check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), exaone4)
 
 
 def test_warmup_then_cosine():
