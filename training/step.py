@@ -58,7 +58,8 @@ def gradient_sync(model: nn.Module, enabled: bool):
 def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
                      attention_kwargs: dict | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
-    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group, ``training.distributed.context_parallel``)."""
+    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group,
+    ``training.distributed.context_parallel``)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),

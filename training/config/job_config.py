@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from configtree import from_dict, to_dict
 from dataio.config import DataConfig
-from training.config.pipeline_schedules import schedule_class_name
 from training.config.speech import SpeechConfig
 
 
@@ -32,13 +31,6 @@ class ModelConfig:
     kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (training.speech)
     speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
 
-    def __post_init__(self):
-        if (self.kind == "salm") != (self.speech is not None):
-            raise ValueError("model.speech is required with model.kind: salm, and only then")
-        given = [n for n in ("config", "config_path", "pretrained_path") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(f"set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
-
 
 @dataclass(kw_only=True)
 class PipelineConfig:
@@ -51,13 +43,6 @@ class PipelineConfig:
     layers_per_stage: int | None = None  # decoder blocks per stage; null: balance stages by parameter count
     round_virtual_stages_to_pp_multiple: Literal["up", "down"] | None = None
     reshard_after_forward: bool = False  # FSDP2 under PP: keep weights gathered across microbatches
-
-    def __post_init__(self):
-        schedule_class_name(self.pp_schedule)  # unknown name: one ValueError listing the accepted ones
-        if self.pp_microbatch_size < 1:
-            raise ValueError(f"distributed.pipeline.pp_microbatch_size must be >= 1, got {self.pp_microbatch_size}")
-        if self.layers_per_stage is not None and self.layers_per_stage < 1:
-            raise ValueError(f"distributed.pipeline.layers_per_stage must be >= 1, got {self.layers_per_stage}")
 
 
 @dataclass(kw_only=True)
@@ -122,10 +107,6 @@ class ProfileConfig:
 
     start: int
     steps: int = 3
-
-    def __post_init__(self):
-        if self.start < 1 or self.steps < 1:
-            raise ValueError(f"start and steps must be >= 1, got start={self.start} steps={self.steps}")
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,8 @@ from training.config.validate import check_config
 
 
 def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:
-    """Read ``path`` (YAML) or ``base``, apply dotted overrides, check types and the rules of the config alone (``check_config``): the one way to get a JobConfig."""
+    """Read ``path`` (YAML) or ``base``, apply dotted overrides, check the types and the rules of the config
+    alone (``check_config``): the one way to get a JobConfig."""
     raw = load_yaml(path) if path else copy.deepcopy(base or {})
     apply_overrides(raw, list(overrides))
     translate_distributed(raw)  # Automodel's spellings (dp_size: none, ...); unsupported keys fail here

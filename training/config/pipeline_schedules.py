@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from configtree import ConfigError
+
 SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "gpipe": "ScheduleGPipe",
@@ -30,11 +32,11 @@ V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 def schedule_class_name(name: str) -> str:
-    """The torch schedule class for an Automodel or torchtitan spelling; ValueError listing them otherwise."""
+    """The torch schedule class for an Automodel or torchtitan spelling; ConfigError listing them otherwise."""
     key = re.sub(r"[_\-\s]", "", name.lower()).removeprefix("schedule")
     if key not in SCHEDULES:
-        raise ValueError(f"distributed.pipeline.pp_schedule: unknown schedule {name!r} (accepted: "
-                         f"{', '.join(sorted(SCHEDULES))}; case, '_' and '-' are ignored)")
+        raise ConfigError(f"distributed.pipeline.pp_schedule: unknown schedule {name!r} (accepted: "
+                          f"{', '.join(sorted(SCHEDULES))}; case, '_' and '-' are ignored)")
     return SCHEDULES[key]
 
 

@@ -1,7 +1,7 @@
 """Parallel degrees: the one DeviceMesh and the meshes derived from it.
 
 ``ParallelDims.from_config(cfg.distributed, world_size)`` infers ``dp_size`` (world / (tp * pp * cp)) after
-the rules between the degrees (``training.config.validate.check_degrees``: a ``ValueError`` naming the broken
+the rules between the degrees (``training.config.validate.check_degrees``: a ``ConfigError`` naming the broken
 rule), before any process group work. ``build_meshes`` then makes one mesh with the fixed dim order
 ``(pp, dp_replicate, dp_shard, cp, tp)`` (size-1 dims included, so code never branches on which dims exist)
 and flattens the derived dims:
