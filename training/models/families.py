@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from training.models.loss import unwrap_causal_lm
+
 # Families with a hand-written TP+SP plan (training.distributed.dense.apply_tp); every other family uses its own
 # base_model_tp_plan without sequence parallelism.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3")
@@ -75,8 +77,6 @@ def check_family(hf_config, model_cls: type) -> None:
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     """The container of decoder blocks: an ``nn.ModuleList`` (a pipeline stage: an ``nn.ModuleDict`` keyed by
     global block index) whose children are all of a ``_no_split_modules`` class (see module doc)."""
-    from training.models.loss import unwrap_causal_lm
-
     hf = unwrap_causal_lm(model)
     names = set(hf._no_split_modules)
     for module in model.modules():
@@ -107,8 +107,6 @@ def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
 
 def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """TP from the model's ``base_model_tp_plan``; vocab-sharded embedding and head, re-tied when shared."""
-    from training.models.loss import unwrap_causal_lm
-
     hf = unwrap_causal_lm(model)
     base = hf.base_model
     parallelize_module(base, tp_mesh, {k: TP_STYLES[v]() for k, v in hf.config.base_model_tp_plan.items()})
@@ -124,8 +122,6 @@ def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
 def retie(model: nn.Module) -> None:
     """parallelize_module gives each module a new Parameter; tied embeddings must share one again (the
     embedding's row-wise and the head's column-wise styles both shard dim 0, so the layouts agree)."""
-    from training.models.loss import unwrap_causal_lm
-
     hf = unwrap_causal_lm(model)
     if getattr(hf.config, "tie_word_embeddings", False):
         hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
