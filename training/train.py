@@ -51,7 +51,7 @@ from training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_c
 from training.distributed.parallelize import parallelize
 from training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
 from training.distributed.process_group import init_distributed, new_tail_group, pick_device
-from training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row
+from training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
 from training.models.loss import CausalLMLoss
 from training.speech.eval import eval_in_training
 from training.speech.job import build_salm, export_salm, wrap_loader
@@ -78,8 +78,8 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     if cfg.model.kind == "salm":
         return build_salm(cfg, dims, meshes, device)
     hf_config = build_hf_config(cfg.model)
-    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed, param_dtype)
+    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed,
+                        param_dtype(cfg.trainer.precision))
     materialize(model, device, cfg.model.pretrained_path)
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)
@@ -161,7 +161,7 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, mesh
     model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
     return Trainer(cfg=cfg, device=device, dims=dims, meshes=meshes, model=model, hf_config=hf_config, pipe=pipe,
                    optimizer=build_optimizer(model, cfg.optim), forward=step_forward(cfg, dims, meshes),
-                   autocast=uses_autocast(cfg, model))
+                   autocast=uses_autocast(cfg.trainer.precision, model))
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:

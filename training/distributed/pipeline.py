@@ -51,7 +51,7 @@ from kernels.hf_attention import packed_attention_kwargs
 from training.config.job_config import JobConfig, PipelineConfig
 from training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
 from training.distributed.parallelize import parallelize
-from training.models.build import build_meta_model, materialize
+from training.models.build import build_meta_model, materialize, param_dtype
 from training.models.families import LLAMA_LIKE
 from training.models.loss import CausalLMLoss, lm_head_loss_sum
 
@@ -306,10 +306,9 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
               else split_layers(blocks, heads, total))
     mine = local_stage_ids(class_name, pp_rank, pp, total)
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
-    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
     modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, meshes, stage_cfg,
-                           param_dtype) for s in mine]
+                           param_dtype(cfg.trainer.precision)) for s in mine]
     materialize(part, device, cfg.model.pretrained_path)
     group = meshes["pp"].get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]

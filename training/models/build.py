@@ -78,6 +78,12 @@ def one_document_per_row(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, packing="none"))
 
 
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype the model computes in for ``trainer.precision`` (FSDP2's ``MixedPrecisionPolicy`` casts the fp32
+    master weights to it)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def build_meta_model(config: PretrainedConfig) -> nn.Module:
     """The model's module tree with every parameter on the meta device (fp32 master weights)."""
     with torch.device("meta"):
@@ -147,4 +153,4 @@ def count_params(config: PretrainedConfig) -> tuple[int, int]:
 
 
 __all__ = ["build_hf_config", "build_meta_model", "causal_lm_class", "count_params", "load_safetensors",
-           "materialize", "one_document_per_row"]
+           "materialize", "one_document_per_row", "param_dtype"]

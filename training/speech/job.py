@@ -38,7 +38,7 @@ MANIFEST = "salm.json"
 
 def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
-    from training.models.build import build_hf_config
+    from training.models.build import build_hf_config, param_dtype
     from training.distributed.dense import apply_ddp
     from training.speech.parallelize import parallelize_salm
 
@@ -46,10 +46,9 @@ def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: t
         raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
                          "split over the tp ranks); evaluate the export with python -m training.speech.eval")
     llm_config = build_hf_config(cfg.model)
-    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype)
+    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
     materialize_salm(model, device, cfg.model.pretrained_path)
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
     if cfg.distributed.strategy == "ddp":
