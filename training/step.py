@@ -136,9 +136,9 @@ def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMes
     return forward_loss_sum
 
 
-def uses_autocast(precision: str, model: nn.Module) -> bool:
+def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
     """bf16 through ``torch.autocast``: on every model but an FSDP2 one, which casts via its policy."""
-    return precision == "bf16" and not isinstance(model, FSDPModule)
+    return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
 
 
 __all__ = ["STEP_INPUTS", "forward_loss_sum", "gradient_sync", "next_micro_batches", "pipeline_train_step",

@@ -161,7 +161,7 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, mesh
     model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
     return Trainer(cfg=cfg, device=device, dims=dims, meshes=meshes, model=model, hf_config=hf_config, pipe=pipe,
                    optimizer=build_optimizer(model, cfg.optim), forward=step_forward(cfg, dims, meshes),
-                   autocast=uses_autocast(cfg.trainer.precision, model))
+                   autocast=uses_autocast(cfg, model))
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:

@@ -208,7 +208,7 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
-    forward = functools.partial(step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg.trainer.precision, model))
+    forward = functools.partial(step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg, model))
     return lambda: evaluate(model, forward, batches(), device, loss_group=meshes["dp_cp"].get_group(),
                             dp_group=dp.get_group())
 

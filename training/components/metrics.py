@@ -26,7 +26,6 @@ import torch
 from configtree import to_dict
 from kernels.loss import IGNORE_INDEX
 from training.components import wandb_run
-from training.models.build import count_params
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
 PEAK_FLOPS = {
@@ -43,6 +42,8 @@ PEAK_FLOPS = {
 
 def flops_per_token(hf_config, seq_len: int) -> float:
     """Model FLOPs of forward + backward per trained token (see the module docstring)."""
+    from training.models.build import count_params
+
     _, non_embedding = count_params(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
         non_embedding += hf_config.vocab_size * hf_config.hidden_size  # lm_head matmul still runs
