@@ -42,7 +42,7 @@ from training.components.metrics import (MetricsLogger, ThroughputWindow, build_
 from training.components.optim import build_optimizer, lr_at, set_lr
 from training.components.profiling import StepProfiler
 from training.components.telemetry import rank_spread
-from training.config.job_config import JobConfig
+from training.config.job_config import DistributedConfig, JobConfig
 from training.config.validate import check_job, check_vocab
 from training.distributed import moe
 from training.distributed.context_parallel import cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
@@ -135,10 +135,10 @@ def with_model_layout(cfg: JobConfig) -> JobConfig:
     return unpacked
 
 
-def set_up_meshes(cfg: JobConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
+def set_up_meshes(cfg: DistributedConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
     """``ParallelDims`` over the world and its meshes; rank 0 prints every rank's coordinates. Collective."""
     world = dist.get_world_size()
-    dims = ParallelDims.from_config(cfg.distributed, world)  # its rules already passed check_job (as ConfigError)
+    dims = ParallelDims.from_config(cfg, world)  # its rules already passed check_job
     meshes = dims.build_meshes(device.type)
     coords = rank_coordinates(meshes["world"])
     print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}")
@@ -297,7 +297,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     cfg = with_model_layout(cfg)
-    dims, meshes = set_up_meshes(cfg, device)
+    dims, meshes = set_up_meshes(cfg.distributed, device)
     save_job_config(cfg)
     trainer = build_trainer(cfg, device, dims, meshes)
     loader = build_train_loader(trainer, make_loader)
