@@ -9,16 +9,12 @@
 - ``run_steps``: ``train_step`` until ``max_steps``, logging, validating and checkpointing on their steps;
 - ``save_final_checkpoint``, ``export_model`` (``hf/``), the summary.
 
-One step = ``grad_accum`` packed THD micro-batches. The loss is a sum of token cross-entropies divided
-by the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over
-the loss mesh (dp x cp) *before* the first backward, so every micro-step's gradient is already correctly
-scaled and the result does not depend on how tokens split across micro-steps or ranks. FSDP2 and DDP
-average gradients over dp, so each rank's loss is multiplied by the dp x cp size to make that average a
-sum. Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
+One step = ``grad_accum`` packed THD micro-batches through ``training.step`` (forward, loss scaled by the
+global batch's real-token count, backward, clip, optimizer step).
 
-Context parallelism (``distributed.cp_size`` > 1, ``training.context_parallel``): the prefetcher keeps only
-this rank's head-tail chunks of each packed batch before the device copy, and attention runs over the cp
-group; the loss and gradient arithmetic above is unchanged (dp x cp is already the loss mesh).
+Context parallelism (``distributed.cp_size`` > 1, ``training.distributed.context_parallel``): the prefetcher
+keeps only this rank's head-tail chunks of each packed batch before the device copy, and attention runs over
+the cp group; the step's loss and gradient arithmetic is unchanged (dp x cp is already the loss mesh).
 
 Attention stays inside each document: the model runs kernels' ``headrace_varlen`` attention (registered
 with transformers' AttentionInterface) fed by ``cu_seq_lens_q`` / ``position_ids`` from the batch.
@@ -26,10 +22,7 @@ with transformers' AttentionInterface) fed by ``cu_seq_lens_q`` / ``position_ids
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,135 +33,37 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from configtree import to_dict
 from dataio.batching.prefetch import DevicePrefetcher
-from kernels.hf_attention import packed_attention_kwargs
-from kernels.loss import IGNORE_INDEX
-from training import checkpoint, moe
-from training.config import JobConfig
-from training.context_parallel import cp_attention_kwargs, cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
-from training.loss import CausalLMLoss
-from training.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token, max_memory_gib,
-                              peak_flops)
-from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
-from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
-from training.parallelize import apply_ddp, parallelize
-from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
-from training.profiling import StepProfiler
-from training.validate import check_job, check_vocab
-from training.telemetry import rank_spread
+from training.components import checkpoint
+from training.components.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token,
+                                         max_memory_gib, peak_flops)
+from training.components.optim import build_optimizer, lr_at, set_lr
+from training.components.profiling import StepProfiler
+from training.components.telemetry import rank_spread
+from training.config.job_config import DistributedConfig, JobConfig
+from training.config.validate import check_job, check_vocab
+from training.distributed import moe
+from training.distributed.context_parallel import cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
+from training.distributed.dense import apply_ddp
+from training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
+from training.distributed.parallelize import parallelize
+from training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
+from training.distributed.process_group import init_distributed, new_tail_group, pick_device
+from training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
+from training.models.loss import CausalLMLoss
+from training.speech.eval import eval_in_training
+from training.speech.job import build_salm, export_salm, wrap_loader
+from training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
 from training.validation import make_validator
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
-               "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
-               "cp_imbalance")  # + context parallelism's (training.context_parallel)
-
-
-def init_distributed(device_type: str) -> None:
-    """Join the torchrun process group; a plain ``python -m training`` becomes a 1-rank group."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo")
-
-
-@contextlib.contextmanager
-def process_group_closed():
-    """Destroy the process group the body joined, also when it raises (torchrun entry points)."""
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def pick_device(name: str) -> torch.device:
-    """``trainer.device``: ``auto`` is this rank's GPU when CUDA is available, else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
-                             "(use trainer.device=cpu or auto)")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def seed_for_rank(seed: int, dp_rank: int) -> int:
     """Training-time RNG seed: distinct per data-parallel rank, shared by its TP/CP/PP peers."""
     return seed + 1_000_003 * dp_rank
-
-
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool):
-    """Reduce gradients in this backward only when ``enabled`` (FSDP2 and DDP; a no-op otherwise)."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-        yield
-    elif isinstance(model, DistributedDataParallel) and not enabled:
-        with model.no_sync():
-            yield
-    else:
-        yield
-
-
-def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
-                     attention_kwargs: dict | None = None) -> torch.Tensor:
-    """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
-    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group, ``training.context_parallel``)."""
-    ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with ctx:
-        return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
-                     **(attention_kwargs or {}))
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
-               *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
-               forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
-    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count.
-    ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
-    group = loss_mesh.get_group()
-    global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
-    dist.all_reduce(global_tokens, group=group)
-    scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=global_tokens.device)
-    for i, mb in enumerate(micro_batches):
-        with gradient_sync(model, i == len(micro_batches) - 1 or not defer_grad_sync):
-            loss = forward(model, mb, autocast)
-            (loss * scale).backward()
-        loss_sum += loss.detach()
-    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum, group=group)
-    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
-            "tokens": int(global_tokens.item())}
-
-
-def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
-    """The next ``count`` batches (already on the device), keeping only what the step reads."""
-    return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
-
-
-def new_tail_group():
-    """The group of a finite packed stream's tail agreement (``stream.sync_group``): one all_reduce run in
-    the prefetcher's read-ahead thread, so on a gloo group of its own, never one the step's collectives use
-    at the same time (a mesh dim spanning every rank reuses the default group). Collective: every rank
-    calls it at the same point."""
-    return dist.new_group(backend="gloo")
 
 
 def give_tail_group(loader) -> None:
@@ -181,12 +76,10 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     """meta ``CausalLMLoss`` -> parallelize -> allocate this rank's shards -> init or load (-> DDP).
     Returns (model, hf_config)."""
     if cfg.model.kind == "salm":
-        from training.speech.job import build_salm
-
         return build_salm(cfg, dims, meshes, device)
     hf_config = build_hf_config(cfg.model)
-    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed, param_dtype)
+    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed,
+                        param_dtype(cfg.trainer.precision))
     materialize(model, device, cfg.model.pretrained_path)
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)
@@ -194,31 +87,13 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
 
 
 def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
-    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``training.pipeline``) and its model part
+    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``training.distributed.pipeline``) and its model part
     (transformers' names), else ``build_model``'s model and None."""
     if dims.pp == 1:
         return *build_model(cfg, dims, meshes, device), None
     hf_config = build_hf_config(cfg.model)
     pipe = build_pipeline(cfg, dims, meshes, device, hf_config)
     return pipe.part, hf_config, pipe
-
-
-def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Callable:
-    """``forward(model, batch, autocast)`` -> summed loss of a batch: a SALM's, or the causal LM's (attention
-    over the cp group when cp > 1, ``training.context_parallel``)."""
-    if cfg.model.kind == "salm":
-        from training.speech.job import salm_loss_sum
-
-        return salm_loss_sum
-    if dims.cp > 1:
-        return functools.partial(forward_loss_sum,
-                                 attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
-    return forward_loss_sum
-
-
-def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
-    """bf16 through ``torch.autocast``: on every model but an FSDP2 one, which casts via its policy."""
-    return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
 
 
 def print_on_rank0(message: str) -> None:
@@ -229,7 +104,7 @@ def print_on_rank0(message: str) -> None:
 @dataclass(kw_only=True)
 class Trainer:
     """The live state of a job: what ``build_trainer`` made and the step reached. The functions below take it
-    first (as ``training.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
+    first (as ``training.distributed.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
 
     cfg: JobConfig
     device: torch.device
@@ -255,15 +130,15 @@ class Trainer:
 def with_model_layout(cfg: JobConfig) -> JobConfig:
     """``cfg``, or its one-document-per-row variant when the model has no attention interface (said once)."""
     if (unpacked := one_document_per_row(cfg)) is not cfg:
-        print_on_rank0("the model has no attention interface (training.families): one document per row, sdpa, "
+        print_on_rank0("the model has no attention interface (training.models.families): one document per row, sdpa, "
                        "data.packing: none")
     return unpacked
 
 
-def set_up_meshes(cfg: JobConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
+def set_up_meshes(cfg: DistributedConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
     """``ParallelDims`` over the world and its meshes; rank 0 prints every rank's coordinates. Collective."""
     world = dist.get_world_size()
-    dims = ParallelDims.from_config(cfg.distributed, world)  # its rules already passed check_job (as ConfigError)
+    dims = ParallelDims.from_config(cfg, world)  # its rules already passed check_job
     meshes = dims.build_meshes(device.type)
     coords = rank_coordinates(meshes["world"])
     print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}")
@@ -301,8 +176,6 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     give_tail_group(loader)
     check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
     if cfg.model.kind == "salm":
-        from training.speech.job import wrap_loader
-
         loader = wrap_loader(loader, trainer.model, cfg, trainer.dims)
     return loader
 
@@ -386,8 +259,6 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
             logger.log(step_record(trainer, stats, micro, *window.figures(step)))
             window.restart(step)
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
-            from training.speech.eval import eval_in_training
-
             eval_in_training(trainer.model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
         if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
             with window.paused():  # validation time is not training throughput
@@ -409,8 +280,6 @@ def export_model(trainer: Trainer) -> None:
     """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``). Collective."""
     cfg = trainer.cfg
     if cfg.checkpoint.export_hf and cfg.model.kind == "salm":
-        from training.speech.job import export_salm
-
         export_salm(trainer.model, cfg, trainer.out_dir)
     elif cfg.checkpoint.export_hf:
         checkpoint.export_hf(trainer.model, trainer.hf_config, trainer.out_dir / "hf", cfg.model.tokenizer,
@@ -428,7 +297,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     cfg = with_model_layout(cfg)
-    dims, meshes = set_up_meshes(cfg, device)
+    dims, meshes = set_up_meshes(cfg.distributed, device)
     save_job_config(cfg)
     trainer = build_trainer(cfg, device, dims, meshes)
     loader = build_train_loader(trainer, make_loader)
@@ -451,5 +320,4 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     return logger.history
 
 
-__all__ = ["Trainer", "build_model", "build_model_or_pipeline", "build_trainer", "gradient_sync", "init_distributed",
-           "seed_for_rank", "step_forward", "train", "train_step", "uses_autocast"]
+__all__ = ["Trainer", "build_model", "build_model_or_pipeline", "build_trainer", "seed_for_rank", "train"]

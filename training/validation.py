@@ -10,7 +10,7 @@ sample flagged ``__valid__ = False`` has its labels masked here) so every rank r
 forwards (FSDP2's collectives) and padding adds nothing.
 
 Per batch, one forward without autograd, by layout:
-- plain / TP / FSDP2 / SALM: the step's forward (``training.train.step_forward``: the chunked loss of
+- plain / TP / FSDP2 / SALM: the step's forward (``training.step.step_forward``: the chunked loss of
   ``CausalLMLoss``, so no ``[tokens, vocab]`` logits; a SALM's answer-token loss);
 - context parallel: the batch goes through the trainer's ``cp_batch_transform`` (this rank's head-tail
   chunks) and attention runs over the cp group; each rank sums its own tokens' losses;
@@ -35,23 +35,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from configtree import ConfigError, from_dict, to_dict
 from dataio.batching.prefetch import DevicePrefetcher
-from dataio.config import DataConfig
 from kernels.loss import IGNORE_INDEX
+from training.config.job_config import val_data_config
+from training.config.validate import check_validation
+from training.distributed.context_parallel import rank_batch_transform
+from training.distributed.process_group import new_tail_group
+from training.speech.job import wrap_loader
+from training.step import step_forward, uses_autocast
 
 PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")
-
-
-def val_data_config(data: DataConfig) -> DataConfig | None:
-    """The ``data:`` section of the val stream (``data.val`` over ``data``, one epoch), or None without one.
-    Errors name ``data.val``'s keys."""
-    if data.val is None:
-        return None
-    raw = {k: v for k, v in to_dict(data).items() if k != "val"}
-    raw.update(data.val)
-    raw["epochs"] = 1
-    return from_dict(DataConfig, raw, "data.val")
 
 
 def documents_started(batch: dict) -> int:
@@ -194,36 +187,10 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
                           pp_group=pipe.pp_mesh.get_group())
 
 
-def check_validation(cfg) -> None:
-    """ConfigError (one line naming the key) when the job's val stream cannot run on its layout."""
-    from training.pipeline import V_SHAPED, schedule_class_name
-
-    val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
-    if val_cfg is None:
-        raise ConfigError("data.val: validation needs a val stream (e.g. data.val: {datasets: [{path: ..., "
-                          "split: val}]})")
-    cp = dist_cfg.cp_size
-    if cp > 1 and (val_cfg.seq_len is None or val_cfg.seq_len % (2 * cp) or val_cfg.packing == "none"):
-        raise ConfigError(f"data.val: distributed.cp_size={cp} needs packed val rows (packing greedy or best_fit) "
-                          f"with seq_len divisible by {2 * cp}; got packing {val_cfg.packing}, "
-                          f"seq_len {val_cfg.seq_len}")
-    try:
-        v_shaped = dist_cfg.pp_size > 1 and schedule_class_name(dist_cfg.pipeline.pp_schedule) in V_SHAPED
-    except ValueError as e:  # an unknown schedule name (the message names the key)
-        raise ConfigError(str(e)) from None
-    if v_shaped:
-        raise ConfigError(f"distributed.pipeline.pp_schedule {dist_cfg.pipeline.pp_schedule}: validation is not "
-                          "supported under the V schedules (torch 2.13's forward-only schedule.eval still hands "
-                          "gradients between a rank's two stages and fails); validate with another schedule, e.g. "
-                          "python -m training.eval ... distributed.pipeline.pp_schedule=1f1b")
-
-
 def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
     """The hook of the trainer and ``training.eval``: a function that runs one pass over the val stream with
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
     from dataio import build_loader
-    from training.context_parallel import rank_batch_transform
-    from training.train import new_tail_group, step_forward, uses_autocast
 
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
@@ -236,8 +203,6 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
         loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
         loader.stream.sync_group = tail_group
         if cfg.model.kind == "salm":
-            from training.speech.job import wrap_loader
-
             loader = wrap_loader(loader, model, cfg, dims)
         return val_batches(loader, device, transform)
 
@@ -248,5 +213,4 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
                             dp_group=dp.get_group())
 
 
-__all__ = ["check_validation", "documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches",
-           "val_data_config"]
+__all__ = ["documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches"]

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from configtree import from_dict, to_dict
-from training.parallel_dims import ParallelDims
-from training.speech.config import SpeechConfig
+from training.distributed.parallel_dims import ParallelDims
+from training.config.speech import SpeechConfig
 from training.speech.model import SALM, build_meta_salm, materialize_salm
 from training.speech.prompt import build_batch, load_tokenizer, make_template
 
@@ -38,18 +38,17 @@ MANIFEST = "salm.json"
 
 def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
-    from training.model import build_hf_config
-    from training.parallelize import apply_ddp
+    from training.models.build import build_hf_config, param_dtype
+    from training.distributed.dense import apply_ddp
     from training.speech.parallelize import parallelize_salm
 
     if cfg.model.speech.eval_every and dims.sequence_parallel:
         raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
                          "split over the tp ranks); evaluate the export with python -m training.speech.eval")
     llm_config = build_hf_config(cfg.model)
-    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype)
+    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
     materialize_salm(model, device, cfg.model.pretrained_path)
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
     if cfg.distributed.strategy == "ddp":
@@ -118,7 +117,7 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
-    from training.checkpoint import export_hf
+    from training.components.checkpoint import export_hf
 
     salm: SALM = getattr(model, "module", model)
     out_dir = Path(out_dir)
@@ -141,8 +140,8 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
 
 def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
     """The exported SALM in ``path`` as one plain module in eval mode (for decoding), with its config."""
-    from training.config import ModelConfig
-    from training.model import build_hf_config
+    from training.config.job_config import ModelConfig
+    from training.models.build import build_hf_config
 
     path = Path(path)
     raw = json.loads((path / MANIFEST).read_text())

@@ -14,7 +14,7 @@ lm_head if it holds the last stage). That pruned model is the rank's *model part
 transformers' own (``model.layers.5.mlp...``), so the optimizer, DCP checkpoints (which reshard to any pp,
 also pp 1) and the ``hf/`` export see exactly the names of a run without PP. Each pipeline stage is a
 ``DecoderStage`` that references the part's modules (shared, not copied) and is what TP/SP -> AC ->
-compile -> FSDP2 is applied to (``training.parallelize``), one FSDP2 root per stage; FSDP2 keeps weights
+compile -> FSDP2 is applied to (``training.distributed.parallelize``), one FSDP2 root per stage; FSDP2 keeps weights
 gathered across microbatches (``pipeline.reshard_after_forward: false``, torchtitan's choice under PP:
 resharding would all-gather every weight once per microbatch).
 
@@ -37,7 +37,6 @@ schedule's forward/backward calls; the rest of the step is measured idle (waits 
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -49,40 +48,14 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from kernels.hf_attention import packed_attention_kwargs
-from kernels.loss import IGNORE_INDEX
-from training.config import JobConfig, PipelineConfig
-from training.loss import CausalLMLoss, lm_head_loss_sum
+from training.config.job_config import JobConfig, PipelineConfig
+from training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
+from training.distributed.parallelize import parallelize
+from training.models.build import build_meta_model, materialize, param_dtype
+from training.models.families import LLAMA_LIKE
+from training.models.loss import CausalLMLoss, lm_head_loss_sum
 
-# Accepted spellings (lower case, "_" and "-" dropped) -> torch schedule class. Automodel's names (1f1b,
-# gpipe, interleaved_1f1b, looped_bfs, dfs = depth-first = interleaved, v_schedule, zero_bubble) and
-# torchtitan's (the class names without "Schedule": 1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV ...).
-SCHEDULES = {
-    "1f1b": "Schedule1F1B",
-    "gpipe": "ScheduleGPipe",
-    "interleaved1f1b": "ScheduleInterleaved1F1B",
-    "dfs": "ScheduleInterleaved1F1B",
-    "loopedbfs": "ScheduleLoopedBFS",
-    "bfs": "ScheduleLoopedBFS",
-    "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
-    "zerobubble": "ScheduleInterleavedZeroBubble",
-    "zbvzerobubble": "ScheduleZBVZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "vschedule": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
-V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-PIPELINE_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders whose forward DecoderStage reproduces
 NEEDS_M_GE_STAGES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-
-
-def schedule_class_name(name: str) -> str:
-    """The torch schedule class for an Automodel or torchtitan spelling; ValueError listing them otherwise."""
-    key = re.sub(r"[_\-\s]", "", name.lower()).removeprefix("schedule")
-    if key not in SCHEDULES:
-        raise ValueError(f"distributed.pipeline.pp_schedule: unknown schedule {name!r} (accepted: "
-                         f"{', '.join(sorted(SCHEDULES))}; case, '_' and '-' are ignored)")
-    return SCHEDULES[key]
 
 
 def bubble_theory(class_name: str, pp: int, stages_per_rank: int, n_microbatches: int) -> float:
@@ -307,17 +280,14 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
                    hf_config) -> Pipeline:
     """Split on the meta device, parallelize every stage (TP/SP, AC, compile, FSDP2), materialize this rank's
     part (init or ``model.pretrained_path``), build the schedule."""
-    from training.model import build_meta_model, materialize
-    from training.parallelize import parallelize
-
     pcfg = cfg.distributed.pipeline
     class_name = schedule_class_name(pcfg.pp_schedule)
     if cfg.model.kind != "causal_lm":
         raise ValueError(f"pp_size > 1 splits a causal LM; model.kind {cfg.model.kind!r} has no pipeline split "
                          "rule (set distributed.pp_size=1)")
-    if hf_config.model_type not in PIPELINE_MODEL_TYPES:
+    if hf_config.model_type not in LLAMA_LIKE:  # the decoders whose forward DecoderStage reproduces
         raise ValueError(f"pp_size > 1: model_type {hf_config.model_type!r} has no pipeline split rule "
-                         f"(supported: {', '.join(PIPELINE_MODEL_TYPES)})")
+                         f"(supported: {', '.join(LLAMA_LIKE)})")
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("pp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head live "
                          "on different stages); set model.config.tie_word_embeddings=false")
@@ -336,10 +306,9 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
               else split_layers(blocks, heads, total))
     mine = local_stage_ids(class_name, pp_rank, pp, total)
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
-    param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
     modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, meshes, stage_cfg,
-                           param_dtype) for s in mine]
+                           param_dtype(cfg.trainer.precision)) for s in mine]
     materialize(part, device, cfg.model.pretrained_path)
     group = meshes["pp"].get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
@@ -358,38 +327,6 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
                     timer=PipelineTimer(stages, device), pp_mesh=meshes["pp"])
 
 
-def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
-                        loss_mesh: DeviceMesh, *, max_grad_norm: float | None) -> dict:
-    """``train.train_step`` for a pipeline: same token scaling, same returned figures (global loss, grad norm
-    over all stages, real-token count); also fills ``pipe.stats`` with this rank's timing and memory."""
-    from training.optim import clip_grad_norm
-
-    start, busy_before = time.perf_counter(), pipe.timer.busy
-    batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in ("input_ids", "labels", "position_ids")}
-    global_tokens = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64)
-    dist.all_reduce(global_tokens, group=loss_mesh.get_group())
-    pipe.loss.scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
-    if pipe.scale_grads_in_schedule:  # the schedule divides every gradient by the microbatch count
-        pipe.loss.scale *= pipe.n_microbatches
-    args = (batch["input_ids"],) if pipe.has_first else ()
-    kwargs = {"position_ids": batch["position_ids"]}
-    target, losses = None, []
-    if pipe.has_last:
-        kwargs["labels"] = target = batch["labels"]
-    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-    grad_norm = clip_grad_norm(pipe.part.parameters(), max_grad_norm, pp_group=pipe.pp_mesh.get_group())
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = (torch.stack(losses).detach().to(torch.float64).sum() / pipe.loss.scale if losses else
-                torch.zeros((), dtype=torch.float64, device=global_tokens.device))
-    dist.all_reduce(loss_sum, group=loss_mesh.get_group())
-    dist.all_reduce(loss_sum, group=pipe.pp_mesh.get_group())  # only the last stage's ranks hold losses
-    wall = time.perf_counter() - start
-    pipe.stats = {"step_s": wall, "busy_s": pipe.timer.busy - busy_before}
-    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
-            "tokens": int(global_tokens.item())}
-
-
 def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
     """Per-stage figures of the last step, gathered over the pp group (a collective on it): compute seconds,
     measured bubble (idle / compute, comparable with ``pp_bubble_theory``), idle fraction, peak memory."""
@@ -406,6 +343,5 @@ def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
     }
 
 
-__all__ = ["PIPELINE_MODEL_TYPES", "SCHEDULES", "DecoderStage", "Pipeline", "bubble_theory", "build_pipeline",
-           "local_stage_ids", "microbatch_count", "pipeline_metrics", "pipeline_train_step", "schedule_class_name",
-           "split_layers", "stage_count"]
+__all__ = ["DecoderStage", "Pipeline", "bubble_theory", "build_pipeline", "local_stage_ids", "microbatch_count",
+           "pipeline_metrics", "split_layers", "stage_count"]

@@ -1,7 +1,7 @@
 """Which transformers causal LMs the trainer takes, and what it reads from each to parallelize it.
 
 Any ``AutoModelForCausalLM`` whose structure the trainer can read trains here; nothing is written per
-family except the hand-tuned TP+SP plan of the Llama family (``training.parallelize.apply_tp``):
+family except the hand-tuned TP+SP plan of the Llama family (``training.distributed.dense.apply_tp``):
 
 - decoder blocks (the FSDP2 unit, the activation-checkpointing and compile unit): the ``nn.ModuleList``
   whose children are instances of the model's ``_no_split_modules`` classes (transformers' own "never
@@ -17,7 +17,7 @@ family except the hand-tuned TP+SP plan of the Llama family (``training.parallel
   transformers 5.x) fall back to one document per row: ``data.packing: none`` and ``sdpa``, so the
   causal mask alone keeps documents apart (padding sits after each document, masked from the loss).
 
-The trainer's loss reads ``lm_head.weight`` directly (``training.loss``), so models that transform the
+The trainer's loss reads ``lm_head.weight`` directly (``training.models.loss``), so models that transform the
 logits after the head (Gemma 2's final soft-capping, Cohere's logit scale, Granite's logits scaling) are
 refused by ``POST_HEAD_FIELDS`` rather than trained on a different objective.
 
@@ -32,9 +32,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-# Families with a hand-written TP+SP plan (training.parallelize.apply_tp); every other family uses its own
+from training.models.loss import unwrap_causal_lm
+
+# Families with a hand-written TP+SP plan (training.distributed.dense.apply_tp); every other family uses its own
 # base_model_tp_plan without sequence parallelism.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3")
+# Mixture-of-experts families: expert parallelism and grouped experts first (training.distributed.moe).
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
+OWN_TP_PLAN = LLAMA_LIKE + MOE_MODEL_TYPES  # TP by apply_tp; every other family by its base_model_tp_plan
 # The families CI trains against a single-process reference: llama in every layout (tests/dist/
 # train_layouts.py), the others under HSDP + activation checkpointing and FSDP2 x TP (tests/dist/
 # train_families.py; gemma with tied embeddings). qwen2 shares llama's modules and plan (recipe-tested only).
@@ -78,8 +83,6 @@ def check_family(hf_config, model_cls: type) -> None:
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     """The container of decoder blocks: an ``nn.ModuleList`` (a pipeline stage: an ``nn.ModuleDict`` keyed by
     global block index) whose children are all of a ``_no_split_modules`` class (see module doc)."""
-    from training.loss import unwrap_causal_lm
-
     hf = unwrap_causal_lm(model)
     names = set(hf._no_split_modules)
     for module in model.modules():
@@ -110,8 +113,6 @@ def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
 
 def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """TP from the model's ``base_model_tp_plan``; vocab-sharded embedding and head, re-tied when shared."""
-    from training.loss import unwrap_causal_lm
-
     hf = unwrap_causal_lm(model)
     base = hf.base_model
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
@@ -130,12 +131,11 @@ def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
 def retie(model: nn.Module) -> None:
     """parallelize_module gives each module a new Parameter; tied embeddings must share one again (the
     embedding's row-wise and the head's column-wise styles both shard dim 0, so the layouts agree)."""
-    from training.loss import unwrap_causal_lm
-
     hf = unwrap_causal_lm(model)
     if getattr(hf.config, "tie_word_embeddings", False):
         hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
 
 
-__all__ = ["LLAMA_LIKE", "POST_HEAD_FIELDS", "TESTED_FAMILIES", "TP_STYLES", "apply_hf_tp_plan", "check_family",
-           "check_hf_tp_plan", "decoder_blocks", "retie", "supports_packed_attention"]
+__all__ = ["LLAMA_LIKE", "MOE_MODEL_TYPES", "OWN_TP_PLAN", "POST_HEAD_FIELDS", "TESTED_FAMILIES", "TP_STYLES",
+           "apply_hf_tp_plan", "check_family", "check_hf_tp_plan", "decoder_blocks", "retie",
+           "supports_packed_attention"]

@@ -1,4 +1,5 @@
-"""Context parallelism in the trainer: config rules, the per-rank batch split, the attention kwargs.
+"""Context parallelism in the trainer: the per-rank batch split and the attention kwargs (its config rules:
+``training.config.validate.check_cp_config``).
 
 With ``distributed.cp_size`` P > 1 the P ranks of a CP group read the same packed batch from the loader
 (they share a dp rank). ``cp_batch_transform`` runs on the host, in the prefetcher's read-ahead thread,
@@ -18,29 +19,7 @@ from collections.abc import Callable
 
 from dataio.batching.cp_split import attention_work, cp_shard
 from kernels.cp_attention import exchanged_bytes, reset_exchanged_bytes
-from kernels.hf_attention import ATTENTION_NAME, context_parallel_kwargs
-
-
-def check_cp_config(cfg) -> None:
-    """Raise ValueError (one line naming the key and the rule) when ``cfg`` (a JobConfig) cannot run CP."""
-    cp = cfg.distributed.cp_size
-    if cp == 1:
-        return
-    if cfg.model.kind != "causal_lm":
-        raise ValueError(f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
-                         "supported (set cp_size to 1)")
-    if cfg.distributed.pp_size > 1:
-        raise ValueError(f"distributed.cp_size={cp} with pp_size={cfg.distributed.pp_size}: pipeline stages do not "
-                         "pass the CP attention group yet (set one of them to 1)")
-    if cfg.data.packing == "none":
-        raise ValueError(f"distributed.cp_size={cp} needs packed THD rows: set data.packing to greedy or best_fit "
-                         f"(packing: none gives one padded document per row)")
-    if cfg.data.seq_len % (2 * cp):
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} must be divisible by 2 x distributed.cp_size = {2 * cp} "
-                         "(each row is cut into 2 x cp_size chunks)")
-    if cfg.model.attn_implementation != ATTENTION_NAME:
-        raise ValueError(f"distributed.cp_size={cp} runs attention through {ATTENTION_NAME}: set "
-                         f"model.attn_implementation={ATTENTION_NAME} (got {cfg.model.attn_implementation})")
+from kernels.hf_attention import context_parallel_kwargs
 
 
 def cp_batch_transform(cp_size: int, cp_rank: int) -> Callable[[dict], dict]:
@@ -78,5 +57,5 @@ def cp_step_metrics(micro_batches: list[dict]) -> dict:
             "cp_bytes_sent": exchanged_bytes()}
 
 
-__all__ = ["check_cp_config", "cp_attention_kwargs", "cp_batch_transform", "cp_step_metrics", "rank_batch_transform",
+__all__ = ["cp_attention_kwargs", "cp_batch_transform", "cp_step_metrics", "rank_batch_transform",
            "reset_exchanged_bytes"]

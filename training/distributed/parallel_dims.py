@@ -1,9 +1,10 @@
-"""Parallel degrees: validation, the one DeviceMesh, and the meshes derived from it.
+"""Parallel degrees: the one DeviceMesh and the meshes derived from it.
 
-``ParallelDims.from_config(cfg.distributed, world_size)`` infers ``dp_size`` (world / (tp * pp * cp)) and
-raises ``ValueError`` naming the broken rule for every inconsistent combination, before any process group
-work. ``build_meshes`` then makes one mesh with the fixed dim order ``(pp, dp_replicate, dp_shard, cp, tp)``
-(size-1 dims included, so code never branches on which dims exist) and flattens the derived dims:
+``ParallelDims.from_config(cfg.distributed, world_size)`` infers ``dp_size`` (world / (tp * pp * cp)) after
+the rules between the degrees (``training.config.validate.check_degrees``: a ``ConfigError`` naming the broken
+rule), before any process group work. ``build_meshes`` then makes one mesh with the fixed dim order
+``(pp, dp_replicate, dp_shard, cp, tp)`` (size-1 dims included, so code never branches on which dims exist)
+and flattens the derived dims:
 
 - ``dp``          = dp_replicate x dp_shard: the *batch* mesh; ranks differing only in tp/cp/pp read the same data.
 - ``dp_shard_cp`` = dp_shard x cp: the FSDP shard dim (cp ranks hold different tokens, so they shard too).
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from training.config import DistributedConfig
+from training.config.job_config import DistributedConfig
+from training.config.validate import check_degrees
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -38,40 +40,13 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: DistributedConfig, world_size: int) -> "ParallelDims":
-        """Check every rule between the degrees and the world size; infer dp when ``dp_size`` is null."""
-        for name in ("tp_size", "pp_size", "cp_size", "ep_size", "dp_size", "dp_replicate_size"):
-            value = getattr(cfg, name)
-            if value is not None and value < 1:
-                raise ValueError(f"distributed.{name} must be >= 1, got {value}")
-        tp, pp, cp, ep = cfg.tp_size, cfg.pp_size, cfg.cp_size, cfg.ep_size
-        if cfg.strategy == "ddp":
-            bad = {n: v for n, v in dict(tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep).items() if v > 1}
-            if bad:
-                raise ValueError(f"strategy ddp replicates the whole model: it cannot combine with {bad}; "
-                                 "use strategy fsdp2 for model parallelism")
-            if cfg.dp_replicate_size not in (None, 1):
-                raise ValueError("dp_replicate_size (HSDP) needs strategy fsdp2; ddp already replicates everywhere")
-        non_dp = tp * pp * cp
-        if cfg.dp_size is None:
-            if world_size % non_dp:
-                raise ValueError(f"world size {world_size} is not divisible by tp_size * pp_size * cp_size = {non_dp}")
-            dp = world_size // non_dp
-        else:
-            dp = cfg.dp_size
-        if dp * non_dp != world_size:
-            raise ValueError(f"dp_size * tp_size * pp_size * cp_size = {dp}*{tp}*{pp}*{cp} = {dp * non_dp} "
-                             f"must equal the world size {world_size}")
+        """The degrees of ``cfg`` over ``world_size`` ranks, after every rule between them
+        (``training.config.validate.check_degrees``); dp inferred when ``dp_size`` is null."""
+        dp = check_degrees(cfg, world_size)
         replicate = cfg.dp_replicate_size or 1
-        if dp % replicate:
-            raise ValueError(f"dp_replicate_size {replicate} must divide dp_size {dp}")
-        if cfg.sequence_parallel and tp == 1:
-            raise ValueError("sequence_parallel shards activations over the tp group: it needs tp_size > 1")
-        if ep > 1 and (dp * cp) % ep:
-            raise ValueError(f"ep_size {ep} must divide dp_size * cp_size = {dp * cp} (experts borrow those ranks)")
-        if cfg.activation_checkpointing_every < 1:
-            raise ValueError("activation_checkpointing_every must be >= 1")
-        return cls(strategy=cfg.strategy, dp_replicate=replicate, dp_shard=dp // replicate, cp=cp, tp=tp, pp=pp,
-                   ep=ep, sequence_parallel=cfg.sequence_parallel, world_size=world_size)
+        return cls(strategy=cfg.strategy, dp_replicate=replicate, dp_shard=dp // replicate, cp=cfg.cp_size,
+                   tp=cfg.tp_size, pp=cfg.pp_size, ep=cfg.ep_size, sequence_parallel=cfg.sequence_parallel,
+                   world_size=world_size)
 
     @property
     def dp(self) -> int:

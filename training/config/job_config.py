@@ -2,22 +2,19 @@
 
 Sections: ``model`` (which transformers model and how to build it), ``data`` (the loader's own ``data:``
 section, passed to ``dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
-its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. Loading and checking is
-``configtree`` (unknown keys and wrong types fail with the full dotted path); consistency rules
-between degrees live in ``training.parallel_dims`` because they need the world size.
+its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. ``training.config.load``
+reads it (``configtree``: unknown keys and wrong types fail with the full dotted path) and
+``training.config.validate`` holds every rule between its values.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from configtree import from_dict, to_dict
 from dataio.config import DataConfig
-from configtree import apply_overrides, from_dict, load_yaml
-from training.automodel_compat import translate_distributed
-from training.speech.config import SpeechConfig
-from training.context_parallel import check_cp_config
+from training.config.speech import SpeechConfig
 
 
 @dataclass(kw_only=True)
@@ -34,18 +31,11 @@ class ModelConfig:
     kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (training.speech)
     speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
 
-    def __post_init__(self):
-        if (self.kind == "salm") != (self.speech is not None):
-            raise ValueError("model.speech is required with model.kind: salm, and only then")
-        given = [n for n in ("config", "config_path", "pretrained_path") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(f"set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
-
 
 @dataclass(kw_only=True)
 class PipelineConfig:
     """Pipeline-parallel settings (``distributed.pp_size > 1``), NeMo Automodel's ``pipeline:`` block plus
-    torchtitan's stage controls; ``training.pipeline`` documents each field's effect."""
+    torchtitan's stage controls; ``training.distributed.pipeline`` documents each field's effect."""
 
     pp_schedule: str = "1f1b"  # Automodel or torchtitan spelling (1f1b, gpipe, interleaved_1f1b, ZBVZeroBubble..)
     pp_microbatch_size: int = 1  # packed rows per pipeline microbatch
@@ -54,20 +44,11 @@ class PipelineConfig:
     round_virtual_stages_to_pp_multiple: Literal["up", "down"] | None = None
     reshard_after_forward: bool = False  # FSDP2 under PP: keep weights gathered across microbatches
 
-    def __post_init__(self):
-        from training.pipeline import schedule_class_name  # deferred: pipeline imports this module's neighbours
-
-        schedule_class_name(self.pp_schedule)  # unknown name: one ValueError listing the accepted ones
-        if self.pp_microbatch_size < 1:
-            raise ValueError(f"distributed.pipeline.pp_microbatch_size must be >= 1, got {self.pp_microbatch_size}")
-        if self.layers_per_stage is not None and self.layers_per_stage < 1:
-            raise ValueError(f"distributed.pipeline.layers_per_stage must be >= 1, got {self.layers_per_stage}")
-
 
 @dataclass(kw_only=True)
 class MoEConfig:
     """NeMo Automodel's ``distributed.moe:`` keys plus the experts kernel and the aux-loss weight
-    (see training.moe; keys it cannot honour fail there with the reason)."""
+    (see training.distributed.moe; keys it cannot honour fail there with the reason)."""
 
     reshard_after_forward: bool = False  # FSDP2 reshard of the expert groups (blocks: distributed.reshard_...)
     wrap_outer_model: bool = True  # fully_shard the root (embeddings, norm, lm_head); false is refused
@@ -75,7 +56,7 @@ class MoEConfig:
     lm_head_precision: str | None = None  # only the root's own precision is supported
     experts_implementation: str = "grouped_mm"  # grouped_mm | loop | hf (transformers' own, ep_size 1 only)
     aux_loss_coef: float | None = None  # router load-balancing loss weight; null: config.router_aux_loss_coef
-    # Megatron-Core's token dropping (training.moe_routing): null = dropless; else each expert computes at most
+    # Megatron-Core's token dropping (training.distributed.moe_routing): null = dropless; else each expert computes at most
     # ceil(tokens * top_k / num_experts * capacity_factor) of the tokens a rank routes in a micro-batch.
     capacity_factor: float | None = None
     token_drop_policy: Literal["probs", "position"] = "probs"  # keep the highest router weights / earliest tokens
@@ -126,10 +107,6 @@ class ProfileConfig:
 
     start: int
     steps: int = 3
-
-    def __post_init__(self):
-        if self.start < 1 or self.steps < 1:
-            raise ValueError(f"start and steps must be >= 1, got start={self.start} steps={self.steps}")
 
 
 @dataclass(kw_only=True)
@@ -197,28 +174,19 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def __post_init__(self):
-        if self.model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
-            if self.data.bucketing is None or self.data.seq_len is not None:
-                raise ValueError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
-                                 "data.seq_len unset")
-        elif self.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
-            raise ValueError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
-        if self.trainer.eval_every and self.data.val is None:
-            raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs a data.val stream "
-                             "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
-        check_cp_config(self)
 
-
-def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:
-    """Read ``path`` (YAML) or ``base``, apply dotted overrides, check types: the one way to get a JobConfig."""
-    raw = load_yaml(path) if path else copy.deepcopy(base or {})
-    apply_overrides(raw, list(overrides))
-    translate_distributed(raw)  # Automodel's spellings (dp_size: none, ...); unsupported keys fail here
-    return from_dict(JobConfig, raw, "")
+def val_data_config(data: DataConfig) -> DataConfig | None:
+    """The ``data:`` section of the val stream (``data.val`` over ``data``, one epoch), or None without one.
+    Errors name ``data.val``'s keys."""
+    if data.val is None:
+        return None
+    raw = {k: v for k, v in to_dict(data).items() if k != "val"}
+    raw.update(data.val)
+    raw["epochs"] = 1
+    return from_dict(DataConfig, raw, "data.val")
 
 
 __all__ = [
     "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "MoEConfig", "ModelConfig", "OptimConfig",
-    "PipelineConfig", "ProfileConfig", "TrainerConfig", "WandbConfig", "load_job_config",
+    "PipelineConfig", "ProfileConfig", "TrainerConfig", "WandbConfig", "val_data_config",
 ]

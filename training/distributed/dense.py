@@ -1,4 +1,4 @@
-"""Apply parallelism to a model on the meta device, one function per model family, in a fixed order:
+"""The dense decoder recipe: parallelism applied to a transformers causal LM on the meta device, in a fixed order:
 
 1. tensor parallel (+ sequence parallel) on the ``tp`` mesh,
 2. activation checkpointing (every block, or every N-th),
@@ -7,28 +7,28 @@
    ``(dp_replicate, dp_shard_cp)`` mesh; DDP instead is applied by ``apply_ddp`` after materialization
    because it broadcasts real weights at construction.
 
-The model is a ``training.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2 root is
-the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss reads.
+The model is a ``training.models.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2
+root is the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss
+reads.
 
-Pipeline parallelism (pp) is step 0: ``training.pipeline`` splits the model into stage modules (HF child
-names, blocks in a ``ModuleDict`` keyed by their global index) and calls ``parallelize`` on each stage, so
+``training.distributed.parallelize`` picks the recipe by ``model_type``: this one, or the MoE families'
+(``training.distributed.moe``: expert parallelism and grouped experts first, then this recipe).
+Pipeline parallelism (pp) is step 0: ``training.distributed.pipeline`` splits the model into stage modules
+(HF child names, blocks in a ``ModuleDict`` keyed by their global index) and parallelizes each stage, so
 every step below handles a model whose ``model.embed_tokens`` / ``model.norm`` / ``lm_head`` may be absent.
 Context parallelism (cp) changes no module: FSDP2 already shards over dp_shard x cp, and attention runs
-over the cp mesh through the model kwargs (``training.context_parallel``). MoE families (expert
-parallelism, grouped experts) run ``training.moe`` first, then this recipe.
+over the cp mesh through the model kwargs (``training.distributed.context_parallel``).
 
 Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
-other family uses, see ``training.families``): that plan has no sequence-parallel entries (norms stay
+other family uses, see ``training.models.families``): that plan has no sequence-parallel entries (norms stay
 replicated over the full sequence) and its embedding/lm_head styles are fixed, so we write the torch-native
 plan (the same module names) and keep it beside the function that applies it. HF attention reshapes with
 ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head q_norm/k_norm act on head_dim but
-their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under SP (HF
-would derive them from the sequence-sharded embeddings).
+their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under
+SP (HF would derive them from the sequence-sharded embeddings).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,34 +45,17 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from training.config import DistributedConfig
-from training.families import LLAMA_LIKE, apply_hf_tp_plan, check_hf_tp_plan, decoder_blocks, retie
-from training.parallel_dims import ParallelDims
-
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # parallelized by training.moe
-OWN_TP_PLAN = LLAMA_LIKE + MOE_MODEL_TYPES  # TP by apply_tp; every other family by its base_model_tp_plan
-
-
-def check_supported(dims: ParallelDims, hf_config) -> None:
-    """Fail before building anything when the layout asks for what is not implemented or cannot split."""
-    if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
-        raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
-                         f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")
-    if dims.tp > 1:
-        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
-        if heads % dims.tp or kv_heads % dims.tp:
-            raise ValueError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
-                             f"num_key_value_heads {kv_heads}")
-        if hf_config.model_type not in OWN_TP_PLAN:
-            check_hf_tp_plan(hf_config, dims.sequence_parallel)
+from training.config.job_config import DistributedConfig
+from training.distributed.parallel_dims import ParallelDims
+from training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
                            param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
-    """Any transformers causal LM (``training.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
+    """Any transformers causal LM (``training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
     TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
     ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
-    ``ac_context_fn`` a selective-checkpoint policy (MoE: training.moe)."""
+    ``ac_context_fn`` a selective-checkpoint policy (MoE: training.distributed.moe)."""
     if dims.tp > 1:
         if model.config.model_type in OWN_TP_PLAN:
             apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
@@ -168,27 +151,4 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
 
 
-def parallelize_moe_lm(*args, **kwargs) -> nn.Module:
-    """Qwen3-MoE / Mixtral / OLMoE: experts (EP, grouped GEMM) then the dense recipe (see training.moe)."""
-    from training.moe import parallelize_moe_lm as apply  # training.moe builds on this module
-
-    return apply(*args, **kwargs)
-
-
-PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
-    "llama": parallelize_decoder_lm,
-    "qwen2": parallelize_decoder_lm,
-    "qwen3": parallelize_decoder_lm,
-    **dict.fromkeys(MOE_MODEL_TYPES, parallelize_moe_lm),
-}
-
-
-def parallelize(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                param_dtype: torch.dtype) -> nn.Module:
-    """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default)."""
-    check_supported(dims, model.config)
-    fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
-    return fn(model, dims, meshes, cfg, param_dtype)
-
-
-__all__ = ["PARALLELIZE_FNS", "apply_ddp", "apply_fsdp", "apply_tp", "check_supported", "parallelize"]
+__all__ = ["apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "parallelize_decoder_lm"]

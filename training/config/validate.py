@@ -1,0 +1,218 @@
+"""Every rule a training job's config must meet, each written once here; one error type, ``ConfigError``: one
+line naming the dotted key and the rule.
+
+``check_config(cfg)`` holds the rules of the config alone between its fields and sections (exactly one model
+source, a SALM's bucketed audio, context parallelism's packed rows, known pipeline schedules, ...):
+``training.config.load`` runs it on every job it reads, so a CLI reports them before launching anything.
+``check_job(cfg, world_size)`` is the whole pass, run by the trainer on every rank before the process
+group is used: ``check_config``, then the values the types alone do not exclude (counts that must be
+positive, a learning rate > 0), the model (a ``model_type`` transformers knows, paths that exist), the
+parallel degrees against the world size (``check_degrees``, which ``ParallelDims`` also runs) and the val
+stream against the layout. ``check_vocab(...)`` compares the tokenizer's vocabulary and the largest token id
+each shard recorded (``ShardInfo.max_token``, written by ``dataio shard``/``dataio index``) with the model's
+``vocab_size``, so an out-of-range id is a line naming the shard, not an ``IndexError`` deep in the
+embedding. All are pure reads of the config and index metadata (microseconds, no data read).
+Rules that need the built model (TP heads, MoE experts, pipeline stages) fail where it is built, before any
+weight is allocated (``training.distributed``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from configtree import ConfigError
+from kernels.hf_attention import ATTENTION_NAME
+from training.config.job_config import val_data_config
+from training.config.pipeline_schedules import V_SHAPED, schedule_class_name
+
+# dotted key -> (rule text, predicate); None passes where the field is optional
+_RULES: dict[str, tuple[str, Callable]] = {
+    "trainer.max_steps": (">= 1", lambda v: v >= 1),
+    "trainer.grad_accum": (">= 1", lambda v: v >= 1),
+    "trainer.log_every": (">= 1", lambda v: v >= 1),
+    "optim.lr": ("> 0", lambda v: v > 0),
+    "optim.eps": ("> 0", lambda v: v > 0),
+    "optim.weight_decay": (">= 0", lambda v: v >= 0),
+    "optim.betas": ("two numbers in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)),
+    "optim.warmup_steps": (">= 0", lambda v: v >= 0),
+    "optim.decay_steps": (">= 1 or null", lambda v: v is None or v >= 1),
+    "optim.min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "optim.max_grad_norm": ("> 0 or null", lambda v: v is None or v > 0),
+    "checkpoint.interval": (">= 0 (0: only at the end)", lambda v: v >= 0),
+    "checkpoint.keep_last": (">= 1 or null", lambda v: v is None or v >= 1),
+}
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_job(cfg, world_size: int | None = None) -> None:
+    """ConfigError for the first value of ``cfg`` (a ``JobConfig``) that breaks a rule (module docstring)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    check_config(cfg)
+    for key, (rule, ok) in _RULES.items():
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key}: must be {rule}, got {value!r}")
+    if cfg.model.config is not None:
+        model_type = cfg.model.config.get("model_type")
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise ConfigError(f"model.config.model_type: {model_type!r} is not a causal LM model type of "
+                              f"transformers (e.g. llama, qwen3, mistral, qwen3_moe)")
+    else:
+        path = cfg.model.config_path or cfg.model.pretrained_path
+        if not os.path.exists(path):
+            key = "model.config_path" if cfg.model.config_path else "model.pretrained_path"
+            raise ConfigError(f"{key}: {path} does not exist")
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    check_degrees(cfg.distributed, world_size)
+    if cfg.trainer.eval_every:
+        check_validation(cfg)
+
+
+def check_config(cfg) -> None:
+    """The rules between the fields and sections of ``cfg`` (a ``JobConfig``) that need nothing but the config
+    (module docstring)."""
+    model = cfg.model
+    given = [n for n in ("config", "config_path", "pretrained_path") if getattr(model, n) is not None]
+    if len(given) != 1:
+        raise ConfigError(f"model: set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
+    if (model.kind == "salm") != (model.speech is not None):
+        raise ConfigError("model.speech is required with model.kind: salm, and only then")
+    if model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
+        if cfg.data.bucketing is None or cfg.data.seq_len is not None:
+            raise ConfigError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
+                              "data.seq_len unset")
+    elif cfg.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
+        raise ConfigError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
+    pipeline = cfg.distributed.pipeline
+    schedule_class_name(pipeline.pp_schedule)  # an unknown name: one line listing the accepted ones
+    if pipeline.pp_microbatch_size < 1:
+        raise ConfigError(f"distributed.pipeline.pp_microbatch_size must be >= 1, got {pipeline.pp_microbatch_size}")
+    if pipeline.layers_per_stage is not None and pipeline.layers_per_stage < 1:
+        raise ConfigError(f"distributed.pipeline.layers_per_stage must be >= 1, got {pipeline.layers_per_stage}")
+    profile = cfg.trainer.profile
+    if profile is not None and (profile.start < 1 or profile.steps < 1):
+        raise ConfigError(f"trainer.profile: start and steps must be >= 1, got start={profile.start} "
+                          f"steps={profile.steps}")
+    if cfg.trainer.eval_every and cfg.data.val is None:
+        raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} needs a data.val stream "
+                          "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
+    check_cp_config(cfg)
+
+
+def check_cp_config(cfg) -> None:
+    """The rules of context parallelism (``distributed.cp_size`` > 1) for ``cfg`` (a ``JobConfig``)."""
+    cp = cfg.distributed.cp_size
+    if cp == 1:
+        return
+    if cfg.model.kind != "causal_lm":
+        raise ConfigError(f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
+                          "supported (set cp_size to 1)")
+    if cfg.distributed.pp_size > 1:
+        raise ConfigError(f"distributed.cp_size={cp} with pp_size={cfg.distributed.pp_size}: pipeline stages do "
+                          "not pass the CP attention group yet (set one of them to 1)")
+    check_cp_rows(cfg.data, cp, "data")
+    if cfg.model.attn_implementation != ATTENTION_NAME:
+        raise ConfigError(f"distributed.cp_size={cp} runs attention through {ATTENTION_NAME}: set "
+                          f"model.attn_implementation={ATTENTION_NAME} (got {cfg.model.attn_implementation})")
+
+
+def check_cp_rows(data, cp: int, key: str) -> None:
+    """Context parallelism cuts each packed row into 2 x cp chunks: ``data`` (the ``key`` section, a
+    ``DataConfig``: ``data`` or the val stream's ``data.val``) must pack rows of a length divisible by 2 x cp."""
+    if data.packing == "none" or data.seq_len is None:
+        raise ConfigError(f"distributed.cp_size={cp} needs packed THD rows: set {key}.packing to greedy or best_fit "
+                          f"and {key}.seq_len (got packing {data.packing}, seq_len {data.seq_len}; packing: none "
+                          "gives one padded document per row)")
+    if data.seq_len % (2 * cp):
+        raise ConfigError(f"{key}.seq_len={data.seq_len} must be divisible by 2 x distributed.cp_size = {2 * cp} "
+                          "(each row is cut into 2 x cp_size chunks)")
+
+
+def check_degrees(cfg, world_size: int) -> int:
+    """``dp_size`` of ``cfg`` (a ``DistributedConfig``) over ``world_size`` ranks (world / (tp * pp * cp) when
+    null), after every rule between the degrees and the world size."""
+    for name in ("tp_size", "pp_size", "cp_size", "ep_size", "dp_size", "dp_replicate_size"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"distributed.{name} must be >= 1, got {value}")
+    tp, pp, cp, ep = cfg.tp_size, cfg.pp_size, cfg.cp_size, cfg.ep_size
+    if cfg.strategy == "ddp":
+        bad = {n: v for n, v in dict(tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep).items() if v > 1}
+        if bad:
+            raise ConfigError(f"distributed: strategy ddp replicates the whole model: it cannot combine with "
+                              f"{bad}; use strategy fsdp2 for model parallelism")
+        if cfg.dp_replicate_size not in (None, 1):
+            raise ConfigError("distributed: dp_replicate_size (HSDP) needs strategy fsdp2; ddp already replicates "
+                              "everywhere")
+    non_dp = tp * pp * cp
+    if cfg.dp_size is None:
+        if world_size % non_dp:
+            raise ConfigError(f"distributed: world size {world_size} is not divisible by tp_size * pp_size * "
+                              f"cp_size = {non_dp}")
+        dp = world_size // non_dp
+    else:
+        dp = cfg.dp_size
+    if dp * non_dp != world_size:
+        raise ConfigError(f"distributed: dp_size * tp_size * pp_size * cp_size = {dp}*{tp}*{pp}*{cp} = "
+                          f"{dp * non_dp} must equal the world size {world_size}")
+    replicate = cfg.dp_replicate_size or 1
+    if dp % replicate:
+        raise ConfigError(f"distributed: dp_replicate_size {replicate} must divide dp_size {dp}")
+    if cfg.sequence_parallel and tp == 1:
+        raise ConfigError("distributed: sequence_parallel shards activations over the tp group: it needs "
+                          "tp_size > 1")
+    if ep > 1 and (dp * cp) % ep:
+        raise ConfigError(f"distributed: ep_size {ep} must divide dp_size * cp_size = {dp * cp} (experts borrow "
+                          "those ranks)")
+    if cfg.activation_checkpointing_every < 1:
+        raise ConfigError("distributed: activation_checkpointing_every must be >= 1")
+    return dp
+
+
+def check_validation(cfg) -> None:
+    """The rules of validation (``trainer.eval_every``, ``python -m training.eval``): the val stream runs on the
+    job's layout."""
+    val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
+    if val_cfg is None:
+        raise ConfigError("data.val: validation needs a val stream (e.g. data.val: {datasets: [{path: ..., "
+                          "split: val}]})")
+    if dist_cfg.cp_size > 1:
+        check_cp_rows(val_cfg, dist_cfg.cp_size, "data.val")
+    if dist_cfg.pp_size > 1 and schedule_class_name(dist_cfg.pipeline.pp_schedule) in V_SHAPED:
+        raise ConfigError(f"distributed.pipeline.pp_schedule {dist_cfg.pipeline.pp_schedule}: validation is not "
+                          "supported under the V schedules (torch 2.13's forward-only schedule.eval still hands "
+                          "gradients between a rank's two stages and fails); validate with another schedule, e.g. "
+                          "python -m training.eval ... distributed.pipeline.pp_schedule=1f1b")
+
+
+def check_vocab(vocab_size: int, tokenizer_path: str | None, sources) -> None:
+    """ConfigError when the tokenizer or a shard's recorded largest token id does not fit the model's
+    ``vocab_size`` (``sources``: the loader's ``ShardSource``s; others are skipped)."""
+    if tokenizer_path:
+        from tokenizers import Tokenizer
+
+        file = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
+        if not file.is_file():
+            raise ConfigError(f"model.tokenizer: {file} does not exist")
+        size = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+        if size > vocab_size:
+            raise ConfigError(f"model.tokenizer: {tokenizer_path} has {size} tokens, more than the model's "
+                              f"vocab_size {vocab_size}; token ids >= {vocab_size} have no embedding")
+    for source in sources:
+        index = getattr(source, "index", None)
+        for shard in getattr(index, "shards", ()):
+            if shard.max_token is not None and shard.max_token >= vocab_size:
+                raise ConfigError(f"data: {source.path}/{shard.name} holds token id {shard.max_token}, "
+                                  f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
+
+
+__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_degrees", "check_job", "check_validation",
+           "check_vocab"]

@@ -1,0 +1,145 @@
+"""One training step: forward, loss, backward, optimizer step; the trainer's loop and validation both use it.
+
+``train_step`` runs ``grad_accum`` packed THD micro-batches, ``pipeline_train_step`` the same step through a
+pipeline schedule (``training.distributed.pipeline``). The loss is a sum of token cross-entropies divided by
+the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over the loss
+mesh (dp x cp) *before* the first backward, so every micro-step's gradient is already correctly scaled and
+the result does not depend on how tokens split across micro-steps or ranks. FSDP2 and DDP average
+gradients over dp, so each rank's loss is multiplied by the dp x cp size to make that average a sum.
+Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
+
+``step_forward`` picks a batch's forward (the causal LM's chunked loss, with the CP attention group when
+cp > 1, or a SALM's) and ``uses_autocast`` the bf16 rule; validation runs the same forward without autograd.
+Cost per step: one all-reduce of the token count and one of the loss, besides the model's own collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from dataio.batching.prefetch import DevicePrefetcher
+from kernels.hf_attention import packed_attention_kwargs
+from kernels.loss import IGNORE_INDEX
+from training.components.optim import clip_grad_norm
+from training.config.job_config import JobConfig
+from training.distributed.context_parallel import cp_attention_kwargs
+from training.distributed.parallel_dims import ParallelDims
+from training.distributed.pipeline import Pipeline
+from training.speech.job import salm_loss_sum
+
+STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
+               "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
+               "cp_imbalance")  # + context parallelism's (training.distributed.context_parallel)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Reduce gradients in this backward only when ``enabled`` (FSDP2 and DDP; a no-op otherwise)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    elif isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
+                     attention_kwargs: dict | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
+    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group,
+    ``training.distributed.context_parallel``)."""
+    ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
+                     **(attention_kwargs or {}))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
+               *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
+               forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
+    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count.
+    ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
+    group = loss_mesh.get_group()
+    global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
+    dist.all_reduce(global_tokens, group=group)
+    scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=global_tokens.device)
+    for i, mb in enumerate(micro_batches):
+        with gradient_sync(model, i == len(micro_batches) - 1 or not defer_grad_sync):
+            loss = forward(model, mb, autocast)
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum, group=group)
+    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
+            "tokens": int(global_tokens.item())}
+
+
+def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
+                        loss_mesh: DeviceMesh, *, max_grad_norm: float | None) -> dict:
+    """``train_step`` for a pipeline: same token scaling, same returned figures (global loss, grad norm
+    over all stages, real-token count); also fills ``pipe.stats`` with this rank's timing and memory."""
+
+    start, busy_before = time.perf_counter(), pipe.timer.busy
+    batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in ("input_ids", "labels", "position_ids")}
+    global_tokens = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float64)
+    dist.all_reduce(global_tokens, group=loss_mesh.get_group())
+    pipe.loss.scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
+    if pipe.scale_grads_in_schedule:  # the schedule divides every gradient by the microbatch count
+        pipe.loss.scale *= pipe.n_microbatches
+    args = (batch["input_ids"],) if pipe.has_first else ()
+    kwargs = {"position_ids": batch["position_ids"]}
+    target, losses = None, []
+    if pipe.has_last:
+        kwargs["labels"] = target = batch["labels"]
+    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    grad_norm = clip_grad_norm(pipe.part.parameters(), max_grad_norm, pp_group=pipe.pp_mesh.get_group())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = (torch.stack(losses).detach().to(torch.float64).sum() / pipe.loss.scale if losses else
+                torch.zeros((), dtype=torch.float64, device=global_tokens.device))
+    dist.all_reduce(loss_sum, group=loss_mesh.get_group())
+    dist.all_reduce(loss_sum, group=pipe.pp_mesh.get_group())  # only the last stage's ranks hold losses
+    wall = time.perf_counter() - start
+    pipe.stats = {"step_s": wall, "busy_s": pipe.timer.busy - busy_before}
+    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
+            "tokens": int(global_tokens.item())}
+
+
+def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
+    """The next ``count`` batches (already on the device), keeping only what the step reads."""
+    return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
+
+
+def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Callable:
+    """``forward(model, batch, autocast)`` -> summed loss of a batch: a SALM's, or the causal LM's (attention
+    over the cp group when cp > 1, ``training.distributed.context_parallel``)."""
+    if cfg.model.kind == "salm":
+        return salm_loss_sum
+    if dims.cp > 1:
+        return functools.partial(forward_loss_sum,
+                                 attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
+    return forward_loss_sum
+
+
+def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
+    """bf16 through ``torch.autocast``: on every model but an FSDP2 one, which casts via its policy."""
+    return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
+
+
+__all__ = ["STEP_INPUTS", "forward_loss_sum", "gradient_sync", "next_micro_batches", "pipeline_train_step",
+           "step_forward", "train_step", "uses_autocast"]
