@@ -30,7 +30,7 @@ import contextlib
 import functools
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from configtree import to_dict
+from dataio.batching.even import even_batches
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
@@ -158,23 +159,25 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
             "tokens": int(global_tokens.item())}
 
 
-def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
+def next_micro_batches(batches: Iterator[dict], count: int) -> list[dict]:
     """The next ``count`` batches (already on the device), keeping only what the step reads."""
     return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
 
 
 def new_tail_group():
-    """The group of a finite packed stream's tail agreement (``stream.sync_group``): one all_reduce run in
-    the prefetcher's read-ahead thread, so on a gloo group of its own, never one the step's collectives use
-    at the same time (a mesh dim spanning every rank reuses the default group). Collective: every rank
-    calls it at the same point."""
+    """The gloo group of a finite stream's tail agreement (``dataio.batching.even``): one all_reduce of two
+    integers per batch in the loop's thread, on the host whatever the device. Collective: every rank calls it
+    at the same point."""
     return dist.new_group(backend="gloo")
 
 
-def give_tail_group(loader) -> None:
-    stream = getattr(loader, "stream", None)
-    if stream is not None and dist.is_initialized():
-        stream.sync_group = new_tail_group()
+def step_inputs(batches: DevicePrefetcher, cfg: JobConfig) -> Iterator[dict]:
+    """What the steps read: ``batches``, evened out over the ranks when the stream is finite (``data.epochs``):
+    a rank that ran out trains on loss-free copies of its last batch until every rank has (a step's
+    collectives need every rank). Collective when finite."""
+    if cfg.data.epochs is None:
+        return iter(batches)
+    return even_batches(batches, new_tail_group())
 
 
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
@@ -289,6 +292,14 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, mesh
                    autocast=uses_autocast(cfg, model))
 
 
+def shard_sources(loader: Iterable) -> list:
+    """The sources a ``dataio`` ``Loader`` reads (their indexes record each shard's largest token id); none for a
+    hand-made loader (``train``'s ``make_loader``: batches made in memory, no shard to check)."""
+    from dataio.loader import Loader
+
+    return loader.stream.sources if isinstance(loader, Loader) else []
+
+
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:
     """This dp rank's loader (``make_loader``, by default ``dataio.build_loader`` on ``data:``), its tokens checked
     against the model's vocabulary; a SALM's audio batches get the prompt + transcript token layout."""
@@ -298,8 +309,7 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
 
         make_loader = functools.partial(build_loader, cfg.data)
     loader = make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp)
-    give_tail_group(loader)
-    check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
+    check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     if cfg.model.kind == "salm":
         from training.speech.job import wrap_loader
 
@@ -372,9 +382,10 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
                               world=dist.get_world_size())
+    inputs = step_inputs(batches, cfg)
     while trainer.step < max_steps:
         try:
-            micro = next_micro_batches(batches, cfg.trainer.grad_accum)
+            micro = next_micro_batches(inputs, cfg.trainer.grad_accum)
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
             print_on_rank0(f"data exhausted after step {trainer.step}")
             return

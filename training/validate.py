@@ -12,10 +12,15 @@ embedding. Both are pure reads of the config and index metadata (microseconds, n
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from configtree import ConfigError
+
+if TYPE_CHECKING:
+    from dataio.stream.interop import LhotseCutSource
+    from dataio.stream.sources import ShardSource
 
 # dotted key -> (rule text, predicate); None passes where the field is optional
 _RULES: dict[str, tuple[str, Callable]] = {
@@ -72,9 +77,9 @@ def check_job(cfg, world_size: int | None = None) -> None:
         check_validation(cfg)
 
 
-def check_vocab(vocab_size: int, tokenizer_path: str | None, sources) -> None:
+def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[ShardSource | LhotseCutSource]) -> None:
     """ConfigError when the tokenizer or a shard's recorded largest token id does not fit the model's
-    ``vocab_size`` (``sources``: the loader's ``ShardSource``s; others are skipped)."""
+    ``vocab_size`` (``sources``: the loader's, ``Loader.stream.sources``; every one has an index)."""
     if tokenizer_path:
         from tokenizers import Tokenizer
 
@@ -86,8 +91,7 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources) -> None:
             raise ConfigError(f"model.tokenizer: {tokenizer_path} has {size} tokens, more than the model's "
                               f"vocab_size {vocab_size}; token ids >= {vocab_size} have no embedding")
     for source in sources:
-        index = getattr(source, "index", None)
-        for shard in getattr(index, "shards", ()):
+        for shard in source.index.shards:
             if shard.max_token is not None and shard.max_token >= vocab_size:
                 raise ConfigError(f"data: {source.path}/{shard.name} holds token id {shard.max_token}, "
                                   f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
