@@ -170,15 +170,16 @@ class MetricsLogger:
         if self.wandb_run is not None:
             wandb_run.log(self.wandb_run, record)
 
-    def summary(self, skip_first: int = 1) -> dict:
-        """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""
+    def summary(self, skip_first: int = 1, first_loss: float | None = None) -> dict:
+        """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss
+        (``first_loss``: the run's, which a resumed job did not log itself)."""
         if not self.history:
             return {}
         steady = self.history[skip_first:] or self.history
         mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
         result = {
             "steps": self.history[-1]["step"],
-            "first_loss": self.history[0]["loss"],
+            "first_loss": self.history[0]["loss"] if first_loss is None else first_loss,
             "last_loss": self.history[-1]["loss"],
             "tokens_per_s": mean("tokens_per_s"),
             "tokens_per_s_per_device": mean("tokens_per_s_per_device"),

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config import JobConfig, ModelConfig
+from training.errors import JobInputError
 from training.families import check_family, supports_packed_attention
 from training.hf_experts import per_expert_views
 from training.loss import unwrap_causal_lm
@@ -122,20 +123,37 @@ def checkpoint_names(hf: nn.Module, path: str) -> dict[str, str]:
     for the family (GPT-NeoX checkpoints keep ``embed_out`` for the model's ``lm_head``); only headers are read."""
     from pathlib import Path
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
     renames = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
     names = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                name = key
-                for rename in renames:
-                    name, _ = rename.rename_source_key(name)
-                names[name] = key
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in Path(path).glob("*.bin")) + sorted(p.name for p in Path(path).glob("*.pt*"))
+        raise JobInputError(f"model.pretrained_path: {path} holds no *.safetensors file"
+                            + (f" (only {', '.join(others[:3])}: re-save it with save_pretrained(..., "
+                               "safe_serialization=True); .bin files are pickles and are not read)" if others else ""))
+    for file in files:
+        try:
+            keys = safetensors_keys(file)
+        except SafetensorError as e:
+            raise JobInputError(f"model.pretrained_path: {file} is not a readable safetensors file ({e})") from None
+        for key in keys:
+            name = key
+            for rename in renames:
+                name, _ = rename.rename_source_key(name)
+            names[name] = key
     return names
+
+
+def safetensors_keys(file) -> list[str]:
+    """The tensor names in a safetensors file's header (nothing else is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return list(f.keys())
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:

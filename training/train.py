@@ -60,6 +60,7 @@ from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, 
 from training.parallelize import apply_ddp, parallelize
 from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
 from training.profiling import StepProfiler
+from training.run_lock import lock_output_dir
 from training.validate import check_job, check_vocab
 from training.telemetry import rank_spread
 from training.validation import make_validator
@@ -245,6 +246,7 @@ class Trainer:
     forward: Callable[[nn.Module, dict, bool], torch.Tensor]  # ``step_forward``'s
     autocast: bool
     step: int = 0  # the last step trained (or resumed from)
+    first_loss: float | None = None  # the run's first logged loss (kept across resumes: the summary's)
 
     @property
     def out_dir(self) -> Path:
@@ -318,15 +320,19 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
 
 
 def resume(trainer: Trainer, loader) -> None:
-    """Continue from the newest complete checkpoint (``checkpoint.resume``): model, optimizer, RNG, every
-    dp rank's loader position and the step; then apply a chained job's own data seed (``trainer.data_seed``,
-    ``training.launch --jobs``)."""
+    """Continue from the newest complete checkpoint this run wrote (``checkpoint.load_newest``: sealed, same model
+    config, an incomplete one skipped): model, optimizer, RNG, every dp rank's loader position, the step and the
+    run's first loss; then apply a chained job's own data seed (``trainer.data_seed``, ``training.launch --jobs``)."""
     cfg = trainer.cfg
-    resume_from = checkpoint.latest(trainer.checkpoints) if cfg.checkpoint.resume else None
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, trainer.model, trainer.optimizer)
+    found = None
+    if cfg.checkpoint.resume:
+        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer,
+                                       checkpoint.model_config_record(trainer.hf_config))
+    if found is not None:
+        resume_from, state = found
         loader.load_state_dict(state["loader"])
         trainer.step = state["step"]
+        trainer.first_loss = state["first_loss"]
         print_on_rank0(f"resumed from {resume_from} at step {trainer.step}")
     if cfg.trainer.data_seed is not None:
         first = loader.reseed(cfg.trainer.data_seed)
@@ -369,7 +375,9 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
     checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
                     checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
-                    keep_last=trainer.cfg.checkpoint.keep_last)
+                    keep_last=trainer.cfg.checkpoint.keep_last,
+                    extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
+                           "first_loss": trainer.first_loss})
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
@@ -396,6 +404,8 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
         if step % cfg.trainer.log_every == 0 or step == max_steps:
             logger.log(step_record(trainer, stats, micro, *window.figures(step)))
             window.restart(step)
+            if trainer.first_loss is None:
+                trainer.first_loss = stats["loss"]
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
             from training.speech.eval import eval_in_training
 
@@ -440,6 +450,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     init_distributed(device.type)
     cfg = with_model_layout(cfg)
     dims, meshes = set_up_meshes(cfg, device)
+    held = lock_output_dir(Path(cfg.trainer.output_dir))  # rank 0 holds it until the job ends
     save_job_config(cfg)
     trainer = build_trainer(cfg, device, dims, meshes)
     loader = build_train_loader(trainer, make_loader)
@@ -457,8 +468,10 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     profiler.close()
     save_final_checkpoint(trainer, batches)
     export_model(trainer)
-    logger.summary()
+    logger.summary(first_loss=trainer.first_loss)
     logger.close()
+    if held is not None:
+        held.close()
     return logger.history
 
 

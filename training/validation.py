@@ -205,8 +205,8 @@ def check_validation(cfg) -> None:
 
     val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
     if val_cfg is None:
-        raise ConfigError("data.val: validation needs a val stream (e.g. data.val: {datasets: [{path: ..., "
-                          "split: val}]})")
+        raise ConfigError("data.val: validation needs a val stream: set data.val in the job config or as an "
+                          "override, e.g. 'data.val={datasets: [{path: DATASET_DIR, split: val}]}'")
     cp = dist_cfg.cp_size
     if cp > 1 and (val_cfg.seq_len is None or val_cfg.seq_len % (2 * cp) or val_cfg.packing == "none"):
         raise ConfigError(f"data.val: distributed.cp_size={cp} needs packed val rows (packing greedy or best_fit) "

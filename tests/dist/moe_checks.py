@@ -234,7 +234,8 @@ def run(workdir: Path, batches) -> None:
     cfg = job(workdir, "ep2", LAYOUTS["ep2"][0], 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     model, hf_config = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
-    checkpoint.load(workdir / "ep2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
+    path = workdir / "ep2" / "checkpoints" / "step-00000004"
+    checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     checkpoint.export_hf(model, hf_config, workdir / "ep2_fused", experts_layout="fused")
     batch = batches[dist.get_rank()]
     with torch.no_grad():

@@ -205,7 +205,8 @@ def run_layouts(workdir: Path, batches) -> None:
     cfg = job(workdir, "fsdp2", dict(strategy="fsdp2"), 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
-    checkpoint.load(workdir / "fsdp2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
+    path = workdir / "fsdp2" / "checkpoints" / "step-00000004"
+    checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     batch = batches[0]
     with torch.no_grad():
         sharded = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])  # no labels: logits
