@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from configtree import ConfigError
+
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config import JobConfig, ModelConfig
 from training.errors import JobInputError
@@ -32,20 +34,20 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         fields = dict(cfg.config)
         model_type = fields.pop("model_type", None)
         if model_type is None:
-            raise ValueError("model.config needs a model_type (e.g. llama, qwen2, qwen3)")
-        config = AutoConfig.for_model(model_type, **fields)
+            raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, qwen3)")
+        config = config_or_error(lambda: AutoConfig.for_model(model_type, **fields), "model.config")
     else:
         path = cfg.config_path or cfg.pretrained_path
         if os.path.isfile(path):
             with open(path) as f:
                 fields = json.load(f)
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            config = config_or_error(lambda: AutoConfig.for_model(fields.pop("model_type"), **fields), path)
         else:
-            config = AutoConfig.from_pretrained(path)
+            config = config_or_error(lambda: AutoConfig.from_pretrained(path), path)
     model_cls = causal_lm_class(config)
     check_family(config, model_cls)
     if cfg.attn_implementation == ATTENTION_NAME and not supports_packed_attention(model_cls):
-        raise ValueError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
+        raise ConfigError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
                          f"model.attn_implementation={ATTENTION_NAME} cannot mask documents; use sdpa with "
                          "data.packing: none (the trainer switches to that by itself, see training.families)")
     if cfg.init_std is not None:
@@ -56,6 +58,17 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     return config
 
 
+def config_or_error(make, where: str) -> PretrainedConfig:
+    """``make()``; transformers' validation of a config value (wrong type, heads not dividing the hidden size)
+    as one ConfigError line naming ``where``."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return make()
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
+
+
 def causal_lm_class(config: PretrainedConfig) -> type:
     """The ``AutoModelForCausalLM`` class of ``config`` (one clear line when there is none)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -63,7 +76,7 @@ def causal_lm_class(config: PretrainedConfig) -> type:
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        raise ValueError(f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers "
+        raise ConfigError(f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers "
                          "(not a causal LM)") from None
 
 

@@ -60,8 +60,9 @@ from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, 
 from training.parallelize import apply_ddp, parallelize
 from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
 from training.profiling import StepProfiler
+from training.errors import JobInputError
 from training.run_lock import lock_output_dir
-from training.validate import check_job, check_vocab
+from training.validate import check_data_paths, check_job, check_vocab
 from training.telemetry import rank_spread
 from training.validation import make_validator
 
@@ -294,6 +295,17 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, mesh
                    autocast=uses_autocast(cfg, model))
 
 
+def open_data(key: str, make: Callable[[], Iterable]) -> Iterable:
+    """``make()`` (a loader); what opening the data refuses (a missing or unindexed directory, an empty split, no
+    token members for packing) is the same on every rank: a ``JobInputError`` line naming ``key``."""
+    from dataio.usererror import one_line
+
+    try:
+        return make()
+    except (OSError, ValueError) as e:
+        raise JobInputError(f"{key}: {one_line(e)}") from e
+
+
 def shard_sources(loader: Iterable) -> list:
     """The sources a ``dataio`` ``Loader`` reads (their indexes record each shard's largest token id); none for a
     hand-made loader (``train``'s ``make_loader``: batches made in memory, no shard to check)."""
@@ -309,8 +321,9 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     if make_loader is None:
         from dataio import build_loader
 
+        check_data_paths(cfg.data)
         make_loader = functools.partial(build_loader, cfg.data)
-    loader = make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp)
+    loader = open_data("data", lambda: make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp))
     check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     if cfg.model.kind == "salm":
         from training.speech.job import wrap_loader

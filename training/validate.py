@@ -77,6 +77,18 @@ def check_job(cfg, world_size: int | None = None) -> None:
         check_validation(cfg)
 
 
+def check_data_paths(data) -> None:
+    """ConfigError naming the key of a local dataset path (``data.datasets``, ``data.val.datasets``) that does not
+    exist (URLs are left to the loader)."""
+    entries = [(f"data.datasets[{i}].path", d.path) for i, d in enumerate(data.datasets)]
+    if data.val is not None:
+        entries += [(f"data.val.datasets[{i}].path", d.get("path")) for i, d in enumerate(data.val.get("datasets", []))
+                    if isinstance(d, dict)]
+    for key, path in entries:
+        if isinstance(path, str) and "://" not in path and not os.path.exists(path):
+            raise ConfigError(f"{key}: {path} does not exist")
+
+
 def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[ShardSource | LhotseCutSource]) -> None:
     """ConfigError when the tokenizer or a shard's recorded largest token id does not fit the model's
     ``vocab_size`` (``sources``: the loader's, ``Loader.stream.sources``; every one has an index)."""
@@ -97,4 +109,4 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[S
                                   f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
 
 
-__all__ = ["check_job", "check_vocab"]
+__all__ = ["check_data_paths", "check_job", "check_vocab"]

@@ -228,7 +228,8 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
     from dataio import build_loader
     from training.context_parallel import rank_batch_transform
-    from training.train import new_tail_group, step_forward, uses_autocast
+    from training.train import new_tail_group, open_data, step_forward, uses_autocast
+    from training.validate import check_data_paths
 
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
@@ -237,8 +238,14 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     transform = rank_batch_transform(dims, meshes)
     tail_group = new_tail_group()
 
+    def open_loader():
+        return open_data("data.val", lambda: build_loader(val_cfg, dp.get_local_rank(), dp.size()))
+
+    check_data_paths(cfg.data)
+    open_loader()  # its data errors at start-up, not at the first validation
+
     def batches() -> Iterator[dict]:
-        loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
+        loader = open_loader()
         if cfg.model.kind == "salm":
             from training.speech.job import wrap_loader
 
