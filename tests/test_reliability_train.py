@@ -76,6 +76,7 @@ def test_damaged_or_pickle_only_pretrained_path_is_one_line(tmp_path, capsys, on
         save_pretrained_tiny(tmp_path / name, dict(TINY_LLAMA, vocab_size=1024))
     (tmp_path / "damaged" / "model.safetensors").write_bytes(b"12")
     (tmp_path / "bin_only" / "model.safetensors").rename(tmp_path / "bin_only" / "pytorch_model.bin")
+    capsys.readouterr()  # save_pretrained's progress bars
     for name, message in (("damaged", f"{tmp_path / 'damaged' / 'model.safetensors'} is not a readable safetensors"),
                           ("bin_only", f"{tmp_path / 'bin_only'} holds no *.safetensors file (only "
                                        "pytorch_model.bin")):
@@ -99,8 +100,8 @@ def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_a
     code, err = run(tmp_path, capsys, *steps(6), "model.config.tie_word_embeddings=true",
                     "model.config.hidden_size=32")
     assert code == 2 and err.count("\n") == 1, err
-    assert "holds another model than this job's model config: hidden_size 64 -> 32; tie_word_embeddings False -> " \
-           "True" in err, err
+    assert "holds another model than this job's model config: head_dim 8 -> 4; hidden_size 64 -> 32; " \
+           "tie_word_embeddings False -> True" in err, err
 
     # step 4 cut short (a .distcp truncated): the run says so and resumes from step 2
     data_file = next((ckpts / "step-00000004").glob("*.distcp"))
@@ -141,7 +142,6 @@ def test_yaml_reads_exponent_numbers_as_floats(tmp_path):
     cfg = load_job_config(str(tmp_path / "job.yaml"), ["model.config.initializer_range=2e-2"])
     assert cfg.model.config["rms_norm_eps"] == 1e-5 and cfg.optim.lr == 3e-4
     assert cfg.model.config["initializer_range"] == 0.02
-    assert load_job_config(str(tmp_path / "job.yaml"), ["trainer.output_dir=1e3"]).trainer.output_dir == "1e3"
 
 
 def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_path, capsys, monkeypatch):
