@@ -46,8 +46,8 @@ class _Loader(yaml.SafeLoader):
     Python read it as a float). Nothing else changes: no tags beyond the safe ones."""
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                              list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _parse_yaml(text, where: str):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
-from train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny  # noqa: E402
+from train_common import (TINY_LLAMA, copy_checkpoint, full_logits_loss_sum, packed_batches,  # noqa: E402
+                          save_pretrained_tiny)
 
 from configtree import ConfigError  # noqa: E402
 from training import checkpoint  # noqa: E402
@@ -292,7 +292,7 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
     assert hf.config.model_type == "llama" and hf.config.hidden_size == TINY_LLAMA["hidden_size"]
 
     resumed = tmp_path / "resumed"
-    shutil.copytree(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
+    copy_checkpoint(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
     cfg = load_job_config(str(REPO / "configs" / "debug_llama.yaml"), [f"trainer.output_dir={resumed}", *overrides])
     history = train(cfg)
     assert [r["step"] for r in history] == [4, 5, 6]

@@ -21,7 +21,6 @@ Prints ``OK <check>`` per passed check; any mismatch raises.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, packed_batches  # noqa: E402
+from train_common import ListLoader, copy_checkpoint, packed_batches  # noqa: E402
 from train_layouts import check_close, check_exported_params, job, loaders  # noqa: E402
 
 from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
@@ -221,7 +220,7 @@ def run(workdir: Path, batches) -> None:
 
     # Resume the ep2 checkpoint of step 2 at ep4.
     if dist.get_rank() == 0:
-        shutil.copytree(workdir / "ep2" / "checkpoints" / "step-00000002",
+        copy_checkpoint(workdir / "ep2" / "checkpoints" / "step-00000002",
                         workdir / "resume_ep4" / "checkpoints" / "step-00000002")
     dist.barrier()
     history = train(job(workdir, "resume_ep4", dict(strategy="fsdp2", ep_size=4), 1), loaders(batches, 1))

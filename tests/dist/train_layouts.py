@@ -18,7 +18,6 @@ Prints ``OK <check>`` per passed check; any mismatch raises.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, full_logits_loss_sum, packed_batches  # noqa: E402
+from train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches  # noqa: E402
 
 from training import checkpoint  # noqa: E402
 from training.config import load_job_config  # noqa: E402
@@ -227,7 +226,7 @@ def resume_step2(workdir: Path, source: str, name: str, distributed: dict, grad_
     """Copy run ``source``'s step-2 checkpoint into run ``name``, train it (other layout) to STEPS: steps 3..
     must give ``expected``'s losses."""
     if dist.get_rank() == 0:
-        shutil.copytree(workdir / source / "checkpoints" / "step-00000002",
+        copy_checkpoint(workdir / source / "checkpoints" / "step-00000002",
                         workdir / name / "checkpoints" / "step-00000002")
     dist.barrier()
     history = train(job(workdir, name, distributed, grad_accum), loaders(batches, grad_accum))
