@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -106,7 +107,12 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
     for module in model.modules():  # to_empty left garbage, so nothing is initialized yet
         module._is_hf_initialized = False
     hf = unwrap_causal_lm(model)
-    hf.initialize_weights()  # also recomputes the non-persistent RoPE buffers
+    with warnings.catch_warnings():
+        # On a CPU mesh DTensor has no RNG tracker: each rank fills its shards from its own generator, seeded alike
+        # (torch warns once per random op). Harmless here: the weights are valid random ones either way, and a
+        # GPU mesh (the tracker) or pretrained_path give the exact ones.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+        hf.initialize_weights()  # also recomputes the non-persistent RoPE buffers
     hf.tie_weights()
     if pretrained_path is not None:
         load_safetensors(model, pretrained_path)

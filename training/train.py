@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -439,17 +441,41 @@ def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
         save_checkpoint(trainer, batches)
 
 
+EXPORT_MARK = "headrace_export.json"  # in hf/: the step and options it was exported with
+
+
 def export_model(trainer: Trainer) -> None:
-    """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``). Collective."""
+    """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``), said on rank 0;
+    skipped when ``hf/`` already holds this step with these options (a finished run started again). Collective."""
     cfg = trainer.cfg
-    if cfg.checkpoint.export_hf and cfg.model.kind == "salm":
+    if not cfg.checkpoint.export_hf:
+        return
+    out = trainer.out_dir / "hf"
+    mark = {"step": trainer.step, "experts_layout": cfg.checkpoint.export_hf_experts,
+            "shard_size_mb": cfg.checkpoint.export_shard_size_mb}
+    current = [None]
+    if dist.get_rank() == 0 and (out / EXPORT_MARK).is_file():
+        try:
+            current[0] = json.loads((out / EXPORT_MARK).read_text()) == mark
+        except ValueError:  # a damaged mark: export again
+            current[0] = False
+    dist.broadcast_object_list(current, src=0)
+    if current[0]:
+        print_on_rank0(f"{out} already holds step {trainer.step}: export skipped")
+        return
+    print_on_rank0(f"exporting step {trainer.step} to {out} ...")
+    start = time.perf_counter()
+    if cfg.model.kind == "salm":
         from training.speech.job import export_salm
 
         export_salm(trainer.model, cfg, trainer.out_dir)
-    elif cfg.checkpoint.export_hf:
-        checkpoint.export_hf(trainer.model, trainer.hf_config, trainer.out_dir / "hf", cfg.model.tokenizer,
+    else:
+        checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
                              shard_size_mb=cfg.checkpoint.export_shard_size_mb,
                              experts_layout=cfg.checkpoint.export_hf_experts)
+    if dist.get_rank() == 0 and out.is_dir():
+        (out / EXPORT_MARK).write_text(json.dumps(mark))
+    print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")
 
 
 def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = None) -> list[dict]:
