@@ -157,3 +157,33 @@ def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_pa
     monkeypatch.setenv("RANK", "1")
     assert eval_main(["--config", "configs/debug_llama.yaml", "--checkpoint", str(tmp_path)]) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE: the writes fail as on a full disk) under ``python -m training``: was a
+    CheckpointException traceback; now one line naming the checkpoint directory, exit 2."""
+    import os
+    import resource
+    import subprocess
+
+    make_text_dataset(tmp_path / "d", [20])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "HEADRACE_DEBUG")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
+        cwd=REPO, env=dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert ours == [f"error: checkpoint: cannot write {tmp_path / 'out' / 'checkpoints' / 'step-00000001.tmp'} "
+                    "(rank 0): a file stopped growing mid-write (disk full or a file-size limit?)"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_rerun_of_a_finished_run_says_it_skips_the_current_export(tmp_path, capfd, one_rank):
+    make_text_dataset(tmp_path / "d", [20])
+    args = [*BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d"), "checkpoint.export_hf=true"]
+    assert main(args) == 0
+    assert f"exporting step 1 to {tmp_path / 'out' / 'hf'}" in capfd.readouterr().out
+    assert main(args) == 0  # resumes at step 1 = max_steps: nothing to train, hf/ is current
+    assert f"{tmp_path / 'out' / 'hf'} already holds step 1: export skipped" in capfd.readouterr().out

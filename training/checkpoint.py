@@ -107,12 +107,18 @@ def gather_loader_states(batches, dp_mesh) -> list:
 
 
 def write_error(where: Path, e: CheckpointException) -> Exception:
-    """One line for a failed DCP write: the directory and the first rank's OS error (a full disk, a permission)."""
+    """One line for a failed DCP write: the directory and the first rank's cause, when the cause is the file
+    system's (an OS error: a full disk, a file-size limit, a permission; or torch's zip writer failing
+    mid-file, ``unexpected pos``); any other failure keeps its traceback."""
     for rank, failure in sorted(e.failures.items()):
         cause = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(cause, OSError):
-            return JobInputError(f"checkpoint: cannot write {where} (rank {rank}): "
-                                 f"{cause.strerror or cause}{f' ({cause.filename})' if cause.filename else ''}")
+            what = f"{cause.strerror or cause}{f' ({cause.filename})' if cause.filename else ''}"
+        elif isinstance(cause, RuntimeError) and "unexpected pos" in str(cause):
+            what = "a file stopped growing mid-write (disk full or a file-size limit?)"
+        else:
+            continue
+        return JobInputError(f"checkpoint: cannot write {where} (rank {rank}): {what}")
     return e
 
 
