@@ -287,7 +287,7 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
     assert [r["step"] for r in records] == list(range(1, 7)) and records[0]["mfu"] is None
     assert 0.5 < records[0]["pack_fill"] <= 1.0
     assert (straight / "config.yaml").is_file() and (straight / "summary.json").is_file()
-    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    assert sorted(p.name for p in (straight / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000006"]
     hf = AutoModelForCausalLM.from_pretrained(straight / "hf")
     assert hf.config.model_type == "llama" and hf.config.hidden_size == TINY_LLAMA["hidden_size"]
 

@@ -77,16 +77,12 @@ def check_job(cfg, world_size: int | None = None) -> None:
         check_validation(cfg)
 
 
-def check_data_paths(data) -> None:
-    """ConfigError naming the key of a local dataset path (``data.datasets``, ``data.val.datasets``) that does not
-    exist (URLs are left to the loader)."""
-    entries = [(f"data.datasets[{i}].path", d.path) for i, d in enumerate(data.datasets)]
-    if data.val is not None:
-        entries += [(f"data.val.datasets[{i}].path", d.get("path")) for i, d in enumerate(data.val.get("datasets", []))
-                    if isinstance(d, dict)]
-    for key, path in entries:
-        if isinstance(path, str) and "://" not in path and not os.path.exists(path):
-            raise ConfigError(f"{key}: {path} does not exist")
+def check_data_paths(data, key: str = "data") -> None:
+    """ConfigError naming the key of a local dataset path of ``data.datasets`` (a ``DataConfig``: the job's, or
+    its val stream's with ``key`` ``data.val``) that does not exist (URLs are left to the loader)."""
+    for i, entry in enumerate(data.datasets):
+        if "://" not in entry.path and not os.path.exists(entry.path):
+            raise ConfigError(f"{key}.datasets[{i}].path: {entry.path} does not exist")
 
 
 def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[ShardSource | LhotseCutSource]) -> None:

@@ -241,7 +241,7 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     def open_loader():
         return open_data("data.val", lambda: build_loader(val_cfg, dp.get_local_rank(), dp.size()))
 
-    check_data_paths(cfg.data)
+    check_data_paths(val_cfg, "data.val")
     open_loader()  # its data errors at start-up, not at the first validation
 
     def batches() -> Iterator[dict]:
