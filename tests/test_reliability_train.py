@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import index_dir, make_text_dataset  # noqa: E402
 
 from training.__main__ import main  # noqa: E402
-from training.config import load_job_config  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
@@ -146,7 +146,7 @@ def test_yaml_reads_exponent_numbers_as_floats(tmp_path):
 
 def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_path, capsys, monkeypatch):
     from training.eval import main as eval_main
-    from training.validation import check_validation
+    from training.config.validate import check_validation
 
     demo = load_job_config(str(REPO / "configs" / "demo.yaml"))
     check_validation(demo)

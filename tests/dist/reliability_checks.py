@@ -34,10 +34,12 @@ from train_common import TINY_LLAMA  # noqa: E402
 
 from configtree import ConfigError  # noqa: E402
 from dataio import build_loader  # noqa: E402
-from training.config import load_job_config  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
 from training.run_lock import LOCK_FILE, OutputDirInUse  # noqa: E402
-from training.train import init_distributed, process_group_closed, train  # noqa: E402
-from training.validation import documents_started, val_data_config  # noqa: E402
+from training.distributed.process_group import init_distributed, process_group_closed  # noqa: E402
+from training.train import train  # noqa: E402
+from training.validation import documents_started  # noqa: E402
+from training.config.job_config import val_data_config  # noqa: E402
 
 DOCS = 40
 VAL_DOCS = DOCS
