@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -39,10 +40,21 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-3`` / ``2E5`` as floats: YAML 1.1 (PyYAML) wants a dot
+    (``1.0e-3``), so the number as people write it would arrive as the string ``'1e-3'`` (YAML 1.2 and
+    Python read it as a float). Nothing else changes: no tags beyond the safe ones."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _parse_yaml(text, where: str):
-    """``yaml.safe_load`` whose syntax errors are one ConfigError line: place and problem."""
+    """``yaml.safe_load`` (plus ``1e-3`` as a float, ``_Loader``) whose syntax errors are one ConfigError
+    line: place and problem."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

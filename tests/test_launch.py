@@ -107,3 +107,16 @@ def test_errors_are_one_line(job, launch):
     code, _, err = launch("--config", str(job), "--slurm", "--dry-run", "trainer.eval_every=5")
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("error: ") and "trainer.eval_every=5 needs a data.val" in last
+
+
+def test_failing_sbatch_says_its_own_message(job, tmp_path, launch):
+    """Was a CalledProcessError traceback hiding sbatch's message (issue 25)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/bash\necho "sbatch: error: invalid partition specified: gpux" >&2\n'
+                                    'exit 1\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    code, _, err = launch("--config", str(job), "--slurm", "--nodes", "1", "--gpus-per-node", "8",
+                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert code == 2
+    assert err == "error: sbatch exited with status 1: sbatch: error: invalid partition specified: gpux\n"

@@ -36,3 +36,15 @@ def test_validation_config_rules(tmp_path):
         check_job(job(pp_size=2, pipeline=dict(pp_schedule="DualPipeV")), world_size=2)
     with pytest.raises(ConfigError, match=r"data\.val\.seq_len=30 must be divisible by 2 x distributed\.cp_size = 4"):
         check_job(job(cp_size=2), world_size=2)
+
+
+@pytest.mark.slow
+def test_uneven_val_and_finite_streams_output_dir_lock_and_tp_heads_on_two_ranks(tmp_path):
+    """Issue 25 (tests/dist/reliability_checks.py): an uneven val split and a finite training stream finish on both
+    ranks with every val document counted once (was a deadlock), a held output_dir and tp not dividing the heads
+    are refused on both ranks."""
+    out = torchrun(2, tmp_path, script=REPO / "tests" / "dist" / "reliability_checks.py")
+    for check in ("uneven val stream and finite training stream finish on every rank",
+                  "a held output_dir is refused on every rank",
+                  "tp_size not dividing the heads is a ConfigError on every rank"):
+        assert out.count(f"OK {check}") == 2, out[-3000:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,8 +40,16 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
     cannot hold the model."""
     from training.config.validate import check_validation  # deferred: the CLI's --help loads no torch
 
+    from training.components.checkpoint import sealed_state
+    from training.components.checkpoint_seal import Incomplete, NotSealed
+
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
+    if kind == "dcp":
+        try:
+            sealed_state(ckpt)  # before DCP unpickles its .metadata
+        except (Incomplete, NotSealed) as e:
+            raise ValueError(f"--checkpoint {ckpt}: refused: {e}") from None
     if kind == "hf" and cfg.model.kind == "salm":
         raise ValueError(f"--checkpoint {path}: a SALM is evaluated from its DCP checkpoints (the hf/ export holds "
                          "only its LLM); its decoding WER: python -m training.speech.eval")
@@ -92,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job_config(args.config, args.overrides)
         check_inputs(cfg, args.checkpoint)
     except (ConfigError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # the same on every rank of a torchrun: said once
+            print(f"error: {e}", file=sys.stderr)
         return 2
     import torch.distributed as dist  # deferred: the CLI's --help and argument errors load no torch
 

@@ -92,8 +92,13 @@ def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
     ])
 
 
+class SubmitError(RuntimeError):
+    """``sbatch`` refused a job (its own message, one line) or is not installed."""
+
+
 def submit_chain(script: Path, seeds: list[int], output_dir: Path, dry_run: bool) -> list[str]:
-    """``sbatch`` the script once per seed, each job after the previous (``afterany``); returns the job ids."""
+    """``sbatch`` the script once per seed, each job after the previous (``afterany``); returns the job ids.
+    ``SubmitError`` with sbatch's own message when it fails (the jobs already submitted are listed)."""
     ids: list[str] = []
     for i, seed in enumerate(seeds):
         cmd = ["sbatch", "--parsable", *([f"--dependency=afterany:{ids[-1]}"] if ids else []), str(script), str(seed)]
@@ -101,7 +106,16 @@ def submit_chain(script: Path, seeds: list[int], output_dir: Path, dry_run: bool
             print(shlex.join(cmd))
             ids.append(f"JOB{i + 1}")
             continue
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise SubmitError("sbatch not found: run this on a SLURM login node (or --dry-run to see the "
+                              "commands)") from None
+        if proc.returncode != 0:
+            said = " ".join((proc.stderr.strip() or proc.stdout.strip() or "no message").split())
+            before = f" (already submitted: {', '.join(ids)})" if ids else ""
+            raise SubmitError(f"sbatch exited with status {proc.returncode}: {said}{before}")
+        out = proc.stdout.strip()
         ids.append(out.split(";")[0])  # --parsable: "id" or "id;cluster"
         with open(output_dir / "slurm" / "jobs.jsonl", "a") as f:
             f.write(json.dumps({"job_id": ids[-1], "data_seed": seed, "after": ids[-2] if i else None,
@@ -175,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(script)
         path.chmod(0o755)
-    submit_chain(path, seeds, output_dir, args.dry_run)
+    try:
+        submit_chain(path, seeds, output_dir, args.dry_run)
+    except SubmitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
 from training.components.optim import clip_grad_norm
@@ -120,7 +119,7 @@ def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_
             "tokens": int(global_tokens.item())}
 
 
-def next_micro_batches(batches: DevicePrefetcher, count: int) -> list[dict]:
+def next_micro_batches(batches: Iterator[dict], count: int) -> list[dict]:
     """The next ``count`` batches (already on the device), keeping only what the step reads."""
     return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
 

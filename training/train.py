@@ -23,7 +23,9 @@ with transformers' AttentionInterface) fed by ``cu_seq_lens_q`` / ``position_ids
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from configtree import to_dict
+from dataio.batching.even import even_batches
 from dataio.batching.prefetch import DevicePrefetcher
 from training.components import checkpoint
 from training.components.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token,
@@ -43,7 +46,8 @@ from training.components.optim import build_optimizer, lr_at, set_lr
 from training.components.profiling import StepProfiler
 from training.components.telemetry import rank_spread
 from training.config.job_config import DistributedConfig, JobConfig
-from training.config.validate import check_job, check_vocab
+from training.components.data import open_data, shard_sources
+from training.config.validate import check_data_paths, check_job, check_vocab
 from training.distributed import moe
 from training.distributed.context_parallel import cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
 from training.distributed.dense import apply_ddp
@@ -53,6 +57,7 @@ from training.distributed.pipeline import Pipeline, build_pipeline, pipeline_met
 from training.distributed.process_group import init_distributed, new_tail_group, pick_device
 from training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
 from training.models.loss import CausalLMLoss
+from training.components.run_lock import lock_output_dir
 from training.speech.eval import eval_in_training
 from training.speech.job import build_salm, export_salm, wrap_loader
 from training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
@@ -66,10 +71,13 @@ def seed_for_rank(seed: int, dp_rank: int) -> int:
     return seed + 1_000_003 * dp_rank
 
 
-def give_tail_group(loader) -> None:
-    stream = getattr(loader, "stream", None)
-    if stream is not None and dist.is_initialized():
-        stream.sync_group = new_tail_group()
+def step_inputs(batches: DevicePrefetcher, cfg: JobConfig) -> Iterator[dict]:
+    """What the steps read: ``batches``, evened out over the ranks when the stream is finite (``data.epochs``):
+    a rank that ran out trains on loss-free copies of its last batch until every rank has (a step's
+    collectives need every rank). Collective when finite."""
+    if cfg.data.epochs is None:
+        return iter(batches)
+    return even_batches(batches, new_tail_group())
 
 
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
@@ -117,6 +125,7 @@ class Trainer:
     forward: Callable[[nn.Module, dict, bool], torch.Tensor]  # ``step_forward``'s
     autocast: bool
     step: int = 0  # the last step trained (or resumed from)
+    first_loss: float | None = None  # the run's first logged loss (kept across resumes: the summary's)
 
     @property
     def out_dir(self) -> Path:
@@ -171,25 +180,29 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     if make_loader is None:
         from dataio import build_loader
 
+        check_data_paths(cfg.data)
         make_loader = functools.partial(build_loader, cfg.data)
-    loader = make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp)
-    give_tail_group(loader)
-    check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, getattr(loader, "sources", ()))
+    loader = open_data("data", lambda: make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp))
+    check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     if cfg.model.kind == "salm":
         loader = wrap_loader(loader, trainer.model, cfg, trainer.dims)
     return loader
 
 
 def resume(trainer: Trainer, loader) -> None:
-    """Continue from the newest complete checkpoint (``checkpoint.resume``): model, optimizer, RNG, every
-    dp rank's loader position and the step; then apply a chained job's own data seed (``trainer.data_seed``,
-    ``training.launch --jobs``)."""
+    """Continue from the newest complete checkpoint this run wrote (``checkpoint.load_newest``: sealed, same model
+    config, an incomplete one skipped): model, optimizer, RNG, every dp rank's loader position, the step and the
+    run's first loss; then apply a chained job's own data seed (``trainer.data_seed``, ``training.launch --jobs``)."""
     cfg = trainer.cfg
-    resume_from = checkpoint.latest(trainer.checkpoints) if cfg.checkpoint.resume else None
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, trainer.model, trainer.optimizer)
+    found = None
+    if cfg.checkpoint.resume:
+        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer,
+                                       checkpoint.model_config_record(trainer.hf_config))
+    if found is not None:
+        resume_from, state = found
         loader.load_state_dict(state["loader"])
         trainer.step = state["step"]
+        trainer.first_loss = state["first_loss"]
         print_on_rank0(f"resumed from {resume_from} at step {trainer.step}")
     if cfg.trainer.data_seed is not None:
         first = loader.reseed(cfg.trainer.data_seed)
@@ -232,7 +245,9 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
     checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
                     checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
-                    keep_last=trainer.cfg.checkpoint.keep_last)
+                    keep_last=trainer.cfg.checkpoint.keep_last,
+                    extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
+                           "first_loss": trainer.first_loss})
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
@@ -245,9 +260,10 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
                               world=dist.get_world_size())
+    inputs = step_inputs(batches, cfg)
     while trainer.step < max_steps:
         try:
-            micro = next_micro_batches(batches, cfg.trainer.grad_accum)
+            micro = next_micro_batches(inputs, cfg.trainer.grad_accum)
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
             print_on_rank0(f"data exhausted after step {trainer.step}")
             return
@@ -258,6 +274,8 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
         if step % cfg.trainer.log_every == 0 or step == max_steps:
             logger.log(step_record(trainer, stats, micro, *window.figures(step)))
             window.restart(step)
+            if trainer.first_loss is None:
+                trainer.first_loss = stats["loss"]
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
             eval_in_training(trainer.model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
         if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
@@ -276,15 +294,39 @@ def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
         save_checkpoint(trainer, batches)
 
 
+EXPORT_MARK = "headrace_export.json"  # in hf/: the step and options it was exported with
+
+
 def export_model(trainer: Trainer) -> None:
-    """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``). Collective."""
+    """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``), said on rank 0;
+    skipped when ``hf/`` already holds this step with these options (a finished run started again). Collective."""
     cfg = trainer.cfg
-    if cfg.checkpoint.export_hf and cfg.model.kind == "salm":
+    if not cfg.checkpoint.export_hf:
+        return
+    out = trainer.out_dir / "hf"
+    mark = {"step": trainer.step, "experts_layout": cfg.checkpoint.export_hf_experts,
+            "shard_size_mb": cfg.checkpoint.export_shard_size_mb}
+    current = [None]
+    if dist.get_rank() == 0 and (out / EXPORT_MARK).is_file():
+        try:
+            current[0] = json.loads((out / EXPORT_MARK).read_text()) == mark
+        except ValueError:  # a damaged mark: export again
+            current[0] = False
+    dist.broadcast_object_list(current, src=0)
+    if current[0]:
+        print_on_rank0(f"{out} already holds step {trainer.step}: export skipped")
+        return
+    print_on_rank0(f"exporting step {trainer.step} to {out} ...")
+    start = time.perf_counter()
+    if cfg.model.kind == "salm":
         export_salm(trainer.model, cfg, trainer.out_dir)
-    elif cfg.checkpoint.export_hf:
-        checkpoint.export_hf(trainer.model, trainer.hf_config, trainer.out_dir / "hf", cfg.model.tokenizer,
+    else:
+        checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
                              shard_size_mb=cfg.checkpoint.export_shard_size_mb,
                              experts_layout=cfg.checkpoint.export_hf_experts)
+    if dist.get_rank() == 0 and out.is_dir():
+        (out / EXPORT_MARK).write_text(json.dumps(mark))
+    print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")
 
 
 def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = None) -> list[dict]:
@@ -298,6 +340,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     init_distributed(device.type)
     cfg = with_model_layout(cfg)
     dims, meshes = set_up_meshes(cfg.distributed, device)
+    held = lock_output_dir(Path(cfg.trainer.output_dir))  # rank 0 holds it until the job ends
     save_job_config(cfg)
     trainer = build_trainer(cfg, device, dims, meshes)
     loader = build_train_loader(trainer, make_loader)
@@ -315,8 +358,10 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     profiler.close()
     save_final_checkpoint(trainer, batches)
     export_model(trainer)
-    logger.summary()
+    logger.summary(first_loss=trainer.first_loss)
     logger.close()
+    if held is not None:
+        held.close()
     return logger.history
 
 

@@ -5,9 +5,10 @@ The val stream is the ``data:`` section with ``data.val``'s keys laid over it (t
 packed like the training data (a SALM's audio batches get its prompt + transcript layout, as in training).
 The loader's layout (``dataio.stream.split``) gives DP rank ``r`` the global positions ``r, r + dp, ...``,
 so across DP ranks every val sample is read exactly once; TP/CP/PP peers read the same batches. At the
-tail the loader pads the ranks that ran out with loss-free batches (labels all -100; a rank's padding
-sample flagged ``__valid__ = False`` has its labels masked here) so every rank runs the same number of
-forwards (FSDP2's collectives) and padding adds nothing.
+tail the ranks that ran out run loss-free copies of their last batch (``dataio.batching.even``: the ranks
+agree between batches, in the loop's thread; a rank's padding sample flagged ``__valid__ = False`` has its
+labels masked here) so every rank runs the same number of forwards (FSDP2's collectives) and padding adds
+nothing.
 
 Per batch, one forward without autograd, by layout:
 - plain / TP / FSDP2 / SALM: the step's forward (``training.step.step_forward``: the chunked loss of
@@ -29,16 +30,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dataio.batching.even import even_batches, loss_free
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.loss import IGNORE_INDEX
 from training.config.job_config import val_data_config
-from training.config.validate import check_validation
+from training.components.data import open_data
+from training.config.validate import check_data_paths, check_validation
 from training.distributed.context_parallel import rank_batch_transform
 from training.distributed.process_group import new_tail_group
 from training.speech.job import wrap_loader
@@ -95,10 +98,8 @@ def reduce_figures(loss_sum: torch.Tensor, tokens: int, docs: int, *, loss_group
 
 def val_batches(loader: Iterable[dict], device: torch.device,
                 transform: Callable[[dict], dict] | None = None) -> DevicePrefetcher:
-    """``loader`` read ahead in a thread, as in training (``DevicePrefetcher``): a rank whose stream ended
-    waits in the loader's tail all-reduce there while the others still run forwards (in the loop's own
-    thread that wait would block their FSDP2 collectives; give the loader a group of its own,
-    ``stream.sync_group``). On the host, per batch: its documents are counted
+    """``loader`` read ahead in a thread, as in training (``DevicePrefetcher``). On the host, per batch: its
+    documents are counted
     (``__val_docs__``), rows flagged invalid lose their labels, then ``transform`` (CP: this rank's chunks),
     whose labelled tokens are counted (``__val_tokens__``: no device-to-host copy in the loop)."""
 
@@ -109,6 +110,11 @@ def val_batches(loader: Iterable[dict], device: torch.device,
         return {**batch, "__val_docs__": docs, "__val_tokens__": labelled_tokens(batch)}
 
     return DevicePrefetcher(loader, device, transform=prepare)
+
+
+def padding_batch(last: dict) -> dict:
+    """A loss-free copy of ``last`` (``dataio.batching.even``) that counts no token and no document."""
+    return {**loss_free(last), "__val_docs__": 0, "__val_tokens__": 0}
 
 
 @torch.no_grad()
@@ -199,12 +205,17 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     transform = rank_batch_transform(dims, meshes)
     tail_group = new_tail_group()
 
-    def batches() -> DevicePrefetcher:
-        loader = build_loader(val_cfg, dp.get_local_rank(), dp.size())
-        loader.stream.sync_group = tail_group
+    def open_loader():
+        return open_data("data.val", lambda: build_loader(val_cfg, dp.get_local_rank(), dp.size()))
+
+    check_data_paths(val_cfg, "data.val")
+    open_loader()  # its data errors at start-up, not at the first validation
+
+    def batches() -> Iterator[dict]:
+        loader = open_loader()
         if cfg.model.kind == "salm":
             loader = wrap_loader(loader, model, cfg, dims)
-        return val_batches(loader, device, transform)
+        return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch)
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())

@@ -9,7 +9,7 @@ one in stream order, and the state is per document), so exactly-once and resume 
 stream the ranks agree (one all_reduce) on the number of batches and pad with loss-free ones.
 
 State: ``packing`` (the packer's held document pieces as references, see ``Packer.state_dict``) and
-``packed_batches`` (batches emitted since the stream began: equal on all ranks). On resume the
+``packed_batches`` (batches emitted since the stream began). On resume the
 packer re-reads the documents it held (``fetch``); onto another ``dp_size`` the held pieces are dealt
 to the new ranks (``reshard_states``).
 """
@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from dataio.batching.packing import IGNORE_INDEX, Packer, reshard_states
+from dataio.batching.packing import Packer, reshard_states
 from dataio.batching.stage import same_layout
 from dataio.stream.batches import token_ext
 from dataio.stream.refs import REF_BITS, split_ref
@@ -42,18 +42,14 @@ class PackedBatches:
                              f"{bad} has none (leave seq_len unset for plain batches)")
 
     def __iter__(self) -> Iterator[dict]:
-        last = None  # the last packed batch: the template of loss-free padding batches at the tail
         for chunk in self.stream.plain(self.stream.read_batch_size()):
             for packed in self._pack(chunk):
                 self.packed_batches += 1
-                last = packed
                 yield packed
         self.packer.flush()
         while (packed := self.packer.pop()) is not None:
-            last = packed
             self.packed_batches += 1
             yield packed
-        yield from self._pad_tail(last)
 
     def _pack(self, chunk: dict) -> Iterator[dict]:
         stream = self.stream
@@ -72,23 +68,6 @@ class PackedBatches:
             while (packed := self.packer.pop()) is not None:
                 yield packed
         stream.consumed = max(stream.consumed, chunk["__end__"])
-
-    def _pad_tail(self, last: dict | None) -> Iterator[dict]:
-        """End of a finite packed stream: ranks packed different numbers of batches, so with a process
-        group they agree on the most (one all_reduce) and the others add loss-free batches (labels all
-        -100, fill 0), so that no rank leaves a collective hanging."""
-        dist, stream = torch.distributed, self.stream
-        if stream.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        most = torch.tensor([self.packed_batches])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=stream.sync_group)
-        if int(most) > self.packed_batches and last is None:
-            raise RuntimeError(f"DP rank {stream.dp_rank} packed no batch at all while others did: too little data "
-                               f"for dp_size={stream.dp_size}")
-        for _ in range(int(most) - self.packed_batches):
-            self.packed_batches += 1
-            yield {**last, "labels": torch.full_like(last["labels"], IGNORE_INDEX), "fill": 0.0, "num_docs": 0,
-                   "__docs__": [[] for _ in last["__docs__"]]}
 
     def fetch(self, ref: int) -> np.ndarray:
         """The decoded token array of document ``ref`` (for the packer's resume)."""

@@ -33,18 +33,28 @@ def lock_output(root: Path, *, node: int | None, command: str):
     OutputLocked when another process holds a conflicting lock.
     """
     Path(root).mkdir(parents=True, exist_ok=True)
-    f = open(Path(root) / LOCK_FILE, "ab")
     start, length = (0, 0) if node is None else (node + 1, 1)  # length 0: the whole file and beyond
+    f = try_lock(Path(root) / LOCK_FILE, start=start, length=length)
+    if f is None:
+        whom = "the whole directory" if node is None else f"node {node}"
+        raise OutputLocked(f"{root} is being written by another `dataio shard` or `dataio index` (conflicting "
+                           f"with {command} for {whom}); wait for it to finish or use another output "
+                           "directory")
+    return f
+
+
+def try_lock(path: Path, *, start: int = 0, length: int = 0):
+    """``path`` opened for appending with an exclusive record lock on ``length`` bytes from ``start`` (0: the
+    whole file and beyond), or None when another process holds a conflicting one. Closing the file (or the
+    process dying) releases it."""
+    f = open(path, "ab")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, length, start)
     except OSError as e:
         f.close()
         if e.errno not in (errno.EACCES, errno.EAGAIN):
             raise
-        whom = "the whole directory" if node is None else f"node {node}"
-        raise OutputLocked(f"{root} is being written by another `dataio shard` or `dataio index` (conflicting "
-                           f"with {command} for {whom}); wait for it to finish or use another output "
-                           "directory") from None
+        return None
     return f
 
 
@@ -62,4 +72,4 @@ def remove_temps(root: Path) -> list[Path]:
     return stale
 
 
-__all__ = ["LOCK_FILE", "OutputLocked", "lock_output", "remove_temps"]
+__all__ = ["LOCK_FILE", "OutputLocked", "lock_output", "remove_temps", "try_lock"]

@@ -49,7 +49,6 @@ class RankStream:
         self.reseeds: list[tuple[int, list[int]]] = []  # per-job seeds, see reseed()
         self.resumed_end = 0  # one past the highest global position any old rank had consumed at the resume
         self.fork_safe = self.reader().fork_safe
-        self.sync_group = None  # process group of a finite stream's tail agreement (None: the default group)
 
     @property
     def seeds(self) -> SeedSchedule:

@@ -5,7 +5,8 @@ process group), reads one epoch, and all_gathers its keys and batch count; rank 
 ranks are disjoint, cover the dataset exactly once and yield the same number of batches. Then every
 rank saves its state, the group shrinks its view to dp_size // 2 (explicit coordinates, as a trainer
 would after an elastic restart) and the continuation is checked the same way. Last, a packed finite
-stream must give every rank the same number of batches.
+stream read through ``dataio.batching.even.even_batches`` (the consumer's tail agreement) must give every
+rank the same number of batches.
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ def main(rank: int, world: int, port: int, root: str, expected_path: str, result
         rest = [valid_keys(b) for b in resumed]
     rests = [None] * world
     dist.all_gather_object(rests, rest)
-    # Packing: ranks pack different numbers of rows from their documents; the tail is evened out.
+    # Packing: ranks pack different numbers of rows from their documents; the consumer evens the tail out.
+    from dataio.batching.even import even_batches
+
     packed = build_loader({**cfg, "seed": 3, "packing": "best_fit", "seq_len": 16, "batch_size": 2,
                            "packing_buffer": 4})
-    count = sum(1 for _ in packed)
+    count = sum(1 for _ in even_batches(packed, None))
     counts = [None] * world
     dist.all_gather_object(counts, count)
     if rank == 0:

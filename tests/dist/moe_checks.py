@@ -21,7 +21,6 @@ Prints ``OK <check>`` per passed check; any mismatch raises.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, packed_batches  # noqa: E402
+from train_common import ListLoader, copy_checkpoint, packed_batches  # noqa: E402
 from train_layouts import check_close, check_exported_params, job, loaders  # noqa: E402
 
 from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
@@ -222,7 +221,7 @@ def run(workdir: Path, batches) -> None:
 
     # Resume the ep2 checkpoint of step 2 at ep4.
     if dist.get_rank() == 0:
-        shutil.copytree(workdir / "ep2" / "checkpoints" / "step-00000002",
+        copy_checkpoint(workdir / "ep2" / "checkpoints" / "step-00000002",
                         workdir / "resume_ep4" / "checkpoints" / "step-00000002")
     dist.barrier()
     history = train(job(workdir, "resume_ep4", dict(strategy="fsdp2", ep_size=4), 1), loaders(batches, 1))
@@ -235,7 +234,8 @@ def run(workdir: Path, batches) -> None:
     cfg = job(workdir, "ep2", LAYOUTS["ep2"][0], 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     model, hf_config = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
-    checkpoint.load(workdir / "ep2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
+    path = workdir / "ep2" / "checkpoints" / "step-00000004"
+    checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     checkpoint.export_hf(model, hf_config, workdir / "ep2_fused", experts_layout="fused")
     batch = batches[dist.get_rank()]
     with torch.no_grad():

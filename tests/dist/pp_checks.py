@@ -15,7 +15,6 @@ Prints ``OK <check>`` per passed check; any mismatch raises.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_common import packed_batches  # noqa: E402
+from train_common import copy_checkpoint, packed_batches  # noqa: E402
 from train_layouts import (  # noqa: E402
     GLOBAL_MICRO,
     STEPS,
@@ -60,7 +59,7 @@ def check_run(workdir: Path, name: str, history: list[dict], want) -> None:
 def resume_from_pp2(workdir: Path, name: str, cfg, grad_accum: int, ref_losses) -> None:
     """Copy the pp 2 run's step-2 checkpoint under ``name``; train to STEPS; losses 3..STEPS as the reference."""
     if dist.get_rank() == 0:
-        shutil.copytree(workdir / "pp2_1f1b" / "checkpoints" / "step-00000002", workdir / name / "checkpoints" /
+        copy_checkpoint(workdir / "pp2_1f1b" / "checkpoints" / "step-00000002", workdir / name / "checkpoints" /
                         "step-00000002")
     dist.barrier()
     history = train(cfg, loaders(BATCHES, grad_accum))

@@ -8,6 +8,8 @@ restores into a different dp world size.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -69,3 +71,14 @@ class ListLoader:
     def load_state_dict(self, states: list[dict]) -> None:
         assert len({s["step"] for s in states}) == 1, states
         self.consumed = states[0]["step"] * self.k
+
+
+def copy_checkpoint(src_step: Path, dest_step: Path) -> None:
+    """Copy checkpoint ``src_step`` (``.../checkpoints/step-N``) to ``dest_step`` with its run's seal key, which a
+    resume needs to accept it (training.components.checkpoint_seal)."""
+    import shutil
+
+    from training.components.checkpoint_seal import KEY_FILE
+
+    shutil.copytree(src_step, dest_step)
+    shutil.copy(src_step.parent / KEY_FILE, dest_step.parent / KEY_FILE)

@@ -18,7 +18,6 @@ Prints ``OK <check>`` per passed check; any mismatch raises.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, full_logits_loss_sum, packed_batches  # noqa: E402
+from train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches  # noqa: E402
 
 from training.components import checkpoint  # noqa: E402
 from training.config.load import load_job_config  # noqa: E402
@@ -206,7 +205,8 @@ def run_layouts(workdir: Path, batches) -> None:
     cfg = job(workdir, "fsdp2", dict(strategy="fsdp2"), 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
-    checkpoint.load(workdir / "fsdp2" / "checkpoints" / "step-00000004", model, build_optimizer(model, cfg.optim))
+    path = workdir / "fsdp2" / "checkpoints" / "step-00000004"
+    checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     batch = batches[0]
     with torch.no_grad():
         sharded = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])  # no labels: logits
@@ -227,7 +227,7 @@ def resume_step2(workdir: Path, source: str, name: str, distributed: dict, grad_
     """Copy run ``source``'s step-2 checkpoint into run ``name``, train it (other layout) to STEPS: steps 3..
     must give ``expected``'s losses."""
     if dist.get_rank() == 0:
-        shutil.copytree(workdir / source / "checkpoints" / "step-00000002",
+        copy_checkpoint(workdir / source / "checkpoints" / "step-00000002",
                         workdir / name / "checkpoints" / "step-00000002")
     dist.barrier()
     history = train(job(workdir, name, distributed, grad_accum), loaders(batches, grad_accum))

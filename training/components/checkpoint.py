@@ -10,6 +10,11 @@ Atomicity: everything is written under ``step-N.tmp``; after a barrier rank 0 wr
 (temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N`` directories
 holding ``trainer_state.json``, so a crash at any moment leaves the previous checkpoint as the latest.
 
+Trust and completeness (``training.components.checkpoint_seal``): the JSON also records every file's size and an HMAC of
+DCP's ``.metadata`` (a pickle) keyed by the run's ``checkpoints/.seal-key``; ``load_newest`` checks them before
+DCP reads anything, refuses a directory this run did not write, and falls back to the previous checkpoint when
+the newest is incomplete (saying so). The JSON carries the model's config too, compared key by key on resume.
+
 The HF export (``export_hf``) never gathers the model: every rank writes its shards with DCP's
 ``HuggingFaceStorageWriter`` and every rank consolidates a share of the output files, so peak memory per
 rank is its shard plus one tensor being copied (BENCHMARKS.md "hf export memory"). MoE experts are written
@@ -36,6 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from training.components.checkpoint_seal import Incomplete, NotSealed, check, seal, seal_key
+from training.errors import JobInputError
 from training.models.hf_experts import expert_converters, hub_names, per_expert_views
 from training.models.loss import unwrap_causal_lm
 from training.distributed.parallel_dims import gather_objects
@@ -62,19 +71,25 @@ def latest(folder: str | Path) -> Path | None:
 
 
 def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         loader_states: list, keep_last: int | None = None) -> Path:
-    """Write checkpoint ``step`` atomically (a collective: every rank calls it)."""
+         loader_states: list, keep_last: int | None = None, *, extra: dict | None = None) -> Path:
+    """Write checkpoint ``step`` atomically (a collective: every rank calls it). ``extra``: more JSON for the
+    trainer state (the model config, the run's first loss). A write that fails (a full disk) is one line
+    naming the directory, on every rank."""
     final = checkpoint_dir(folder, step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # leftovers of a crashed save
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    except CheckpointException as e:
+        raise write_error(tmp, e) from e
     rng = gather_objects(_rng_state())
     dist.barrier()
     if dist.get_rank() == 0:
-        _write_json(tmp / STATE_FILE, {"step": step, "loader": loader_states, "rng": rng})
+        state = {"step": step, "loader": loader_states, "rng": rng, **(extra or {})}
+        _write_json(tmp / STATE_FILE, seal(state, tmp, seal_key(Path(folder), create=True), STATE_FILE))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -91,17 +106,108 @@ def gather_loader_states(batches, dp_mesh) -> list:
     return [by_dp[r] for r in range(len(by_dp))]
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore model and optimizer from ``path`` into the current layout; returns the trainer state dict,
-    after restoring this rank's RNG when the world size is unchanged."""
+def write_error(where: Path, e: CheckpointException) -> Exception:
+    """One line for a failed DCP write: the directory and the first rank's cause, when the cause is the file
+    system's (an OS error: a full disk, a file-size limit, a permission; or torch's zip writer failing
+    mid-file, ``unexpected pos``); any other failure keeps its traceback."""
+    for rank, failure in sorted(e.failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, OSError):
+            what = f"{cause.strerror or cause}{f' ({cause.filename})' if cause.filename else ''}"
+        elif isinstance(cause, RuntimeError) and "unexpected pos" in str(cause):
+            what = "a file stopped growing mid-write (disk full or a file-size limit?)"
+        else:
+            continue
+        return JobInputError(f"checkpoint: cannot write {where} (rank {rank}): {what}")
+    return e
+
+
+def sealed_state(path: Path) -> dict:
+    """The trainer state of checkpoint ``path`` once its seal holds (``training.components.checkpoint_seal.check``)."""
+    return check(path, seal_key(path.parent, create=False), STATE_FILE)
+
+
+def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                model_config: dict) -> tuple[Path, dict] | None:
+    """Load the newest complete checkpoint of ``folder`` (``load``) and return ``(path, trainer state)``; None
+    when there is none. Rank 0 checks each candidate's seal and every rank learns the verdict: an incomplete one
+    is skipped for the previous one (said on rank 0), one this run did not write or one of another model is a
+    ``JobInputError`` on every rank. A collective."""
+    folder = Path(folder)
+    candidates = sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()),
+                        reverse=True) if folder.is_dir() else []
+    for path in candidates:
+        verdict: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                verdict[0] = ("ok", sealed_state(path))
+            except Incomplete as e:
+                verdict[0] = ("incomplete", str(e))
+            except NotSealed as e:
+                verdict[0] = ("refused", str(e))
+        dist.broadcast_object_list(verdict, src=0)
+        kind, what = verdict[0]
+        if kind == "refused":
+            raise JobInputError(f"checkpoint {path}: refused: {what}; loading it would unpickle its files "
+                                "(README, security notes)")
+        if kind == "incomplete":
+            _say(f"checkpoint {path} is incomplete ({what}): falling back to the previous one")
+            continue
+        check_model_config(path, what.get("model_config"), model_config)
+        try:
+            return path, load(path, model, optimizer, what)
+        except CheckpointException as e:  # a data file damaged at its right size
+            _say(f"checkpoint {path} does not load ({one_failure(e)}): falling back to the previous one")
+    if candidates:
+        raise JobInputError(f"checkpoint: no complete checkpoint in {folder} (see above); move it away to start "
+                            "afresh")
+    return None
+
+
+def one_failure(e: CheckpointException) -> str:
+    rank, failure = min(e.failures.items())
+    cause = failure[0] if isinstance(failure, tuple) else failure
+    return f"rank {rank}: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+
+
+def _say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+# config keys that say nothing about the weights' meaning: bookkeeping, and what only initialisation reads
+_NOT_THE_MODEL = {"transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype", "use_cache",
+                  "_attn_implementation_autoset", "attn_implementation", "_attn_implementation", "initializer_range",
+                  "output_attentions", "output_hidden_states", "return_dict", "_commit_hash"}
+
+
+def model_config_record(hf_config) -> dict:
+    """What ``check_model_config`` compares: the model's config as JSON, without ``_NOT_THE_MODEL``."""
+    fields = json.loads(json.dumps(hf_config.to_dict(), default=str))
+    return {k: v for k, v in fields.items() if k not in _NOT_THE_MODEL}
+
+
+def check_model_config(path: Path, saved: dict | None, current: dict) -> None:
+    """``JobInputError`` naming every key whose value differs between the checkpoint's model and this job's."""
+    if saved is None:
+        raise JobInputError(f"checkpoint {path}: records no model config to compare with this job's")
+    differ = [f"{k} {saved.get(k, '(unset)')!r} -> {current.get(k, '(unset)')!r}"
+              for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
+    if differ:
+        raise JobInputError(f"checkpoint {path} holds another model than this job's model config: "
+                            f"{'; '.join(differ)} (resume with the model it was trained with, or set "
+                            "checkpoint.resume: false / another trainer.output_dir)")
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> dict:
+    """Restore model and optimizer from ``path`` into the current layout; returns ``trainer_state`` (the
+    checked JSON of ``path``), after restoring this rank's RNG when the world size is unchanged."""
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_OPTIONS)
-    with open(path / STATE_FILE) as f:
-        trainer_state = json.load(f)
     if len(trainer_state["rng"]) == dist.get_world_size():
         torch.set_rng_state(_decode(trainer_state["rng"][dist.get_rank()]["cpu"]))
         cuda = trainer_state["rng"][dist.get_rank()].get("cuda")
@@ -208,4 +314,5 @@ def _prune(folder: Path, keep_last: int | None) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["STATE_FILE", "checkpoint_dir", "export_hf", "gather_loader_states", "latest", "load", "save"]
+__all__ = ["STATE_FILE", "check_model_config", "checkpoint_dir", "export_hf", "gather_loader_states", "latest", "load",
+           "load_newest", "model_config_record", "save", "sealed_state"]

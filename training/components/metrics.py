@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from configtree import to_dict
-from kernels.loss import IGNORE_INDEX
 from training.components import wandb_run
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
@@ -86,8 +85,7 @@ class ThroughputWindow:
     def add(self, micro_batches: list[dict], token_ranks: int) -> None:
         """One step over ``micro_batches`` on each of ``token_ranks`` ranks holding distinct tokens (dp x cp)."""
         self.tokens += sum(mb["input_ids"].numel() for mb in micro_batches) * token_ranks
-        self.fill += [float(mb["fill"]) if "fill" in mb else float((mb["labels"] != IGNORE_INDEX).float().mean())
-                      for mb in micro_batches]
+        self.fill += [float(mb["fill"]) for mb in micro_batches if "fill" in mb]  # packed rows only (not audio)
 
     def figures(self, step: int) -> tuple[dict, float]:
         """The window up to ``step``: its record fields (``tokens_per_s`` .. ``pack_fill``) and this rank's mean
@@ -99,7 +97,7 @@ class ThroughputWindow:
         return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world,
                 "flops_per_s": flops_per_s, "mfu": flops_per_s / self.peak if self.peak else None,
                 "data_wait_frac": wait / elapsed,
-                "pack_fill": sum(self.fill) / len(self.fill)}, (elapsed - wait) / (step - self.first_step)
+                "pack_fill": sum(self.fill) / len(self.fill) if self.fill else None}, (elapsed - wait) / (step - self.first_step)
 
     @contextlib.contextmanager
     def paused(self):
@@ -144,7 +142,8 @@ class MetricsLogger:
                 f"[bold]step {record['step']:>5}[/]  loss [cyan]{record['loss']:.4f}[/]  lr {record['lr']:.2e}  "
                 f"gnorm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s "
                 f"({record['tokens_per_s_per_device']:,.0f}/dev)  {mfu}  data wait {record['data_wait_frac']:.1%}  "
-                f"pack fill {record['pack_fill']:.1%}  mem {record['max_mem']:.2f} GiB"
+                + (f"pack fill {record['pack_fill']:.1%}  " if record["pack_fill"] is not None else "")
+                + f"mem {record['max_mem']:.2f} GiB"
                 + (f"  pp bubble {record['pp_bubble_measured']:.2f} (theory {record['pp_bubble_theory']:.2f})"
                    if "pp_bubble_measured" in record else ""), soft_wrap=True)
 
@@ -170,20 +169,21 @@ class MetricsLogger:
         if self.wandb_run is not None:
             wandb_run.log(self.wandb_run, record)
 
-    def summary(self, skip_first: int = 1) -> dict:
-        """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss."""
+    def summary(self, skip_first: int = 1, first_loss: float | None = None) -> dict:
+        """Means over the logged steps after the first ``skip_first`` (warm-up), plus first/last loss
+        (``first_loss``: the run's, which a resumed job did not log itself)."""
         if not self.history:
             return {}
         steady = self.history[skip_first:] or self.history
         mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
         result = {
             "steps": self.history[-1]["step"],
-            "first_loss": self.history[0]["loss"],
+            "first_loss": self.history[0]["loss"] if first_loss is None else first_loss,
             "last_loss": self.history[-1]["loss"],
             "tokens_per_s": mean("tokens_per_s"),
             "tokens_per_s_per_device": mean("tokens_per_s_per_device"),
             "data_wait_frac": mean("data_wait_frac"),
-            "pack_fill": mean("pack_fill"),
+            "pack_fill": mean("pack_fill") if steady[0]["pack_fill"] is not None else None,
             "max_mem": max(r["max_mem"] for r in self.history),
             "mfu": mean("mfu") if steady[0].get("mfu") is not None else None,
             "flops_per_s": mean("flops_per_s"),
@@ -200,8 +200,9 @@ class MetricsLogger:
                 self.console.print(
                     f"{result['steps']} steps, loss {result['first_loss']:.4f} -> {result['last_loss']:.4f}; "
                     f"{result['tokens_per_s']:,.0f} tok/s ({result['tokens_per_s_per_device']:,.0f} per device), "
-                    f"{mfu}, data wait {result['data_wait_frac']:.1%}, pack fill {result['pack_fill']:.1%}, "
-                    f"peak mem {result['max_mem']:.2f} GiB", soft_wrap=True)
+                    f"{mfu}, data wait {result['data_wait_frac']:.1%}, "
+                    + (f"pack fill {result['pack_fill']:.1%}, " if result["pack_fill"] is not None else "")
+                    + f"peak mem {result['max_mem']:.2f} GiB", soft_wrap=True)
         return result
 
     def close(self) -> None:

@@ -19,13 +19,18 @@ weight is allocated (``training.distributed``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from configtree import ConfigError
 from kernels.hf_attention import ATTENTION_NAME
 from training.config.job_config import val_data_config
 from training.config.pipeline_schedules import V_SHAPED, schedule_class_name
+
+if TYPE_CHECKING:
+    from dataio.stream.interop import LhotseCutSource
+    from dataio.stream.sources import ShardSource
 
 # dotted key -> (rule text, predicate); None passes where the field is optional
 _RULES: dict[str, tuple[str, Callable]] = {
@@ -182,8 +187,8 @@ def check_validation(cfg) -> None:
     job's layout."""
     val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
     if val_cfg is None:
-        raise ConfigError("data.val: validation needs a val stream (e.g. data.val: {datasets: [{path: ..., "
-                          "split: val}]})")
+        raise ConfigError("data.val: validation needs a val stream: set data.val in the job config or as an "
+                          "override, e.g. 'data.val={datasets: [{path: DATASET_DIR, split: val}]}'")
     if dist_cfg.cp_size > 1:
         check_cp_rows(val_cfg, dist_cfg.cp_size, "data.val")
     if dist_cfg.pp_size > 1 and schedule_class_name(dist_cfg.pipeline.pp_schedule) in V_SHAPED:
@@ -193,9 +198,17 @@ def check_validation(cfg) -> None:
                           "python -m training.eval ... distributed.pipeline.pp_schedule=1f1b")
 
 
-def check_vocab(vocab_size: int, tokenizer_path: str | None, sources) -> None:
+def check_data_paths(data, key: str = "data") -> None:
+    """ConfigError naming the key of a local dataset path of ``data.datasets`` (a ``DataConfig``: the job's, or
+    its val stream's with ``key`` ``data.val``) that does not exist (URLs are left to the loader)."""
+    for i, entry in enumerate(data.datasets):
+        if "://" not in entry.path and not os.path.exists(entry.path):
+            raise ConfigError(f"{key}.datasets[{i}].path: {entry.path} does not exist")
+
+
+def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[ShardSource | LhotseCutSource]) -> None:
     """ConfigError when the tokenizer or a shard's recorded largest token id does not fit the model's
-    ``vocab_size`` (``sources``: the loader's ``ShardSource``s; others are skipped)."""
+    ``vocab_size`` (``sources``: the loader's, ``Loader.stream.sources``; every one has an index)."""
     if tokenizer_path:
         from tokenizers import Tokenizer
 
@@ -207,12 +220,11 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources) -> None:
             raise ConfigError(f"model.tokenizer: {tokenizer_path} has {size} tokens, more than the model's "
                               f"vocab_size {vocab_size}; token ids >= {vocab_size} have no embedding")
     for source in sources:
-        index = getattr(source, "index", None)
-        for shard in getattr(index, "shards", ()):
+        for shard in source.index.shards:
             if shard.max_token is not None and shard.max_token >= vocab_size:
                 raise ConfigError(f"data: {source.path}/{shard.name} holds token id {shard.max_token}, "
                                   f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
 
 
-__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_degrees", "check_job", "check_validation",
-           "check_vocab"]
+__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_degrees", "check_job",
+           "check_validation", "check_vocab"]

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from configtree import ConfigError
 from training.config.job_config import DistributedConfig
 from training.distributed.parallel_dims import ParallelDims
 from training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie

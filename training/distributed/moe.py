@@ -168,7 +168,11 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     capacity = None if cfg.moe.capacity_factor is None else Capacity(
         factor=cfg.moe.capacity_factor, policy=cfg.moe.token_drop_policy, pad=cfg.moe.pad_to_capacity)
-    for layer, mlp in sparse_blocks(model):
+    blocks = sparse_blocks(model)
+    if not blocks:  # else expert parallelism, the grouped experts and the aux loss would silently not apply
+        raise ConfigError(f"model_type {hf_config.model_type!r}: no decoder layer's mlp holds `experts` (the "
+                          "transformers MoE layout training.distributed.moe reads)")
+    for layer, mlp in blocks:
         if cfg.moe.experts_implementation != "hf":
             install_experts_forward(mlp.experts, layer=layer, num_experts=experts, ep_group=ep_group, ep=dims.ep,
                                     impl=cfg.moe.experts_implementation, stats=stats, capacity=capacity)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from configtree import ConfigError
 from training.config.job_config import DistributedConfig
 from training.distributed.dense import parallelize_decoder_lm
 from training.distributed.moe import parallelize_moe_lm
@@ -24,12 +25,12 @@ from training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN, c
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
     if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
-        raise ValueError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
+        raise ConfigError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
                          f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")
     if dims.tp > 1:
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
         if heads % dims.tp or kv_heads % dims.tp:
-            raise ValueError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
+            raise ConfigError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
                              f"num_key_value_heads {kv_heads}")
         if hf_config.model_type not in OWN_TP_PLAN:
             check_hf_tp_plan(hf_config, dims.sequence_parallel)

@@ -49,10 +49,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def new_tail_group():
-    """The group of a finite packed stream's tail agreement (``stream.sync_group``): one all_reduce run in
-    the prefetcher's read-ahead thread, so on a gloo group of its own, never one the step's collectives use
-    at the same time (a mesh dim spanning every rank reuses the default group). Collective: every rank
-    calls it at the same point."""
+    """The gloo group of a finite stream's tail agreement (``dataio.batching.even``): one all_reduce of two
+    integers per batch in the loop's thread, on the host whatever the device. Collective: every rank calls it
+    at the same point."""
     return dist.new_group(backend="gloo")
 
 

@@ -13,13 +13,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from configtree import ConfigError
+
 from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from training.config.job_config import JobConfig, ModelConfig
+from training.errors import JobInputError
 from training.models.families import check_family, supports_packed_attention
 from training.models.hf_experts import per_expert_views
 from training.models.loss import unwrap_causal_lm
@@ -31,20 +35,20 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         fields = dict(cfg.config)
         model_type = fields.pop("model_type", None)
         if model_type is None:
-            raise ValueError("model.config needs a model_type (e.g. llama, qwen2, qwen3)")
-        config = AutoConfig.for_model(model_type, **fields)
+            raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, qwen3)")
+        config = config_or_error(lambda: AutoConfig.for_model(model_type, **fields), "model.config")
     else:
         path = cfg.config_path or cfg.pretrained_path
         if os.path.isfile(path):
             with open(path) as f:
                 fields = json.load(f)
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            config = config_or_error(lambda: AutoConfig.for_model(fields.pop("model_type"), **fields), path)
         else:
-            config = AutoConfig.from_pretrained(path)
+            config = config_or_error(lambda: AutoConfig.from_pretrained(path), path)
     model_cls = causal_lm_class(config)
     check_family(config, model_cls)
     if cfg.attn_implementation == ATTENTION_NAME and not supports_packed_attention(model_cls):
-        raise ValueError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
+        raise ConfigError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
                          f"model.attn_implementation={ATTENTION_NAME} cannot mask documents; use sdpa with "
                          "data.packing: none (the trainer switches to that by itself, see training.models.families)")
     if cfg.init_std is not None:
@@ -55,6 +59,17 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     return config
 
 
+def config_or_error(make, where: str) -> PretrainedConfig:
+    """``make()``; transformers' validation of a config value (wrong type, heads not dividing the hidden size)
+    as one ConfigError line naming ``where``."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return make()
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
+
+
 def causal_lm_class(config: PretrainedConfig) -> type:
     """The ``AutoModelForCausalLM`` class of ``config`` (one clear line when there is none)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -62,7 +77,7 @@ def causal_lm_class(config: PretrainedConfig) -> type:
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        raise ValueError(f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers "
+        raise ConfigError(f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers "
                          "(not a causal LM)") from None
 
 
@@ -98,7 +113,12 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
     for module in model.modules():  # to_empty left garbage, so nothing is initialized yet
         module._is_hf_initialized = False
     hf = unwrap_causal_lm(model)
-    hf.initialize_weights()  # also recomputes the non-persistent RoPE buffers
+    with warnings.catch_warnings():
+        # On a CPU mesh DTensor has no RNG tracker: each rank fills its shards from its own generator, seeded alike
+        # (torch warns once per random op). Harmless here: the weights are valid random ones either way, and a
+        # GPU mesh (the tracker) or pretrained_path give the exact ones.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+        hf.initialize_weights()  # also recomputes the non-persistent RoPE buffers
     hf.tie_weights()
     if pretrained_path is not None:
         load_safetensors(model, pretrained_path)
@@ -128,20 +148,37 @@ def checkpoint_names(hf: nn.Module, path: str) -> dict[str, str]:
     for the family (GPT-NeoX checkpoints keep ``embed_out`` for the model's ``lm_head``); only headers are read."""
     from pathlib import Path
 
-    from safetensors import safe_open
+    from safetensors import SafetensorError
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
     renames = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
     names = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                name = key
-                for rename in renames:
-                    name, _ = rename.rename_source_key(name)
-                names[name] = key
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in Path(path).glob("*.bin")) + sorted(p.name for p in Path(path).glob("*.pt*"))
+        raise JobInputError(f"model.pretrained_path: {path} holds no *.safetensors file"
+                            + (f" (only {', '.join(others[:3])}: re-save it with save_pretrained(..., "
+                               "safe_serialization=True); .bin files are pickles and are not read)" if others else ""))
+    for file in files:
+        try:
+            keys = safetensors_keys(file)
+        except SafetensorError as e:
+            raise JobInputError(f"model.pretrained_path: {file} is not a readable safetensors file ({e})") from None
+        for key in keys:
+            name = key
+            for rename in renames:
+                name, _ = rename.rename_source_key(name)
+            names[name] = key
     return names
+
+
+def safetensors_keys(file) -> list[str]:
+    """The tensor names in a safetensors file's header (nothing else is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return list(f.keys())
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:

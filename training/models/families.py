@@ -33,6 +33,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from training.models.loss import unwrap_causal_lm
+from configtree import ConfigError
 
 # Families with a hand-written TP+SP plan (training.distributed.dense.apply_tp); every other family uses its own
 # base_model_tp_plan without sequence parallelism.
@@ -73,10 +74,10 @@ def check_family(hf_config, model_cls: type) -> None:
     """Refuse, in one line, a model whose training objective or structure this trainer cannot reproduce."""
     for name in POST_HEAD_FIELDS:
         if getattr(hf_config, name, None) not in (None, 1.0):
-            raise ValueError(f"model_type {hf_config.model_type!r}: config.{name}={getattr(hf_config, name)} "
+            raise ConfigError(f"model_type {hf_config.model_type!r}: config.{name}={getattr(hf_config, name)} "
                              "transforms the logits after lm_head, which the trainer's chunked loss does not apply")
     if not getattr(model_cls, "_no_split_modules", None):
-        raise ValueError(f"model_type {hf_config.model_type!r}: {model_cls.__name__} declares no _no_split_modules, "
+        raise ConfigError(f"model_type {hf_config.model_type!r}: {model_cls.__name__} declares no _no_split_modules, "
                          "so its decoder blocks (the FSDP2 unit) cannot be found")
 
 
@@ -100,14 +101,14 @@ def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
     """Fail before building when ``tp_size > 1`` cannot be served by the model's own plan."""
     plan = getattr(hf_config, "base_model_tp_plan", None)
     if not plan:
-        raise ValueError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} has no base_model_tp_plan "
+        raise ConfigError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} has no base_model_tp_plan "
                          "in transformers (set tp_size: 1)")
     if sequence_parallel:
-        raise ValueError(f"distributed.sequence_parallel: model_type {hf_config.model_type!r} has no "
+        raise ConfigError(f"distributed.sequence_parallel: model_type {hf_config.model_type!r} has no "
                          f"sequence-parallel plan (written for {', '.join(LLAMA_LIKE)}); set it false")
     unknown = {k: v for k, v in plan.items() if v not in TP_STYLES}
     if unknown:
-        raise ValueError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} uses TP styles "
+        raise ConfigError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} uses TP styles "
                          f"{unknown} that the trainer does not translate (known: {', '.join(TP_STYLES)})")
 
 

@@ -36,9 +36,9 @@ class CausalLMLoss(nn.Module):
     def __init__(self, causal_lm: nn.Module, chunk_size: int | None = None):
         super().__init__()
         head = causal_lm.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("CausalLMLoss: an lm_head with a bias is not supported (the chunked loss reads "
-                             "only the weight)")
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise ValueError(f"CausalLMLoss: the lm_head must be an nn.Linear without bias (the chunked loss reads "
+                             f"only its weight), got {head!r}")
         for name, child in causal_lm.named_children():  # same FQNs as the HF model: "model.*", "lm_head.*"
             self.add_module(name, child)
         # The decoder and the head under the family's own names (GPT-NeoX: gpt_neox / embed_out).

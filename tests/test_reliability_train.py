@@ -1,0 +1,189 @@
+"""Issue 25, trainer side, one process through the real entry points (``python -m training``'s ``main`` and
+``train``): user errors are one line, exit 2, printed once; checks that used to be skipped now run (the
+vocabulary check on the loader's shards); resume refuses another model, a tampered checkpoint, and falls back
+past an incomplete one; the run's first loss survives a resume; YAML reads ``1e-3`` as a number. The
+multi-rank checks (uneven val, finite stream, output_dir lock, tp heads) are in test_validation_dist.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+sys.path.insert(0, str(Path(__file__).parent / "dist"))
+from loader_util import index_dir, make_text_dataset  # noqa: E402
+
+from training.__main__ import main  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
+        "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8"]
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def run(tmp_path, capsys, *overrides) -> tuple[int, str]:
+    code = main([*BASE, f"trainer.output_dir={tmp_path / 'out'}", *overrides])
+    return code, capsys.readouterr().err
+
+
+def datasets(path) -> str:
+    return f"data.datasets=[{{path: {path}}}]"
+
+
+def test_trainer_data_errors_are_one_line_exit_2(tmp_path, capsys, one_rank):
+    make_text_dataset(tmp_path / "good", [20])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no_tokens").mkdir()
+    with wds.TarWriter(str(tmp_path / "no_tokens" / "a-000000.tar")) as w:
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "txt": b"hello"})
+    index_dir(tmp_path / "no_tokens")
+    cases = {  # each was a traceback from every rank, exit 1
+        datasets(tmp_path / "nope"): f"data.datasets[0].path: {tmp_path / 'nope'} does not exist",
+        datasets(tmp_path / "empty"): f"data: {tmp_path / 'empty'}: no headrace index",
+        f"data.datasets=[{{path: {tmp_path / 'good'}, split: val}}]": "data: ",  # only a train split there
+        datasets(tmp_path / "no_tokens"): "data: packing: best_fit with seq_len: 64 needs token members (*.npy)",
+        "model.config.num_attention_heads=3": "model.config: ",  # transformers: hidden 64 not a multiple of 3
+    }
+    for override, message in cases.items():  # "error: ", not "error (rank 0): ": the same on every rank, said once
+        code, err = run(tmp_path, capsys, datasets(tmp_path / "good"), override)
+        assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, (override, err)
+    code, err = run(tmp_path, capsys, f"data.datasets=[{{path: {tmp_path / 'good'}, split: val}}]")
+    assert "no shards in split 'val'" in err
+
+
+def test_vocab_check_runs_through_the_trainer(tmp_path, capsys, one_rank):
+    """The loader's shards reach check_vocab (it used to receive none and the embedding raised IndexError)."""
+    make_text_dataset(tmp_path / "d", [30])  # token ids up to ~1000
+    code, err = run(tmp_path, capsys, datasets(tmp_path / "d"), "model.config.vocab_size=256")
+    assert code == 2 and "holds token id" in err and "outside the model's vocab_size 256" in err, err
+
+
+def test_damaged_or_pickle_only_pretrained_path_is_one_line(tmp_path, capsys, one_rank):
+    from train_common import TINY_LLAMA, save_pretrained_tiny
+
+    make_text_dataset(tmp_path / "d", [20])
+    for name in ("damaged", "bin_only"):
+        save_pretrained_tiny(tmp_path / name, dict(TINY_LLAMA, vocab_size=1024))
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(b"12")
+    (tmp_path / "bin_only" / "model.safetensors").rename(tmp_path / "bin_only" / "pytorch_model.bin")
+    capsys.readouterr()  # save_pretrained's progress bars
+    for name, message in (("damaged", f"{tmp_path / 'damaged' / 'model.safetensors'} is not a readable safetensors"),
+                          ("bin_only", f"{tmp_path / 'bin_only'} holds no *.safetensors file (only "
+                                       "pytorch_model.bin")):
+        code, err = run(tmp_path, capsys, datasets(tmp_path / "d"), "model.config=null",
+                        f"model.pretrained_path={tmp_path / name}")
+        assert code == 2 and err.startswith(f"error: model.pretrained_path: {message}"), err
+
+
+def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_and_refuses_a_tampered_one(
+        tmp_path, capsys, one_rank):
+    make_text_dataset(tmp_path / "d", [60])
+    steps = lambda n: ("trainer.log_every=1", f"trainer.max_steps={n}", f"optim.decay_steps=6",  # noqa: E731
+                       "checkpoint.interval=2", datasets(tmp_path / "d"))
+    assert run(tmp_path, capsys, *steps(4))[0] == 0
+    out = tmp_path / "out"
+    first_loss = json.loads((out / "summary.json").read_text())["first_loss"]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".seal-key", "step-00000002", "step-00000004"]
+
+    # another model whose shapes may match: refused, naming every key that differs
+    code, err = run(tmp_path, capsys, *steps(6), "model.config.tie_word_embeddings=true",
+                    "model.config.hidden_size=32")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "holds another model than this job's model config: head_dim 8 -> 4; hidden_size 64 -> 32; " \
+           "tie_word_embeddings False -> True" in err, err
+
+    # step 4 cut short (a .distcp truncated): the run says so and resumes from step 2
+    data_file = next((ckpts / "step-00000004").glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    capsys.readouterr()
+    assert run(tmp_path, capsys, *steps(6))[0] == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-4:] == [3, 4, 5, 6]
+    assert json.loads((out / "summary.json").read_text())["first_loss"] == first_loss  # the run's, not step 3's
+
+    # a .metadata changed at the same size (e.g. a crafted pickle): refused in one line, nothing unpickled
+    meta = ckpts / "step-00000006" / ".metadata"
+    data = bytearray(meta.read_bytes())
+    data[-1] ^= 0xFF
+    meta.write_bytes(bytes(data))
+    code, err = run(tmp_path, capsys, *steps(8))
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: checkpoint {ckpts / 'step-00000006'}: refused: its seal does not match"), err
+
+
+def test_incomplete_checkpoint_fallback_is_said(tmp_path, capfd, one_rank):
+    make_text_dataset(tmp_path / "d", [40])
+    args = [*BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d"), "trainer.max_steps=2",
+            "checkpoint.interval=1"]
+    assert main(args) == 0
+    (tmp_path / "out" / "checkpoints" / "step-00000002" / "trainer_state.json").write_text('{"step": 2, "lo')
+    assert main([*args[:-2], "trainer.max_steps=3", "checkpoint.interval=1"]) == 0
+    out = capfd.readouterr().out
+    assert f"checkpoint {tmp_path / 'out' / 'checkpoints' / 'step-00000002'} is incomplete (trainer_state.json " \
+           "does not read" in out and "falling back to the previous one" in out, out
+    assert "resumed from" in out and "step-00000001 at step 1" in out, out
+
+
+def test_yaml_reads_exponent_numbers_as_floats(tmp_path):
+    """``1e-3`` was the string '1e-3' (YAML 1.1) and died in transformers' config validation on every rank."""
+    (tmp_path / "job.yaml").write_text("model: {config: {model_type: llama, rms_norm_eps: 1e-5}}\n"
+                                       "data: {datasets: [{path: x}], seq_len: 8}\noptim: {lr: 3E-4}\n")
+    cfg = load_job_config(str(tmp_path / "job.yaml"), ["model.config.initializer_range=2e-2"])
+    assert cfg.model.config["rms_norm_eps"] == 1e-5 and cfg.optim.lr == 3e-4
+    assert cfg.model.config["initializer_range"] == 0.02
+
+
+def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_path, capsys, monkeypatch):
+    from training.eval import main as eval_main
+    from training.config.validate import check_validation
+
+    demo = load_job_config(str(REPO / "configs" / "demo.yaml"))
+    check_validation(demo)
+    assert demo.data.val["datasets"] == [{"path": "demo/shards/text", "split": "val"}] and demo.trainer.eval_every
+    monkeypatch.setenv("RANK", "0")
+    assert eval_main(["--config", "configs/debug_llama.yaml", "--checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    monkeypatch.setenv("RANK", "1")
+    assert eval_main(["--config", "configs/debug_llama.yaml", "--checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE: the writes fail as on a full disk) under ``python -m training``: was a
+    CheckpointException traceback; now one line naming the checkpoint directory, exit 2."""
+    import os
+    import resource
+    import subprocess
+
+    make_text_dataset(tmp_path / "d", [20])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "HEADRACE_DEBUG")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
+        cwd=REPO, env=dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert ours == [f"error: checkpoint: cannot write {tmp_path / 'out' / 'checkpoints' / 'step-00000001.tmp'} "
+                    "(rank 0): a file stopped growing mid-write (disk full or a file-size limit?)"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_rerun_of_a_finished_run_says_it_skips_the_current_export(tmp_path, capfd, one_rank):
+    make_text_dataset(tmp_path / "d", [20])
+    args = [*BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d"), "checkpoint.export_hf=true"]
+    assert main(args) == 0
+    assert f"exporting step 1 to {tmp_path / 'out' / 'hf'}" in capfd.readouterr().out
+    assert main(args) == 0  # resumes at step 1 = max_steps: nothing to train, hf/ is current
+    assert f"{tmp_path / 'out' / 'hf'} already holds step 1: export skipped" in capfd.readouterr().out

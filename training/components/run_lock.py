@@ -1,0 +1,54 @@
+"""One training job per ``trainer.output_dir``: rank 0 holds a lock on ``OUTPUT_DIR/.headrace-train.lock``.
+
+Two jobs on one directory would interleave ``metrics.jsonl``, rename each other's ``step-N`` checkpoints and
+delete each other's in-progress saves, and both would finish. The lock is ``dataio``'s (``try_lock``: a POSIX
+record lock, dropped by the kernel however the holder dies, carried by NFS's lock manager); the holder
+writes who it is (host, pid, start time) into the file, so the refusal names it. Rank 0 takes it and every
+rank learns the outcome (one broadcast), so a refused job fails on every rank with the same one line.
+Cost: one open, one ``fcntl`` call and one small broadcast per job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dataio.shards.outdir import try_lock
+from training.errors import JobInputError
+
+LOCK_FILE = ".headrace-train.lock"
+
+
+class OutputDirInUse(JobInputError):
+    """``trainer.output_dir`` is held by another training job (the same on every rank: printed once)."""
+
+
+def lock_output_dir(out_dir: Path):
+    """Rank 0: the open, locked lock file (keep it open for the job); other ranks: None. Collective: every rank
+    raises ``OutputDirInUse`` when another job holds the directory."""
+    held, refusal = None, None
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / LOCK_FILE
+        held = try_lock(path)
+        if held is None:
+            holder = path.read_text(errors="replace").strip() or "a process that wrote no name"
+            refusal = (f"trainer.output_dir: {out_dir} is in use by another training job ({holder}); wait for it to "
+                       "finish or choose another output_dir")
+        else:
+            held.truncate(0)
+            held.write(f"host {socket.gethostname()} pid {os.getpid()} since "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+            held.flush()
+    box = [refusal]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise OutputDirInUse(box[0])
+    return held
+
+
+__all__ = ["LOCK_FILE", "OutputDirInUse", "lock_output_dir"]
