@@ -159,7 +159,7 @@ def check_member(ext: str, data: bytes) -> None:
         assert e.key == "k" and e.member == ext
         return
     if isinstance(out, Audio):
-        from dataio.prepare.audio import MAX_FRAMES_PER_BYTE
+        from dataio.shards.audioheader import MAX_FRAMES_PER_BYTE
 
         assert out.waveform.shape[-1] <= len(data) * MAX_FRAMES_PER_BYTE
         assert verdict is None or "no samples" in verdict or "header" in verdict, verdict

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 from dataio.stream.decode import DecodeConfig, SampleDecodeError, decode_sample
-from dataio.prepare.audio import probe
+from dataio.shards.audioheader import probe
 from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
 from tests.hostile import NAME, SIZE, base256, fix_checksum, flac_bytes, lying_flac, make_tar, pax_tar, set_field
 from tests.test_energon_interop import make_samples, run_verb, write_shards
@@ -401,7 +401,7 @@ def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatc
     import loader_util
     from dataio import build_loader
     from dataio.stream.batches import BatchMaker
-    from dataio.stream.sources import ShardFormatError
+    from dataio.stream.storage import ShardFormatError
 
     loader_util.make_text_dataset(tmp_path, [40, 40])
     made = BatchMaker.__call__

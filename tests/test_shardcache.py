@@ -85,7 +85,7 @@ def test_folder_names(data, tmp_path):
 def test_a_short_object_is_an_error_and_leaves_nothing(data, tmp_path):
     """An object shorter than the index says (rewritten under the index): a ShardFormatError naming it, no
     file under the shard's name, no part file left."""
-    from dataio.stream.sources import ShardFormatError
+    from dataio.stream.storage import ShardFormatError
 
     root, index, sizes = data
     name = sorted(sizes)[0]

@@ -36,7 +36,8 @@ import numpy as np
 
 from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
 from dataio.stream.cuts_index import CutsIndex
-from dataio.stream.sources import ShardSource, retry
+from dataio.stream.sources import ShardSource
+from dataio.stream.storage import retry
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 

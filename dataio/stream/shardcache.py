@@ -45,6 +45,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from dataio.shards.index import DatasetIndex
+from dataio.stream.storage import ShardFormatError, retry
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,6 @@ class ShardCache:
 
     def _download(self, folder: Path, name: str, url: str, size: int, storage_options: dict | None) -> None:
         import fsspec
-
-        from dataio.stream.sources import ShardFormatError, retry
 
         for stale in (folder / PARTS).iterdir():  # a dead downloader's (the exclusive lock is ours)
             if _part_of(stale) == name:
