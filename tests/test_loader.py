@@ -15,8 +15,7 @@ from dataio import build_loader
 from dataio.stream.decode import SampleDecodeError
 from dataio.stream.storage import ShardFormatError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import index_dir, make_text_dataset, npy_bytes  # noqa: E402
+from tests.loader_util import index_dir, make_text_dataset, npy_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = [7, 5, 3, 1, 6]  # 22 samples: divides by none of dp 3, 4 or batch 3

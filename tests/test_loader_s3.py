@@ -23,17 +23,11 @@ moto_server = pytest.importorskip("moto.server")
 from dataio import build_loader  # noqa: E402
 from dataio.stream import sources, storage  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import energon_prepared, make_text_dataset  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+from tests.loader_util import energon_prepared, make_text_dataset  # noqa: E402
 
 SHARDS = [7, 5, 3, 1, 6]
 BUCKET = "corpus"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

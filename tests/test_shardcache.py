@@ -4,17 +4,14 @@ download's part file goes first, and a folder is per URL and index."""
 
 import logging
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from dataio.shards.index import load_index
 from dataio.stream.shardcache import PARTS, ShardCache, local_name, unlock
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import make_text_dataset  # noqa: E402
+from tests.loader_util import make_text_dataset
 
 
 @pytest.fixture

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from loader_util import make_text_dataset  # noqa: E402
-from train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny  # noqa: E402
+from tests.loader_util import make_text_dataset
+from tests.dist.train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny
 
 from configtree import ConfigError  # noqa: E402
 from training import checkpoint  # noqa: E402

@@ -6,12 +6,13 @@ evaluated at other layouts. Plus the config rules (no process group)."""
 from __future__ import annotations
 
 import pytest
-from test_training_dist import REPO, torchrun
+
+from tests.helpers import torchrun
 
 
 @pytest.mark.slow
 def test_validation_under_pp_and_cp_equals_one_process(tmp_path):
-    out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "val_checks.py")
+    out = torchrun(4, "tests.dist.val_checks", tmp_path).stdout
     for layout in ("pp4_1f1b", "pp2_dp2_1f1b", "pp2_dp2_interleaved", "pp2_tp2", "cp4_allgather", "cp2_dp2_ring",
                    "dp4"):
         assert out.count(f"OK {layout} validation equals one process's") == 4, out[-3000:]

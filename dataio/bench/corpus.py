@@ -70,7 +70,7 @@ def byte_tokens(text: str) -> np.ndarray:
 
 def demo_token_documents(count: int) -> list[np.ndarray]:
     """``count`` byte-tokenised demo-corpus documents; the installed ones repeated when they run out."""
-    from dataio.bench.documents import select_documents
+    from dataio.bench.documents import select_documents  # here: drivers that only synthesise audio skip it
 
     docs = [byte_tokens(d.text) for d in select_documents(count)]
     return [docs[i % len(docs)] for i in range(count)]
@@ -90,6 +90,7 @@ def write_bpe_tokenizer(path: Path, texts: Iterable[str], vocab_size: int) -> Pa
 def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = "train-%06d.tar",
                          maxcount: int = 10**9, maxsize: float = 3e9, workers: int = 1) -> int:
     """Write ``samples`` (webdataset dicts) as tars under ``root`` and index them; returns the shard count."""
+    # here: the writer and the indexer (soundfile, the shard scanner) load only for drivers that write shards
     import webdataset as wds
 
     from dataio.prepare.indexing import build_index

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from configtree import ConfigError
 from dataio.shards.index import DatasetIndex
 from dataio.stream.storage import ShardFormatError, retry
 
@@ -112,8 +113,6 @@ class ShardCache:
 
     def check_fits(self, url: str, shard_bytes: dict[str, int]) -> None:
         """ConfigError when the largest shard of dataset ``url`` alone is over ``cache_limit``."""
-        from configtree import ConfigError
-
         name, size = max(shard_bytes.items(), key=lambda kv: kv[1], default=("", 0))
         if self.limit is not None and size > self.limit:
             raise ConfigError(f"data.cache_limit: {self.limit} bytes cannot hold shard {name} of {url} ({size} bytes); "
