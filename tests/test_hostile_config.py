@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from configtree import ConfigError
-from training.config import load_job_config
-from training.validate import check_job, check_vocab
+from training.config.load import load_job_config
+from training.config.validate import check_job, check_vocab
 
 from tests.dist.train_common import TINY_LLAMA, VOCAB
 from tests.helpers import child_env, torchrun

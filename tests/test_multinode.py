@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from training.config import load_job_config
+from training.config.load import load_job_config
 from training.launch import ENV
 
 from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
@@ -226,7 +226,7 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     """The generated sbatch script on a real (one-node) SLURM: job 1 trains and checkpoints and is cancelled
     (as a time limit would end it); job 2, chained afterany, resumes from the newest complete checkpoint with
     its own data seed and finishes the run."""
-    from training import checkpoint
+    from training.components import checkpoint
 
     out = work / "slurm_run"
     proc = subprocess.run([sys.executable, "-m", "training.launch", "--slurm", "--nodes", "1", "--nproc-per-node",
