@@ -19,4 +19,4 @@ def __getattr__(name: str):
         from dataio.loader import build_loader
 
         return build_loader
-    raise AttributeError(f"module 'dataio' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from dataio.usererror import EXIT_USER_ERROR, CommandError, debug_requested, is_user_error, one_line
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "shard": ("dataio.commands.shard", "turn corpora into indexed WebDataset shards"),
@@ -31,14 +33,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class CommandError(Exception):
-    """A user-facing failure: printed as one line, exit status 2 (or ``exit_code``)."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dataio", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true",
@@ -54,8 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
-
     args = build_parser().parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from dataio.batching.bucketing import BucketingConfig
 from dataio.batching.packing import PackingConfig
+from dataio.sizes import parse_size
 from dataio.stream.decode import DecodeConfig
 
 DEFAULT_SEQ_LEN = 2048
@@ -79,8 +80,6 @@ class DataConfig:
         if self.num_workers < 0 or self.max_bad_samples < 0:
             raise ValueError("num_workers and max_bad_samples must be >= 0")
         if isinstance(self.cache_limit, str):
-            from dataio.prepare.plan import parse_size
-
             try:
                 self.cache_limit = parse_size(self.cache_limit)
             except ValueError as e:

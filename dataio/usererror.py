@@ -17,9 +17,17 @@ DEBUG_ENV = "HEADRACE_DEBUG"
 EXIT_USER_ERROR = 2
 
 
+class CommandError(Exception):
+    """A user-facing failure of a ``dataio`` verb: printed as one line, exit status 2 (or ``exit_code``)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USER_ERROR):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def _user_error_types() -> tuple[type, ...]:
+    # imported on the first error, not at start-up: these modules pull in numpy, soundfile and torch
     from configtree import ConfigError
-    from dataio.cli import CommandError
     from dataio.loader_state import StateError
     from dataio.prepare.job import PrepareError
     from dataio.prepare.readers import SampleError
@@ -53,4 +61,4 @@ def one_line(e: BaseException) -> str:
     return lines[0]
 
 
-__all__ = ["DEBUG_ENV", "EXIT_USER_ERROR", "debug_requested", "is_user_error", "one_line"]
+__all__ = ["DEBUG_ENV", "EXIT_USER_ERROR", "CommandError", "debug_requested", "is_user_error", "one_line"]

@@ -30,8 +30,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))  # loader_util, train_common
-from tests.hostile import flac_bytes, make_tar  # noqa: E402
+from tests.hostile import flac_bytes, make_tar
 
 CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
 MEMORY_CEILING = 6 << 30  # RLIMIT_DATA of a fuzz process (torch and numpy included)
@@ -159,7 +158,7 @@ def check_member(ext: str, data: bytes) -> None:
         assert e.key == "k" and e.member == ext
         return
     if isinstance(out, Audio):
-        from dataio.prepare.audio import MAX_FRAMES_PER_BYTE
+        from dataio.shards.audioheader import MAX_FRAMES_PER_BYTE
 
         assert out.waveform.shape[-1] <= len(data) * MAX_FRAMES_PER_BYTE
         assert verdict is None or "no samples" in verdict or "header" in verdict, verdict
@@ -263,8 +262,7 @@ def targets(tmp: Path) -> dict:
     flac = flac_bytes(800, 8000)
     for name, data in (("a.flac", flac), ("b.wav", WAV)):
         (tmp / name).write_bytes(data)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from loader_util import make_text_dataset
+    from tests.loader_util import make_text_dataset
 
     from dataio import build_loader
     from tests.test_hostile_config import job

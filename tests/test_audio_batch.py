@@ -3,8 +3,6 @@ values the per-sample ``decode_audio`` gives, bit for bit, drops bad members nam
 without a copy; ``decode.libsndfile`` picks a libsndfile build without changing values."""
 
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +14,9 @@ from dataio.stream.audio_batch import decode_pending, mean_decoded_bytes
 from dataio.stream.collate import collate, plain_memory
 from dataio.stream.decode import Audio, DecodeConfig, PendingAudio, SampleDecodeError, decode_audio, decode_sample
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_loader_audio import audio, waveforms  # noqa: E402,F401  (the loader fixture and reader)
+from tests.test_loader_audio import audio, waveforms  # noqa: F401  (the loader fixture and reader)
 
-from tests.hostile import list_info, peak_chunk, riff, wav_chunks  # noqa: E402
+from tests.hostile import list_info, peak_chunk, riff, wav_chunks
 
 
 def encode(rate: int, seconds: float, channels: int, fmt: str, subtype: str, seed: int) -> bytes:

@@ -17,7 +17,7 @@ import webdataset as wds
 
 from dataio.bench.peers import PEERS, skip_reason
 from dataio.bench.report import RUN_FIELDS
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 
 REPO = Path(__file__).resolve().parents[1]
 

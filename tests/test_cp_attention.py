@@ -1,7 +1,6 @@
 """Context parallelism: LSE attention blocks, the head-tail block rule (ranks simulated in one process),
 the trainer's config rules and host-side split, and the real gloo launch (tests/dist/cp_checks.py)."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,8 @@ from training.config.load import load_job_config
 from training.distributed.context_parallel import cp_batch_transform
 from training.distributed.parallel_dims import ParallelDims
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from train_common import packed_batches, save_pretrained_tiny  # noqa: E402
-from test_training_dist import torchrun  # noqa: E402
+from tests.dist.train_common import packed_batches, save_pretrained_tiny
+from tests.helpers import torchrun
 
 
 def _cu(lengths):
@@ -205,7 +203,7 @@ def test_cp_training_matches_single_process(tmp_path):
     """One 4-rank gloo launch: attention (cp2, cp4, both modes), cp4 / cp2 x dp2 / cp2 x tp2+SP+AC training
     against the single-process reference, resume cp2 -> cp1 and cp4 (see tests/dist/cp_checks.py)."""
     save_pretrained_tiny(tmp_path / "pretrained")
-    out = torchrun(4, tmp_path, script=Path(__file__).parent / "dist" / "cp_checks.py")
+    out = torchrun(4, "tests.dist.cp_checks", tmp_path).stdout
     for check in ("cp2 attention matches", "cp4 attention matches", "cp4_allgather matches", "cp4_ring matches",
                   "cp2_dp2_allgather matches", "cp2_dp2_ring matches", "cp2_tp2_sp_ac matches",
                   "cp2 checkpoint resumes as resume_cp1", "cp2 checkpoint resumes as resume_cp4"):

@@ -25,7 +25,7 @@ def run_verb(verb: str, *argv: str) -> int:
     """Run one `dataio` subcommand in-process through its own argument parser."""
     import importlib
 
-    from dataio.cli import CommandError
+    from dataio.usererror import CommandError
 
     module = importlib.import_module(f"dataio.commands.{verb}")
     parser = argparse.ArgumentParser()

@@ -3,7 +3,6 @@ per-sample path, and hands anything it does not fully check back to that path.""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +18,7 @@ from dataio.stream.collate import collate, plain_memory
 from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.sources import ShardSource
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import index_dir, npy_bytes  # noqa: E402
+from tests.loader_util import index_dir, npy_bytes
 
 
 def token_tars(root: Path, lengths: list[list[int]], dtype=np.int32, prefix="t") -> None:

@@ -4,21 +4,16 @@ at start-up; user errors are one line from rank 0 with exit status 2 (tracebacks
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from train_common import TINY_LLAMA, VOCAB  # noqa: E402
+from configtree import ConfigError
+from training.config.load import load_job_config
+from training.config.validate import check_job, check_vocab
 
-from configtree import ConfigError  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
-from training.config.validate import check_job, check_vocab  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.dist.train_common import TINY_LLAMA, VOCAB
+from tests.helpers import child_env, torchrun
 
 
 def job(tmp_path) -> dict:
@@ -75,7 +70,7 @@ def test_tokenizer_larger_than_the_model_is_refused(tmp_path):
 
 def test_shard_token_ids_beyond_the_vocab_are_refused_from_the_index(tmp_path):
     """The largest id is recorded per shard by `dataio index` (tarscan) and checked without reading data."""
-    from loader_util import make_text_dataset  # tokens 0..999 plus the sample number
+    from tests.loader_util import make_text_dataset  # tokens 0..999 plus the sample number
 
     from dataio.stream.sources import ShardSource
 
@@ -110,10 +105,8 @@ def test_trainer_user_errors_are_one_line_and_bugs_keep_tracebacks(tmp_path, cap
 
 
 def run_torchrun(nproc: int, *args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("HEADRACE_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           "-m", "training", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    """The trainer under torchrun, expected to fail: user errors without HEADRACE_DEBUG's tracebacks."""
+    return torchrun(nproc, "training", *args, env=child_env(HEADRACE_DEBUG=None), timeout=300, check=False)
 
 
 def test_torchrun_parallel_dims_error_is_one_line_from_rank_0(tmp_path):

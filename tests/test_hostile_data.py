@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 from dataio.stream.decode import DecodeConfig, SampleDecodeError, decode_sample
-from dataio.prepare.audio import probe
+from dataio.shards.audioheader import probe
 from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
 from tests.hostile import NAME, SIZE, base256, fix_checksum, flac_bytes, lying_flac, make_tar, pax_tar, set_field
 from tests.test_energon_interop import make_samples, run_verb, write_shards
@@ -273,7 +273,7 @@ def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, work
     import itertools
     import os
 
-    import loader_util
+    from tests import loader_util
     from dataio import build_loader
 
     # shard 0 long enough (500 batches) that workers reading a task of several batches ahead are still in it
@@ -291,7 +291,7 @@ def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, work
 # --- 4. loader states: fingerprint of the data's identity, every field checked ---------------------------
 
 def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_path):
-    import loader_util
+    from tests import loader_util
     from dataio import build_loader
     from dataio.loader_state import StateError
 
@@ -321,7 +321,7 @@ def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_
      "'layout' must be a mapping of start"),
 ])
 def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, message):
-    import loader_util
+    from tests import loader_util
     from dataio import build_loader
     from dataio.loader_state import StateError
 
@@ -398,10 +398,10 @@ def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatc
     import os
     import signal
 
-    import loader_util
+    from tests import loader_util
     from dataio import build_loader
     from dataio.stream.batches import BatchMaker
-    from dataio.stream.sources import ShardFormatError
+    from dataio.stream.storage import ShardFormatError
 
     loader_util.make_text_dataset(tmp_path, [40, 40])
     made = BatchMaker.__call__

@@ -13,10 +13,9 @@ import webdataset as wds
 
 from dataio import build_loader
 from dataio.stream.decode import SampleDecodeError
-from dataio.stream.sources import ShardFormatError
+from dataio.stream.storage import ShardFormatError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import index_dir, make_text_dataset, npy_bytes  # noqa: E402
+from tests.loader_util import index_dir, make_text_dataset, npy_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = [7, 5, 3, 1, 6]  # 22 samples: divides by none of dp 3, 4 or batch 3
@@ -236,9 +235,9 @@ def test_fsspec_url_source(text):
 
 
 def test_transient_storage_errors_are_retried(monkeypatch):
-    from dataio.stream import sources
+    from dataio.stream import storage
 
-    monkeypatch.setattr(sources, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.0)
     calls = []
 
     def flaky():
@@ -247,9 +246,9 @@ def test_transient_storage_errors_are_retried(monkeypatch):
             raise ConnectionResetError("reset by peer")
         return b"ok"
 
-    assert sources.retry(flaky, "test") == b"ok" and len(calls) == 3
+    assert storage.retry(flaky, "test") == b"ok" and len(calls) == 3
     with pytest.raises(OSError, match="after 5 attempts"):
-        sources.retry(lambda: (_ for _ in ()).throw(TimeoutError("slow")), "test")
+        storage.retry(lambda: (_ for _ in ()).throw(TimeoutError("slow")), "test")
 
 
 # -- bad data ------------------------------------------------------------------------------------
@@ -321,14 +320,14 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
     fails once with a connection error is retried and the data is still exact."""
     import fsspec
 
-    from dataio.stream import sources
+    from dataio.stream import sources, storage
 
     root, all_keys = text
     fs = fsspec.filesystem("memory")
     for path in root.rglob("*"):
         if path.is_file():
             fs.pipe(f"/hr/{path.relative_to(root)}", path.read_bytes())
-    monkeypatch.setattr(sources, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.0)
     real_open = sources.open_remote
     failures = []
 

@@ -3,8 +3,6 @@ workers) serves the same keys and waveforms as ``soundfile``, and counts bad mem
 undecoded audio bytes: tests/test_loader_bucketing.py)."""
 
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +13,8 @@ import webdataset as wds
 from dataio import build_loader
 from dataio.stream.decode import SampleDecodeError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import index_dir  # noqa: E402
-from test_dali import EDGE  # noqa: E402  (the tolerance argument lives with it)
+from tests.loader_util import index_dir
+from tests.test_dali import EDGE  # the tolerance argument lives with it
 
 
 def flac(rate: int, seconds: float, freq: float) -> bytes:

@@ -3,8 +3,6 @@
 import io
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,8 +12,7 @@ import webdataset as wds
 
 from dataio import build_loader
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import index_dir, npy_bytes  # noqa: E402
+from tests.loader_util import index_dir, npy_bytes
 
 
 @pytest.fixture(scope="module")

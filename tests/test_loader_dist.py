@@ -1,22 +1,13 @@
 """Real gloo process group: ranks take their DP coordinates from it and together cover the data once."""
 
 import json
-import socket
-import sys
-from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dist.loader_ranks import main  # noqa: E402
-from loader_util import make_text_dataset  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.dist.loader_ranks import main
+from tests.helpers import free_port
+from tests.loader_util import make_text_dataset
 
 
 @pytest.mark.slow

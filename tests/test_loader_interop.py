@@ -2,7 +2,6 @@
 headrace index; its split.yaml decides which shards a split reads), a Lhotse cuts manifest and a
 Lhotse Shar directory (transcripts carried as the `json` member `dataio shard` writes)."""
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +13,7 @@ from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
 from dataio import build_loader
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import energon_prepared  # noqa: E402
+from tests.loader_util import energon_prepared
 
 
 def stream_keys(path: Path, **entry) -> list[str]:

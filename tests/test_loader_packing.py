@@ -1,9 +1,7 @@
 """The packing stage on the loader's stream: every token once, also across an elastic resume."""
 
 import itertools
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +9,7 @@ import torch
 from dataio import build_loader
 from dataio.stream.refs import split_ref
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import make_text_dataset  # noqa: E402
+from tests.loader_util import make_text_dataset
 
 
 @pytest.fixture(scope="module")

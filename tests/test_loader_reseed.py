@@ -3,17 +3,14 @@ the epochs in progress continue exactly, and every epoch of every blended datase
 
 import itertools
 import json
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dataio import build_loader
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import make_text_dataset  # noqa: E402
+from tests.loader_util import make_text_dataset
 
 SIZES = {"a": [7, 5, 3, 1, 6], "b": [4, 5]}  # 22 and 9 samples, blended 2:1 over 3 epochs of "a"
 DP = 2

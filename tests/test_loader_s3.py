@@ -21,19 +21,13 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from dataio import build_loader  # noqa: E402
-from dataio.stream import sources  # noqa: E402
+from dataio.stream import sources, storage  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import energon_prepared, make_text_dataset  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+from tests.loader_util import energon_prepared, make_text_dataset  # noqa: E402
 
 SHARDS = [7, 5, 3, 1, 6]
 BUCKET = "corpus"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +246,7 @@ def fault_proxy(s3):
 @pytest.mark.parametrize("faults", [["reset"], ["500", "503"], ["slow", "truncate"]])
 def test_faults_are_retried_and_no_sample_is_lost_or_repeated(s3, aws_env, fault_proxy, monkeypatch, faults):
     endpoint, root, keys = s3
-    monkeypatch.setattr(sources, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
     monkeypatch.setattr(sources, "REMOTE_BLOCK", 4096)  # several ranged GETs a shard: more requests to fault
     proxy = fault_proxy(faults, every=3)
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
@@ -268,7 +262,7 @@ def test_read_timeout_is_retried(s3, aws_env, fault_proxy, monkeypatch):
     """Every 4th GET stalls (30 s) past s3fs's configured read timeout (``storage_options.config_kwargs``):
     the read is given up and asked again, and the epoch is still the local one, each sample once."""
     endpoint, root, keys = s3
-    monkeypatch.setattr(sources, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
     monkeypatch.setattr(sources, "REMOTE_BLOCK", 8192)
     proxy = fault_proxy(["stall"], every=4, stall_s=30)
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")

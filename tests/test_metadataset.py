@@ -6,7 +6,6 @@ metadataset and an energon directory behind an fsspec URL."""
 
 import collections
 import itertools
-import sys
 from pathlib import Path
 
 import fsspec
@@ -16,9 +15,8 @@ import yaml
 from configtree import ConfigError
 from dataio import build_loader
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import energon_prepared  # noqa: E402
-from test_loader import keys_of, resume_everywhere  # noqa: E402
+from tests.loader_util import energon_prepared
+from tests.test_loader import keys_of, resume_everywhere
 
 # energon's get_loader asks for pinned memory, which CPU-only torch warns about
 pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

@@ -6,16 +6,14 @@ one-line configuration errors. Expert parallelism over gloo is in test_moe_dist.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from loader_util import make_text_dataset  # noqa: E402
-from train_common import TINY_LLAMA, VOCAB, packed_batches  # noqa: E402
+from tests.loader_util import make_text_dataset
+from tests.dist.train_common import TINY_LLAMA, VOCAB, packed_batches
 
 from kernels.grouped_experts import grouped_experts  # noqa: E402
 from training.config.load import load_job_config  # noqa: E402

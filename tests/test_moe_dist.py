@@ -5,16 +5,11 @@ logits), starting from a ``save_pretrained`` (per-expert) checkpoint."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from test_moe import recipe_fields  # noqa: E402
-from test_training_dist import REPO, torchrun  # noqa: E402
+from tests.test_moe import recipe_fields
+from tests.helpers import torchrun
 
 
 @pytest.mark.slow
@@ -25,7 +20,7 @@ def test_expert_parallel_layouts_match_one_process(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).save_pretrained(
         tmp_path / "pretrained")
-    out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "moe_checks.py")
+    out = torchrun(4, "tests.dist.moe_checks", tmp_path).stdout
     for check in ("ep experts forward/backward equal", "ep2 first-step", "ep4_loop first-step", "ep2_tp2 first-step",
                   "ep2_cap first-step", "ep4_cap_pad first-step", "ep2 matches", "ep4_loop matches",
                   "ep2_tp2 matches", "ep2_cap matches", "ep4_cap_pad matches", "ep2 checkpoint resumes at ep4",

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,29 +17,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from loader_util import make_text_dataset  # noqa: E402
-from train_common import TINY_LLAMA, save_pretrained_tiny  # noqa: E402
+from training.config.load import load_job_config
+from training.launch import ENV
 
-from training.config.load import load_job_config  # noqa: E402
-from training.launch import ENV  # noqa: E402
+from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
+from tests.helpers import REPO, child_env, free_port, torchrun
+from tests.loader_util import make_text_dataset
 
-REPO = Path(__file__).resolve().parent.parent
 ROWS = 2  # rows per rank and step
 VAL_DOCS = 21
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +83,9 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
     from training.eval import evaluate_checkpoint
 
     out = work / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "--max-restarts=1",
-           str(REPO / "tests" / "dist" / "train_killed.py"), "1", "8", str(work / "job.yaml"),
-           f"trainer.output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(**ENV), capture_output=True, text=True, timeout=300)
+    proc = torchrun(3, "tests.dist.train_killed", "1", "8", work / "job.yaml", f"trainer.output_dir={out}",
+                    launcher_args=("--max-restarts=1",), env=child_env(**ENV), timeout=300)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
     assert "rank 1: SIGKILL at batch 8" in log, log[-3000:]
     resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
     assert len(resumed) == 1 and re.search(r"step-0000000[246] at step [246]$", resumed[0]), log[-3000:]
@@ -118,11 +100,8 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
     single = evaluate_checkpoint(cfg, str(out / "checkpoints"))
     assert single["checkpoint"].endswith("step-00000008") and single["val_docs"] == VAL_DOCS
     assert single["val_loss"] == pytest.approx(got[1][8]["val_loss"], rel=1e-6)  # dp=3 in training == dp=1
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "training.eval", "--config", str(work / "job.yaml"), "--checkpoint",
-                           str(out / "checkpoints"), f"trainer.output_dir={out}"],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = torchrun(2, "training.eval", "--config", work / "job.yaml", "--checkpoint", out / "checkpoints",
+                    f"trainer.output_dir={out}", timeout=200)
     two = json.loads(proc.stdout.strip().splitlines()[-1])
     assert two["val_docs"] == VAL_DOCS and two["val_tokens"] == single["val_tokens"]
     assert two["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)

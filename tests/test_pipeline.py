@@ -5,29 +5,23 @@ at pp 2, pp 4, pp x dp FSDP2, pp x tp+SP, checkpoint resharding across pp) again
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from train_common import TINY_LLAMA, save_pretrained_tiny  # noqa: E402
-
-from configtree import ConfigError  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
-from training.distributed.pipeline import (  # noqa: E402
+from configtree import ConfigError
+from training.config.load import load_job_config
+from training.distributed.pipeline import (
     bubble_theory,
     local_stage_ids,
     microbatch_count,
     split_layers,
     stage_count,
 )
-from training.config.pipeline_schedules import schedule_class_name  # noqa: E402
+from training.config.pipeline_schedules import schedule_class_name
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
+from tests.helpers import torchrun
 
 AUTOMODEL_BLOCK = """
 model: {config: {model_type: llama}}
@@ -133,26 +127,17 @@ def test_pp_needs_a_split_rule_and_untied_embeddings():
         build_pipeline(cfg, None, {}, None, hf)
 
 
-def torchrun(nproc: int, workdir: Path, mode: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(REPO / "tests" / "dist" / "pp_checks.py"), str(workdir), mode], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc.stdout
-
-
 @pytest.mark.slow
 def test_pipeline_schedules_and_compositions_match_one_process(tmp_path):
     save_pretrained_tiny(tmp_path / "pretrained", dict(TINY_LLAMA, num_hidden_layers=8))
-    out = torchrun(2, tmp_path, "pp2")
+    out = torchrun(2, "tests.dist.pp_checks", tmp_path, "pp2", timeout=500).stdout
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule", "DualPipeV"):
         assert out.count(f"OK pp2 {schedule} matches") == 2, out[-3000:]
     for check in ("scale_grads_in_schedule trains the same model", "bf16 with activation checkpointing within",
                   "hf export logits equal",
                   "checkpoint resumes as resume_pp1"):
         assert out.count(f"OK pp2 {check}") == 2, out[-3000:]
-    out = torchrun(4, tmp_path, "pp4")
+    out = torchrun(4, "tests.dist.pp_checks", tmp_path, "pp4", timeout=500).stdout
     for check in ("pp4_1f1b matches", "pp4_interleaved matches", "pp2_dp2_fsdp2 matches", "pp2_tp2_sp matches",
                   "pp2 checkpoint resumes as resume_pp4"):
         assert out.count(f"OK {check}") == 4, out[-3000:]

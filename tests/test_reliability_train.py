@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from loader_util import index_dir, make_text_dataset  # noqa: E402
+from tests.helpers import REPO, child_env
+from tests.loader_util import index_dir, make_text_dataset
 
-from training.__main__ import main  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
+from training.__main__ import main
+from training.config.load import load_job_config
 
-REPO = Path(__file__).resolve().parent.parent
 BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
         "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8"]
 
@@ -167,11 +166,9 @@ def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
     import subprocess
 
     make_text_dataset(tmp_path / "d", [20])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "HEADRACE_DEBUG")}
     proc = subprocess.run(
         [sys.executable, "-m", "training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
-        cwd=REPO, env=dict(env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        cwd=REPO, env=child_env(HEADRACE_DEBUG=None), capture_output=True, text=True,
         timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)))
     assert proc.returncode == 2, proc.stderr[-2000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]

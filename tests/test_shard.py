@@ -19,7 +19,7 @@ import pytest
 import soundfile as sf
 import webdataset as wds
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 from dataio.commands import shard as shard_cmd
 from dataio.shards.index import load_index
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dataio.prepare.readers import Entry
-from dataio.prepare.plan import assign_splits, key_hashes, parse_size, parse_splits, plan_job, resolve_node
+from dataio.prepare.plan import assign_splits, key_hashes, parse_splits, plan_job, resolve_node
+from dataio.sizes import parse_size
 from dataio.shards.tarwriter import TarWriter, tar_header
 
 
@@ -123,7 +124,7 @@ def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, r
     sample rate and frame count; where it does not, probe falls back to libsndfile."""
     import soundfile as sf
 
-    from dataio.prepare.audio import HEADER_BYTES, parse_header, probe, probe_file
+    from dataio.shards.audioheader import HEADER_BYTES, parse_header, probe, probe_file
 
     data = _encoded(fmt, subtype, channels, rate, frames)
     parsed = parse_header(data[:HEADER_BYTES], len(data))
@@ -154,7 +155,7 @@ def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, su
     samples the loader reads in place (``wav_format``'s data offset)."""
     import soundfile as sf
 
-    from dataio.prepare.audio import HEADER_BYTES, parse_header, wav_format
+    from dataio.shards.audioheader import HEADER_BYTES, parse_header, wav_format
 
     data = _wav_with_list() if subtype == "LIST" else _encoded(fmt, subtype, 1, 16000, 4000)
     rng = np.random.default_rng(0)
@@ -188,7 +189,7 @@ def test_wav_chunks_before_data_are_skipped_only_where_libsndfile_goes_past_them
     inside or sub-chunks that overrun it) or that the parser does not vouch for: left to libsndfile."""
     import soundfile as sf
 
-    from dataio.prepare.audio import parse_header
+    from dataio.shards.audioheader import parse_header
     from tests.hostile import list_info, peak_chunk, riff, wav_chunks
 
     fmt, data = wav_chunks(np.zeros((1000, 2), np.float32), 8000)
@@ -217,7 +218,7 @@ def test_wav_chunks_before_data_are_skipped_only_where_libsndfile_goes_past_them
 
 
 def test_corrupt_audio_is_unreadable():
-    from dataio.prepare.audio import probe
+    from dataio.shards.audioheader import probe
 
     with pytest.raises(ValueError, match="unreadable audio"):
         probe(b"fLaC" + bytes(range(256)) * 4)

@@ -4,17 +4,14 @@ download's part file goes first, and a folder is per URL and index."""
 
 import logging
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from dataio.shards.index import load_index
 from dataio.stream.shardcache import PARTS, ShardCache, local_name, unlock
 
-sys.path.insert(0, str(Path(__file__).parent))
-from loader_util import make_text_dataset  # noqa: E402
+from tests.loader_util import make_text_dataset
 
 
 @pytest.fixture
@@ -85,7 +82,7 @@ def test_folder_names(data, tmp_path):
 def test_a_short_object_is_an_error_and_leaves_nothing(data, tmp_path):
     """An object shorter than the index says (rewritten under the index): a ShardFormatError naming it, no
     file under the shard's name, no part file left."""
-    from dataio.stream.sources import ShardFormatError
+    from dataio.stream.storage import ShardFormatError
 
     root, index, sizes = data
     name = sorted(sizes)[0]

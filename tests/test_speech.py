@@ -3,15 +3,13 @@ loss on a bucketed batch, WER, config errors."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from speech_common import (SPEECH, TINY_ENCODER, TINY_LLM, TINY_WHISPER, audio_batches, save_tokenizer,  # noqa: E402
+from tests.dist.speech_common import (SPEECH, TINY_ENCODER, TINY_LLM, TINY_WHISPER, audio_batches, save_tokenizer,
                            salm_job)
 
 from configtree import ConfigError  # noqa: E402

@@ -6,12 +6,13 @@ training vs eval of the export; Whisper's encoder under FSDP2 x TP + activation 
 from __future__ import annotations
 
 import pytest
-from test_training_dist import REPO, torchrun
+
+from tests.helpers import torchrun
 
 
 @pytest.mark.slow
 def test_salm_layouts_match_single_process_and_resume(tmp_path):
-    out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "speech_layouts.py")
+    out = torchrun(4, "tests.dist.speech_layouts", tmp_path).stdout
     for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "salm validation at dp4 and dp2 x tp2 equals",
                   "whisper from scratch under fsdp2", "whisper_fsdp2_tp_ac matches", "whisper bf16 with a frozen encoder",
                   "eval during training equals", "resume reproduces"):

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from loader_util import make_text_dataset  # noqa: E402
-from train_common import (TINY_LLAMA, copy_checkpoint, full_logits_loss_sum, packed_batches,  # noqa: E402
-                          save_pretrained_tiny)
+from tests.loader_util import make_text_dataset
+from tests.dist.train_common import (TINY_LLAMA, copy_checkpoint, full_logits_loss_sum, packed_batches,
+                                    save_pretrained_tiny)
 
 from configtree import ConfigError  # noqa: E402
 from training.components import checkpoint  # noqa: E402

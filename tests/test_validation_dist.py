@@ -6,12 +6,13 @@ evaluated at other layouts. Plus the config rules (no process group)."""
 from __future__ import annotations
 
 import pytest
-from test_training_dist import REPO, torchrun
+
+from tests.helpers import torchrun
 
 
 @pytest.mark.slow
 def test_validation_under_pp_and_cp_equals_one_process(tmp_path):
-    out = torchrun(4, tmp_path, script=REPO / "tests" / "dist" / "val_checks.py")
+    out = torchrun(4, "tests.dist.val_checks", tmp_path).stdout
     for layout in ("pp4_1f1b", "pp2_dp2_1f1b", "pp2_dp2_interleaved", "pp2_tp2", "cp4_allgather", "cp2_dp2_ring",
                    "dp4"):
         assert out.count(f"OK {layout} validation equals one process's") == 4, out[-3000:]
@@ -43,7 +44,7 @@ def test_uneven_val_and_finite_streams_output_dir_lock_and_tp_heads_on_two_ranks
     """Issue 25 (tests/dist/reliability_checks.py): an uneven val split and a finite training stream finish on both
     ranks with every val document counted once (was a deadlock), a held output_dir and tp not dividing the heads
     are refused on both ranks."""
-    out = torchrun(2, tmp_path, script=REPO / "tests" / "dist" / "reliability_checks.py")
+    out = torchrun(2, "tests.dist.reliability_checks", tmp_path)
     for check in ("uneven val stream and finite training stream finish on every rank",
                   "a held output_dir is refused on every rank",
                   "tp_size not dividing the heads is a ConfigError on every rank"):

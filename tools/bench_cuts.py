@@ -19,8 +19,7 @@ from pathlib import Path
 
 
 MEASURE = """
-import json, sys, time
-sys.path.insert(0, {repo!r})
+import json, time
 from lhotse import CutSet
 from lhotse.serialization import deserialize_item
 from dataio.stream.cuts_index import CutsIndex
@@ -64,10 +63,9 @@ def main() -> None:
     for p in cache_paths(str(manifest)):
         p.unlink(missing_ok=True)
     write_manifest(manifest, args.cuts)
-    repo = str(Path(__file__).resolve().parents[1])
     for name, mode in (("headrace first open", "index"), ("headrace cached", "index"), ("lhotse eager", "lhotse")):
-        out = subprocess.run([sys.executable, "-c", MEASURE.format(repo=repo, mode=mode, path=str(manifest))],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([sys.executable, "-c", MEASURE.format(mode=mode, path=str(manifest))],
+                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         print(f"{name:20s} {r['cuts']:>8,} cuts: first cut after {r['seconds']:6.2f} s, peak RSS +{r['rss_mib']:7.1f} MiB",
               flush=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import statistics
@@ -77,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes, counts = [int(x) for x in args.batch_sizes.split(",")], [int(x) for x in args.workers.split(",")]
     if args.one:
-        print(json.dumps({"dataio": __import__("dataio").__file__, **one(args.data, sizes[0], counts[0], args.epochs)}))
+        print(json.dumps({"dataio": importlib.import_module("dataio").__file__, **one(args.data, sizes[0], counts[0], args.epochs)}))
         return
     trees = {"after": REPO, **({"before": args.baseline.resolve()} if args.baseline else {})}
     results: dict[tuple, list[dict]] = {}

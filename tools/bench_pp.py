@@ -1,7 +1,7 @@
 """Pipeline schedules side by side: tokens/s and the measured bubble beside the theoretical one.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/bench_pp.py              # CPU, pp 2
-    torchrun --nproc-per-node 4 tools/bench_pp.py --device cuda --hidden 2048 --layers 16 --seq-len 2048
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m tools.bench_pp              # CPU, pp 2
+    torchrun --nproc-per-node 4 -m tools.bench_pp --device cuda --hidden 2048 --layers 16 --seq-len 2048
 
 Every schedule (``--schedules``) trains the same fresh tiny Llama (``--hidden``, ``--layers``) with the
 trainer's pipeline step (``training.step.pipeline_train_step``: packed THD rows from ``dataio``'s
@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule", "DualPipeV")
 

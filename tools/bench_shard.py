@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.bench.corpus import flac_bytes, longtail_lengths, speech_like
+from dataio.bench.corpus import flac_bytes, longtail_lengths, speech_like, write_bpe_tokenizer
 from dataio.bench.processes import REPO, dd_write_mb_per_s, time_dataio, time_energon_prepare
 from dataio.shards.formats import npy_bytes
 
@@ -38,8 +38,6 @@ _THROUGHPUT = re.compile(r"in ([0-9.]+) s \(")
 
 def build_text(d: Path, docs: int) -> tuple[Path, Path]:
     """JSONL of documents with log-normal (long-tailed) lengths, words from the stdlib's own source text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     words = re.findall(r"[A-Za-z']+", open(os.__file__).read() + open(json.__file__).read())
     rng = np.random.default_rng(0)
     lengths = np.minimum(longtail_lengths(rng, docs, median=np.exp(5.5), sigma=1.0) + 5, 20_000)
@@ -49,11 +47,7 @@ def build_text(d: Path, docs: int) -> tuple[Path, Path]:
             start = int(rng.integers(0, len(words) - 1))
             text = " ".join(words[(start + j) % len(words)] for j in range(n))
             f.write(json.dumps({"id": f"doc{i}", "text": text}) + "\n")
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(words)], trainers.BpeTrainer(vocab_size=8000, special_tokens=["[UNK]"]))
-    tok.save(str(d / "tokenizer.json"))
-    return src, d / "tokenizer.json"
+    return src, write_bpe_tokenizer(d / "tokenizer.json", [" ".join(words)], vocab_size=8000)
 
 
 def build_audio(d: Path, files: int, unique: int = 200) -> Path:

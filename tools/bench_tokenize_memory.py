@@ -1,16 +1,20 @@
 """Peak RSS of tokenizing one huge document: one whole ``encode`` against ``dataio.prepare.tokenize``'s
-bounded pieces, each in a fresh process (``ru_maxrss``), with the tokenizer from ``tests/test_shard``.
+bounded pieces, each in a fresh process (``ru_maxrss``), with a small BPE tokenizer (vocabulary 200)
+trained on the standard library's ``os`` module source (``dataio.bench.corpus.write_bpe_tokenizer``).
 
-Usage: ``PYTHONPATH=. python tools/bench_tokenize_memory.py [--mb 50]``
+Usage: ``python -m tools.bench_tokenize_memory [--mb 50]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from dataio.bench.corpus import write_bpe_tokenizer
 
 CODE = """
 import resource, sys, time, numpy as np
@@ -31,11 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=50, help="document size in MB (characters)")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.test_shard import write_tokenizer
-
     with tempfile.TemporaryDirectory() as d:
-        tok = write_tokenizer(Path(d))
+        tok = write_bpe_tokenizer(Path(d) / "tokenizer.json", [Path(os.__file__).read_text()], vocab_size=200)
         for mode in ("whole", "bounded"):
             out = subprocess.run([sys.executable, "-c", CODE, str(tok), str(args.mb), mode], capture_output=True,
                                  text=True, cwd=Path(__file__).resolve().parents[1])

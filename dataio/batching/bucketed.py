@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
-from dataio.batching.stage import same_layout
 from dataio.shards.formats import is_audio_member
 from dataio.stream.batches import SampleReader, token_ext
 from dataio.stream.refs import make_ref
 from dataio.stream.collate import Allocator
 from dataio.stream.rank import RankStream
+from dataio.stream.split import same_layout
 
 
 class BucketBatch:

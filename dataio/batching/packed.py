@@ -21,12 +21,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from dataio.batching.packing import Packer, reshard_states
-from dataio.batching.stage import same_layout
+from dataio.batching.packing import IGNORE_INDEX, Packer, reshard_states
 from dataio.stream.batches import token_ext
 from dataio.stream.refs import REF_BITS, split_ref
 from dataio.stream.decode import decode_sample
 from dataio.stream.rank import RankStream
+from dataio.stream.split import same_layout
 
 
 class PackedBatches:

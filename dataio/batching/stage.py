@@ -7,7 +7,7 @@ worker processes) into the batches the trainer gets, and owns its own resumable 
 - ``state_dict() -> dict``: its own keys only (JSON-sized), merged into the loader's state;
 - ``load_state_dict(old, dp_rank, dp_size)``: ``old`` is the list of the old ranks' loader states,
   indexed by old DP rank; an entry is None only when the layout is unchanged and that rank's state was
-  not given (``same_layout``). A stage reads the keys its ``state_dict`` wrote.
+  not given (``dataio.stream.split.same_layout``). A stage reads the keys its ``state_dict`` wrote.
 
 ``len(stage)`` is optional (only a stage that knows its batch count up front defines it).
 
@@ -29,11 +29,4 @@ class Stage(Protocol):
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None: ...
 
 
-def same_layout(old: list[dict | None], dp_rank: int, dp_size: int) -> bool:
-    """Whether the old states continue exactly on this rank: the same ``dp_size`` and this rank's own
-    state given. Otherwise every old rank's state is there (``Loader.load_state_dict`` checks) and
-    stages re-lay their state out over the new ranks."""
-    return len(old) == dp_size and old[dp_rank] is not None
-
-
-__all__ = ["Stage", "same_layout"]
+__all__ = ["Stage"]

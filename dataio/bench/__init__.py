@@ -1,5 +1,7 @@
 """``dataio bench``: loader throughput of headrace beside peer loaders, on the same samples.
 
+- ``dataio.bench.session``: one session: the loaders, worker counts and repeats in their order, and
+  the result.
 - ``dataio.bench.data``: what is benchmarked (the shard directory of the ``data:`` section, its kind,
   sample count and bytes) and the per-field decode work every loader does alike.
 - ``dataio.bench.peers``: one adapter per loader (headrace, webdataset, energon, litdata, lhotse, plain

@@ -11,6 +11,8 @@ same kind of input:
   arrays (views into one random pool, so 100M+ tokens cost one pool's memory).
 - ``demo_token_documents(n)``: the demo corpus's real documents (``dataio.bench.documents``),
   byte-level tokenised to int32.
+- ``write_bpe_tokenizer(path, texts, vocab_size)``: a whitespace-split BPE ``tokenizer.json`` trained
+  on ``texts`` (what ``dataio shard --tokenizer`` takes).
 - ``write_indexed_shards(root, samples)``: samples -> ``webdataset.ShardWriter`` tars (the peer
   ecosystem's writer) -> ``dataio index``'s scanner and metadata (headrace index + energon ``.nv-meta``).
 """
@@ -70,10 +72,21 @@ def byte_tokens(text: str) -> np.ndarray:
 
 def demo_token_documents(count: int) -> list[np.ndarray]:
     """``count`` byte-tokenised demo-corpus documents; the installed ones repeated when they run out."""
-    from dataio.bench.documents import select_documents
+    from dataio.bench.documents import select_documents  # here: drivers that only synthesise audio skip it
 
     docs = [byte_tokens(d.text) for d in select_documents(count)]
     return [docs[i % len(docs)] for i in range(count)]
+
+
+def write_bpe_tokenizer(path: Path, texts: Iterable[str], vocab_size: int) -> Path:
+    """A BPE tokenizer (whitespace pre-tokenizer, ``[UNK]``) trained on ``texts``, saved at ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
+    tok.save(str(path))
+    return path
 
 
 def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = "train-%06d.tar",
@@ -93,4 +106,4 @@ def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = 
 
 
 __all__ = ["RATE", "byte_tokens", "demo_token_documents", "flac_bytes", "longtail_lengths",
-           "simulated_token_documents", "speech_like", "write_indexed_shards"]
+           "simulated_token_documents", "speech_like", "write_bpe_tokenizer", "write_indexed_shards"]

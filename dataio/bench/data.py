@@ -30,8 +30,11 @@ import numpy as np
 import torch
 
 from dataio.config import DataConfig
-from dataio.stream.decode import DecodeConfig, decode_audio
 from dataio.shards.formats import is_audio_member, is_token_member
+from dataio.stream.collate import collate
+from dataio.stream.decode import DecodeConfig, decode_audio
+from dataio.stream.sources import ShardSource
+from dataio.stream.workers import process_memory
 
 
 @dataclass(kw_only=True)
@@ -59,8 +62,6 @@ class BenchData:
 
 def describe(cfg: DataConfig, work: Path) -> BenchData:
     """The ``BenchData`` of ``cfg``'s one local dataset (ValueError when there are several or it is remote)."""
-    from dataio.stream.sources import ShardSource
-
     if len(cfg.datasets) != 1:
         raise ValueError(f"the bench compares loaders on one dataset; the config lists {len(cfg.datasets)}")
     spec = cfg.datasets[0]
@@ -99,9 +100,6 @@ def plain_sample(members: dict[str, bytes], decode: DecodeConfig) -> dict[str, A
 
 def collate_samples(keys: list[str], samples: list[dict]) -> dict:
     """Decoded samples -> the batch layout of headrace's own loader (``dataio.stream.collate.collate``)."""
-    from dataio.stream.collate import collate
-    from dataio.stream.workers import process_memory
-
     n = len(samples)
     return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0,
                    alloc=process_memory())

@@ -53,7 +53,9 @@ import torch
 
 from dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
 from dataio.bench.extra import INSTALL
+from dataio.loader import build_loader
 from dataio.shards.formats import is_audio_member
+from dataio.stream.decode import Audio
 
 SHUFFLE_BUFFER = 1000
 
@@ -138,8 +140,6 @@ def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
 # ------------------------------------------------------------------------------------------ headrace
 
 def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
-    from dataio import build_loader
-
     # Peers do not pack: the comparison is of plain batches (packing none, no seq_len: with seq_len the
     # loader makes THD rows, one document each); the trainer path, --trainer, packs.
     cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none", seq_len=None)
@@ -299,8 +299,6 @@ class LhotseAudio(torch.utils.data.Dataset):
         self.field, self.rate = data.field, data.decode.sample_rate
 
     def __getitem__(self, cuts) -> dict:
-        from dataio.stream.decode import Audio
-
         keys, samples = [], []
         for cut in cuts:
             if self.rate is not None and cut.sampling_rate != self.rate:
@@ -364,8 +362,6 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
     threads standing in for worker processes; the last batch is padded by the reader and trimmed here.
     In audio-bytes mode the reader's encoded buffers are handed over undecoded."""
     from nvidia.dali import fn, pipeline_def, types
-
-    from dataio.stream.decode import Audio
 
     decode, batch_size = data.decode, data.cfg.batch_size
     resample = {"sample_rate": float(decode.sample_rate)} if decode.sample_rate else {}

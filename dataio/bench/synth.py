@@ -24,6 +24,7 @@ import numpy as np
 import soundfile
 
 from dataio.bench.corpus import RATE, demo_token_documents, flac_bytes, speech_like, write_indexed_shards
+from dataio.prepare.job import ShardOptions, shard_corpus
 from dataio.shards.formats import npy_bytes
 
 SHARD_BYTES = 64 << 20
@@ -61,8 +62,6 @@ def write_speech(out: Path, hours: float, *, fmt: str = "flac", rate: int = RATE
         total += seconds
     manifest = src / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from dataio.prepare.job import ShardOptions, shard_corpus
-
     shard_corpus(ShardOptions(inputs=[str(manifest)], output=out, shard_size="64MB", workers=2))
     print(f"speech: {len(rows):,} utterances, {total / 3600:.2f} h -> {out}")
 

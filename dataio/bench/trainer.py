@@ -16,15 +16,14 @@ import time
 
 import torch
 
+from dataio.batching.prefetch import DevicePrefetcher
 from dataio.bench.data import BenchData
 from dataio.bench.measure import ProcessSampler
+from dataio.loader import build_loader
 
 
 def trainer_run(data: BenchData, *, workers: int, step_s: float, max_batches: int | None,
                 max_seconds: float | None) -> dict:
-    from dataio import build_loader
-    from dataio.batching.prefetch import DevicePrefetcher
-
     cfg = dataclasses.replace(data.cfg, num_workers=workers, epochs=None)
     if data.kind == "text" and cfg.packing == "none":
         cfg = dataclasses.replace(cfg, packing="best_fit")

@@ -9,20 +9,19 @@ Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/throughput.png`` and p
 ``--audio-bytes`` leaves audio encoded in every loader (headrace: ``decode.audio: raw``), so audio-size
 samples are compared by the bytes moved; with ``dali`` in ``--compare`` (decoded audio) headrace also
 runs with ``decode.audio: dali`` (row ``headrace-dali``) beside DALI's own reader.
-Heavy imports (torch, the peers) happen inside ``run()`` so ``--help`` stays fast. Each run's bar is
-``dataio.commands.progress.progress_bar`` (on stderr, only on a terminal), the project's one progress helper.
+This module parses the options and hands them to ``dataio.bench.session`` (the order of the runs, the
+result), then writes and prints the report. Heavy imports (torch, the peers) happen inside ``run()`` so
+``--help`` stays fast. Each run's bar is ``dataio.commands.progress.progress_bar`` (on stderr, only on a
+terminal), the project's one progress helper.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import platform
 import sys
 from pathlib import Path
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 
 PEER_NAMES = ("webdataset", "energon", "litdata", "lhotse", "torch", "dali")
 
@@ -81,113 +80,22 @@ def _load_config(path: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from rich.console import Console
-
+    # imported here, not at the top: torch and the peer loaders load only when a benchmark runs
     from dataio.bench import report
-    from dataio.bench.data import count, describe
-    from dataio.bench.measure import measure
-    from dataio.bench.pagecache import drop_page_cache, read_limit
-    from dataio.bench.peers import PEERS, prepare, skip_reason
-    from dataio.bench.timing import median_run
+    from dataio.bench.session import BenchOptions, run_session
     from dataio.commands.progress import progress_bar
 
-    torch.set_num_threads(1)  # loaders do I/O and decoding; intra-op threads only oversubscribe the cores
     cfg = _load_config(args.config)
-    if args.audio_bytes:
-        cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, audio="raw"))
     compare = [n.strip() for n in args.compare.split(",") if n.strip()]
     unknown = sorted(set(compare) - set(PEER_NAMES))
     if unknown:
         raise CommandError(f"--compare: unknown loader(s) {', '.join(unknown)} (choose from {', '.join(PEER_NAMES)})")
-    try:
-        data = describe(cfg, (args.formats or args.out / "formats").resolve())
-    except (ValueError, OSError) as e:
-        raise CommandError(str(e)) from None
-    if args.audio_bytes and data.kind != "audio":
-        raise CommandError(f"--audio-bytes: {data.root} has no audio member (members: {', '.join(data.members)})")
-    if "dali" in compare and data.kind == "audio" and not data.audio_bytes:
-        compare.insert(compare.index("dali"), "headrace-dali")  # the loader's own DALI decode, beside DALI's reader
-    console = Console(stderr=True)
-    step_s = args.step_time / 1e3
-
-    cold_refused = None
-    if args.cache == "cold":
-        cold_refused = drop_page_cache()
-        if cold_refused:
-            console.print(f"[yellow]--cache cold: cannot drop the page cache ({cold_refused}); measuring warm[/]")
-    limit = read_limit(data.shards, warm=args.cache == "warm" or cold_refused is not None)
-    limit["samples_per_s"] = data.samples * limit["bytes_per_s"] / data.bytes
-
-    loaders, skipped, states, prepare_s = ["headrace"], [], {}, {}
-    for name in compare:
-        reason = skip_reason(PEERS[name], data)
-        if reason:
-            skipped.append({"loader": name, "reason": reason})
-            continue
-        with console.status(f"{name}: writing its format from the same samples"):
-            try:
-                states[name], prepare_s[name] = prepare(PEERS[name], data)
-            except Exception as e:  # a peer that cannot write its format is reported, not hidden
-                skipped.append({"loader": name, "reason": f"preparing its format failed: {type(e).__name__}: {e}"})
-                continue
-        loaders.append(name)
-
-    load_before = os.getloadavg()[0]
-    trials: dict[tuple[str, int], list[dict]] = {}
-    total = None if (args.batches or args.seconds) else data.samples  # None: an open-ended bar
-    # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
-    for _ in range(max(1, args.repeats)):
-        for workers in args.num_workers:
-            for name in loaders:
-                if (name, -1) in trials:  # failed before: reported once
-                    continue
-                if args.cache == "cold" and not cold_refused:
-                    drop_page_cache()
-                peer, state = PEERS[name], states.get(name)
-                try:
-                    with progress_bar(f"{name}, {workers} workers", total=total, unit="samples") as advance:
-                        result = measure(lambda: peer.open(data, workers, args.shuffle, state), lambda b: count(b, data),
-                                         max_samples=data.samples, max_batches=args.batches, max_seconds=args.seconds,
-                                         step_s=step_s, progress=advance)
-                except Exception as e:  # reported with its reason, never dropped silently
-                    skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
-                    trials[(name, -1)] = []
-                    continue
-                trials.setdefault((name, workers), []).append(result)
-    runs = []
-    for (name, workers), results in trials.items():
-        if workers < 0:
-            continue
-        runs.append({"loader": name, "workers": workers, "shuffle": args.shuffle, "prepare_s": prepare_s.get(name),
-                     "repeats": len(results), **median_run(results, "samples_per_s")})
-    report.add_ratios(runs, limit["samples_per_s"], data.bytes / data.samples)
-
-    trainer = []
-    if args.trainer:
-        from dataio.bench.trainer import trainer_run
-
-        for workers in args.num_workers:
-            with console.status(f"trainer path, {workers} workers"):
-                trainer.append(trainer_run(data, workers=workers, step_s=step_s or 0.1,
-                                           max_batches=args.batches or (None if args.seconds else 50),
-                                           max_seconds=args.seconds))
-
-    result = {
-        "command": " ".join(["dataio", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cuda": torch.cuda.is_available(), "load_before": load_before},
-        "cache": args.cache if not cold_refused else f"warm (cold refused: {cold_refused})",
-        "data": {"path": str(data.root), "split": data.split, "kind": data.kind, "field": data.field,
-                 "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
-                 "members": data.members, "samples": data.samples, "bytes": data.bytes, "shards": len(data.shards),
-                 "batch_size": cfg.batch_size},
-        "page_cache": limit,
-        "step_ms": args.step_time,
-        "runs": runs,
-        "skipped": skipped,
-        "trainer": trainer,
-    }
+    opts = BenchOptions(
+        compare=compare, num_workers=args.num_workers, formats=args.formats or args.out / "formats",
+        seconds=args.seconds, batches=args.batches, repeats=args.repeats, step_ms=args.step_time,
+        shuffle=args.shuffle, cache=args.cache, audio_bytes=args.audio_bytes, trainer=args.trainer,
+        command=" ".join(["dataio", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None)
+    result = run_session(cfg, opts, progress_bar=progress_bar)
     report.write(result, args.out)
     print(report.markdown(result))
     print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / 'throughput.png'}")

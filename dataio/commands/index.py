@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

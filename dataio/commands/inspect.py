@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 from functools import partial
 from pathlib import Path
 
-from dataio.cli import CommandError
+from dataio.usererror import CommandError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,33 +1,18 @@
 """``dataio verify DIR``: re-read every shard and check it against the index and energon's metadata.
 
-Per shard (``--workers`` processes): the file size and, where recorded, the sha256; a fresh header
-scan (``dataio.shards.tarscan``: header checksums, truncation) whose samples, keys, byte spans and member
-offsets must equal the index rows; then every member must decode (audio header via soundfile,
-``.npy`` header without pickle and with a matching size, ``.json`` parses, ``.txt`` is UTF-8).
-Per dataset: each ``.tar.idx``, the ``index.sqlite`` rows and ``.info.json``'s shard counts must
-agree with the index. The first fault of each shard is kept; the first overall is reported with
-its shard, sample key and byte offset, and the exit status is 1. Cost: one sequential read of every
-byte (sha256 / decode), which is the point.
+Parses the options and runs ``dataio.shards.verify.verify_dir`` (see there: what is checked, the cost)
+with a progress bar; prints the first fault and the others after it (exit status 1), or a summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
-import json
 import os
-import sqlite3
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from dataio.cli import CommandError
-from dataio.commands.progress import track
+from dataio.usererror import CommandError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,157 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-@dataclass(frozen=True)
-class Fault:
-    shard: str
-    key: str | None
-    offset: int
-    reason: str
-
-    def __str__(self) -> str:
-        where = f"sample {self.key!r} at byte {self.offset}" if self.key is not None else f"byte {self.offset}"
-        return f"{self.shard}: {where}: {self.reason}"
-
-
-@dataclass(kw_only=True)
-class ShardExpectation:
-    """What the index says about one shard, in energon's terms (spans end at the next sample)."""
-
-    name: str
-    bytes: int
-    sha256: str | None
-    keys: list[str]
-    offsets: np.ndarray
-    spans: np.ndarray
-    members: list[list[tuple[str, int, int]]]  # per sample: (ext, payload offset, size)
-
-
-def _expectations(index) -> list[ShardExpectation]:
-    from dataio.shards.metadata import energon_spans
-
-    _, spans, _ = energon_spans(index)
-    out = []
-    shard_of = np.asarray(index.samples["shard"])
-    for i, info in enumerate(index.shards):
-        rows = np.flatnonzero(shard_of == i)
-        out.append(ShardExpectation(
-            name=info.name, bytes=info.bytes, sha256=info.sha256,
-            keys=[index.key(j) for j in rows], offsets=index.samples["offset"][rows].astype(np.int64),
-            spans=spans[rows],
-            members=[sorted((e, o, s) for e, (o, s) in index.sample_members(j).items()) for j in rows]))
-    return out
-
-
-def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
-    """The first fault in one shard, or None (the shard is mapped once: checksum, header scan, decodes)."""
-    from dataio.shards.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
-
-    path = root / expect.name
-    if not path.is_file():
-        return Fault(expect.name, None, 0, "shard file is missing")
-    size = path.stat().st_size
-
-    def key_at(offset: int) -> str | None:
-        i = int(np.searchsorted(expect.offsets, offset, side="right")) - 1
-        return expect.keys[i] if 0 <= i < len(expect.keys) else None
-
-    if expect.bytes and size != expect.bytes:
-        at = min(size, expect.bytes)
-        return Fault(expect.name, key_at(at), at,
-                     f"file is {size} bytes, the index says {expect.bytes} (truncated or replaced)")
-
-    buf = open_tar(path)
-    try:
-        if expect.sha256 and hashlib.sha256(buf).hexdigest() != expect.sha256:
-            return Fault(expect.name, None, 0, "sha256 differs from the one recorded at write time")
-        try:
-            part = scan_buffer(buf, expect.name, path=path, lengths=False)
-        except TarFormatError as e:
-            return Fault(expect.name, key_at(e.offset), e.offset, e.reason)
-        for i, key in enumerate(part.keys.tolist()):
-            key = key.decode("utf-8", "surrogateescape")
-            if i >= len(expect.keys):
-                return Fault(expect.name, key, int(part.samples["offset"][i]),
-                             f"tar has more samples than the index ({len(expect.keys)})")
-            offset = int(expect.offsets[i])
-            if key != expect.keys[i] or int(part.samples["offset"][i]) != offset:
-                return Fault(expect.name, expect.keys[i], offset,
-                             f"index says sample {expect.keys[i]!r} starts here; the tar has {key!r} "
-                             f"at byte {int(part.samples['offset'][i])}")
-            if int(part.samples["size"][i]) != int(expect.spans[i]):
-                return Fault(expect.name, key, offset, f"sample spans {int(part.samples['size'][i])} bytes, "
-                                                       f"the index says {int(expect.spans[i])}")
-            start, count = int(part.samples["member_start"][i]), int(part.samples["member_count"][i])
-            found = sorted((part.extensions[m["ext"]], int(m["offset"]), int(m["size"]))
-                           for m in part.members[start : start + count])
-            if found != expect.members[i]:
-                return Fault(expect.name, key, offset, f"members {found} differ from the index {expect.members[i]}")
-            for ext, member_offset, member_size in found:
-                reason = decode_check(ext, buf[member_offset : member_offset + member_size])
-                if reason is not None:
-                    return Fault(expect.name, key, member_offset, f"member .{ext} does not decode: {reason}")
-        if len(part.keys) < len(expect.keys):
-            i = len(part.keys)
-            return Fault(expect.name, expect.keys[i], int(expect.offsets[i]),
-                         f"tar has {len(part.keys)} samples, the index says {len(expect.keys)}")
-    finally:
-        if not isinstance(buf, bytes):
-            buf.close()
-    return None
-
-
-def verify_metadata(root: Path, index, expectations: list[ShardExpectation]) -> Fault | None:
-    """Energon's ``.tar.idx`` files, ``index.sqlite`` and ``.info.json`` against the index."""
-    from dataio.shards.index import META_DIR
-    from dataio.shards.metadata import energon_spans
-
-    _, _, shard_end = energon_spans(index)
-    for expect, end in zip(expectations, shard_end.tolist()):
-        idx_path = root / (expect.name + ".idx")
-        if not idx_path.is_file():
-            return Fault(expect.name, None, 0, f"{idx_path.name} is missing (run `dataio index`)")
-        entries = np.fromfile(idx_path, dtype="=u8").astype(np.int64)
-        wanted = np.append(expect.offsets, end)
-        n = min(len(entries), len(wanted))
-        diff = np.flatnonzero(entries[:n] != wanted[:n])
-        if len(diff) or len(entries) != len(wanted):
-            bad = int(diff[0]) if len(diff) else n
-            key = expect.keys[bad] if bad < len(expect.keys) else None
-            return Fault(expect.name, key, int(wanted[min(bad, len(wanted) - 1)]),
-                         f"{idx_path.name} entry {bad} disagrees with the index")
-    meta = root / META_DIR
-    try:
-        counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
-    except (OSError, ValueError, KeyError) as e:
-        return Fault(META_DIR, None, 0, f".info.json unreadable: {e}")
-    wanted_counts = {e.name: len(e.keys) for e in expectations}
-    if counts != wanted_counts:
-        return Fault(META_DIR, None, 0, f".info.json shard_counts {counts} differ from the index {wanted_counts}")
-    db = sqlite3.connect(f"file:{meta / 'index.sqlite'}?mode=ro", uri=True)
-    try:
-        rows = db.execute("SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size "
-                          "FROM samples ORDER BY tar_file_id, sample_index")
-        for shard_id, expect in enumerate(expectations):
-            for i, key in enumerate(expect.keys):
-                row = rows.fetchone()
-                wanted = (shard_id, key, i, int(expect.offsets[i]), int(expect.spans[i]))
-                if row != wanted:
-                    return Fault(expect.name, key, int(expect.offsets[i]),
-                                 f"index.sqlite row {row} differs from the index {wanted}")
-        if rows.fetchone() is not None:
-            return Fault(META_DIR, None, 0, "index.sqlite has more samples than the index")
-        parts = db.execute("SELECT COUNT(*) FROM sample_parts").fetchone()[0]
-        if parts != len(index.members):
-            return Fault(META_DIR, None, 0, f"index.sqlite has {parts} sample parts, the index {len(index.members)}")
-    except sqlite3.Error as e:
-        return Fault(META_DIR, None, 0, f"index.sqlite unreadable: {e}")
-    finally:
-        db.close()
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
+    # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
+    from dataio.commands.progress import track
     from dataio.shards.index import load_index
+    from dataio.shards.verify import verify_dir
 
     root = args.dir
     try:
@@ -195,15 +34,9 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise CommandError(str(e)) from None
     start = time.perf_counter()
-    expectations = _expectations(index)
-    workers = min(args.workers, len(expectations))
-    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        results = (pool.map if pool else map)(verify_shard, [root] * len(expectations), expectations)
-        faults = [f for f in track(results, total=len(expectations), description="verifying", unit="shards",
-                                   quiet=args.quiet) if f is not None]
-    meta_fault = verify_metadata(root, index, expectations)
-    if meta_fault is not None:
-        faults.append(meta_fault)
+    faults = verify_dir(root, index, workers=args.workers,
+                        track=lambda items, total: track(items, total=total, description="verifying", unit="shards",
+                                                         quiet=args.quiet))
     elapsed = time.perf_counter() - start
     if faults:
         print(f"dataio verify: FAILED: {faults[0]}", file=sys.stderr)

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
-from dataio.prepare.plan import PlanError, job_fingerprint, parse_size, parse_splits, plan_job, resolve_node
+from dataio.prepare.plan import PlanError, job_fingerprint, parse_splits, plan_job, resolve_node
 from dataio.prepare.readers import ReadOptions, SampleError, open_input
 from dataio.prepare.writer import SKIPPED_DIR, STATE_DIR, ShardJob, ShardResult, is_complete, load_tokenizer, write_shard
 from dataio.shards.index import META_DIR, PARTS_DIR, ShardPart, merge_parts
 from dataio.shards.metadata import write_dataset_metadata
 from dataio.shards.outdir import lock_output
 from dataio.shards.tarwriter import write_atomically
+from dataio.sizes import parse_size
 
 # progress(description, total=, unit=) -> a context yielding advance(n); the CLI passes its progress bar
 Progress = Callable[..., ContextManager[Callable[[int], None]]]

@@ -29,21 +29,6 @@ import numpy as np
 
 from dataio.prepare.readers import BadRecord, Entry, Input
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"512MB"``, ``"1.5GiB"``, ``"100k"`` or ``"4096"`` (decimal units unless ``i``)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 512MB, 1GiB, 4096)")
-    number, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
-    scale = (1024 if binary else 1000) ** "_KMGT".index(unit or "_")
-    value = int(number * scale)
-    if value <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return value
-
 
 def parse_splits(text: str | None) -> list[tuple[str, float]]:
     """``[("train", 0.98), ("val", 0.02)]`` from ``"train=0.98,val=0.02"``; ``[("train", 1.0)]`` for None."""

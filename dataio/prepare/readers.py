@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
 
-from dataio.prepare.audio import cut_and_encode, encode, probe, probe_file, sniff_ext
+from dataio.prepare.audio import cut_and_encode, encode, sniff_ext
+from dataio.shards.audioheader import probe, probe_file
 from dataio.shards.formats import SHARD_AUDIO_EXTENSIONS
 from dataio.shards.tarwriter import FilePayload
 

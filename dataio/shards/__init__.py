@@ -1,3 +1,4 @@
 """The on-disk shard format, the contract between preparation and streaming: tar members and their
-naming (``formats``), writing and scanning tar blocks (``tarwriter``, ``tarscan``), the headrace index
-(``index``) and the Megatron-Energon ``.nv-meta`` metadata (``metadata``)."""
+naming (``formats``), audio headers (``audioheader``), writing and scanning tar blocks (``tarwriter``,
+``tarscan``), the headrace index (``index``), the Megatron-Energon ``.nv-meta`` metadata (``metadata``)
+and re-reading a shard directory against all of them (``verify``)."""

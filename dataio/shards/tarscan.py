@@ -16,7 +16,7 @@ are skipped (they still count toward the byte span of the sample before them, as
 Cost: a Python loop per header (~2 us) -- ~0.5 s for 100k members -- versus ``tarfile``'s ~15 us per
 member; lengths read the ``.npy`` token members (header regex, then one numpy ``max`` for the shard's
 largest token id, which the trainer checks against the model's vocabulary) and the header of audio
-members (``dataio.prepare.audio.probe``: FLAC/WAV parsed directly, libsndfile for the rest).
+members (``dataio.shards.audioheader.probe``: FLAC/WAV parsed directly, libsndfile for the rest).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataio.shards.audioheader import probe
 from dataio.shards.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
 from dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
 from dataio.shards.tarwriter import BLOCK
@@ -205,9 +206,7 @@ def _token_count_and_max(payload) -> tuple[int, int]:
 
 
 def audio_duration(payload) -> float:
-    """Duration in seconds of an audio member, from its header (``dataio.prepare.audio.probe``)."""
-    from dataio.prepare.audio import probe
-
+    """Duration in seconds of an audio member, from its header (``dataio.shards.audioheader.probe``)."""
     sample_rate, frames = probe(payload)
     return frames / sample_rate
 

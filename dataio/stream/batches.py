@@ -20,6 +20,7 @@ from dataio.shards.formats import is_token_member
 from dataio.stream.audio_batch import decode_pending
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
+from dataio.stream.dali import BatchAudio
 from dataio.stream.decode import SampleDecodeError, decode_sample
 from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.gather import gather_tokens, tokens_only
@@ -44,8 +45,6 @@ class SampleReader:
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
         self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (dataio.stream.dali)
         if cfg.decode.audio == "dali":
-            from dataio.stream.dali import BatchAudio
-
             self.batch_audio = BatchAudio(cfg.decode)
 
     @property

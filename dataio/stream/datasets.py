@@ -17,6 +17,7 @@ from pathlib import Path
 
 from configtree import ConfigError
 from dataio.config import DataConfig, DatasetSpec
+from dataio.shards.index import INDEX_DIR
 from dataio.stream import interop, metadataset
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.epochized import EpochizedSchedule
@@ -28,8 +29,6 @@ def open_source(spec: DatasetSpec, cache: ShardCache | None = None) -> ShardSour
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
     ``dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
     Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given."""
-    from dataio.shards.index import INDEX_DIR
-
     options = spec.storage_options
     if "://" in spec.path:
         index = None

@@ -49,7 +49,7 @@ import soundfile
 import soxr
 import torch
 
-from dataio.prepare.audio import HEADER_BYTES, WavFormat, check_declared, parse_header, wav_format
+from dataio.shards.audioheader import HEADER_BYTES, WavFormat, check_declared, parse_header, wav_format
 from dataio.stream import libsndfile
 from dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
 
@@ -250,7 +250,7 @@ MAX_DECODED_PER_ENCODED = 64
 
 
 def pending_audio(buf: Buffer, cfg: DecodeConfig) -> PendingAudio | None:
-    """``buf`` as a ``PendingAudio`` when its FLAC / WAV header parses (``dataio.prepare.audio``, ~5 us)
+    """``buf`` as a ``PendingAudio`` when its FLAC / WAV header parses (``dataio.shards.audioheader``, ~5 us)
     and it decodes to one channel at most ``MAX_DECODED_PER_ENCODED`` x its size; None when
     ``decode_audio`` should decode it now (other codecs, ``mono: false``, unusual headers)."""
     if not cfg.mono:

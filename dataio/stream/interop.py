@@ -34,9 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo
+from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo, merge_parts
+from dataio.shards.tarscan import scan_shard
 from dataio.stream.cuts_index import CutsIndex
-from dataio.stream.sources import ShardSource, retry
+from dataio.stream.sources import ShardSource
+from dataio.stream.storage import retry
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 
@@ -264,9 +266,6 @@ def _cut_audio_bytes(cut) -> bytes:
 def shar_index(root: str) -> DatasetIndex:
     """The in-memory index of a Lhotse Shar directory's ``recording.NNNNNN.tar`` shards (plain tars
     of ``{cut_id}.{audio ext}`` plus ``{cut_id}.json``), built with ``dataio.shards.tarscan`` like any tar."""
-    from dataio.shards.index import merge_parts
-    from dataio.shards.tarscan import scan_shard
-
     names = sorted(p.name for p in Path(root).glob("recording.*.tar"))
     return merge_parts([scan_shard(root, name) for name in names], job={"source": "lhotse Shar"})
 

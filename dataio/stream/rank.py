@@ -18,7 +18,6 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dataio.batching.stage import same_layout
 from dataio.config import DataConfig
 from dataio.stream.audio_batch import mean_decoded_bytes
 from dataio.stream.batches import BatchMaker, SampleReader
@@ -28,7 +27,7 @@ from dataio.stream.decode import SampleDecodeError
 from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.seeding import SeedSchedule
 from dataio.stream.sources import ShardSource
-from dataio.stream.split import Layout, relayout
+from dataio.stream.split import Layout, relayout, same_layout
 from dataio.stream.pool import WorkerError
 from dataio.stream.workers import RankBatches, iterate
 

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from configtree import ConfigError
 from dataio.shards.index import DatasetIndex
+from dataio.stream.storage import ShardFormatError, retry
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +113,6 @@ class ShardCache:
 
     def check_fits(self, url: str, shard_bytes: dict[str, int]) -> None:
         """ConfigError when the largest shard of dataset ``url`` alone is over ``cache_limit``."""
-        from configtree import ConfigError
-
         name, size = max(shard_bytes.items(), key=lambda kv: kv[1], default=("", 0))
         if self.limit is not None and size > self.limit:
             raise ConfigError(f"data.cache_limit: {self.limit} bytes cannot hold shard {name} of {url} ({size} bytes); "
@@ -139,8 +139,6 @@ class ShardCache:
 
     def _download(self, folder: Path, name: str, url: str, size: int, storage_options: dict | None) -> None:
         import fsspec
-
-        from dataio.stream.sources import ShardFormatError, retry
 
         for stale in (folder / PARTS).iterdir():  # a dead downloader's (the exclusive lock is ours)
             if _part_of(stale) == name:

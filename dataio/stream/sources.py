@@ -24,26 +24,18 @@ import io
 import json
 import mmap
 import os
-import time
 from collections import OrderedDict
 
 import numpy as np
 
-from dataio.stream.decode import SampleDecodeError
 from dataio.stream.shardcache import ShardCache, local_name, unlock
+from dataio.stream.storage import ShardFormatError, retry
 from dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
 
 REMOTE_BLOCK = 8 << 20
-RETRIES = 5
-BACKOFF_S = 0.5
 OPEN_REMOTE_SHARDS = 8
 OPEN_CACHED_SHARDS = 4
 TAR_NAME_FIELD = 100  # bytes of the ustar name field; longer keys live in a pax/GNU long-name record
-
-
-class ShardFormatError(SampleDecodeError):
-    """A shard is broken where a sample lives: truncated, or its tar disagrees with its index. A
-    ``SampleDecodeError``, so the loader counts it against ``max_bad_samples`` like any bad sample."""
 
 
 def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
@@ -57,17 +49,6 @@ def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
 
 class SplitError(ValueError):
     """A dataset has no shards in the split asked for."""
-
-
-def retry(fn, what: str):
-    """Call ``fn()``; on a transient storage error retry with backoff 0.5, 1, 2, 4 s, then re-raise."""
-    for attempt in range(RETRIES):
-        try:
-            return fn()
-        except (OSError, TimeoutError) as e:
-            if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)) or attempt == RETRIES - 1:
-                raise OSError(f"{what}: {type(e).__name__}: {e} (after {attempt + 1} attempts)") from e
-            time.sleep(BACKOFF_S * 2**attempt)
 
 
 def load_remote_index(url: str, storage_options: dict | None = None) -> DatasetIndex:
@@ -301,4 +282,4 @@ class ShardSource:
         return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")
 
 
-__all__ = ["ShardFormatError", "ShardSource", "SplitError", "by_value", "load_remote_index", "open_remote", "retry"]
+__all__ = ["ShardSource", "SplitError", "by_value", "load_remote_index", "open_remote"]

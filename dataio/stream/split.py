@@ -100,4 +100,11 @@ def relayout(old: Layout, consumed: list[int]) -> Layout:
     return Layout(start=start, skips=[s for s in layers if s.end() > start])
 
 
-__all__ = ["ConsumedLayout", "Layout", "relayout"]
+def same_layout(old: list[dict | None], dp_rank: int, dp_size: int) -> bool:
+    """Whether the old states continue exactly on this rank: the same ``dp_size`` and this rank's own
+    state given. Otherwise every old rank's state is there (``Loader.load_state_dict`` checks) and
+    stages re-lay their state out over the new ranks."""
+    return len(old) == dp_size and old[dp_rank] is not None
+
+
+__all__ = ["ConsumedLayout", "Layout", "relayout", "same_layout"]

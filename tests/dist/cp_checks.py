@@ -1,6 +1,6 @@
 """torchrun script: context parallelism against single-process references (one 4-rank launch).
 
-``torchrun --nproc-per-node 4 tests/dist/cp_checks.py WORKDIR`` (WORKDIR holds ``pretrained/``):
+``torchrun --nproc-per-node 4 -m tests.dist.cp_checks WORKDIR`` (WORKDIR holds ``pretrained/``):
 
 1. attention alone: for CP groups of 2 (ranks {0,1} and {2,3}) and 4, both modes, random THD layouts
    (documents shorter than 2P, straddling chunk and rank boundaries, empty segments, GQA): each rank's
@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_common import packed_batches  # noqa: E402
-from train_layouts import (  # noqa: E402
+from tests.dist.train_common import packed_batches
+from tests.dist.train_layouts import (
     GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference, resume_step2,
 )
 

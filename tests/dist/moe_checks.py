@@ -1,5 +1,5 @@
 """torchrun script: MoE expert parallelism on gloo against one process (``torchrun --nproc-per-node 4
-tests/dist/moe_checks.py WORKDIR``; WORKDIR holds ``pretrained/``, a tiny Qwen3-MoE as ``save_pretrained`` writes it:
+-m tests.dist.moe_checks WORKDIR``; WORKDIR holds ``pretrained/``, a tiny Qwen3-MoE as ``save_pretrained`` writes it:
 the hub's per-expert layout, which every rank reads into its own experts).
 
 1. The experts forward alone, over the 4-rank ep group with hand-made routing (top-3; expert 5 and all of
@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, copy_checkpoint, packed_batches  # noqa: E402
-from train_layouts import check_close, check_exported_params, job, loaders  # noqa: E402
+from tests.dist.train_common import ListLoader, copy_checkpoint, packed_batches
+from tests.dist.train_layouts import check_close, check_exported_params, job, loaders
 
 from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
 from training.components import checkpoint  # noqa: E402

@@ -1,6 +1,6 @@
 """torchrun script: pipeline-parallel training equals one process, for every schedule and composition.
 
-``torchrun --nproc-per-node 2 tests/dist/pp_checks.py WORKDIR pp2`` (WORKDIR holds ``pretrained/``, an
+``torchrun --nproc-per-node 2 -m tests.dist.pp_checks WORKDIR pp2`` (WORKDIR holds ``pretrained/``, an
 8-block tiny Llama): every schedule at pp 2 (one stage per rank for GPipe / 1F1B, two per rank for the
 interleaved, looped, zero-bubble and V schedules) trains STEPS steps on the same global batches as the
 single-process reference; losses, gradient norms and the weights read back from the ``hf/`` export must
@@ -8,7 +8,7 @@ match, and the exported model's logits must equal the reference model's. ``scale
 trains the same model; bf16 with activation checkpointing stays within bf16 rounding of it. The pp 2
 checkpoint of step 2 then resumes at pp 1 (FSDP2 over 2 ranks) with the reference's losses.
 
-``torchrun --nproc-per-node 4 tests/dist/pp_checks.py WORKDIR pp4``: pp 4 with 1F1B and Interleaved1F1B,
+``torchrun --nproc-per-node 4 -m tests.dist.pp_checks WORKDIR pp4``: pp 4 with 1F1B and Interleaved1F1B,
 pp 2 x dp 2 (FSDP2), pp 2 x tp 2 (+SP) against the same reference, and the pp 2 checkpoint resumed at pp 4.
 Prints ``OK <check>`` per passed check; any mismatch raises.
 """
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_common import copy_checkpoint, packed_batches  # noqa: E402
-from train_layouts import (  # noqa: E402
+from tests.dist.train_common import copy_checkpoint, packed_batches
+from tests.dist.train_layouts import (
     GLOBAL_MICRO,
     STEPS,
     check_close,

@@ -27,19 +27,17 @@ import numpy as np
 import torch.distributed as dist
 import webdataset as wds
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from loader_util import index_dir, npy_bytes  # noqa: E402
-from train_common import TINY_LLAMA  # noqa: E402
+from tests.dist.train_common import TINY_LLAMA
+from tests.loader_util import index_dir, npy_bytes
 
-from configtree import ConfigError  # noqa: E402
-from dataio import build_loader  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
-from training.components.run_lock import LOCK_FILE, OutputDirInUse  # noqa: E402
-from training.distributed.process_group import init_distributed, process_group_closed  # noqa: E402
-from training.train import train  # noqa: E402
-from training.validation import documents_started  # noqa: E402
-from training.config.job_config import val_data_config  # noqa: E402
+from configtree import ConfigError
+from dataio import build_loader
+from training.config.load import load_job_config
+from training.components.run_lock import LOCK_FILE, OutputDirInUse
+from training.distributed.process_group import init_distributed, process_group_closed
+from training.train import train
+from training.validation import documents_started
+from training.config.job_config import val_data_config
 
 DOCS = 40
 VAL_DOCS = DOCS

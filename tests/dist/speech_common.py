@@ -89,7 +89,7 @@ def write_audio_dataset(root: Path, count: int = 8, seed: int = 1) -> Path:
 
     import soundfile
     import webdataset as wds
-    from loader_util import index_dir
+    from tests.loader_util import index_dir
 
     root.mkdir(parents=True, exist_ok=True)
     batch = audio_batches(1, rows=count, seed=seed)[0]

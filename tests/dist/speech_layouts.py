@@ -1,7 +1,7 @@
 """torchrun script (4 ranks): a SALM trains like one process under FSDP2 and FSDP2 + TP + SP, resumes exactly,
 and its export loads back as the trained model.
 
-``torchrun --nproc-per-node 4 tests/dist/speech_layouts.py WORKDIR``: every rank builds the same seeded tiny
+``torchrun --nproc-per-node 4 -m tests.dist.speech_layouts WORKDIR``: every rank builds the same seeded tiny
 SALM and the ranks export it together to ``WORKDIR/init`` (LLM ``hf/``, ``encoder/``, ``adapter/``). From
 there FSDP2 (dp=4) and FSDP2 x TP=2 with sequence parallelism (dp=2, 2 micro-steps) train STEPS steps on
 the same global batches (bucketed-collate audio batches of different audio and transcript lengths); their
@@ -23,11 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from speech_common import audio_batches, salm_job, save_tokenizer, write_audio_dataset  # noqa: E402
-from train_common import ListLoader  # noqa: E402
-from train_layouts import check_close  # noqa: E402
+from tests.dist.speech_common import audio_batches, salm_job, save_tokenizer, write_audio_dataset
+from tests.dist.train_common import ListLoader
+from tests.dist.train_layouts import check_close
 
 from training.config.job_config import OptimConfig  # noqa: E402
 from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402

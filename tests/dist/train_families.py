@@ -1,6 +1,6 @@
 """torchrun script: every family in ``training.models.families.TESTED_FAMILIES`` beyond Llama trains like one process.
 
-``torchrun --nproc-per-node 4 tests/dist/train_families.py WORKDIR``: for each family a seeded tiny
+``torchrun --nproc-per-node 4 -m tests.dist.train_families WORKDIR``: for each family a seeded tiny
 checkpoint is written, a single-process reference (HF model, document-masked attention, AdamW) is computed
 on every rank, and HSDP (2 x 2) with activation checkpointing and FSDP2 x TP (2 x 2; the model's own
 ``base_model_tp_plan``, Qwen3's hand-written one; Gemma's tied embeddings shard under TP) each train the
@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_common import TINY_LLAMA, packed_batches, save_pretrained_tiny  # noqa: E402
-from train_layouts import GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference  # noqa: E402
+from tests.dist.train_common import TINY_LLAMA, packed_batches, save_pretrained_tiny
+from tests.dist.train_layouts import GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference
 
 from training.models.families import TESTED_FAMILIES  # noqa: E402
 from training.train import train  # noqa: E402

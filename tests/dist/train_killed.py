@@ -2,7 +2,7 @@
 when its loader hands out batch ``KILL_AT`` (so mid-run, after a checkpoint; torchrun's
 ``--max-restarts`` must bring the job back and the trainer resume from the newest checkpoint).
 
-``torchrun ... tests/dist/train_killed.py KILL_RANK KILL_AT X.yaml [overrides]``
+``torchrun ... -m tests.dist.train_killed KILL_RANK KILL_AT X.yaml [overrides]``
 """
 
 from __future__ import annotations

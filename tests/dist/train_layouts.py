@@ -1,6 +1,6 @@
 """torchrun script: every parallel layout trains like one process; checkpoints resume and reshard.
 
-``torchrun --nproc-per-node 4 tests/dist/train_layouts.py WORKDIR layouts`` (WORKDIR holds ``pretrained/``):
+``torchrun --nproc-per-node 4 -m tests.dist.train_layouts WORKDIR layouts`` (WORKDIR holds ``pretrained/``):
 first, one micro-batch per rank through the FSDP2 model's chunked loss gives the full-logits loss and
 gradients (fp32, and bf16 MixedPrecisionPolicy within bf16 rounding). Then FSDP2, HSDP(+activation
 checkpointing), DDP, TP+SP and FSDP2+TP+SP each train STEPS steps on the same global batches from the
@@ -9,7 +9,7 @@ independent single-process reference computed on every rank; FSDP2 in bf16 must 
 rounding of its losses. Then a run stopped at step 2 and resumed must reproduce the uninterrupted
 losses, and the exported model's logits must equal the checkpointed sharded model's.
 
-``torchrun --nproc-per-node 2 tests/dist/train_layouts.py WORKDIR reshard``: the 4-rank FSDP2 checkpoint
+``torchrun --nproc-per-node 2 -m tests.dist.train_layouts WORKDIR reshard``: the 4-rank FSDP2 checkpoint
 at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses; then
 one step with every block compiled (``distributed.compile``) gives the eager loss.
 Prints ``OK <check>`` per passed check; any mismatch raises.
@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches  # noqa: E402
+from tests.dist.train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches
 
 from training.components import checkpoint  # noqa: E402
 from training.config.load import load_job_config  # noqa: E402

@@ -1,6 +1,6 @@
 """torchrun script (4 ranks): validation under pipeline and context parallelism equals one process's.
 
-``torchrun --nproc-per-node 4 tests/dist/val_checks.py WORKDIR``: rank 0 writes a 4-block tiny Llama and a
+``torchrun --nproc-per-node 4 -m tests.dist.val_checks WORKDIR``: rank 0 writes a 4-block tiny Llama and a
 val dataset of VAL_DOCS token documents (1..39 tokens, packed greedily into 32-token rows, 3 rows per val
 batch, so the pipeline regroups val rows into its 4-row steps). The reference is computed on every rank
 alone: a plain transformers model, full logits, over the whole val stream read as one dp rank.
@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from loader_util import make_text_dataset  # noqa: E402
-from train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny  # noqa: E402
-from train_layouts import GLOBAL_MICRO, STEPS, check_close, job, loaders  # noqa: E402
-from train_layouts import reference as train_reference  # noqa: E402
+from tests.loader_util import make_text_dataset
+from tests.dist.train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny
+from tests.dist.train_layouts import GLOBAL_MICRO, STEPS, check_close, job, loaders
+from tests.dist.train_layouts import reference as train_reference
 
 from dataio import build_loader  # noqa: E402
 from training.eval import evaluate_checkpoint  # noqa: E402
@@ -54,7 +52,7 @@ def val_job(workdir: Path, name: str, distributed: dict, grad_accum: int = 2, ev
 
 def reference(workdir: Path) -> dict:
     """One process: the plain HF model over the val stream of one dp rank."""
-    from train_layouts import pretrained_hf_model
+    from tests.dist.train_layouts import pretrained_hf_model
 
     model = pretrained_hf_model(workdir).eval()
     total, tokens, docs = 0.0, 0, 0
