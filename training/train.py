@@ -49,10 +49,10 @@ from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
 from training import checkpoint, moe
 from training.config import JobConfig
-from training.context_parallel import cp_attention_kwargs, cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
+from training.context_parallel import cp_attention_kwargs, cp_step_metrics, reset_exchanged_bytes
 from training.loss import CausalLMLoss
-from training.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token, max_memory_gib,
-                              peak_flops)
+from training.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair, build_metrics_logger,
+                              flops_per_token, matmul_flops_per_token, max_memory_gib, peak_flops)
 from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
@@ -60,13 +60,15 @@ from training.parallelize import apply_ddp, parallelize
 from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
 from training.profiling import StepProfiler
 from training.validate import check_job, check_vocab
-from training.telemetry import rank_spread
+from training.step_inputs import read_step_stats, step_batch_transform
+from training.telemetry import ComputeClock, rank_spread, sum_over_dp
 from training.validation import make_validator
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
+               "attention_plan", "attention_pairs",  # + the host-made layout (training.step_inputs)
                "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
                "cp_imbalance")  # + context parallelism's (training.context_parallel)
 
@@ -341,16 +343,20 @@ def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfile
     return stats
 
 
-def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float) -> dict:
-    """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step, the window's
-    ``throughput``, memory, MoE, pipeline stage, per-rank spread and CP figures. Collectives on every rank."""
+def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float,
+                compute_time: float = 0.0) -> dict:
+    """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
+    scalars, read here in one copy: the window's one host read of the step), the window's ``throughput``,
+    memory, MoE, pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on
+    every rank."""
     device, loss_mesh = trainer.device, trainer.meshes["dp_cp"]
+    stats = read_step_stats(stats)
     return {
         "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
         "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
         "max_mem": max_memory_gib(device), **moe.step_metrics(trainer.model, loss_mesh),
         **(pipeline_metrics(trainer.pipe, max_memory_gib(device)) if trainer.pipe is not None else {}),
-        **rank_spread(step_time, throughput["data_wait_frac"], device),
+        **rank_spread(step_time, throughput["data_wait_frac"], device, compute_time),
         **(cp_step_metrics(micro_batches) if trainer.dims.cp > 1 else {}),
     }
 
@@ -371,7 +377,10 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     max_steps = cfg.trainer.max_steps
     flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
-                              world=dist.get_world_size())
+                              world=dist.get_world_size(),
+                              matmul_flops_per_token=matmul_flops_per_token(trainer.hf_config),
+                              flops_per_pair=attention_flops_per_pair(trainer.hf_config))
+    clock = ComputeClock(trainer.device)
     while trainer.step < max_steps:
         try:
             micro = next_micro_batches(batches, cfg.trainer.grad_accum)
@@ -379,11 +388,13 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
             print_on_rank0(f"data exhausted after step {trainer.step}")
             return
         trainer.step += 1
-        stats = take_step(trainer, micro, profiler)
+        with clock.step():
+            stats = take_step(trainer, micro, profiler)
         window.add(micro, trainer.dims.dp * trainer.dims.cp)
         step = trainer.step
         if step % cfg.trainer.log_every == 0 or step == max_steps:
-            logger.log(step_record(trainer, stats, micro, *window.figures(step)))
+            pairs = sum_over_dp(window.attention_pairs, trainer.dims.dp)
+            logger.log(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
             window.restart(step)
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
             from training.speech.eval import eval_in_training
@@ -438,7 +449,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 if cfg.trainer.eval_every else None)
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
-    batches = DevicePrefetcher(loader, device, transform=rank_batch_transform(dims, meshes))
+    batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, meshes, device.type))
 
     run_steps(trainer, batches, logger, profiler, validate)
 

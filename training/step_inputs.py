@@ -1,0 +1,48 @@
+"""What the step needs about a batch's layout, computed on the host before the device copy, and the one read
+of the step's figures per log window.
+
+``step_batch_transform``: the prefetcher's host-side transform of this rank's training batches (it runs in
+the read-ahead thread, ``dataio.batching.prefetch``): this rank's CP shard when cp > 1, and on every packed
+batch ``attention_pairs`` (``kernels.packed_layout.causal_pairs`` of the whole batch: the attention work its
+document masks require, for the document-masked MFU) and, without CP, ``attention_plan`` (the kernels'
+checks and plans; with CP, ``kernels.cp_attention`` plans the shard itself). Cost: O(documents) numpy work
+plus, on CPU, the bucket index tensors (O(tokens)) per batch, off the training thread.
+
+``read_step_stats``: ``train_step`` returns device scalars (loss, grad norm, token count) so the step never
+waits for the device; the log step reads them together, in one copy (one GPU sync per log window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.packed_layout import causal_pairs, with_attention_plan
+from training.context_parallel import rank_batch_transform
+
+
+def step_batch_transform(dims, meshes: dict, device_type: str) -> Callable[[dict], dict]:
+    """The host-side transform of this rank's training batches (see the module docstring)."""
+    cp_shard = rank_batch_transform(dims, meshes)
+
+    def transform(batch: dict) -> dict:
+        if "cu_seqlens" not in batch:  # not a packed batch (a SALM's): nothing to plan
+            return cp_shard(batch) if cp_shard is not None else batch
+        if cp_shard is not None:
+            return cp_shard(batch) | {"attention_pairs": causal_pairs(batch["cu_seqlens"])}
+        return with_attention_plan(batch, device_type)
+
+    return transform
+
+
+def read_step_stats(stats: dict) -> dict:
+    """``stats`` with every tensor value read to the host in one copy (floats; ``tokens`` an int)."""
+    keys = [key for key, value in stats.items() if isinstance(value, torch.Tensor)]
+    values = torch.stack([stats[key].detach().to(torch.float64) for key in keys]).tolist() if keys else []
+    out = stats | dict(zip(keys, values))
+    out["tokens"] = int(out["tokens"])
+    return out
+
+
+__all__ = ["read_step_stats", "step_batch_transform"]
