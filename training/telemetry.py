@@ -61,13 +61,16 @@ def rank_spread(step_time: float, data_wait_frac: float, device: torch.device, c
     mine = torch.tensor([step_time, data_wait_frac, compute_time], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    per_rank = torch.stack(everyone)
-    step, wait, compute = per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]
-    return {"step_time_max": float(step.max()), "step_time_mean": float(step.mean()),
-            "slowest_rank": int(step.argmax()), "compute_time_max": float(compute.max()),
-            "compute_time_mean": float(compute.mean()), "slowest_compute_rank": int(compute.argmax()),
-            "data_wait_max": float(wait.max()), "data_wait_mean": float(wait.mean()),
-            "most_waiting_rank": int(wait.argmax())}
+    step, wait, compute = zip(*torch.stack(everyone).tolist())  # one read of the host tensor
+
+    def spread(values: tuple[float, ...]) -> tuple[float, float, int]:
+        return max(values), sum(values) / len(values), values.index(max(values))
+
+    (step_max, step_mean, slowest), (wait_max, wait_mean, waiting), (compute_max, compute_mean, straggler) = \
+        spread(step), spread(wait), spread(compute)
+    return {"step_time_max": step_max, "step_time_mean": step_mean, "slowest_rank": slowest,
+            "compute_time_max": compute_max, "compute_time_mean": compute_mean, "slowest_compute_rank": straggler,
+            "data_wait_max": wait_max, "data_wait_mean": wait_mean, "most_waiting_rank": waiting}
 
 
 def sum_over_dp(value: float, dp: int) -> float:
