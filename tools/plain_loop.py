@@ -35,7 +35,7 @@ def plain_model(cfg, device: torch.device):
 
     hf_config = build_hf_config(cfg.model)
     torch.manual_seed(cfg.trainer.seed)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
     return model.to(device), hf_config
 
 
@@ -82,7 +82,7 @@ def run_plain_loop(cfg, rows, device: torch.device, steps: int, warmup: int) -> 
     return {"tokens_per_s": tokens / elapsed, "data_wait_frac": wait / elapsed, "pack_fill": 1.0,
             "max_mem_gib": max_memory_gib(device), "mfu": flops / peak if peak else None,
             "mfu_full_row": full_row / peak if peak else None, "flops_per_s": flops,
-            "flops_per_s_full_row": full_row, "loss": float(loss)}
+            "flops_per_s_full_row": full_row, "loss": float(loss.detach())}
 
 
 __all__ = ["plain_model", "run_plain_loop"]
