@@ -4,8 +4,9 @@ as max / mean and the rank that is worst on each.
 A global throughput figure hides one slow node or one rank whose loader starves: the step is a
 collective, so every rank's wall step time is the slowest rank's (the others wait inside the collectives),
 but the *data wait* (time blocked in the loader) and the *compute* time differ. ``ComputeClock`` measures
-each rank's own compute per step: on CUDA the GPU time between two events recorded around the step (read
-once per log window, when the window's last event has completed), on CPU the process's CPU time
+each rank's own compute per step: on CUDA the GPU time between two events recorded around the step (at a
+log step, the mean over the steps whose events have completed, without waiting for the others: they
+count in the next window), on CPU the process's CPU time
 (``time.process_time``: a rank blocked in a collective does not add to it, one burning cycles in its
 forward does; it also counts the loader's read-ahead thread). One ``all_gather`` of a few float64 per
 rank, on host tensors (gloo: the default group's CPU backend on CUDA jobs too, so no device sync), gives
@@ -44,11 +45,14 @@ class ComputeClock:
         self.steps += 1
 
     def window_mean(self) -> float:
-        """Mean compute seconds per step since the last call (CUDA: waits for the window's last event)."""
-        if self.events:
-            self.events[-1][1].synchronize()
-            self.seconds += sum(start.elapsed_time(end) for start, end in self.events) / 1e3
-            self.events.clear()
+        """Mean compute seconds per step since the last call (CUDA: over the steps already done on the GPU)."""
+        if self.cuda:
+            finished = 0  # one stream: the steps complete in order, so the done ones are a prefix
+            while finished < len(self.events) and self.events[finished][1].query():
+                finished += 1
+            done, self.events = self.events[:finished], self.events[finished:]
+            self.seconds = sum(start.elapsed_time(end) for start, end in done) / 1e3
+            self.steps = len(done)
         mean = self.seconds / max(self.steps, 1)
         self.seconds, self.steps = 0.0, 0
         return mean

@@ -60,7 +60,7 @@ from training.parallelize import apply_ddp, parallelize
 from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
 from training.profiling import StepProfiler
 from training.validate import check_job, check_vocab
-from training.step_inputs import read_step_stats, step_batch_transform
+from training.step_inputs import DeferredRecords, step_batch_transform
 from training.telemetry import ComputeClock, rank_spread, sum_over_dp
 from training.validation import make_validator
 
@@ -346,11 +346,9 @@ def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfile
 def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float,
                 compute_time: float = 0.0) -> dict:
     """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
-    scalars, read here in one copy: the window's one host read of the step), the window's ``throughput``,
-    memory, MoE, pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on
-    every rank."""
+    scalars, left as they are: ``DeferredRecords`` reads them), the window's ``throughput``, memory, MoE,
+    pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on every rank."""
     device, loss_mesh = trainer.device, trainer.meshes["dp_cp"]
-    stats = read_step_stats(stats)
     return {
         "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
         "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
@@ -381,6 +379,19 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
                               matmul_flops_per_token=matmul_flops_per_token(trainer.hf_config),
                               flops_per_pair=attention_flops_per_pair(trainer.hf_config))
     clock = ComputeClock(trainer.device)
+    records = DeferredRecords(trainer.device, logger.log)
+    try:
+        loop_steps(trainer, batches, logger, profiler, validate, window, clock, records)
+    finally:
+        records.flush()
+
+
+def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
+               validate: Callable[[], dict] | None, window: ThroughputWindow, clock: ComputeClock,
+               records: DeferredRecords) -> None:
+    """``run_steps``'s loop (see there)."""
+    cfg = trainer.cfg
+    max_steps = cfg.trainer.max_steps
     while trainer.step < max_steps:
         try:
             micro = next_micro_batches(batches, cfg.trainer.grad_accum)
@@ -394,7 +405,7 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
         step = trainer.step
         if step % cfg.trainer.log_every == 0 or step == max_steps:
             pairs = sum_over_dp(window.attention_pairs, trainer.dims.dp)
-            logger.log(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
+            records.push(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
             window.restart(step)
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
             from training.speech.eval import eval_in_training
