@@ -58,7 +58,7 @@ class ComputeClock:
         return mean
 
 
-def rank_spread(step_time: float, data_wait_frac: float, device: torch.device, compute_time: float = 0.0) -> dict:
+def rank_spread(step_time: float, data_wait_frac: float, device: torch.device, compute_time: float) -> dict:
     """Max / mean over all ranks of the per-rank step time (s), own compute time per step (s) and data-wait
     fraction, plus which rank is the slowest, which computes longest (the straggler) and which waits most.
     A collective over the default group, on host tensors (``device`` is not used for it)."""

@@ -141,7 +141,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
                *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
                forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
     """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count as
-    device scalars (the host reads them once per log window, ``training.step_metrics``): nothing here waits
+    device scalars (the host reads them once per log window, ``training.step_inputs``): nothing here waits
     for the device. ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
     group = loss_mesh.get_group()
     global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
@@ -344,7 +344,7 @@ def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfile
 
 
 def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float,
-                compute_time: float = 0.0) -> dict:
+                compute_time: float) -> dict:
     """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
     scalars, left as they are: ``DeferredRecords`` reads them), the window's ``throughput``, memory, MoE,
     pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on every rank."""
