@@ -9,6 +9,10 @@ and no per-chunk fp32 weight-gradient adds); otherwise (CPU, no Liger, no Triton
 once per device type. Liger runs in the dtype it is given: both operands are cast to the autocast dtype
 when autocast is on (as ``lm_head`` would run), else to their common dtype.
 
+Cost beside the kernel: Liger reads its label count to the host (``target_mask.sum().item()`` in
+``liger_kernel/ops/fused_linear_cross_entropy.py``, 0.8.5), one GPU sync per micro-batch that the
+chunked path does not have; whether the fused kernel's saving outweighs it is for the GPU measurement.
+
 Not yet measured on a GPU (no GPU was lent while this was written): the issue's target is Liger vs the
 chunked path vs full logits at 8k tokens x 128k vocabulary (``tools.bench_kernels``).
 """

@@ -133,9 +133,15 @@ def test_a_read_inside_the_step_is_caught(tmp_path, process_group, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_steps_do_not_synchronize(tmp_path, process_group, monkeypatch):
-    """On CUDA: every step runs under ``set_sync_debug_mode("error")`` (a synchronizing call raises)."""
+    """On CUDA: every step runs under ``set_sync_debug_mode("error")`` (a synchronizing call raises). The lm_head
+    loss is the chunked kernel's: Liger's fused kernel (the optional extra) reads its label count with
+    ``.item()`` once per call, a sync the README states."""
+    import kernels.fused_loss as fused_loss
     import training.train as train_mod
     from training.train import train
+
+    monkeypatch.setattr(fused_loss, "liger_loss_class", lambda: None)
+    fused_loss.linear_cross_entropy_kernel.cache_clear()
 
     take_step = train_mod.take_step
 
