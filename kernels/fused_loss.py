@@ -1,6 +1,6 @@
 """The lm_head loss through a maintained fused kernel on CUDA: Liger Kernel's fused linear cross-entropy.
 
-``linear_cross_entropy_kernel(device_type)`` picks how ``training.loss.lm_head_loss_sum`` computes the summed
+``linear_cross_entropy_kernel(device_type)`` picks how ``training.models.loss.lm_head_loss_sum`` computes the summed
 cross-entropy of ``hidden @ weight.T``: on CUDA with the optional ``liger`` extra installed
 (``pip install 'headrace[liger]'``: ``liger-kernel``, Triton), ``LigerFusedLinearCrossEntropyLoss`` (Triton
 kernels that compute each chunk's logits, loss and gradients in place, no fp32 ``[tokens, vocab]`` logits

@@ -17,7 +17,7 @@ complete and all their tokens are one document. O(blocks^2) numpy work per batch
 against ``create_block_mask``'s evaluation of the mask over every token pair on the device.
 
 ``causal_pairs``: the (query, key) pairs the document masks require, sum over documents of n(n+1)/2;
-``training.metrics`` turns it into the attention FLOPs of the document-masked MFU.
+``training.components.metrics`` turns it into the attention FLOPs of the document-masked MFU.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from train_common import TINY_LLAMA  # noqa: E402
 
 from tools.bench_train import SOURCES, trainer_figures  # noqa: E402
 from tools.plain_loop import run_plain_loop  # noqa: E402
-from training.config import load_job_config  # noqa: E402
-from training.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token  # noqa: E402
-from training.model import build_hf_config  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
+from training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token  # noqa: E402
+from training.models.build import build_hf_config  # noqa: E402
 
 
 def test_sources_default_to_all_three():

@@ -58,7 +58,7 @@ def _inputs(seed=0):
 
 
 def test_cpu_uses_the_chunked_path_even_with_liger_installed(fresh_choice, stand_in_liger, capsys):
-    from training.loss import lm_head_loss_sum
+    from training.models.loss import lm_head_loss_sum
 
     assert fused_loss.choose_kernel("cpu")[0] == "chunked"
     hidden, weight, labels = _inputs()

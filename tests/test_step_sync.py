@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from train_common import TINY_LLAMA, ListLoader, packed_batches  # noqa: E402
 
-from training.config import load_job_config  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 WINDOW_BUDGET = 3  # read_step_stats + rank_spread + sum_over_dp, once per log window
@@ -77,8 +77,8 @@ def count_host_reads(monkeypatch) -> tuple[Counter, Counter]:
 
 
 def test_steps_read_nothing_from_the_device_and_log_windows_stay_in_budget(tmp_path, process_group, monkeypatch):
-    from training.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
-    from training.model import build_hf_config
+    from training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
+    from training.models.build import build_hf_config
     from training.train import train
 
     steps, log_every = 6, 3

@@ -17,8 +17,8 @@ on the same shards and batch shape:
   the ``webdataset`` rows.
 
 Prints tokens/s, the data-wait fraction and the token fill for each, MFU counted two ways (``mfu``: the
-attention the document masks require; ``mfu_full_row``: the full-row count, ``training.metrics``) over
-the device's dense bf16 peak from ``training.metrics.PEAK_FLOPS``, and peak memory; then each source's
+attention the document masks require; ``mfu_full_row``: the full-row count, ``training.components.metrics``) over
+the device's dense bf16 peak from ``training.components.metrics.PEAK_FLOPS``, and peak memory; then each source's
 tokens/s over the others'. Steady state: the first ``--warmup`` steps (allocator warm-up, compilation) are
 excluded; the trainer logs every ``--warmup`` steps, so it reads its figures (a GPU sync) once per window.
 """
@@ -80,7 +80,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine")
 
-    from training.config import load_job_config
+    from training.config.load import load_job_config
     from training.train import train
 
     results = {}

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.packed_layout import causal_pairs, with_attention_plan
-from training.context_parallel import rank_batch_transform
+from training.distributed.context_parallel import rank_batch_transform
 
 
 def step_batch_transform(dims, meshes: dict, device_type: str) -> Callable[[dict], dict]:

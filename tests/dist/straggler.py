@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_common import TINY_LLAMA, ListLoader, packed_batches  # noqa: E402
 
 import training.train as train_mod  # noqa: E402
-from training.config import load_job_config  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
 
 BURN_S = 0.15
 
