@@ -42,8 +42,11 @@ import torch
 
 from kernels.cp_attention import cp_attention
 from kernels.varlen_attention import (
+    block_mask_from_tables,
+    bucket_plan_from_tree,
     cached_per_batch,
     cu_seqlens_from_position_ids,
+    provide_plan,
     validate_cu_seqlens,
     varlen_attention,
 )
@@ -65,15 +68,22 @@ def packed_attention_kwargs(batch: Mapping[str, object]) -> dict[str, object]:
     ``batch`` needs ``position_ids`` ``(B, S)``; ``cu_seqlens`` (int32 over the B*S flattened tokens,
     padding included as its own segment) and ``max_seqlen`` are used when present, else derived from
     ``position_ids``. Call it once per micro-batch: the attention plan is cached on the returned
-    ``cu_seqlens`` tensor and shared by all layers.
+    ``cu_seqlens`` tensor and shared by all layers. A batch carrying ``attention_plan``
+    (``kernels.packed_layout``: checked and planned on the host, before the device copy) is not read here
+    nor by the kernels; without one, ``cu_seqlens`` is checked and planned from its device values.
     """
     position_ids = batch["position_ids"]
     total = position_ids.numel()
     cu = batch.get("cu_seqlens")
     cu = cu_seqlens_from_position_ids(position_ids) if cu is None else cu.to(position_ids.device, torch.int32)
-    validate_cu_seqlens(cu, total)
-    max_seqlen = batch.get("max_seqlen")
-    max_seqlen = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else int(max_seqlen)
+    plan = batch.get("attention_plan")
+    if plan is not None:
+        use_host_plan(plan, cu, total)
+        max_seqlen = plan["max_seqlen"]
+    else:
+        validate_cu_seqlens(cu, total)
+        max_seqlen = batch.get("max_seqlen")
+        max_seqlen = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else int(max_seqlen)
     return {
         "position_ids": position_ids,
         "cu_seq_lens_q": cu,
@@ -81,6 +91,14 @@ def packed_attention_kwargs(batch: Mapping[str, object]) -> dict[str, object]:
         "max_length_q": max_seqlen,
         "max_length_k": max_seqlen,
     }
+
+
+def use_host_plan(plan: dict, cu: torch.Tensor, total: int) -> None:
+    """Let the kernels plan this micro-batch (keyed on ``cu``) from ``plan``'s host-made parts (see above)."""
+    if "bucketed" in plan:
+        provide_plan("bucketed", cu, total, lambda: bucket_plan_from_tree(plan["bucketed"]))
+    if "flex" in plan:
+        provide_plan("flex", cu, total, lambda: block_mask_from_tables(plan["flex"], total))
 
 
 def context_parallel_kwargs(group, mode: str) -> dict[str, object]:

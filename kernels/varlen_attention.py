@@ -24,7 +24,9 @@ Backends (``varlen_attention(..., backend=...)``; ``"auto"`` picks the first tha
 ``varlen_attention_reference`` is the oracle: a Python loop over documents with an explicit fp32
 softmax. The per-micro-batch plan (bucket index tensors, block mask) depends only on
 ``cu_seqlens``; it is cached on the identity of the ``cu_seqlens`` tensor so that every layer of
-one forward (and its activation-checkpoint recompute) reuses it.
+one forward (and its activation-checkpoint recompute) reuses it. Planned from a device ``cu_seqlens``
+it reads the device (a GPU sync per micro-batch); the trainer instead passes ``plan``, made on the host
+before the device copy (``kernels.packed_layout.attention_plan``), and nothing here reads the device.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def varlen_attention(
 
     ``q``: ``(T, H, D)``, ``k``/``v``: ``(T, H_kv, D)``; ``cu_seqlens``: int32 document boundaries over
     the T tokens; ``max_seqlen``: longest document (used by flash; computed when None). Differentiable
-    on every backend (flex only on CUDA).
+    on every backend (flex only on CUDA). A plan made on the host (``provide_plan``) is used when given.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -181,6 +183,12 @@ def plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
         device = cu_seqlens.device
         buckets.append(_Bucket(gather.reshape(-1).to(device), int(sel.sum()), size, n.to(device)))
     return _BucketPlan(tuple(buckets), token_slot.to(cu_seqlens.device))
+
+
+def bucket_plan_from_tree(tree: dict) -> _BucketPlan:
+    """The ``_BucketPlan`` of ``kernels.packed_layout.bucket_plan_tree``'s dict (its tensors on the device)."""
+    buckets = tuple(_Bucket(*fields) for fields in zip(tree["gather"], tree["docs"], tree["length"], tree["lengths"]))
+    return _BucketPlan(buckets, tree["token_slot"])
 
 
 def _bucketed(q, k, v, cu_seqlens, scale):
@@ -262,6 +270,21 @@ def _document_block_mask(cu_seqlens: torch.Tensor, total_tokens: int, device: to
     )
 
 
+def block_mask_from_tables(tables: dict, total_tokens: int):
+    """The document-causal ``BlockMask`` from ``kernels.packed_layout.document_block_tables`` (on the device):
+    no mask evaluation over token pairs, no host read."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    doc = tables["doc"]
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    return BlockMask.from_kv_blocks(tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"],
+                                    tables["full_kv_indices"], mask_mod=same_document_causal,
+                                    seq_lengths=(total_tokens, total_tokens))
+
+
 def _flex(q, k, v, cu_seqlens, scale, flex_fn=None):
     """``flex_fn`` defaults to the compiled flex_attention (CUDA); tests pass the eager one on CPU."""
     if flex_fn is None:
@@ -281,10 +304,19 @@ def _flex(q, k, v, cu_seqlens, scale, flex_fn=None):
 # --- per-micro-batch plan cache --------------------------------------------------------------------
 
 _plan_cache: dict[str, tuple[torch.Tensor, tuple[int, int], object]] = {}
+_provided: dict[str, tuple[torch.Tensor, tuple[int, int], object]] = {}
+
+
+def provide_plan(kind: str, key: torch.Tensor, total_tokens: int, build) -> None:
+    """Make ``build`` (a plan from host-made data, ``kernels.packed_layout``) the way ``cached_per_batch(kind, key,
+    ...)`` builds its plan for this ``key`` tensor, instead of planning from the device values; it runs only if
+    that backend is used."""
+    _provided[kind] = (key, (total_tokens, key._version), build)
 
 
 def cached_per_batch(kind: str, key: torch.Tensor, total_tokens: int, build):
-    """Return ``build()``, reused while the same ``key`` tensor object comes back (all layers of a step).
+    """Return ``build()``, reused while the same ``key`` tensor object comes back (all layers of a step);
+    a builder given by ``provide_plan`` for this key replaces ``build``.
 
     Keyed on identity, not contents: comparing contents would sync the GPU in every layer. Holding
     the tensor keeps its id from being reused by a different batch; an in-place edit of the key
@@ -293,12 +325,16 @@ def cached_per_batch(kind: str, key: torch.Tensor, total_tokens: int, build):
     hit = _plan_cache.get(kind)
     if hit is not None and hit[0] is key and hit[1] == (total_tokens, key._version):
         return hit[2]
+    given = _provided.pop(kind, None)
+    if given is not None and given[0] is key and given[1] == (total_tokens, key._version):
+        build = given[2]
     plan = build()
     _plan_cache[kind] = (key, (total_tokens, key._version), plan)
     return plan
 
 
 __all__ = [
-    "BACKENDS", "bucket_length", "cached_per_batch", "cu_seqlens_from_position_ids", "document_causal_mask",
-    "document_ids", "plan_buckets", "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
+    "BACKENDS", "block_mask_from_tables", "bucket_length", "bucket_plan_from_tree", "cached_per_batch",
+    "cu_seqlens_from_position_ids", "document_causal_mask", "document_ids", "plan_buckets", "provide_plan",
+    "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
 ]

@@ -106,25 +106,31 @@ def test_warmup_then_cosine():
 def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch):
     """Figures over the steps since the window (re)started, on a fake clock: a paused span (validation,
     checkpoint) is not elapsed time, data waits of batches before the window do not count, pack fill comes
-    from packed batches' ``fill`` only (None for batches that are not packed rows: bucketed audio)."""
+    from packed batches' ``fill`` only (None for batches that are not packed rows: bucketed audio). Two FLOP counts:
+    full row (``flops_per_token``) and document-masked (matmuls per token + attention per (query, key) pair, the
+    pairs summed over dp)."""
     from training.components import metrics
 
     now = [0.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     waits = [7.0]  # a batch handed out before the window
-    window = metrics.ThroughputWindow(waits, 4, flops_per_token=10.0, peak=160.0, world=2)
+    window = metrics.ThroughputWindow(waits, 4, flops_per_token=10.0, peak=160.0, world=2,
+                                      matmul_flops_per_token=4.0, flops_per_pair=0.5)
     waits.append(1.0)
-    window.add([{"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 8), "fill": 0.75}], token_ranks=2)
+    window.add([{"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 8), "fill": 0.75, "attention_pairs": 40}],
+               token_ranks=2)
     now[0] = 3.0
     with window.paused():
         now[0] = 103.0
     waits.append(1.0)
     labels = torch.tensor([[0] * 8, [-100] * 8])
-    window.add([{"input_ids": torch.zeros(2, 8), "labels": labels}], token_ranks=2)
+    window.add([{"input_ids": torch.zeros(2, 8), "labels": labels, "attention_pairs": 24}], token_ranks=2)
     now[0] = 104.0  # 4 s of training in the window
-    figures, step_time = window.figures(6)
-    assert figures == {"tokens_per_s": 16.0, "tokens_per_s_per_device": 8.0, "flops_per_s": 80.0, "mfu": 0.5,
-                       "data_wait_frac": 0.5, "pack_fill": 0.75}
+    assert window.attention_pairs == 64
+    figures, step_time = window.figures(6, attention_pairs=128)  # both dp ranks' pairs
+    # document-masked: (64 tokens x 4 + 128 pairs x 0.5) / 4 s / 2 devices = 40; full row: 16 tok/s x 10 / 2 = 80
+    assert figures == {"tokens_per_s": 16.0, "tokens_per_s_per_device": 8.0, "flops_per_s": 40.0, "mfu": 0.25,
+                       "flops_per_s_full_row": 80.0, "mfu_full_row": 0.5, "data_wait_frac": 0.5, "pack_fill": 0.75}
     assert step_time == 1.0  # (4 s - 2 s of data wait) / 2 steps
     window.restart(6)
     waits.append(2.0)
@@ -229,8 +235,8 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
     for batches in ([micro[:4], micro[4:]], [[concat(micro[:4])], [concat(micro[4:])]]):
         model, _ = build_model(cfg, dims, meshes, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optim)
-        losses = [train_step(model, opt, step, meshes["dp_cp"], max_grad_norm=1.0, defer_grad_sync=True,
-                             autocast=False)["loss"] for step in batches]
+        losses = [float(train_step(model, opt, step, meshes["dp_cp"], max_grad_norm=1.0, defer_grad_sync=True,
+                                   autocast=False)["loss"]) for step in batches]
         results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (acc_losses, acc_params), (big_losses, big_params) = results
     assert acc_losses == pytest.approx(big_losses, rel=1e-6)

@@ -37,6 +37,7 @@ from training.distributed.pipeline import Pipeline
 from training.speech.job import salm_loss_sum
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
+               "attention_plan", "attention_pairs",  # + the host-made layout (training.step_inputs)
                "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
                "cp_imbalance")  # + context parallelism's (training.distributed.context_parallel)
 
@@ -68,12 +69,13 @@ def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
                *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
                forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
-    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count.
-    ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
+    """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count as
+    device scalars (the host reads them once per log window, ``training.step_inputs``): nothing here waits
+    for the device. ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
     group = loss_mesh.get_group()
     global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
     dist.all_reduce(global_tokens, group=group)
-    scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
+    scale = (loss_mesh.size() / global_tokens.clamp(min=1)).float()
     loss_sum = torch.zeros((), dtype=torch.float64, device=global_tokens.device)
     for i, mb in enumerate(micro_batches):
         with gradient_sync(model, i == len(micro_batches) - 1 or not defer_grad_sync):
@@ -84,8 +86,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(loss_sum, group=group)
-    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
-            "tokens": int(global_tokens.item())}
+    return {"loss": loss_sum / global_tokens.clamp(min=1), "grad_norm": grad_norm, "tokens": global_tokens}
 
 
 def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_batches: list[dict],

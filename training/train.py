@@ -40,16 +40,17 @@ from configtree import to_dict
 from dataio.batching.even import even_batches
 from dataio.batching.prefetch import DevicePrefetcher
 from training.components import checkpoint
-from training.components.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token,
+from training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
+                                         build_metrics_logger, flops_per_token, matmul_flops_per_token,
                                          max_memory_gib, peak_flops)
 from training.components.optim import build_optimizer, lr_at, set_lr
 from training.components.profiling import StepProfiler
-from training.components.telemetry import rank_spread
+from training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
 from training.config.job_config import DistributedConfig, JobConfig
 from training.components.data import open_data, shard_sources
 from training.config.validate import check_data_paths, check_job, check_vocab
 from training.distributed import moe
-from training.distributed.context_parallel import cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
+from training.distributed.context_parallel import cp_step_metrics, reset_exchanged_bytes
 from training.distributed.dense import apply_ddp
 from training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
 from training.distributed.parallelize import parallelize
@@ -61,6 +62,7 @@ from training.components.run_lock import lock_output_dir
 from training.speech.eval import eval_in_training
 from training.speech.job import build_salm, export_salm, wrap_loader
 from training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
+from training.step_inputs import DeferredRecords, step_batch_transform
 from training.validation import make_validator
 
 if TYPE_CHECKING:
@@ -71,7 +73,12 @@ def seed_for_rank(seed: int, dp_rank: int) -> int:
     return seed + 1_000_003 * dp_rank
 
 
-def step_inputs(batches: DevicePrefetcher, cfg: JobConfig) -> Iterator[dict]:
+def host_float(value: float | torch.Tensor | None) -> float | None:
+    """``value`` as a Python float: a device scalar of the step is read here, at a checkpoint or the summary."""
+    return None if value is None else float(value)
+
+
+def even_if_finite(batches: DevicePrefetcher, cfg: JobConfig) -> Iterator[dict]:
     """What the steps read: ``batches``, evened out over the ranks when the stream is finite (``data.epochs``):
     a rank that ran out trains on loss-free copies of its last batch until every rank has (a step's
     collectives need every rank). Collective when finite."""
@@ -125,7 +132,8 @@ class Trainer:
     forward: Callable[[nn.Module, dict, bool], torch.Tensor]  # ``step_forward``'s
     autocast: bool
     step: int = 0  # the last step trained (or resumed from)
-    first_loss: float | None = None  # the run's first logged loss (kept across resumes: the summary's)
+    # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
+    first_loss: float | torch.Tensor | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -227,16 +235,18 @@ def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfile
     return stats
 
 
-def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float) -> dict:
-    """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step, the window's
-    ``throughput``, memory, MoE, pipeline stage, per-rank spread and CP figures. Collectives on every rank."""
+def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float,
+                compute_time: float) -> dict:
+    """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
+    scalars, left as they are: ``DeferredRecords`` reads them), the window's ``throughput``, memory, MoE,
+    pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on every rank."""
     device, loss_mesh = trainer.device, trainer.meshes["dp_cp"]
     return {
         "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
         "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
         "max_mem": max_memory_gib(device), **moe.step_metrics(trainer.model, loss_mesh),
         **(pipeline_metrics(trainer.pipe, max_memory_gib(device)) if trainer.pipe is not None else {}),
-        **rank_spread(step_time, throughput["data_wait_frac"], device),
+        **rank_spread(step_time, throughput["data_wait_frac"], device, compute_time),
         **(cp_step_metrics(micro_batches) if trainer.dims.cp > 1 else {}),
     }
 
@@ -247,7 +257,7 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
                     checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
                     keep_last=trainer.cfg.checkpoint.keep_last,
                     extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
-                           "first_loss": trainer.first_loss})
+                           "first_loss": host_float(trainer.first_loss)})
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
@@ -259,8 +269,24 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     max_steps = cfg.trainer.max_steps
     flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
-                              world=dist.get_world_size())
-    inputs = step_inputs(batches, cfg)
+                              world=dist.get_world_size(),
+                              matmul_flops_per_token=matmul_flops_per_token(trainer.hf_config),
+                              flops_per_pair=attention_flops_per_pair(trainer.hf_config))
+    clock = ComputeClock(trainer.device)
+    records = DeferredRecords(trainer.device, logger.log)
+    try:
+        loop_steps(trainer, batches, logger, profiler, validate, window, clock, records)
+    finally:
+        records.flush()
+
+
+def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
+               validate: Callable[[], dict] | None, window: ThroughputWindow, clock: ComputeClock,
+               records: DeferredRecords) -> None:
+    """``run_steps``'s loop (see there)."""
+    cfg = trainer.cfg
+    max_steps = cfg.trainer.max_steps
+    inputs = even_if_finite(batches, cfg)
     while trainer.step < max_steps:
         try:
             micro = next_micro_batches(inputs, cfg.trainer.grad_accum)
@@ -268,11 +294,13 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
             print_on_rank0(f"data exhausted after step {trainer.step}")
             return
         trainer.step += 1
-        stats = take_step(trainer, micro, profiler)
+        with clock.step():
+            stats = take_step(trainer, micro, profiler)
         window.add(micro, trainer.dims.dp * trainer.dims.cp)
         step = trainer.step
         if step % cfg.trainer.log_every == 0 or step == max_steps:
-            logger.log(step_record(trainer, stats, micro, *window.figures(step)))
+            pairs = sum_over_dp(window.attention_pairs, trainer.dims.dp)
+            records.push(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
             window.restart(step)
             if trainer.first_loss is None:
                 trainer.first_loss = stats["loss"]
@@ -350,7 +378,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
                 if cfg.trainer.eval_every else None)
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
-    batches = DevicePrefetcher(loader, device, transform=rank_batch_transform(dims, meshes))
+    batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, meshes, device.type))
 
     run_steps(trainer, batches, logger, profiler, validate)
 
@@ -358,7 +386,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     profiler.close()
     save_final_checkpoint(trainer, batches)
     export_model(trainer)
-    logger.summary(first_loss=trainer.first_loss)
+    logger.summary(first_loss=host_float(trainer.first_loss))
     logger.close()
     if held is not None:
         held.close()

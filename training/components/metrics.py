@@ -4,11 +4,19 @@ and, when ``logging.wandb`` is set, Weights & Biases (``training.components.wand
 Throughput figures cover a window: the steps since the last logged one (``ThroughputWindow``), less the
 time spent validating or checkpointing in it, which is not training.
 
-Model FLOPs per token follow the PaLM/torchtitan count: ``6 * N`` for the matmuls of forward + backward
-over the non-embedding parameters (lm_head included) plus ``12 * layers * hidden * seq_len`` for attention
-scores and values (an upper bound for packed batches, whose documents attend only within themselves).
+Model FLOPs, two counts, both logged:
+
+- ``mfu`` / ``flops_per_s`` (document-masked, the honest one): ``6 * N`` per token for the matmuls of
+  forward + backward over the non-embedding parameters (lm_head included), plus ``12 * layers * hidden``
+  per (query, key) pair that the batch's document masks require: sum over documents of n(n+1)/2
+  (``kernels.packed_layout.causal_pairs``, from each batch's ``cu_seqlens`` on the host, summed over the
+  dp ranks). A row of short documents does far less attention work than a full causal row.
+- ``mfu_full_row`` / ``flops_per_s_full_row``: the PaLM/torchtitan count ``6 * N + 12 * layers * hidden *
+  seq_len`` per token, i.e. non-causal attention over the whole row: what the logs showed before, and
+  what most trainers print, so it compares with them; an upper bound that overstates packed batches.
+
 MFU divides achieved FLOP/s per device by the device's dense bf16 peak from ``PEAK_FLOPS``; on CPU there
-is no meaningful peak, so ``mfu`` is null and ``flops_per_s`` is reported instead.
+is no meaningful peak, so both MFUs are null and the FLOP/s are reported instead.
 Only rank 0 writes; every figure it logs is already reduced over ranks where that matters.
 """
 
@@ -39,14 +47,24 @@ PEAK_FLOPS = {
 }
 
 
-def flops_per_token(hf_config, seq_len: int) -> float:
-    """Model FLOPs of forward + backward per trained token (see the module docstring)."""
+def matmul_flops_per_token(hf_config) -> float:
+    """FLOPs of the parameter matmuls, forward + backward, per trained token: ``6 * N``."""
     from training.models.build import count_params
 
     _, non_embedding = count_params(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
         non_embedding += hf_config.vocab_size * hf_config.hidden_size  # lm_head matmul still runs
-    return 6.0 * non_embedding + 12.0 * hf_config.num_hidden_layers * hf_config.hidden_size * seq_len
+    return 6.0 * non_embedding
+
+
+def attention_flops_per_pair(hf_config) -> float:
+    """FLOPs of attention scores and values, forward + backward, per (query, key) pair: ``12 * layers * hidden``."""
+    return 12.0 * hf_config.num_hidden_layers * hf_config.hidden_size
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    """Full-row model FLOPs of forward + backward per trained token (``mfu_full_row``, module docstring)."""
+    return matmul_flops_per_token(hf_config) + attention_flops_per_pair(hf_config) * seq_len
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -69,33 +87,43 @@ def max_memory_gib(device: torch.device) -> float:
 
 
 class ThroughputWindow:
-    """The steps since the last logged one: their tokens, pack fill and data wait, over wall time less the
-    ``paused`` spans. ``world`` ranks share the work; ``peak`` is one device's FLOP/s (None: no MFU)."""
+    """The steps since the last logged one: their tokens, attention pairs, pack fill and data wait, over wall
+    time less the ``paused`` spans. ``world`` ranks share the work; ``peak`` is one device's FLOP/s (None: no
+    MFU). ``flops_per_token``: the full-row count; ``matmul_flops_per_token`` + ``flops_per_pair`` x the
+    dp ranks' attention pairs: the document-masked count (module docstring)."""
 
-    def __init__(self, waits: list[float], step: int, *, flops_per_token: float, peak: float | None, world: int):
+    def __init__(self, waits: list[float], step: int, *, flops_per_token: float, peak: float | None, world: int,
+                 matmul_flops_per_token: float = 0.0, flops_per_pair: float = 0.0):
         self.waits = waits  # the prefetcher's data wait per batch handed out (DevicePrefetcher.waits, appended to)
         self.flops_per_token, self.peak, self.world = flops_per_token, peak, world
+        self.matmul_flops_per_token, self.flops_per_pair = matmul_flops_per_token, flops_per_pair
         self.restart(step)
 
     def restart(self, step: int) -> None:
         """A new window, after ``step``."""
         self.start, self.first_batch, self.first_step = time.perf_counter(), len(self.waits), step
-        self.tokens, self.fill = 0, []
+        self.tokens, self.fill, self.attention_pairs = 0, [], 0
 
     def add(self, micro_batches: list[dict], token_ranks: int) -> None:
         """One step over ``micro_batches`` on each of ``token_ranks`` ranks holding distinct tokens (dp x cp)."""
         self.tokens += sum(mb["input_ids"].numel() for mb in micro_batches) * token_ranks
+        # this rank's batches' pairs (host ints, kernels.packed_layout); summed over dp ranks in ``figures``
+        self.attention_pairs += sum(mb["attention_pairs"] for mb in micro_batches if "attention_pairs" in mb)
         self.fill += [float(mb["fill"]) for mb in micro_batches if "fill" in mb]  # packed rows only (not audio)
 
-    def figures(self, step: int) -> tuple[dict, float]:
+    def figures(self, step: int, attention_pairs: float | None = None) -> tuple[dict, float]:
         """The window up to ``step``: its record fields (``tokens_per_s`` .. ``pack_fill``) and this rank's mean
-        step time without data wait (``telemetry.rank_spread``'s)."""
+        step time without data wait (``telemetry.rank_spread``'s). ``attention_pairs``: the window's pairs
+        summed over the dp ranks (``telemetry.sum_over_dp``); None: this rank's (one dp rank)."""
         elapsed = time.perf_counter() - self.start
         tokens_per_s = self.tokens / elapsed
-        flops_per_s = tokens_per_s * self.flops_per_token / self.world
+        full_row = tokens_per_s * self.flops_per_token / self.world
+        pairs = self.attention_pairs if attention_pairs is None else attention_pairs
+        flops_per_s = (self.tokens * self.matmul_flops_per_token + pairs * self.flops_per_pair) / elapsed / self.world
         wait = sum(self.waits[self.first_batch:])
         return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world,
                 "flops_per_s": flops_per_s, "mfu": flops_per_s / self.peak if self.peak else None,
+                "flops_per_s_full_row": full_row, "mfu_full_row": full_row / self.peak if self.peak else None,
                 "data_wait_frac": wait / elapsed,
                 "pack_fill": sum(self.fill) / len(self.fill) if self.fill else None}, (elapsed - wait) / (step - self.first_step)
 
@@ -136,8 +164,9 @@ class MetricsLogger:
             return
         self._write(record, lambda key: f"train/{key}")
         if self.console is not None:
-            mfu = f"mfu {record['mfu']:5.1%}" if record.get("mfu") is not None else \
-                f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s"
+            mfu = (f"mfu {record['mfu']:5.1%} (full row {record['mfu_full_row']:5.1%})"
+                   if record.get("mfu") is not None else
+                   f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s (full row {record['flops_per_s_full_row'] / 1e9:.2f})")
             self.console.print(
                 f"[bold]step {record['step']:>5}[/]  loss [cyan]{record['loss']:.4f}[/]  lr {record['lr']:.2e}  "
                 f"gnorm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s "
@@ -186,7 +215,9 @@ class MetricsLogger:
             "pack_fill": mean("pack_fill") if steady[0]["pack_fill"] is not None else None,
             "max_mem": max(r["max_mem"] for r in self.history),
             "mfu": mean("mfu") if steady[0].get("mfu") is not None else None,
+            "mfu_full_row": mean("mfu_full_row") if steady[0].get("mfu_full_row") is not None else None,
             "flops_per_s": mean("flops_per_s"),
+            "flops_per_s_full_row": mean("flops_per_s_full_row"),
         }
         if self.enabled:
             with open(self.output_dir / "summary.json", "w") as f:
@@ -194,8 +225,10 @@ class MetricsLogger:
             if self.wandb_run is not None:
                 self.wandb_run.summary.update(result)
             if self.console is not None:
-                mfu = f"MFU {result['mfu']:.1%}" if result["mfu"] is not None else \
-                    f"{result['flops_per_s'] / 1e9:.2f} GFLOP/s (no MFU on CPU)"
+                mfu = (f"MFU {result['mfu']:.1%} document-masked ({result['mfu_full_row']:.1%} full row)"
+                       if result["mfu"] is not None else
+                       f"{result['flops_per_s'] / 1e9:.2f} GFLOP/s document-masked "
+                       f"({result['flops_per_s_full_row'] / 1e9:.2f} full row; no MFU on CPU)")
                 self.console.rule("summary")
                 self.console.print(
                     f"{result['steps']} steps, loss {result['first_loss']:.4f} -> {result['last_loss']:.4f}; "
@@ -223,5 +256,5 @@ def build_metrics_logger(cfg, rank: int) -> MetricsLogger:
                          tensorboard=cfg.logging.tensorboard, wandb_run=run)
 
 
-__all__ = ["PEAK_FLOPS", "MetricsLogger", "ThroughputWindow", "build_metrics_logger", "flops_per_token",
-           "max_memory_gib", "peak_flops"]
+__all__ = ["PEAK_FLOPS", "MetricsLogger", "ThroughputWindow", "attention_flops_per_pair", "build_metrics_logger",
+           "flops_per_token", "matmul_flops_per_token", "max_memory_gib", "peak_flops"]

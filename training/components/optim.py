@@ -2,8 +2,16 @@
 
 The schedule is a pure function of the step (``lr_at``), so the scheduler's checkpoint state is the step
 itself: nothing to save that could disagree with it. Clipping groups gradients by (mesh, placements),
-takes one norm per group (a DTensor norm is one collective), and scales in place; plain tensors (DDP,
-single process) are one group.
+takes one norm per group (a DTensor norm is one collective), and scales in place by
+``min(1, max_norm / (norm + eps))`` computed on the device: the host never reads the norm, so the step
+does not wait for the GPU here (the norm is read with the other metrics once per log window). Plain
+tensors (DDP, single process) are one group; a DTensor group is scaled through its local shards, which
+scales the DTensor (the coefficient is the same on every rank).
+
+AdamW's kernel (``optimizer_impl``): ``fused`` (one kernel per parameter group and dtype) when every
+parameter is on CUDA and of one tensor type, else ``foreach``; a mix of DTensors and plain tensors
+(TP-only runs keep norms as plain tensors) allows neither and falls back to the per-parameter loop. The
+choice and its reason are printed once by rank 0 (``build_optimizer``).
 """
 
 from __future__ import annotations
@@ -17,16 +25,29 @@ from torch.distributed.tensor import DTensor
 from training.config.job_config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+def optimizer_impl(params: list[torch.Tensor]) -> tuple[str, str]:
+    """``(impl, reason)``: ``fused``, ``foreach`` or ``for-loop`` for AdamW over ``params`` (module docstring)."""
+    if len({type(p) for p in params}) > 1:
+        return "for-loop", "parameters mix DTensors and plain tensors (foreach/fused kernels cannot take both)"
+    devices = {p.device.type for p in params}
+    if devices != {"cuda"}:
+        return "foreach", f"fused AdamW is used on CUDA only (parameters on {', '.join(sorted(devices)) or 'none'})"
+    return "fused", "every parameter on CUDA, one tensor type"
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, announce: bool = True) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed); its kernel from
+    ``optimizer_impl``, said once by rank 0 when ``announce``."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach kernels cannot mix DTensors from different meshes (TP-only runs keep norms as plain tensors)
-    mixed = len({type(p) for p in decay + no_decay}) > 1
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=not mixed)
+    impl, reason = optimizer_impl(decay + no_decay)
+    if announce and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"AdamW: {impl} ({reason})", flush=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=impl == "foreach",
+                             fused=impl == "fused" or None)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -45,8 +66,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float | None, pp_group=None) -> float:
-    """Global L2 norm of all gradients (sharded or not); scale them down to ``max_norm`` when given.
+def clip_grad_norm(parameters, max_norm: float | None, pp_group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients (sharded or not), an fp32 scalar on their device; when ``max_norm`` is
+    given they are scaled by ``min(1, max_norm / (norm + 1e-6))`` without the host reading the norm.
     ``pp_group``: the pipeline group, whose ranks hold different stages; their squared norms are summed."""
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -61,12 +83,13 @@ def clip_grad_norm(parameters, max_norm: float | None, pp_group=None) -> float:
         total_sq += norm.float() ** 2
     if pp_group is not None:
         torch.distributed.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt().item()
-    if max_norm is not None and total > max_norm:
-        scale = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+    total = total_sq.sqrt()
+    if max_norm is not None and grads:
+        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for group in groups.values():
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in group]  # no_grad: the shards themselves
+            torch._foreach_mul_(local, clip_coef)
     return total
 
 
-__all__ = ["build_optimizer", "clip_grad_norm", "lr_at", "set_lr"]
+__all__ = ["build_optimizer", "clip_grad_norm", "lr_at", "optimizer_impl", "set_lr"]

@@ -75,9 +75,11 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     # bf16 goes through FSDP2's MixedPrecisionPolicy even with nothing to shard (one rank, or TP only):
     # under autocast HF's RoPE hands fp32 q/k beside a bf16 v to the attention kernel (flash-attn refuses
     # that), while bf16 parameters keep every activation bf16.
+    # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
+    # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
     sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
     if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32):
-        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
+        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward and sharded)
     return model
 
 

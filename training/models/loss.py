@@ -16,6 +16,10 @@ Under tensor parallelism ``lm_head.weight`` is a vocab-sharded DTensor (ColwiseP
 kernel needs the full weight, so the wrapper keeps the full-logits path there: ``lm_head`` gathers the
 vocab shards (``output_layouts=Replicate``) and ``F.cross_entropy`` runs on the whole logits, exactly as
 before. A vocab-parallel chunked loss would remove that gather; it is not written yet.
+
+On CUDA with the optional ``liger`` extra the loss runs through Liger's fused linear cross-entropy instead of
+the chunked PyTorch kernel (``kernels.fused_loss``: the choice is said once); the chunked kernel stays the
+CPU path and the fallback.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from kernels.fused_loss import linear_cross_entropy_kernel
 from kernels.loss import IGNORE_INDEX, linear_cross_entropy
 
 
@@ -63,14 +68,17 @@ class CausalLMLoss(nn.Module):
 
 def lm_head_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                      chunk_size: int | None = None) -> torch.Tensor:
-    """Summed cross-entropy of ``lm_head(hidden)`` against ``labels``: the chunked kernel, or full logits when
-    the lm_head is vocab-sharded (TP). Call it inside the forward of the module whose FSDP2 unshard covers
-    ``lm_head`` (``CausalLMLoss``, or the pipeline's last stage)."""
+    """Summed cross-entropy of ``lm_head(hidden)`` against ``labels``: Liger's fused kernel (CUDA, ``liger`` extra)
+    or the chunked kernel, or full logits when the lm_head is vocab-sharded (TP). Call it inside the forward of
+    the module whose FSDP2 unshard covers ``lm_head`` (``CausalLMLoss``, or the pipeline's last stage)."""
     weight = lm_head.weight
     if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
         logits = lm_head(hidden)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
+    fused = linear_cross_entropy_kernel(hidden.device.type)
+    if fused is not None:
+        return fused(hidden, weight, labels)
     loss_sum, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
     return loss_sum
 
