@@ -1,20 +1,15 @@
 """tools.bench_train's pieces on CPU: the plain transformers loop (its figures and FLOP counts) and the trainer's
 steady-state figures. The throughput figures themselves are for BENCHMARKS.md, not asserted."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from train_common import TINY_LLAMA  # noqa: E402
-
-from tools.bench_train import SOURCES, trainer_figures  # noqa: E402
-from tools.plain_loop import run_plain_loop  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
-from training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token  # noqa: E402
-from training.models.build import build_hf_config  # noqa: E402
+from tests.dist.train_common import TINY_LLAMA
+from tools.bench_train import SOURCES, trainer_figures
+from tools.plain_loop import run_plain_loop
+from training.config.load import load_job_config
+from training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
+from training.models.build import build_hf_config
 
 
 def test_sources_default_to_all_three():

@@ -14,15 +14,12 @@ from __future__ import annotations
 import sys
 import threading
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from train_common import TINY_LLAMA, ListLoader, packed_batches  # noqa: E402
-
-from training.config.load import load_job_config  # noqa: E402
+from tests.dist.train_common import TINY_LLAMA, ListLoader, packed_batches
+from training.config.load import load_job_config
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 WINDOW_BUDGET = 3  # read_step_stats + rank_spread + sum_over_dp, once per log window
@@ -111,17 +108,17 @@ def test_steps_read_nothing_from_the_device_and_log_windows_stay_in_budget(tmp_p
 
 def test_a_read_inside_the_step_is_caught(tmp_path, process_group, monkeypatch):
     """The counter is not blind: a step that reads its loss (what train_step did before) is reported."""
-    import training.train as train_mod
+    import training.step as step_mod
     from training.train import train
 
-    forward = train_mod.forward_loss_sum
+    forward = step_mod.forward_loss_sum
 
     def reading_forward(model, batch, autocast, attention_kwargs=None):
         loss = forward(model, batch, autocast, attention_kwargs)
         loss.item()
         return loss
 
-    monkeypatch.setattr(train_mod, "forward_loss_sum", reading_forward)
+    monkeypatch.setattr(step_mod, "forward_loss_sum", reading_forward)
     cfg = job(tmp_path, 2, 2)
     batches = packed_batches(4, seq_len=32, rows=2)
     in_step, _ = count_host_reads(monkeypatch)

@@ -1,6 +1,6 @@
 """torchrun script: a rank whose forward burns CPU is named the compute straggler by the per-rank telemetry.
 
-``torchrun --nproc-per-node 2 tests/dist/straggler.py WORKDIR SLOW_RANK``: FSDP2 over 2 gloo ranks, debug
+``torchrun --nproc-per-node 2 -m tests.dist.straggler WORKDIR SLOW_RANK``: FSDP2 over 2 gloo ranks, debug
 Llama, packed rows; on SLOW_RANK every forward first spins for 0.15 s of CPU (a busy loop, no sleep). The
 step is a collective, so both ranks' wall step times come out about equal; the own compute time per step
 (``telemetry.ComputeClock``: process CPU time on CPU) differs, and every rank's record must name SLOW_RANK
@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_common import TINY_LLAMA, ListLoader, packed_batches  # noqa: E402
-
-import training.train as train_mod  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
+import training.train as train_mod
+from tests.dist.train_common import TINY_LLAMA, ListLoader, packed_batches
+from training.config.load import load_job_config
 
 BURN_S = 0.15
 
