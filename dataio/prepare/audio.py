@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
 from typing import NamedTuple
 
@@ -208,12 +209,47 @@ def _checked(sample_rate: int, frames: int, nbytes: int) -> tuple[int, int]:
     return sample_rate, frames
 
 
+# What libsndfile reports as the length of a stream whose header leaves it open (a FLAC STREAMINFO with
+# total_samples 0, which the format allows: "unknown"); such a file's frames are counted by decoding it.
+UNKNOWN_FRAMES = (1 << 63) - 1
+_READF = {"float32": ("sf_readf_float", "float*"), "float64": ("sf_readf_double", "double*"),
+          "int16": ("sf_readf_short", "short*"), "int32": ("sf_readf_int", "int*")}
+
+
+def read_unknown_length(f: sf.SoundFile, dtype: str, nbytes: int) -> np.ndarray:
+    """Every frame of ``f`` (whose header leaves its length unknown) as ``[T, C]`` ``dtype``, decoded in
+    blocks; ValueError past ``nbytes * MAX_FRAMES_PER_BYTE`` frames. libsndfile's read function is called
+    directly: ``SoundFile.read`` seeks to ``tell() + read`` after each read, which fails at the end of a
+    stream of unknown length. Cost: one decode (as the loader's)."""
+    from soundfile import _ffi, _snd
+
+    name, ctype = _READF[dtype]
+    readf, limit, blocks, total = getattr(_snd, name), nbytes * MAX_FRAMES_PER_BYTE, [], 0
+    while True:
+        block = np.empty((1 << 16, f.channels), dtype=dtype)
+        n = readf(f._file, _ffi.cast(ctype, block.ctypes.data), len(block))
+        total += n
+        if total > limit:
+            raise ValueError(f"decodes to more than {limit} frames in {nbytes} bytes, more than any codec stores")
+        blocks.append(block[:n])
+        if n < len(block):
+            return np.concatenate(blocks)
+
+
 def _soundfile_info(source, nbytes: int) -> tuple[int, int]:
     try:
         info = sf.info(source)
+        frames = info.frames
+        if frames == UNKNOWN_FRAMES:
+            if isinstance(source, io.IOBase):
+                source.seek(0)
+            with sf.SoundFile(source) as f:
+                frames = len(read_unknown_length(f, "int16", nbytes))
+    except ValueError:
+        raise
     except Exception as e:  # libsndfile reports corrupt input as several exception types
         raise ValueError(f"unreadable audio ({e})") from None
-    return _checked(info.samplerate, info.frames, nbytes)
+    return _checked(info.samplerate, frames, nbytes)
 
 
 def probe(data: bytes) -> tuple[int, int]:
@@ -227,9 +263,12 @@ def probe_file(path: str | os.PathLike) -> tuple[int, int, int]:
 
     ValueError if unreadable, OSError if the file cannot be opened.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer...
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # ...and is refused here, never read (a read would block forever)
+            raise ValueError("not a regular file (a FIFO, device or directory cannot be an input)")
+        size = st.st_size
         head = os.pread(fd, HEADER_BYTES, 0)
     finally:
         os.close(fd)
@@ -259,6 +298,8 @@ def cut_and_encode(source, fmt: str, *, offset: float = 0.0, duration: float | N
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
+    elif not stat.S_ISREG(os.stat(source).st_mode):  # opening a FIFO would block forever
+        raise ValueError("not a regular file (a FIFO, device or directory cannot be an input)")
     try:
         with sf.SoundFile(source) as f:
             start = int(round(offset * f.samplerate))

@@ -20,7 +20,7 @@ from dataio.shards.formats import is_token_member
 from dataio.stream.audio_batch import decode_pending
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
-from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
 from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.order import EpochOrder
@@ -34,6 +34,16 @@ log = logging.getLogger(__name__)
 def token_ext(source: ShardSource) -> str | None:
     """The token member (``*.npy``) of a source's samples, if any."""
     return next((e for e in source.index.extensions if is_token_member(e)), None)
+
+
+def check_documents(sample: dict, *, key: str, shard: str) -> None:
+    """SampleDecodeError naming the member unless every token member of ``sample`` is a document."""
+    for ext, value in sample.items():
+        if is_token_member(ext):
+            try:
+                check_token_document(value)
+            except ValueError as e:
+                raise member_error(e, shard=shard, key=key, member=ext) from None
 
 
 class SampleReader:
@@ -65,8 +75,11 @@ class SampleReader:
             if not isinstance(item, SampleDecodeError):
                 key, shard, members = item
                 try:
-                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
-                                                 defer_audio=pending))
+                    sample = decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
+                                           defer_audio=pending)
+                    if self.cfg.thd:  # packing takes every .npy member for a document of token ids
+                        check_documents(sample, key=key, shard=shard)
+                    samples.append(sample)
                     keys.append(key)
                     shards.append(shard)
                     kept.append(i)
@@ -154,6 +167,8 @@ class BatchMaker:
         local, positions = local[keep], positions[keep]
         refs = self.refs(positions)
         batch = gather_tokens(self.sources, refs, max(lo, hi), alloc) if self.tokens_only and len(refs) else None
+        if batch is not None and self.reader.cfg.thd and _has_negative_id(batch):
+            batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
             return self._with_subflavors(batch)
@@ -173,6 +188,12 @@ class BatchMaker:
         if self.subflavors is not None:
             batch["__subflavors__"] = [self.subflavors[d] for d in (batch["__ref__"] >> REF_BITS).tolist()]
         return batch
+
+
+def _has_negative_id(batch: dict) -> bool:
+    """Whether a gathered token batch holds a negative id (one reduction, signed dtypes only)."""
+    tokens = next(v for k, v in batch.items() if is_token_member(k))
+    return tokens.dtype.is_signed and tokens.numel() > 0 and int(tokens.min()) < 0
 
 
 __all__ = ["BatchMaker", "SampleReader", "token_ext"]

@@ -69,11 +69,22 @@ def collate_field(values: list[Any], alloc: Allocator = plain_memory) -> tuple[A
         out = alloc((len(values), *first.shape), first.dtype)
         return torch.stack(values, out=out), None
     if all(v.ndim == 1 for v in values):
-        dtype = functools.reduce(torch.promote_types, {v.dtype for v in values})
+        dtypes = {v.dtype for v in values}
+        dtype = _common_dtype(dtypes)
+        if len(dtypes) > 1:  # torch.cat does not convert uint16 (one copy a value, only for mixed batches)
+            values = [v.to(dtype) for v in values]
         lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
         out = alloc((int(lengths.sum()),), dtype)
         return torch.cat(values, out=out), lengths
     return values, None
+
+
+def _common_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
+    """The dtype that holds every value of ``dtypes``: torch's promotion, except that integer arrays of
+    several dtypes (uint16 token ids beside int32 ones, which torch refuses to promote) become int64."""
+    if len(dtypes) > 1 and not any(d.is_floating_point or d.is_complex or d == torch.bool for d in dtypes):
+        return torch.int64
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def adjacent(values: list[torch.Tensor]) -> torch.Tensor | None:
