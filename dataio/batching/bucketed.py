@@ -20,6 +20,7 @@ from dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoc
 from dataio.batching.stage import same_layout
 from dataio.shards.formats import is_audio_member
 from dataio.stream.batches import SampleReader, token_ext
+from dataio.stream.decode import SampleDecodeError
 from dataio.stream.refs import make_ref
 from dataio.stream.collate import Allocator
 from dataio.stream.rank import RankStream
@@ -28,18 +29,27 @@ from dataio.stream.rank import RankStream
 class BucketBatch:
     """Batch ``b`` of one epoch's plan: ``batches[b]`` (sample indices) read, decoded and collated."""
 
-    def __init__(self, reader: SampleReader, batches: list[np.ndarray], *, audio_ext: str, token_ext: str | None):
-        self.reader, self.batches, self.audio_ext, self.token_ext = reader, batches, audio_ext, token_ext
+    def __init__(self, reader: SampleReader, batches: list[np.ndarray], *, token_ext: str | None):
+        self.reader, self.batches, self.token_ext = reader, batches, token_ext
 
     def __call__(self, b: int, alloc: Allocator) -> dict:
         refs = make_ref(0, self.batches[b])
         samples, keys, kept, bad = self.reader.read(refs)
-        rows = [{"audio": s[self.audio_ext].waveform, "__key__": k,
+        rows = [{"audio": _audio_member(s, k), "__key__": k,
                  **({"tokens": s[self.token_ext]} if self.token_ext else {}),
                  **({"text": s["json"].get("text")} if isinstance(s.get("json"), dict) else {})}
                 for s, k in zip(samples, keys)]
         return {**collate_audio(rows, tokens_key="tokens" if self.token_ext else None),
                 "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
+
+
+def _audio_member(sample: dict, key: str) -> torch.Tensor:
+    """The waveform of a sample's one audio member, whatever its codec (a dataset may mix FLAC and WAV)."""
+    audio = [v for e, v in sample.items() if is_audio_member(e)]
+    if len(audio) != 1:
+        raise SampleDecodeError(f"bucketing: {len(audio)} audio members ({', '.join(e for e in sample if is_audio_member(e))}), "
+                                "expected one", key=key)
+    return audio[0].waveform
 
 
 class BucketedBatches:
@@ -54,13 +64,12 @@ class BucketedBatches:
     def __iter__(self) -> Iterator[dict]:
         stream, cfg = self.stream, self.stream.cfg
         exts = stream.sources[0].index.extensions
-        audio_ext = next((e for e in exts if is_audio_member(e)), None)
-        if audio_ext is None:
+        if not any(is_audio_member(e) for e in exts):
             raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         reader = stream.reader()
         while cfg.epochs is None or self.epoch < cfg.epochs:
             batches = self._plan(self.epoch, self.history)
-            make = BucketBatch(reader, batches, audio_ext=audio_ext, token_ext=token_ext(stream.sources[0]))
+            make = BucketBatch(reader, batches, token_ext=token_ext(stream.sources[0]))
             for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
                 self.step += 1
                 yield batch
