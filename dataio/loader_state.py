@@ -43,8 +43,11 @@ _COUNTERS = ("consumed", "bad_samples", "dp_rank", "seed")  # seed < 0: numpy's 
 _SKIP_KEYS = {"start", "dp_size", "consumed"}
 
 
+MAX_COUNT = 1 << 62  # positions, counts and seeds are int64 in the order code: larger ones overflow there
+
+
 def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
 
 
 def _skip_ok(skip) -> bool:
@@ -54,11 +57,42 @@ def _skip_ok(skip) -> bool:
             and len(skip["consumed"]) == skip["dp_size"] and all(map(_count, skip["consumed"])))
 
 
-def check_states(states: list, fingerprint: str, max_bad_samples: int) -> None:
+def check_states(states: list, fingerprint: str, max_bad_samples: int, end: int | None) -> None:
     """StateError for the first state that is not a loader state of this data (module docstring).
-    Checked here: the fields the loader and ``dataio.stream.split`` read, and a bad-sample count
-    already over this run's ``max_bad_samples``; the packing and bucketing sub-states are checked by
-    their own stages."""
+    Checked here: the fields the loader and ``dataio.stream.split`` read, a bad-sample count already
+    over this run's ``max_bad_samples``, that the states are the ranks of one run (one dp_size, one
+    layout, each rank once) and that none consumed past ``end`` (the finite stream's global positions;
+    None: endless); the packing and bucketing sub-states are checked by their own stages."""
+    _check_fields(states, fingerprint, max_bad_samples)
+    first, ranks = states[0], set()
+    for n, s in enumerate(states):
+        where = f"loader state {n}"
+        for name in ("dp_size", "layout"):
+            if s[name] != first[name]:
+                raise StateError(f"{where}: {name!r} {s[name]!r} differs from loader state 0's {first[name]!r}: "
+                                 "states of different runs (or saves) mixed"[:300])
+        if s["dp_rank"] in ranks:
+            raise StateError(f"{where}: 'dp_rank' {s['dp_rank']} appears twice: states of different runs mixed")
+        ranks.add(s["dp_rank"])
+        reached = _consumed_end(s)
+        if end is not None and reached > end:
+            raise StateError(f"{where}: 'consumed' {s['consumed']} (with 'layout' start {s['layout']['start']}) "
+                             f"reaches position {reached}, past the end of this data's {end} positions "
+                             "(a state of a longer stream: more epochs, other weights)")
+
+
+def _consumed_end(state: dict) -> int:
+    """One past the highest global position the rank of ``state`` (or an older layout it skips) consumed
+    (``dataio.stream.split``'s arithmetic in Python integers, after the fields were checked)."""
+    layout = state["layout"]
+    start, size, consumed = layout["start"], layout["dp_size"], state["consumed"]
+    own = start + state["dp_rank"] + size * (consumed - 1) + 1 if consumed else start
+    skips = [k["start"] + r + k["dp_size"] * (c - 1) + 1 for k in layout.get("skips", [])
+             for r, c in enumerate(k["consumed"])]
+    return max([own, *skips])
+
+
+def _check_fields(states: list, fingerprint: str, max_bad_samples: int) -> None:
     for n, s in enumerate(states):
         where = f"loader state {n}"
         if not isinstance(s, dict):
@@ -70,7 +104,7 @@ def check_states(states: list, fingerprint: str, max_bad_samples: int) -> None:
                              "shuffle_window or epochs differ); positions would mean other samples")
         for name in _COUNTERS:
             if not _count(s.get(name)):
-                raise StateError(f"{where}: {name!r} must be a non-negative integer, got {s.get(name)!r}")
+                raise StateError(f"{where}: {name!r} must be a non-negative integer below 2**62, got {s.get(name)!r}")
         size = s.get("dp_size")
         if not _count(size) or s["dp_rank"] >= size:
             raise StateError(f"{where}: 'dp_size' must be an integer above dp_rank {s['dp_rank']}, got {size!r}")
@@ -85,4 +119,4 @@ def check_states(states: list, fingerprint: str, max_bad_samples: int) -> None:
                              f"(start, dp_size, one consumed count per old rank), got {layout!r}"[:300])
 
 
-__all__ = ["STATE_VERSION", "StateError", "check_states", "data_identity"]
+__all__ = ["MAX_COUNT", "STATE_VERSION", "StateError", "check_states", "data_identity"]

@@ -18,12 +18,16 @@ import torch
 
 from dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
 from dataio.batching.stage import same_layout
+from dataio.loader_state import MAX_COUNT, StateError
 from dataio.shards.formats import is_audio_member
 from dataio.stream.batches import SampleReader, token_ext
 from dataio.stream.decode import SampleDecodeError
 from dataio.stream.refs import make_ref
 from dataio.stream.collate import Allocator
 from dataio.stream.rank import RankStream
+
+
+MAX_RANKS = 1 << 20  # a history's dp_size: more ranks than any job runs is a damaged state
 
 
 class BucketBatch:
@@ -69,6 +73,9 @@ class BucketedBatches:
         reader = stream.reader()
         while cfg.epochs is None or self.epoch < cfg.epochs:
             batches = self._plan(self.epoch, self.history)
+            if self.step > len(batches):
+                raise StateError(f"loader state: bucketing 'step' {self.step} is past the {len(batches)} batches of "
+                                 f"epoch {self.epoch} (a state of other data or another bucketing)")
             make = BucketBatch(reader, batches, token_ext=token_ext(stream.sources[0]))
             for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
                 self.step += 1
@@ -97,6 +104,12 @@ class BucketedBatches:
         return {"bucketing": {"epoch": self.epoch, "history": self.history, "step": self.step}}
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
+        epochs = self.stream.cfg.epochs
+        for s in old:
+            if s is not None and not _bucketing_state_ok(s.get("bucketing"), epochs):
+                raise StateError(f"loader state of rank {s['dp_rank']}: 'bucketing' must be a mapping of epoch "
+                                 f"(at most epochs={epochs}), step and history ([dp_size >= 1, steps] each) of "
+                                 f"non-negative integers below 2**62, got {s.get('bucketing')!r}"[:300])
         if same_layout(old, dp_rank, dp_size):  # the same plan: continue at the step
             b = old[dp_rank]["bucketing"]
             self.epoch, self.history, self.step = b["epoch"], b["history"], b["step"]
@@ -106,6 +119,16 @@ class BucketedBatches:
             raise ValueError("bucketing states of the old ranks differ (ranks must step together)")
         self.epoch, self.step = b["epoch"], 0
         self.history = [*b["history"], [len(old), b["step"]]]
+
+
+def _bucketing_state_ok(b, epochs: int | None) -> bool:
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
+
+    return (isinstance(b, dict) and set(b) == {"epoch", "history", "step"} and count(b["epoch"])
+            and (epochs is None or b["epoch"] <= epochs) and count(b["step"]) and isinstance(b["history"], list)
+            and all(isinstance(h, list) and len(h) == 2 and count(h[0]) and 1 <= h[0] <= MAX_RANKS and count(h[1])
+                    for h in b["history"]))
 
 
 __all__ = ["BucketedBatches"]
