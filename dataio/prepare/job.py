@@ -91,6 +91,8 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
         shard_bytes = None if opts.samples_per_shard and not opts.shard_size else parse_size(opts.shard_size or "512MB")
         if opts.samples_per_shard is not None and opts.samples_per_shard < 1:
             raise ValueError(f"--samples-per-shard must be >= 1, got {opts.samples_per_shard}")
+        if opts.skip_errors < 0:
+            raise ValueError(f"--skip-errors must be >= 0, got {opts.skip_errors}")
         if opts.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {opts.workers}")
         num_nodes, node_rank = resolve_node(opts.num_nodes, opts.node_rank)
