@@ -334,3 +334,73 @@ def test_flac_of_unknown_length_is_accepted_everywhere(tmp_path, capsys):
     batch = next(iter(build_loader({"datasets": [{"path": str(tmp_path / "out")}], "batch_size": 1,
                                     "num_workers": 0, "epochs": 1, "decode": {"sample_rate": None}})))
     assert batch["flac"].shape[-1] == 1600
+
+
+# --- checks that never ran: `dataio verify` decodes every audio frame ---------------------------------
+
+def _damaged(kind: str) -> bytes:
+    good = bytearray(flac_bytes(48000))
+    if kind == "truncated":
+        return bytes(good[: len(good) // 2])  # header intact: says 48000 frames
+    good[len(good) // 2] ^= 0xFF  # one flipped byte inside a frame
+    return bytes(good)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bit-flipped"])
+def test_verify_decodes_every_flac_frame(tmp_path, capsys, kind):
+    """A FLAC with a damaged frame used to pass verify (headers only) and fail in training
+    ("flac decoder lost sync")."""
+    from tests.test_energon_interop import make_samples, write_shards
+    from dataio.shards.index import load_index
+
+    samples = make_samples(n=6, seed=2)
+    for s in samples:
+        s["flac"] = flac_bytes(48000)
+    samples[4]["flac"] = _damaged(kind)
+    root = tmp_path / "ds"
+    write_shards(root, samples, per_shard=3)
+    code, err = _cli(capsys, "index", root, "--quiet", "--workers", "1")
+    assert code == 0, err
+    index = load_index(root)
+    code, err = _cli(capsys, "verify", root, "--quiet", "--workers", "1")
+    assert code == 1
+    assert index.shards[1].name in err and repr(index.key(4)) in err and ".flac" in err
+    assert "does not decode" in err
+
+
+# --- the CLI's journeys ----------------------------------------------------------------------------------
+
+def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
+    """`dataio inspect DIR --json | head` used to end in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    loader_util.make_text_dataset(tmp_path, [30, 30])
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dataio", "inspect", str(tmp_path), "--json"], cwd=repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
+    proc.stdout.close()  # the reader is gone before the command writes (its imports take far longer)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("verb", ["inspect", "verify"])
+def test_missing_directory_is_named_without_the_index_hint(tmp_path, capsys, verb):
+    code, err = _cli(capsys, verb, tmp_path / "nope")
+    _one_line_error(code, err, f"{tmp_path / 'nope'}: no such directory")
+    assert "dataio index" not in err
+    code, err = _cli(capsys, verb, tmp_path)  # exists, no index: the hint is the help
+    _one_line_error(code, err, "run `dataio index")
+
+
+def test_bench_prints_a_line_per_measured_config(tmp_path, capsys):
+    from tests.test_bench import bench
+
+    loader_util.make_text_dataset(tmp_path / "d", [20, 20])
+    capsys.readouterr()
+    bench(tmp_path, {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8},
+          "--compare", "", "--num-workers", "0,1", "--batches", "2", "--repeats", "2")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dataio bench: [")]
+    assert [line.split("]")[0] for line in lines] == [f"dataio bench: [{i}/4" for i in range(1, 5)]
+    assert all("headrace" in line and "samples" in line for line in lines)

@@ -80,6 +80,11 @@ def _load_config(path: Path):
         raise CommandError(f"{path}: {e}") from None
 
 
+def _progress_line(done: int, total: int, name: str, workers: int, what: str) -> None:
+    """One line on stderr per measured configuration (kept, unlike the transient bar; shown in logs too)."""
+    print(f"dataio bench: [{done}/{total}] {name}, {workers} workers: {what}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -137,9 +142,11 @@ def run(args: argparse.Namespace) -> int:
     trials: dict[tuple[str, int], list[dict]] = {}
     total = None if (args.batches or args.seconds) else data.samples  # None: an open-ended bar
     # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
+    measured, configs = 0, max(1, args.repeats) * len(args.num_workers) * len(loaders)
     for _ in range(max(1, args.repeats)):
         for workers in args.num_workers:
             for name in loaders:
+                measured += 1
                 if (name, -1) in trials:  # failed before: reported once
                     continue
                 if args.cache == "cold" and not cold_refused:
@@ -153,8 +160,12 @@ def run(args: argparse.Namespace) -> int:
                 except Exception as e:  # reported with its reason, never dropped silently
                     skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
                     trials[(name, -1)] = []
+                    _progress_line(measured, configs, name, workers, f"failed: {type(e).__name__}")
                     continue
                 trials.setdefault((name, workers), []).append(result)
+                rate = result["samples_per_s"]
+                _progress_line(measured, configs, name, workers, f"{result['samples']:,} samples in "
+                               f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else ""))
     runs = []
     for (name, workers), results in trials.items():
         if workers < 0:

@@ -121,6 +121,9 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     """Load the index of a local dataset directory (remote sources copy these small files first)."""
     d = Path(root) / INDEX_DIR
     manifest_path = d / "manifest.json"
+    if not Path(root).is_dir():  # no index hint for a path that is not there: it is the wrong path
+        raise FileNotFoundError(f"{root}: no such directory" if not Path(root).exists() else
+                                f"{root}: not a directory (expected a dataset directory)")
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"{root}: no headrace index ({INDEX_DIR}/manifest.json); run `dataio index {root}` first"

@@ -296,12 +296,15 @@ def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train"
 
 
 def decode_check(ext: str, payload) -> str | None:
-    """Why a member does not decode (None when it does): audio header via soundfile, ``.npy`` header
-    without pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
+    """Why a member does not decode (None when it does): audio decoded whole by libsndfile, every frame,
+    to the length its header declares (``dataio.prepare.audio.check_decodes``), ``.npy`` header without
+    pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
+    from dataio.prepare.audio import check_decodes
+
     last = ext.rsplit(".", 1)[-1].lower()
     try:
         if last in AUDIO_EXTENSIONS:
-            audio_duration(payload)  # raises for unreadable audio or audio without samples
+            check_decodes(payload)  # raises for unreadable audio, audio without samples, a damaged frame
         elif last == "npy":
             shape, _, dtype, header = npy_header(payload)
             expected = header + math.prod(shape) * dtype.itemsize
