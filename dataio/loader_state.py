@@ -104,7 +104,8 @@ def _check_fields(states: list, fingerprint: str, max_bad_samples: int) -> None:
                              "shuffle_window or epochs differ); positions would mean other samples")
         for name in _COUNTERS:
             if not _count(s.get(name)):
-                raise StateError(f"{where}: {name!r} must be a non-negative integer below 2**62, got {s.get(name)!r}")
+                bound = " below 2**62" if isinstance(s.get(name), int) and s[name] >= MAX_COUNT else ""
+                raise StateError(f"{where}: {name!r} must be a non-negative integer{bound}, got {s.get(name)!r}")
         size = s.get("dp_size")
         if not _count(size) or s["dp_rank"] >= size:
             raise StateError(f"{where}: 'dp_size' must be an integer above dp_rank {s['dp_rank']}, got {size!r}")
