@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dataio.shards.writes import writing
+
 META_DIR = ".nv-meta"
 INDEX_DIR = f"{META_DIR}/headrace"
 PARTS_DIR = f"{META_DIR}/parts"
@@ -90,6 +92,19 @@ class DatasetIndex:
         """Write the index under ``root/.nv-meta/headrace`` atomically (temp dir, then rename)."""
         final = Path(root) / INDEX_DIR
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+        with writing(tmp, "the index"):
+            self._write_files(tmp)
+        if final.exists():
+            old = final.with_name(final.name + f".old-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            for name in os.listdir(old):
+                os.unlink(old / name)
+            old.rmdir()
+        else:
+            tmp.rename(final)
+
+    def _write_files(self, tmp: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         np.save(tmp / "samples.npy", np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE))
         np.save(tmp / "members.npy", np.ascontiguousarray(self.members, dtype=MEMBER_DTYPE))
@@ -106,15 +121,6 @@ class DatasetIndex:
         for name in os.listdir(tmp):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        if final.exists():
-            old = final.with_name(final.name + f".old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            for name in os.listdir(old):
-                os.unlink(old / name)
-            old.rmdir()
-        else:
-            tmp.rename(final)
 
 
 def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
@@ -161,7 +167,7 @@ class ShardPart:
         d.mkdir(parents=True, exist_ok=True)
         final = d / f"{self.info.name}.npz"
         tmp = d / f".{self.info.name}.npz.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with writing(final, "an index part"), open(tmp, "wb") as f:
             np.savez(
                 f,
                 samples=np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE),
