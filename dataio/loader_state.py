@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from dataio.stream.interop import LhotseCutSource
+    from dataio.stream.sources import ShardSource
 
 STATE_VERSION = 1
 
@@ -26,11 +31,10 @@ class StateError(ValueError):
     """A loader state that cannot be loaded here; names the field or the mismatch."""
 
 
-def data_identity(source) -> str:
-    """A digest of the samples ``source`` serves (its index), or of its length when it has none."""
-    index = getattr(source, "index", None)
-    if index is None:
-        return f"len:{len(source)}"
+def data_identity(source: ShardSource | LhotseCutSource) -> str:
+    """A digest of the samples ``source`` serves: its index (every source type has one; a fallback to
+    less, e.g. the sample count, would let a rebuilt dataset pass for the old one)."""
+    index = source.index
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps([[s.name, s.split, s.bytes, s.samples, s.sha256] for s in index.shards]).encode())
     h.update(json.dumps([index.extensions, index.job.get("id") if isinstance(index.job, dict) else None]).encode())

@@ -423,7 +423,9 @@ def _cut_text(cut) -> str:
 
 def _whole_file_source(cut) -> str | None:
     """The audio file path when the cut is exactly one whole, untransformed single-file recording."""
-    rec = getattr(cut, "recording", None)
+    from lhotse import MonoCut
+
+    rec = cut.recording if isinstance(cut, MonoCut) else None  # mixed and padding cuts have no one recording
     if rec is None or len(rec.sources) != 1 or rec.sources[0].type != "file" or rec.transforms:
         return None
     if cut.start != 0 or abs(cut.duration - rec.duration) > 1e-3:

@@ -61,7 +61,7 @@ class SampleReader:
     @property
     def fork_safe(self) -> bool:
         """Whether a batch may be made in the main process before it forks workers."""
-        return getattr(self.batch_audio, "fork_safe", True)
+        return self.batch_audio is None or self.batch_audio.fork_safe
 
     def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None
              ) -> tuple[list[dict], list[str], np.ndarray, int]:
