@@ -457,3 +457,20 @@ def test_disk_full_while_indexing_names_the_file_and_what(small_disk, capsys):
         _one_line_error(code, err, str(small_disk / "d"), " (writing ")
         seen.add(err.split(" (writing ")[1])
     assert len(seen) >= 2, seen  # several writers reached, each naming itself
+
+
+def test_sample_without_the_token_member_is_a_counted_bad_sample_when_packing(tmp_path):
+    """Found by tests/fuzz.py ("mixed"): a sample without the dataset's .npy member was a KeyError (or
+    'list' ... 'clone') inside the packer."""
+    tmp_path.mkdir(exist_ok=True)
+    with wds.TarWriter(str(tmp_path / "d-000000.tar")) as w:
+        for i in range(6):
+            member = {"flac": flac_bytes(800, 8000)} if i == 2 else {"tokens.npy": loader_util.npy_bytes(
+                np.arange(1, 5, dtype=np.uint16))}
+            w.write({"__key__": f"k{i}", **member})
+    loader_util.index_dir(tmp_path)
+    cfg = {"datasets": [{"path": str(tmp_path)}], "batch_size": 2, "epochs": 1, "num_workers": 0, "shuffle": False,
+           "seq_len": 8, "packing": "greedy", "max_bad_samples": 0}
+    with pytest.raises(SampleDecodeError, match=r"key 'k2', member 'tokens\.npy': no tokens\.npy member"):
+        list(build_loader(cfg))
+    assert sum(b["num_docs"] for b in build_loader({**cfg, "max_bad_samples": 1})) == 5

@@ -36,8 +36,12 @@ def token_ext(source: ShardSource) -> str | None:
     return next((e for e in source.index.extensions if is_token_member(e)), None)
 
 
-def check_documents(sample: dict, *, key: str, shard: str) -> None:
-    """SampleDecodeError naming the member unless every token member of ``sample`` is a document."""
+def check_documents(sample: dict, token: str | None, *, key: str, shard: str) -> None:
+    """SampleDecodeError naming the member unless ``sample`` has its dataset's ``token`` member and every
+    token member of it is a document."""
+    if token is not None and token not in sample:
+        raise SampleDecodeError(f"no {token} member: packing needs one in every sample of this dataset",
+                                shard=shard, key=key, member=token)
     for ext, value in sample.items():
         if is_token_member(ext):
             try:
@@ -52,6 +56,7 @@ class SampleReader:
     def __init__(self, cfg: DataConfig, sources: list[ShardSource], *, bad_so_far: int):
         self.cfg, self.sources = cfg, sources
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
+        self.token_exts = [token_ext(s) for s in sources]
         self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (dataio.stream.dali)
         if cfg.decode.audio == "dali":
             from dataio.stream.dali import BatchAudio
@@ -78,7 +83,7 @@ class SampleReader:
                     sample = decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
                                            defer_audio=pending)
                     if self.cfg.thd:  # packing takes every .npy member for a document of token ids
-                        check_documents(sample, key=key, shard=shard)
+                        check_documents(sample, self.token_exts[int(refs[i]) >> REF_BITS], key=key, shard=shard)
                     samples.append(sample)
                     keys.append(key)
                     shards.append(shard)
