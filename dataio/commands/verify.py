@@ -9,7 +9,8 @@ Per dataset: each ``.tar.idx``, the ``index.sqlite`` rows and ``.info.json``'s s
 agree with the index. The first fault of each shard is kept; the first overall is reported with
 its shard, sample key and byte offset, and the exit status is 1. Cost: one sequential read of every
 byte (sha256 / decode), which is the point, plus a full decode of every audio member (16 kHz FLAC:
-roughly 1 ms of CPU per second of audio; ``--workers`` spreads shards over processes).
+~2 ms of CPU per second of audio, ``tools.bench_reliability_checks``; ``--workers`` spreads shards over
+processes).
 """
 
 from __future__ import annotations
