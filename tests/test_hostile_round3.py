@@ -68,6 +68,23 @@ def test_fifo_as_an_input_file_is_refused(tmp_path, capsys):
     _one_line_error(code, err, "docs.jsonl", "not a regular file")
 
 
+def test_fifo_in_a_shards_place_is_an_error_not_a_hang(tmp_path, capsys):
+    """The loader, `dataio verify` and the tar scan open shards without blocking and refuse non-files."""
+    from dataio.shards.tarscan import TarFormatError, open_tar
+
+    loader_util.make_text_dataset(tmp_path, [10, 10])
+    shard = tmp_path / "doc-000001.tar"
+    shard.unlink()
+    os.mkfifo(shard)
+    cfg = {"datasets": [{"path": str(tmp_path)}], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle": False}
+    with pytest.raises(SampleDecodeError, match=r"doc-000001\.tar'?: not a regular file"):
+        list(build_loader(cfg))
+    with pytest.raises(TarFormatError, match="not a regular file"):
+        open_tar(shard)
+    code, err = _cli(capsys, "verify", tmp_path, "--quiet", "--workers", "1")
+    assert code == 1 and "doc-000001.tar" in err
+
+
 # --- silent wrong data: a shard rewritten in place ---------------------------------------------------
 
 def _rewrite_in_place(tmp_path, sizes: list[int], shard: str = "doc-000000.tar") -> None:

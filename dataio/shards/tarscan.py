@@ -26,6 +26,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,11 +214,18 @@ def audio_duration(payload) -> float:
 
 
 def open_tar(path: str | os.PathLike):
-    """A read-only memory map of a tar file (``b""`` for an empty file)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+    """A read-only memory map of a tar file (``b""`` for an empty file); a FIFO, device or directory
+    named like a shard is a ``TarFormatError`` (opened without blocking, never read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TarFormatError(os.fspath(path), 0, "not a regular file (a FIFO, device or directory named like a shard)")
+        if st.st_size == 0:
             return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
 
 
 def scan_shard(root: str | os.PathLike, name: str, *, split: str = "train", lengths: bool = True,

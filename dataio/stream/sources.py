@@ -28,6 +28,7 @@ import io
 import json
 import mmap
 import os
+import stat
 import time
 from collections import OrderedDict
 
@@ -236,9 +237,12 @@ class ShardSource:
         else:
             path = self._disk_path(shard)
         try:
-            file = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            file = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO would block without it
             try:
                 st = os.fstat(file)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ShardFormatError("not a regular file (a FIFO, device or directory in the shard's place)",
+                                           shard=self.shard_path(shard))
                 self._check_size(shard, st.st_size)
                 stamp = (st.st_ino, st.st_mtime_ns)
                 if self.cache is None:
