@@ -116,6 +116,12 @@ def _check_fields(states: list, fingerprint: str, max_bad_samples: int) -> None:
         if s["bad_samples"] > max_bad_samples:  # found by tests/fuzz.py: was "see the warnings above"
             raise StateError(f"{where}: already counts {s['bad_samples']} bad samples, over max_bad_samples="
                              f"{max_bad_samples}; raise max_bad_samples to resume")
+        reseeds = s.get("reseeds", [])
+        if not (isinstance(reseeds, list) and all(
+                isinstance(r, (list, tuple)) and len(r) == 2 and _count(r[0]) and isinstance(r[1], (list, tuple))
+                and all(map(_count, r[1])) for r in reseeds)):
+            raise StateError(f"{where}: 'reseeds' must be a list of [seed, [first position per dataset]] of "
+                             f"non-negative integers below 2**62, got {reseeds!r}"[:300])
         layout = s.get("layout")
         if not (isinstance(layout, dict) and set(layout) <= {"start", "dp_size", "skips"}
                 and _count(layout.get("start")) and layout.get("dp_size") == size

@@ -216,7 +216,8 @@ def manifest_line():
 
 # --- loader states ----------------------------------------------------------------------------------
 
-STATE_FIELDS = ["version", "fingerprint", "seed", "dp_rank", "dp_size", "consumed", "bad_samples", "layout"]
+STATE_FIELDS = ["version", "fingerprint", "seed", "dp_rank", "dp_size", "consumed", "bad_samples", "layout",
+                "reseeds"]
 STATE_VALUES = st.one_of(JSON_SCALARS, st.lists(st.integers(-3, 5), max_size=3),
                          st.fixed_dictionaries({"start": st.integers(-5, 50), "dp_size": st.integers(-1, 3)},
                                                optional={"skips": st.lists(st.dictionaries(

@@ -146,6 +146,8 @@ def _state_cfg(root, **kw):
     (lambda s: s.update(consumed=10**30), r"'consumed' must be a non-negative integer below 2\*\*62"),
     (lambda s: s.update(seed=2**64), r"'seed' must be a non-negative integer below 2\*\*62"),
     (lambda s: s["layout"].update(start=10**30), r"'layout' must be a mapping"),
+    (lambda s: s.update(reseeds=[[1, [10**30]]]), r"'reseeds' must be a list of \[seed, "),  # was accepted
+    (lambda s: s.update(reseeds="zz"), r"'reseeds' must be a list of \[seed, "),  # was a bare ValueError
 ])
 def test_loader_state_past_the_end_or_huge_is_refused_naming_the_field(tmp_path, edit, message):
     """Used to be accepted and yield 0 samples (past the end), or OverflowError (huge integers)."""
