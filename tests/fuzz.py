@@ -460,7 +460,6 @@ def targets(tmp: Path) -> dict:
 
     make_text_dataset(tmp / "inplace" / "reference", [40, 8], seed=3)
     from dataio.shards.index import load_index
-    from loader_util import npy_bytes  # noqa: F401  (the writer of the reference tokens)
 
     reference = {}
     ref_loader = build_loader({"datasets": [{"path": str(tmp / "inplace" / "reference")}], "batch_size": 48,

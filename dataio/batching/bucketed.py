@@ -51,8 +51,8 @@ def _audio_member(sample: dict, key: str) -> torch.Tensor:
     """The waveform of a sample's one audio member, whatever its codec (a dataset may mix FLAC and WAV)."""
     audio = [v for e, v in sample.items() if is_audio_member(e)]
     if len(audio) != 1:
-        raise SampleDecodeError(f"bucketing: {len(audio)} audio members ({', '.join(e for e in sample if is_audio_member(e))}), "
-                                "expected one", key=key)
+        names = ", ".join(e for e in sample if is_audio_member(e))
+        raise SampleDecodeError(f"bucketing: {len(audio)} audio members ({names}), expected one", key=key)
     return audio[0].waveform
 
 

@@ -220,7 +220,8 @@ def open_tar(path: str | os.PathLike):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TarFormatError(os.fspath(path), 0, "not a regular file (a FIFO, device or directory named like a shard)")
+            raise TarFormatError(os.fspath(path), 0,
+                                 "not a regular file (a FIFO, device or directory named like a shard)")
         if st.st_size == 0:
             return b""
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
