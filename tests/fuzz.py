@@ -252,8 +252,8 @@ YAML_TEXT = st.one_of(st.sampled_from([".inf", "-.inf", ".nan", "-1", "0", "1e-3
 
 def check_config(overrides: list[str], base: dict) -> None:
     from configtree import ConfigError
-    from training.config import load_job_config
-    from training.validate import check_job
+    from training.config.load import load_job_config
+    from training.config.validate import check_job
 
     try:
         check_job(load_job_config(None, overrides, base=base), world_size=2)
@@ -456,7 +456,7 @@ def targets(tmp: Path) -> dict:
     good_state = build_loader(state_cfg).state_dict()
     config_base = job(tmp)
 
-    import training.model  # noqa: F401  (heavy imports before the per-case clock starts)
+    import training.models.build  # noqa: F401  (heavy imports before the per-case clock starts)
 
     make_text_dataset(tmp / "inplace" / "reference", [40, 8], seed=3)
     from dataio.shards.index import load_index
