@@ -50,9 +50,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        code = int(importlib.import_module(args._module).run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `dataio inspect DIR --json | head`: the reader left; that is not an error
+        _silence_stdout()
+        return 0
     except Exception as e:  # input errors: one line (dataio.usererror); bugs: the traceback
         if not is_user_error(e) or debug_requested(args.debug):
             raise
         print(f"dataio {args.command}: error: {one_line(e)}", file=sys.stderr)
         return e.exit_code if isinstance(e, CommandError) else EXIT_USER_ERROR
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of what the closed pipe refused
+    raises nothing more (the recipe of Python's signal documentation, "Note on SIGPIPE")."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -39,7 +39,7 @@ from dataio.batching.packed import PackedBatches
 from dataio.batching.plain import PlainBatches
 from dataio.batching.stage import Stage
 from dataio.config import DataConfig
-from dataio.loader_state import STATE_VERSION, check_states, data_identity
+from dataio.loader_state import STATE_VERSION, StateError, check_states, data_identity
 from dataio.stream.datasets import open_datasets, open_source
 from dataio.stream.rank import RankStream
 from dataio.stream.seeding import fresh_seed
@@ -114,7 +114,7 @@ class Loader:
         states = [states] if isinstance(states, dict) else list(states)
         if not states:
             raise ValueError("load_state_dict: no state given")
-        check_states(states, self._fingerprint, self.cfg.max_bad_samples)
+        check_states(states, self._fingerprint, self.cfg.max_bad_samples, self.stream.blend.end)
         old_size = states[0]["dp_size"]
         by_rank = {s["dp_rank"]: s for s in states}
         same = old_size == self.dp_size and self.dp_rank in by_rank
@@ -123,7 +123,13 @@ class Loader:
                              f"got ranks {sorted(by_rank)}")
         old = [by_rank.get(r) for r in range(old_size)]
         self.stream.load_state_dict(old, self.dp_rank, self.dp_size)
-        self.stage.load_state_dict(old, self.dp_rank, self.dp_size)
+        try:  # the stage's own sub-state (packing, bucketing): its complaints are about the state
+            self.stage.load_state_dict(old, self.dp_rank, self.dp_size)
+        except StateError:
+            raise
+        except (ValueError, KeyError) as e:
+            raise StateError(f"loader state: {type(e).__name__ if isinstance(e, KeyError) else ''}"
+                             f"{' ' if isinstance(e, KeyError) else ''}{e}") from None
 
     def _make_fingerprint(self) -> str:
         sources = self.stream.sources

@@ -1,7 +1,10 @@
 """Fuzzing harness (issue 16): random mutations of every untrusted input, one property for all.
 
 Targets: tar shards (header bytes, size fields, PAX records, names, truncation), ``.npy`` members,
-FLAC/WAV headers, NeMo manifest lines, loader states and trainer configs. The property is the same
+FLAC/WAV headers, NeMo manifest lines, loader states and trainer configs; and (issue 25) shards
+rewritten in place under a running loader, manifests naming non-regular files (FIFO, directory,
+device), datasets mixing codecs and odd ``.npy`` token layouts, and ``dataio shard`` / ``dataio index``
+on a nearly full disk (a 1 MiB tmpfs; the target is left out where mounting one is not allowed). The property is the same
 for each: the code under test returns a correct result, or raises the input's own error type (a
 format/sample/state/config error whose message names the place), never anything else -- and never
 hangs (``CASE_SECONDS`` per case, enforced by SIGALRM) nor grows without bound (the whole run lives
@@ -18,6 +21,7 @@ import argparse
 import json
 import resource
 import signal
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -35,6 +39,8 @@ from tests.hostile import flac_bytes, make_tar
 CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
 MEMORY_CEILING = 6 << 30  # RLIMIT_DATA of a fuzz process (torch and numpy included)
 FAST_EXAMPLES = 60
+# the targets that build a loader or run a command per case (~0.5-2 s each): fewer cases in CI
+SLOW_EXAMPLES = {"inplace": 6, "nonregular": 8, "mixed": 8, "diskfull": 8}
 
 
 class Hang(Exception):
@@ -209,7 +215,8 @@ def manifest_line():
 
 # --- loader states ----------------------------------------------------------------------------------
 
-STATE_FIELDS = ["version", "fingerprint", "seed", "dp_rank", "dp_size", "consumed", "bad_samples", "layout"]
+STATE_FIELDS = ["version", "fingerprint", "seed", "dp_rank", "dp_size", "consumed", "bad_samples", "layout",
+                "reseeds"]
 STATE_VALUES = st.one_of(JSON_SCALARS, st.lists(st.integers(-3, 5), max_size=3),
                          st.fixed_dictionaries({"start": st.integers(-5, 50), "dp_size": st.integers(-1, 3)},
                                                optional={"skips": st.lists(st.dictionaries(
@@ -253,6 +260,181 @@ def check_config(overrides: list[str], base: dict) -> None:
         assert "\n" not in str(e).strip() or "YAML" in str(e), str(e)
 
 
+# --- shards rewritten in place under a running loader -------------------------------------------------
+
+def check_inplace(root: Path, reference: dict[str, list[int]], edits: list[tuple[int, int]], workers: int,
+                  packed: bool) -> None:
+    """A loader reads ``root`` (a copy of the reference data); after its first batch a shard gets
+    ``edits`` (position fraction, byte value) in place, same size. Every token it serves must be the
+    reference's for the key it names, or the read ends in a ``SampleDecodeError`` naming the shard."""
+    import shutil
+
+    from dataio import build_loader
+    from dataio.stream.decode import SampleDecodeError
+
+    data = root / "live"
+    shutil.rmtree(data, ignore_errors=True)
+    shutil.copytree(root / "reference", data)
+    cfg = {"datasets": [{"path": str(data)}], "batch_size": 4, "epochs": 1, "num_workers": workers,
+           "shuffle": False, "max_bad_samples": 0, "prefetch": 1}
+    if packed:
+        cfg.update(seq_len=32, packing="greedy")
+    loader = build_loader(cfg)
+    it = iter(loader)
+    try:
+        batches = [next(it)]
+        shard = data / "doc-000000.tar"
+        size = shard.stat().st_size
+        with open(shard, "r+b") as f:
+            for where, value in edits:
+                f.seek(int(where * (size - 1)))
+                f.write(bytes([value]))
+        batches += list(it)
+    except SampleDecodeError as e:
+        assert e.shard and e.shard.endswith(".tar"), str(e)
+        return
+    finally:
+        del it
+    if packed:
+        return  # rows mix documents: what was served is checked by the unpacked cases' keys
+    for batch in batches:
+        tokens, lengths = batch["tokens.npy"], batch["__lengths__"].get("tokens.npy")
+        docs = tokens.split(lengths.tolist()) if lengths is not None else list(tokens)
+        for key, doc in zip(batch["__key__"], docs):
+            assert doc.tolist() == reference[key], f"{key}: served other tokens than the index's"
+
+
+# --- manifests naming files that are not regular ---------------------------------------------------------
+
+NON_REGULAR = ["fifo", "directory", "/dev/zero", "/dev/null", "symlink-to-fifo", "regular"]
+
+
+def check_nonregular(root: Path, kinds: list[str]) -> None:
+    """``dataio shard`` over a manifest whose audio paths are ``kinds``: it ends (the case's alarm
+    is the hang detector) with every non-regular one a bad record naming it, the rest written."""
+    import os
+    import shutil
+
+    from dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
+
+    case = root / "nonregular"
+    shutil.rmtree(case, ignore_errors=True)
+    case.mkdir()
+    records = []
+    for i, kind in enumerate(kinds):
+        name = case / f"a{i}.flac"
+        if kind == "fifo":
+            os.mkfifo(name)
+        elif kind == "directory":
+            name.mkdir()
+        elif kind.startswith("/dev/"):
+            name.symlink_to(kind)
+        elif kind == "symlink-to-fifo":
+            os.mkfifo(case / f"p{i}")
+            name.symlink_to(case / f"p{i}")
+        else:
+            name.write_bytes(flac_bytes(800, 8000))
+        records.append({"audio_filepath": name.name, "duration": 0.1, "text": "x"})
+    manifest = case / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    bad = sum(k != "regular" for k in kinds)
+    opts = ShardOptions(inputs=[str(manifest)], output=str(case / "out"), skip_errors=bad)
+    try:
+        report = shard_corpus(opts)
+    except PrepareError as e:
+        assert bad == len(kinds) and "no samples" in str(e), str(e)  # nothing regular: nothing to write
+        return
+    assert report.samples == len(kinds) - bad and report.skipped == bad
+
+
+# --- datasets mixing codecs and .npy layouts -----------------------------------------------------------
+
+MEMBER_KINDS = ["flac", "wav", "uint16", "int32", "int64", "fortran", "2d", "negative", "float", "empty"]
+
+
+def _member(kind: str) -> tuple[str, bytes]:
+    if kind in ("flac", "wav"):
+        return kind, flac_bytes(800, 8000) if kind == "flac" else WAV
+    arrays = {"uint16": np.arange(1, 6, dtype=np.uint16), "int32": np.array([1, 70000, 3], dtype=np.int32),
+              "int64": np.arange(4, dtype=np.int64), "fortran": np.asfortranarray(np.ones((2, 3), np.uint16)),
+              "2d": np.ones((2, 3), np.uint16), "negative": np.array([2, -1], dtype=np.int16),
+              "float": np.ones(3, np.float32), "empty": np.zeros(0, np.uint16)}
+    return "tokens.npy", _npy(arrays[kind])
+
+
+def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> None:
+    """A dataset of one sample per ``kinds`` entry, read whole: batches, or a ``SampleDecodeError`` naming
+    the sample once over the budget -- never another exception type."""
+    import shutil
+
+    import webdataset as wds
+    from loader_util import index_dir
+
+    from dataio import build_loader
+    from dataio.stream.decode import SampleDecodeError
+
+    data = root / "mixed"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir()
+    with wds.TarWriter(str(data / "d-000000.tar")) as w:
+        for i, kind in enumerate(kinds):
+            ext, payload = _member(kind)
+            w.write({"__key__": f"k{i}", ext: payload, "json": b'{"text": "t"}'})
+    index_dir(data)
+    cfg = {"datasets": [{"path": str(data)}], "batch_size": 2, "epochs": 1, "num_workers": workers,
+           "shuffle": False, "max_bad_samples": len(kinds) // 2, "decode": {"sample_rate": None}}
+    if packed:
+        cfg.update(seq_len=8, packing="greedy")
+    try:
+        for batch in build_loader(cfg):
+            assert isinstance(batch, dict)
+    except SampleDecodeError as e:
+        assert e.key is not None and e.shard is not None, str(e)
+    except ValueError as e:  # refused at build: packing needs token members in every dataset
+        assert packed and "needs token members" in str(e), str(e)
+
+
+# --- a nearly full disk ----------------------------------------------------------------------------------
+
+def small_disk(root: Path) -> Path | None:
+    """A 1 MiB tmpfs under ``root`` (None where mounting is not allowed: not root, no tmpfs)."""
+    import subprocess
+
+    mount = root / "disk"
+    mount.mkdir(exist_ok=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    return mount if ok.returncode == 0 else None
+
+
+def check_disk_full(disk: Path, docs: Path, leave_kib: int, verb: str) -> None:
+    """``dataio shard`` (or ``index``) with ``leave_kib`` KiB free: success, or exit 2 with one line
+    naming a path on the disk -- never a traceback."""
+    import contextlib
+    import io
+    import os
+    import shutil
+
+    from dataio.cli import main
+
+    for p in disk.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    args = ["shard", str(docs), "--output", str(disk / "out"), "--quiet"]
+    if verb == "index":
+        (disk / "out").mkdir()
+        shutil.copy(docs.parent / "ds" / "doc-000000.tar", disk / "out")
+        args = ["index", str(disk / "out"), "--quiet", "--workers", "1"]
+    st = os.statvfs(disk)
+    fill = st.f_bavail * st.f_frsize - leave_kib * 1024
+    if fill > 0:
+        with open(disk / "filler", "wb") as f:
+            f.write(bytes(fill))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(args)
+    text = err.getvalue()
+    assert code == 0 or (code == 2 and text.count("\n") == 1 and str(disk) in text), text
+
+
 # --- the runner -------------------------------------------------------------------------------------
 
 def targets(tmp: Path) -> dict:
@@ -274,13 +456,27 @@ def targets(tmp: Path) -> dict:
 
     import training.models.build  # noqa: F401  (heavy imports before the per-case clock starts)
 
+    make_text_dataset(tmp / "inplace" / "reference", [40, 8], seed=3)
+    from dataio.shards.index import load_index
+
+    reference = {}
+    ref_loader = build_loader({"datasets": [{"path": str(tmp / "inplace" / "reference")}], "batch_size": 48,
+                               "epochs": 1, "num_workers": 0, "shuffle": False})
+    for batch in ref_loader:
+        docs = batch["tokens.npy"].split(batch["__lengths__"]["tokens.npy"].tolist())
+        reference.update({k: d.tolist() for k, d in zip(batch["__key__"], docs)})
+    assert len(reference) == len(load_index(tmp / "inplace" / "reference"))
+    docs = tmp / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"word {i} " * 20}) + "\n" for i in range(2000)))
+    disk = small_disk(tmp)
+
     def guarded(fn):
         def run(case):
             with time_limit():
                 fn(case)
         return run
 
-    return {
+    found = {
         "tar": (mutated(TAR, hot=TAR_HEADERS).map(_fix_checksums), guarded(check_tar)),
         "tar-raw": (mutated(TAR, hot=TAR_HEADERS), guarded(check_tar)),
         "npy": (mutated(NPY, hot=[(0, 128)]), guarded(lambda d: check_member("tokens.npy", d))),
@@ -292,7 +488,19 @@ def targets(tmp: Path) -> dict:
                   guarded(lambda edits: check_state(lambda: build_loader(state_cfg), {**good_state, **edits}))),
         "config": (st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), YAML_TEXT), min_size=1, max_size=3),
                    guarded(lambda kv: check_config([f"{k}={v}" for k, v in kv], config_base))),
+        "inplace": (st.tuples(st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=8),
+                              st.sampled_from([0, 2]), st.booleans()),
+                    guarded(lambda c: check_inplace(tmp / "inplace", reference, *c))),
+        "nonregular": (st.lists(st.sampled_from(NON_REGULAR), min_size=1, max_size=4),
+                       guarded(lambda kinds: check_nonregular(tmp, kinds))),
+        "mixed": (st.tuples(st.lists(st.sampled_from(MEMBER_KINDS), min_size=1, max_size=6), st.booleans(),
+                            st.sampled_from([0, 2])),
+                  guarded(lambda c: check_mixed(tmp, *c))),
     }
+    if disk is not None:
+        found["diskfull"] = (st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),
+                             guarded(lambda c: check_disk_full(disk, docs, *c)))
+    return found
 
 
 def _run(strategy, fn, **options) -> None:
@@ -301,8 +509,8 @@ def _run(strategy, fn, **options) -> None:
 
 def run_fast(tmp: Path, examples: int = FAST_EXAMPLES) -> None:
     """The CI seed set: derandomized, so every run checks the same cases."""
-    for strategy, fn in targets(tmp).values():
-        _run(strategy, fn, max_examples=examples, derandomize=True)
+    for name, (strategy, fn) in targets(tmp).items():
+        _run(strategy, fn, max_examples=min(examples, SLOW_EXAMPLES.get(name, examples)), derandomize=True)
 
 
 def run_long(tmp: Path, minutes: float) -> dict:
@@ -311,19 +519,23 @@ def run_long(tmp: Path, minutes: float) -> dict:
     start = time.monotonic()
     stop = start + minutes * 60
     found: dict[str, str] = {}
+    per_target: dict[str, int] = {}
     rounds = cases = 0
     while time.monotonic() < stop:
         for name, test in tests.items():
             if time.monotonic() >= stop:
                 break
+            examples = 200 if name not in SLOW_EXAMPLES else 20
             try:
-                _run(*test, max_examples=200)
+                _run(*test, max_examples=examples)
             except Exception as e:  # hypothesis re-raises the (shrunk) failure: record it, keep fuzzing
                 text = traceback.format_exception_only(type(e), e)[-1].strip()
                 found.setdefault(f"{name}: {text[:300]}", "".join(traceback.format_exception(e))[-3000:])
-            cases += 200
+            cases += examples
+            per_target[name] = per_target.get(name, 0) + examples
         rounds += 1
-    return {"seconds": round(time.monotonic() - start), "rounds": rounds, "cases": cases, "failures": found}
+    return {"seconds": round(time.monotonic() - start), "rounds": rounds, "cases": cases, "failures": found,
+            "per_target": per_target}
 
 
 def main() -> int:
@@ -334,13 +546,17 @@ def main() -> int:
     args = parser.parse_args()
     limit_memory()
     with tempfile.TemporaryDirectory() as d:
-        if not args.long:
-            run_fast(Path(d), args.examples)
-            print(f"fuzz: {args.examples} derandomized cases per target passed")
-            return 0
-        report = run_long(Path(d), args.minutes)
+        try:
+            if not args.long:
+                run_fast(Path(d), args.examples)
+                print(f"fuzz: {args.examples} derandomized cases per target passed")
+                return 0
+            report = run_long(Path(d), args.minutes)
+        finally:
+            if (Path(d) / "disk").is_mount():
+                subprocess.run(["umount", "-l", str(Path(d) / "disk")], check=False)
     print(f"fuzz --long: {report['seconds']} s, {report['rounds']} rounds, ~{report['cases']} cases, "
-          f"{len(report['failures'])} distinct failures")
+          f"{len(report['failures'])} distinct failures; cases per target: {report['per_target']}")
     for head, detail in report["failures"].items():
         print(f"--- {head}\n{detail}")
     return 1 if report["failures"] else 0

@@ -17,29 +17,43 @@ import numpy as np
 import torch
 
 from dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
+from dataio.loader_state import MAX_COUNT, StateError
 from dataio.shards.formats import is_audio_member
 from dataio.stream.batches import SampleReader, token_ext
+from dataio.stream.decode import SampleDecodeError
 from dataio.stream.refs import make_ref
 from dataio.stream.collate import Allocator
 from dataio.stream.rank import RankStream
 from dataio.stream.split import same_layout
 
 
+MAX_RANKS = 1 << 20  # a history's dp_size: more ranks than any job runs is a damaged state
+
+
 class BucketBatch:
     """Batch ``b`` of one epoch's plan: ``batches[b]`` (sample indices) read, decoded and collated."""
 
-    def __init__(self, reader: SampleReader, batches: list[np.ndarray], *, audio_ext: str, token_ext: str | None):
-        self.reader, self.batches, self.audio_ext, self.token_ext = reader, batches, audio_ext, token_ext
+    def __init__(self, reader: SampleReader, batches: list[np.ndarray], *, token_ext: str | None):
+        self.reader, self.batches, self.token_ext = reader, batches, token_ext
 
     def __call__(self, b: int, alloc: Allocator) -> dict:
         refs = make_ref(0, self.batches[b])
         samples, keys, kept, bad = self.reader.read(refs)
-        rows = [{"audio": s[self.audio_ext].waveform, "__key__": k,
+        rows = [{"audio": _audio_member(s, k), "__key__": k,
                  **({"tokens": s[self.token_ext]} if self.token_ext else {}),
                  **({"text": s["json"].get("text")} if isinstance(s.get("json"), dict) else {})}
                 for s, k in zip(samples, keys)]
         return {**collate_audio(rows, tokens_key="tokens" if self.token_ext else None),
                 "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
+
+
+def _audio_member(sample: dict, key: str) -> torch.Tensor:
+    """The waveform of a sample's one audio member, whatever its codec (a dataset may mix FLAC and WAV)."""
+    audio = [v for e, v in sample.items() if is_audio_member(e)]
+    if len(audio) != 1:
+        names = ", ".join(e for e in sample if is_audio_member(e))
+        raise SampleDecodeError(f"bucketing: {len(audio)} audio members ({names}), expected one", key=key)
+    return audio[0].waveform
 
 
 class BucketedBatches:
@@ -54,13 +68,15 @@ class BucketedBatches:
     def __iter__(self) -> Iterator[dict]:
         stream, cfg = self.stream, self.stream.cfg
         exts = stream.sources[0].index.extensions
-        audio_ext = next((e for e in exts if is_audio_member(e)), None)
-        if audio_ext is None:
+        if not any(is_audio_member(e) for e in exts):
             raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         reader = stream.reader()
         while cfg.epochs is None or self.epoch < cfg.epochs:
             batches = self._plan(self.epoch, self.history)
-            make = BucketBatch(reader, batches, audio_ext=audio_ext, token_ext=token_ext(stream.sources[0]))
+            if self.step > len(batches):
+                raise StateError(f"loader state: bucketing 'step' {self.step} is past the {len(batches)} batches of "
+                                 f"epoch {self.epoch} (a state of other data or another bucketing)")
+            make = BucketBatch(reader, batches, token_ext=token_ext(stream.sources[0]))
             for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
                 self.step += 1
                 yield batch
@@ -88,6 +104,12 @@ class BucketedBatches:
         return {"bucketing": {"epoch": self.epoch, "history": self.history, "step": self.step}}
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
+        epochs = self.stream.cfg.epochs
+        for s in old:
+            if s is not None and not _bucketing_state_ok(s.get("bucketing"), epochs):
+                raise StateError(f"loader state of rank {s['dp_rank']}: 'bucketing' must be a mapping of epoch "
+                                 f"(at most epochs={epochs}), step and history ([dp_size >= 1, steps] each) of "
+                                 f"non-negative integers below 2**62, got {s.get('bucketing')!r}"[:300])
         if same_layout(old, dp_rank, dp_size):  # the same plan: continue at the step
             b = old[dp_rank]["bucketing"]
             self.epoch, self.history, self.step = b["epoch"], b["history"], b["step"]
@@ -97,6 +119,16 @@ class BucketedBatches:
             raise ValueError("bucketing states of the old ranks differ (ranks must step together)")
         self.epoch, self.step = b["epoch"], 0
         self.history = [*b["history"], [len(old), b["step"]]]
+
+
+def _bucketing_state_ok(b, epochs: int | None) -> bool:
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
+
+    return (isinstance(b, dict) and set(b) == {"epoch", "history", "step"} and count(b["epoch"])
+            and (epochs is None or b["epoch"] <= epochs) and count(b["step"]) and isinstance(b["history"], list)
+            and all(isinstance(h, list) and len(h) == 2 and count(h[0]) and 1 <= h[0] <= MAX_RANKS and count(h[1])
+                    for h in b["history"]))
 
 
 __all__ = ["BucketedBatches"]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dataio.batching.packing import IGNORE_INDEX, Packer, reshard_states
+from dataio.loader_state import MAX_COUNT, StateError
 from dataio.stream.batches import token_ext
 from dataio.stream.refs import REF_BITS, split_ref
 from dataio.stream.decode import decode_sample
@@ -71,7 +72,9 @@ class PackedBatches:
 
     def fetch(self, ref: int) -> np.ndarray:
         """The decoded token array of document ``ref`` (for the packer's resume)."""
-        d, index = split_ref(ref)
+        d, index = split_ref(ref) if isinstance(ref, int) and 0 <= ref < MAX_COUNT else (-1, -1)
+        if not (0 <= d < len(self.stream.sources) and 0 <= index < len(self.stream.sources[d].index.samples)):
+            raise StateError(f"packing state: document {ref!r} is not a sample of this data")
         key, shard, members = self.stream.sources[d].read(np.array([index]))[0]
         decoded = decode_sample(members, self.stream.cfg.decode, key=key, shard=shard)
         return decoded[self.token_exts[d]].numpy()
@@ -81,6 +84,10 @@ class PackedBatches:
         return {"packing": self.packer.state_dict(), "packed_batches": self.packed_batches}
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
+        for s in old:
+            if s is not None and not (isinstance(s.get("packed_batches"), int) and 0 <= s["packed_batches"] < MAX_COUNT):
+                raise StateError(f"loader state of rank {s['dp_rank']}: 'packed_batches' must be a non-negative "
+                                 f"integer below 2**62, got {s.get('packed_batches')!r}")
         if same_layout(old, dp_rank, dp_size):
             self.packer.load_state_dict(old[dp_rank]["packing"], self.fetch)
             self.packed_batches = old[dp_rank]["packed_batches"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import sys
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,11 @@ class BenchOptions:
     audio_bytes: bool = False  # audio stays encoded in every loader (headrace: decode.audio: raw)
     trainer: bool = False
     command: str | None = None  # the command line, recorded in the result
+
+
+def progress_line(done: int, total: int, name: str, workers: int, what: str) -> None:
+    """One line on stderr per measured configuration (kept, unlike the transient bar; shown in logs too)."""
+    print(f"dataio bench: [{done}/{total}] {name}, {workers} workers: {what}", file=sys.stderr, flush=True)
 
 
 def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBar) -> dict:
@@ -100,9 +106,11 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
     trials: dict[tuple[str, int], list[dict]] = {}
     total = None if (opts.batches or opts.seconds) else data.samples  # None: an open-ended bar
     # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
+    measured, configs = 0, max(1, opts.repeats) * len(opts.num_workers) * len(loaders)
     for _ in range(max(1, opts.repeats)):
         for workers in opts.num_workers:
             for name in loaders:
+                measured += 1
                 if (name, -1) in trials:  # failed before: reported once
                     continue
                 if opts.cache == "cold" and not cold_refused:
@@ -116,8 +124,12 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
                 except Exception as e:  # reported with its reason, never dropped silently
                     skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
                     trials[(name, -1)] = []
+                    progress_line(measured, configs, name, workers, f"failed: {type(e).__name__}")
                     continue
                 trials.setdefault((name, workers), []).append(result)
+                rate = result["samples_per_s"]
+                progress_line(measured, configs, name, workers, f"{result['samples']:,} samples in "
+                              f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else ""))
     runs = []
     for (name, workers), results in trials.items():
         if workers < 0:

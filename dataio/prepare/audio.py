@@ -10,6 +10,8 @@ the source's bit depth when the target codec has it, so 16- and 24-bit sources s
 from __future__ import annotations
 
 import io
+import os
+import stat
 
 import numpy as np
 import soundfile as sf
@@ -54,6 +56,8 @@ def cut_and_encode(source, fmt: str, *, offset: float = 0.0, duration: float | N
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
+    elif not stat.S_ISREG(os.stat(source).st_mode):  # opening a FIFO would block forever
+        raise ValueError("not a regular file (a FIFO, device or directory cannot be an input)")
     try:
         with sf.SoundFile(source) as f:
             start = int(round(offset * f.samplerate))

@@ -92,6 +92,8 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
         shard_bytes = None if opts.samples_per_shard and not opts.shard_size else parse_size(opts.shard_size or "512MB")
         if opts.samples_per_shard is not None and opts.samples_per_shard < 1:
             raise ValueError(f"--samples-per-shard must be >= 1, got {opts.samples_per_shard}")
+        if opts.skip_errors < 0:
+            raise ValueError(f"--skip-errors must be >= 0, got {opts.skip_errors}")
         if opts.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {opts.workers}")
         num_nodes, node_rank = resolve_node(opts.num_nodes, opts.node_rank)
@@ -121,7 +123,7 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
         raise PrepareError(f"no samples in {', '.join(opts.inputs)}")
     path = root / STATE_DIR / "job.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps(job, indent=1).encode())
+    write_atomically(path, json.dumps(job, indent=1).encode(), what="the job description")
 
     mine = plan.for_node(num_nodes, node_rank)
     todo = [s for s in mine if not is_complete(root, s.name)]
@@ -275,7 +277,8 @@ def _finalize(root: Path, plan, job: dict, skipped: list[dict], workers: int) ->
     """Merge every shard's part into the index and write the dataset metadata; returns the sample count."""
     report = root / "skipped.jsonl"
     if skipped:
-        write_atomically(report, "".join(json.dumps(r) + "\n" for r in skipped).encode())
+        write_atomically(report, "".join(json.dumps(r) + "\n" for r in skipped).encode(),
+                         what="the skipped-sample report")
     else:
         report.unlink(missing_ok=True)
     parts = [ShardPart.load(root / PARTS_DIR / f"{s.name}.npz") for s in plan.shards]

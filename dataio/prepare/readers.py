@@ -32,6 +32,8 @@ import json
 import math
 import os
 import re
+import stat
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
@@ -46,6 +48,8 @@ SEGMENT_BYTES_PER_SECOND = 32_000
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_/-]")
 _REPEATED_SLASHES = re.compile(r"/+")
 MAX_KEY_BYTES = 200  # leaves room for ".flac" etc. in one ustar header
+MAX_SECONDS = 1e7  # ~116 days: no recording is longer; larger times overflow the planning arithmetic
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a JSON string may hold a lone surrogate
 
 
 class SampleError(ValueError):
@@ -123,15 +127,29 @@ def _is_gzip(path: str) -> bool:
     return path.endswith(".gz")
 
 
+def regular_file_size(path: str) -> int:
+    """The size of ``path``; ValueError unless it is a regular file (a FIFO or device would block the
+    reader that opens it, or never end)."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file (a FIFO, device or directory cannot be an input)")
+    return st.st_size
+
+
 def _jsonl_lines(path: str) -> Iterator[tuple[int, int, bytes]]:
-    """``(line number, byte offset, raw line)`` for every non-blank line (offset -1 for gzip)."""
+    """``(line number, byte offset, raw line)`` for every non-blank line (offset -1 for gzip); a gzip
+    file that is truncated or not gzip is a ``SampleError`` naming it and the line it broke at."""
     opener = gzip.open if _is_gzip(path) else open
-    with opener(path, "rb") as f:
-        offset = 0
-        for number, raw in enumerate(f, 1):
-            start, offset = offset, offset + len(raw)
-            if raw.strip():
-                yield number, (-1 if _is_gzip(path) else start), raw
+    number = 0
+    try:
+        with opener(path, "rb") as f:
+            offset = 0
+            for number, raw in enumerate(f, 1):
+                start, offset = offset, offset + len(raw)
+                if raw.strip():
+                    yield number, (-1 if _is_gzip(path) else start), raw
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise SampleError(f"{path}:{number + 1}: broken gzip stream ({type(e).__name__}: {e})") from None
 
 
 def _parse_line(path: str, number: int, raw: bytes) -> dict | BadRecord:
@@ -139,8 +157,16 @@ def _parse_line(path: str, number: int, raw: bytes) -> dict | BadRecord:
         rec = json.loads(raw)
     except ValueError as e:
         return BadRecord(path=path, line=number, reason=f"not valid JSON ({e})")
+    except RecursionError:
+        return BadRecord(path=path, line=number, reason="JSON nested too deeply")
     if not isinstance(rec, dict):
         return BadRecord(path=path, line=number, reason=f"expected a JSON object, got {type(rec).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then the record is re-encoded to find a lone one
+        try:
+            json.dumps(rec, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            return BadRecord(path=path, line=number, reason=f"a string holds a lone surrogate {e.object[e.start]!r} "
+                                                            "(\\ud800-\\udfff without its pair: not Unicode text)")
     return rec
 
 
@@ -283,6 +309,8 @@ class NemoManifestInput(_LineInput):
             if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float))
                                 or not math.isfinite(rec[name]) or rec[name] < 0):
                 raise ValueError(f"field {name!r} must be a finite non-negative number, got {rec[name]!r}")
+            if name in rec and rec[name] > MAX_SECONDS:
+                raise ValueError(f"field {name!r} must be at most {MAX_SECONDS:.0e} seconds, got {rec[name]!r}")
         if "offset" in rec and rec["duration"] <= 0:
             raise ValueError(f"field 'duration' must be positive for a segment (offset {rec['offset']}), "
                              f"got {rec['duration']!r}")
@@ -308,7 +336,7 @@ class NemoManifestInput(_LineInput):
         self._validate(rec)
         audio = self._audio_path(rec)
         try:
-            size = os.stat(audio).st_size
+            size = regular_file_size(audio)
         except FileNotFoundError:
             raise ValueError(f"audio file not found: {audio}") from None
         est = round(rec["duration"] * SEGMENT_BYTES_PER_SECOND) if "offset" in rec else size
@@ -361,7 +389,7 @@ class LhotseCutsInput:
                 file_source = _whole_file_source(cut)
                 if file_source is not None and not os.path.exists(file_source):
                     raise ValueError(f"audio file not found: {file_source}")
-                est = os.path.getsize(file_source) if file_source else round(cut.duration * SEGMENT_BYTES_PER_SECOND)
+                est = regular_file_size(file_source) if file_source else round(cut.duration * SEGMENT_BYTES_PER_SECOND)
                 key = make_key(cut.id)
             except (KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"not a valid lhotse cut ({e})") from None
@@ -396,7 +424,9 @@ def _cut_text(cut) -> str:
 
 def _whole_file_source(cut) -> str | None:
     """The audio file path when the cut is exactly one whole, untransformed single-file recording."""
-    rec = getattr(cut, "recording", None)
+    from lhotse import MonoCut
+
+    rec = cut.recording if isinstance(cut, MonoCut) else None  # mixed and padding cuts have no one recording
     if rec is None or len(rec.sources) != 1 or rec.sources[0].type != "file" or rec.transforms:
         return None
     if cut.start != 0 or abs(cut.duration - rec.duration) > 1e-3:
@@ -418,7 +448,10 @@ class ParquetInput:
     def __post_init__(self):
         import pyarrow.parquet as pq
 
-        schema = pq.ParquetFile(self.path).schema_arrow
+        try:
+            schema = pq.ParquetFile(self.path).schema_arrow
+        except Exception as e:  # pyarrow raises ArrowInvalid/OSError without the file's name
+            raise ValueError(f"{self.path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
         names = self._columns = set(schema.names)
         if "audio" in names:
             self.audio_column, self.kind = "audio", "audio"
@@ -443,7 +476,10 @@ class ParquetInput:
         pf = pq.ParquetFile(self.path)
         row_number = 0
         for group in range(pf.num_row_groups):
-            rows = pf.read_row_group(group, columns=[c for c in columns if c in self._columns]).to_pylist()
+            try:
+                rows = pf.read_row_group(group, columns=[c for c in columns if c in self._columns]).to_pylist()
+            except Exception as e:  # a damaged row group: pyarrow names neither the file nor the group
+                raise SampleError(f"{self.path}: row group {group} unreadable ({type(e).__name__}: {e})") from None
             for index, row in enumerate(rows):
                 row_number += 1
                 try:
@@ -508,8 +544,9 @@ def _first_record(path: str) -> dict | None:
 def open_input(path: str, options: ReadOptions) -> Input:
     """The reader for ``path``: by suffix, then (for JSONL) by the first record's fields."""
     name = Path(path).name.lower()
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: input file not found")
+    regular_file_size(path)
     if name.endswith(".txt"):
         reader: Input = TxtInput(path=path, options=options)
     elif name.endswith(".parquet"):

@@ -140,14 +140,15 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
                 progress(min(CHUNK, len(shard.entries) - start))
         return tar.close(), tar.hexdigest()
 
-    size, digest = write_atomically(job.root / shard.name, write)
+    size, digest = write_atomically(job.root / shard.name, write, what="the shard")
     if not rows:  # every sample was skipped: no (empty) tar, only the part that says so
         (job.root / shard.name).unlink()
         size, digest = 0, None
     skip_report = job.root / SKIPPED_DIR / f"{shard.name}.jsonl"
     if skipped:
         skip_report.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(skip_report, "".join(json.dumps(s) + "\n" for s in skipped).encode())
+        write_atomically(skip_report, "".join(json.dumps(s) + "\n" for s in skipped).encode(),
+                         what="its skipped-sample report")
     else:
         skip_report.unlink(missing_ok=True)
     ShardPart(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
 from typing import NamedTuple
 
@@ -186,12 +187,72 @@ def _checked(sample_rate: int, frames: int, nbytes: int) -> tuple[int, int]:
     return sample_rate, frames
 
 
+# What libsndfile reports as the length of a stream whose header leaves it open (a FLAC STREAMINFO with
+# total_samples 0, which the format allows: "unknown"); such a file's frames are counted by decoding it.
+UNKNOWN_FRAMES = (1 << 63) - 1
+_READF = {"float32": ("sf_readf_float", "float*"), "float64": ("sf_readf_double", "double*"),
+          "int16": ("sf_readf_short", "short*"), "int32": ("sf_readf_int", "int*")}
+
+
+def _decoded_blocks(f: sf.SoundFile, dtype: str, nbytes: int, *, reuse: bool = False):
+    """``f``'s frames from the read position on, as ``[n, C]`` ``dtype`` blocks of up to 65536 frames
+    (``reuse``: one buffer for all, for a caller that only counts); ValueError past ``nbytes *
+    MAX_FRAMES_PER_BYTE`` frames. libsndfile's read function is called directly: ``SoundFile.read``
+    seeks to ``tell() + read`` after each read, which fails at the end of a stream of unknown length."""
+    from soundfile import _ffi, _snd
+
+    name, ctype = _READF[dtype]
+    readf, limit, total, block = getattr(_snd, name), nbytes * MAX_FRAMES_PER_BYTE, 0, None
+    while True:
+        if block is None or not reuse:
+            block = np.empty((1 << 16, f.channels), dtype=dtype)
+        n = readf(f._file, _ffi.cast(ctype, block.ctypes.data), len(block))
+        if f._errorcode:  # a frame that does not decode ("flac decoder lost sync"): the file's fault
+            reason = _ffi.string(_snd.sf_error_number(f._errorcode)).decode(errors="replace")
+            raise ValueError(f"does not decode at frames {total}..{total + len(block)} ({reason})")
+        total += n
+        if total > limit:
+            raise ValueError(f"decodes to more than {limit} frames in {nbytes} bytes, more than any codec stores")
+        yield block[:n]
+        if n < len(block):
+            return
+
+
+def read_unknown_length(f: sf.SoundFile, dtype: str, nbytes: int) -> np.ndarray:
+    """Every frame of ``f`` (whose header leaves its length unknown) as ``[T, C]`` ``dtype``. Cost: one
+    decode (as the loader's)."""
+    return np.concatenate(list(_decoded_blocks(f, dtype, nbytes)))
+
+
+def check_decodes(data) -> tuple[int, int]:
+    """``(sample_rate, frames)`` of encoded audio after decoding every frame, as the loader will
+    (``dataio verify``): ValueError naming the first frame that does not decode, or a stream that ends
+    before the frames its header declares. Memory: one 65536-frame block; cost: a full decode."""
+    sample_rate, declared = probe(data)
+    try:
+        with sf.SoundFile(io.BytesIO(bytes(data))) as f:
+            decoded = sum(len(b) for b in _decoded_blocks(f, "int16", len(data), reuse=True))
+    except sf.SoundFileError as e:
+        raise ValueError(f"does not decode ({e})") from None
+    if decoded != declared:
+        raise ValueError(f"decodes to {decoded} frames, its header declares {declared} (truncated or damaged)")
+    return sample_rate, decoded
+
+
 def _soundfile_info(source, nbytes: int) -> tuple[int, int]:
     try:
         info = sf.info(source)
+        frames = info.frames
+        if frames == UNKNOWN_FRAMES:
+            if isinstance(source, io.IOBase):
+                source.seek(0)
+            with sf.SoundFile(source) as f:
+                frames = len(read_unknown_length(f, "int16", nbytes))
+    except ValueError:
+        raise
     except Exception as e:  # libsndfile reports corrupt input as several exception types
         raise ValueError(f"unreadable audio ({e})") from None
-    return _checked(info.samplerate, info.frames, nbytes)
+    return _checked(info.samplerate, frames, nbytes)
 
 
 def probe(data: bytes) -> tuple[int, int]:
@@ -205,9 +266,12 @@ def probe_file(path: str | os.PathLike) -> tuple[int, int, int]:
 
     ValueError if unreadable, OSError if the file cannot be opened.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer...
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # ...and is refused here, never read (a read would block forever)
+            raise ValueError("not a regular file (a FIFO, device or directory cannot be an input)")
+        size = st.st_size
         head = os.pread(fd, HEADER_BYTES, 0)
     finally:
         os.close(fd)

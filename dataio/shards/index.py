@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dataio.shards.writes import writing
+
 META_DIR = ".nv-meta"
 INDEX_DIR = f"{META_DIR}/headrace"
 PARTS_DIR = f"{META_DIR}/parts"
@@ -90,6 +92,19 @@ class DatasetIndex:
         """Write the index under ``root/.nv-meta/headrace`` atomically (temp dir, then rename)."""
         final = Path(root) / INDEX_DIR
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+        with writing(tmp, "the index"):
+            self._write_files(tmp)
+        if final.exists():
+            old = final.with_name(final.name + f".old-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            for name in os.listdir(old):
+                os.unlink(old / name)
+            old.rmdir()
+        else:
+            tmp.rename(final)
+
+    def _write_files(self, tmp: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         np.save(tmp / "samples.npy", np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE))
         np.save(tmp / "members.npy", np.ascontiguousarray(self.members, dtype=MEMBER_DTYPE))
@@ -106,21 +121,15 @@ class DatasetIndex:
         for name in os.listdir(tmp):
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
-        if final.exists():
-            old = final.with_name(final.name + f".old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            for name in os.listdir(old):
-                os.unlink(old / name)
-            old.rmdir()
-        else:
-            tmp.rename(final)
 
 
 def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     """Load the index of a local dataset directory (remote sources copy these small files first)."""
     d = Path(root) / INDEX_DIR
     manifest_path = d / "manifest.json"
+    if not Path(root).is_dir():  # no index hint for a path that is not there: it is the wrong path
+        raise FileNotFoundError(f"{root}: no such directory" if not Path(root).exists() else
+                                f"{root}: not a directory (expected a dataset directory)")
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"{root}: no headrace index ({INDEX_DIR}/manifest.json); run `dataio index {root}` first"
@@ -158,7 +167,7 @@ class ShardPart:
         d.mkdir(parents=True, exist_ok=True)
         final = d / f"{self.info.name}.npz"
         tmp = d / f".{self.info.name}.npz.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with writing(final, "an index part"), open(tmp, "wb") as f:
             np.savez(
                 f,
                 samples=np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE),

@@ -40,6 +40,7 @@ import yaml
 
 from dataio.shards.index import META_DIR, DatasetIndex
 from dataio.shards.tarwriter import BLOCK, write_atomically
+from dataio.shards.writes import writing
 
 ITAR_SUFFIX = ".idx"  # shard.tar -> shard.tar.idx
 DEFAULT_SPLITS = ("train", "val", "test")  # energon prepare always writes these three parts
@@ -212,21 +213,23 @@ def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, work
     def write_itar(i: int) -> None:
         entries = np.append(offsets[bounds[i] : bounds[i + 1]], np.uint64(shard_end[i]))
         shard_path = root / index.shards[i].name
-        write_atomically(shard_path.with_name(shard_path.name + ITAR_SUFFIX), entries.astype("=u8").tobytes())
+        write_atomically(shard_path.with_name(shard_path.name + ITAR_SUFFIX), entries.astype("=u8").tobytes(),
+                         what="energon's .tar.idx")
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(write_itar, range(len(index.shards))))
 
-    _write_sqlite(meta / "index.sqlite", index, sample_index, byte_size)
-    write_atomically(meta / "index.uuid", _content_uuid(index, byte_size).encode())
+    with writing(meta / "index.sqlite", "energon's sample index"):
+        _write_sqlite(meta / "index.sqlite", index, sample_index, byte_size)
+    write_atomically(meta / "index.uuid", _content_uuid(index, byte_size).encode(), what="energon's metadata")
     splits = {"split_parts": split_parts(index), "exclude": []}
-    write_atomically(meta / "split.yaml", yaml.dump(splits, sort_keys=False).encode())
+    write_atomically(meta / "split.yaml", yaml.dump(splits, sort_keys=False).encode(), what="energon's metadata")
     dataset = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
-    write_atomically(meta / "dataset.yaml", yaml.dump(dataset, sort_keys=False).encode())
+    write_atomically(meta / "dataset.yaml", yaml.dump(dataset, sort_keys=False).encode(), what="energon's metadata")
     index.save(root)
     info = {"energon_version": version("megatron-energon"),
             "shard_counts": {s.name: int(c) for s, c in zip(index.shards, counts.tolist())}}
-    write_atomically(info_path, json.dumps(info, indent=2).encode())
+    write_atomically(info_path, json.dumps(info, indent=2).encode(), what="energon's metadata")
     dir_fd = os.open(meta, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -26,13 +26,14 @@ import json
 import math
 import mmap
 import os
+import stat
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.audioheader import probe
+from dataio.shards.audioheader import check_decodes, probe
 from dataio.shards.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
 from dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
 from dataio.shards.tarwriter import BLOCK
@@ -212,11 +213,19 @@ def audio_duration(payload) -> float:
 
 
 def open_tar(path: str | os.PathLike):
-    """A read-only memory map of a tar file (``b""`` for an empty file)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+    """A read-only memory map of a tar file (``b""`` for an empty file); a FIFO, device or directory
+    named like a shard is a ``TarFormatError`` (opened without blocking, never read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TarFormatError(os.fspath(path), 0,
+                                 "not a regular file (a FIFO, device or directory named like a shard)")
+        if st.st_size == 0:
             return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
 
 
 def scan_shard(root: str | os.PathLike, name: str, *, split: str = "train", lengths: bool = True,
@@ -295,12 +304,13 @@ def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train"
 
 
 def decode_check(ext: str, payload) -> str | None:
-    """Why a member does not decode (None when it does): audio header via soundfile, ``.npy`` header
-    without pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
+    """Why a member does not decode (None when it does): audio decoded whole by libsndfile, every frame,
+    to the length its header declares (``dataio.shards.audioheader.check_decodes``), ``.npy`` header without
+    pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
     last = ext.rsplit(".", 1)[-1].lower()
     try:
         if last in AUDIO_EXTENSIONS:
-            audio_duration(payload)  # raises for unreadable audio or audio without samples
+            check_decodes(payload)  # raises for unreadable audio, audio without samples, a damaged frame
         elif last == "npy":
             shape, _, dtype, header = npy_header(payload)
             expected = header + math.prod(shape) * dtype.itemsize

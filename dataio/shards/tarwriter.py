@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from dataio.shards.writes import writing
+
 BLOCK = 512
 MAX_MEMBER_SIZE = 8**11 - 1
 
@@ -227,9 +229,10 @@ class TarWriter:
         return self._hash.hexdigest() if self._hash is not None else None
 
 
-def write_atomically(path: str | os.PathLike, content) -> object:
+def write_atomically(path: str | os.PathLike, content, *, what: str) -> object:
     """Write ``content`` (bytes, or a function ``write(stream)``) to ``path.tmp-HOST-PID``, fsync, then
-    rename onto ``path``; returns what ``write`` returned.
+    rename onto ``path``; returns what ``write`` returned. An ``OSError`` names ``path`` and ``what``
+    (``dataio.shards.writes``: a full disk is a one-line error, not a traceback).
 
     The file becomes visible under its final name only once complete; on any exception the temporary
     file is removed and the exception propagates. Host and pid in the temporary name keep writers on
@@ -239,7 +242,7 @@ def write_atomically(path: str | os.PathLike, content) -> object:
     tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     write = content if callable(content) else lambda f: f.write(content)
     try:
-        with open(tmp, "wb", buffering=1 << 20) as f:
+        with writing(path, what), open(tmp, "wb", buffering=1 << 20) as f:
             result = write(f)
             f.flush()
             os.fsync(f.fileno())

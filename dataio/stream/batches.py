@@ -21,7 +21,7 @@ from dataio.stream.audio_batch import decode_pending
 from dataio.stream.blend import BlendSchedule
 from dataio.stream.collate import Allocator, collate
 from dataio.stream.dali import BatchAudio
-from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
 from dataio.stream.epochized import EpochizedSchedule
 from dataio.stream.gather import gather_tokens, tokens_only
 from dataio.stream.order import EpochOrder
@@ -37,12 +37,27 @@ def token_ext(source: ShardSource) -> str | None:
     return next((e for e in source.index.extensions if is_token_member(e)), None)
 
 
+def check_documents(sample: dict, token: str | None, *, key: str, shard: str) -> None:
+    """SampleDecodeError naming the member unless ``sample`` has its dataset's ``token`` member and every
+    token member of it is a document."""
+    if token is not None and token not in sample:
+        raise SampleDecodeError(f"no {token} member: packing needs one in every sample of this dataset",
+                                shard=shard, key=key, member=token)
+    for ext, value in sample.items():
+        if is_token_member(ext):
+            try:
+                check_token_document(value)
+            except ValueError as e:
+                raise member_error(e, shard=shard, key=key, member=ext) from None
+
+
 class SampleReader:
     """Decoded samples of sample references, bad ones skipped and counted against ``max_bad_samples``."""
 
     def __init__(self, cfg: DataConfig, sources: list[ShardSource], *, bad_so_far: int):
         self.cfg, self.sources = cfg, sources
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
+        self.token_exts = [token_ext(s) for s in sources]
         self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (dataio.stream.dali)
         if cfg.decode.audio == "dali":
             self.batch_audio = BatchAudio(cfg.decode)
@@ -50,7 +65,7 @@ class SampleReader:
     @property
     def fork_safe(self) -> bool:
         """Whether a batch may be made in the main process before it forks workers."""
-        return getattr(self.batch_audio, "fork_safe", True)
+        return self.batch_audio is None or self.batch_audio.fork_safe
 
     def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None
              ) -> tuple[list[dict], list[str], np.ndarray, int]:
@@ -64,8 +79,11 @@ class SampleReader:
             if not isinstance(item, SampleDecodeError):
                 key, shard, members = item
                 try:
-                    samples.append(decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
-                                                 defer_audio=pending))
+                    sample = decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
+                                           defer_audio=pending)
+                    if self.cfg.thd:  # packing takes every .npy member for a document of token ids
+                        check_documents(sample, self.token_exts[int(refs[i]) >> REF_BITS], key=key, shard=shard)
+                    samples.append(sample)
                     keys.append(key)
                     shards.append(shard)
                     kept.append(i)
@@ -153,6 +171,8 @@ class BatchMaker:
         local, positions = local[keep], positions[keep]
         refs = self.refs(positions)
         batch = gather_tokens(self.sources, refs, max(lo, hi), alloc) if self.tokens_only and len(refs) else None
+        if batch is not None and self.reader.cfg.thd and _has_negative_id(batch):
+            batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
             return self._with_subflavors(batch)
@@ -172,6 +192,12 @@ class BatchMaker:
         if self.subflavors is not None:
             batch["__subflavors__"] = [self.subflavors[d] for d in (batch["__ref__"] >> REF_BITS).tolist()]
         return batch
+
+
+def _has_negative_id(batch: dict) -> bool:
+    """Whether a gathered token batch holds a negative id (one reduction, signed dtypes only)."""
+    tokens = next(v for k, v in batch.items() if is_token_member(k))
+    return tokens.dtype.is_signed and tokens.numel() > 0 and int(tokens.min()) < 0
 
 
 __all__ = ["BatchMaker", "SampleReader", "token_ext"]

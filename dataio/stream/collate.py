@@ -9,7 +9,8 @@ Per field (member extension, e.g. ``tokens.npy``):
 - ``NpyView`` values (1-D ``.npy`` members the loader left undecoded) are copied straight from the
   member buffers into the batch tensor, one ``memcpy`` each, laid out exactly as the two rules above
   (stacked when all lengths agree, else flat + lengths); differing dtypes fall back to tensors;
-- ``Audio`` values collate their waveforms like tensors, sample rates go to ``__sample_rate__``; waveforms
+- ``Audio`` values collate their waveforms like tensors, sample rates go to ``__sample_rate__`` (None where a
+  sample has no such member: a dataset mixing FLAC and WAV gives each codec's field as a list); waveforms
   that already lie end to end in one buffer (decoded into the batch by ``dataio.stream.audio_batch``)
   become the batch tensor as they are, no copy;
 - raw member buffers (``memoryview``: audio left encoded by ``decode.audio: raw``) are copied into one
@@ -69,11 +70,22 @@ def collate_field(values: list[Any], alloc: Allocator = plain_memory) -> tuple[A
         out = alloc((len(values), *first.shape), first.dtype)
         return torch.stack(values, out=out), None
     if all(v.ndim == 1 for v in values):
-        dtype = functools.reduce(torch.promote_types, {v.dtype for v in values})
+        dtypes = {v.dtype for v in values}
+        dtype = _common_dtype(dtypes)
+        if len(dtypes) > 1:  # torch.cat does not convert uint16 (one copy a value, only for mixed batches)
+            values = [v.to(dtype) for v in values]
         lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
         out = alloc((int(lengths.sum()),), dtype)
         return torch.cat(values, out=out), lengths
     return values, None
+
+
+def _common_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
+    """The dtype that holds every value of ``dtypes``: torch's promotion, except that integer arrays of
+    several dtypes (uint16 token ids beside int32 ones, which torch refuses to promote) become int64."""
+    if len(dtypes) > 1 and not any(d.is_floating_point or d.is_complex or d == torch.bool for d in dtypes):
+        return torch.int64
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def adjacent(values: list[torch.Tensor]) -> torch.Tensor | None:
@@ -137,9 +149,9 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
     # samples lack is kept as a list with None in their places, never dropped.
     for ext in dict.fromkeys(ext for s in samples for ext in s):
         values = [s.get(ext) for s in samples]
-        if isinstance(values[0], Audio):
-            rates[ext] = [v.sample_rate for v in values]
-            values = [v.waveform for v in values]
+        if any(isinstance(v, Audio) for v in values):  # a dataset may mix codecs: flac here, wav there
+            rates[ext] = [v.sample_rate if isinstance(v, Audio) else None for v in values]
+            values = [v.waveform if isinstance(v, Audio) else v for v in values]
         batch[ext], lens = collate_field(values, alloc)
         if lens is not None:
             lengths[ext] = lens

@@ -49,7 +49,8 @@ import soundfile
 import soxr
 import torch
 
-from dataio.shards.audioheader import HEADER_BYTES, WavFormat, check_declared, parse_header, wav_format
+from dataio.shards.audioheader import (HEADER_BYTES, UNKNOWN_FRAMES, WavFormat, check_declared, parse_header,
+                                       read_unknown_length, wav_format)
 from dataio.stream import libsndfile
 from dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
 
@@ -204,6 +205,10 @@ def decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio:
     libsndfile.use(cfg.libsndfile)
     with soundfile.SoundFile(io.BytesIO(buf)) as f:
         rate = f.samplerate
+        if f.frames == UNKNOWN_FRAMES:  # a valid FLAC that leaves its length open: counted as decoded
+            audio = read_unknown_length(f, cfg.dtype, len(buf))
+            check_declared(rate, len(audio), len(buf), max_duration=cfg.max_duration)
+            return _audio(downmixed_and_resampled(audio, rate, cfg), rate, cfg)
         check_declared(rate, f.frames, len(buf), max_duration=cfg.max_duration)  # before allocating for it
         try:
             audio = f.read(dtype=cfg.dtype, always_2d=True)  # [T, C]
@@ -211,7 +216,10 @@ def decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio:
             declared = f.frames * f.channels * np.dtype(cfg.dtype).itemsize
             raise ValueError(f"cannot allocate the {declared / 2**30:.1f} GiB its header declares "
                              f"({f.frames} frames x {f.channels} channels)") from None
-    audio = downmixed_and_resampled(audio, rate, cfg)
+    return _audio(downmixed_and_resampled(audio, rate, cfg), rate, cfg)
+
+
+def _audio(audio: np.ndarray, rate: int, cfg: DecodeConfig) -> Audio:
     if audio.ndim == 2:
         audio = np.ascontiguousarray(audio.T)  # [C, T], the torch/torchaudio convention
     return Audio(torch.from_numpy(audio), cfg.sample_rate or rate)
@@ -359,6 +367,21 @@ def decode_sample(
         except Exception as e:
             raise member_error(e, shard=shard, key=key, member=ext) from e
     return out
+
+
+def check_token_document(value: NpyView | torch.Tensor) -> None:
+    """ValueError unless a decoded ``.npy`` member can be a document of token ids for packing: 1-D,
+    integer, no negative id (read for signed dtypes only: O(tokens), the general path's cost)."""
+    if isinstance(value, NpyView):
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got {value.dtype}")
+        if value.dtype.kind == "u":
+            return
+        value = value.tensor()
+    if value.ndim != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise ValueError(f"token ids must be a 1-D integer array, got {value.dtype} of shape {tuple(value.shape)}")
+    if value.dtype.is_signed and len(value) and int(value.min()) < 0:
+        raise ValueError(f"negative token id {int(value.min())}")
 
 
 def member_error(e: Exception, *, shard: str | None, key: str | None, member: str) -> SampleDecodeError:

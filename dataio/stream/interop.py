@@ -250,8 +250,9 @@ class LhotseCutSource:
 
 def _cut_audio_bytes(cut) -> bytes:
     import soundfile
+    from lhotse import MonoCut
 
-    rec = getattr(cut, "recording", None)
+    rec = cut.recording if isinstance(cut, MonoCut) else None  # mixed and padding cuts have no one recording
     whole_file = (rec is not None and len(rec.sources) == 1 and rec.sources[0].type == "file" and not rec.transforms
                   and rec.num_channels == 1 and cut.start == 0 and abs(cut.duration - rec.duration) < 1e-3)
     if whole_file:

@@ -107,7 +107,7 @@ class RankStream:
         page touched past the end of a shard that shrank under the map: raise that shard's error."""
         if "Bus error" in str(error):
             for source in self.sources:
-                if hasattr(source, "check_sizes"):
+                if isinstance(source, ShardSource):  # the mapped kinds (a lhotse manifest is read, not mapped)
                     source.check_sizes()
 
     def _mean_sample_bytes(self) -> float:

@@ -14,7 +14,11 @@ on first use (``dataio.stream.shardcache``) and mapped like a local one; a proce
 
 Every read checks that the tar header right before the sample's first payload names the sample's key
 (one short ``bytes`` compare), so an index that disagrees with its tar is an error naming the shard and
-key instead of silently wrong data; a shard shorter than its index says is reported when it is opened.
+key instead of silently wrong data; a shard shorter than its index says is reported when it is opened. A
+local shard is one version for the loader's life: its (inode, mtime) when first mapped by any of the
+loader's processes is kept in memory shared with its workers, and every map and every read (one ``fstat``,
+which the size check needs anyway) compares against it, so a shard rewritten in place, even at the same
+size, is an error naming it rather than new bytes under the index's (and gather's checked) old keys.
 ``dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
 """
 
@@ -24,6 +28,7 @@ import io
 import json
 import mmap
 import os
+import stat
 from collections import OrderedDict
 
 import numpy as np
@@ -100,7 +105,11 @@ class ShardSource:
         if self.cache is not None:
             self._cache_folder = self.cache.folder(path, index)
             self.cache.check_fits(path, {index.shards[s].name: self._shard_bytes(s) for s in shard_ids})
-        self._maps: OrderedDict[int, tuple] = OrderedDict()  # shard -> (mmap, memoryview, cache lock fd)
+        # (inode, mtime_ns) of each local shard as the first process to map it found it, in memory shared
+        # with the workers forked later: every process then reads one version of each file (_check_stamp)
+        self._stamp_memory = mmap.mmap(-1, 16 * max(1, len(index.shards)))
+        self._first_stamps = np.frombuffer(self._stamp_memory, dtype=np.int64).reshape(-1, 2)
+        self._maps: OrderedDict[int, tuple] = OrderedDict()  # shard -> (mmap, memoryview, cache lock fd, fd, stamp)
         self._closing: list[tuple] = []  # (mmap, lock fd) of cached shards dropped while views of them were alive
         self._arrays: dict[int, np.ndarray] = {}
         self._remote_files: OrderedDict[int, object] = OrderedDict()
@@ -159,9 +168,11 @@ class ShardSource:
 
     def _reset_if_forked(self) -> None:
         if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
-            for fd in [e[-1] for e in self._maps.values()] + [fd for _, fd in self._closing]:
+            for fd in [e[2] for e in self._maps.values()] + [fd for _, fd in self._closing]:
                 if fd is not None:
                     os.close(fd)  # the parent's lock: closed here, never unlocked (that would free the parent's)
+            for entry in self._maps.values():
+                os.close(entry[3])
             self._maps, self._closing, self._arrays = OrderedDict(), [], {}
             self._remote_files, self._pid = OrderedDict(), os.getpid()
 
@@ -172,11 +183,13 @@ class ShardSource:
         return int((rows["offset"][mine] + rows["size"][mine]).max())
 
     def _map(self, shard: int, end: int = 0):
-        """The shard's map, after checking (``mmap.size()``: one ``fstat`` of the map's own descriptor)
-        that the file still holds byte ``end - 1``: touching a mapped page past the end of a file that
-        was truncated under us is SIGBUS, which kills the process with no message (in a worker: "killed
-        by signal SIGBUS", see ``RankStream.explain_worker_crash``). A truncation between this check and the batch's copy is not
-        caught (microseconds; a signal handler cannot resume a faulting access)."""
+        """The shard's map, after checking (one ``fstat`` of the mapped file's descriptor) that the file
+        still holds byte ``end - 1`` and is the version mapped: touching a mapped page past the end of a
+        file that was truncated under us is SIGBUS, which kills the process with no message (in a worker:
+        "killed by signal SIGBUS", see ``RankStream.explain_worker_crash``); a local shard rewritten in
+        place (its mtime changed: the map shows the new bytes where the index and the checks of
+        ``dataio.stream.gather`` describe the old) is an error naming it. A change between this check and
+        the batch's copy is not caught (microseconds; a signal handler cannot resume a faulting access)."""
         self._reset_if_forked()
         entry = self._maps.get(shard)
         if entry is None:
@@ -185,11 +198,15 @@ class ShardSource:
             entry = self._maps[shard] = self._open_map(shard)
         elif self.cache is not None:
             self._maps.move_to_end(shard)
-        mapped, buf, _ = entry
-        size = mapped.size() if mapped is not None else 0
+        mapped, buf, _, fd, stamp = entry
+        st = os.fstat(fd)
+        size = st.st_size
         if size < end:
             raise ShardFormatError(f"shard shrank to {size} bytes while mapped (modified under the loader?); "
                                    f"this read needs bytes up to {end}", shard=self.shard_path(shard))
+        if self.cache is None and (st.st_ino, st.st_mtime_ns) != stamp:
+            raise ShardFormatError("shard changed since it was mapped (rewritten under the loader?): its samples "
+                                   "no longer match the index", shard=self.shard_path(shard))
         return buf
 
     def _open_map(self, shard: int) -> tuple:
@@ -201,21 +218,42 @@ class ShardSource:
         else:
             path = self._disk_path(shard)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._check_size(shard, size)
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            file = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO would block without it
+            try:
+                st = os.fstat(file)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ShardFormatError("not a regular file (a FIFO, device or directory in the shard's place)",
+                                           shard=self.shard_path(shard))
+                self._check_size(shard, st.st_size)
+                stamp = (st.st_ino, st.st_mtime_ns)
+                if self.cache is None:
+                    self._check_stamp(shard, stamp)
+                mapped = mmap.mmap(file, 0, access=mmap.ACCESS_COPY) if st.st_size else None
+            except BaseException:
+                os.close(file)
+                raise
         except BaseException:
             if fd is not None:
                 unlock(fd)
             raise
-        return mapped, memoryview(mapped) if mapped is not None else memoryview(b""), fd
+        return mapped, memoryview(mapped) if mapped is not None else memoryview(b""), fd, file, stamp
+
+    def _check_stamp(self, shard: int, stamp: tuple[int, int]) -> None:
+        """Record the first (inode, mtime) any process of this loader mapped the shard with; a later
+        map of another version (the file was replaced or rewritten meanwhile) is an error naming it."""
+        first = self._first_stamps[shard]
+        if not first.any():
+            first[:] = stamp
+        elif tuple(first.tolist()) != stamp:
+            raise ShardFormatError("shard changed since the loader first read it (rewritten or replaced under the "
+                                   "loader?): its samples no longer match the index", shard=self.shard_path(shard))
 
     def _close_cached(self, keep: int) -> None:
         """Close all but the ``keep`` most recently used maps of cached shards, each releasing its shard
         to eviction once no view of it is alive (a map with live views is retried on the next call)."""
         while len(self._maps) > keep:
-            shard, (mapped, _, fd) = self._maps.popitem(last=False)  # its memoryview: dropped here, not released
+            shard, (mapped, _, fd, file, _) = self._maps.popitem(last=False)  # its memoryview: dropped, not released
+            os.close(file)  # the map holds its own descriptor
             self._arrays.pop(shard, None)  # (a batch being read may still hold it)
             self._closing.append((mapped, fd))
         still = []
