@@ -21,6 +21,7 @@ import stat
 import struct
 from typing import NamedTuple
 
+import numpy as np
 import soundfile as sf
 
 HEADER_BYTES = 8192  # what a probe reads of each file; covers FLAC metadata and WAV chunks up to ``data``
