@@ -62,6 +62,30 @@ class Adapter(nn.Module):
         self.proj_out.reset_parameters()
 
 
+class LinearAdapter(nn.Module):
+    """One Linear from encoder frames to LLM embeddings, no stacking (Qwen2-Audio's ``multi_modal_projector``)."""
+
+    def __init__(self, in_size: int, out_size: int):
+        super().__init__()
+        self.linear = nn.Linear(in_size, out_size)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.linear(frames)
+
+    def reset_parameters(self) -> None:
+        self.linear.reset_parameters()
+
+
+def build_adapter(cfg, in_size: int, out_size: int) -> Adapter | LinearAdapter:
+    """The adapter of ``model.speech.adapter.kind``."""
+    if cfg.kind == "linear":
+        return LinearAdapter(in_size, out_size)
+    return Adapter(in_size, out_size, cfg.subsampling, cfg.hidden_size)
+
+
 class SpeechLMLoss(CausalLMLoss):
     """``CausalLMLoss`` whose inputs are prompt tokens plus audio frames written at ``audio_mask``."""
 
@@ -83,7 +107,7 @@ class SpeechLMLoss(CausalLMLoss):
 class SALM(nn.Module):
     """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
 
-    def __init__(self, encoder: nn.Module, adapter: Adapter, llm: SpeechLMLoss, cfg: SpeechConfig, front):
+    def __init__(self, encoder: nn.Module, adapter: nn.Module, llm: SpeechLMLoss, cfg: SpeechConfig, front):
         super().__init__()
         self.encoder, self.adapter, self.llm = encoder, adapter, llm
         self.cfg = cfg
@@ -125,8 +149,7 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     llm = build_meta_model(llm_config)
     with torch.device("meta"):
         encoder = front.build(enc_config)
-        adapter = Adapter(enc_config.hidden_size, llm_config.hidden_size, cfg.adapter.subsampling,
-                          cfg.adapter.hidden_size)
+        adapter = build_adapter(cfg.adapter, enc_config.hidden_size, llm_config.hidden_size)
     model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg, front)
     for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
         if frozen:  # (not requires_grad_(True) otherwise: Whisper's sinusoidal positions stay fixed)
@@ -152,4 +175,4 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
         load_safetensors(model.adapter, model.cfg.adapter.pretrained_path)
 
 
-__all__ = ["SALM", "Adapter", "SpeechLMLoss", "build_meta_salm", "materialize_salm"]
+__all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "materialize_salm"]
