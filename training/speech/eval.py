@@ -7,8 +7,10 @@ Every rank loads the exported pair (``training.speech.job.load_salm``: the model
 replicate for decoding), reads its share of the split through the loader's duration bucketing with
 ``epochs: 1`` (each utterance exactly once across ranks), and decodes greedily with transformers'
 ``generate`` from the prompt embeddings (left-padded prompt, audio frames in the placeholder's slots,
-KV cache). Rank 0 gathers the hypotheses, writes one JSON line per utterance (key, reference,
-hypothesis, word errors) and prints the corpus WER.
+KV cache). Each batch also runs two forwards for the listening signal (``training.speech.listening``: the
+answer loss with its own audio and with another utterance's). Rank 0 gathers the hypotheses, writes one
+JSON line per utterance (key, reference, hypothesis, word errors) and prints the corpus WER, both losses
+and their ratio.
 
 WER = (substitutions + deletions + insertions) / reference words, summed over the corpus, after
 lower-casing and dropping punctuation; ``word_errors`` is a word-level Levenshtein distance
