@@ -105,6 +105,7 @@ def tone_workdir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_validation_listening_ratio_is_one_untrained_and_falls_when_the_model_listens(tone_workdir, process_group):
     """Through the trainer: after one step at lr 1e-9 (the random init) both passes give the same loss to ~1%; trained on the
     tones, the loss with the wrong tone is far higher. The mismatched pass counts the same utterances and
