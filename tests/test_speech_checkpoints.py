@@ -69,7 +69,8 @@ def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss
     assert main([str(tmp_path / "qwen2-audio"), str(tmp_path / "salm")]) == 0
     model, speech = load_salm(tmp_path / "salm")
     # the prompt is the checkpoint's chat template around its audio markers
-    assert speech.prompt == "<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n<|im_start|>assistant\n"
+    assert speech.prompt == ("<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n"
+                             "<|im_start|>assistant\n")
     assert speech.encoder.kind == "qwen2_audio" and speech.adapter.kind == "linear"
     raw = audio_batches(1, rows=3, seed=4)[0]
     assert len(set(raw["audio_lens"].tolist())) == 3

@@ -107,12 +107,13 @@ def tone_workdir(tmp_path):
 
 @pytest.mark.slow
 def test_validation_listening_ratio_is_one_untrained_and_falls_when_the_model_listens(tone_workdir, process_group):
-    """Through the trainer: after one step at lr 1e-9 (the random init) both passes give the same loss to ~1%; trained on the
-    tones, the loss with the wrong tone is far higher. The mismatched pass counts the same utterances and
-    tokens."""
+    """Through the trainer: after one step at lr 1e-9 (the random init) both passes give the same loss to ~1%;
+    trained on the tones, the loss with the wrong tone is far higher. The mismatched pass counts the same
+    utterances and tokens."""
     (untrained,) = [r for r in train_on_tones(tone_workdir, "untrained", 1, 1e-9) if "val_loss" in r]
     assert untrained["val_docs"] == 12 and untrained["val_tokens"] == 24  # one word + eos each
-    assert untrained["val_listening_ratio"] == pytest.approx(untrained["val_loss"] / untrained["val_mismatched_loss"])
+    ratio = untrained["val_loss"] / untrained["val_mismatched_loss"]
+    assert untrained["val_listening_ratio"] == pytest.approx(ratio)
     assert abs(untrained["val_listening_ratio"] - 1) < 0.02, untrained
     (trained,) = [r for r in train_on_tones(tone_workdir, "trained", 150, 1e-2) if "val_loss" in r]
     assert trained["val_listening_ratio"] < 0.5, trained

@@ -106,7 +106,8 @@ def plot(curves: dict[str, list[dict]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.speech_listening_curve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.speech_listening_curve",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", type=Path, default=Path("docs/speech-listening-curve.png"))

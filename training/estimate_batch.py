@@ -84,7 +84,8 @@ def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_siz
     return lambda: model(**{k: batch[k] for k in SALM_INPUTS})
 
 
-def fits_budget(model, step_at: Callable[[int], Callable[[], torch.Tensor]], budget_bytes: int) -> Callable[[int], bool]:
+def fits_budget(model, step_at: Callable[[int], Callable[[], torch.Tensor]],
+                budget_bytes: int) -> Callable[[int], bool]:
     """``fits(batch_size)`` on CUDA: peak allocated memory of forward + backward within the budget."""
     def fits(batch_size: int) -> bool:
         model.zero_grad(set_to_none=True)
