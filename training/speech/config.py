@@ -23,7 +23,7 @@ from typing import Any, Literal
 from kernels.log_mel import WHISPER_SAMPLE_RATE, LogMelConfig, SpecAugmentConfig
 
 AUDIO_PLACEHOLDER = "<|audio|>"
-WHISPER_FEATURE_KINDS = ("whisper", "qwen2_audio")  # encoders on Whisper's own features over a fixed window
+WHISPER_FEATURE_KINDS = ("whisper", "qwen2_audio", "voxtral")  # encoders on Whisper's own features over a fixed window
 
 
 @dataclass(kw_only=True)
@@ -33,7 +33,8 @@ class EncoderConfig:
     or, for ``whisper``, a whole Whisper checkpoint directory whose ``model.encoder.*`` weights are read)."""
 
     # FastConformer (ParakeetEncoder) | WhisperEncoder | Qwen2AudioEncoder (Whisper's + 2x average pooling + norm)
-    kind: Literal["parakeet", "whisper", "qwen2_audio"] = "parakeet"
+    # | VoxtralEncoder (Whisper's; every frame of its window goes on)
+    kind: Literal["parakeet", "whisper", "qwen2_audio", "voxtral"] = "parakeet"
     config: dict[str, Any] | None = None
     config_path: str | None = None
     pretrained_path: str | None = None
@@ -53,6 +54,7 @@ class AdapterConfig:
     kind: Literal["mlp", "linear"] = "mlp"  # linear: one Linear, no stacking (Qwen2-Audio's projector)
     subsampling: int = 2
     hidden_size: int | None = None  # of the middle layer; None: the LLM's hidden size
+    bias: bool = True  # of the mlp's two Linears (Voxtral's projector has none)
     pretrained_path: str | None = None  # a directory with adapter.safetensors (an export's encoder/)
     freeze: bool = False
 

@@ -165,10 +165,10 @@ class WhisperFrontEnd:
 
 def front_end(kind: str, features: LogMelConfig | None) -> ParakeetFrontEnd | WhisperFrontEnd:
     """The front end of ``model.speech.encoder.kind``."""
-    if kind == "qwen2_audio":
-        from training.speech.qwen2_audio import Qwen2AudioFrontEnd
+    if kind in ("qwen2_audio", "voxtral"):
+        from training.speech.checkpoints import Qwen2AudioFrontEnd, VoxtralFrontEnd
 
-        return Qwen2AudioFrontEnd()
+        return Qwen2AudioFrontEnd() if kind == "qwen2_audio" else VoxtralFrontEnd()
     return WhisperFrontEnd() if kind == "whisper" else ParakeetFrontEnd(features)
 
 

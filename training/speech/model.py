@@ -39,13 +39,14 @@ from training.speech.encoders import front_end, masked_frames
 class Adapter(nn.Module):
     """Stack ``k`` consecutive encoder frames (temporal subsampling by ``k``), then Linear-GELU-Linear."""
 
-    def __init__(self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None):
+    def __init__(self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None,
+                 bias: bool = True):
         super().__init__()
         self.subsampling = subsampling
         hidden_size = hidden_size or out_size
-        self.proj_in = nn.Linear(in_size * subsampling, hidden_size)
+        self.proj_in = nn.Linear(in_size * subsampling, hidden_size, bias=bias)
         self.act = nn.GELU()
-        self.proj_out = nn.Linear(hidden_size, out_size)
+        self.proj_out = nn.Linear(hidden_size, out_size, bias=bias)
 
     def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         return -torch.div(-lengths, self.subsampling, rounding_mode="floor")  # ceil
@@ -83,7 +84,7 @@ def build_adapter(cfg, in_size: int, out_size: int) -> Adapter | LinearAdapter:
     """The adapter of ``model.speech.adapter.kind``."""
     if cfg.kind == "linear":
         return LinearAdapter(in_size, out_size)
-    return Adapter(in_size, out_size, cfg.subsampling, cfg.hidden_size)
+    return Adapter(in_size, out_size, cfg.subsampling, cfg.hidden_size, cfg.bias)
 
 
 class SpeechLMLoss(CausalLMLoss):
