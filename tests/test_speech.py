@@ -188,7 +188,8 @@ def test_salm_config_errors(tmp_path):
         load_job_config(None, base=raw)
     raw["model"]["speech"]["encoder"]["kind"] = "wav2vec"
     with pytest.raises(ConfigError,
-                       match=r"model.speech.encoder.kind: expected one of \['parakeet', 'whisper', 'qwen2_audio'\]"):
+                       match=r"model.speech.encoder.kind: expected one of "
+                             r"\['parakeet', 'whisper', 'qwen2_audio', 'voxtral'\]"):
         load_job_config(None, base=raw)
     (tmp_path / "parakeet").mkdir()
     (tmp_path / "parakeet" / "config.json").write_text('{"model_type": "parakeet_encoder"}')

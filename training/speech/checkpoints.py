@@ -19,7 +19,8 @@ a SALM export: ``OUT/hf`` (the LLM: its text config, its weights renamed, the ch
 ``OUT/encoder`` (the audio config + weights), ``OUT/adapter`` (the projector, names mapped) and
 ``OUT/salm.json`` whose prompt is the checkpoint's own layout around its audio token (Qwen2-Audio:
 ``<|audio_bos|>`` + the audio + ``<|audio_eos|>``, in the chat template's user turn for a chat checkpoint;
-``--prompt`` gives another, e.g. Voxtral's ``[INST][BEGIN_AUDIO]<|audio|>[/INST]``). ``training.speech.job.load_salm(OUT)`` rebuilds it; a training job starts from it with
+``--prompt`` gives another; Voxtral's default is ``[INST][BEGIN_AUDIO]<|audio|>[/INST]``).
+``training.speech.job.load_salm(OUT)`` rebuilds it; a training job starts from it with
 ``model.pretrained_path: OUT/hf``, ``speech.encoder: {kind: qwen2_audio, pretrained_path: OUT/encoder}``,
 ``speech.adapter: {kind: linear, subsampling: 1, pretrained_path: OUT/adapter}``. Cost: one read and one
 write of the weights (tensor by tensor through safetensors).
