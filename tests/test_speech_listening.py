@@ -42,7 +42,7 @@ def test_mismatched_audio_gives_each_row_another_rows_waveform_at_its_own_length
 def test_mismatched_forward_keeps_the_token_layout(tmp_path):
     """The mismatched pass runs the same forward on the same rows: same text tokens, labels, slots and
     positions; only the audio differs."""
-    from training.model import build_hf_config
+    from training.models.build import build_hf_config
     from training.speech.job import SpeechBatches
     from training.speech.model import build_meta_salm
 
@@ -85,7 +85,7 @@ def train_on_tones(tmp_path: Path, name: str, steps: int, lr: float) -> list[dic
     """The tiny SALM trained by the trainer on the tone dataset, validated on it at the last step; the
     records of metrics.jsonl."""
     from configtree import to_dict
-    from training.config import load_job_config
+    from training.config.load import load_job_config
     from training.train import train
 
     raw = to_dict(salm_job(tmp_path, name, data_path=str(tmp_path / "tones"), max_steps=steps,

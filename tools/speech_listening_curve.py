@@ -44,9 +44,9 @@ def tone_batch(count: int = 12, samples: int = 6000) -> dict:
 def curve(lr: float, steps: int, workdir: Path) -> list[dict]:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from training.config import ModelConfig
-    from training.model import build_hf_config
-    from training.speech.config import EncoderConfig, SpeechConfig
+    from training.config.job_config import ModelConfig
+    from training.models.build import build_hf_config
+    from training.config.speech import EncoderConfig, SpeechConfig
     from training.speech.job import SALM_INPUTS, SpeechBatches, salm_loss_sum
     from training.speech.listening import with_mismatched_audio
     from training.speech.model import build_meta_salm, materialize_salm

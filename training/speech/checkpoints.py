@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from training.speech.config import AUDIO_PLACEHOLDER, EncoderConfig
+from training.config.speech import AUDIO_PLACEHOLDER, EncoderConfig
 from training.speech.encoders import WhisperFrontEnd, _config_fields, _no_layerdrop, masked_frames
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",

@@ -96,7 +96,7 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
     "utterances", "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
     import torch.distributed as dist
 
-    from training.parallel_dims import gather_objects
+    from training.distributed.parallel_dims import gather_objects
     from training.speech.job import SpeechBatches
     from training.speech.listening import listening_sums
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from training.train import init_distributed
+    from training.distributed.process_group import init_distributed
 
     init_distributed("cpu")
     try:
