@@ -185,7 +185,9 @@ def test_salm_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"model.speech: features: a whisper encoder takes Whisper's own"):
         load_job_config(None, base=raw)
     raw["model"]["speech"]["encoder"]["kind"] = "wav2vec"
-    with pytest.raises(ConfigError, match=r"model.speech.encoder.kind: expected one of \['parakeet', 'whisper'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"model.speech.encoder.kind: expected one of "
+                             r"\['parakeet', 'whisper', 'qwen2_audio', 'voxtral'\]"):
         load_job_config(None, base=raw)
     (tmp_path / "parakeet").mkdir()
     (tmp_path / "parakeet" / "config.json").write_text('{"model_type": "parakeet_encoder"}')
@@ -217,3 +219,60 @@ def test_speech_demo_recipe_loads():
     assert cfg.data.bucketing.two_d and cfg.data.seq_len is None
     whisper = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_whisper_demo.yaml"))
     assert whisper.model.speech.encoder.kind == "whisper" and whisper.model.speech.features is None
+
+
+def _estimator_job(tmp_path) -> str:
+    """A tiny SALM job YAML with two 2D buckets, for ``python -m training.estimate_batch``."""
+    import yaml
+
+    from configtree import to_dict
+
+    save_tokenizer(tmp_path / "tokenizer.json")
+    raw = to_dict(salm_job(tmp_path, "estimate"))
+    raw["data"]["bucketing"] = dict(bucket_duration_bins=[[0.5, 4], [1.0, 8]], max_duration=2.0, max_tokens=64)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    return str(tmp_path / "job.yaml")
+
+
+def test_batch_estimator_cli_answers_within_the_budget_with_progress(tmp_path, capsys):
+    """The CLI's CPU answer per bucket is the largest batch whose saved-for-backward bytes, measured at that
+    size, fit the budget (it measures batch 1 and 2 only and solves for it); one progress line per bucket."""
+    import yaml
+
+    from training.estimate_batch import main, saved_activation_bytes, synthetic_step
+
+    job = _estimator_job(tmp_path)
+    budget_gib = 0.002
+    assert main(["--config", job, "--budget-gib", str(budget_gib), "--limit", "64"]) == 0
+    out, err = capsys.readouterr()
+    table = yaml.safe_load(out)
+    assert table["bucket_duration_bins"] == [[0.5, 4], [1.0, 8]]
+    progress = [line for line in err.splitlines() if line.startswith("bucket ")]
+    assert [line.split(":")[0] for line in progress] == ["bucket 1/2 [0.5 s, 4 tokens]", "bucket 2/2 [1 s, 8 tokens]"]
+    model, speech = _tiny_salm(tmp_path)
+    budget = int(budget_gib * 2**30)
+    for (seconds, tokens), size in zip(table["bucket_duration_bins"], table["bucket_batch_size"]):
+        assert 1 < size < 64
+        cost = {b: saved_activation_bytes(synthetic_step(model, speech, seconds, tokens, b)) for b in (size, size + 1)}
+        assert cost[size] <= budget < cost[size + 1], (seconds, size, cost, budget)
+    assert table["bucket_batch_size"][0] > table["bucket_batch_size"][1]
+
+
+def test_batch_estimator_cli_time_limit_and_refusal(tmp_path, capsys):
+    import psutil
+    import yaml
+
+    from training.estimate_batch import main
+
+    job = _estimator_job(tmp_path)
+    # past the time limit: the buckets not measured are null (cannot be pasted unnoticed), exit status 3
+    assert main(["--config", job, "--budget-gib", "0.002", "--time-limit", "0"]) == 3
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["bucket_batch_size"] == [None, None]
+    assert "time limit 0 s reached: 2 of 2 buckets not measured" in err
+    # a budget above the machine's free memory: a one-line refusal before any model is built
+    too_much = psutil.virtual_memory().total / 2**30 * 2
+    assert main(["--config", job, "--budget-gib", f"{too_much:.0f}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: --budget-gib {too_much:.0f} exceeds the free memory of cpu (")

@@ -1,25 +1,38 @@
 """Per-bucket batch sizes for 2D-bucketed SALM training (OOMptimizer-style).
 
-    python -m training.estimate_batch --config configs/speech_demo.yaml --budget-gib 60 [--out table.yaml]
+    python -m training.estimate_batch --config configs/speech_demo.yaml --budget-gib 8 [--out table.yaml]
 
 For each 2D bucket (``data.bucketing.bucket_duration_bins``, or the grid ``estimate_2d_bins`` derives
 from the dataset's index), a synthetic batch at the bucket's limits (audio of its longest duration,
-transcripts of its most tokens) runs forward + backward through the real model on this device at
-growing batch sizes -- doubling until it no longer fits, then bisecting -- and the largest size that
-fits is the bucket's. "Fits" is: on CUDA, peak allocated memory (weights, gradients, activations;
-an out-of-memory error counts as not fitting) within ``--budget-gib``; on CPU, where there is no memory
-pressure to measure, the bytes of tensors autograd saves for backward (``saved_tensors_hooks``) within
-the budget, a stand-in that grows with batch size the way activation memory does. The single-process
-model is measured (FSDP2 would hold less of the weights per rank, so the table is conservative there).
+transcripts of its most tokens) runs forward + backward through the real model on this device, and the
+largest batch size whose memory stays within ``--budget-gib`` is the bucket's:
+
+- on CUDA, "memory" is peak allocated memory (weights, gradients, activations; an out-of-memory error
+  counts as not fitting), searched by doubling then bisecting the batch size: about ``2 * log2(largest)``
+  forward + backward passes per bucket, each allocating at most the budget;
+- on CPU, where there is no memory pressure to measure, it is the bytes of tensors autograd saves for
+  backward (``saved_tensors_hooks``), a stand-in that grows with batch size the way activation memory
+  does. For a fixed row shape those bytes are affine in the batch size (``a + b * B``: every saved tensor
+  is a per-row activation or a weight), so they are measured at batch 1 and 2 only and the largest fitting
+  batch is solved for: two passes per bucket, and the process never holds more than the batch-2 step
+  (the budget itself is never allocated). Batch 2 is measured only when twice batch 1's bytes fit
+  (``a >= 0`` bounds it), else the answer is 1.
+
+Safety: the budget must not exceed this device's free memory (CUDA: ``torch.cuda.mem_get_info``; CPU:
+the machine's available memory), else a one-line refusal (exit 2). One progress line per bucket on
+stderr. ``--time-limit`` seconds (checked between buckets): past it the table is printed with ``null``
+for the buckets not measured (so it cannot be pasted into a config unnoticed) and the exit status is 3.
+The single-process model is measured (FSDP2 would hold less of the weights per rank, so the table is
+conservative there).
 
 Output: YAML with ``bucket_duration_bins`` and ``bucket_batch_size`` to paste into ``data.bucketing``.
-Cost: about ``2 * log2(largest batch)`` forward + backward passes per bucket.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -71,32 +84,72 @@ def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_siz
     return lambda: model(**{k: batch[k] for k in SALM_INPUTS})
 
 
-def fits_budget(model, step_at: Callable[[int], Callable[[], torch.Tensor]], budget_bytes: int) -> Callable[[int], bool]:
-    """``fits(batch_size)`` for this device (see the module docstring)."""
+def fits_budget(model, step_at: Callable[[int], Callable[[], torch.Tensor]],
+                budget_bytes: int) -> Callable[[int], bool]:
+    """``fits(batch_size)`` on CUDA: peak allocated memory of forward + backward within the budget."""
     def fits(batch_size: int) -> bool:
         model.zero_grad(set_to_none=True)
-        if torch.cuda.is_available() and next(model.parameters()).is_cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                step_at(batch_size)().backward()
-            except torch.OutOfMemoryError:
-                return False
-            finally:
-                model.zero_grad(set_to_none=True)
-            return torch.cuda.max_memory_allocated() <= budget_bytes
-        return saved_activation_bytes(step_at(batch_size)) <= budget_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            step_at(batch_size)().backward()
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated() <= budget_bytes
 
     return fits
 
 
-def estimate_table(model, speech_batches, bins: np.ndarray, budget_bytes: int, limit: int = 4096) -> list[int]:
-    """The largest fitting batch per ``[seconds, tokens]`` bin."""
-    sizes = []
-    for seconds, tokens in bins.tolist():
-        fits = fits_budget(model, lambda b: synthetic_step(model, speech_batches, seconds, tokens, b), budget_bytes)
-        sizes.append(largest_fitting(fits, limit))
+def largest_by_saved_bytes(model, step_at: Callable[[int], Callable[[], torch.Tensor]], budget_bytes: int,
+                           limit: int) -> int:
+    """The CPU answer: saved-for-backward bytes measured at batch 1 and 2, solved for the largest batch
+    within the budget (module docstring)."""
+    def cost(batch_size: int) -> int:
+        try:
+            return saved_activation_bytes(step_at(batch_size))
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    one = cost(1)
+    if one > budget_bytes:
+        return 0
+    if 2 * one > budget_bytes:
+        return 1
+    per_row = max(cost(2) - one, 1)
+    return int(min(limit, 1 + (budget_bytes - one) // per_row))
+
+
+def estimate_table(model, speech_batches, bins: np.ndarray, budget_bytes: int, limit: int = 4096, *,
+                   deadline: float = float("inf"), progress: Callable[[str], None] = lambda line: None) -> list:
+    """The largest fitting batch per ``[seconds, tokens]`` bin; ``None`` for the bins not reached before
+    ``deadline`` (``time.monotonic()``)."""
+    on_cuda = next(model.parameters()).is_cuda
+    sizes: list[int | None] = []
+    for i, (seconds, tokens) in enumerate(bins.tolist()):
+        if time.monotonic() > deadline:
+            sizes.append(None)
+            continue
+        started = time.monotonic()
+        step_at = lambda b, s=seconds, t=tokens: synthetic_step(model, speech_batches, s, t, b)  # noqa: E731
+        if on_cuda:
+            size = largest_fitting(fits_budget(model, step_at, budget_bytes), limit)
+        else:
+            size = largest_by_saved_bytes(model, step_at, budget_bytes, limit)
+        sizes.append(size)
+        progress(f"bucket {i + 1}/{len(bins)} [{seconds:g} s, {int(tokens)} tokens]: batch size {size} "
+                 f"({time.monotonic() - started:.1f} s)")
     return sizes
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of the device the estimate runs on: the GPU's, or this machine's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="a model.kind: salm job YAML")
     parser.add_argument("--budget-gib", type=float, required=True, help="memory budget per device (GiB)")
     parser.add_argument("--limit", type=int, default=4096, help="largest batch size tried")
+    parser.add_argument("--time-limit", type=float, default=240.0,
+                        help="seconds; past it the buckets not measured are printed as null (exit status 3)")
     parser.add_argument("--out", default=None, help="write the YAML table here (default: print it)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the job config")
     args = parser.parse_args(argv)
@@ -130,16 +185,29 @@ def main(argv: list[str] | None = None) -> int:
         bins = estimate_2d_bins(np.asarray(samples["duration"], np.float64), np.asarray(samples["tokens"], np.float64),
                                 bucketing.num_buckets, max(bucketing.num_token_buckets, 2))
     device = pick_device(cfg.trainer.device)
+    budget = int(args.budget_gib * 2**30)
+    if budget > (free := free_memory_bytes(device)):
+        print(f"error: --budget-gib {args.budget_gib:g} exceeds the free memory of {device.type} "
+              f"({free / 2**30:.1f} GiB); give at most that", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.time_limit
     model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
     materialize_salm(model, device, cfg.model.pretrained_path)
     speech = SpeechBatches([], model, cfg.model.speech, cfg.model.tokenizer)
-    sizes = estimate_table(model, speech, bins, int(args.budget_gib * 2**30), args.limit)
+    print(f"estimating {len(bins)} buckets on {device.type} within {args.budget_gib:g} GiB "
+          f"(time limit {args.time_limit:g} s)", file=sys.stderr, flush=True)
+    sizes = estimate_table(model, speech, bins, budget, args.limit, deadline=deadline,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     table = yaml.safe_dump({"bucket_duration_bins": [[round(d, 3), int(t)] for d, t in bins.tolist()],
                             "bucket_batch_size": sizes}, default_flow_style=None, sort_keys=False)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)
     print(table, end="")
+    if None in sizes:
+        print(f"estimate_batch: time limit {args.time_limit:g} s reached: {sizes.count(None)} of {len(sizes)} "
+              "buckets not measured (null); raise --time-limit for all", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -22,7 +22,9 @@ Per batch, one forward without autograd, by layout:
 Then one all-reduce of (loss sum, labelled tokens) over the loss mesh (dp x cp; under PP the loss sum is
 also summed over pp, where only the last stage holds it) and one of the document count over dp, so every
 rank returns the same figures. ``loss = sum / tokens``, ``ppl = exp(loss)``: a single process's figure
-over the same samples. Cost: one forward of the val set per ``eval_every`` steps.
+over the same samples. A SALM adds a second pass with each utterance's audio swapped for another's
+(``val_mismatched_loss``, ``val_listening_ratio``: ``training.speech.listening``). Cost: one forward of the
+val set per ``eval_every`` steps (two for a SALM).
 """
 
 from __future__ import annotations
@@ -219,9 +221,17 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
-    forward = functools.partial(step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg, model))
-    return lambda: evaluate(model, forward, batches(), device, loss_group=meshes["dp_cp"].get_group(),
-                            dp_group=dp.get_group())
+    forward = step_forward(cfg, dims, meshes)
+
+    def run(forward: Callable) -> dict:
+        return evaluate(model, functools.partial(forward, autocast=uses_autocast(cfg, model)), batches(), device,
+                        loss_group=meshes["dp_cp"].get_group(), dp_group=dp.get_group())
+
+    if cfg.model.kind == "salm":  # + the loss with other utterances' audio (training.speech.listening)
+        from training.speech.listening import validate_listening
+
+        return lambda: validate_listening(run, forward)
+    return lambda: run(forward)
 
 
 __all__ = ["documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches"]

@@ -8,7 +8,8 @@ the same global batches (bucketed-collate audio batches of different audio and t
 losses and gradient norms, and the exported weights of all three parts, must match a single-process
 reference that trains ``load_salm(init)`` on each rank. A run stopped at step 2 and resumed must
 reproduce the uninterrupted losses. The SALM's validation loss (answer tokens, ``data.val``) of the
-fsdp2 run's checkpoint at dp 4 and dp 2 x tp 2 equals one process's. The same for a SALM on Whisper's encoder (its own seeded init in
+fsdp2 run's checkpoint at dp 4 and dp 2 x tp 2 equals one process's, and so does its loss with mismatched
+audio (one process reading each dp rank's batches). The same for a SALM on Whisper's encoder (its own seeded init in
 ``WORKDIR/init_whisper``): built from scratch under FSDP2 its fixed position table is the unsharded one;
 FSDP2 (dp=2) x TP=2 with activation checkpointing matches its reference, and a
 bf16 run with the encoder frozen stays within bf16 rounding of the first loss and exports the encoder
@@ -121,6 +122,7 @@ def check_validation(workdir: Path, init: Path) -> None:
     from dataio import build_loader
     from training.eval import evaluate_checkpoint, resolve_checkpoint
     from training.models.build import build_hf_config
+    from training.speech.listening import with_mismatched_audio
     from training.speech.model import build_meta_salm, materialize_salm
     from training.validation import evaluate as evaluate_val
     from training.validation import val_batches
@@ -148,9 +150,21 @@ def check_validation(workdir: Path, init: Path) -> None:
     for name, figures in got.items():
         assert (figures["val_docs"], figures["val_tokens"]) == (want["val_docs"], want["val_tokens"]), (name, figures)
         check_close(f"salm {name} val_loss", torch.tensor(figures["val_loss"]), torch.tensor(want["val_loss"]), 1e-5)
+        # the listening pass pairs utterances within each dp rank's batches: one process reading each dp
+        # rank's share in turn (the same batches) gives the same mismatched loss
+        dp = 4 if name == "dp4" else 2
+        mismatched = functools.partial(with_mismatched_audio(salm_loss_sum), autocast=False)
+        shares = [evaluate_val(model, mismatched, val_batches(SpeechBatches(
+            build_loader(val_data_config(cfg.data), r, dp), model, cfg.model.speech, cfg.model.tokenizer),
+            torch.device("cpu")), torch.device("cpu"), loss_group=solo, dp_group=solo) for r in range(dp)]
+        want_mismatched = sum(f["val_loss"] * f["val_tokens"] for f in shares) / want["val_tokens"]
+        check_close(f"salm {name} val_mismatched_loss", torch.tensor(figures["val_mismatched_loss"]),
+                    torch.tensor(want_mismatched), 1e-5)
+        assert figures["val_listening_ratio"] == figures["val_loss"] / figures["val_mismatched_loss"], figures
     dist.barrier()  # rank 0 has closed metrics.jsonl
     logged = [r for r in map(json.loads, open(workdir / "fsdp2" / "metrics.jsonl")) if "val_loss" in r]
     assert [(r["step"], r["val_docs"], r["val_tokens"]) for r in logged] == [(STEPS, 8, want["val_tokens"])], logged
+    assert logged[0]["val_listening_ratio"] == logged[0]["val_loss"] / logged[0]["val_mismatched_loss"], logged
     print(f"OK salm validation at dp4 and dp2 x tp2 equals one process's ({want['val_tokens']} answer tokens)",
           flush=True)
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from kernels.log_mel import WHISPER_SAMPLE_RATE, LogMelConfig, SpecAugmentConfig
 
 AUDIO_PLACEHOLDER = "<|audio|>"
+WHISPER_FEATURE_KINDS = ("whisper", "qwen2_audio", "voxtral")  # encoders on Whisper's own features over a fixed window
 
 
 @dataclass(kw_only=True)
@@ -31,7 +32,9 @@ class EncoderConfig:
     optionally its weights (``pretrained_path``: config.json + safetensors, e.g. an export's ``encoder/``
     or, for ``whisper``, a whole Whisper checkpoint directory whose ``model.encoder.*`` weights are read)."""
 
-    kind: Literal["parakeet", "whisper"] = "parakeet"  # FastConformer (ParakeetEncoder) | WhisperEncoder
+    # FastConformer (ParakeetEncoder) | WhisperEncoder | Qwen2AudioEncoder (Whisper's + 2x average pooling + norm)
+    # | VoxtralEncoder (Whisper's; every frame of its window goes on)
+    kind: Literal["parakeet", "whisper", "qwen2_audio", "voxtral"] = "parakeet"
     config: dict[str, Any] | None = None
     config_path: str | None = None
     pretrained_path: str | None = None
@@ -48,14 +51,18 @@ class AdapterConfig:
     """Encoder frames -> LLM embeddings: stack ``subsampling`` consecutive frames, then
     Linear -> GELU -> Linear to the LLM's hidden size."""
 
+    kind: Literal["mlp", "linear"] = "mlp"  # linear: one Linear, no stacking (Qwen2-Audio's projector)
     subsampling: int = 2
     hidden_size: int | None = None  # of the middle layer; None: the LLM's hidden size
+    bias: bool = True  # of the mlp's two Linears (Voxtral's projector has none)
     pretrained_path: str | None = None  # a directory with adapter.safetensors (an export's encoder/)
     freeze: bool = False
 
     def __post_init__(self):
         if self.subsampling < 1:
             raise ValueError(f"subsampling must be >= 1, got {self.subsampling}")
+        if self.kind == "linear" and self.subsampling != 1:
+            raise ValueError(f"a linear adapter does not stack frames: subsampling must be 1, got {self.subsampling}")
 
 
 @dataclass(kw_only=True)
@@ -81,7 +88,7 @@ class SpeechConfig:
         return WHISPER_SAMPLE_RATE if self.features is None else self.features.sample_rate
 
     def __post_init__(self):
-        if self.encoder.kind == "whisper" and self.features is not None:
+        if self.encoder.kind in WHISPER_FEATURE_KINDS and self.features is not None:
             raise ValueError("features: a whisper encoder takes Whisper's own log-mel features (n_fft 400, hop 160, "
                              "n_mels = its config's num_mel_bins); leave model.speech.features unset")
         if self.encoder.kind == "parakeet" and self.features is None:
@@ -91,4 +98,4 @@ class SpeechConfig:
                              f"{self.prompt!r}")
 
 
-__all__ = ["AUDIO_PLACEHOLDER", "AdapterConfig", "EncoderConfig", "SpeechConfig"]
+__all__ = ["AUDIO_PLACEHOLDER", "WHISPER_FEATURE_KINDS", "AdapterConfig", "EncoderConfig", "SpeechConfig"]

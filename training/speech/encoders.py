@@ -165,6 +165,10 @@ class WhisperFrontEnd:
 
 def front_end(kind: str, features: LogMelConfig | None) -> ParakeetFrontEnd | WhisperFrontEnd:
     """The front end of ``model.speech.encoder.kind``."""
+    if kind in ("qwen2_audio", "voxtral"):
+        from training.speech.checkpoints import Qwen2AudioFrontEnd, VoxtralFrontEnd
+
+        return Qwen2AudioFrontEnd() if kind == "qwen2_audio" else VoxtralFrontEnd()
     return WhisperFrontEnd() if kind == "whisper" else ParakeetFrontEnd(features)
 
 

@@ -7,8 +7,10 @@ Every rank loads the exported pair (``training.speech.job.load_salm``: the model
 replicate for decoding), reads its share of the split through the loader's duration bucketing with
 ``epochs: 1`` (each utterance exactly once across ranks), and decodes greedily with transformers'
 ``generate`` from the prompt embeddings (left-padded prompt, audio frames in the placeholder's slots,
-KV cache). Rank 0 gathers the hypotheses, writes one JSON line per utterance (key, reference,
-hypothesis, word errors) and prints the corpus WER.
+KV cache). Each batch also runs two forwards for the listening signal (``training.speech.listening``: the
+answer loss with its own audio and with another utterance's). Rank 0 gathers the hypotheses, writes one
+JSON line per utterance (key, reference, hypothesis, word errors) and prints the corpus WER, both losses
+and their ratio.
 
 WER = (substitutions + deletions + insertions) / reference words, summed over the corpus, after
 lower-casing and dropping punctuation; ``word_errors`` is a word-level Levenshtein distance
@@ -70,6 +72,11 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
     return texts
 
 
+def listening_line(result: dict) -> str:
+    return (f"answer loss {result['loss']:.4f} with its own audio, {result['mismatched_loss']:.4f} with another "
+            f"utterance's: listening ratio {result['listening_ratio']:.3f}")
+
+
 def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
     """This rank's share of ``split``: duration-bucketed batches, one pass, each utterance once across ranks."""
     import torch.distributed as dist
@@ -82,44 +89,51 @@ def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
                         dist.get_rank(), dist.get_world_size())
 
 
-def decode_split(model, cfg, tokenizer, loader, *, max_new_tokens: int, out: str | None,
+def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int, out: str | None,
                  synced: bool = False) -> dict:
-    """Decode every batch of ``loader``; rank 0 gathers, writes the JSONL and returns ``{"wer", "utterances",
-    "words"}`` (other ranks: ``{}``). A collective."""
+    """Decode every batch of ``loader`` and take its answer-token losses with its own and with mismatched
+    audio (``training.speech.listening``); rank 0 gathers, writes the JSONL and returns ``{"wer",
+    "utterances", "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
     import torch.distributed as dist
 
     from training.distributed.parallel_dims import gather_objects
-    from training.speech.prompt import make_template
+    from training.speech.job import SpeechBatches
+    from training.speech.listening import listening_sums
 
-    template = make_template(tokenizer, cfg.prompt)
-    rows = []
+    speech = SpeechBatches([], model, cfg, tokenizer_path)
+    rows, sums = [], torch.zeros(3, dtype=torch.float64)
     for batch in loader:
         device = next(model.parameters()).device
-        hyps = greedy_transcripts(model, template, tokenizer, batch["audio"].to(device), batch["audio_lens"].to(device),
-                                  max_new_tokens, synced=synced)
-        for key, ref, hyp in zip(batch["__key__"], batch["text"], hyps):
-            rows.append({"key": key, "reference": ref, "hypothesis": hyp, "errors": word_errors(normalize(ref),
-                         normalize(hyp)), "words": len(normalize(ref))})
-    everyone = gather_objects(rows)
+        hyps = greedy_transcripts(model, speech.template, speech.tokenizer, batch["audio"].to(device),
+                                  batch["audio_lens"].to(device), max_new_tokens, synced=synced)
+        sums += listening_sums(model, speech.convert(batch), device)
+        valid = batch.get("__valid__", [True] * len(hyps))
+        for key, ref, hyp, ok in zip(batch["__key__"], batch["text"], hyps, valid):
+            if ok:  # not a rank's tail padding sample
+                rows.append({"key": key, "reference": ref, "hypothesis": hyp, "errors": word_errors(
+                    normalize(ref), normalize(hyp)), "words": len(normalize(ref))})
+    everyone = gather_objects((rows, sums.tolist()))
     if dist.get_rank() != 0:
         return {}
-    rows = sorted((r for part in everyone for r in part), key=lambda r: r["key"])
+    rows = sorted((r for part, _ in everyone for r in part), key=lambda r: r["key"])
+    own, mismatched, tokens = (sum(s[i] for _, s in everyone) for i in range(3))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     words = sum(r["words"] for r in rows)
-    return {"wer": sum(r["errors"] for r in rows) / max(words, 1), "utterances": len(rows), "words": words}
+    loss, mismatched_loss = own / max(tokens, 1), mismatched / max(tokens, 1)
+    return {"wer": sum(r["errors"] for r in rows) / max(words, 1), "utterances": len(rows), "words": words,
+            "loss": loss, "mismatched_loss": mismatched_loss, "listening_ratio": loss / max(mismatched_loss, 1e-12)}
 
 
 def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
              max_new_tokens: int | None = None) -> dict:
     """Decode ``split`` of ``data`` with the exported SALM in ``model_dir`` (replicated on every rank)."""
     from training.speech.job import load_salm
-    from training.speech.prompt import load_tokenizer
 
     model, cfg = load_salm(model_dir)
     loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
-    return decode_split(model, cfg, load_tokenizer(str(Path(model_dir) / "hf")), loader,
+    return decode_split(model, cfg, str(Path(model_dir) / "hf"), loader,
                         max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
 
 
@@ -128,8 +142,6 @@ def eval_in_training(model, cfg, step: int) -> dict:
     being trained (its root units unsharded for the duration; ranks decode in step, see ``greedy_transcripts``). Rank 0 prints the WER and returns ``decode_split``'s result. Not under sequence parallel
     (one-token decoding steps cannot split over tp ranks)."""
     from torch.distributed.fsdp import FSDPModule
-
-    from training.speech.prompt import load_tokenizer
 
     salm = getattr(model, "module", model)
     speech = cfg.model.speech
@@ -141,15 +153,15 @@ def eval_in_training(model, cfg, step: int) -> dict:
         m.unshard()
     try:
         out = Path(cfg.trainer.output_dir) / f"eval-{speech.eval_split}-step{step:08d}.jsonl"
-        result = decode_split(salm, speech, load_tokenizer(cfg.model.tokenizer), loader,
+        result = decode_split(salm, speech, cfg.model.tokenizer, loader,
                               max_new_tokens=speech.max_new_tokens, out=str(out), synced=True)
     finally:
         for m in roots:
             m.reshard()
         salm.train()
     if result:
-        print(f"step {step} {speech.eval_split} WER {result['wer']:.3f} over {result['utterances']} utterances "
-              f"({out})", flush=True)
+        print(f"step {step} {speech.eval_split} WER {result['wer']:.3f} over {result['utterances']} utterances, "
+              f"{listening_line(result)} ({out})", flush=True)
     return result
 
 
@@ -172,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate(args.model, args.data, split=args.split, batch_duration=args.batch_duration, out=out,
                           max_new_tokens=args.max_new_tokens)
         if result:
-            print(f"WER {result['wer']:.3f} over {result['utterances']} utterances ({result['words']} words); "
-                  f"hypotheses in {out}", flush=True)
+            print(f"WER {result['wer']:.3f} over {result['utterances']} utterances ({result['words']} words), "
+                  f"{listening_line(result)}; hypotheses in {out}", flush=True)
     finally:
         dist.destroy_process_group()
     return 0

@@ -39,13 +39,14 @@ from training.speech.encoders import front_end, masked_frames
 class Adapter(nn.Module):
     """Stack ``k`` consecutive encoder frames (temporal subsampling by ``k``), then Linear-GELU-Linear."""
 
-    def __init__(self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None):
+    def __init__(self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None,
+                 bias: bool = True):
         super().__init__()
         self.subsampling = subsampling
         hidden_size = hidden_size or out_size
-        self.proj_in = nn.Linear(in_size * subsampling, hidden_size)
+        self.proj_in = nn.Linear(in_size * subsampling, hidden_size, bias=bias)
         self.act = nn.GELU()
-        self.proj_out = nn.Linear(hidden_size, out_size)
+        self.proj_out = nn.Linear(hidden_size, out_size, bias=bias)
 
     def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         return -torch.div(-lengths, self.subsampling, rounding_mode="floor")  # ceil
@@ -60,6 +61,30 @@ class Adapter(nn.Module):
     def reset_parameters(self) -> None:
         self.proj_in.reset_parameters()
         self.proj_out.reset_parameters()
+
+
+class LinearAdapter(nn.Module):
+    """One Linear from encoder frames to LLM embeddings, no stacking (Qwen2-Audio's ``multi_modal_projector``)."""
+
+    def __init__(self, in_size: int, out_size: int):
+        super().__init__()
+        self.linear = nn.Linear(in_size, out_size)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.linear(frames)
+
+    def reset_parameters(self) -> None:
+        self.linear.reset_parameters()
+
+
+def build_adapter(cfg, in_size: int, out_size: int) -> Adapter | LinearAdapter:
+    """The adapter of ``model.speech.adapter.kind``."""
+    if cfg.kind == "linear":
+        return LinearAdapter(in_size, out_size)
+    return Adapter(in_size, out_size, cfg.subsampling, cfg.hidden_size, cfg.bias)
 
 
 class SpeechLMLoss(CausalLMLoss):
@@ -83,7 +108,7 @@ class SpeechLMLoss(CausalLMLoss):
 class SALM(nn.Module):
     """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
 
-    def __init__(self, encoder: nn.Module, adapter: Adapter, llm: SpeechLMLoss, cfg: SpeechConfig, front):
+    def __init__(self, encoder: nn.Module, adapter: nn.Module, llm: SpeechLMLoss, cfg: SpeechConfig, front):
         super().__init__()
         self.encoder, self.adapter, self.llm = encoder, adapter, llm
         self.cfg = cfg
@@ -125,8 +150,7 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     llm = build_meta_model(llm_config)
     with torch.device("meta"):
         encoder = front.build(enc_config)
-        adapter = Adapter(enc_config.hidden_size, llm_config.hidden_size, cfg.adapter.subsampling,
-                          cfg.adapter.hidden_size)
+        adapter = build_adapter(cfg.adapter, enc_config.hidden_size, llm_config.hidden_size)
     model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg, front)
     for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
         if frozen:  # (not requires_grad_(True) otherwise: Whisper's sinusoidal positions stay fixed)
@@ -152,4 +176,4 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
         load_safetensors(model.adapter, model.cfg.adapter.pretrained_path)
 
 
-__all__ = ["SALM", "Adapter", "SpeechLMLoss", "build_meta_salm", "materialize_salm"]
+__all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "materialize_salm"]
