@@ -5,13 +5,11 @@ gives the same loss."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from speech_common import WORDS, audio_batches  # noqa: E402
+from tests.dist.speech_common import WORDS, audio_batches
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from speech_common import WORDS, audio_batches, salm_job, save_tokenizer  # noqa: E402
+from tests.helpers import REPO, child_env
+from tests.dist.speech_common import WORDS, audio_batches, salm_job, save_tokenizer
 
-from training.speech.listening import mismatched_audio, partner_rows, with_mismatched_audio  # noqa: E402
+from training.speech.listening import mismatched_audio, partner_rows, with_mismatched_audio
 
-REPO = Path(__file__).resolve().parent.parent
 TONES = {WORDS[0]: 250.0, WORDS[1]: 700.0, WORDS[2]: 1800.0, WORDS[3]: 4000.0}  # the word says the tone
 
 
@@ -120,11 +119,9 @@ def test_validation_listening_ratio_is_one_untrained_and_falls_when_the_model_li
     assert trained["val_loss"] < 0.1 < 1.0 < trained["val_mismatched_loss"], trained
 
     # python -m training.speech.eval on the export prints the same figures over the same utterances
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
     out = subprocess.run([sys.executable, "-m", "training.speech.eval", "--model", str(tone_workdir / "trained"),
                           "--data", str(tone_workdir / "tones"), "--split", "train"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=600, env=child_env())
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert "over 12 utterances" in line, line
