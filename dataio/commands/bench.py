@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} "
                              "(empty: headrace only)")
     parser.add_argument("--num-workers", type=_int_list, default=[0, 2], help="worker counts, e.g. 0,2,4")
+    parser.add_argument("--batch-sizes", type=_int_list,
+                        help="batch sizes to run every loader at (default: the config's); two or more also report "
+                             "each loader's fixed cost per batch and cost per sample (a least-squares fit)")
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--seconds", type=float, help="stop each run after this many seconds (default: one epoch)")
     limit.add_argument("--batches", type=int, help="stop each run after this many batches (default: one epoch)")
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dataio.bench import report
     from dataio.bench.data import count, describe
+    from dataio.bench.fixedcost import fixed_costs
     from dataio.bench.measure import measure
     from dataio.bench.pagecache import drop_page_cache, read_limit
     from dataio.bench.peers import PEERS, prepare, skip_reason
@@ -96,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = _load_config(args.config)
     if args.audio_bytes:
         cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, audio="raw"))
+    batch_sizes = args.batch_sizes or [cfg.batch_size]
+    if 0 in batch_sizes:
+        raise CommandError("--batch-sizes: a batch holds at least one sample")
     compare = [n.strip() for n in args.compare.split(",") if n.strip()]
     unknown = sorted(set(compare) - set(PEER_NAMES))
     if unknown:
@@ -134,33 +141,38 @@ def run(args: argparse.Namespace) -> int:
         loaders.append(name)
 
     load_before = os.getloadavg()[0]
-    trials: dict[tuple[str, int], list[dict]] = {}
+    trials: dict[tuple[str, int, int], list[dict]] = {}
     total = None if (args.batches or args.seconds) else data.samples  # None: an open-ended bar
     # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
     for _ in range(max(1, args.repeats)):
-        for workers in args.num_workers:
-            for name in loaders:
-                if (name, -1) in trials:  # failed before: reported once
-                    continue
-                if args.cache == "cold" and not cold_refused:
-                    drop_page_cache()
-                peer, state = PEERS[name], states.get(name)
-                try:
-                    with progress_bar(f"{name}, {workers} workers", total=total, unit="samples") as advance:
-                        result = measure(lambda: peer.open(data, workers, args.shuffle, state), lambda b: count(b, data),
-                                         max_samples=data.samples, max_batches=args.batches, max_seconds=args.seconds,
-                                         step_s=step_s, progress=advance)
-                except Exception as e:  # reported with its reason, never dropped silently
-                    skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
-                    trials[(name, -1)] = []
-                    continue
-                trials.setdefault((name, workers), []).append(result)
+        for batch_size in batch_sizes:
+            sized = dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, batch_size=batch_size))
+            for workers in args.num_workers:
+                for name in loaders:
+                    if (name, -1, 0) in trials:  # failed before: reported once
+                        continue
+                    if args.cache == "cold" and not cold_refused:
+                        drop_page_cache()
+                    peer, state = PEERS[name], states.get(name)
+                    try:
+                        with progress_bar(f"{name}, {workers} workers, batch {batch_size}", total=total,
+                                          unit="samples") as advance:
+                            result = measure(lambda: peer.open(sized, workers, args.shuffle, state),
+                                             lambda b: count(b, sized), max_samples=data.samples,
+                                             max_batches=args.batches, max_seconds=args.seconds, step_s=step_s,
+                                             progress=advance)
+                    except Exception as e:  # reported with its reason, never dropped silently
+                        skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
+                        trials[(name, -1, 0)] = []
+                        continue
+                    trials.setdefault((name, workers, batch_size), []).append(result)
     runs = []
-    for (name, workers), results in trials.items():
+    for (name, workers, batch_size), results in trials.items():
         if workers < 0:
             continue
-        runs.append({"loader": name, "workers": workers, "shuffle": args.shuffle, "prepare_s": prepare_s.get(name),
-                     "repeats": len(results), **median_run(results, "samples_per_s")})
+        runs.append({"loader": name, "workers": workers, "batch_size": batch_size, "shuffle": args.shuffle,
+                     "prepare_s": prepare_s.get(name), "repeats": len(results),
+                     **median_run(results, "samples_per_s")})
     report.add_ratios(runs, limit["samples_per_s"], data.bytes / data.samples)
 
     trainer = []
@@ -181,12 +193,13 @@ def run(args: argparse.Namespace) -> int:
         "data": {"path": str(data.root), "split": data.split, "kind": data.kind, "field": data.field,
                  "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
                  "members": data.members, "samples": data.samples, "bytes": data.bytes, "shards": len(data.shards),
-                 "batch_size": cfg.batch_size},
+                 "batch_size": cfg.batch_size, "batch_sizes": batch_sizes},
         "page_cache": limit,
         "step_ms": args.step_time,
         "runs": runs,
         "skipped": skipped,
         "trainer": trainer,
+        "fixed_cost": fixed_costs(runs) if len(batch_sizes) > 1 else [],
     }
     report.write(result, args.out)
     print(report.markdown(result))
