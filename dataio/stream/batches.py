@@ -142,7 +142,7 @@ class BatchMaker:
 
     def _indices(self, d: int, draw: np.ndarray) -> np.ndarray:
         """Dataset ``d``'s sample indices of its draws ``draw`` (ascending: their epochs are runs)."""
-        epoch, pos = np.divmod(draw, len(self.sources[d]))
+        epoch, pos = np.divmod(draw, len(self.orders[d]))  # (a source's len is a sum)
         if not len(epoch) or epoch[0] == epoch[-1]:  # the usual case: one epoch
             return self.orders[d].indices(int(epoch[0]) if len(epoch) else 0, pos)
         within = np.empty(len(pos), dtype=np.int64)
