@@ -21,7 +21,7 @@ sample into one tensor from ``alloc`` (a loop of ``memoryview`` slice copies: 0.
 against 0.45 for ``np.concatenate`` of array slices and 0.55 for numpy slice assignment), bookkeeping
 as whole arrays. Checking costs ~1-2 us a sample once. The fixed cost per batch, once a process has
 seen the batch's blocks checked: a few gathers, no lock and no numpy reduction (BENCHMARKS.md "Loader:
-per-batch fixed cost": 0.57x the instructions of the locked version at batch 8).
+per-batch fixed cost": 0.55x the instructions of the locked version at batch 8).
 """
 
 from __future__ import annotations
