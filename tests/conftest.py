@@ -11,7 +11,7 @@ def process_group():
     """A one-rank gloo process group in the test process (single-process trainer runs and references)."""
     import torch.distributed as dist
 
-    from training.train import init_distributed
+    from training.distributed.process_group import init_distributed
 
     saved = dict(os.environ)
     init_distributed("cpu")

@@ -245,8 +245,8 @@ YAML_TEXT = st.one_of(st.sampled_from([".inf", "-.inf", ".nan", "-1", "0", "1e-3
 
 def check_config(overrides: list[str], base: dict) -> None:
     from configtree import ConfigError
-    from training.config import load_job_config
-    from training.validate import check_job
+    from training.config.load import load_job_config
+    from training.config.validate import check_job
 
     try:
         check_job(load_job_config(None, overrides, base=base), world_size=2)
@@ -274,7 +274,7 @@ def targets(tmp: Path) -> dict:
     good_state = build_loader(state_cfg).state_dict()
     config_base = job(tmp)
 
-    import training.model  # noqa: F401  (heavy imports before the per-case clock starts)
+    import training.models.build  # noqa: F401  (heavy imports before the per-case clock starts)
 
     def guarded(fn):
         def run(case):

@@ -14,9 +14,9 @@ from dataio.batching.prefetch import DevicePrefetcher
 from kernels.attention_lse import block_backward, block_forward, merge_into
 from kernels.cp_attention import _attend, _grad_blocks, blocks, half_layout
 from kernels.varlen_attention import varlen_attention_reference
-from training.config import load_job_config
-from training.context_parallel import cp_batch_transform
-from training.parallel_dims import ParallelDims
+from training.config.load import load_job_config
+from training.distributed.context_parallel import cp_batch_transform
+from training.distributed.parallel_dims import ParallelDims
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from train_common import packed_batches, save_pretrained_tiny  # noqa: E402

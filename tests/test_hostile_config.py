@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from train_common import TINY_LLAMA, VOCAB  # noqa: E402
 
 from configtree import ConfigError  # noqa: E402
-from training.config import load_job_config  # noqa: E402
-from training.validate import check_job, check_vocab  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
+from training.config.validate import check_job, check_vocab  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, VOCAB, packed_batches  # noqa: E402
 
 from kernels.grouped_experts import grouped_experts  # noqa: E402
-from training.config import load_job_config  # noqa: E402
-from training.parallel_dims import ParallelDims  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
+from training.distributed.parallel_dims import ParallelDims  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("debug_qwen3_moe", "debug_mixtral", "debug_olmoe")
@@ -132,7 +132,7 @@ def run_experts(experts, x, index, weights, forward):
 
 
 def ours(capacity, impl="grouped_mm"):
-    from training.expert_parallel import MoEStats, routed_experts_forward
+    from training.distributed.expert_parallel import MoEStats, routed_experts_forward
 
     def forward(experts, x, index, weights):
         stats = MoEStats()
@@ -147,7 +147,7 @@ def ours(capacity, impl="grouped_mm"):
 def test_capacity_drops_like_the_loop_oracle(policy, pad):
     """Grouped GEMM with dropping (and padding to capacity) = the per-assignment loop oracle: output and the
     gradients of tokens, router weights and experts; the same number of drops; the two policies differ."""
-    from training.moe_routing import Capacity
+    from training.distributed.moe_routing import Capacity
 
     experts, x, index, weights = experts_case()
     capacity = Capacity(factor=1.0, policy=policy, pad=pad)
@@ -164,7 +164,7 @@ def test_capacity_drops_like_the_loop_oracle(policy, pad):
 def test_capacity_that_drops_nothing_equals_dropless(policy, pad):
     """factor 3 = E / k: capacity T >= any expert's load. position without padding is the dropless row order
     (bit-for-bit); probs reorders rows within an expert and padding adds zero-weight rows (within rounding)."""
-    from training.moe_routing import Capacity
+    from training.distributed.moe_routing import Capacity
 
     experts, x, index, weights = experts_case(1)
     *dropless, _ = run_experts(experts, x, index, weights, ours(None))
@@ -179,7 +179,7 @@ def test_capacity_that_drops_nothing_equals_dropless(policy, pad):
 
 def test_padded_routes_have_static_shapes():
     """With padding the rows per expert are the capacity whatever the routing: N = E * C."""
-    from training.moe_routing import Capacity, plan_routes
+    from training.distributed.moe_routing import Capacity, plan_routes
 
     capacity = Capacity(factor=1.25, pad=True)
     for seed in range(3):
@@ -199,7 +199,8 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
     from transformers import AutoModelForCausalLM
 
     from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
-    from training.train import build_model, forward_loss_sum
+    from training.train import build_model
+    from training.step import forward_loss_sum
 
     save_fused(tmp_path / "m", recipe_fields(recipe))
     batch = packed_batches(1)[0]
@@ -263,7 +264,7 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     from_pretrained to the same logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from training.checkpoint import export_hf
+    from training.components.checkpoint import export_hf
     from training.train import build_model
 
     fields = recipe_fields(recipe)
@@ -310,8 +311,8 @@ def test_automodel_moe_section_loads_as_written(tmp_path):
 def bad_layout(model_type_fields: dict, world: int, **distributed):
     from transformers import AutoConfig
 
-    from training.moe import check_moe
-    from training.parallelize import check_supported
+    from training.distributed.moe import check_moe
+    from training.distributed.parallelize import check_supported
 
     fields = dict(model_type_fields)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -359,7 +360,7 @@ def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group, o
     import torch.distributed as dist
 
     from training.__main__ import main
-    from training.train import init_distributed
+    from training.distributed.process_group import init_distributed
 
     saved = dict(os.environ)
     try:

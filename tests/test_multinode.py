@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, save_pretrained_tiny  # noqa: E402
 
-from training.config import load_job_config  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
 from training.launch import ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -247,7 +247,7 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     """The generated sbatch script on a real (one-node) SLURM: job 1 trains and checkpoints and is cancelled
     (as a time limit would end it); job 2, chained afterany, resumes from the newest complete checkpoint with
     its own data seed and finishes the run."""
-    from training import checkpoint
+    from training.components import checkpoint
 
     out = work / "slurm_run"
     proc = subprocess.run([sys.executable, "-m", "training.launch", "--slurm", "--nodes", "1", "--nproc-per-node",

@@ -2,8 +2,8 @@
 
 import pytest
 
-from training.config import DistributedConfig
-from training.parallel_dims import ParallelDims
+from training.config.job_config import DistributedConfig
+from training.distributed.parallel_dims import ParallelDims
 
 
 def dims(world, **kw):

@@ -17,15 +17,15 @@ sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from train_common import TINY_LLAMA, save_pretrained_tiny  # noqa: E402
 
 from configtree import ConfigError  # noqa: E402
-from training.config import load_job_config  # noqa: E402
-from training.pipeline import (  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
+from training.distributed.pipeline import (  # noqa: E402
     bubble_theory,
     local_stage_ids,
     microbatch_count,
-    schedule_class_name,
     split_layers,
     stage_count,
 )
+from training.config.pipeline_schedules import schedule_class_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def test_split_balances_parameters_exactly():
 
 
 def test_stage_counts_placement_and_errors():
-    from training.config import PipelineConfig as P
+    from training.config.job_config import PipelineConfig as P
 
     assert stage_count(P(), "Schedule1F1B", 2, 8) == 2
     assert stage_count(P(), "ScheduleInterleaved1F1B", 2, 8) == 4
@@ -119,8 +119,8 @@ def test_stage_counts_placement_and_errors():
 def test_pp_needs_a_split_rule_and_untied_embeddings():
     from transformers import AutoConfig
 
-    from training.config import JobConfig  # noqa: F401  (config types for build_pipeline)
-    from training.pipeline import build_pipeline
+    from training.config.job_config import JobConfig  # noqa: F401  (config types for build_pipeline)
+    from training.distributed.pipeline import build_pipeline
 
     fields = dict(TINY_LLAMA)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)

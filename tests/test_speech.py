@@ -36,7 +36,7 @@ def test_prompt_layout_answers_and_labels():
 
 
 def _tiny_salm(tmp_path, **job):
-    from training.model import build_hf_config
+    from training.models.build import build_hf_config
     from training.speech.job import SpeechBatches
     from training.speech.model import build_meta_salm, materialize_salm
 
@@ -137,8 +137,8 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
 
 def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
     from configtree import to_dict
-    from training.config import load_job_config
-    from training.parallel_dims import ParallelDims
+    from training.config.load import load_job_config
+    from training.distributed.parallel_dims import ParallelDims
     from training.speech.job import build_salm
 
     save_tokenizer(tmp_path / "tokenizer.json")
@@ -163,7 +163,7 @@ def test_word_errors_and_wer():
 
 def test_salm_config_errors(tmp_path):
     from configtree import to_dict
-    from training.config import load_job_config
+    from training.config.load import load_job_config
 
     raw = to_dict(salm_job(tmp_path, "x"))
     raw["model"]["speech"]["prompt"] = "no audio here"
@@ -174,7 +174,7 @@ def test_salm_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="salm trains on bucketed audio"):
         load_job_config(None, base=raw)
     from kernels.log_mel import LogMelConfig
-    from training.speech.config import EncoderConfig
+    from training.config.speech import EncoderConfig
     from training.speech.encoders import ParakeetFrontEnd, WhisperFrontEnd
 
     with pytest.raises(ValueError, match="layerdrop"):
@@ -212,7 +212,7 @@ def test_batch_estimator_finds_the_largest_batch_under_a_budget(tmp_path):
 
 
 def test_speech_demo_recipe_loads():
-    from training.config import load_job_config
+    from training.config.load import load_job_config
 
     cfg = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_demo.yaml"))
     assert cfg.model.kind == "salm" and cfg.model.speech.encoder.kind == "parakeet"

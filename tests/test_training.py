@@ -20,8 +20,9 @@ from loader_util import make_text_dataset  # noqa: E402
 from train_common import TINY_LLAMA, full_logits_loss_sum, packed_batches, save_pretrained_tiny  # noqa: E402
 
 from configtree import ConfigError  # noqa: E402
-from training import checkpoint  # noqa: E402
-from training.config import OptimConfig, load_job_config  # noqa: E402
+from training.components import checkpoint  # noqa: E402
+from training.config.job_config import OptimConfig  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ def test_recipes_load(name):
 
 
 def test_llama_1b_recipe_is_a_1b_llama_in_bf16_on_packed_8k_rows():
-    from training.model import build_hf_config, count_params
+    from training.models.build import build_hf_config, count_params
 
     cfg = load_job_config(str(REPO / "configs" / "llama_1b.yaml"))
     total, _ = count_params(build_hf_config(cfg.model))  # on the meta device: no memory
@@ -72,9 +73,9 @@ def test_llama_1b_recipe_is_a_1b_llama_in_bf16_on_packed_8k_rows():
 def test_unsupported_layouts_fail_before_building():
     from transformers import AutoConfig
 
-    from training.config import DistributedConfig
-    from training.parallel_dims import ParallelDims
-    from training.parallelize import check_supported
+    from training.config.job_config import DistributedConfig
+    from training.distributed.parallel_dims import ParallelDims
+    from training.distributed.parallelize import check_supported
 
     fields = dict(TINY_LLAMA)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -90,7 +91,7 @@ def test_unsupported_layouts_fail_before_building():
 
 
 def test_warmup_then_cosine():
-    from training.optim import lr_at
+    from training.components.optim import lr_at
 
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
     assert [lr_at(s, cfg, 104) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
@@ -102,7 +103,7 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
     """Figures over the steps since the window (re)started, on a fake clock: a paused span (validation,
     checkpoint) is not elapsed time, data waits of batches before the window do not count, pack fill comes
     from ``fill`` or, without it, from the labelled fraction."""
-    from training import metrics
+    from training.components import metrics
 
     now = [0.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
@@ -146,8 +147,8 @@ def test_packed_loss_equals_documents_run_one_by_one(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from kernels.hf_attention import register_varlen_attention
-    from training.loss import CausalLMLoss
-    from training.train import forward_loss_sum
+    from training.models.loss import CausalLMLoss
+    from training.step import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
     packed = CausalLMLoss(AutoModelForCausalLM.from_pretrained(tmp_path / "m",
@@ -171,8 +172,8 @@ def test_chunked_loss_gives_the_full_logits_loss_and_gradients(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
-    from training.loss import CausalLMLoss, unwrap_causal_lm
-    from training.train import forward_loss_sum
+    from training.models.loss import CausalLMLoss, unwrap_causal_lm
+    from training.step import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
     load = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "m",  # noqa: E731
@@ -209,10 +210,11 @@ def concat(batches: list[dict]) -> dict:
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
-    from training.config import DistributedConfig
-    from training.optim import build_optimizer
-    from training.parallel_dims import ParallelDims
-    from training.train import build_model, train_step
+    from training.config.job_config import DistributedConfig
+    from training.components.optim import build_optimizer
+    from training.distributed.parallel_dims import ParallelDims
+    from training.train import build_model
+    from training.step import train_step
 
     save_pretrained_tiny(tmp_path / "m")
     cfg = load_job_config(None, base=base_job(tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m"))))
@@ -237,9 +239,10 @@ def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, m
     import kernels.hf_attention as hf_attention
     from torch.distributed.fsdp import FSDPModule
 
-    from training.config import DistributedConfig
-    from training.parallel_dims import ParallelDims
-    from training.train import build_model, forward_loss_sum
+    from training.config.job_config import DistributedConfig
+    from training.distributed.parallel_dims import ParallelDims
+    from training.train import build_model
+    from training.step import forward_loss_sum
 
     cfg = load_job_config(None, base=base_job(tmp_path, trainer=dict(precision="bf16")))
     dims = ParallelDims.from_config(DistributedConfig(), 1)
@@ -340,7 +343,7 @@ def test_model_without_attention_interface_trains_one_document_per_row(tmp_path,
     sdpa with one document per row (padding after it), and its first loss is the HF model's own loss on
     that batch, computed document by document."""
     from dataio import build_loader
-    from training.model import one_document_per_row
+    from training.models.build import one_document_per_row
     from training.train import train
 
     make_text_dataset(tmp_path / "data", [24])

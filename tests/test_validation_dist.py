@@ -21,8 +21,8 @@ def test_validation_under_pp_and_cp_equals_one_process(tmp_path):
 
 def test_validation_config_rules(tmp_path):
     from configtree import ConfigError
-    from training.config import load_job_config
-    from training.validate import check_job
+    from training.config.load import load_job_config
+    from training.config.validate import check_job
 
     def job(**distributed):
         return load_job_config(None, base=dict(

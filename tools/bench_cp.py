@@ -77,9 +77,9 @@ def run_train(seq_lens: list[int], steps: int, hidden: int) -> None:
 
     from kernels.cp_attention import exchanged_bytes
     from kernels.hf_attention import register_varlen_attention
-    from training.context_parallel import cp_attention_kwargs
-    from training.loss import CausalLMLoss
-    from training.train import forward_loss_sum
+    from training.distributed.context_parallel import cp_attention_kwargs
+    from training.models.loss import CausalLMLoss
+    from training.step import forward_loss_sum
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -4,11 +4,11 @@
     torchrun --nproc-per-node 4 tools/bench_pp.py --device cuda --hidden 2048 --layers 16 --seq-len 2048
 
 Every schedule (``--schedules``) trains the same fresh tiny Llama (``--hidden``, ``--layers``) with the
-trainer's pipeline step (``training.pipeline.pipeline_train_step``: packed THD rows from ``dataio``'s
+trainer's pipeline step (``training.step.pipeline_train_step``: packed THD rows from ``dataio``'s
 packer, chunked loss on the last stage, AdamW) for ``--steps`` steps at pp = world size, once per
 microbatch count in ``--microbatches``; the global batch (``--rows`` x ``--seq-len`` tokens) is the same
 for every run, so a larger count means smaller microbatches. Reported over the steps after ``--warmup``:
-tokens/s, the theoretical bubble (idle over compute with equal F/B/W costs, see ``training.pipeline``),
+tokens/s, the theoretical bubble (idle over compute with equal F/B/W costs, see ``training.distributed.pipeline``),
 the measured bubble (each rank's time outside its stages' forward/backward over its time inside them,
 averaged over ranks) and the idle fraction of the step. On a shared CPU, contention inflates the
 measured idle; compare schedules within one run.
@@ -45,11 +45,12 @@ def packed_rows(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
 
 
 def run(args, schedule: str, microbatches: int, device: torch.device) -> dict:
-    from training.config import load_job_config
-    from training.model import build_hf_config
-    from training.optim import build_optimizer
-    from training.parallel_dims import ParallelDims
-    from training.pipeline import build_pipeline, pipeline_metrics, pipeline_train_step
+    from training.config.load import load_job_config
+    from training.models.build import build_hf_config
+    from training.components.optim import build_optimizer
+    from training.distributed.parallel_dims import ParallelDims
+    from training.distributed.pipeline import build_pipeline, pipeline_metrics
+    from training.step import pipeline_train_step
 
     model = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                  num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of a table")
     args = parser.parse_args()
-    from training.train import init_distributed, pick_device
+    from training.distributed.process_group import init_distributed, pick_device
 
     device = pick_device(args.device)
     init_distributed(device.type)

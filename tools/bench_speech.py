@@ -23,10 +23,11 @@ import torch
 def run(cfg, steps: int, warmup: int) -> dict:
     from dataio import build_loader
     from dataio.batching.prefetch import DevicePrefetcher
-    from training.optim import build_optimizer
-    from training.parallel_dims import ParallelDims
+    from training.components.optim import build_optimizer
+    from training.distributed.parallel_dims import ParallelDims
     from training.speech.job import build_salm, salm_loss_sum, wrap_loader
-    from training.train import init_distributed, train_step
+    from training.distributed.process_group import init_distributed
+    from training.step import train_step
 
     init_distributed("cpu")
     dims = ParallelDims.from_config(cfg.distributed, 1)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from training.config import load_job_config
+    from training.config.load import load_job_config
 
     results = {}
     for name, extra in (("1d", ["data.bucketing.num_token_buckets=1", "data.bucketing.max_tokens=null"]),

@@ -13,7 +13,7 @@ on the same shards; only the batch source differs:
   causal segment) -> ``torch.utils.data.DataLoader`` with the same workers and batch size.
 
 Prints tokens/s, the data-wait fraction and the token fill for each, plus MFU (model FLOPs over the
-device's dense bf16 peak from ``training.metrics.PEAK_FLOPS``) and peak memory on a GPU; steady state:
+device's dense bf16 peak from ``training.components.metrics.PEAK_FLOPS``) and peak memory on a GPU; steady state:
 the first ``--warmup`` steps (allocator warm-up, compilation) are excluded.
 """
 
@@ -71,7 +71,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine")
 
-    from training.config import load_job_config
+    from training.config.load import load_job_config
     from training.train import train
 
     results = {}

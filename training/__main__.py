@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="tracebacks for input errors too (HEADRACE_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 trainer.max_steps=20")
     args = parser.parse_args(argv)
-    from training.config import load_job_config
-    from training.train import process_group_closed, train
+    from training.config.load import load_job_config
+    from training.distributed.process_group import process_group_closed
+    from training.train import train
 
     rank = int(os.environ.get("RANK", 0))
     with process_group_closed():

@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from dataio.batching.bucketing import estimate_2d_bins
     from dataio.loader import open_source
-    from training.config import load_job_config
-    from training.model import build_hf_config
+    from training.config.load import load_job_config
+    from training.models.build import build_hf_config
     from training.speech.job import SpeechBatches
     from training.speech.model import build_meta_salm, materialize_salm
-    from training.train import pick_device
+    from training.distributed.process_group import pick_device
 
     cfg = load_job_config(args.config, args.overrides)
     if cfg.model.kind != "salm":

@@ -20,7 +20,7 @@ from configtree import ConfigError
 
 def resolve_checkpoint(path: str) -> tuple[Path, str]:
     """``(directory, kind)`` with kind ``dcp`` or ``hf``; a ``checkpoints/`` folder means its newest one."""
-    from training import checkpoint
+    from training.components import checkpoint
 
     p = Path(path)
     if (p / checkpoint.STATE_FILE).is_file():
@@ -37,7 +37,7 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
 def check_inputs(cfg, path: str) -> tuple[Path, str]:
     """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
     cannot hold the model."""
-    from training.validation import check_validation
+    from training.config.validate import check_validation
 
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
@@ -55,8 +55,9 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from training.parallel_dims import ParallelDims
-    from training.train import build_model_or_pipeline, init_distributed, pick_device
+    from training.distributed.parallel_dims import ParallelDims
+    from training.train import build_model_or_pipeline
+    from training.distributed.process_group import init_distributed, pick_device
     from training.validation import make_validator
 
     ckpt, kind = check_inputs(cfg, path)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val.batch_size=8")
     args = parser.parse_args(argv)
 
-    from training.config import load_job_config
+    from training.config.load import load_job_config
 
     try:
         cfg = load_job_config(args.config, args.overrides)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    from training.train import process_group_closed
+    from training.distributed.process_group import process_group_closed
 
     with process_group_closed():
         result = evaluate_checkpoint(cfg, args.checkpoint)

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from dataio.stream.seeding import fresh_seed
-    from training.config import load_job_config
+    from training.config.load import load_job_config
 
     args = parse_args(argv)
     try:  # fail here, not on the cluster: the config must load

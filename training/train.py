@@ -16,7 +16,7 @@ scaled and the result does not depend on how tokens split across micro-steps or 
 average gradients over dp, so each rank's loss is multiplied by the dp x cp size to make that average a
 sum. Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
 
-Context parallelism (``distributed.cp_size`` > 1, ``training.context_parallel``): the prefetcher keeps only
+Context parallelism (``distributed.cp_size`` > 1, ``training.distributed.context_parallel``): the prefetcher keeps only
 this rank's head-tail chunks of each packed batch before the device copy, and attention runs over the cp
 group; the loss and gradient arithmetic above is unchanged (dp x cp is already the loss mesh).
 
@@ -47,20 +47,34 @@ from configtree import to_dict
 from dataio.batching.prefetch import DevicePrefetcher
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
-from training import checkpoint, moe
-from training.config import JobConfig
-from training.context_parallel import cp_attention_kwargs, cp_step_metrics, rank_batch_transform, reset_exchanged_bytes
-from training.loss import CausalLMLoss
-from training.metrics import (MetricsLogger, ThroughputWindow, build_metrics_logger, flops_per_token, max_memory_gib,
-                              peak_flops)
-from training.model import build_hf_config, build_meta_model, materialize, one_document_per_row
-from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from training.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
-from training.parallelize import apply_ddp, parallelize
-from training.pipeline import Pipeline, build_pipeline, pipeline_metrics, pipeline_train_step
-from training.profiling import StepProfiler
-from training.validate import check_job, check_vocab
-from training.telemetry import rank_spread
+from training.components import checkpoint
+from training.distributed import moe
+from training.config.job_config import JobConfig
+from training.distributed.context_parallel import (
+    cp_attention_kwargs,
+    cp_step_metrics,
+    rank_batch_transform,
+    reset_exchanged_bytes,
+)
+from training.models.loss import CausalLMLoss
+from training.components.metrics import (
+    MetricsLogger,
+    ThroughputWindow,
+    build_metrics_logger,
+    flops_per_token,
+    max_memory_gib,
+    peak_flops,
+)
+from training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row
+from training.components.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
+from training.distributed.dense import apply_ddp
+from training.distributed.parallelize import parallelize
+from training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
+from training.step import pipeline_train_step
+from training.components.profiling import StepProfiler
+from training.config.validate import check_job, check_vocab
+from training.components.telemetry import rank_spread
 from training.validation import make_validator
 
 if TYPE_CHECKING:
@@ -68,7 +82,7 @@ if TYPE_CHECKING:
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
-               "cp_imbalance")  # + context parallelism's (training.context_parallel)
+               "cp_imbalance")  # + context parallelism's (training.distributed.context_parallel)
 
 
 def init_distributed(device_type: str) -> None:
@@ -128,7 +142,7 @@ def gradient_sync(model: nn.Module, enabled: bool):
 def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
                      attention_kwargs: dict | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
-    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group, ``training.context_parallel``)."""
+    already shifted). ``attention_kwargs``: extra attention kwargs (the CP group, ``training.distributed.context_parallel``)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
@@ -194,7 +208,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
 
 
 def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
-    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``training.pipeline``) and its model part
+    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``training.distributed.pipeline``) and its model part
     (transformers' names), else ``build_model``'s model and None."""
     if dims.pp == 1:
         return *build_model(cfg, dims, meshes, device), None
@@ -205,7 +219,7 @@ def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict[str
 
 def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Callable:
     """``forward(model, batch, autocast)`` -> summed loss of a batch: a SALM's, or the causal LM's (attention
-    over the cp group when cp > 1, ``training.context_parallel``)."""
+    over the cp group when cp > 1, ``training.distributed.context_parallel``)."""
     if cfg.model.kind == "salm":
         from training.speech.job import salm_loss_sum
 
@@ -229,7 +243,7 @@ def print_on_rank0(message: str) -> None:
 @dataclass(kw_only=True)
 class Trainer:
     """The live state of a job: what ``build_trainer`` made and the step reached. The functions below take it
-    first (as ``training.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
+    first (as ``training.distributed.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
 
     cfg: JobConfig
     device: torch.device
@@ -255,7 +269,7 @@ class Trainer:
 def with_model_layout(cfg: JobConfig) -> JobConfig:
     """``cfg``, or its one-document-per-row variant when the model has no attention interface (said once)."""
     if (unpacked := one_document_per_row(cfg)) is not cfg:
-        print_on_rank0("the model has no attention interface (training.families): one document per row, sdpa, "
+        print_on_rank0("the model has no attention interface (training.models.families): one document per row, sdpa, "
                        "data.packing: none")
     return unpacked
 

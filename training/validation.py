@@ -10,7 +10,7 @@ sample flagged ``__valid__ = False`` has its labels masked here) so every rank r
 forwards (FSDP2's collectives) and padding adds nothing.
 
 Per batch, one forward without autograd, by layout:
-- plain / TP / FSDP2 / SALM: the step's forward (``training.train.step_forward``: the chunked loss of
+- plain / TP / FSDP2 / SALM: the step's forward (``training.step.step_forward``: the chunked loss of
   ``CausalLMLoss``, so no ``[tokens, vocab]`` logits; a SALM's answer-token loss);
 - context parallel: the batch goes through the trainer's ``cp_batch_transform`` (this rank's head-tail
   chunks) and attention runs over the cp group; each rank sums its own tokens' losses;
@@ -196,7 +196,7 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
 
 def check_validation(cfg) -> None:
     """ConfigError (one line naming the key) when the job's val stream cannot run on its layout."""
-    from training.pipeline import V_SHAPED, schedule_class_name
+    from training.config.pipeline_schedules import V_SHAPED, schedule_class_name
 
     val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
     if val_cfg is None:
@@ -222,8 +222,9 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     """The hook of the trainer and ``training.eval``: a function that runs one pass over the val stream with
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
     from dataio import build_loader
-    from training.context_parallel import rank_batch_transform
-    from training.train import new_tail_group, step_forward, uses_autocast
+    from training.distributed.context_parallel import rank_batch_transform
+    from training.distributed.process_group import new_tail_group
+    from training.step import step_forward, uses_autocast
 
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)

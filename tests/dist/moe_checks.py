@@ -33,14 +33,15 @@ from train_common import ListLoader, packed_batches  # noqa: E402
 from train_layouts import check_close, check_exported_params, job, loaders  # noqa: E402
 
 from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
-from training import checkpoint  # noqa: E402
-from training.config import OptimConfig  # noqa: E402
-from training.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
-from training.moe import sparse_blocks  # noqa: E402
-from training.moe_routing import Capacity  # noqa: E402
-from training.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from training.parallel_dims import ParallelDims  # noqa: E402
-from training.train import build_model, forward_loss_sum, train  # noqa: E402
+from training.components import checkpoint  # noqa: E402
+from training.config.job_config import OptimConfig  # noqa: E402
+from training.distributed.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
+from training.distributed.moe import sparse_blocks  # noqa: E402
+from training.distributed.moe_routing import Capacity  # noqa: E402
+from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from training.distributed.parallel_dims import ParallelDims  # noqa: E402
+from training.train import build_model, train  # noqa: E402
+from training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4
 OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_decay=0.1)

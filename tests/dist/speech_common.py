@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from dataio.batching.bucketing import collate_audio
-from training.config import load_job_config
+from training.config.load import load_job_config
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "transcribe the audio transcript").split()

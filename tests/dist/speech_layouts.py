@@ -29,8 +29,8 @@ from speech_common import audio_batches, salm_job, save_tokenizer, write_audio_d
 from train_common import ListLoader  # noqa: E402
 from train_layouts import check_close  # noqa: E402
 
-from training.config import OptimConfig  # noqa: E402
-from training.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from training.config.job_config import OptimConfig  # noqa: E402
+from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from training.speech.eval import evaluate  # noqa: E402
 from training.speech.job import SpeechBatches, export_salm, load_salm, salm_loss_sum  # noqa: E402
 from training.train import train  # noqa: E402
@@ -39,7 +39,7 @@ STEPS, GLOBAL_MICRO = 3, 4
 
 
 def make_init(workdir: Path, encoder: str) -> Path:
-    from training.model import build_hf_config
+    from training.models.build import build_hf_config
     from training.speech.model import build_meta_salm, materialize_salm
 
     cfg = salm_job(workdir, "fresh", encoder=encoder)
@@ -59,7 +59,7 @@ def check_whisper_sharded_init(workdir: Path, init: Path) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from training.parallel_dims import ParallelDims
+    from training.distributed.parallel_dims import ParallelDims
     from training.speech.job import build_salm
 
     cfg = salm_job(workdir, "scratch", encoder="whisper")
@@ -99,7 +99,7 @@ def exported(out_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     params = {f"llm.{k}": v for f in sorted((out_dir / "hf").glob("model-*-of-*.safetensors"))
-              for k, v in load_file(f).items()}  # the sharded hf/ export (training.checkpoint.export_hf)
+              for k, v in load_file(f).items()}  # the sharded hf/ export (training.components.checkpoint.export_hf)
     for part in ("encoder", "adapter"):
         params |= {f"{part}.{k}": v for k, v in load_file(out_dir / part / "model.safetensors").items()}
     return params
@@ -122,10 +122,11 @@ def check_validation(workdir: Path, init: Path) -> None:
 
     from dataio import build_loader
     from training.eval import evaluate_checkpoint, resolve_checkpoint
-    from training.model import build_hf_config
+    from training.models.build import build_hf_config
     from training.speech.model import build_meta_salm, materialize_salm
     from training.validation import evaluate as evaluate_val
-    from training.validation import val_batches, val_data_config
+    from training.validation import val_batches
+    from training.config.job_config import val_data_config
 
     ckpt, _ = resolve_checkpoint(str(workdir / "fsdp2" / "checkpoints"))
     got = {}

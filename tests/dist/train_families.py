@@ -1,4 +1,4 @@
-"""torchrun script: every family in ``training.families.TESTED_FAMILIES`` beyond Llama trains like one process.
+"""torchrun script: every family in ``training.models.families.TESTED_FAMILIES`` beyond Llama trains like one process.
 
 ``torchrun --nproc-per-node 4 tests/dist/train_families.py WORKDIR``: for each family a seeded tiny
 checkpoint is written, a single-process reference (HF model, document-masked attention, AdamW) is computed
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_common import TINY_LLAMA, packed_batches, save_pretrained_tiny  # noqa: E402
 from train_layouts import GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference  # noqa: E402
 
-from training.families import TESTED_FAMILIES  # noqa: E402
+from training.models.families import TESTED_FAMILIES  # noqa: E402
 from training.train import train  # noqa: E402
 
 # Tiny configs: the Llama fields plus what each family needs to stay tiny. Mistral keeps its default

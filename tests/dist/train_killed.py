@@ -14,7 +14,7 @@ import sys
 import torch.distributed as dist
 
 from dataio import build_loader
-from training.config import load_job_config
+from training.config.load import load_job_config
 from training.train import train
 
 

@@ -28,11 +28,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from train_common import ListLoader, full_logits_loss_sum, packed_batches  # noqa: E402
 
-from training import checkpoint  # noqa: E402
-from training.config import load_job_config  # noqa: E402
-from training.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from training.parallel_dims import ParallelDims  # noqa: E402
-from training.train import build_model, forward_loss_sum, train  # noqa: E402
+from training.components import checkpoint  # noqa: E402
+from training.config.load import load_job_config  # noqa: E402
+from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from training.distributed.parallel_dims import ParallelDims  # noqa: E402
+from training.train import build_model, train  # noqa: E402
+from training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4  # 4 micro-batches of 2 x 32 tokens per step
 OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_decay=0.1)
@@ -62,7 +63,7 @@ def pretrained_hf_model(workdir: Path):
 
 def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
     """Plain single-process training: HF model, summed CE / tokens, torch's clip, AdamW, same schedule."""
-    from training.config import OptimConfig
+    from training.config.job_config import OptimConfig
 
     model = pretrained_hf_model(workdir)
     cfg = OptimConfig(**OPTIM)

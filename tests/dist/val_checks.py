@@ -35,7 +35,8 @@ from train_layouts import reference as train_reference  # noqa: E402
 from dataio import build_loader  # noqa: E402
 from training.eval import evaluate_checkpoint  # noqa: E402
 from training.train import train  # noqa: E402
-from training.validation import documents_started, val_data_config  # noqa: E402
+from training.validation import documents_started  # noqa: E402
+from training.config.job_config import val_data_config  # noqa: E402
 
 VAL_DOCS = 30
 VAL = dict(batch_size=3)

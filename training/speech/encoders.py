@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 
 from kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, log_mel, num_frames, whisper_log_mel,
                              whisper_num_frames)
-from training.speech.config import EncoderConfig
+from training.config.speech import EncoderConfig
 
 WHISPER_CHECKPOINT_PREFIX = "model.encoder."  # a whole Whisper model's (WhisperForConditionalGeneration) names
 

@@ -88,7 +88,7 @@ def decode_split(model, cfg, tokenizer, loader, *, max_new_tokens: int, out: str
     "words"}`` (other ranks: ``{}``). A collective."""
     import torch.distributed as dist
 
-    from training.parallel_dims import gather_objects
+    from training.distributed.parallel_dims import gather_objects
     from training.speech.prompt import make_template
 
     template = make_template(tokenizer, cfg.prompt)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from training.train import init_distributed
+    from training.distributed.process_group import init_distributed
 
     init_distributed("cpu")
     try:

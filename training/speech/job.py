@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from configtree import from_dict, to_dict
-from training.parallel_dims import ParallelDims
-from training.speech.config import SpeechConfig
+from training.distributed.parallel_dims import ParallelDims
+from training.config.speech import SpeechConfig
 from training.speech.model import SALM, build_meta_salm, materialize_salm
 from training.speech.prompt import build_batch, load_tokenizer, make_template
 
@@ -38,8 +38,8 @@ MANIFEST = "salm.json"
 
 def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
-    from training.model import build_hf_config
-    from training.parallelize import apply_ddp
+    from training.models.build import build_hf_config
+    from training.distributed.dense import apply_ddp
     from training.speech.parallelize import parallelize_salm
 
     if cfg.model.speech.eval_every and dims.sequence_parallel:
@@ -118,7 +118,7 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
-    from training.checkpoint import export_hf
+    from training.components.checkpoint import export_hf
 
     salm: SALM = getattr(model, "module", model)
     out_dir = Path(out_dir)
@@ -141,8 +141,8 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
 
 def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
     """The exported SALM in ``path`` as one plain module in eval mode (for decoding), with its config."""
-    from training.config import ModelConfig
-    from training.model import build_hf_config
+    from training.config.job_config import ModelConfig
+    from training.models.build import build_hf_config
 
     path = Path(path)
     raw = json.loads((path / MANIFEST).read_text())

@@ -14,7 +14,7 @@ cross-entropy:
    decoder and the chunked cross-entropy on the answer labels.
 
 Step 4 runs inside the LLM wrapper's forward so that under FSDP2 its root unit has the embedding and
-the lm_head unsharded (the same reason as ``training.loss.CausalLMLoss``). Under TP+SP the embedding
+the lm_head unsharded (the same reason as ``training.models.loss.CausalLMLoss``). Under TP+SP the embedding
 output is replicated, the frames are written, and the sequence is then split over the tp ranks with a
 DTensor redistribute (its backward all-gathers the gradient, so embedding and encoder see all of it).
 
@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
 from kernels.log_mel import spec_augment
-from training.loss import CausalLMLoss
-from training.speech.config import SpeechConfig
+from training.models.loss import CausalLMLoss
+from training.config.speech import SpeechConfig
 from training.speech.encoders import front_end, masked_frames
 
 
@@ -118,7 +118,7 @@ class SALM(nn.Module):
 
 def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     """The whole SALM on the meta device (fp32 master weights), frozen parts marked."""
-    from training.model import build_meta_model
+    from training.models.build import build_meta_model
 
     front = front_end(cfg.encoder.kind, cfg.features)
     enc_config = front.config(cfg.encoder)
@@ -137,7 +137,7 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
 @torch.no_grad()
 def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) -> None:
     """Allocate each rank's shards, initialize, then load whatever has a local checkpoint."""
-    from training.model import load_safetensors, materialize
+    from training.models.build import load_safetensors, materialize
 
     materialize(model.llm, device, llm_path)
     model.encoder.to_empty(device=device)

@@ -1,4 +1,4 @@
-"""Parallelize a SALM on the meta device, in the fixed order of ``training.parallelize``:
+"""Parallelize a SALM on the meta device, in the fixed order of ``training.distributed.dense``:
 
 1. TP (+SP) on the LLM only, with the text-decoder plan (``apply_tp``) except that the embedding's output
    stays replicated: the audio frames are written into the full sequence before SP splits it
@@ -18,9 +18,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from training.config import DistributedConfig
-from training.parallel_dims import ParallelDims
-from training.parallelize import apply_fsdp, apply_tp, check_supported
+from training.config.job_config import DistributedConfig
+from training.distributed.parallel_dims import ParallelDims
+from training.distributed.dense import apply_fsdp, apply_tp
+from training.distributed.parallelize import check_supported
 from training.speech.model import SALM
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.loss import IGNORE_INDEX
-from training.speech.config import AUDIO_PLACEHOLDER
+from training.config.speech import AUDIO_PLACEHOLDER
 
 EOS_NAMES = ("<|eos|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>")
 PAD_NAMES = ("<|pad|>", "<pad>", "<|endoftext|>")

@@ -1,10 +1,10 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE from transformers) and expert parallelism.
 
-``parallelize_moe_lm`` is the MoE family's parallelize function (``training.parallelize`` dispatches to it on
+``parallelize_moe_lm`` is the MoE family's parallelize function (``training.distributed.dense`` dispatches to it on
 ``model_type``). On the meta model, in this order:
 
-1. every sparse MLP's experts module runs ``training.expert_parallel`` (sort by expert, or with
-   ``moe.capacity_factor`` drop what exceeds each expert's capacity (``training.moe_routing``), [EP exchange],
+1. every sparse MLP's experts module runs ``training.distributed.expert_parallel`` (sort by expert, or with
+   ``moe.capacity_factor`` drop what exceeds each expert's capacity (``training.distributed.moe_routing``), [EP exchange],
    grouped GEMM or per-expert loop, combine); with ``ep_size > 1`` its fused 3D weights ``gate_up_proj``
    ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)`` become DTensors ``Shard(0)`` on the ``ep`` mesh (each rank
    holds E/ep experts, DCP reshards them to any other ep) and are ``fully_shard``-ed over ``ep_shard``;
@@ -38,11 +38,12 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from configtree import ConfigError
 from kernels.grouped_experts import IMPLEMENTATIONS
 from kernels.loss import IGNORE_INDEX
-from training.config import DistributedConfig
-from training.expert_parallel import MoEStats, install_experts_forward
-from training.moe_routing import Capacity
-from training.parallel_dims import ParallelDims
-from training.parallelize import MOE_MODEL_TYPES, dense_mlp_plan, parallelize_decoder_lm
+from training.config.job_config import DistributedConfig
+from training.distributed.expert_parallel import MoEStats, install_experts_forward
+from training.distributed.moe_routing import Capacity
+from training.distributed.parallel_dims import ParallelDims
+from training.models.families import MOE_MODEL_TYPES
+from training.distributed.dense import dense_mlp_plan, parallelize_decoder_lm
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 

@@ -13,7 +13,7 @@ holding ``trainer_state.json``, so a crash at any moment leaves the previous che
 The HF export (``export_hf``) never gathers the model: every rank writes its shards with DCP's
 ``HuggingFaceStorageWriter`` and every rank consolidates a share of the output files, so peak memory per
 rank is its shard plus one tensor being copied (BENCHMARKS.md "hf export memory"). MoE experts are written
-per expert, as ``save_pretrained`` and the hub have them, by the ranks holding them (``training.hf_experts``).
+per expert, as ``save_pretrained`` and the hub have them, by the ranks holding them (``training.models.hf_experts``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from training.hf_experts import expert_converters, hub_names, per_expert_views
-from training.loss import unwrap_causal_lm
-from training.parallel_dims import gather_objects
+from training.models.hf_experts import expert_converters, hub_names, per_expert_views
+from training.models.loss import unwrap_causal_lm
+from training.distributed.parallel_dims import gather_objects
 
 STATE_FILE = "trainer_state.json"
 # Optimizer state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): ranks that
@@ -120,7 +120,7 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     (torch's ``consolidate_safetensors_files_on_every_rank``, the path torchtitan exports with), reading
     the shard files back from the shared directory. Output files hold at most ``shard_size_mb`` (one
     tensor larger than that gets a file of its own). MoE experts: ``experts_layout`` ``per_expert`` writes the
-    keys transformers' ``save_pretrained`` writes (the hub's, ``training.hf_experts``), ``fused`` the in-memory
+    keys transformers' ``save_pretrained`` writes (the hub's, ``training.models.hf_experts``), ``fused`` the in-memory
     3D tensors (which only transformers 5 loads)."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 

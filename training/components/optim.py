@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from training.config import OptimConfig
+from training.config.job_config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

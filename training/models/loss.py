@@ -47,7 +47,7 @@ class CausalLMLoss(nn.Module):
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
         self.config = causal_lm.config
         self.chunk_size = chunk_size  # tokens per logits chunk; None: kernels.loss's default (128 MiB of fp32)
-        self.router_aux_loss = None  # MoE: (router_logits, labels) -> summed aux term (training.moe sets it)
+        self.router_aux_loss = None  # MoE: (router_logits, labels) -> summed aux term (training.distributed.moe sets it)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         aux = self.router_aux_loss is not None and labels is not None

@@ -1,5 +1,5 @@
 """Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console, TensorBoard
-and, when ``logging.wandb`` is set, Weights & Biases (``training.wandb_run``).
+and, when ``logging.wandb`` is set, Weights & Biases (``training.components.wandb_run``).
 
 Throughput figures cover a window: the steps since the last logged one (``ThroughputWindow``), less the
 time spent validating or checkpointing in it, which is not training.
@@ -25,7 +25,7 @@ import torch
 
 from configtree import to_dict
 from kernels.loss import IGNORE_INDEX
-from training import wandb_run
+from training.components import wandb_run
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
 PEAK_FLOPS = {
@@ -42,7 +42,7 @@ PEAK_FLOPS = {
 
 def flops_per_token(hf_config, seq_len: int) -> float:
     """Model FLOPs of forward + backward per trained token (see the module docstring)."""
-    from training.model import count_params
+    from training.models.build import count_params
 
     _, non_embedding = count_params(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -114,7 +114,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, console: bool, tensorboard: bool, wandb_run=None):
         self.enabled = enabled
-        self.wandb_run = wandb_run  # a started wandb run (training.wandb_run) or None
+        self.wandb_run = wandb_run  # a started wandb run (training.components.wandb_run) or None
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         if not enabled:

@@ -45,7 +45,7 @@ def check_job(cfg, world_size: int | None = None) -> None:
     """ConfigError for the first value of ``cfg`` (a ``JobConfig``) that breaks a rule (module docstring)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from training.parallel_dims import ParallelDims
+    from training.distributed.parallel_dims import ParallelDims
 
     for key, (rule, ok) in _RULES.items():
         value = _get(cfg, key)
@@ -67,7 +67,7 @@ def check_job(cfg, world_size: int | None = None) -> None:
     except ValueError as e:  # its messages name the rule; here they become a config error (one line)
         raise ConfigError(str(e) if str(e).startswith("distributed.") else f"distributed: {e}") from None
     if cfg.trainer.eval_every:
-        from training.validation import check_validation
+        from training.config.validate import check_validation
 
         check_validation(cfg)
 

@@ -4,7 +4,7 @@ Sections: ``model`` (which transformers model and how to build it), ``data`` (th
 section, passed to ``dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
 its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. Loading and checking is
 ``configtree`` (unknown keys and wrong types fail with the full dotted path); consistency rules
-between degrees live in ``training.parallel_dims`` because they need the world size.
+between degrees live in ``training.distributed.parallel_dims`` because they need the world size.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from dataio.config import DataConfig
 from configtree import apply_overrides, from_dict, load_yaml
-from training.automodel_compat import translate_distributed
-from training.speech.config import SpeechConfig
-from training.context_parallel import check_cp_config
+from training.config.automodel_compat import translate_distributed
+from training.config.speech import SpeechConfig
+from training.config.validate import check_cp_config
 
 
 @dataclass(kw_only=True)
@@ -45,7 +45,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class PipelineConfig:
     """Pipeline-parallel settings (``distributed.pp_size > 1``), NeMo Automodel's ``pipeline:`` block plus
-    torchtitan's stage controls; ``training.pipeline`` documents each field's effect."""
+    torchtitan's stage controls; ``training.distributed.pipeline`` documents each field's effect."""
 
     pp_schedule: str = "1f1b"  # Automodel or torchtitan spelling (1f1b, gpipe, interleaved_1f1b, ZBVZeroBubble..)
     pp_microbatch_size: int = 1  # packed rows per pipeline microbatch
@@ -55,7 +55,9 @@ class PipelineConfig:
     reshard_after_forward: bool = False  # FSDP2 under PP: keep weights gathered across microbatches
 
     def __post_init__(self):
-        from training.pipeline import schedule_class_name  # deferred: pipeline imports this module's neighbours
+        from training.config.pipeline_schedules import (  # deferred: pipeline imports this module's neighbours
+            schedule_class_name,
+        )
 
         schedule_class_name(self.pp_schedule)  # unknown name: one ValueError listing the accepted ones
         if self.pp_microbatch_size < 1:
@@ -67,7 +69,7 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class MoEConfig:
     """NeMo Automodel's ``distributed.moe:`` keys plus the experts kernel and the aux-loss weight
-    (see training.moe; keys it cannot honour fail there with the reason)."""
+    (see training.distributed.moe; keys it cannot honour fail there with the reason)."""
 
     reshard_after_forward: bool = False  # FSDP2 reshard of the expert groups (blocks: distributed.reshard_...)
     wrap_outer_model: bool = True  # fully_shard the root (embeddings, norm, lm_head); false is refused
@@ -75,7 +77,7 @@ class MoEConfig:
     lm_head_precision: str | None = None  # only the root's own precision is supported
     experts_implementation: str = "grouped_mm"  # grouped_mm | loop | hf (transformers' own, ep_size 1 only)
     aux_loss_coef: float | None = None  # router load-balancing loss weight; null: config.router_aux_loss_coef
-    # Megatron-Core's token dropping (training.moe_routing): null = dropless; else each expert computes at most
+    # Megatron-Core's token dropping (training.distributed.moe_routing): null = dropless; else each expert computes at most
     # ceil(tokens * top_k / num_experts * capacity_factor) of the tokens a rank routes in a micro-batch.
     capacity_factor: float | None = None
     token_drop_policy: Literal["probs", "position"] = "probs"  # keep the highest router weights / earliest tokens

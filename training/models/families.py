@@ -1,7 +1,7 @@
 """Which transformers causal LMs the trainer takes, and what it reads from each to parallelize it.
 
 Any ``AutoModelForCausalLM`` whose structure the trainer can read trains here; nothing is written per
-family except the hand-tuned TP+SP plan of the Llama family (``training.parallelize.apply_tp``):
+family except the hand-tuned TP+SP plan of the Llama family (``training.distributed.dense.apply_tp``):
 
 - decoder blocks (the FSDP2 unit, the activation-checkpointing and compile unit): the ``nn.ModuleList``
   whose children are instances of the model's ``_no_split_modules`` classes (transformers' own "never
@@ -15,7 +15,7 @@ family except the hand-tuned TP+SP plan of the Llama family (``training.parallel
   transformers 5.x) fall back to one document per row: ``data.packing: none`` and ``sdpa``, so the
   causal mask alone keeps documents apart (padding sits after each document, masked from the loss).
 
-The trainer's loss reads ``lm_head.weight`` directly (``training.loss``), so models that transform the
+The trainer's loss reads ``lm_head.weight`` directly (``training.models.loss``), so models that transform the
 logits after the head (Gemma 2's final soft-capping, Cohere's logit scale, Granite's logits scaling) are
 refused by ``POST_HEAD_FIELDS`` rather than trained on a different objective.
 
@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-# Families with a hand-written TP+SP plan (training.parallelize.apply_tp); every other family uses its own
+# Families with a hand-written TP+SP plan (training.distributed.dense.apply_tp); every other family uses its own
 # base_model_tp_plan without sequence parallelism.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3")
 # The families CI trains against a single-process reference: llama in every layout (tests/dist/
@@ -72,7 +72,7 @@ def check_family(hf_config, model_cls: type) -> None:
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     """The container of decoder blocks: an ``nn.ModuleList`` (a pipeline stage: an ``nn.ModuleDict`` keyed by
     global block index) whose children are all of a ``_no_split_modules`` class (see module doc)."""
-    from training.loss import unwrap_causal_lm
+    from training.models.loss import unwrap_causal_lm
 
     hf = unwrap_causal_lm(model)
     names = set(hf._no_split_modules)
@@ -104,7 +104,7 @@ def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
 
 def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """TP from the model's ``base_model_tp_plan``; vocab-sharded embedding and head, re-tied when shared."""
-    from training.loss import unwrap_causal_lm
+    from training.models.loss import unwrap_causal_lm
 
     hf = unwrap_causal_lm(model)
     base = hf.base_model
@@ -121,7 +121,7 @@ def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
 def retie(model: nn.Module) -> None:
     """parallelize_module gives each module a new Parameter; tied embeddings must share one again (the
     embedding's row-wise and the head's column-wise styles both shard dim 0, so the layouts agree)."""
-    from training.loss import unwrap_causal_lm
+    from training.models.loss import unwrap_causal_lm
 
     hf = unwrap_causal_lm(model)
     if getattr(hf.config, "tie_word_embeddings", False):

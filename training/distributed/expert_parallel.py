@@ -6,7 +6,7 @@ on that instance; the router, the module's parameters and their names stay trans
 
 Algorithm (dropless by default: every routed token is computed, however unbalanced the routing):
 1. sort the T*k (token, expert) assignments by expert; ``counts[e]`` assignments go to expert e
-   (``training.moe_routing``; with a capacity factor it first drops what exceeds each expert's capacity,
+   (``training.distributed.moe_routing``; with a capacity factor it first drops what exceeds each expert's capacity,
    computed on this rank's tokens, and may pad every expert to exactly that capacity);
 2. EP only: exchange the counts (``all_to_all_single`` on E integers), then send each rank the rows for
    its E/ep experts and receive the rows other ranks routed to ours (``all_to_all_single`` with uneven
@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kernels.grouped_experts import grouped_experts
-from training.moe_routing import Capacity, plan_routes
+from training.distributed.moe_routing import Capacity, plan_routes
 
 
 @dataclass

@@ -14,7 +14,7 @@ lm_head if it holds the last stage). That pruned model is the rank's *model part
 transformers' own (``model.layers.5.mlp...``), so the optimizer, DCP checkpoints (which reshard to any pp,
 also pp 1) and the ``hf/`` export see exactly the names of a run without PP. Each pipeline stage is a
 ``DecoderStage`` that references the part's modules (shared, not copied) and is what TP/SP -> AC ->
-compile -> FSDP2 is applied to (``training.parallelize``), one FSDP2 root per stage; FSDP2 keeps weights
+compile -> FSDP2 is applied to (``training.distributed.dense``), one FSDP2 root per stage; FSDP2 keeps weights
 gathered across microbatches (``pipeline.reshard_after_forward: false``, torchtitan's choice under PP:
 resharding would all-gather every weight once per microbatch).
 
@@ -50,8 +50,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from kernels.hf_attention import packed_attention_kwargs
 from kernels.loss import IGNORE_INDEX
-from training.config import JobConfig, PipelineConfig
-from training.loss import CausalLMLoss, lm_head_loss_sum
+from training.config.job_config import JobConfig, PipelineConfig
+from training.models.loss import CausalLMLoss, lm_head_loss_sum
 
 # Accepted spellings (lower case, "_" and "-" dropped) -> torch schedule class. Automodel's names (1f1b,
 # gpipe, interleaved_1f1b, looped_bfs, dfs = depth-first = interleaved, v_schedule, zero_bubble) and
@@ -307,8 +307,8 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
                    hf_config) -> Pipeline:
     """Split on the meta device, parallelize every stage (TP/SP, AC, compile, FSDP2), materialize this rank's
     part (init or ``model.pretrained_path``), build the schedule."""
-    from training.model import build_meta_model, materialize
-    from training.parallelize import parallelize
+    from training.models.build import build_meta_model, materialize
+    from training.distributed.parallelize import parallelize
 
     pcfg = cfg.distributed.pipeline
     class_name = schedule_class_name(pcfg.pp_schedule)
@@ -362,7 +362,7 @@ def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_
                         loss_mesh: DeviceMesh, *, max_grad_norm: float | None) -> dict:
     """``train.train_step`` for a pipeline: same token scaling, same returned figures (global loss, grad norm
     over all stages, real-token count); also fills ``pipe.stats`` with this rank's timing and memory."""
-    from training.optim import clip_grad_norm
+    from training.components.optim import clip_grad_norm
 
     start, busy_before = time.perf_counter(), pipe.timer.busy
     batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in ("input_ids", "labels", "position_ids")}

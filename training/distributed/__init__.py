@@ -1,0 +1,1 @@
+"""The process group, ParallelDims and its meshes, and each parallelism applied to a model."""

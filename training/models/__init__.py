@@ -1,0 +1,1 @@
+"""Building a transformers causal LM on the meta device, the families it takes, the loss wrapper."""
