@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.attention_lse import block_backward, block_forward, merge_into
+from kernels.collectives import all_gather_flat, reduce_scatter_flat
 from kernels.varlen_attention import cached_per_batch, validate_cu_seqlens
 
 MODES = ("allgather", "ring")
@@ -120,7 +121,7 @@ def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Te
 def _all_gather(buf: torch.Tensor, group) -> list[torch.Tensor]:
     size = dist.get_world_size(group)
     out = buf.new_empty(size * buf.shape[0], *buf.shape[1:])  # gloo wants a flat (P*T, ...) output
-    dist.all_gather_into_tensor(out, buf, group=group)
+    all_gather_flat(out, buf, group=group)
     _sent[0] += (size - 1) * buf.numel() * buf.element_size()
     return list(out.chunk(size))
 
@@ -217,7 +218,7 @@ class _CPAttention(torch.autograd.Function):
                 _grad_blocks(saved, *_unpack(buf, k.shape, v.shape), layout, rank, src, dq_halves, dkv)
                 grads.append(_pack(*dkv))
             mine = torch.empty_like(grads[0])
-            dist.reduce_scatter_tensor(mine, torch.cat(grads), group=group)
+            reduce_scatter_flat(mine, torch.cat(grads), group=group)
             _sent[0] += (size - 1) * mine.numel() * mine.element_size()
         else:
             ring, buf, dkv_buf = _Ring(group), _pack(k, v), None

@@ -195,3 +195,31 @@ def test_cold_cache_refused_without_root_says_so(shards, tmp_path, monkeypatch):
                    "--compare", "", "--num-workers", "0", "--cache", "cold", "--batches", "2")
     assert result["cache"].startswith("warm (cold refused: not root")
     assert [r["loader"] for r in result["runs"]] == ["headrace"]
+
+
+def test_fixed_cost_fit_recovers_the_line():
+    from dataio.bench.fixedcost import fit
+
+    got = fit([(b, 50e-6 + 2e-6 * b) for b in (1, 8, 32)])
+    assert got["fixed_us"] == pytest.approx(50) and got["per_sample_us"] == pytest.approx(2)
+    assert fit([(8, 1e-4), (8, 2e-4)]) is None  # one batch size: nothing to fit
+
+
+def test_batch_sizes_report_the_fixed_cost_per_batch(shards, tmp_path):
+    """``--batch-sizes`` runs every loader at each size and reports, per loader and worker count, the time
+    per batch at each size and the fitted fixed cost per batch and cost per sample (shape, not timing)."""
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+                   "--num-workers", "0", "--compare", "torch", "--batch-sizes", "1,4,16")
+    assert {(r["loader"], r["batch_size"]) for r in result["runs"]} == {
+        (name, b) for name in ("headrace", "torch") for b in (1, 4, 16)}
+    assert all(r["samples"] == 61 for r in result["runs"])  # each size: the whole epoch
+    costs = {c["loader"]: c for c in result["fixed_cost"]}
+    assert set(costs) == {"headrace", "torch"}
+    for c in costs.values():
+        assert c["workers"] == 0 and set(c["us_per_batch"]) == {"1", "4", "16"}
+        assert all(v > 0 for v in c["us_per_batch"].values())
+        assert isinstance(c["fixed_us"], float) and isinstance(c["per_sample_us"], float)
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "fixed us/batch" in table and "us/batch at 16" in table
+    with pytest.raises(CommandError, match="--batch-sizes"):
+        bench(tmp_path, {"datasets": [{"path": str(shards / "text")}]}, "--batch-sizes", "0,8", "--compare", "")

@@ -140,3 +140,31 @@ def test_forked_processes_share_the_checks(tmp_path):
     assert np.flatnonzero(table.code[BLOCK:] != UNCHECKED).tolist() == [7, 9]
     refs = make_ref(0, np.arange(BLOCK - 4, BLOCK + 50))
     assert_same(gather_tokens([source], refs, end=7, alloc=plain_memory), general([source], refs))
+
+
+def test_known_blocks_are_read_without_the_lock(tmp_path, monkeypatch):
+    """Once this process has seen (under the lock) every block of a batch finished, the batch takes no
+    lock; once every block is, and all samples hold one dtype, no per-sample dtype test either
+    (``uniform``). The batches stay the general path's."""
+    import fcntl
+
+    from dataio.stream.gather import BLOCK, FIRST_DTYPE_CODE, TOKEN_DTYPES, checked
+
+    token_tars(tmp_path / "a", [[3, 5, 7] * ((BLOCK + 100) // 3)])
+    source = ShardSource(str(tmp_path / "a"))
+    locks = []
+    real = fcntl.lockf
+    monkeypatch.setattr(fcntl, "lockf", lambda fd, op: (locks.append(op), real(fd, op))[1])
+    gather_tokens([source], make_ref(0, np.arange(10)), 3, plain_memory)  # claims and checks block 0
+    table, taken = checked(source), len(locks)
+    assert taken > 0 and table.uniform is None
+    refs = make_ref(0, np.arange(BLOCK - 9, BLOCK - 1))
+    assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
+    assert len(locks) == taken  # block 0 known here: read without the lock
+    refs = make_ref(0, np.array([BLOCK + 3, 4, BLOCK + 50]))  # block 1: locked once, then everything is known
+    assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
+    assert len(locks) > taken and TOKEN_DTYPES[table.uniform - FIRST_DTYPE_CODE] == np.dtype("<i4")
+    taken = len(locks)
+    refs = make_ref(0, np.array([BLOCK + 60, 2, BLOCK + 1]))
+    assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
+    assert len(locks) == taken

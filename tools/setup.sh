@@ -34,14 +34,15 @@ else
 fi
 pip_install "torch==$torch"
 pip_install -e '.[dev,bench,dali,wandb]'
-# litdata, a peer loader in `dataio bench`: --no-deps, because its declared dependencies (torchvision)
-# pull another torch; then the light dependency it imports (it touches no torch).
-pip_install --no-deps litdata lightning-utilities
 # boto3 (and moto, the S3 server of tests/test_loader_s3.py, which needs it) at the botocore that s3fs's
 # aiobotocore accepts: boto3 shares botocore's version numbers; a newer boto3 pulls a botocore that
 # aiobotocore refuses, and an unpinned resolve backtracks through boto3 releases for minutes.
 botocore=$("$VENV/bin/python" -c "from importlib.metadata import version; print(version('botocore'))")
 pip_install "boto3==$botocore" "botocore==$botocore" 'moto[server]' requests filelock
+# litdata, a peer loader in `dataio bench`: --no-deps, because its declared dependencies (torchvision)
+# pull another torch; then the light dependency it imports (it touches no torch). Last, and without pip's
+# conflict report: its undeclared-on-purpose torchvision would print an ERROR line on every later install.
+pip_install --no-deps --no-warn-conflicts litdata lightning-utilities
 if [ -n "$LOCK" ]; then
     "$VENV/bin/python" -m tools.lockfile check "$LOCK" --venv "$VENV"
     echo "$want" > "$stamp"

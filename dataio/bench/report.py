@@ -12,10 +12,11 @@ import json
 import os
 from pathlib import Path
 
+from dataio.bench import fixedcost
 from dataio.bench.extra import bench_import
 from dataio.bench.table import cell, markdown_table
 
-RUN_FIELDS = ("loader", "workers", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
+RUN_FIELDS = ("loader", "workers", "batch_size", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
               "samples_per_s", "mb_per_s", "units_per_s", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb",
               "cpu_util", "samples_per_cpu_s", "data_wait_fraction", "vs_page_cache", "vs_headrace", "prepare_s")
 
@@ -26,14 +27,14 @@ def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: f
     ``samples_per_cpu_s`` (samples over the CPU seconds of all the run's processes) is the figure that
     survives a shared machine: samples/s follows whatever CPU share the other jobs leave, work per
     CPU-second does not."""
-    headrace = {(r["workers"], r["shuffle"]): r["samples_per_s"] for r in runs if r["loader"] == "headrace"}
+    headrace = {(r["workers"], r["batch_size"], r["shuffle"]): r["samples_per_s"] for r in runs if r["loader"] == "headrace"}
     for r in runs:
         rate = r["samples_per_s"]
         r["mb_per_s"] = rate * bytes_per_sample / 1e6 if rate else None
         cpu = (r["cpu_util"] or 0.0) * r["seconds"]
         r["samples_per_cpu_s"] = r["samples"] / cpu if cpu > 0 else None
         r["vs_page_cache"] = rate / limit_samples_per_s if rate and limit_samples_per_s else None
-        ours = headrace.get((r["workers"], r["shuffle"]))
+        ours = headrace.get((r["workers"], r["batch_size"], r["shuffle"]))
         r["vs_headrace"] = rate / ours if rate and ours else None
 
 
@@ -41,9 +42,9 @@ def markdown(result: dict) -> str:
     data, limit = result["data"], result["page_cache"]
     audio_bytes = data.get("audio") == "bytes"
     unit = "tokens/s" if data["kind"] == "text" else "audio MB/s" if audio_bytes else "audio s/s"
-    header = ["loader", "workers", "samples/s", "MB/s", unit, "first batch s", "p50 ms", "p99 ms", "peak RSS MB",
+    header = ["loader", "workers", "batch", "samples/s", "MB/s", unit, "first batch s", "p50 ms", "p99 ms", "peak RSS MB",
               "CPU cores", "samples/CPU-s", "data wait", "x page cache", "x headrace"]
-    rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), r["workers"], cell(r["samples_per_s"], ",.0f"),
+    rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), r["workers"], r["batch_size"], cell(r["samples_per_s"], ",.0f"),
              cell(r["mb_per_s"], ",.1f"), cell(r["units_per_s"], ",.1f" if audio_bytes else ",.0f"),
              cell(r["first_batch_s"], ".2f"),
              cell(r["latency_p50_ms"], ".1f"), cell(r["latency_p99_ms"], ".1f"), cell(r["peak_rss_mb"], ",.0f"),
@@ -52,7 +53,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"Data: `{data['path']}` ({data['kind']}{', audio left encoded' if audio_bytes else ''}, "
         f"{data['samples']:,} samples, {data['bytes'] / 1e6:,.1f} MB in "
-        f"{data['shards']} shards, batch {data['batch_size']}); cache {result['cache']}; "
+        f"{data['shards']} shards, batch {', '.join(map(str, data['batch_sizes']))}); cache {result['cache']}; "
         f"{result['machine']['cpus']} CPUs, load average {result['machine']['load_before']:.1f} before the run.",
         "",
         f"Page-cache read limit: {limit['bytes_per_s'] / 1e9:,.2f} GB/s = {limit['samples_per_s']:,.0f} samples/s.",
@@ -60,7 +61,10 @@ def markdown(result: dict) -> str:
         *markdown_table(header, rows, align="l" + "r" * (len(header) - 1)),
     ]
     for s in result["skipped"]:
-        lines.append(f"| {s['loader']} | - | skipped: {s['reason']} |" + " |" * 11)
+        lines.append(f"| {s['loader']} | - | - | skipped: {s['reason']} |" + " |" * 11)
+    if result.get("fixed_cost"):
+        lines += ["", "Fixed cost per batch and cost per sample (least-squares fit of time per batch over the batch "
+                      "sizes):", "", *fixedcost.markdown(result["fixed_cost"])]
     for t in result.get("trainer", []):
         lines += ["", f"Trainer path ({t['device']}, packing {t['packing']}, seq_len {t['seq_len']}, {t['batch_size']} "
                       f"rows, step {t['step_ms']:.0f} ms, {t['workers']} workers): data wait "
@@ -75,9 +79,11 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     series: dict[str, list[tuple[int, float]]] = {}
+    several = len({r["batch_size"] for r in result["runs"]}) > 1
     for r in result["runs"]:
         if r["samples_per_s"]:
-            series.setdefault(r["loader"] + (", shuffled" if r["shuffle"] else ""), []).append(
+            name = r["loader"] + (", shuffled" if r["shuffle"] else "") + (f", batch {r['batch_size']}" if several else "")
+            series.setdefault(name, []).append(
                 (r["workers"], r["samples_per_s"]))
     for name, points in series.items():
         points.sort()

@@ -27,6 +27,7 @@ from rich.console import Console
 
 from dataio.bench import report
 from dataio.bench.data import count, describe
+from dataio.bench.fixedcost import fixed_costs
 from dataio.bench.measure import measure
 from dataio.bench.pagecache import drop_page_cache, read_limit
 from dataio.bench.peers import PEERS, prepare, skip_reason
@@ -45,6 +46,7 @@ class BenchOptions:
 
     compare: list[str]  # peer loaders beside headrace, names of ``dataio.bench.peers.PEERS``
     num_workers: list[int]
+    batch_sizes: list[int] | None = None  # every loader at each (None: the config's); two or more: fixed cost
     formats: Path  # where peers write their formats
     seconds: float | None = None  # each run's limit (neither: one epoch)
     batches: int | None = None
@@ -57,9 +59,10 @@ class BenchOptions:
     command: str | None = None  # the command line, recorded in the result
 
 
-def progress_line(done: int, total: int, name: str, workers: int, what: str) -> None:
+def progress_line(done: int, total: int, name: str, workers: int, batch_size: int, what: str) -> None:
     """One line on stderr per measured configuration (kept, unlike the transient bar; shown in logs too)."""
-    print(f"dataio bench: [{done}/{total}] {name}, {workers} workers: {what}", file=sys.stderr, flush=True)
+    print(f"dataio bench: [{done}/{total}] {name}, {workers} workers, batch {batch_size}: {what}", file=sys.stderr,
+          flush=True)
 
 
 def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBar) -> dict:
@@ -68,6 +71,9 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
     torch.set_num_threads(1)  # loaders do I/O and decoding; intra-op threads only oversubscribe the cores
     if opts.audio_bytes:
         cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, audio="raw"))
+    batch_sizes = opts.batch_sizes or [cfg.batch_size]
+    if 0 in batch_sizes:
+        raise CommandError("--batch-sizes: a batch holds at least one sample")
     compare = list(opts.compare)
     try:
         data = describe(cfg, opts.formats.resolve())
@@ -103,39 +109,44 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
         loaders.append(name)
 
     load_before = os.getloadavg()[0]
-    trials: dict[tuple[str, int], list[dict]] = {}
+    trials: dict[tuple[str, int, int], list[dict]] = {}
     total = None if (opts.batches or opts.seconds) else data.samples  # None: an open-ended bar
     # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
-    measured, configs = 0, max(1, opts.repeats) * len(opts.num_workers) * len(loaders)
+    measured, configs = 0, max(1, opts.repeats) * len(batch_sizes) * len(opts.num_workers) * len(loaders)
     for _ in range(max(1, opts.repeats)):
-        for workers in opts.num_workers:
-            for name in loaders:
-                measured += 1
-                if (name, -1) in trials:  # failed before: reported once
-                    continue
-                if opts.cache == "cold" and not cold_refused:
-                    drop_page_cache()
-                peer, state = PEERS[name], states.get(name)
-                try:
-                    with progress_bar(f"{name}, {workers} workers", total=total, unit="samples") as advance:
-                        result = measure(lambda: peer.open(data, workers, opts.shuffle, state), lambda b: count(b, data),
-                                         max_samples=data.samples, max_batches=opts.batches, max_seconds=opts.seconds,
-                                         step_s=step_s, progress=advance)
-                except Exception as e:  # reported with its reason, never dropped silently
-                    skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
-                    trials[(name, -1)] = []
-                    progress_line(measured, configs, name, workers, f"failed: {type(e).__name__}")
-                    continue
-                trials.setdefault((name, workers), []).append(result)
-                rate = result["samples_per_s"]
-                progress_line(measured, configs, name, workers, f"{result['samples']:,} samples in "
-                              f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else ""))
+        for batch_size in batch_sizes:
+            sized = dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, batch_size=batch_size))
+            for workers in opts.num_workers:
+                for name in loaders:
+                    measured += 1
+                    if (name, -1, 0) in trials:  # failed before: reported once
+                        continue
+                    if opts.cache == "cold" and not cold_refused:
+                        drop_page_cache()
+                    peer, state = PEERS[name], states.get(name)
+                    try:
+                        with progress_bar(f"{name}, {workers} workers, batch {batch_size}", total=total,
+                                          unit="samples") as advance:
+                            result = measure(lambda: peer.open(sized, workers, opts.shuffle, state),
+                                             lambda b: count(b, sized), max_samples=data.samples,
+                                             max_batches=opts.batches, max_seconds=opts.seconds, step_s=step_s,
+                                             progress=advance)
+                    except Exception as e:  # reported with its reason, never dropped silently
+                        skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
+                        trials[(name, -1, 0)] = []
+                        progress_line(measured, configs, name, workers, batch_size, f"failed: {type(e).__name__}")
+                        continue
+                    trials.setdefault((name, workers, batch_size), []).append(result)
+                    rate = result["samples_per_s"]
+                    progress_line(measured, configs, name, workers, batch_size, f"{result['samples']:,} samples in "
+                                  f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else ""))
     runs = []
-    for (name, workers), results in trials.items():
+    for (name, workers, batch_size), results in trials.items():
         if workers < 0:
             continue
-        runs.append({"loader": name, "workers": workers, "shuffle": opts.shuffle, "prepare_s": prepare_s.get(name),
-                     "repeats": len(results), **median_run(results, "samples_per_s")})
+        runs.append({"loader": name, "workers": workers, "batch_size": batch_size, "shuffle": opts.shuffle,
+                     "prepare_s": prepare_s.get(name), "repeats": len(results),
+                     **median_run(results, "samples_per_s")})
     report.add_ratios(runs, limit["samples_per_s"], data.bytes / data.samples)
 
     trainer = []
@@ -154,12 +165,13 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
         "data": {"path": str(data.root), "split": data.split, "kind": data.kind, "field": data.field,
                  "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
                  "members": data.members, "samples": data.samples, "bytes": data.bytes, "shards": len(data.shards),
-                 "batch_size": cfg.batch_size},
+                 "batch_size": cfg.batch_size, "batch_sizes": batch_sizes},
         "page_cache": limit,
         "step_ms": opts.step_ms,
         "runs": runs,
         "skipped": skipped,
         "trainer": trainer,
+        "fixed_cost": fixed_costs(runs) if len(batch_sizes) > 1 else [],
     }
 
 

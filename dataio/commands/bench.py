@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} "
                              "(empty: headrace only)")
     parser.add_argument("--num-workers", type=_int_list, default=[0, 2], help="worker counts, e.g. 0,2,4")
+    parser.add_argument("--batch-sizes", type=_int_list,
+                        help="batch sizes to run every loader at (default: the config's); two or more also report "
+                             "each loader's fixed cost per batch and cost per sample (a least-squares fit)")
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--seconds", type=float, help="stop each run after this many seconds (default: one epoch)")
     limit.add_argument("--batches", type=int, help="stop each run after this many batches (default: one epoch)")
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise CommandError(f"--compare: unknown loader(s) {', '.join(unknown)} (choose from {', '.join(PEER_NAMES)})")
     opts = BenchOptions(
-        compare=compare, num_workers=args.num_workers, formats=args.formats or args.out / "formats",
+        compare=compare, num_workers=args.num_workers, batch_sizes=args.batch_sizes,
+        formats=args.formats or args.out / "formats",
         seconds=args.seconds, batches=args.batches, repeats=args.repeats, step_ms=args.step_time,
         shuffle=args.shuffle, cache=args.cache, audio_bytes=args.audio_bytes, trainer=args.trainer,
         command=" ".join(["dataio", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None)

@@ -148,16 +148,24 @@ class BatchMaker:
         self.tokens_only = tokens_only(self.sources)
 
     def refs(self, positions: np.ndarray) -> np.ndarray:
-        """Sample references at global ``positions``."""
+        """Sample references at global ``positions`` (ascending, as a batch's are)."""
         dataset, draw = self.blend.locate(positions)
+        if len(self.sources) == 1:  # dataset 0: a reference is its sample index
+            return self._indices(0, draw)
         index = np.empty(len(positions), dtype=np.int64)
         for d, at in by_value(dataset):
-            epoch, pos = np.divmod(draw[at], len(self.sources[d]))
-            within = index[at] if isinstance(at, slice) else np.empty(len(pos), dtype=np.int64)
-            for e, sel in by_value(epoch):
-                within[sel] = self.orders[d].indices(e, pos[sel])
-            index[at] = within
+            index[at] = self._indices(d, draw[at])
         return make_ref(dataset, index)
+
+    def _indices(self, d: int, draw: np.ndarray) -> np.ndarray:
+        """Dataset ``d``'s sample indices of its draws ``draw`` (ascending: their epochs are runs)."""
+        epoch, pos = np.divmod(draw, len(self.orders[d]))  # (a source's len is a sum)
+        if not len(epoch) or epoch[0] == epoch[-1]:  # the usual case: one epoch
+            return self.orders[d].indices(int(epoch[0]) if len(epoch) else 0, pos)
+        within = np.empty(len(pos), dtype=np.int64)
+        for e, sel in by_value(epoch):
+            within[sel] = self.orders[d].indices(e, pos[sel])
+        return within
 
     def __call__(self, b: int, alloc: Allocator) -> dict:
         """The plain (collated) batch ``b`` in tensors from ``alloc``, with ``__pos__`` (rank-local

@@ -19,7 +19,9 @@ counts it. So this path accepts nothing the general path would reject, and yield
 dict (tested). Per batch then: the kept arrays at the batch's indices, the keys, one ``memcpy`` a
 sample into one tensor from ``alloc`` (a loop of ``memoryview`` slice copies: 0.35 us a 4 KB sample,
 against 0.45 for ``np.concatenate`` of array slices and 0.55 for numpy slice assignment), bookkeeping
-as whole arrays. Checking costs ~1-2 us a sample once; the fixed cost per batch is ~15 numpy calls.
+as whole arrays. Checking costs ~1-2 us a sample once. The fixed cost per batch, once a process has
+seen the batch's blocks checked: a few gathers, no lock and no numpy reduction (BENCHMARKS.md "Loader:
+per-batch fixed cost": 0.55x the instructions of the locked version at batch 8).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from dataio.stream.decode import NPY_1D_DTYPES, npy_1d_layout
 from dataio.stream.refs import REF_BITS, REF_MASK
 from dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
 
-BLOCK = 1024
+BLOCK_BITS = 10
+BLOCK = 1 << BLOCK_BITS
 SHAPE_END = b",), }"  # after the count in a canonical 1-D header
 UNCHECKED, GENERAL, FIRST_DTYPE_CODE = 0, 1, 2  # ``CheckedTokens.code``: 0 is what fresh pages hold
 TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in every process
@@ -77,20 +80,35 @@ class CheckedTokens:
         self.shard = np.frombuffer(self._map, dtype=np.int64, count=n, offset=16 * n)
         self.code = np.frombuffer(self._map, dtype=np.int8, count=n, offset=24 * n)  # 0: UNCHECKED
         self.claimed = np.frombuffer(self._map, dtype=np.uint8, count=blocks, offset=25 * n)
+        # this process's own: blocks it has seen finished (copied into the processes it forks)
+        self._known = np.zeros(blocks, dtype=bool)
+        self.uniform: int | None = None  # the one dtype code of every sample, once all are known here
 
-    def lookup(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(code, shard, start, count)`` of ``index`` in ``source``, checking first what no process has."""
+    def lookup(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+        """``(code, shard, start, count)`` of ``index`` in ``source``, checking first what no process has;
+        ``code`` is None when every sample of the dataset holds one token dtype, ``self.uniform``.
+
+        Without the lock once this process has seen (under the lock) every block of ``index`` finished:
+        a finished row is never written again but with the same values (a process that checked it for
+        its batch alone), and the lock's acquire ordered its publication before this read. Then a
+        lookup is a few gathers; once every block is known, no per-sample code test either."""
+        if self.uniform is None and not self._known[index >> BLOCK_BITS].all():
+            return self._lookup_locked(source, index)
+        return None if self.uniform is not None else self.code[index], self.shard[index], self.start[index], self.count[index]
+
+    def _lookup_locked(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray, ...]:
         with self._locked():
             code = self.code[index]
             unchecked = index[code == UNCHECKED]
-            if not len(unchecked):  # the usual case: one lock, one read
+            if not len(unchecked):  # checked by another process: one lock, one read
+                self._learn(index)
                 return code, self.shard[index], self.start[index], self.count[index]
-            blocks = np.array(sorted(set((unchecked // BLOCK).tolist())), dtype=np.int64)  # np.unique: numpy.ma, see by_value
+            blocks = np.array(sorted(set((unchecked >> BLOCK_BITS).tolist())), dtype=np.int64)  # np.unique: numpy.ma, see by_value
             mine = blocks[self.claimed[blocks] == 0]
             self.claimed[mine] = 1
         claimed_here = np.zeros(len(self.claimed), dtype=bool)
         claimed_here[mine] = True
-        others = unchecked[~claimed_here[unchecked // BLOCK]]
+        others = unchecked[~claimed_here[unchecked >> BLOCK_BITS]]
         checks = [self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()]
         if len(others):
             checks.append(self._check(source, others))
@@ -98,7 +116,18 @@ class CheckedTokens:
             for rows, code, shard, start, count in checks:
                 self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
                 self.code[rows] = code
+            self._learn(index)
             return self.code[index], self.shard[index], self.start[index], self.count[index]
+
+    def _learn(self, index: np.ndarray) -> None:
+        """Under the lock: mark the blocks of ``index`` that every process has finished as known here,
+        and once all are, whether the whole dataset holds one token dtype (``uniform``)."""
+        for b in sorted(set((index >> BLOCK_BITS).tolist())):
+            if not self._known[b]:
+                self._known[b] = bool((self.code[b * BLOCK : (b + 1) * BLOCK] != UNCHECKED).all())
+        if self._known.all():
+            low, high = int(self.code.min()), int(self.code.max())
+            self.uniform = low if low == high and low >= FIRST_DTYPE_CODE else None
 
     @contextlib.contextmanager
     def _locked(self):
@@ -212,24 +241,6 @@ def _expected_headers(prefix: bytes, counts: np.ndarray, data: int) -> tuple[np.
     return headers, fits
 
 
-def _shard_views(source: ShardSource, shards: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, list[memoryview]]:
-    """``(group, views)``: the map of each distinct shard of ``shards`` (``views[group[i]]`` is sample
-    ``i``'s), each checked to still hold the last byte the batch copies from it (``ends``' maximum:
-    a shard that shrank raises its error). A fixed number of numpy calls, then one call per shard."""
-    if shards.min() == shards.max():  # one shard: the usual case without shuffling
-        return np.zeros(len(shards), dtype=np.int64), [memoryview(source.array(int(shards[0]), int(ends.max())))]
-    order = np.argsort(shards, kind="stable")
-    ranked = shards[order]
-    opens = np.empty(len(ranked), dtype=bool)  # where a new shard starts in ``ranked``
-    opens[0] = True
-    np.not_equal(ranked[1:], ranked[:-1], out=opens[1:])
-    firsts = np.flatnonzero(opens)
-    group = np.empty(len(shards), dtype=np.int64)
-    group[order] = np.cumsum(opens) - 1
-    last_bytes = np.maximum.reduceat(ends[order], firsts)
-    return group, [memoryview(source.array(shard, end)) for shard, end in zip(ranked[firsts].tolist(), last_bytes.tolist())]
-
-
 _checked: weakref.WeakKeyDictionary[ShardSource, CheckedTokens] = weakref.WeakKeyDictionary()
 
 
@@ -242,41 +253,55 @@ def checked(source: ShardSource) -> CheckedTokens:
 
 
 def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc: Allocator) -> dict | None:
-    """The collated plain batch of ``refs`` (all valid), or None where the batch-level path does not apply."""
+    """The collated plain batch of ``refs`` (all valid), or None where the batch-level path does not apply.
+
+    Per dataset of the batch: its table's rows (``CheckedTokens.lookup``), its keys, and each distinct
+    shard's map checked to still hold the bytes the index places in it (``ShardSource.indexed_array``:
+    one ``fstat`` a shard); then one ``memcpy`` a sample. Per batch that is a handful of numpy calls
+    and no reduction beyond the dtype test of samples not yet known (see ``CheckedTokens.uniform``);
+    the shard grouping, sizes and totals are Python over the lists the copy loop needs anyway."""
     n = len(refs)
-    starts, counts, groups = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    if len(sources) == 1:  # dataset 0: a reference is its sample index
+        parts = [(0, slice(None), refs)]
+    else:
+        parts = [(d, at, refs[at] & REF_MASK) for d, at in by_value(refs >> REF_BITS)]
+    shards, starts, counts = [None] * n, [None] * n, [None] * n
     keys: list = [None] * n
-    buffers: list[memoryview] = []
+    views: dict[tuple[int, int], memoryview] = {}
     ext = dtype = None
-    for d, at in by_value(refs >> REF_BITS):
-        source, index = sources[d], refs[at] & REF_MASK
-        table = checked(source)
+    for d, at, index in parts:
+        source, table = sources[d], checked(sources[d])
         code, shard, start, count = table.lookup(source, index)
-        if code[0] < FIRST_DTYPE_CODE or (code != code[0]).any() or ext not in (None, table.ext) or \
-                dtype not in (None, TOKEN_DTYPES[code[0] - FIRST_DTYPE_CODE]):
+        first = table.uniform if code is None else int(code[0])
+        if first < FIRST_DTYPE_CODE or (code is not None and (code != first).any()) or ext not in (None, table.ext) or \
+                dtype not in (None, TOKEN_DTYPES[first - FIRST_DTYPE_CODE]):
             return None
-        ext, dtype = table.ext, TOKEN_DTYPES[code[0] - FIRST_DTYPE_CODE]
-        starts[at], counts[at] = start, count
-        group, views = _shard_views(source, shard, start + count * dtype.itemsize)
-        groups[at] = group + len(buffers)
-        buffers += views
+        ext, dtype = table.ext, TOKEN_DTYPES[first - FIRST_DTYPE_CODE]
+        shard = shard.tolist()
+        for s in set(shard):
+            views[d, s] = memoryview(source.indexed_array(s))
         decoded = [k.decode(errors="surrogateescape") for k in source.index.keys[index].tolist()]
-        if isinstance(at, slice):
-            keys = decoded
-        else:
-            for i, k in zip(at.tolist(), decoded):
-                keys[i] = k
-    out = alloc((int(counts.sum()),), torch_dtype(dtype))
+        if len(parts) == 1:
+            shards, starts, counts, keys = [(d, s) for s in shard], start.tolist(), count.tolist(), decoded
+            lengths = count
+            continue
+        for i, s, a, c, k in zip(np.arange(n)[at].tolist(), shard, start.tolist(), count.tolist(), decoded):
+            shards[i], starts[i], counts[i], keys[i] = (d, s), a, c, k
+        lengths = None
+    size = dtype.itemsize
+    out = alloc((sum(counts),), torch_dtype(dtype))
     dst = memoryview(out.view(torch.uint8).numpy())
     pos = 0
-    for g, start, size in zip(groups.tolist(), starts.tolist(), (counts * dtype.itemsize).tolist()):
-        dst[pos : pos + size] = buffers[g][start : start + size]
-        pos += size
-    batch = bookkeeping(keys, torch.from_numpy(refs), torch.from_numpy(np.ones(n, dtype=bool)), end)
-    if (counts == counts[0]).all():
-        batch[ext], batch["__lengths__"] = out.view(n, int(counts[0])), {}
+    for s, a, c in zip(shards, starts, counts):
+        c *= size
+        dst[pos : pos + c] = views[s][a : a + c]
+        pos += c
+    batch = bookkeeping(keys, torch.from_numpy(refs), torch.ones(n, dtype=torch.bool), end)
+    if min(counts) == max(counts):
+        batch[ext], batch["__lengths__"] = out.view(n, counts[0]), {}
     else:
-        batch[ext], batch["__lengths__"] = out, {ext: torch.from_numpy(counts)}
+        lengths = torch.from_numpy(lengths) if lengths is not None else torch.tensor(counts, dtype=torch.int64)
+        batch[ext], batch["__lengths__"] = out, {ext: lengths}
     return batch
 
 

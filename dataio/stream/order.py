@@ -44,7 +44,7 @@ class EpochOrder:
         return self.size
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """Global sample indices at ``positions`` (each in ``[0, len(self))``) of ``epoch``."""
+        """Global sample indices at ``positions`` (ascending, each in ``[0, len(self))``) of ``epoch``."""
         positions = np.asarray(positions, dtype=np.int64)
         if not self.shuffle:
             shard_perm, ends, source = None, self._identity_ends, positions
@@ -65,7 +65,7 @@ class EpochOrder:
     def _unwindow(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         window = positions // self.window
         within = positions - window * self.window
-        first, last = int(window.min(initial=0)), int(window.max(initial=0))
+        first, last = (int(window[0]), int(window[-1])) if len(window) else (0, 0)  # ascending: the ends bound it
         if first == last:  # the common case: a whole batch inside one window
             return first * self.window + self._window_perm(epoch, first)[within]
         out = np.empty_like(positions)

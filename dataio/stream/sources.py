@@ -166,6 +166,11 @@ class ShardSource:
             arr = self._arrays[shard] = np.frombuffer(buf, dtype=np.uint8)
         return arr
 
+    def indexed_array(self, shard: int) -> np.ndarray:
+        """``array`` after checking that the file still holds every byte the index places in the shard:
+        one check a shard per batch, whichever of its samples the batch reads."""
+        return self.array(shard, self._needed.get(shard, 0))
+
     def _reset_if_forked(self) -> None:
         if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
             for fd in [e[2] for e in self._maps.values()] + [fd for _, fd in self._closing]:
