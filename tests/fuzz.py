@@ -368,7 +368,7 @@ def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> Non
     import shutil
 
     import webdataset as wds
-    from loader_util import index_dir
+    from tests.loader_util import index_dir
 
     from dataio import build_loader
     from dataio.stream.decode import SampleDecodeError

@@ -67,7 +67,7 @@ def test_vocab_check_runs_through_the_trainer(tmp_path, capsys, one_rank):
 
 
 def test_damaged_or_pickle_only_pretrained_path_is_one_line(tmp_path, capsys, one_rank):
-    from train_common import TINY_LLAMA, save_pretrained_tiny
+    from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
 
     make_text_dataset(tmp_path / "d", [20])
     for name in ("damaged", "bin_only"):

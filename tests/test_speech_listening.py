@@ -61,7 +61,7 @@ def write_tone_dataset(root: Path, count: int = 12) -> Path:
     tells them apart (with lengths that differ, a model memorizes a word per length, i.e. per answer position)."""
     import soundfile
     import webdataset as wds
-    from loader_util import index_dir
+    from tests.loader_util import index_dir
 
     rng = np.random.default_rng(0)
     root.mkdir(parents=True)
