@@ -3,8 +3,8 @@
 Loaded with ``configtree.from_dict(DataConfig, section)`` so an unknown key or a wrong type
 fails at load time with its dotted path (``data.datasets[1].weight: expected float, got 'x'``).
 Runtime coordinates (DP rank and size, the process group) are arguments of ``build_loader``, never
-fields here. The packing / bucketing fields belong to the batching stage (``dataio.batching.packing``,
-``dataio.batching.bucketing``); decode options to ``dataio.stream.decode``.
+fields here. The sub-sections of the stages live here too (decode, packing, bucketing), so the stages import
+their config and the config imports no stage.
 """
 
 from __future__ import annotations
@@ -12,12 +12,111 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dataio.batching.bucketing import BucketingConfig
-from dataio.batching.packing import PackingConfig
+from dataio import libsndfile
 from dataio.sizes import parse_size
-from dataio.stream.decode import DecodeConfig
+
+PACKING_ALGORITHMS = ("none", "greedy", "best_fit")
 
 DEFAULT_SEQ_LEN = 2048
+
+
+@dataclass(kw_only=True)
+class DaliConfig:
+    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``dataio.stream.dali``."""
+
+    device: Literal["cpu", "gpu"] = "cpu"  # gpu: resample + features on the GPU (needs CUDA)
+    num_threads: int = 2  # DALI CPU worker threads
+    max_batch_size: int = 64  # largest batch one pipeline run accepts
+    features: Literal["waveform", "log_mel"] = "waveform"  # log_mel: spectrogram -> mel bank -> dB
+    n_mels: int = 80
+    n_fft: int = 512
+    win_length: int = 400  # samples: 25 ms at 16 kHz
+    hop_length: int = 160  # samples: 10 ms at 16 kHz
+    quality: float = 50.0  # DALI resampling quality 0..100 (50: 16-lobe windowed sinc)
+
+
+@dataclass(kw_only=True)
+class DecodeConfig:
+    """The ``decode:`` options of the ``data:`` section."""
+
+    # soundfile: per sample here; dali: left raw here, decoded per batch by dataio.stream.dali; raw: never decoded
+    audio: Literal["soundfile", "dali", "raw"] = "soundfile"
+    sample_rate: int | None = 16000  # resample target in Hz; None keeps each file's own rate
+    mono: bool = True  # downmix all channels to one (mean)
+    dtype: Literal["float32", "int16"] = "float32"  # waveform dtype; int16 halves the bytes moved to the trainer
+    resample_quality: Literal["QQ", "LQ", "MQ", "HQ", "VHQ"] = "HQ"  # soxr quality preset
+    max_duration: float | None = None  # seconds; longer audio is a SampleDecodeError, checked before decoding
+    # soundfile's libsndfile build: auto (the system's when >= 1.1.0: 2x faster FLAC), bundled, or a path
+    libsndfile: str = "auto"
+    dali: DaliConfig = field(default_factory=DaliConfig)
+
+    def __post_init__(self):
+        if self.sample_rate is not None and self.sample_rate <= 0:
+            raise ValueError(f"decode.sample_rate must be positive or null, got {self.sample_rate}")
+        if self.max_duration is not None and self.max_duration <= 0:
+            raise ValueError(f"decode.max_duration must be positive or null, got {self.max_duration}")
+        libsndfile.check(self.libsndfile)
+
+
+@dataclass(kw_only=True)
+class PackingConfig:
+    """The packing fields of the ``data:`` section."""
+
+    seq_len: int = 2048
+    packing: Literal["none", "greedy", "best_fit"] = "best_fit"
+    packing_buffer: int = 1000  # best_fit: look-ahead buffer, in document pieces
+    open_rows: int = 8  # greedy: rows kept open for first-fit
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if self.packing not in PACKING_ALGORITHMS:
+            raise ValueError(f"packing must be one of {list(PACKING_ALGORITHMS)}, got {self.packing!r}")
+        if self.packing_buffer < 1:
+            raise ValueError(f"packing_buffer must be >= 1, got {self.packing_buffer}")
+        if self.open_rows < 1:
+            raise ValueError(f"open_rows must be >= 1, got {self.open_rows}")
+
+
+@dataclass(kw_only=True)
+class BucketingConfig:
+    """The bucketing fields of the ``data:`` section."""
+
+    max_duration: float | None = None  # seconds of (padded) audio per batch (unless bucket_batch_size)
+    num_buckets: int = 10  # duration bins (estimated when bucket_duration_bins is not given)
+    num_token_buckets: int = 1  # > 1: 2D, each duration bin split into this many token bins
+    bucket_duration_bins: list[list[float]] | None = None  # 2D bins [[max_seconds, max_tokens], ...]
+    bucket_batch_size: list[int] | None = None  # fixed batch size per bin (2D bins' order)
+    max_tokens: int | None = None  # padded output tokens per batch (2D, without bucket_batch_size)
+
+    def __post_init__(self):
+        if self.max_duration is None and self.bucket_batch_size is None:
+            raise ValueError("set max_duration (seconds of padded audio per batch) or bucket_batch_size")
+        if self.max_duration is not None and not self.max_duration > 0:
+            raise ValueError(f"max_duration must be > 0 seconds, got {self.max_duration}")
+        if self.num_buckets < 1 or self.num_token_buckets < 1:
+            raise ValueError(f"num_buckets and num_token_buckets must be >= 1, got {self.num_buckets}, "
+                             f"{self.num_token_buckets}")
+        if self.bucket_duration_bins is not None:
+            bins = self.bucket_duration_bins
+            if not bins or any(len(b) != 2 or not (b[0] > 0 and b[1] > 0) for b in bins):
+                raise ValueError(f"bucket_duration_bins must be [[max_seconds, max_tokens], ...] with positive "
+                                 f"values, got {bins}")
+            if [tuple(b) for b in bins] != sorted(tuple(b) for b in bins):
+                raise ValueError("bucket_duration_bins must be sorted by (seconds, tokens)")
+        if self.bucket_batch_size is not None:
+            want = len(self.bucket_duration_bins) if self.bucket_duration_bins else (
+                self.num_buckets * self.num_token_buckets if self.two_d else None)
+            if want is None:
+                raise ValueError("bucket_batch_size needs 2D bins (bucket_duration_bins or num_token_buckets > 1)")
+            if len(self.bucket_batch_size) != want or min(self.bucket_batch_size) < 1:
+                raise ValueError(f"bucket_batch_size needs {want} sizes >= 1 (one per bin), got "
+                                 f"{self.bucket_batch_size}")
+
+    @property
+    def two_d(self) -> bool:
+        return self.bucket_duration_bins is not None or self.num_token_buckets > 1
 
 
 @dataclass(kw_only=True)

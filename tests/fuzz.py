@@ -154,7 +154,8 @@ WAV = None  # built lazily (soundfile)
 
 
 def check_member(ext: str, data: bytes) -> None:
-    from dataio.stream.decode import Audio, DecodeConfig, SampleDecodeError, decode_sample
+    from dataio.stream.decode import Audio, SampleDecodeError, decode_sample
+    from dataio.config import DecodeConfig
     from dataio.shards.tarscan import decode_check
 
     verdict = decode_check(ext, data)

@@ -9,10 +9,11 @@ import pytest
 import soundfile
 import torch
 
-from dataio.stream import libsndfile
+from dataio import libsndfile
 from dataio.stream.audio_batch import decode_pending, mean_decoded_bytes
 from dataio.stream.collate import collate, plain_memory
-from dataio.stream.decode import Audio, DecodeConfig, PendingAudio, SampleDecodeError, decode_audio, decode_sample
+from dataio.stream.decode import Audio, PendingAudio, SampleDecodeError, decode_audio, decode_sample
+from dataio.config import DecodeConfig
 
 from tests.test_loader_audio import audio, waveforms  # noqa: F401  (the loader fixture and reader)
 

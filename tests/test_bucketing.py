@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataio.batching.bucketing import (BucketingConfig, collate_audio, consumed_indices, estimate_bucket_edges,
-                              plan_epoch)
+from dataio.batching.bucketing import collate_audio, consumed_indices, estimate_bucket_edges, plan_epoch
+from dataio.config import BucketingConfig
 
 
 def durations(n, seed=0):

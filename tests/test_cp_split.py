@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dataio.batching.cp_split import attention_work, cp_merge, cp_split
-from dataio.batching.packing import IGNORE_INDEX, Packer, PackingConfig, pack
+from dataio.batching.packing import IGNORE_INDEX, Packer, pack
+from dataio.config import PackingConfig
 
 
 def packed_batches(seed, seq_len=64, rows=2):

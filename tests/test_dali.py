@@ -14,7 +14,8 @@ import pytest
 import soundfile
 import torch
 
-from dataio.stream.decode import Audio, DaliConfig, DecodeConfig, SampleDecodeError, decode_audio, decode_sample
+from dataio.stream.decode import Audio, SampleDecodeError, decode_audio, decode_sample
+from dataio.config import DaliConfig, DecodeConfig
 
 EDGE = 200  # samples at 16 kHz: longer than either resampler's filter half-width
 

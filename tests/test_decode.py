@@ -9,14 +9,8 @@ import pytest
 import soundfile
 import torch
 
-from dataio.stream.decode import (
-    Audio,
-    DecodeConfig,
-    SampleDecodeError,
-    UnsafeMemberError,
-    decode_npy,
-    decode_sample,
-)
+from dataio.stream.decode import Audio, SampleDecodeError, UnsafeMemberError, decode_npy, decode_sample
+from dataio.config import DecodeConfig
 
 # decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/stream/decode.py); pytest resets
 # the module's own filter for torch's "not writable" warning, so it is restated here.

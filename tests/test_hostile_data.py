@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from dataio.usererror import CommandError
-from dataio.stream.decode import DecodeConfig, SampleDecodeError, decode_sample
+from dataio.stream.decode import SampleDecodeError, decode_sample
+from dataio.config import DecodeConfig
 from dataio.shards.audioheader import probe
 from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
 from tests.hostile import NAME, SIZE, base256, fix_checksum, flac_bytes, lying_flac, make_tar, pax_tar, set_field

@@ -158,7 +158,8 @@ def test_dataio_packer_batches_train_like_documents_one_by_one():
     """End to end with the real packer (best_fit, padding tails, several rows): loss sum is unchanged."""
     import numpy as np
 
-    from dataio.batching.packing import Packer, PackingConfig, pack
+    from dataio.batching.packing import Packer, pack
+    from dataio.config import PackingConfig
 
     stock, packed = _models("llama")
     rng = np.random.default_rng(3)

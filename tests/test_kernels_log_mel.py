@@ -30,7 +30,7 @@ def _compare_with_dali(device: str) -> None:
     import soundfile as sf
 
     from dataio.stream.dali import DaliAudioDecoder
-    from dataio.stream.decode import DaliConfig, DecodeConfig
+    from dataio.config import DaliConfig, DecodeConfig
 
     waves = _utterances()
     buffers = []

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.batching.packing import IGNORE_INDEX, Packer, PackingConfig, pack, reshard_states
+from dataio.batching.packing import IGNORE_INDEX, Packer, pack, reshard_states
+from dataio.config import PackingConfig
 
 ALGOS = ["none", "greedy", "best_fit"]
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from dataio.bench.corpus import demo_token_documents
 from dataio.batching.cp_split import attention_work, cp_shard
-from dataio.batching.packing import Packer, PackingConfig, pack
+from dataio.batching.packing import Packer, pack
+from dataio.config import PackingConfig
 
 
 def packed_rows(seq_len: int, rows: int) -> list[dict]:

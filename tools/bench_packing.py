@@ -43,7 +43,8 @@ from dataio.bench.corpus import simulated_token_documents
 from dataio.bench.table import cell, markdown_row
 from dataio.bench.timing import median_run
 from dataio.batching.cp_split import attention_work
-from dataio.batching.packing import Packer, PackingConfig, pack
+from dataio.batching.packing import Packer, pack
+from dataio.config import PackingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [("none", 1), ("greedy", 1), ("best_fit", 1000), ("best_fit", 10000)]

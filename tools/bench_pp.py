@@ -29,7 +29,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "
 
 def packed_rows(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
     """One global batch of ``rows`` packed rows of random documents (16..seq_len tokens)."""
-    from dataio.batching.packing import Packer, PackingConfig
+    from dataio.batching.packing import Packer
+    from dataio.config import PackingConfig
 
     rng = np.random.default_rng(seed)
     packer = Packer(PackingConfig(seq_len=seq_len, packing="greedy"), rows_per_batch=rows)

@@ -44,6 +44,6 @@ pip_install "boto3==$botocore" "botocore==$botocore" 'moto[server]' requests fil
 # conflict report: its undeclared-on-purpose torchvision would print an ERROR line on every later install.
 pip_install --no-deps --no-warn-conflicts litdata lightning-utilities
 if [ -n "$LOCK" ]; then
-    "$VENV/bin/python" -m tools.lockfile check "$LOCK" --venv "$VENV"
+    "$VENV/bin/python" -m tools.lockfile check "$LOCK"
     echo "$want" > "$stamp"
 fi

@@ -42,48 +42,9 @@ import numpy as np
 import torch
 
 from dataio.batching.packing import IGNORE_INDEX
+from dataio.config import BucketingConfig
 
 _BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart from dataio.stream.seeding's
-
-
-@dataclass(kw_only=True)
-class BucketingConfig:
-    """The bucketing fields of the ``data:`` section."""
-
-    max_duration: float | None = None  # seconds of (padded) audio per batch (unless bucket_batch_size)
-    num_buckets: int = 10  # duration bins (estimated when bucket_duration_bins is not given)
-    num_token_buckets: int = 1  # > 1: 2D, each duration bin split into this many token bins
-    bucket_duration_bins: list[list[float]] | None = None  # 2D bins [[max_seconds, max_tokens], ...]
-    bucket_batch_size: list[int] | None = None  # fixed batch size per bin (2D bins' order)
-    max_tokens: int | None = None  # padded output tokens per batch (2D, without bucket_batch_size)
-
-    def __post_init__(self):
-        if self.max_duration is None and self.bucket_batch_size is None:
-            raise ValueError("set max_duration (seconds of padded audio per batch) or bucket_batch_size")
-        if self.max_duration is not None and not self.max_duration > 0:
-            raise ValueError(f"max_duration must be > 0 seconds, got {self.max_duration}")
-        if self.num_buckets < 1 or self.num_token_buckets < 1:
-            raise ValueError(f"num_buckets and num_token_buckets must be >= 1, got {self.num_buckets}, "
-                             f"{self.num_token_buckets}")
-        if self.bucket_duration_bins is not None:
-            bins = self.bucket_duration_bins
-            if not bins or any(len(b) != 2 or not (b[0] > 0 and b[1] > 0) for b in bins):
-                raise ValueError(f"bucket_duration_bins must be [[max_seconds, max_tokens], ...] with positive "
-                                 f"values, got {bins}")
-            if [tuple(b) for b in bins] != sorted(tuple(b) for b in bins):
-                raise ValueError("bucket_duration_bins must be sorted by (seconds, tokens)")
-        if self.bucket_batch_size is not None:
-            want = len(self.bucket_duration_bins) if self.bucket_duration_bins else (
-                self.num_buckets * self.num_token_buckets if self.two_d else None)
-            if want is None:
-                raise ValueError("bucket_batch_size needs 2D bins (bucket_duration_bins or num_token_buckets > 1)")
-            if len(self.bucket_batch_size) != want or min(self.bucket_batch_size) < 1:
-                raise ValueError(f"bucket_batch_size needs {want} sizes >= 1 (one per bin), got "
-                                 f"{self.bucket_batch_size}")
-
-    @property
-    def two_d(self) -> bool:
-        return self.bucket_duration_bins is not None or self.num_token_buckets > 1
 
 
 @dataclass(kw_only=True)

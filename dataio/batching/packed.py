@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from dataio.batching.packing import IGNORE_INDEX, Packer, reshard_states
+from dataio.batching.packing import Packer, reshard_states
 from dataio.loader_state import MAX_COUNT, StateError
 from dataio.stream.batches import token_ext
 from dataio.stream.refs import REF_BITS, split_ref

@@ -62,37 +62,16 @@ import itertools
 import operator
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Literal, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
+from dataio.config import PACKING_ALGORITHMS, PackingConfig
 from kernels.loss import IGNORE_INDEX  # labels where no loss is taken: the loss kernels' convention
 
-ALGORITHMS = ("none", "greedy", "best_fit")
 STATE_VERSION = 1
 _bucket_entries = operator.itemgetter(0)  # of a best_fit bucket (state entries, pieces)
-
-
-@dataclass(kw_only=True)
-class PackingConfig:
-    """The packing fields of the ``data:`` section."""
-
-    seq_len: int = 2048
-    packing: Literal["none", "greedy", "best_fit"] = "best_fit"
-    packing_buffer: int = 1000  # best_fit: look-ahead buffer, in document pieces
-    open_rows: int = 8  # greedy: rows kept open for first-fit
-    pad_id: int = 0
-
-    def __post_init__(self):
-        if self.seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
-        if self.packing not in ALGORITHMS:
-            raise ValueError(f"packing must be one of {list(ALGORITHMS)}, got {self.packing!r}")
-        if self.packing_buffer < 1:
-            raise ValueError(f"packing_buffer must be >= 1, got {self.packing_buffer}")
-        if self.open_rows < 1:
-            raise ValueError(f"open_rows must be >= 1, got {self.open_rows}")
 
 
 class Piece(NamedTuple):
@@ -429,5 +408,5 @@ def pack(documents: Iterable[tuple[int, np.ndarray]], packer: Packer) -> Iterato
         yield batch
 
 
-__all__ = ["ALGORITHMS", "IGNORE_INDEX", "FillTotals", "Packer", "PackingConfig", "Piece", "pack",
+__all__ = ["PACKING_ALGORITHMS", "IGNORE_INDEX", "FillTotals", "Packer", "PackingConfig", "Piece", "pack",
            "reshard_states"]

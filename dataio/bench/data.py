@@ -32,7 +32,8 @@ import torch
 from dataio.config import DataConfig
 from dataio.shards.formats import is_audio_member, is_token_member
 from dataio.stream.collate import collate
-from dataio.stream.decode import DecodeConfig, decode_audio
+from dataio.stream.decode import decode_audio
+from dataio.config import DecodeConfig
 from dataio.stream.sources import ShardSource
 from dataio.stream.workers import process_memory
 

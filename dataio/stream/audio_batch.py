@@ -36,10 +36,10 @@ import numpy as np
 import soundfile
 import torch
 
-from dataio.stream import libsndfile
+from dataio import libsndfile
 from dataio.stream.collate import Allocator
-from dataio.stream.decode import (Audio, DecodeConfig, PendingAudio, SampleDecodeError, downmixed_and_resampled,
-                                  member_error)
+from dataio.stream.decode import Audio, PendingAudio, SampleDecodeError, downmixed_and_resampled, member_error
+from dataio.config import DecodeConfig
 
 PCM16_SCALE = np.float32(1.0 / 0x8000)  # libsndfile's short -> float factor (a power of two: exact)
 _TORCH = {"float32": torch.float32, "int16": torch.int16}

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dataio.stream.decode import Audio, Buffer, DecodeConfig, SampleDecodeError
+from dataio.stream.decode import Audio, Buffer, SampleDecodeError
+from dataio.config import DecodeConfig
 from dataio.shards.formats import is_audio_member
 
 

@@ -14,7 +14,7 @@ module-level table, built once at import:
 - ``json`` -> ``json.loads``; ``txt`` -> ``str`` (UTF-8); ``cls``/``cls2``/``class``/``index``/``id``
   /``count`` -> ``int``.
 - audio (``flac wav ogg opus mp3``, what libsndfile decodes) -> ``Audio(waveform, sample_rate)``
-  through soundfile (the libsndfile build ``decode.libsndfile`` picks, ``dataio.stream.libsndfile``),
+  through soundfile (the libsndfile build ``decode.libsndfile`` picks, ``dataio.libsndfile``),
   downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With ``defer_audio`` (the loader's
   plain batches) a FLAC / WAV member only has its header parsed and checked here (``PendingAudio``) and
   is decoded with the rest of its batch straight into the batch tensor (``dataio.stream.audio_batch``). With
@@ -41,8 +41,7 @@ import math
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import soundfile
@@ -51,51 +50,14 @@ import torch
 
 from dataio.shards.audioheader import (HEADER_BYTES, UNKNOWN_FRAMES, WavFormat, check_declared, parse_header,
                                        read_unknown_length, wav_format)
-from dataio.stream import libsndfile
+from dataio import libsndfile
+from dataio.config import DecodeConfig
 from dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
 
 Buffer = bytes | bytearray | memoryview
 
 PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth", "pt"})
 NATIVE_LITTLE = sys.byteorder == "little"
-
-
-@dataclass(kw_only=True)
-class DaliConfig:
-    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``dataio.stream.dali``."""
-
-    device: Literal["cpu", "gpu"] = "cpu"  # gpu: resample + features on the GPU (needs CUDA)
-    num_threads: int = 2  # DALI CPU worker threads
-    max_batch_size: int = 64  # largest batch one pipeline run accepts
-    features: Literal["waveform", "log_mel"] = "waveform"  # log_mel: spectrogram -> mel bank -> dB
-    n_mels: int = 80
-    n_fft: int = 512
-    win_length: int = 400  # samples: 25 ms at 16 kHz
-    hop_length: int = 160  # samples: 10 ms at 16 kHz
-    quality: float = 50.0  # DALI resampling quality 0..100 (50: 16-lobe windowed sinc)
-
-
-@dataclass(kw_only=True)
-class DecodeConfig:
-    """The ``decode:`` options of the ``data:`` section."""
-
-    # soundfile: per sample here; dali: left raw here, decoded per batch by dataio.stream.dali; raw: never decoded
-    audio: Literal["soundfile", "dali", "raw"] = "soundfile"
-    sample_rate: int | None = 16000  # resample target in Hz; None keeps each file's own rate
-    mono: bool = True  # downmix all channels to one (mean)
-    dtype: Literal["float32", "int16"] = "float32"  # waveform dtype; int16 halves the bytes moved to the trainer
-    resample_quality: Literal["QQ", "LQ", "MQ", "HQ", "VHQ"] = "HQ"  # soxr quality preset
-    max_duration: float | None = None  # seconds; longer audio is a SampleDecodeError, checked before decoding
-    # soundfile's libsndfile build: auto (the system's when >= 1.1.0: 2x faster FLAC), bundled, or a path
-    libsndfile: str = "auto"
-    dali: DaliConfig = field(default_factory=DaliConfig)
-
-    def __post_init__(self):
-        if self.sample_rate is not None and self.sample_rate <= 0:
-            raise ValueError(f"decode.sample_rate must be positive or null, got {self.sample_rate}")
-        if self.max_duration is not None and self.max_duration <= 0:
-            raise ValueError(f"decode.max_duration must be positive or null, got {self.max_duration}")
-        libsndfile.check(self.libsndfile)
 
 
 class Audio(NamedTuple):

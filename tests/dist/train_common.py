@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dataio.batching.packing import Packer, PackingConfig
+from dataio.batching.packing import Packer
+from dataio.config import PackingConfig
 
 VOCAB = 256
 TINY_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
