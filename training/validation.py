@@ -43,10 +43,12 @@ from dataio.batching.prefetch import DevicePrefetcher
 from kernels.loss import IGNORE_INDEX
 from training.config.job_config import val_data_config
 from training.components.data import open_data
+from training.components.labels import labelled_tokens, mask_invalid_rows
 from training.config.validate import check_data_paths, check_validation
 from training.distributed.context_parallel import rank_batch_transform
 from training.distributed.process_group import new_tail_group
 from training.speech.job import wrap_loader
+from training.speech.listening import validate_listening
 from training.step import step_forward, uses_autocast
 
 PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")
@@ -59,20 +61,6 @@ def documents_started(batch: dict) -> int:
         return sum(offset == 0 for row in batch["__docs__"] for _, offset, _ in row)
     valid = batch.get("__valid__")
     return len(batch["__key__"]) if valid is None else int(torch.as_tensor(valid).sum())
-
-
-def labelled_tokens(batch: dict) -> int:
-    return int((batch["labels"] != IGNORE_INDEX).sum())
-
-
-def mask_invalid_rows(batch: dict) -> dict:
-    """Labels of the rows flagged ``__valid__ = False`` (a rank's tail padding sample) set to -100."""
-    valid = batch.get("__valid__")
-    if valid is None or bool(torch.as_tensor(valid).all()):
-        return batch
-    labels = batch["labels"].clone()
-    labels[~torch.as_tensor(valid, dtype=torch.bool)] = IGNORE_INDEX
-    return {**batch, "labels": labels}
 
 
 @contextlib.contextmanager
@@ -228,8 +216,6 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
                         loss_group=meshes["dp_cp"].get_group(), dp_group=dp.get_group())
 
     if cfg.model.kind == "salm":  # + the loss with other utterances' audio (training.speech.listening)
-        from training.speech.listening import validate_listening
-
         return lambda: validate_listening(run, forward)
     return lambda: run(forward)
 

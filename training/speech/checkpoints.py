@@ -35,11 +35,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import PretrainedConfig
 
-from training.config.speech import AUDIO_PLACEHOLDER, EncoderConfig
-from training.speech.encoders import WhisperFrontEnd, _config_fields, _no_layerdrop, masked_frames
+from training.config.speech import AUDIO_PLACEHOLDER
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
@@ -51,67 +48,6 @@ BASE_PROMPTS = {"qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>De
                                "speech: <|en|>",
                 "voxtral": f"[INST][BEGIN_AUDIO]{AUDIO_PLACEHOLDER}[/INST]"}
 AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "voxtral": "[AUDIO]"}
-
-
-class Qwen2AudioFrontEnd(WhisperFrontEnd):
-    """Whisper's features and window; Qwen2-Audio's encoder, mask and frame counts (module docstring)."""
-
-    def config(self, cfg: EncoderConfig) -> PretrainedConfig:
-        from transformers import Qwen2AudioEncoderConfig
-
-        fields = _config_fields(cfg, ("qwen2_audio_encoder",))
-        _no_layerdrop(fields, "encoder_layerdrop")
-        return Qwen2AudioEncoderConfig(**fields)
-
-    def build(self, config: PretrainedConfig) -> nn.Module:
-        from transformers import Qwen2AudioEncoder
-
-        return Qwen2AudioEncoder(config)
-
-    def initialize(self, encoder: nn.Module) -> None:
-        encoder.initialize_weights()
-
-    def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        conv_frames = (frames - 1) // 2 + 1
-        width = (feats.shape[-1] - 2) // 2 + 1  # what Qwen2AudioModel sizes the mask by
-        mask = create_bidirectional_mask(config=encoder.config, inputs_embeds=feats.new_zeros(len(feats), width, 1),
-                                         attention_mask=masked_frames(conv_frames, width).long())
-        return encoder(feats, attention_mask=mask).last_hidden_state
-
-    def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
-        from kernels.log_mel import whisper_num_frames
-
-        return encoder._get_feat_extract_output_lengths(whisper_num_frames(audio_lens))[1].long()
-
-    def checkpoint_prefix(self, path: str) -> str:
-        return ""  # an encoder-only directory (``convert`` writes one)
-
-
-class VoxtralFrontEnd(WhisperFrontEnd):
-    """Whisper's features and window; Voxtral's encoder, every window frame an output (module docstring)."""
-
-    def config(self, cfg: EncoderConfig) -> PretrainedConfig:
-        from transformers import VoxtralEncoderConfig
-
-        fields = _config_fields(cfg, ("voxtral_encoder",))
-        _no_layerdrop(fields, "encoder_layerdrop")
-        return VoxtralEncoderConfig(**fields)
-
-    def build(self, config: PretrainedConfig) -> nn.Module:
-        from transformers import VoxtralEncoder
-
-        return VoxtralEncoder(config)
-
-    def initialize(self, encoder: nn.Module) -> None:
-        encoder.initialize_weights()
-
-    def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(audio_lens, encoder.config.max_source_positions, dtype=torch.long)
-
-    def checkpoint_prefix(self, path: str) -> str:
-        return ""
 
 
 def chat_prompt(checkpoint: Path, kind: str) -> str:
@@ -194,4 +130,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Qwen2AudioFrontEnd", "VoxtralFrontEnd", "chat_prompt", "convert"]
+__all__ = ["chat_prompt", "convert"]

@@ -20,6 +20,9 @@ from collections.abc import Callable
 
 import torch
 
+from training.components.labels import labelled_tokens, mask_invalid_rows
+from training.speech.job import SALM_INPUTS, salm_loss_sum
+
 def partner_rows(batch_size: int) -> torch.Tensor:
     """The row whose audio each row gets: ``i -> (i + 1) mod B`` (never itself when ``B > 1``)."""
     return (torch.arange(batch_size) + 1) % batch_size
@@ -53,9 +56,6 @@ def listening_sums(model, step_batch: dict, device: torch.device) -> torch.Tenso
     """``[own loss sum, mismatched loss sum, answer tokens]`` (float64, on the host) of one SALM step batch
     (``SpeechBatches.convert``'s), tail padding rows (``__valid__`` False) left out. Two forwards, in eval mode
     as the caller set it."""
-    from training.speech.job import SALM_INPUTS, salm_loss_sum
-    from training.validation import labelled_tokens, mask_invalid_rows
-
     batch = mask_invalid_rows(step_batch)
     batch = {k: batch[k].to(device) for k in SALM_INPUTS}
     own = salm_loss_sum(model, batch, False)
