@@ -14,9 +14,9 @@ __all__ = ["build_loader"]
 
 
 def __getattr__(name: str):
-    # Lazy so that `import dataio` (and the `dataio` CLI's --help) does not pay for torch.
+    # Lazy so that `import headrace.dataio` (and the `dataio` CLI's --help) does not pay for torch.
     if name == "build_loader":
-        from dataio.loader import build_loader
+        from headrace.dataio.loader import build_loader
 
         return build_loader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from dataio.cli import main
+from headrace.dataio.cli import main
 
 raise SystemExit(main())

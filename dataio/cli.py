@@ -10,15 +10,15 @@ import argparse
 import importlib
 import sys
 
-from dataio.usererror import EXIT_USER_ERROR, CommandError, debug_requested, is_user_error, one_line
+from headrace.dataio.usererror import EXIT_USER_ERROR, CommandError, debug_requested, is_user_error, one_line
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "shard": ("dataio.commands.shard", "turn corpora into indexed WebDataset shards"),
-    "index": ("dataio.commands.index", "write .nv-meta index/metadata for tar shards written elsewhere"),
-    "inspect": ("dataio.commands.inspect", "summarise a shard directory"),
-    "verify": ("dataio.commands.verify", "re-read every shard and check index, counts and members"),
-    "bench": ("dataio.commands.bench", "loader throughput benchmark against peer loaders"),
+    "shard": ("headrace.dataio.commands.shard", "turn corpora into indexed WebDataset shards"),
+    "index": ("headrace.dataio.commands.index", "write .nv-meta index/metadata for tar shards written elsewhere"),
+    "inspect": ("headrace.dataio.commands.inspect", "summarise a shard directory"),
+    "verify": ("headrace.dataio.commands.verify", "re-read every shard and check index, counts and members"),
+    "bench": ("headrace.dataio.commands.bench", "loader throughput benchmark against peer loaders"),
 }
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dataio inspect DIR --json | head`: the reader left; that is not an error
         _silence_stdout()
         return 0
-    except Exception as e:  # input errors: one line (dataio.usererror); bugs: the traceback
+    except Exception as e:  # input errors: one line (headrace.dataio.usererror); bugs: the traceback
         if not is_user_error(e) or debug_requested(args.debug):
             raise
         print(f"dataio {args.command}: error: {one_line(e)}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The ``data:`` section: one typed config for loading everywhere (bench, training, tests).
 
-Loaded with ``configtree.from_dict(DataConfig, section)`` so an unknown key or a wrong type
+Loaded with ``headrace.config.from_dict(DataConfig, section)`` so an unknown key or a wrong type
 fails at load time with its dotted path (``data.datasets[1].weight: expected float, got 'x'``).
 Runtime coordinates (DP rank and size, the process group) are arguments of ``build_loader``, never
 fields here. The sub-sections of the stages live here too (decode, packing, bucketing), so the stages import
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dataio import libsndfile
-from dataio.sizes import parse_size
+from headrace.dataio import libsndfile
+from headrace.dataio.sizes import parse_size
 
 PACKING_ALGORITHMS = ("none", "greedy", "best_fit")
 
@@ -22,7 +22,7 @@ DEFAULT_SEQ_LEN = 2048
 
 @dataclass(kw_only=True)
 class DaliConfig:
-    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``dataio.stream.dali``."""
+    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``headrace.dataio.stream.dali``."""
 
     device: Literal["cpu", "gpu"] = "cpu"  # gpu: resample + features on the GPU (needs CUDA)
     num_threads: int = 2  # DALI CPU worker threads
@@ -39,7 +39,7 @@ class DaliConfig:
 class DecodeConfig:
     """The ``decode:`` options of the ``data:`` section."""
 
-    # soundfile: per sample here; dali: left raw here, decoded per batch by dataio.stream.dali; raw: never decoded
+    # soundfile: per sample here; dali: left raw here, decoded per batch by headrace.dataio.stream.dali; raw: never decoded
     audio: Literal["soundfile", "dali", "raw"] = "soundfile"
     sample_rate: int | None = 16000  # resample target in Hz; None keeps each file's own rate
     mono: bool = True  # downmix all channels to one (mean)
@@ -122,7 +122,7 @@ class BucketingConfig:
 @dataclass(kw_only=True)
 class DatasetSpec:
     path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), an energon metadataset YAML
-    # (dataio.stream.metadataset; split picks its splits: key), or see dataio.stream.interop
+    # (headrace.dataio.stream.metadataset; split picks its splits: key), or see headrace.dataio.stream.interop
     weight: float = 1.0  # relative share of the blended stream
     split: str = "train"  # which shards of the directory (the manifest's split of each shard)
     # fsspec options of a URL path (s3fs: endpoint_url, key, secret, anon, client_kwargs, ...); the
@@ -140,7 +140,7 @@ class DataConfig:
     seed: int | Literal["randomized"] = 0  # "randomized": a fresh seed, logged and kept in the state
     shuffle: bool = True
     shuffle_window: int = 8192  # samples permuted together after the shard shuffle (no buffer)
-    epochs: int | None = None  # None: endless; N: the stream ends after N passes (see dataio.stream.blend)
+    epochs: int | None = None  # None: endless; N: the stream ends after N passes (see headrace.dataio.stream.blend)
     stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
     batch_size: int = 32
     num_workers: int = 2
@@ -150,20 +150,20 @@ class DataConfig:
     max_bad_samples: int = 0  # undecodable / corrupt samples skipped (per DP rank) before it is an error
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     # Local disk cache of remote (URL) shards, shared by the workers and ranks of a node
-    # (dataio.stream.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
+    # (headrace.dataio.stream.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
     cache_dir: str | None = None  # None: remote shards are read by ranged GETs on every epoch
     cache_limit: int | str | None = None  # bytes or a size ("50GB", "1.5TiB"); least recently used evicted; None: no limit
-    # The batching stage (dataio.batching.packing / dataio.batching.bucketing). Token batches come in one of two layouts:
-    # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from dataio.batching.packing
+    # The batching stage (headrace.dataio.batching.packing / headrace.dataio.batching.bucketing). Token batches come in one of two layouts:
+    # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from headrace.dataio.batching.packing
     # (packing: none puts one document per row, padded: the trainer's unpacked baseline);
-    # packing: none without seq_len: dataio.stream.collate's plain batch (flat tokens + lengths, keys).
+    # packing: none without seq_len: headrace.dataio.stream.collate's plain batch (flat tokens + lengths, keys).
     packing: Literal["none", "greedy", "best_fit"] = "none"
     seq_len: int | None = None  # tokens per row; greedy / best_fit without it use DEFAULT_SEQ_LEN
     packing_buffer: int = 1000
     pad_id: int = 0  # input_ids of padding (labels there are -100 whatever it is)
     bucketing: BucketingConfig | None = None
     # The trainer's validation stream: keys laid over this section (e.g. datasets with split: val), one
-    # epoch; the loader itself never reads it (see training.validation).
+    # epoch; the loader itself never reads it (see headrace.training.validation).
     val: dict[str, Any] | None = None
 
     def __post_init__(self):
@@ -189,13 +189,13 @@ class DataConfig:
             raise ValueError(f"epochs must be >= 1 or null (endless), got {self.epochs}")
 
     def packing_config(self) -> PackingConfig:
-        """The packing fields as ``dataio.batching.packing``'s own config (only with ``seq_len`` set)."""
+        """The packing fields as ``headrace.dataio.batching.packing``'s own config (only with ``seq_len`` set)."""
         return PackingConfig(seq_len=self.seq_len, packing=self.packing, pad_id=self.pad_id,
                              packing_buffer=self.packing_buffer)
 
     @property
     def thd(self) -> bool:
-        """Whether token batches are THD rows (``dataio.batching.packing``) rather than the plain collate."""
+        """Whether token batches are THD rows (``headrace.dataio.batching.packing``) rather than the plain collate."""
         return self.seq_len is not None
 
 

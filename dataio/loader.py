@@ -3,24 +3,24 @@
 The whole stream is a pure function of position, composed of small stages (the map of a sample's
 path, stage by stage, with each stage's state, is docs/data-path.md):
 
-1. ``dataio.stream.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form
-   (``dataio.stream.epochized`` for an energon ``blend_epochized`` metadataset, ``dataio.stream.datasets``).
-2. ``dataio.stream.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``,
+1. ``headrace.dataio.stream.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form
+   (``headrace.dataio.stream.epochized`` for an energon ``blend_epochized`` metadataset, ``headrace.dataio.stream.datasets``).
+2. ``headrace.dataio.stream.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``,
    shuffled by shard order and in-window permutation from the seed -> a global sample index.
-3. ``dataio.stream.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
+3. ``headrace.dataio.stream.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
    ``[j0 + b*B, j0 + (b+1)*B)``.
-4. ``dataio.stream.batches`` reads the samples by offset (``dataio.stream.sources``), decodes them
-   (``dataio.stream.decode``; DALI per batch in ``dataio.stream.dali``) and collates the plain batch
-   (``dataio.stream.collate``), in worker processes (``dataio.stream.workers``) read back in order;
-   ``dataio.stream.rank`` holds the rank's position.
-5. One batching stage (``dataio.batching.stage``) turns that into the trainer's batches: ``plain``,
-   ``packed`` (THD rows, ``dataio.batching.packing``) or ``bucketed`` (``dataio.batching.bucketing``).
+4. ``headrace.dataio.stream.batches`` reads the samples by offset (``headrace.dataio.stream.sources``), decodes them
+   (``headrace.dataio.stream.decode``; DALI per batch in ``headrace.dataio.stream.dali``) and collates the plain batch
+   (``headrace.dataio.stream.collate``), in worker processes (``headrace.dataio.stream.workers``) read back in order;
+   ``headrace.dataio.stream.rank`` holds the rank's position.
+5. One batching stage (``headrace.dataio.batching.stage``) turns that into the trainer's batches: ``plain``,
+   ``packed`` (THD rows, ``headrace.dataio.batching.packing``) or ``bucketed`` (``headrace.dataio.batching.bucketing``).
 
 So the state is tiny -- the layout (a start position and, rarely, a few skip ranges), the rank-local
 position the trainer has consumed, the bad-sample count, the seed, and the stage's own state (the
 packer's document references, the bucketing epoch and step) -- and restoring it in a new process with
 any ``dp_size`` / ``num_workers`` continues the stream with nothing lost or repeated (see
-``dataio.stream.split`` for the re-layout rule). Memory is bounded by the index (memory-mapped) plus
+``headrace.dataio.stream.split`` for the re-layout rule). Memory is bounded by the index (memory-mapped) plus
 one shuffle window per worker, independent of the epoch length.
 """
 
@@ -33,16 +33,16 @@ from typing import Iterator
 
 import torch
 
-from configtree import from_dict
-from dataio.batching.bucketed import BucketedBatches
-from dataio.batching.packed import PackedBatches
-from dataio.batching.plain import PlainBatches
-from dataio.batching.stage import Stage
-from dataio.config import DataConfig
-from dataio.loader_state import STATE_VERSION, StateError, check_states, data_identity
-from dataio.stream.datasets import open_datasets, open_source
-from dataio.stream.rank import RankStream
-from dataio.stream.seeding import fresh_seed
+from headrace.config import from_dict
+from headrace.dataio.batching.bucketed import BucketedBatches
+from headrace.dataio.batching.packed import PackedBatches
+from headrace.dataio.batching.plain import PlainBatches
+from headrace.dataio.batching.stage import Stage
+from headrace.dataio.config import DataConfig
+from headrace.dataio.loader_state import STATE_VERSION, StateError, check_states, data_identity
+from headrace.dataio.stream.datasets import open_datasets, open_source
+from headrace.dataio.stream.rank import RankStream
+from headrace.dataio.stream.seeding import fresh_seed
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Loader:
         """A new data seed for this job (call after ``load_state_dict`` with every old rank's state, before
         iterating; the same on every rank). It orders each dataset's epochs that no rank had begun at the
         resume; epochs already begun keep their seed, so no sample of them repeats or is skipped
-        (``dataio.stream.seeding``). Worker augmentation streams take it at once. Returns the first
+        (``headrace.dataio.stream.seeding``). Worker augmentation streams take it at once. Returns the first
         reseeded epoch of each dataset."""
         return self.stream.reseed(seed)
 

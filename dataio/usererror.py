@@ -1,6 +1,6 @@
 """Errors of the user's making are one line; bugs keep their traceback.
 
-One rule for both entry points (``dataio`` and ``python -m training``): an exception is the user's
+One rule for both entry points (``dataio`` and ``python -m headrace.training``): an exception is the user's
 (a config value, a data file, a file-system path) when it is one of the project's input-error types
 (``ConfigError``, ``CommandError``, ``PrepareError``, ``OutputLocked``, the shard/sample/tar format
 errors, ``SampleError``, a loader ``StateError``) or an
@@ -27,13 +27,13 @@ class CommandError(Exception):
 
 def _user_error_types() -> tuple[type, ...]:
     # imported on the first error, not at start-up: these modules pull in numpy, soundfile and torch
-    from configtree import ConfigError
-    from dataio.loader_state import StateError
-    from dataio.prepare.job import PrepareError
-    from dataio.prepare.readers import SampleError
-    from dataio.shards.outdir import OutputLocked
-    from dataio.shards.tarscan import TarFormatError
-    from dataio.stream.decode import SampleDecodeError
+    from headrace.config import ConfigError
+    from headrace.dataio.loader_state import StateError
+    from headrace.dataio.prepare.job import PrepareError
+    from headrace.dataio.prepare.readers import SampleError
+    from headrace.dataio.shards.outdir import OutputLocked
+    from headrace.dataio.shards.tarscan import TarFormatError
+    from headrace.dataio.stream.decode import SampleDecodeError
 
     return (ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, StateError,
             TarFormatError)

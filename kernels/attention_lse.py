@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.varlen_attention import cached_per_batch, plan_buckets
+from headrace.kernels.varlen_attention import cached_per_batch, plan_buckets
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,

@@ -1,6 +1,6 @@
 """Context-parallel document-masked causal attention over packed THD rows split by ``cp_split``.
 
-Layout (``dataio.batching.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment
+Layout (``headrace.dataio.batching.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment
 of the packed row (document pieces and padding alike) is padded to a multiple of 2P and cut into 2P chunks of c
 tokens; rank r holds chunks r ("head") and 2P-1-r ("tail") of every segment, so its local ``cu_seqlens``
 has segments of 2c. Chunk ids give the mask without any position tensor: a query chunk a attends a key
@@ -12,7 +12,7 @@ head/tail pair of rank r against that of rank s the kinds are the same for every
 - s != r: tail x head full, plus head x head (s < r) or tail x tail (s > r) full.
 
 Every rank does 2P c x c blocks' worth of work per segment: balanced. Blocks run through
-``kernels.attention_lse`` (CPU flash kernel bucketed / CUDA flash varlen) and are merged by their
+``headrace.kernels.attention_lse`` (CPU flash kernel bucketed / CUDA flash varlen) and are merged by their
 log-sum-exp. Two ways to get the other ranks' K/V (``mode``):
 
 - ``allgather``: one ``all_gather`` of the local K/V per layer; local queries attend the gathered keys.
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.attention_lse import block_backward, block_forward, merge_into
-from kernels.collectives import all_gather_flat, reduce_scatter_flat
-from kernels.varlen_attention import cached_per_batch, validate_cu_seqlens
+from headrace.kernels.attention_lse import block_backward, block_forward, merge_into
+from headrace.kernels.collectives import all_gather_flat, reduce_scatter_flat
+from headrace.kernels.varlen_attention import cached_per_batch, validate_cu_seqlens
 
 MODES = ("allgather", "ring")
 _KV_TAG, _GRAD_TAG = 1, 2
@@ -71,7 +71,7 @@ def half_layout(cu_seqlens: torch.Tensor, total_tokens: int) -> HalfLayout:
     seg = cu[1:] - cu[:-1]
     if bool((seg % 2).any()):
         raise ValueError("context-parallel cu_seqlens must have even segments (two chunks each; see "
-                         "dataio.batching.cp_split)")
+                         "headrace.dataio.batching.cp_split)")
     chunk = seg // 2
     starts = torch.repeat_interleave(cu[:-1], chunk)
     within = torch.arange(int(chunk.sum()), device=cu.device) - torch.repeat_interleave(cu[:-1] // 2, chunk)
@@ -95,7 +95,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                  group: dist.ProcessGroup, *, mode: str = "allgather", scale: float | None = None) -> torch.Tensor:
     """Causal document-masked attention of this rank's queries against the keys of the whole CP group.
 
-    ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``dataio.batching.cp_split`` order,
+    ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``headrace.dataio.batching.cp_split`` order,
     ``cu_seqlens`` its local boundaries (segments of two equal chunks, the same on every rank). Returns
     ``(T, H, D_v)``; differentiable in q, k, v.
     """

@@ -1,11 +1,11 @@
 """The lm_head loss through a maintained fused kernel on CUDA: Liger Kernel's fused linear cross-entropy.
 
-``linear_cross_entropy_kernel(device_type)`` picks how ``training.models.loss.lm_head_loss_sum`` computes the summed
+``linear_cross_entropy_kernel(device_type)`` picks how ``headrace.training.models.loss.lm_head_loss_sum`` computes the summed
 cross-entropy of ``hidden @ weight.T``: on CUDA with the optional ``liger`` extra installed
 (``pip install 'headrace[liger]'``: ``liger-kernel``, Triton), ``LigerFusedLinearCrossEntropyLoss`` (Triton
 kernels that compute each chunk's logits, loss and gradients in place, no fp32 ``[tokens, vocab]`` logits
 and no per-chunk fp32 weight-gradient adds); otherwise (CPU, no Liger, no Triton)
-``kernels.loss.linear_cross_entropy``, the chunked PyTorch path. The choice and its reason are printed
+``headrace.kernels.loss.linear_cross_entropy``, the chunked PyTorch path. The choice and its reason are printed
 once per device type. Liger runs in the dtype it is given: both operands are cast to the autocast dtype
 when autocast is on (as ``lm_head`` would run), else to their common dtype.
 
@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels.loss import IGNORE_INDEX
+from headrace.kernels.loss import IGNORE_INDEX
 
 
 def liger_loss_class():

@@ -2,14 +2,14 @@
 
 Usage (the trainer does exactly this)::
 
-    from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
+    from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
 
     attn = register_varlen_attention()            # -> "headrace_varlen"; idempotent
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)   # or model.set_attn_implementation(attn)
     logits = model(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
     # batch = dataio packing's {input_ids, labels, position_ids, cu_seqlens, max_seqlen}; labels are
     # already next-token: sum F.cross_entropy(logits, labels, ignore_index=-100), don't pass labels=.
-    # Without full logits (kernels.loss): inside the FSDP root module's forward,
+    # Without full logits (headrace.kernels.loss): inside the FSDP root module's forward,
     #   hidden = model.model(input_ids=..., **packed_attention_kwargs(batch)).last_hidden_state
     #   loss_sum, num_tokens = linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"])
 
@@ -25,9 +25,9 @@ the attention function refuses any mask it is given. The document structure come
 ``cu_seq_lens_q`` (or, if absent, from ``position_ids`` restarting at 0).
 
 Context parallelism: with ``cp_group`` (a process group) and ``cp_comm`` (``allgather`` | ``ring``) among
-the model kwargs (``context_parallel_kwargs``), the batch is one CP rank's ``dataio.batching.cp_split`` shard
+the model kwargs (``context_parallel_kwargs``), the batch is one CP rank's ``headrace.dataio.batching.cp_split`` shard
 (``position_ids`` are the global positions, so RoPE is right) and the attention runs over the group
-through ``kernels.cp_attention``.
+through ``headrace.kernels.cp_attention``.
 
 Scope: training and full-sequence forward. Decoding with a KV cache, a sliding window shorter than
 the longest document (a longer one masks nothing: Mistral's 4096 on shorter rows), softcapping and
@@ -40,8 +40,8 @@ from collections.abc import Mapping
 
 import torch
 
-from kernels.cp_attention import cp_attention
-from kernels.varlen_attention import (
+from headrace.kernels.cp_attention import cp_attention
+from headrace.kernels.varlen_attention import (
     block_mask_from_tables,
     bucket_plan_from_tree,
     cached_per_batch,
@@ -69,7 +69,7 @@ def packed_attention_kwargs(batch: Mapping[str, object]) -> dict[str, object]:
     padding included as its own segment) and ``max_seqlen`` are used when present, else derived from
     ``position_ids``. Call it once per micro-batch: the attention plan is cached on the returned
     ``cu_seqlens`` tensor and shared by all layers. A batch carrying ``attention_plan``
-    (``kernels.packed_layout``: checked and planned on the host, before the device copy) is not read here
+    (``headrace.kernels.packed_layout``: checked and planned on the host, before the device copy) is not read here
     nor by the kernels; without one, ``cu_seqlens`` is checked and planned from its device values.
     """
     position_ids = batch["position_ids"]
@@ -107,7 +107,7 @@ def context_parallel_kwargs(group, mode: str) -> dict[str, object]:
 
 
 # Never traced by torch.compile (a compiled decoder block graph-breaks here): dynamo would bake the first
-# micro-batch's cached document plan (kernels.varlen_attention.cached_per_batch) into the graph and reuse
+# micro-batch's cached document plan (headrace.kernels.varlen_attention.cached_per_batch) into the graph and reuse
 # it for later packings -- measured: a per-block-compiled FSDP2 step's loss off by 4e-3. The backends run
 # compiled or fused kernels of their own (flex is compiled inside, flash-attn is one CUDA call).
 @torch.compiler.disable
@@ -152,7 +152,7 @@ def hf_varlen_attention(
     cu = cu_seq_lens_q
     if cu is None:
         if position_ids is None:
-            raise ValueError(f"{ATTENTION_NAME} needs cu_seq_lens_q or position_ids; see kernels.hf_attention")
+            raise ValueError(f"{ATTENTION_NAME} needs cu_seq_lens_q or position_ids; see headrace.kernels.hf_attention")
         cu = cached_per_batch(
             "cu_from_position_ids", position_ids, batch * seq,
             lambda: cu_seqlens_from_position_ids(position_ids.expand(batch, -1)),

@@ -5,9 +5,9 @@ What the document-masked attention kernels need to know about a batch's layout d
 bucketed backend's gather indices (``varlen_attention.plan_buckets``), flex_attention's block tables.
 Computed from device values inside the step, each of these is a host read (a GPU sync) per micro-batch;
 ``attention_plan`` computes them once per batch from the host copy of ``cu_seqlens``, in the data path
-(the trainer runs it in the prefetcher's read-ahead thread, ``training.train``), and the plan travels
+(the trainer runs it in the prefetcher's read-ahead thread, ``headrace.training.train``), and the plan travels
 with the batch as a dict of tensors and ints (the prefetcher copies its tensors to the device beside
-the batch). ``kernels.hf_attention`` hands it to ``varlen_attention``, which uses it instead of
+the batch). ``headrace.kernels.hf_attention`` hands it to ``varlen_attention``, which uses it instead of
 planning from device values; a batch without a plan still works through the old path.
 
 Flex block tables (``document_block_tables``): with 128-token blocks, q block i may attend kv block j
@@ -17,7 +17,7 @@ complete and all their tokens are one document. O(blocks^2) numpy work per batch
 against ``create_block_mask``'s evaluation of the mask over every token pair on the device.
 
 ``causal_pairs``: the (query, key) pairs the document masks require, sum over documents of n(n+1)/2;
-``training.components.metrics`` turns it into the attention FLOPs of the document-masked MFU.
+``headrace.training.components.metrics`` turns it into the attention FLOPs of the document-masked MFU.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.varlen_attention import plan_buckets, validate_cu_seqlens
+from headrace.kernels.varlen_attention import plan_buckets, validate_cu_seqlens
 
 FLEX_BLOCK = 128  # flex_attention's default sparse block size
 

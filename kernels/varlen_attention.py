@@ -26,7 +26,7 @@ softmax. The per-micro-batch plan (bucket index tensors, block mask) depends onl
 ``cu_seqlens``; it is cached on the identity of the ``cu_seqlens`` tensor so that every layer of
 one forward (and its activation-checkpoint recompute) reuses it. Planned from a device ``cu_seqlens``
 it reads the device (a GPU sync per micro-batch); the trainer instead passes ``plan``, made on the host
-before the device copy (``kernels.packed_layout.attention_plan``), and nothing here reads the device.
+before the device copy (``headrace.kernels.packed_layout.attention_plan``), and nothing here reads the device.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def plan_buckets(cu_seqlens: torch.Tensor, total_tokens: int) -> _BucketPlan:
 
 
 def bucket_plan_from_tree(tree: dict) -> _BucketPlan:
-    """The ``_BucketPlan`` of ``kernels.packed_layout.bucket_plan_tree``'s dict (its tensors on the device)."""
+    """The ``_BucketPlan`` of ``headrace.kernels.packed_layout.bucket_plan_tree``'s dict (its tensors on the device)."""
     buckets = tuple(_Bucket(*fields) for fields in zip(tree["gather"], tree["docs"], tree["length"], tree["lengths"]))
     return _BucketPlan(buckets, tree["token_slot"])
 
@@ -271,7 +271,7 @@ def _document_block_mask(cu_seqlens: torch.Tensor, total_tokens: int, device: to
 
 
 def block_mask_from_tables(tables: dict, total_tokens: int):
-    """The document-causal ``BlockMask`` from ``kernels.packed_layout.document_block_tables`` (on the device):
+    """The document-causal ``BlockMask`` from ``headrace.kernels.packed_layout.document_block_tables`` (on the device):
     no mask evaluation over token pairs, no host read."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -308,7 +308,7 @@ _provided: dict[str, tuple[torch.Tensor, tuple[int, int], object]] = {}
 
 
 def provide_plan(kind: str, key: torch.Tensor, total_tokens: int, build) -> None:
-    """Make ``build`` (a plan from host-made data, ``kernels.packed_layout``) the way ``cached_per_batch(kind, key,
+    """Make ``build`` (a plan from host-made data, ``headrace.kernels.packed_layout``) the way ``cached_per_batch(kind, key,
     ...)`` builds its plan for this ``key`` tensor, instead of planning from the device values; it runs only if
     that backend is used."""
     _provided[kind] = (key, (total_tokens, key._version), build)

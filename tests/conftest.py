@@ -11,7 +11,7 @@ def process_group():
     """A one-rank gloo process group in the test process (single-process trainer runs and references)."""
     import torch.distributed as dist
 
-    from training.distributed.process_group import init_distributed
+    from headrace.training.distributed.process_group import init_distributed
 
     saved = dict(os.environ)
     init_distributed("cpu")
@@ -19,3 +19,19 @@ def process_group():
     dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Installed, the packages are headrace.*; pytest's `pythonpath = ["."]` also leaves the checkout's
+# top folders importable under their bare names. A module imported under both would be two modules
+# (two registries, two copies of module state): fail the run when any code module of ours is loaded
+# under a bare name. A bare `kernels` is allowed only as Hugging Face's package, or as our folder's
+# import-free __init__ that transformers' probe may load (find_spec("kernels") from the checkout root).
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    bare = sorted(m for m in sys.modules if m.split(".")[0] in ("dataio", "training", "configtree")
+                  or (m.startswith("kernels.") and "site-packages" not in str(getattr(sys.modules[m], "__file__", ""))))
+    if bare:
+        print(f"\nERROR: modules imported under their bare names besides headrace.*: {', '.join(bare)}",
+              file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -127,7 +127,7 @@ TAR_HEADERS = [(p, p + 512) for p in range(0, len(TAR), 512)][:12]
 
 
 def check_tar(data: bytes) -> None:
-    from dataio.shards.tarscan import TarFormatError, scan_buffer
+    from headrace.dataio.shards.tarscan import TarFormatError, scan_buffer
 
     try:
         part = scan_buffer(data, "f.tar", path="f.tar")
@@ -154,9 +154,9 @@ WAV = None  # built lazily (soundfile)
 
 
 def check_member(ext: str, data: bytes) -> None:
-    from dataio.stream.decode import Audio, SampleDecodeError, decode_sample
-    from dataio.config import DecodeConfig
-    from dataio.shards.tarscan import decode_check
+    from headrace.dataio.stream.decode import Audio, SampleDecodeError, decode_sample
+    from headrace.dataio.config import DecodeConfig
+    from headrace.dataio.shards.tarscan import decode_check
 
     verdict = decode_check(ext, data)
     try:
@@ -165,7 +165,7 @@ def check_member(ext: str, data: bytes) -> None:
         assert e.key == "k" and e.member == ext
         return
     if isinstance(out, Audio):
-        from dataio.shards.audioheader import MAX_FRAMES_PER_BYTE
+        from headrace.dataio.shards.audioheader import MAX_FRAMES_PER_BYTE
 
         assert out.waveform.shape[-1] <= len(data) * MAX_FRAMES_PER_BYTE
         assert verdict is None or "no samples" in verdict or "header" in verdict, verdict
@@ -191,8 +191,8 @@ JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), s
 
 
 def check_manifest(lines: list[dict], root: Path) -> None:
-    from dataio.prepare.readers import BadRecord, ReadOptions, open_input
-    from dataio.prepare.plan import PlanError, plan_job
+    from headrace.dataio.prepare.readers import BadRecord, ReadOptions, open_input
+    from headrace.dataio.prepare.plan import PlanError, plan_job
 
     path = root / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -227,7 +227,7 @@ STATE_VALUES = st.one_of(JSON_SCALARS, st.lists(st.integers(-3, 5), max_size=3),
 
 
 def check_state(loader_factory, state: dict) -> None:
-    from dataio.loader_state import StateError
+    from headrace.dataio.loader_state import StateError
 
     loader = loader_factory()
     try:
@@ -251,9 +251,9 @@ YAML_TEXT = st.one_of(st.sampled_from([".inf", "-.inf", ".nan", "-1", "0", "1e-3
 
 
 def check_config(overrides: list[str], base: dict) -> None:
-    from configtree import ConfigError
-    from training.config.load import load_job_config
-    from training.config.validate import check_job
+    from headrace.config import ConfigError
+    from headrace.training.config.load import load_job_config
+    from headrace.training.config.validate import check_job
 
     try:
         check_job(load_job_config(None, overrides, base=base), world_size=2)
@@ -270,8 +270,8 @@ def check_inplace(root: Path, reference: dict[str, list[int]], edits: list[tuple
     reference's for the key it names, or the read ends in a ``SampleDecodeError`` naming the shard."""
     import shutil
 
-    from dataio import build_loader
-    from dataio.stream.decode import SampleDecodeError
+    from headrace.dataio import build_loader
+    from headrace.dataio.stream.decode import SampleDecodeError
 
     data = root / "live"
     shutil.rmtree(data, ignore_errors=True)
@@ -316,7 +316,7 @@ def check_nonregular(root: Path, kinds: list[str]) -> None:
     import os
     import shutil
 
-    from dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
+    from headrace.dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
 
     case = root / "nonregular"
     shutil.rmtree(case, ignore_errors=True)
@@ -371,8 +371,8 @@ def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> Non
     import webdataset as wds
     from tests.loader_util import index_dir
 
-    from dataio import build_loader
-    from dataio.stream.decode import SampleDecodeError
+    from headrace.dataio import build_loader
+    from headrace.dataio.stream.decode import SampleDecodeError
 
     data = root / "mixed"
     shutil.rmtree(data, ignore_errors=True)
@@ -415,7 +415,7 @@ def check_disk_full(disk: Path, docs: Path, leave_kib: int, verb: str) -> None:
     import os
     import shutil
 
-    from dataio.cli import main
+    from headrace.dataio.cli import main
 
     for p in disk.iterdir():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -447,7 +447,7 @@ def targets(tmp: Path) -> dict:
         (tmp / name).write_bytes(data)
     from tests.loader_util import make_text_dataset
 
-    from dataio import build_loader
+    from headrace.dataio import build_loader
     from tests.test_hostile_config import job
 
     make_text_dataset(tmp / "ds", [6, 6])
@@ -455,10 +455,10 @@ def targets(tmp: Path) -> dict:
     good_state = build_loader(state_cfg).state_dict()
     config_base = job(tmp)
 
-    import training.models.build  # noqa: F401  (heavy imports before the per-case clock starts)
+    import headrace.training.models.build  # noqa: F401  (heavy imports before the per-case clock starts)
 
     make_text_dataset(tmp / "inplace" / "reference", [40, 8], seed=3)
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     reference = {}
     ref_loader = build_loader({"datasets": [{"path": str(tmp / "inplace" / "reference")}], "batch_size": 48,

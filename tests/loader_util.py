@@ -1,5 +1,5 @@
 """Test data for the loader tests: WebDataset tars written by ``webdataset.ShardWriter``, indexed
-with ``dataio.shards.tarscan`` + ``dataio.shards.index.merge_parts`` (exactly what ``dataio index`` does)."""
+with ``headrace.dataio.shards.tarscan`` + ``headrace.dataio.shards.index.merge_parts`` (exactly what ``dataio index`` does)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from dataio.shards.index import INDEX_DIR, META_DIR, merge_parts
-from dataio.shards.tarscan import scan_shard
+from headrace.dataio.shards.index import INDEX_DIR, META_DIR, merge_parts
+from headrace.dataio.shards.tarscan import scan_shard
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -15,15 +15,15 @@ import pytest
 import soundfile
 import webdataset as wds
 
-from dataio.bench.peers import PEERS, skip_reason
-from dataio.bench.report import RUN_FIELDS
-from dataio.usererror import CommandError
+from headrace.dataio.bench.peers import PEERS, skip_reason
+from headrace.dataio.bench.report import RUN_FIELDS
+from headrace.dataio.usererror import CommandError
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _index(root: Path) -> None:
-    from dataio.prepare.indexing import build_index
+    from headrace.dataio.prepare.indexing import build_index
 
     build_index(root, workers=1)
 
@@ -54,7 +54,7 @@ def shards(tmp_path_factory):
 
 
 def bench(tmp_path: Path, data: dict, *argv: str) -> dict:
-    from dataio.commands import bench as command
+    from headrace.dataio.commands import bench as command
 
     config = tmp_path / "data.yaml"
     config.write_text(json.dumps({"data": data}))  # JSON is YAML
@@ -122,7 +122,7 @@ def test_audio_peers_decode_the_same_seconds(shards, tmp_path):
 
 
 def _audio_bytes(root: Path) -> int:
-    from dataio.bench.peers import tar_samples
+    from headrace.dataio.bench.peers import tar_samples
 
     return sum(len(m["flac"]) for shard in sorted(root.glob("*.tar")) for _, m in tar_samples(shard))
 
@@ -160,9 +160,9 @@ def test_bad_configs_are_one_line_errors(shards, tmp_path):
 def test_skip_reason_names_the_missing_package(shards, tmp_path):
     from dataclasses import replace
 
-    from dataio.bench.data import describe
-    from dataio.config import DataConfig
-    from configtree import from_dict
+    from headrace.dataio.bench.data import describe
+    from headrace.dataio.config import DataConfig
+    from headrace.config import from_dict
 
     data = describe(from_dict(DataConfig, {"datasets": [{"path": str(shards / "text")}]}), tmp_path)
     missing = replace(PEERS["litdata"], module="surely_not_installed_pkg")
@@ -170,7 +170,7 @@ def test_skip_reason_names_the_missing_package(shards, tmp_path):
 
 
 def test_page_cache_limit_reads_every_byte(tmp_path):
-    from dataio.bench.pagecache import read_limit
+    from headrace.dataio.bench.pagecache import read_limit
 
     files = [tmp_path / f"f{i}" for i in range(3)]
     for i, f in enumerate(files):
@@ -180,14 +180,14 @@ def test_page_cache_limit_reads_every_byte(tmp_path):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys, dataio.commands.bench as b, argparse; b.add_arguments(argparse.ArgumentParser()); " \
+    code = "import sys, headrace.dataio.commands.bench as b, argparse; b.add_arguments(argparse.ArgumentParser()); " \
            "assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env={"PYTHONPATH": str(REPO)})
 
 
 def test_cold_cache_refused_without_root_says_so(shards, tmp_path, monkeypatch):
     """Without root the page cache cannot be dropped: the run says so and is labelled warm."""
-    from dataio.bench import pagecache
+    from headrace.dataio.bench import pagecache
 
     monkeypatch.setattr(pagecache.os, "geteuid", lambda: 1000)
     assert "not root" in pagecache.drop_page_cache()
@@ -198,7 +198,7 @@ def test_cold_cache_refused_without_root_says_so(shards, tmp_path, monkeypatch):
 
 
 def test_fixed_cost_fit_recovers_the_line():
-    from dataio.bench.fixedcost import fit
+    from headrace.dataio.bench.fixedcost import fit
 
     got = fit([(b, 50e-6 + 2e-6 * b) for b in (1, 8, 32)])
     assert got["fixed_us"] == pytest.approx(50) and got["per_sample_us"] == pytest.approx(2)

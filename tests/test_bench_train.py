@@ -7,9 +7,9 @@ import torch
 from tests.dist.train_common import TINY_LLAMA
 from tools.bench_train import SOURCES, trainer_figures
 from tools.plain_loop import run_plain_loop
-from training.config.load import load_job_config
-from training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
-from training.models.build import build_hf_config
+from headrace.training.config.load import load_job_config
+from headrace.training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
+from headrace.training.models.build import build_hf_config
 
 
 def test_sources_default_to_all_three():

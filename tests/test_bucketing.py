@@ -1,11 +1,11 @@
-"""dataio.batching.bucketing: rank-synced duration buckets (simulated ranks) and audio collation."""
+"""headrace.dataio.batching.bucketing: rank-synced duration buckets (simulated ranks) and audio collation."""
 
 import numpy as np
 import pytest
 import torch
 
-from dataio.batching.bucketing import collate_audio, consumed_indices, estimate_bucket_edges, plan_epoch
-from dataio.config import BucketingConfig
+from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, estimate_bucket_edges, plan_epoch
+from headrace.dataio.config import BucketingConfig
 
 
 def durations(n, seed=0):

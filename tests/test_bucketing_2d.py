@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataio.batching.bucketing import consumed_indices, estimate_2d_bins, plan_epoch
-from dataio.config import BucketingConfig
+from headrace.dataio.batching.bucketing import consumed_indices, estimate_2d_bins, plan_epoch
+from headrace.dataio.config import BucketingConfig
 
 
 def _corpus(n: int = 1500, seed: int = 0):

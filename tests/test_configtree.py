@@ -3,7 +3,7 @@ from typing import Literal
 
 import pytest
 
-from configtree import ConfigError, apply_overrides, from_dict, to_dict
+from headrace.config import ConfigError, apply_overrides, from_dict, to_dict
 
 
 @dataclass(kw_only=True)

@@ -8,14 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.batching.cp_split import cp_shard
-from dataio.batching.prefetch import DevicePrefetcher
-from kernels.attention_lse import block_backward, block_forward, merge_into
-from kernels.cp_attention import _attend, _grad_blocks, blocks, half_layout
-from kernels.varlen_attention import varlen_attention_reference
-from training.config.load import load_job_config
-from training.distributed.context_parallel import cp_batch_transform
-from training.distributed.parallel_dims import ParallelDims
+from headrace.dataio.batching.cp_split import cp_shard
+from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.kernels.attention_lse import block_backward, block_forward, merge_into
+from headrace.kernels.cp_attention import _attend, _grad_blocks, blocks, half_layout
+from headrace.kernels.varlen_attention import varlen_attention_reference
+from headrace.training.config.load import load_job_config
+from headrace.training.distributed.context_parallel import cp_batch_transform
+from headrace.training.distributed.parallel_dims import ParallelDims
 
 from tests.dist.train_common import packed_batches, save_pretrained_tiny
 from tests.helpers import torchrun
@@ -154,7 +154,7 @@ def _job(**distributed_and_data):
     (_job(cp_size=2, cp_comm="p2p"), r"distributed.cp_comm: expected one of \['allgather', 'ring'\]"),
 ])
 def test_bad_cp_config_is_one_clear_line(raw, rule):
-    from configtree import ConfigError
+    from headrace.config import ConfigError
 
     with pytest.raises(ConfigError, match=rule) as info:
         load_job_config(None, base=raw)

@@ -1,12 +1,12 @@
-"""dataio.batching.cp_split: round trip, head-tail chunk layout, positions, per-rank work balance."""
+"""headrace.dataio.batching.cp_split: round trip, head-tail chunk layout, positions, per-rank work balance."""
 
 import numpy as np
 import pytest
 import torch
 
-from dataio.batching.cp_split import attention_work, cp_merge, cp_split
-from dataio.batching.packing import IGNORE_INDEX, Packer, pack
-from dataio.config import PackingConfig
+from headrace.dataio.batching.cp_split import attention_work, cp_merge, cp_split
+from headrace.dataio.batching.packing import IGNORE_INDEX, Packer, pack
+from headrace.dataio.config import PackingConfig
 
 
 def packed_batches(seed, seq_len=64, rows=2):

@@ -1,4 +1,4 @@
-"""dataio.stream.decode: zero-copy .npy tokens, pickle refusal, soundfile audio with soxr resampling."""
+"""headrace.dataio.stream.decode: zero-copy .npy tokens, pickle refusal, soundfile audio with soxr resampling."""
 
 import ctypes
 import io
@@ -9,8 +9,8 @@ import pytest
 import soundfile
 import torch
 
-from dataio.stream.decode import Audio, SampleDecodeError, UnsafeMemberError, decode_npy, decode_sample
-from dataio.config import DecodeConfig
+from headrace.dataio.stream.decode import Audio, SampleDecodeError, UnsafeMemberError, decode_npy, decode_sample
+from headrace.dataio.config import DecodeConfig
 
 # decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/stream/decode.py); pytest resets
 # the module's own filter for torch's "not writable" warning, so it is restated here.
@@ -100,8 +100,8 @@ def test_npy_corrupt_payloads_raise_with_key(payload, message, defer_npy):
 def test_deferred_npy_collates_like_decoded_tensors():
     """``defer_npy`` (the loader's plain batches): 1-D native arrays stay ``NpyView`` and ``collate``
     copies them into the same batch tensors the decoded path gives; anything else is decoded at once."""
-    from dataio.stream.collate import collate_field
-    from dataio.stream.decode import NpyView
+    from headrace.dataio.stream.collate import collate_field
+    from headrace.dataio.stream.decode import NpyView
 
     batches = [
         [np.arange(n, dtype="<i4") * 3 for n in (5, 0, 17, 2)],  # ragged: flat + lengths

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dataio.bench import documents
+from headrace.dataio.bench import documents
 from tools import demo_corpus
 from tools.demo_corpus import CorpusConfig
 

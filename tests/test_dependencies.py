@@ -121,7 +121,7 @@ def test_bench_extra_packages_are_imported_lazily():
 
 
 def test_bench_import_names_the_extra():
-    from dataio.bench.extra import bench_import
+    from headrace.dataio.bench.extra import bench_import
 
     assert bench_import("json", "x").dumps(1) == "1"
     try:

@@ -25,9 +25,9 @@ def run_verb(verb: str, *argv: str) -> int:
     """Run one `dataio` subcommand in-process through its own argument parser."""
     import importlib
 
-    from dataio.usererror import CommandError
+    from headrace.dataio.usererror import CommandError
 
-    module = importlib.import_module(f"dataio.commands.{verb}")
+    module = importlib.import_module(f"headrace.dataio.commands.{verb}")
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     try:

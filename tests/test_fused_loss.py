@@ -1,4 +1,4 @@
-"""The lm_head loss kernel choice (kernels.fused_loss): Liger on CUDA when installed, the chunked path otherwise.
+"""The lm_head loss kernel choice (headrace.kernels.fused_loss): Liger on CUDA when installed, the chunked path otherwise.
 
 Liger's Triton kernels need CUDA, so on CPU the selection logic and the wrapper's plumbing (argument order,
 dtypes, summed reduction, ignored labels) are checked with a stand-in module that has Liger's interface and
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.fused_loss as fused_loss
-from kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
+import headrace.kernels.fused_loss as fused_loss
+from headrace.kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def _inputs(seed=0):
 
 
 def test_cpu_uses_the_chunked_path_even_with_liger_installed(fresh_choice, stand_in_liger, capsys):
-    from training.models.loss import lm_head_loss_sum
+    from headrace.training.models.loss import lm_head_loss_sum
 
     assert fused_loss.choose_kernel("cpu")[0] == "chunked"
     hidden, weight, labels = _inputs()

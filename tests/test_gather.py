@@ -1,4 +1,4 @@
-"""The batch-level token path (``dataio.stream.gather``) yields exactly the batch of the general
+"""The batch-level token path (``headrace.dataio.stream.gather``) yields exactly the batch of the general
 per-sample path, and hands anything it does not fully check back to that path."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 import torch
 import webdataset as wds
 
-from dataio.config import DataConfig
-from configtree import from_dict
-from dataio.stream.batches import SampleReader
-from dataio.stream.refs import make_ref
-from dataio.stream.collate import collate, plain_memory
-from dataio.stream.gather import gather_tokens, tokens_only
-from dataio.stream.sources import ShardSource
+from headrace.dataio.config import DataConfig
+from headrace.config import from_dict
+from headrace.dataio.stream.batches import SampleReader
+from headrace.dataio.stream.refs import make_ref
+from headrace.dataio.stream.collate import collate, plain_memory
+from headrace.dataio.stream.gather import gather_tokens, tokens_only
+from headrace.dataio.stream.sources import ShardSource
 
 from tests.loader_util import index_dir, npy_bytes
 
@@ -104,7 +104,7 @@ def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
 
 def test_expected_headers_are_the_canonical_bytes():
     """The column-wise headers equal ``prefix + count + ",), }"`` padded, for counts of every digit count."""
-    from dataio.stream.gather import _expected_headers
+    from headrace.dataio.stream.gather import _expected_headers
 
     prefix, data = b"\x93NUMPY\x01\x00v\x00{'descr': '<i4', 'fortran_order': False, 'shape': (", 80
     rng = np.random.default_rng(0)
@@ -125,7 +125,7 @@ def test_forked_processes_share_the_checks(tmp_path):
     a process that needs a block another one has claimed checks only its own samples of it."""
     import os
 
-    from dataio.stream.gather import BLOCK, UNCHECKED, checked
+    from headrace.dataio.stream.gather import BLOCK, UNCHECKED, checked
 
     token_tars(tmp_path / "a", [[3] * (BLOCK + 50)])
     source = ShardSource(str(tmp_path / "a"))
@@ -148,7 +148,7 @@ def test_known_blocks_are_read_without_the_lock(tmp_path, monkeypatch):
     (``uniform``). The batches stay the general path's."""
     import fcntl
 
-    from dataio.stream.gather import BLOCK, FIRST_DTYPE_CODE, TOKEN_DTYPES, checked
+    from headrace.dataio.stream.gather import BLOCK, FIRST_DTYPE_CODE, TOKEN_DTYPES, checked
 
     token_tars(tmp_path / "a", [[3, 5, 7] * ((BLOCK + 100) // 3)])
     source = ShardSource(str(tmp_path / "a"))

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from configtree import ConfigError
-from training.config.load import load_job_config
-from training.config.validate import check_job, check_vocab
+from headrace.config import ConfigError
+from headrace.training.config.load import load_job_config
+from headrace.training.config.validate import check_job, check_vocab
 
 from tests.dist.train_common import TINY_LLAMA, VOCAB
 from tests.helpers import child_env, torchrun
@@ -72,7 +72,7 @@ def test_shard_token_ids_beyond_the_vocab_are_refused_from_the_index(tmp_path):
     """The largest id is recorded per shard by `dataio index` (tarscan) and checked without reading data."""
     from tests.loader_util import make_text_dataset  # tokens 0..999 plus the sample number
 
-    from dataio.stream.sources import ShardSource
+    from headrace.dataio.stream.sources import ShardSource
 
     make_text_dataset(tmp_path / "d", [5, 5])
     source = ShardSource(str(tmp_path / "d"))
@@ -85,7 +85,7 @@ def test_shard_token_ids_beyond_the_vocab_are_refused_from_the_index(tmp_path):
 
 
 def test_trainer_user_errors_are_one_line_and_bugs_keep_tracebacks(tmp_path, capsys, monkeypatch):
-    from training.__main__ import main
+    from headrace.training.__main__ import main
 
     for key in ("RANK", "HEADRACE_DEBUG"):
         monkeypatch.delenv(key, raising=False)
@@ -106,7 +106,7 @@ def test_trainer_user_errors_are_one_line_and_bugs_keep_tracebacks(tmp_path, cap
 
 def run_torchrun(nproc: int, *args) -> subprocess.CompletedProcess:
     """The trainer under torchrun, expected to fail: user errors without HEADRACE_DEBUG's tracebacks."""
-    return torchrun(nproc, "training", *args, env=child_env(HEADRACE_DEBUG=None), timeout=300, check=False)
+    return torchrun(nproc, "headrace.training", *args, env=child_env(HEADRACE_DEBUG=None), timeout=300, check=False)
 
 
 def test_torchrun_parallel_dims_error_is_one_line_from_rank_0(tmp_path):

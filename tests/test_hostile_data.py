@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataio.usererror import CommandError
-from dataio.stream.decode import SampleDecodeError, decode_sample
-from dataio.config import DecodeConfig
-from dataio.shards.audioheader import probe
-from dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
+from headrace.dataio.usererror import CommandError
+from headrace.dataio.stream.decode import SampleDecodeError, decode_sample
+from headrace.dataio.config import DecodeConfig
+from headrace.dataio.shards.audioheader import probe
+from headrace.dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
 from tests.hostile import NAME, SIZE, base256, fix_checksum, flac_bytes, lying_flac, make_tar, pax_tar, set_field
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
@@ -125,7 +125,7 @@ def test_max_duration_is_the_same_check():
 
 
 def _shard_cmd(*argv) -> int:
-    from dataio.commands import shard as shard_cmd
+    from headrace.dataio.commands import shard as shard_cmd
 
     parser = argparse.ArgumentParser()
     shard_cmd.add_arguments(parser)
@@ -148,7 +148,7 @@ def test_shard_refuses_a_lying_flac_and_skips_it_under_budget(tmp_path):
     with pytest.raises(CommandError, match=r"m\.jsonl:3: .*u2\.flac: header claims"):
         _shard_cmd(manifest, "--output", tmp_path / "out")
     assert _shard_cmd(manifest, "--output", tmp_path / "out", "--skip-errors", "1") == 0
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     index = load_index(tmp_path / "out")
     assert len(index) == 3 and float(np.nansum(index.samples["duration"])) == pytest.approx(0.3)
@@ -173,7 +173,7 @@ def _hold_lock(root, node):
     import subprocess
     import sys
 
-    code = ("import sys, time; from pathlib import Path; from dataio.shards.outdir import lock_output; "
+    code = ("import sys, time; from pathlib import Path; from headrace.dataio.shards.outdir import lock_output; "
             f"f = lock_output(Path({str(root)!r}), node={node!r}, command='test'); print('locked', flush=True); "
             "sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -183,7 +183,7 @@ def _hold_lock(root, node):
 
 
 def test_second_writer_is_refused_up_front_and_a_dead_holder_leaves_no_lock(tmp_path):
-    from dataio.shards.outdir import OutputLocked, lock_output
+    from headrace.dataio.shards.outdir import OutputLocked, lock_output
 
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
@@ -205,7 +205,7 @@ def test_second_writer_is_refused_up_front_and_a_dead_holder_leaves_no_lock(tmp_
 def run_verb_raising(verb: str, *argv):
     import importlib
 
-    module = importlib.import_module(f"dataio.commands.{verb}")
+    module = importlib.import_module(f"headrace.dataio.commands.{verb}")
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     return module.run(parser.parse_args([str(a) for a in argv] + ["--quiet", "--workers", "1"]))
@@ -228,7 +228,7 @@ def test_index_removes_every_temp_a_killed_run_left(tmp_path):
 # --- 8. the dataio CLI: input errors are one line, bugs keep their traceback --------------------------
 
 def test_cli_output_errors_are_one_line(tmp_path, capsys, monkeypatch):
-    from dataio.cli import main
+    from headrace.dataio.cli import main
 
     src = tmp_path / "docs.jsonl"
     src.write_text(json.dumps({"text": "x"}) + "\n")
@@ -250,8 +250,8 @@ def test_cli_output_errors_are_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_bug_keeps_its_traceback(tmp_path, monkeypatch):
-    from dataio.cli import main
-    from dataio.commands import inspect as inspect_cmd
+    from headrace.dataio.cli import main
+    from headrace.dataio.commands import inspect as inspect_cmd
 
     def bug(args):
         raise KeyError("a bug")
@@ -275,7 +275,7 @@ def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, work
     import os
 
     from tests import loader_util
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     # shard 0 long enough (500 batches) that workers reading a task of several batches ahead are still in it
     loader_util.make_text_dataset(tmp_path, [2000, 40])
@@ -293,8 +293,8 @@ def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, work
 
 def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_path):
     from tests import loader_util
-    from dataio import build_loader
-    from dataio.loader_state import StateError
+    from headrace.dataio import build_loader
+    from headrace.dataio.loader_state import StateError
 
     loader_util.make_text_dataset(tmp_path / "d", [10, 10], seed=0)
     loader = build_loader(_loader_cfg(tmp_path / "d"))
@@ -323,8 +323,8 @@ def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_
 ])
 def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, message):
     from tests import loader_util
-    from dataio import build_loader
-    from dataio.loader_state import StateError
+    from headrace.dataio import build_loader
+    from headrace.dataio.loader_state import StateError
 
     loader_util.make_text_dataset(tmp_path, [8])
     state = build_loader(_loader_cfg(tmp_path)).state_dict()
@@ -338,7 +338,7 @@ def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, messag
 def test_long_texts_are_encoded_in_bounded_pieces_with_the_same_ids(tmp_path):
     from tokenizers import Tokenizer
 
-    from dataio.prepare.tokenize import encode_texts, split_text
+    from headrace.dataio.prepare.tokenize import encode_texts, split_text
     from tests.test_shard import sentence, write_tokenizer
 
     tok = Tokenizer.from_file(str(write_tokenizer(tmp_path)))
@@ -372,7 +372,7 @@ def test_one_huge_document_stays_under_a_memory_ceiling(tmp_path):
     code = f"""
 import resource, numpy as np
 from tokenizers import Tokenizer
-from dataio.prepare.tokenize import encode_texts
+from headrace.dataio.prepare.tokenize import encode_texts
 tok = Tokenizer.from_file({str(path)!r})
 text = ("the quick brown fox jumps over a lazy dog " * 100_000)[:4_000_000]
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -400,9 +400,9 @@ def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatc
     import signal
 
     from tests import loader_util
-    from dataio import build_loader
-    from dataio.stream.batches import BatchMaker
-    from dataio.stream.storage import ShardFormatError
+    from headrace.dataio import build_loader
+    from headrace.dataio.stream.batches import BatchMaker
+    from headrace.dataio.stream.storage import ShardFormatError
 
     loader_util.make_text_dataset(tmp_path, [40, 40])
     made = BatchMaker.__call__

@@ -18,10 +18,10 @@ import soundfile
 import webdataset as wds
 
 from tests import loader_util
-from dataio import build_loader
-from dataio.cli import main as dataio_main
-from dataio.loader_state import StateError
-from dataio.stream.decode import SampleDecodeError
+from headrace.dataio import build_loader
+from headrace.dataio.cli import main as dataio_main
+from headrace.dataio.loader_state import StateError
+from headrace.dataio.stream.decode import SampleDecodeError
 from tests.hostile import flac_bytes, lying_flac
 
 
@@ -70,7 +70,7 @@ def test_fifo_as_an_input_file_is_refused(tmp_path, capsys):
 
 def test_fifo_in_a_shards_place_is_an_error_not_a_hang(tmp_path, capsys):
     """The loader, `dataio verify` and the tar scan open shards without blocking and refuse non-files."""
-    from dataio.shards.tarscan import TarFormatError, open_tar
+    from headrace.dataio.shards.tarscan import TarFormatError, open_tar
 
     loader_util.make_text_dataset(tmp_path, [10, 10])
     shard = tmp_path / "doc-000001.tar"
@@ -345,7 +345,7 @@ def test_flac_of_unknown_length_is_accepted_everywhere(tmp_path, capsys):
     manifest = _manifest(tmp_path, [{"audio_filepath": "u.flac", "duration": 0.1, "text": "x"}], {"u.flac": unknown})
     code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet")
     assert code == 0, err
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     assert float(load_index(tmp_path / "out").samples["duration"][0]) == pytest.approx(0.1)
     code, err = _cli(capsys, "verify", tmp_path / "out", "--quiet")
@@ -370,7 +370,7 @@ def test_verify_decodes_every_flac_frame(tmp_path, capsys, kind):
     """A FLAC with a damaged frame used to pass verify (headers only) and fail in training
     ("flac decoder lost sync")."""
     from tests.test_energon_interop import make_samples, write_shards
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     samples = make_samples(n=6, seed=2)
     for s in samples:
@@ -397,7 +397,7 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
 
     loader_util.make_text_dataset(tmp_path, [30, 30])
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dataio", "inspect", str(tmp_path), "--json"], cwd=repo,
+    proc = subprocess.Popen([sys.executable, "-m", "headrace.dataio", "inspect", str(tmp_path), "--json"], cwd=repo,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
     proc.stdout.close()  # the reader is gone before the command writes (its imports take far longer)
     err = proc.stderr.read().decode()

@@ -10,7 +10,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from dataio.shards.index import PARTS_DIR, ShardPart, load_index
+from headrace.dataio.shards.index import PARTS_DIR, ShardPart, load_index
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
 
@@ -54,7 +54,7 @@ def test_parts_are_merged_and_only_missing_or_stale_ones_rescanned(tmp_path, cap
 
 
 def test_index_agrees_with_dataio_shard(tmp_path, capsys):
-    pytest.importorskip("dataio.commands.shard")
+    pytest.importorskip("headrace.dataio.commands.shard")
     rng = np.random.default_rng(7)
     words = "the quick brown fox jumps over a lazy dog while rivers run to the sea".split()
     manifest = tmp_path / "text.jsonl"
@@ -109,7 +109,7 @@ def test_duplicate_keys_across_shards(tmp_path, capsys):
 def test_split_assigns_whole_shards_by_name(tmp_path, capsys):
     import yaml
 
-    from dataio.prepare.plan import assign_shard_splits, parse_splits
+    from headrace.dataio.prepare.plan import assign_shard_splits, parse_splits
 
     samples = make_samples(n=24, seed=10)
     write_shards(tmp_path, samples, per_shard=2)  # 12 shards

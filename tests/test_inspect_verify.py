@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dataio.shards.index import INDEX_DIR, load_index
+from headrace.dataio.shards.index import INDEX_DIR, load_index
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
 

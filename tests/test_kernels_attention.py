@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.varlen_attention import (
+from headrace.kernels.varlen_attention import (
     bucket_length,
     cu_seqlens_from_position_ids,
     document_causal_mask,
@@ -173,7 +173,7 @@ def test_flex_block_mask_and_layout_forward_on_cpu():
     # (forward only: flex has no backward on CPU). Lengths cross flex's 128-token blocks.
     from torch.nn.attention.flex_attention import flex_attention
 
-    from kernels.varlen_attention import _flex
+    from headrace.kernels.varlen_attention import _flex
 
     cu = _cu([5, 1, 130, 1, 60])
     q, k, v = (x.detach() for x in _qkv(197, 4, 2, 16))

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import create_causal_mask
 
-from kernels.hf_attention import ATTENTION_NAME, packed_attention_kwargs, register_varlen_attention
-from kernels.loss import linear_cross_entropy
+from headrace.kernels.hf_attention import ATTENTION_NAME, packed_attention_kwargs, register_varlen_attention
+from headrace.kernels.loss import linear_cross_entropy
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
@@ -103,7 +103,7 @@ def test_position_ids_alone_give_the_same_result():
 
 
 def test_hidden_states_with_chunked_loss_match_documents_one_by_one():
-    """The trainer's path: model.model(...) hidden states + kernels.loss on the already-shifted labels."""
+    """The trainer's path: model.model(...) hidden states + headrace.kernels.loss on the already-shifted labels."""
     stock, packed = _models("qwen3")
     batch, docs = _packed_batch(seed=1)
     hidden = packed.model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch)).last_hidden_state
@@ -141,7 +141,7 @@ def test_refuses_masks_and_decoding():
 
 def test_mixed_dtypes_under_autocast_are_unified():
     """HF's rotary step gives fp32 q/k beside bf16 v under autocast; the function casts q/k to v's dtype."""
-    from kernels.hf_attention import hf_varlen_attention
+    from headrace.kernels.hf_attention import hf_varlen_attention
 
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
@@ -158,8 +158,8 @@ def test_dataio_packer_batches_train_like_documents_one_by_one():
     """End to end with the real packer (best_fit, padding tails, several rows): loss sum is unchanged."""
     import numpy as np
 
-    from dataio.batching.packing import Packer, pack
-    from dataio.config import PackingConfig
+    from headrace.dataio.batching.packing import Packer, pack
+    from headrace.dataio.config import PackingConfig
 
     stock, packed = _models("llama")
     rng = np.random.default_rng(3)

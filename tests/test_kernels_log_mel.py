@@ -1,4 +1,4 @@
-"""kernels.log_mel against the loader's DALI log-mel path (DALI on CPU) and against transformers'
+"""headrace.kernels.log_mel against the loader's DALI log-mel path (DALI on CPU) and against transformers'
 WhisperFeatureExtractor, and SpecAugment's masks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.log_mel import LogMelConfig, SpecAugmentConfig, log_mel, spec_augment, whisper_log_mel
+from headrace.kernels.log_mel import LogMelConfig, SpecAugmentConfig, log_mel, spec_augment, whisper_log_mel
 
 TOLERANCE_DB = 1e-3  # the stated tolerance (README "Speech LLMs"): float32 FFT rounding only
 
@@ -29,8 +29,8 @@ def _compare_with_dali(device: str) -> None:
     pytest.importorskip("nvidia.dali")
     import soundfile as sf
 
-    from dataio.stream.dali import DaliAudioDecoder
-    from dataio.config import DaliConfig, DecodeConfig
+    from headrace.dataio.stream.dali import DaliAudioDecoder
+    from headrace.dataio.config import DaliConfig, DecodeConfig
 
     waves = _utterances()
     buffers = []

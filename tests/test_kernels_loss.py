@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
+from headrace.kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
 
 
 def _inputs(tokens=45, hidden=16, vocab=101, dtype=torch.float32, ignored=(0, 1, 2, 20), seed=0):

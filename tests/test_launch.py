@@ -1,4 +1,4 @@
-"""``python -m training.launch``: the sbatch script and its chain, the per-node torchrun commands, and the
+"""``python -m headrace.training.launch``: the sbatch script and its chain, the per-node torchrun commands, and the
 errors, without a cluster (a real SLURM runs the script in test_multinode.py)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import yaml
 
 @pytest.fixture
 def launch(capsys, monkeypatch):
-    """``python -m training.launch ARGS`` in this process: (exit code, stdout, stderr)."""
-    from training.launch import main
+    """``python -m headrace.training.launch ARGS`` in this process: (exit code, stdout, stderr)."""
+    from headrace.training.launch import main
 
     def run(*args, env=None):
         for key, value in (env or {}).items():
@@ -93,7 +93,7 @@ def test_torchrun_commands_by_hand(job, launch):
     node1 = shlex.split(launch(*common, "--node-rank", "1", "--local-addr", "10.0.0.2")[1])
     assert node0[0] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
     for word in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
-                 "--max-restarts=1", "-m", "training"):
+                 "--max-restarts=1", "-m", "headrace.training"):
         assert word in node0 and word in node1
     assert "--rdzv-conf=is_host=true" in node0 and "--rdzv-conf=is_host=false" in node1
     assert "--local-addr=10.0.0.2" in node1

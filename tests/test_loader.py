@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from dataio import build_loader
-from dataio.stream.decode import SampleDecodeError
-from dataio.stream.storage import ShardFormatError
+from headrace.dataio import build_loader
+from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.storage import ShardFormatError
 
 from tests.loader_util import index_dir, make_text_dataset, npy_bytes
 
@@ -103,7 +103,7 @@ def test_endless_by_default_and_batches_carry_tokens(text):
 
 RESUME_SCRIPT = """
 import itertools, json, sys
-from dataio import build_loader
+from headrace.dataio import build_loader
 cfg, dp_ranks, dp_size, states, n = json.loads(sys.argv[1])
 out = []
 for dp_rank in dp_ranks:
@@ -235,7 +235,7 @@ def test_fsspec_url_source(text):
 
 
 def test_transient_storage_errors_are_retried(monkeypatch):
-    from dataio.stream import storage
+    from headrace.dataio.stream import storage
 
     monkeypatch.setattr(storage, "BACKOFF_S", 0.0)
     calls = []
@@ -307,7 +307,7 @@ def test_index_that_disagrees_with_its_tar(tmp_path):
 
 def test_config_errors_name_the_key(text):
     root, _ = text
-    from configtree import ConfigError
+    from headrace.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"data.datasets\[0\].weight"):
         build_loader({"datasets": [{"path": str(root), "weight": "heavy"}]})
@@ -320,7 +320,7 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
     fails once with a connection error is retried and the data is still exact."""
     import fsspec
 
-    from dataio.stream import sources, storage
+    from headrace.dataio.stream import sources, storage
 
     root, all_keys = text
     fs = fsspec.filesystem("memory")

@@ -10,8 +10,8 @@ import soundfile
 import torch
 import webdataset as wds
 
-from dataio import build_loader
-from dataio.stream.decode import SampleDecodeError
+from headrace.dataio import build_loader
+from headrace.dataio.stream.decode import SampleDecodeError
 
 from tests.loader_util import index_dir
 from tests.test_dali import EDGE  # the tolerance argument lives with it

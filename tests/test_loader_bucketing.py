@@ -10,7 +10,7 @@ import pytest
 import soundfile
 import webdataset as wds
 
-from dataio import build_loader
+from headrace.dataio import build_loader
 
 from tests.loader_util import index_dir, npy_bytes
 

@@ -11,7 +11,7 @@ import yaml
 from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
 
-from dataio import build_loader
+from headrace.dataio import build_loader
 
 from tests.loader_util import energon_prepared
 
@@ -142,7 +142,7 @@ def test_lhotse_manifest_is_indexed_once_and_read_lazily(tmp_path, cutset):
     manifest is re-indexed. Durations match lhotse's, so bucketing works unchanged."""
     import os
 
-    from dataio.stream.cuts_index import BLOCK_LINES, CutsIndex
+    from headrace.dataio.stream.cuts_index import BLOCK_LINES, CutsIndex
 
     manifest = tmp_path / "cuts.jsonl.gz"
     many = cutset.repeat(times=30, preserve_id=False)  # 150 cuts: three compressed blocks

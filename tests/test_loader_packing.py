@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dataio import build_loader
-from dataio.stream.refs import split_ref
+from headrace.dataio import build_loader
+from headrace.dataio.stream.refs import split_ref
 
 from tests.loader_util import make_text_dataset
 
@@ -91,7 +91,7 @@ def test_packing_none_with_seq_len_gives_one_padded_document_per_row(text):
 
 
 def test_seq_len_defaults_and_limits(text):
-    from dataio.config import DEFAULT_SEQ_LEN, DataConfig, DatasetSpec
+    from headrace.dataio.config import DEFAULT_SEQ_LEN, DataConfig, DatasetSpec
 
     spec = [DatasetSpec(path=str(text))]
     assert DataConfig(datasets=spec).seq_len is None and not DataConfig(datasets=spec).thd

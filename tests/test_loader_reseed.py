@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from dataio import build_loader
+from headrace.dataio import build_loader
 
 from tests.loader_util import make_text_dataset
 
@@ -43,7 +43,7 @@ def run(config, states=None, seed=None, limit=None):
 
 
 def global_stream(per_rank):
-    """Keys by global position (rank r serves positions r + DP*j, the layout of dataio.stream.split)."""
+    """Keys by global position (rank r serves positions r + DP*j, the layout of headrace.dataio.stream.split)."""
     out = [None] * sum(map(len, per_rank))
     for r, keys in enumerate(per_rank):
         out[r::DP] = keys

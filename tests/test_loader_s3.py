@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from dataio import build_loader  # noqa: E402
-from dataio.stream import sources, storage  # noqa: E402
+from headrace.dataio import build_loader  # noqa: E402
+from headrace.dataio.stream import sources, storage  # noqa: E402
 
 from tests.helpers import free_port  # noqa: E402
 from tests.loader_util import energon_prepared, make_text_dataset  # noqa: E402
@@ -313,7 +313,7 @@ def test_cache_second_epoch_downloads_nothing(s3, aws_env, fault_proxy, tmp_path
 def test_cache_limit_evicts_least_recently_used(s3, aws_env, fault_proxy, tmp_path, monkeypatch, caplog):
     """A limit of the most bytes one batch's shards take (those are mapped while it is read), below the
     dataset's size: the disk never holds more, shards are evicted and fetched again, the stream is unchanged."""
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     endpoint, root, keys = s3
     monkeypatch.setattr(sources, "OPEN_CACHED_SHARDS", 1)
@@ -345,7 +345,7 @@ def test_cache_limit_evicts_least_recently_used(s3, aws_env, fault_proxy, tmp_pa
 
 RANK = """
 import json, sys
-from dataio import build_loader
+from headrace.dataio import build_loader
 loader = build_loader(json.loads(sys.argv[1]), dp_rank=1, dp_size=2)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -388,7 +388,7 @@ def test_cache_shared_by_ranks_and_workers(s3, aws_env, fault_proxy, tmp_path):
 
 KILLED = """
 import json, sys
-from dataio import build_loader
+from headrace.dataio import build_loader
 next(iter(build_loader(json.loads(sys.argv[1]))))
 """
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
-from dataio.shards.index import merge_parts
-from dataio.shards.metadata import collapse_names, write_dataset_metadata
-from dataio.shards.tarscan import TarFormatError, scan_members, scan_shard, split_name
+from headrace.dataio.shards.index import merge_parts
+from headrace.dataio.shards.metadata import collapse_names, write_dataset_metadata
+from headrace.dataio.shards.tarscan import TarFormatError, scan_members, scan_shard, split_name
 from tests.test_energon_interop import make_samples, write_shards
 
 

@@ -12,8 +12,8 @@ import fsspec
 import pytest
 import yaml
 
-from configtree import ConfigError
-from dataio import build_loader
+from headrace.config import ConfigError
+from headrace.dataio import build_loader
 
 from tests.loader_util import energon_prepared
 from tests.test_loader import keys_of, resume_everywhere

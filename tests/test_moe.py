@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from tests.loader_util import make_text_dataset
 from tests.dist.train_common import TINY_LLAMA, VOCAB, packed_batches
 
-from kernels.grouped_experts import grouped_experts  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
-from training.distributed.parallel_dims import ParallelDims  # noqa: E402
+from headrace.kernels.grouped_experts import grouped_experts  # noqa: E402
+from headrace.training.config.load import load_job_config  # noqa: E402
+from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("debug_qwen3_moe", "debug_mixtral", "debug_olmoe")
@@ -130,7 +130,7 @@ def run_experts(experts, x, index, weights, forward):
 
 
 def ours(capacity, impl="grouped_mm"):
-    from training.distributed.expert_parallel import MoEStats, routed_experts_forward
+    from headrace.training.distributed.expert_parallel import MoEStats, routed_experts_forward
 
     def forward(experts, x, index, weights):
         stats = MoEStats()
@@ -145,7 +145,7 @@ def ours(capacity, impl="grouped_mm"):
 def test_capacity_drops_like_the_loop_oracle(policy, pad):
     """Grouped GEMM with dropping (and padding to capacity) = the per-assignment loop oracle: output and the
     gradients of tokens, router weights and experts; the same number of drops; the two policies differ."""
-    from training.distributed.moe_routing import Capacity
+    from headrace.training.distributed.moe_routing import Capacity
 
     experts, x, index, weights = experts_case()
     capacity = Capacity(factor=1.0, policy=policy, pad=pad)
@@ -162,7 +162,7 @@ def test_capacity_drops_like_the_loop_oracle(policy, pad):
 def test_capacity_that_drops_nothing_equals_dropless(policy, pad):
     """factor 3 = E / k: capacity T >= any expert's load. position without padding is the dropless row order
     (bit-for-bit); probs reorders rows within an expert and padding adds zero-weight rows (within rounding)."""
-    from training.distributed.moe_routing import Capacity
+    from headrace.training.distributed.moe_routing import Capacity
 
     experts, x, index, weights = experts_case(1)
     *dropless, _ = run_experts(experts, x, index, weights, ours(None))
@@ -177,7 +177,7 @@ def test_capacity_that_drops_nothing_equals_dropless(policy, pad):
 
 def test_padded_routes_have_static_shapes():
     """With padding the rows per expert are the capacity whatever the routing: N = E * C."""
-    from training.distributed.moe_routing import Capacity, plan_routes
+    from headrace.training.distributed.moe_routing import Capacity, plan_routes
 
     capacity = Capacity(factor=1.25, pad=True)
     for seed in range(3):
@@ -196,9 +196,9 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
     for the grouped GEMM, the loop and transformers' own experts implementation."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
-    from training.train import build_model
-    from training.step import forward_loss_sum
+    from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
+    from headrace.training.train import build_model
+    from headrace.training.step import forward_loss_sum
 
     save_fused(tmp_path / "m", recipe_fields(recipe))
     batch = packed_batches(1)[0]
@@ -231,7 +231,7 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_recipes_train_on_the_real_loader(tmp_path, process_group, recipe):
-    from training.train import train
+    from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [40])
     cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
@@ -262,8 +262,8 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     from_pretrained to the same logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from training.components.checkpoint import export_hf
-    from training.train import build_model
+    from headrace.training.components.checkpoint import export_hf
+    from headrace.training.train import build_model
 
     fields = recipe_fields(recipe)
     torch.manual_seed(0)
@@ -309,8 +309,8 @@ def test_automodel_moe_section_loads_as_written(tmp_path):
 def bad_layout(model_type_fields: dict, world: int, **distributed):
     from transformers import AutoConfig
 
-    from training.distributed.moe import check_moe
-    from training.distributed.parallelize import check_supported
+    from headrace.training.distributed.moe import check_moe
+    from headrace.training.distributed.parallelize import check_supported
 
     fields = dict(model_type_fields)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -357,8 +357,8 @@ def test_ep_needs_experts_and_olmoe_refuses_tp():
 def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group, override, message):
     import torch.distributed as dist
 
-    from training.__main__ import main
-    from training.distributed.process_group import init_distributed
+    from headrace.training.__main__ import main
+    from headrace.training.distributed.process_group import init_distributed
 
     saved = dict(os.environ)
     try:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from training.config.load import load_job_config
-from training.launch import ENV
+from headrace.training.config.load import load_job_config
+from headrace.training.launch import ENV
 
 from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
 from tests.helpers import REPO, child_env, free_port, torchrun
@@ -55,7 +55,7 @@ def records(out_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
 
 def reference(work: Path, dp: int) -> tuple[dict[int, dict], dict[int, dict]]:
     """One process training on the global batch of ``dp`` ranks (ROWS x dp rows per step)."""
-    from training.train import train
+    from headrace.training.train import train
 
     out = work / f"reference_dp{dp}"
     train(load_job_config(str(work / "job.yaml"), [f"trainer.output_dir={out}", f"data.batch_size={ROWS * dp}"]))
@@ -79,8 +79,8 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
     """dp=3: rank 1 is SIGKILLed when its loader hands out batch 8 (the prefetcher reads ahead: some step
     after the step-2 checkpoint); torchrun
     restarts the job once and the trainer resumes: losses, telemetry and validation equal one process's.
-    Then ``python -m training.eval`` at dp=2 on the final checkpoint equals the dp=1 evaluation here."""
-    from training.eval import evaluate_checkpoint
+    Then ``python -m headrace.training.eval`` at dp=2 on the final checkpoint equals the dp=1 evaluation here."""
+    from headrace.training.eval import evaluate_checkpoint
 
     out = work / "killed"
     proc = torchrun(3, "tests.dist.train_killed", "1", "8", work / "job.yaml", f"trainer.output_dir={out}",
@@ -100,7 +100,7 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
     single = evaluate_checkpoint(cfg, str(out / "checkpoints"))
     assert single["checkpoint"].endswith("step-00000008") and single["val_docs"] == VAL_DOCS
     assert single["val_loss"] == pytest.approx(got[1][8]["val_loss"], rel=1e-6)  # dp=3 in training == dp=1
-    proc = torchrun(2, "training.eval", "--config", work / "job.yaml", "--checkpoint", out / "checkpoints",
+    proc = torchrun(2, "headrace.training.eval", "--config", work / "job.yaml", "--checkpoint", out / "checkpoints",
                     f"trainer.output_dir={out}", timeout=200)
     two = json.loads(proc.stdout.strip().splitlines()[-1])
     assert two["val_docs"] == VAL_DOCS and two["val_tokens"] == single["val_tokens"]
@@ -109,11 +109,11 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
 
 
 def launch_nodes(work: Path, out: Path, nodes: list[dict], *, port: int, timeout: float = 300) -> list[str]:
-    """One ``python -m training.launch`` agent per entry of ``nodes`` (``node_rank``, optional ``prefix``
+    """One ``python -m headrace.training.launch`` agent per entry of ``nodes`` (``node_rank``, optional ``prefix``
     command, ``master``, ``local_addr``, ``env``), run together; returns their outputs."""
     procs = []
     for node in nodes:
-        cmd = [*node.get("prefix", []), sys.executable, "-m", "training.launch", "--nnodes", str(len(nodes)),
+        cmd = [*node.get("prefix", []), sys.executable, "-m", "headrace.training.launch", "--nnodes", str(len(nodes)),
                "--node-rank", str(node["node_rank"]), "--master", f"{node.get('master', '127.0.0.1')}:{port}",
                "--nproc-per-node", "2", "--rdzv-id", out.name, "--config", str(work / "job.yaml"),
                f"trainer.output_dir={out}", "distributed.dp_replicate_size=2"]
@@ -226,10 +226,10 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     """The generated sbatch script on a real (one-node) SLURM: job 1 trains and checkpoints and is cancelled
     (as a time limit would end it); job 2, chained afterany, resumes from the newest complete checkpoint with
     its own data seed and finishes the run."""
-    from training.components import checkpoint
+    from headrace.training.components import checkpoint
 
     out = work / "slurm_run"
-    proc = subprocess.run([sys.executable, "-m", "training.launch", "--slurm", "--nodes", "1", "--nproc-per-node",
+    proc = subprocess.run([sys.executable, "-m", "headrace.training.launch", "--slurm", "--nodes", "1", "--nproc-per-node",
                            "2", "--jobs", "2", "--config", str(work / "job.yaml"), f"trainer.output_dir={out}",
                            "trainer.max_steps=40", "trainer.eval_every=0"],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)

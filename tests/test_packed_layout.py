@@ -1,12 +1,12 @@
-"""The host-made attention plan (kernels.packed_layout) against what the kernels plan from device values."""
+"""The host-made attention plan (headrace.kernels.packed_layout) against what the kernels plan from device values."""
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from kernels.hf_attention import packed_attention_kwargs
-from kernels.packed_layout import FLEX_BLOCK, attention_plan, causal_pairs, document_block_tables
-from kernels.varlen_attention import (
+from headrace.kernels.hf_attention import packed_attention_kwargs
+from headrace.kernels.packed_layout import FLEX_BLOCK, attention_plan, causal_pairs, document_block_tables
+from headrace.kernels.varlen_attention import (
     _flex,
     block_mask_from_tables,
     cached_per_batch,
@@ -97,7 +97,7 @@ def test_without_a_plan_the_kernel_still_plans_from_cu_seqlens():
 
 def test_flex_path_uses_provided_tables(monkeypatch):
     """The flex backend's block mask comes from the host tables when provided (eager flex, forward on CPU)."""
-    import kernels.varlen_attention as va
+    import headrace.kernels.varlen_attention as va
 
     lengths = [130, 2, 124]
     cu = _cu(lengths)

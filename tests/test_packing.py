@@ -1,4 +1,4 @@
-"""Property tests of dataio.batching.packing: the THD batch invariants, splitting, determinism, exact resume."""
+"""Property tests of headrace.dataio.batching.packing: the THD batch invariants, splitting, determinism, exact resume."""
 
 import json
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.batching.packing import IGNORE_INDEX, Packer, pack, reshard_states
-from dataio.config import PackingConfig
+from headrace.dataio.batching.packing import IGNORE_INDEX, Packer, pack, reshard_states
+from headrace.dataio.config import PackingConfig
 
 ALGOS = ["none", "greedy", "best_fit"]
 
@@ -202,7 +202,7 @@ def served_pieces(batches):
 
 @pytest.mark.parametrize("algo", ["greedy", "best_fit"])
 def test_loader_resume_mid_epoch_with_packing_gives_the_same_stream(tmp_path, algo):
-    from dataio import build_loader
+    from headrace.dataio import build_loader
     from tests.loader_util import make_text_dataset
 
     make_text_dataset(tmp_path / "ds", [37, 23, 41])
@@ -225,7 +225,7 @@ def test_loader_resume_mid_epoch_with_packing_gives_the_same_stream(tmp_path, al
 
 
 def test_loader_elastic_resume_with_packing_loses_nothing(tmp_path):
-    from dataio import build_loader
+    from headrace.dataio import build_loader
     from tests.loader_util import make_text_dataset
 
     make_text_dataset(tmp_path / "ds", [30, 30, 19])

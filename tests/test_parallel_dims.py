@@ -2,8 +2,8 @@
 
 import pytest
 
-from training.config.job_config import DistributedConfig
-from training.distributed.parallel_dims import ParallelDims
+from headrace.training.config.job_config import DistributedConfig
+from headrace.training.distributed.parallel_dims import ParallelDims
 
 
 def dims(world, **kw):

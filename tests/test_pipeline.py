@@ -9,16 +9,16 @@ import itertools
 import pytest
 import yaml
 
-from configtree import ConfigError
-from training.config.load import load_job_config
-from training.distributed.pipeline import (
+from headrace.config import ConfigError
+from headrace.training.config.load import load_job_config
+from headrace.training.distributed.pipeline import (
     bubble_theory,
     local_stage_ids,
     microbatch_count,
     split_layers,
     stage_count,
 )
-from training.config.pipeline_schedules import schedule_class_name
+from headrace.training.config.pipeline_schedules import schedule_class_name
 
 from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
 from tests.helpers import torchrun
@@ -81,7 +81,7 @@ def test_split_balances_parameters_exactly():
 
 
 def test_stage_counts_placement_and_errors():
-    from training.config.job_config import PipelineConfig as P
+    from headrace.training.config.job_config import PipelineConfig as P
 
     assert stage_count(P(), "Schedule1F1B", 2, 8) == 2
     assert stage_count(P(), "ScheduleInterleaved1F1B", 2, 8) == 4
@@ -113,8 +113,8 @@ def test_stage_counts_placement_and_errors():
 def test_pp_needs_a_split_rule_and_untied_embeddings():
     from transformers import AutoConfig
 
-    from training.config.job_config import JobConfig  # noqa: F401  (config types for build_pipeline)
-    from training.distributed.pipeline import build_pipeline
+    from headrace.training.config.job_config import JobConfig  # noqa: F401  (config types for build_pipeline)
+    from headrace.training.distributed.pipeline import build_pipeline
 
     fields = dict(TINY_LLAMA)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)

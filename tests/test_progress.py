@@ -1,4 +1,4 @@
-"""`dataio.commands.progress`: a bar on a terminal's stderr, nothing (and no rich import) otherwise."""
+"""`headrace.dataio.commands.progress`: a bar on a terminal's stderr, nothing (and no rich import) otherwise."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dataio.commands.progress import progress_bar, shown, track
+from headrace.dataio.commands.progress import progress_bar, shown, track
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def test_terminal_gets_a_bar_with_counts_and_rate(monkeypatch):
 
 
 def test_scripted_runs_do_not_import_rich():
-    code = ("import sys; from dataio.commands.progress import track; list(track(range(3), total=3, description='x')); "
+    code = ("import sys; from headrace.dataio.commands.progress import track; list(track(range(3), total=3, description='x')); "
             "sys.exit('rich' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.DEVNULL)
     assert result.returncode == 0

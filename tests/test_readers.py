@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dataio.prepare.readers import (BadRecord, LhotseCutsInput, NemoManifestInput, ParquetInput, ReadOptions, SampleError,
+from headrace.dataio.prepare.readers import (BadRecord, LhotseCutsInput, NemoManifestInput, ParquetInput, ReadOptions, SampleError,
                             TextJsonlInput, TxtInput, make_key, open_input)
 
 

@@ -1,4 +1,4 @@
-"""Issue 25, trainer side, one process through the real entry points (``python -m training``'s ``main`` and
+"""Issue 25, trainer side, one process through the real entry points (``python -m headrace.training``'s ``main`` and
 ``train``): user errors are one line, exit 2, printed once; checks that used to be skipped now run (the
 vocabulary check on the loader's shards); resume refuses another model, a tampered checkpoint, and falls back
 past an incomplete one; the run's first loss survives a resume; YAML reads ``1e-3`` as a number. The
@@ -15,8 +15,8 @@ import webdataset as wds
 from tests.helpers import REPO, child_env
 from tests.loader_util import index_dir, make_text_dataset
 
-from training.__main__ import main
-from training.config.load import load_job_config
+from headrace.training.__main__ import main
+from headrace.training.config.load import load_job_config
 
 BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
         "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8"]
@@ -143,8 +143,8 @@ def test_yaml_reads_exponent_numbers_as_floats(tmp_path):
 
 
 def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_path, capsys, monkeypatch):
-    from training.eval import main as eval_main
-    from training.config.validate import check_validation
+    from headrace.training.eval import main as eval_main
+    from headrace.training.config.validate import check_validation
 
     demo = load_job_config(str(REPO / "configs" / "demo.yaml"))
     check_validation(demo)
@@ -158,7 +158,7 @@ def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_pa
 
 
 def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
-    """A file-size limit (RLIMIT_FSIZE: the writes fail as on a full disk) under ``python -m training``: was a
+    """A file-size limit (RLIMIT_FSIZE: the writes fail as on a full disk) under ``python -m headrace.training``: was a
     CheckpointException traceback; now one line naming the checkpoint directory, exit 2."""
     import os
     import resource
@@ -166,7 +166,7 @@ def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
 
     make_text_dataset(tmp_path / "d", [20])
     proc = subprocess.run(
-        [sys.executable, "-m", "training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
+        [sys.executable, "-m", "headrace.training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
         cwd=REPO, env=child_env(HEADRACE_DEBUG=None), capture_output=True, text=True,
         timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)))
     assert proc.returncode == 2, proc.stderr[-2000:]

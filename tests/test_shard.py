@@ -19,9 +19,9 @@ import pytest
 import soundfile as sf
 import webdataset as wds
 
-from dataio.usererror import CommandError
-from dataio.commands import shard as shard_cmd
-from dataio.shards.index import load_index
+from headrace.dataio.usererror import CommandError
+from headrace.dataio.commands import shard as shard_cmd
+from headrace.dataio.shards.index import load_index
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -261,7 +261,7 @@ def test_splits_are_deterministic_and_disjoint(tmp_path):
 def test_resume_after_kill_9_is_byte_identical(tmp_path):
     src = write_text_corpus(tmp_path, 4000, words=40)
     tok = write_tokenizer(tmp_path)
-    argv = [sys.executable, "-m", "dataio", "shard", str(src), "--tokenizer", str(tok), "--samples-per-shard", "60",
+    argv = [sys.executable, "-m", "headrace.dataio", "shard", str(src), "--tokenizer", str(tok), "--samples-per-shard", "60",
             "--workers", "2", "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run(argv + ["--output", str(tmp_path / "clean")], cwd=REPO, env=env, check=True, capture_output=True)
@@ -414,7 +414,7 @@ def test_missing_tokenizer(tmp_path):
 
 def test_cli_exit_status_and_one_line_error(tmp_path):
     src = bad_text_lines(tmp_path, ['{"text": "fine"}', "{oops"])
-    result = subprocess.run([sys.executable, "-m", "dataio", "shard", str(src), "--output", str(tmp_path / "out")],
+    result = subprocess.run([sys.executable, "-m", "headrace.dataio", "shard", str(src), "--output", str(tmp_path / "out")],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0
@@ -423,9 +423,9 @@ def test_cli_exit_status_and_one_line_error(tmp_path):
 
 def planned_text_job(tmp_path, docs: int, per_shard: int):
     """(ShardJob, plan) of a text corpus of ``docs`` documents, ``per_shard`` samples per shard."""
-    from dataio.prepare.plan import plan_job
-    from dataio.prepare.readers import ReadOptions, open_input
-    from dataio.prepare.writer import ShardJob
+    from headrace.dataio.prepare.plan import plan_job
+    from headrace.dataio.prepare.readers import ReadOptions, open_input
+    from headrace.dataio.prepare.writer import ShardJob
 
     src = write_text_corpus(tmp_path, docs)
     plan = plan_job([open_input(str(src), ReadOptions())], splits=[("train", 1.0)], shard_bytes=None,
@@ -437,8 +437,8 @@ def planned_text_job(tmp_path, docs: int, per_shard: int):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
     """The bar advances per chunk of samples, also from forked workers, and ends at the total."""
-    from dataio.prepare import writer as shard_write
-    from dataio.prepare.job import write_shards
+    from headrace.dataio.prepare import writer as shard_write
+    from headrace.dataio.prepare.job import write_shards
 
     monkeypatch.setattr(shard_write, "CHUNK", 7)
     job, plan = planned_text_job(tmp_path, 45, 20)
@@ -452,7 +452,7 @@ def test_progress_counts_every_sample_in_chunks(tmp_path, monkeypatch, workers):
 
 def test_a_writer_process_that_dies_is_an_error_not_a_hang(tmp_path, monkeypatch):
     """A forked writer killed mid-job (OOM killer, kill -9) fails the job within a second, naming it."""
-    from dataio.prepare import job as shard_job
+    from headrace.dataio.prepare import job as shard_job
 
     job, plan = planned_text_job(tmp_path, 30, 10)
     monkeypatch.setattr(shard_job, "write_shard", lambda job, shard, progress=None: os._exit(3))

@@ -8,10 +8,10 @@ import tarfile
 import numpy as np
 import pytest
 
-from dataio.prepare.readers import Entry
-from dataio.prepare.plan import assign_splits, key_hashes, parse_splits, plan_job, resolve_node
-from dataio.sizes import parse_size
-from dataio.shards.tarwriter import TarWriter, tar_header
+from headrace.dataio.prepare.readers import Entry
+from headrace.dataio.prepare.plan import assign_splits, key_hashes, parse_splits, plan_job, resolve_node
+from headrace.dataio.sizes import parse_size
+from headrace.dataio.shards.tarwriter import TarWriter, tar_header
 
 
 def test_tar_writer_offsets_match_tarfile_and_headers_are_fixed():
@@ -124,7 +124,7 @@ def test_header_probe_agrees_with_libsndfile(tmp_path, fmt, subtype, channels, r
     sample rate and frame count; where it does not, probe falls back to libsndfile."""
     import soundfile as sf
 
-    from dataio.shards.audioheader import HEADER_BYTES, parse_header, probe, probe_file
+    from headrace.dataio.shards.audioheader import HEADER_BYTES, parse_header, probe, probe_file
 
     data = _encoded(fmt, subtype, channels, rate, frames)
     parsed = parse_header(data[:HEADER_BYTES], len(data))
@@ -155,7 +155,7 @@ def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, su
     samples the loader reads in place (``wav_format``'s data offset)."""
     import soundfile as sf
 
-    from dataio.shards.audioheader import HEADER_BYTES, parse_header, wav_format
+    from headrace.dataio.shards.audioheader import HEADER_BYTES, parse_header, wav_format
 
     data = _wav_with_list() if subtype == "LIST" else _encoded(fmt, subtype, 1, 16000, 4000)
     rng = np.random.default_rng(0)
@@ -189,7 +189,7 @@ def test_wav_chunks_before_data_are_skipped_only_where_libsndfile_goes_past_them
     inside or sub-chunks that overrun it) or that the parser does not vouch for: left to libsndfile."""
     import soundfile as sf
 
-    from dataio.shards.audioheader import parse_header
+    from headrace.dataio.shards.audioheader import parse_header
     from tests.hostile import list_info, peak_chunk, riff, wav_chunks
 
     fmt, data = wav_chunks(np.zeros((1000, 2), np.float32), 8000)
@@ -218,7 +218,7 @@ def test_wav_chunks_before_data_are_skipped_only_where_libsndfile_goes_past_them
 
 
 def test_corrupt_audio_is_unreadable():
-    from dataio.shards.audioheader import probe
+    from headrace.dataio.shards.audioheader import probe
 
     with pytest.raises(ValueError, match="unreadable audio"):
         probe(b"fLaC" + bytes(range(256)) * 4)
@@ -240,7 +240,7 @@ def test_file_payloads_give_the_same_bytes_as_in_memory_ones(tmp_path, monkeypat
     import hashlib
     import os
 
-    from dataio.shards.tarwriter import FilePayload
+    from headrace.dataio.shards.tarwriter import FilePayload
 
     rng = np.random.default_rng(3)
     sources = []
@@ -267,7 +267,7 @@ def test_file_payloads_give_the_same_bytes_as_in_memory_ones(tmp_path, monkeypat
 
 
 def test_a_file_payload_that_shrank_is_an_error(tmp_path):
-    from dataio.shards.tarwriter import FilePayload
+    from headrace.dataio.shards.tarwriter import FilePayload
 
     path = tmp_path / "a.flac"
     path.write_bytes(b"x" * 1000)
@@ -281,8 +281,8 @@ def test_a_file_payload_that_shrank_is_an_error(tmp_path):
 def test_npy_writer_matches_np_save_and_header_parser_matches_numpy(array):
     from numpy.lib import format as npy_format
 
-    from dataio.shards.formats import npy_bytes
-    from dataio.shards.formats import npy_header
+    from headrace.dataio.shards.formats import npy_bytes
+    from headrace.dataio.shards.formats import npy_header
 
     saved = io.BytesIO()
     np.save(saved, array)

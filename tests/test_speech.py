@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from tests.dist.speech_common import (SPEECH, TINY_ENCODER, TINY_LLM, TINY_WHISPER, audio_batches, save_tokenizer,
                            salm_job)
 
-from configtree import ConfigError  # noqa: E402
-from training.speech.eval import corpus_wer, word_errors  # noqa: E402
-from training.speech.prompt import PromptTemplate, build_batch  # noqa: E402
+from headrace.config import ConfigError  # noqa: E402
+from headrace.training.speech.eval import corpus_wer, word_errors  # noqa: E402
+from headrace.training.speech.prompt import PromptTemplate, build_batch  # noqa: E402
 
 
 def test_prompt_layout_answers_and_labels():
@@ -34,9 +34,9 @@ def test_prompt_layout_answers_and_labels():
 
 
 def _tiny_salm(tmp_path, **job):
-    from training.models.build import build_hf_config
-    from training.speech.job import SpeechBatches
-    from training.speech.model import build_meta_salm, materialize_salm
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.job import SpeechBatches
+    from headrace.training.speech.model import build_meta_salm, materialize_salm
 
     save_tokenizer(tmp_path / "tokenizer.json")
     cfg = salm_job(tmp_path, "unit", **job)
@@ -96,7 +96,7 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
     positions; the export's encoder/ loads back through load_salm."""
     from transformers import WhisperFeatureExtractor
 
-    from training.speech.job import export_salm, load_salm
+    from headrace.training.speech.job import export_salm, load_salm
 
     whisper = _whisper_checkpoint(tmp_path / "whisper")
     model, speech = _tiny_salm(tmp_path, encoder="whisper", speech_extra=dict(
@@ -134,10 +134,10 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
 
 
 def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
-    from configtree import to_dict
-    from training.config.load import load_job_config
-    from training.distributed.parallel_dims import ParallelDims
-    from training.speech.job import build_salm
+    from headrace.config import to_dict
+    from headrace.training.config.load import load_job_config
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.speech.job import build_salm
 
     save_tokenizer(tmp_path / "tokenizer.json")
     raw = to_dict(salm_job(tmp_path, "x", encoder="whisper"))
@@ -160,8 +160,8 @@ def test_word_errors_and_wer():
 
 
 def test_salm_config_errors(tmp_path):
-    from configtree import to_dict
-    from training.config.load import load_job_config
+    from headrace.config import to_dict
+    from headrace.training.config.load import load_job_config
 
     raw = to_dict(salm_job(tmp_path, "x"))
     raw["model"]["speech"]["prompt"] = "no audio here"
@@ -171,9 +171,9 @@ def test_salm_config_errors(tmp_path):
     raw["data"]["bucketing"] = None
     with pytest.raises(ConfigError, match="salm trains on bucketed audio"):
         load_job_config(None, base=raw)
-    from kernels.log_mel import LogMelConfig
-    from training.config.speech import EncoderConfig
-    from training.speech.encoders import ParakeetFrontEnd, WhisperFrontEnd
+    from headrace.kernels.log_mel import LogMelConfig
+    from headrace.training.config.speech import EncoderConfig
+    from headrace.training.speech.encoders import ParakeetFrontEnd, WhisperFrontEnd
 
     with pytest.raises(ValueError, match="layerdrop"):
         ParakeetFrontEnd(LogMelConfig(n_mels=16)).config(EncoderConfig(config=dict(TINY_ENCODER, layerdrop=0.1)))
@@ -198,7 +198,7 @@ def test_salm_config_errors(tmp_path):
 def test_batch_estimator_finds_the_largest_batch_under_a_budget(tmp_path):
     import numpy as np
 
-    from training.estimate_batch import estimate_table, largest_fitting, saved_activation_bytes, synthetic_step
+    from headrace.training.estimate_batch import estimate_table, largest_fitting, saved_activation_bytes, synthetic_step
 
     for cap in (0, 4, 7, 8, 100, 4096, 5000):
         calls = []
@@ -212,7 +212,7 @@ def test_batch_estimator_finds_the_largest_batch_under_a_budget(tmp_path):
 
 
 def test_speech_demo_recipe_loads():
-    from training.config.load import load_job_config
+    from headrace.training.config.load import load_job_config
 
     cfg = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_demo.yaml"))
     assert cfg.model.kind == "salm" and cfg.model.speech.encoder.kind == "parakeet"
@@ -222,10 +222,10 @@ def test_speech_demo_recipe_loads():
 
 
 def _estimator_job(tmp_path) -> str:
-    """A tiny SALM job YAML with two 2D buckets, for ``python -m training.estimate_batch``."""
+    """A tiny SALM job YAML with two 2D buckets, for ``python -m headrace.training.estimate_batch``."""
     import yaml
 
-    from configtree import to_dict
+    from headrace.config import to_dict
 
     save_tokenizer(tmp_path / "tokenizer.json")
     raw = to_dict(salm_job(tmp_path, "estimate"))
@@ -239,7 +239,7 @@ def test_batch_estimator_cli_answers_within_the_budget_with_progress(tmp_path, c
     size, fit the budget (it measures batch 1 and 2 only and solves for it); one progress line per bucket."""
     import yaml
 
-    from training.estimate_batch import main, saved_activation_bytes, synthetic_step
+    from headrace.training.estimate_batch import main, saved_activation_bytes, synthetic_step
 
     job = _estimator_job(tmp_path)
     budget_gib = 0.002
@@ -262,7 +262,7 @@ def test_batch_estimator_cli_time_limit_and_refusal(tmp_path, capsys):
     import psutil
     import yaml
 
-    from training.estimate_batch import main
+    from headrace.training.estimate_batch import main
 
     job = _estimator_job(tmp_path)
     # past the time limit: the buckets not measured are null (cannot be pasted unnoticed), exit status 3

@@ -1,5 +1,5 @@
 """Released speech-LLM checkpoints as SALM starting points: a tiny random Qwen2-Audio and a tiny random Voxtral,
-built and saved by transformers, converted (``python -m training.speech.checkpoints``) and loaded by
+built and saved by transformers, converted (``python -m headrace.training.speech.checkpoints``) and loaded by
 ``load_salm``, give transformers' own logits on the same audio and text, and one fine-tuning step on both
 gives the same loss."""
 
@@ -61,8 +61,8 @@ def transformers_inputs(raw: dict, batch: dict, audio_token_id: int) -> dict:
 
 
 def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp_path):
-    from training.speech.job import SALM_INPUTS, SpeechBatches, load_salm
-    from training.speech.checkpoints import main
+    from headrace.training.speech.job import SALM_INPUTS, SpeechBatches, load_salm
+    from headrace.training.speech.checkpoints import main
 
     reference, vocab = save_qwen2_audio(tmp_path / "qwen2-audio")
     assert main([str(tmp_path / "qwen2-audio"), str(tmp_path / "salm")]) == 0
@@ -141,8 +141,8 @@ def test_voxtral_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp
     mapped; every utterance gets the whole window's 10 slots, as Voxtral's processor gives it."""
     from transformers import WhisperFeatureExtractor
 
-    from training.speech.checkpoints import main
-    from training.speech.job import SALM_INPUTS, SpeechBatches, load_salm
+    from headrace.training.speech.checkpoints import main
+    from headrace.training.speech.job import SALM_INPUTS, SpeechBatches, load_salm
 
     reference, vocab = save_voxtral(tmp_path / "voxtral")
     assert main([str(tmp_path / "voxtral"), str(tmp_path / "salm")]) == 0

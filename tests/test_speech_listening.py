@@ -1,6 +1,6 @@
-"""The listening signal (``training.speech.listening``): which audio each utterance gets in the mismatched pass,
+"""The listening signal (``headrace.training.speech.listening``): which audio each utterance gets in the mismatched pass,
 and the ratio through the real entry points -- the trainer's validation (``val_listening_ratio`` in
-metrics.jsonl) and ``python -m training.speech.eval`` -- ~1 for an untrained SALM, well below 1 for one trained
+metrics.jsonl) and ``python -m headrace.training.speech.eval`` -- ~1 for an untrained SALM, well below 1 for one trained
 on a task only the audio can solve."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from tests.helpers import REPO, child_env
 from tests.dist.speech_common import WORDS, audio_batches, salm_job, save_tokenizer
 
-from training.speech.listening import mismatched_audio, partner_rows, with_mismatched_audio
+from headrace.training.speech.listening import mismatched_audio, partner_rows, with_mismatched_audio
 
 TONES = {WORDS[0]: 250.0, WORDS[1]: 700.0, WORDS[2]: 1800.0, WORDS[3]: 4000.0}  # the word says the tone
 
@@ -40,9 +40,9 @@ def test_mismatched_audio_gives_each_row_another_rows_waveform_at_its_own_length
 def test_mismatched_forward_keeps_the_token_layout(tmp_path):
     """The mismatched pass runs the same forward on the same rows: same text tokens, labels, slots and
     positions; only the audio differs."""
-    from training.models.build import build_hf_config
-    from training.speech.job import SpeechBatches
-    from training.speech.model import build_meta_salm
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.job import SpeechBatches
+    from headrace.training.speech.model import build_meta_salm
 
     save_tokenizer(tmp_path / "tokenizer.json")
     cfg = salm_job(tmp_path, "unit")
@@ -82,9 +82,9 @@ def write_tone_dataset(root: Path, count: int = 12) -> Path:
 def train_on_tones(tmp_path: Path, name: str, steps: int, lr: float) -> list[dict]:
     """The tiny SALM trained by the trainer on the tone dataset, validated on it at the last step; the
     records of metrics.jsonl."""
-    from configtree import to_dict
-    from training.config.load import load_job_config
-    from training.train import train
+    from headrace.config import to_dict
+    from headrace.training.config.load import load_job_config
+    from headrace.training.train import train
 
     raw = to_dict(salm_job(tmp_path, name, data_path=str(tmp_path / "tones"), max_steps=steps,
                            optim=dict(lr=lr, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)))
@@ -117,8 +117,8 @@ def test_validation_listening_ratio_is_one_untrained_and_falls_when_the_model_li
     assert trained["val_listening_ratio"] < 0.5, trained
     assert trained["val_loss"] < 0.1 < 1.0 < trained["val_mismatched_loss"], trained
 
-    # python -m training.speech.eval on the export prints the same figures over the same utterances
-    out = subprocess.run([sys.executable, "-m", "training.speech.eval", "--model", str(tone_workdir / "trained"),
+    # python -m headrace.training.speech.eval on the export prints the same figures over the same utterances
+    out = subprocess.run([sys.executable, "-m", "headrace.training.speech.eval", "--model", str(tone_workdir / "trained"),
                           "--data", str(tone_workdir / "tones"), "--split", "train"], cwd=REPO,
                          capture_output=True, text=True, timeout=600, env=child_env())
     assert out.returncode == 0, out.stderr[-2000:]

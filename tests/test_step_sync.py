@@ -1,5 +1,5 @@
 """The training step does not wait on the host: host reads of tensors on the training thread, counted through
-the real trainer (``training.train.train``), one process, debug Llama, packed rows.
+the real trainer (``headrace.training.train.train``), one process, debug Llama, packed rows.
 
 Every ``Tensor`` method that hands a value to Python (``item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``,
 ``__int__``, ``__float__``) is wrapped; calls from the training thread are counted, those from the optimizers'
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.dist.train_common import TINY_LLAMA, ListLoader, packed_batches
-from training.config.load import load_job_config
+from headrace.training.config.load import load_job_config
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 WINDOW_BUDGET = 3  # read_step_stats + rank_spread + sum_over_dp, once per log window
@@ -36,7 +36,7 @@ def job(tmp_path, steps: int, log_every: int, device: str = "cpu", **trainer):
 
 def count_host_reads(monkeypatch) -> tuple[Counter, Counter]:
     """Patch the read methods; returns (reads inside ``take_step``, reads anywhere in ``run_steps``), by call site."""
-    import training.train as train_mod
+    import headrace.training.train as train_mod
 
     main = threading.get_ident()
     in_step, anywhere = Counter(), Counter()
@@ -74,9 +74,9 @@ def count_host_reads(monkeypatch) -> tuple[Counter, Counter]:
 
 
 def test_steps_read_nothing_from_the_device_and_log_windows_stay_in_budget(tmp_path, process_group, monkeypatch):
-    from training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
-    from training.models.build import build_hf_config
-    from training.train import train
+    from headrace.training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.train import train
 
     steps, log_every = 6, 3
     cfg = job(tmp_path, steps, log_every)
@@ -108,8 +108,8 @@ def test_steps_read_nothing_from_the_device_and_log_windows_stay_in_budget(tmp_p
 
 def test_a_read_inside_the_step_is_caught(tmp_path, process_group, monkeypatch):
     """The counter is not blind: a step that reads its loss (what train_step did before) is reported."""
-    import training.step as step_mod
-    from training.train import train
+    import headrace.training.step as step_mod
+    from headrace.training.train import train
 
     forward = step_mod.forward_loss_sum
 
@@ -133,9 +133,9 @@ def test_cuda_steps_do_not_synchronize(tmp_path, process_group, monkeypatch):
     """On CUDA: every step runs under ``set_sync_debug_mode("error")`` (a synchronizing call raises). The lm_head
     loss is the chunked kernel's: Liger's fused kernel (the optional extra) reads its label count with
     ``.item()`` once per call, a sync the README states."""
-    import kernels.fused_loss as fused_loss
-    import training.train as train_mod
-    from training.train import train
+    import headrace.kernels.fused_loss as fused_loss
+    import headrace.training.train as train_mod
+    from headrace.training.train import train
 
     monkeypatch.setattr(fused_loss, "liger_loss_class", lambda: None)
     fused_loss.linear_cross_entropy_kernel.cache_clear()

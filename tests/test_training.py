@@ -18,10 +18,10 @@ from tests.loader_util import make_text_dataset
 from tests.dist.train_common import (TINY_LLAMA, copy_checkpoint, full_logits_loss_sum, packed_batches,
                                     save_pretrained_tiny)
 
-from configtree import ConfigError  # noqa: E402
-from training.components import checkpoint  # noqa: E402
-from training.config.job_config import OptimConfig  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
+from headrace.config import ConfigError  # noqa: E402
+from headrace.training.components import checkpoint  # noqa: E402
+from headrace.training.config.job_config import OptimConfig  # noqa: E402
+from headrace.training.config.load import load_job_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ def test_recipes_load(name):
 
 
 def test_llama_1b_recipe_is_a_1b_llama_in_bf16_on_packed_8k_rows():
-    from training.models.build import build_hf_config, count_params
+    from headrace.training.models.build import build_hf_config, count_params
 
     cfg = load_job_config(str(REPO / "configs" / "llama_1b.yaml"))
     total, _ = count_params(build_hf_config(cfg.model))  # on the meta device: no memory
@@ -72,9 +72,9 @@ def test_llama_1b_recipe_is_a_1b_llama_in_bf16_on_packed_8k_rows():
 def test_unsupported_layouts_fail_before_building():
     from transformers import AutoConfig
 
-    from training.config.job_config import DistributedConfig
-    from training.distributed.parallel_dims import ParallelDims
-    from training.distributed.parallelize import check_supported
+    from headrace.training.config.job_config import DistributedConfig
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.distributed.parallelize import check_supported
 
     fields = dict(TINY_LLAMA)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -95,7 +95,7 @@ def test_unsupported_layouts_fail_before_building():
 
 
 def test_warmup_then_cosine():
-    from training.components.optim import lr_at
+    from headrace.training.components.optim import lr_at
 
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
     assert [lr_at(s, cfg, 104) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
@@ -109,7 +109,7 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
     from packed batches' ``fill`` only (None for batches that are not packed rows: bucketed audio). Two FLOP counts:
     full row (``flops_per_token``) and document-masked (matmuls per token + attention per (query, key) pair, the
     pairs summed over dp)."""
-    from training.components import metrics
+    from headrace.training.components import metrics
 
     now = [0.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
@@ -156,9 +156,9 @@ def test_packed_loss_equals_documents_run_one_by_one(tmp_path):
     """headrace_varlen keeps attention (and RoPE positions) inside each document of a packed row."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.hf_attention import register_varlen_attention
-    from training.models.loss import CausalLMLoss
-    from training.step import forward_loss_sum
+    from headrace.kernels.hf_attention import register_varlen_attention
+    from headrace.training.models.loss import CausalLMLoss
+    from headrace.training.step import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
     packed = CausalLMLoss(AutoModelForCausalLM.from_pretrained(tmp_path / "m",
@@ -181,9 +181,9 @@ def test_chunked_loss_gives_the_full_logits_loss_and_gradients(tmp_path):
     full logits + F.cross_entropy: loss and every parameter's gradient; parameter names are HF's own."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
-    from training.models.loss import CausalLMLoss, unwrap_causal_lm
-    from training.step import forward_loss_sum
+    from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
+    from headrace.training.models.loss import CausalLMLoss, unwrap_causal_lm
+    from headrace.training.step import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
     load = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "m",  # noqa: E731
@@ -220,11 +220,11 @@ def concat(batches: list[dict]) -> dict:
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
-    from training.config.job_config import DistributedConfig
-    from training.components.optim import build_optimizer
-    from training.distributed.parallel_dims import ParallelDims
-    from training.train import build_model
-    from training.step import train_step
+    from headrace.training.config.job_config import DistributedConfig
+    from headrace.training.components.optim import build_optimizer
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.train import build_model
+    from headrace.training.step import train_step
 
     save_pretrained_tiny(tmp_path / "m")
     cfg = load_job_config(None, base=base_job(tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m"))))
@@ -246,13 +246,13 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
 def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, monkeypatch):
     """precision=bf16 with nothing to shard still goes through FSDP2's MixedPrecisionPolicy: under autocast
     HF's RoPE would hand the attention kernel fp32 q/k beside a bf16 v."""
-    import kernels.hf_attention as hf_attention
+    import headrace.kernels.hf_attention as hf_attention
     from torch.distributed.fsdp import FSDPModule
 
-    from training.config.job_config import DistributedConfig
-    from training.distributed.parallel_dims import ParallelDims
-    from training.train import build_model
-    from training.step import forward_loss_sum
+    from headrace.training.config.job_config import DistributedConfig
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.train import build_model
+    from headrace.training.step import forward_loss_sum
 
     cfg = load_job_config(None, base=base_job(tmp_path, trainer=dict(precision="bf16")))
     dims = ParallelDims.from_config(DistributedConfig(), 1)
@@ -274,7 +274,7 @@ def run_cli(*args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "training", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "headrace.training", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -283,11 +283,11 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 
 def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, process_group):
-    """`python -m training` on packed shards: outputs, HF export, and stop-at-3 + resume == 6 straight steps
+    """`python -m headrace.training` on packed shards: outputs, HF export, and stop-at-3 + resume == 6 straight steps
     (so the loader continued with exactly the batches the uninterrupted run saw next)."""
     from transformers import AutoModelForCausalLM
 
-    from training.train import train
+    from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [60, 60])
     overrides = [f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "data.packing_buffer=16",
@@ -317,7 +317,7 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
 def test_qwen_recipes_train(tmp_path, process_group, recipe, precision):
     """Each recipe learns; bf16 on one rank runs through FSDP2's MixedPrecisionPolicy (no autocast), here with
     the tied embedding + lm_head weight the chunked loss reads."""
-    from training.train import train
+    from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [40])
     cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
@@ -352,9 +352,9 @@ def test_model_without_attention_interface_trains_one_document_per_row(tmp_path,
     """StableLM does not route attention through transformers' AttentionInterface: the trainer switches to
     sdpa with one document per row (padding after it), and its first loss is the HF model's own loss on
     that batch, computed document by document."""
-    from dataio import build_loader
-    from training.models.build import one_document_per_row
-    from training.train import train
+    from headrace.dataio import build_loader
+    from headrace.training.models.build import one_document_per_row
+    from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [24])
     save_pretrained_tiny(tmp_path / "m", {**TINY_LLAMA, "model_type": "stablelm", "vocab_size": 1024})
@@ -427,7 +427,7 @@ def test_automodel_distributed_block_loads_as_written(tmp_path):
 def test_wandb_offline_and_profiler_trace(tmp_path, process_group, monkeypatch):
     """``logging.wandb`` in offline mode (no network) records every logged loss in the run file;
     ``trainer.profile`` writes a Chrome trace holding exactly the chosen steps."""
-    from training.train import train
+    from headrace.training.train import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

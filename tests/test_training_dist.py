@@ -1,7 +1,7 @@
 """Real gloo process groups on CPU: one 4-rank launch checks the chunked loss's gradients (fp32, bf16) and
 runs every layout against a single-process reference (+ bf16, resume, export logits), one 2-rank launch
 loads the 4-rank checkpoint and runs a compiled step (see tests/dist/train_layouts.py for the checks); one
-4-rank launch trains every other family of ``training.models.families.TESTED_FAMILIES`` (tests/dist/train_families.py)."""
+4-rank launch trains every other family of ``headrace.training.models.families.TESTED_FAMILIES`` (tests/dist/train_families.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_layouts_resume_and_reshard(tmp_path):
 
 @pytest.mark.slow
 def test_families_match_single_process(tmp_path):
-    from training.models.families import TESTED_FAMILIES
+    from headrace.training.models.families import TESTED_FAMILIES
 
     out = torchrun(4, "tests.dist.train_families", tmp_path).stdout
     for family in TESTED_FAMILIES[1:]:  # llama: test_layouts_resume_and_reshard

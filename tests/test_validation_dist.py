@@ -1,5 +1,5 @@
 """Validation under pipeline and context parallelism: one 4-rank gloo launch (tests/dist/val_checks.py) compares
-``training.eval`` at pp 4, pp 2 x dp 2 (two schedules), pp 2 x tp 2, cp 4, cp 2 x dp 2 and dp 4 with one process's
+``headrace.training.eval`` at pp 4, pp 2 x dp 2 (two schedules), pp 2 x tp 2, cp 4, cp 2 x dp 2 and dp 4 with one process's
 val loss, and the figures logged under ``trainer.eval_every`` at pp 2 x dp 2 and cp 2 x dp 2 with the checkpoint
 evaluated at other layouts. Plus the config rules (no process group)."""
 
@@ -21,9 +21,9 @@ def test_validation_under_pp_and_cp_equals_one_process(tmp_path):
 
 
 def test_validation_config_rules(tmp_path):
-    from configtree import ConfigError
-    from training.config.load import load_job_config
-    from training.config.validate import check_job
+    from headrace.config import ConfigError
+    from headrace.training.config.load import load_job_config
+    from headrace.training.config.validate import check_job
 
     def job(**distributed):
         return load_job_config(None, base=dict(

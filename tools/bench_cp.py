@@ -3,8 +3,8 @@
     .venv/bin/python -m tools.bench_cp imbalance [--seq-lens 16384 32768]
     .venv/bin/torchrun --nproc-per-node 4 -m tools.bench_cp train [--seq-lens 16384 32768] [--steps 2]
 
-imbalance: the demo corpus's real documents (``dataio.bench.corpus.demo_token_documents``, byte tokens)
-packed best-fit into rows of seq_len; per row, ``dataio.batching.cp_split.attention_work``'s max/mean causal work
+imbalance: the demo corpus's real documents (``headrace.dataio.bench.corpus.demo_token_documents``, byte tokens)
+packed best-fit into rows of seq_len; per row, ``headrace.dataio.batching.cp_split.attention_work``'s max/mean causal work
 over the CP ranks for the head-tail split and, beside it, a contiguous split. Prints mean and worst row.
 
 train: one tiny Llama (``--hidden``, 2 layers, GQA 4/2 heads) with ``headrace_varlen`` attention, the
@@ -26,10 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from dataio.bench.corpus import demo_token_documents
-from dataio.batching.cp_split import attention_work, cp_shard
-from dataio.batching.packing import Packer, pack
-from dataio.config import PackingConfig
+from headrace.dataio.bench.corpus import demo_token_documents
+from headrace.dataio.batching.cp_split import attention_work, cp_shard
+from headrace.dataio.batching.packing import Packer, pack
+from headrace.dataio.config import PackingConfig
 
 
 def packed_rows(seq_len: int, rows: int) -> list[dict]:
@@ -76,11 +76,11 @@ def saved_bytes(fn, params: set[int]) -> tuple[object, int]:
 def run_train(seq_lens: list[int], steps: int, hidden: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kernels.cp_attention import exchanged_bytes
-    from kernels.hf_attention import register_varlen_attention
-    from training.distributed.context_parallel import cp_attention_kwargs
-    from training.models.loss import CausalLMLoss
-    from training.step import forward_loss_sum
+    from headrace.kernels.cp_attention import exchanged_bytes
+    from headrace.kernels.hf_attention import register_varlen_attention
+    from headrace.training.distributed.context_parallel import cp_attention_kwargs
+    from headrace.training.models.loss import CausalLMLoss
+    from headrace.training.step import forward_loss_sum
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

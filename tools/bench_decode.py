@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_decode --rounds 5 --baseline /tmp/before
 
-Cases (each a shard directory built once by ``dataio.bench.synth`` under ``--data``, ``--hours`` of
+Cases (each a shard directory built once by ``headrace.dataio.bench.synth`` under ``--data``, ``--hours`` of
 ``corpus.speech_like`` utterances of 3-6 s, 16-bit): FLAC at 16 kHz, WAV at 16 kHz, FLAC at 24 kHz
 (resampled to 16 kHz by every path). Paths, all decoding to float32 mono at 16 kHz:
 
@@ -63,7 +63,7 @@ def audio_ext(shards: Path) -> str:
 def headrace_batches(shards: Path, workers: int, batch_size: int, count: int, epochs: int):
     """The loader's batches over ``epochs`` epochs as (batch tensor, lengths): one loader, its workers
     and their shared-memory ring kept from one epoch to the next, as in training."""
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     ext = audio_ext(shards)
     cfg = {"datasets": [{"path": str(shards)}], "batch_size": batch_size, "shuffle": False, "epochs": epochs,
@@ -107,7 +107,7 @@ def run_epoch(path: str, shards: Path, batch_size: int, epochs: int) -> dict:
     import soundfile
     import torch
 
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     torch.set_num_threads(1)
     kind, n = path.split(":")
@@ -129,7 +129,7 @@ def run_epoch(path: str, shards: Path, batch_size: int, epochs: int) -> dict:
 
 
 def build_cases(data: Path, hours: float) -> dict[str, Path]:
-    from dataio.bench.synth import write_speech
+    from headrace.dataio.bench.synth import write_speech
 
     out = {}
     for name, (fmt, rate) in CASES.items():

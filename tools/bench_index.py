@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from dataio.shards.formats import npy_bytes
-from dataio.bench.processes import REPO, time_dataio, time_energon_prepare
+from headrace.dataio.shards.formats import npy_bytes
+from headrace.dataio.bench.processes import REPO, time_dataio, time_energon_prepare
 
 
 def main() -> None:

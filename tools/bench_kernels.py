@@ -10,7 +10,7 @@ single-document row; backends ``bucketed`` and ``dense_mask`` against a per-docu
 
 loss: forward+backward time and peak memory of ``linear_cross_entropy`` against full-logits
 ``F.cross_entropy``. Each case runs in a fresh subprocess; peak memory is the rise of the process's
-RSS (``dataio.bench.measure.ProcessSampler``, every 0.5 ms) above its RSS after a warm-up step (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
+RSS (``headrace.dataio.bench.measure.ProcessSampler``, every 0.5 ms) above its RSS after a warm-up step (CPU), or ``torch.cuda.max_memory_allocated`` (CUDA).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dataio.bench.corpus import longtail_lengths
-from dataio.bench.measure import ProcessSampler
-from dataio.bench.timing import best_interleaved
-from kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
-from kernels.varlen_attention import varlen_attention, varlen_attention_reference
+from headrace.dataio.bench.corpus import longtail_lengths
+from headrace.dataio.bench.measure import ProcessSampler
+from headrace.dataio.bench.timing import best_interleaved
+from headrace.kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
+from headrace.kernels.varlen_attention import varlen_attention, varlen_attention_reference
 
 
 def _time_interleaved(fns: dict, device: str, repeats: int) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 Data: real text (the demo corpus's documents: package READMEs and standard-library docstrings, a
 natural long-tailed length distribution), byte-level tokenised to int32 ``tokens.npy`` members and
-written as WebDataset tars with ``webdataset.TarWriter``, then indexed with ``dataio.shards.tarscan``. Built
+written as WebDataset tars with ``webdataset.TarWriter``, then indexed with ``headrace.dataio.shards.tarscan``. Built
 once under ``--data-dir``.
 
 Measured, each for one epoch, median of ``--repeats`` (warm page cache, after one untimed warm-up):
@@ -43,9 +43,9 @@ def build_corpus(root: Path, docs: int, per_shard: int, min_chars: int = 0) -> N
 
     import webdataset as wds
 
-    from dataio.shards.index import merge_parts
-    from dataio.shards.tarscan import scan_shard
-    from dataio.bench.documents import select_documents
+    from headrace.dataio.shards.index import merge_parts
+    from headrace.dataio.shards.tarscan import scan_shard
+    from headrace.dataio.bench.documents import select_documents
 
     texts = [d.text for d in select_documents(docs)]
     if min_chars > 0:
@@ -82,8 +82,8 @@ def build_audio_corpus(root: Path, utterances: int, per_shard: int) -> None:
     import soundfile
     import webdataset as wds
 
-    from dataio.shards.index import merge_parts
-    from dataio.shards.tarscan import scan_shard
+    from headrace.dataio.shards.index import merge_parts
+    from headrace.dataio.shards.tarscan import scan_shard
 
     rng = np.random.default_rng(0)
     root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def build_audio_corpus(root: Path, utterances: int, per_shard: int) -> None:
 
 
 def page_cache(tars: list[Path]) -> float:
-    from dataio.bench.pagecache import read_seconds
+    from headrace.dataio.bench.pagecache import read_seconds
 
     return read_seconds(tars)
 
@@ -133,7 +133,7 @@ def webdataset_bytes_epoch(tars: list[Path]) -> float:
 def headrace_bytes_epoch(root: Path, *, workers: int) -> tuple[float, int, float]:
     """Audio members as raw bytes (``decode.audio: raw`` leaves them encoded), batch_size 32:
     ``(seconds, samples, steady samples/s after the first batch)``."""
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     t = time.perf_counter()
     loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 32, "epochs": 1, "num_workers": workers,
@@ -150,7 +150,7 @@ def headrace_bytes_epoch(root: Path, *, workers: int) -> tuple[float, int, float
 def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
     import gc
 
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     cpu0 = cpu_seconds()
     t = time.perf_counter()
@@ -185,7 +185,7 @@ def shuffle_quality(source_order: np.ndarray) -> dict:
 
 
 def headrace_shuffle_order(root: Path, window: int) -> np.ndarray:
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 1024, "epochs": 1, "num_workers": 0,
                            "shuffle": True, "shuffle_window": window})
@@ -205,7 +205,7 @@ def worker_round_trip(batches: int = 2000) -> tuple[float, float, float]:
     data moves. CPU includes forking and joining the workers, spread over ``batches``."""
     import torch
 
-    from dataio.stream.workers import RankBatches, iterate
+    from headrace.dataio.stream.workers import RankBatches, iterate
 
     keys = [f"d{i:08d}" for i in range(256)]
     main0, kids0 = cpu_seconds()
@@ -235,7 +235,7 @@ def main() -> None:
         build_corpus(root, args.docs, args.per_shard, args.min_chars)
     tars = sorted(root.glob("*.tar"))
     total_bytes = sum(p.stat().st_size for p in tars)
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     n = len(load_index(root))
     page_cache(tars)  # warm the page cache

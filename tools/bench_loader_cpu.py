@@ -34,10 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def one(data: str, batch: int, workers: int, epochs: int) -> dict:
     """Median epoch of ``build_loader`` (the tree on ``PYTHONPATH``) at one batch size and worker count."""
-    from configtree import from_dict
-    from dataio import build_loader
-    from dataio.bench.timing import cpu_seconds
-    from dataio.config import DataConfig
+    from headrace.config import from_dict
+    from headrace.dataio import build_loader
+    from headrace.dataio.bench.timing import cpu_seconds
+    from headrace.dataio.config import DataConfig
 
     cfg = from_dict(DataConfig, {"datasets": [{"path": data}], "batch_size": batch}, "data")
     cfg = dataclasses.replace(cfg, num_workers=workers, epochs=1, packing="none", seq_len=None)
@@ -78,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     sizes, counts = [int(x) for x in args.batch_sizes.split(",")], [int(x) for x in args.workers.split(",")]
     if args.one:
-        print(json.dumps({"dataio": importlib.import_module("dataio").__file__, **one(args.data, sizes[0], counts[0], args.epochs)}))
+        print(json.dumps({"dataio": importlib.import_module("headrace.dataio").__file__, **one(args.data, sizes[0], counts[0], args.epochs)}))
         return
     trees = {"after": REPO, **({"before": args.baseline.resolve()} if args.baseline else {})}
     results: dict[tuple, list[dict]] = {}

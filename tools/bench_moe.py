@@ -8,17 +8,17 @@ experts: forward+backward of one Qwen3-MoE sparse block (router + experts, top-k
 ``--tokens`` tokens; tokens/s for headrace's ``grouped_mm`` and ``loop`` experts forward and for
 transformers' ``experts_implementation`` ``eager`` and ``grouped_mm`` on the same module and input (its
 ``batched_mm`` took 59 s a step at the defaults: ``--hf-impls`` adds it), interleaved rounds, best round
-reported (dataio.bench.timing).
+reported (headrace.dataio.bench.timing).
 
 capacity: headrace's ``grouped_mm`` forward+backward of the same block with dropless routing and with each
-capacity factor (``training.distributed.moe_routing``; ``--pad`` adds the padded-to-capacity variants): tokens/s (wall, and
+capacity factor (``headrace.training.distributed.moe_routing``; ``--pad`` adds the padded-to-capacity variants): tokens/s (wall, and
 per CPU-second of this process, which the other jobs on a shared box do not move), best of interleaved rounds,
 and the fraction of token-expert assignments dropped. The random router routes random tokens almost evenly; ``--skew``
 adds ``skew`` times one fixed random unit direction to every token (a shared component, as real hidden states
 have), which gives each expert a fixed logit offset and the routing a lasting imbalance.
 
 ep: the same block on ``--tokens`` tokens per rank with its experts split over ``ep`` gloo ranks
-(training.distributed.expert_parallel): per fwd+bwd step, the step time, the seconds inside the four token exchanges
+(headrace.training.distributed.expert_parallel): per fwd+bwd step, the step time, the seconds inside the four token exchanges
 (two forward, two backward) and the bytes each rank sends. The exchange time on one CPU box is memory copies
 and gloo's TCP loopback, not a network: read it as the protocol's overhead, not as cluster figures.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dataio.bench.timing import best_interleaved, cpu_seconds, interleaved, timed
+from headrace.dataio.bench.timing import best_interleaved, cpu_seconds, interleaved, timed
 
 HEADRACE_IMPLS = ("grouped_mm", "loop")
 HF_IMPLS = ("eager", "grouped_mm")  # batched_mm gathers a weight copy per token: 59 s a step at the defaults
@@ -68,7 +68,7 @@ def fwd_bwd(block, x):
 
 
 def bench_experts(args) -> dict:
-    from training.distributed.expert_parallel import install_experts_forward
+    from headrace.training.distributed.expert_parallel import install_experts_forward
 
     x = torch.randn(1, args.tokens, args.hidden, device=args.device, dtype=args.dtype, requires_grad=True)
     calls = {}
@@ -86,8 +86,8 @@ def bench_experts(args) -> dict:
 
 
 def bench_capacity(args) -> list[dict]:
-    from training.distributed.expert_parallel import MoEStats, install_experts_forward
-    from training.distributed.moe_routing import Capacity
+    from headrace.training.distributed.expert_parallel import MoEStats, install_experts_forward
+    from headrace.training.distributed.moe_routing import Capacity
 
     variants = [(None if f == "none" else float(f), pad) for f in args.factors
                 for pad in ((False, True) if args.pad and f != "none" else (False,))]
@@ -130,7 +130,7 @@ def ep_worker(args) -> None:
     """One rank of ``tools.bench_moe ep`` (under torchrun): time fwd+bwd steps of the EP-split block."""
     import torch.distributed as dist
 
-    from training.distributed.expert_parallel import MoEStats, install_experts_forward
+    from headrace.training.distributed.expert_parallel import MoEStats, install_experts_forward
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

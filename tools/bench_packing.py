@@ -1,4 +1,4 @@
-"""Packing fill fraction and speed (dataio.batching.packing), plus the CP split's work balance (dataio.batching.cp_split).
+"""Packing fill fraction and speed (headrace.dataio.batching.packing), plus the CP split's work balance (headrace.dataio.batching.cp_split).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_packing [--sim-docs 50000] [--repeats 3]
         [--speed-docs 30000] [--baseline REV] [--speed-only] [--json]
@@ -8,7 +8,7 @@
    corpus does. Fill at seq_len 2048 / 8192 / 32768 for none, greedy (8 open rows), best_fit
    (buffers 1,000 and 10,000).
 2. Simulation: ``--sim-docs`` log-normal lengths (median 718, sigma 1.664 -> p99 ~34.5k tokens;
-   ``dataio.bench.corpus.simulated_token_documents``) at seq_len 8192, the same algorithms.
+   ``headrace.dataio.bench.corpus.simulated_token_documents``) at seq_len 8192, the same algorithms.
 3. Speed, one process, median of ``--repeats`` runs: tokens/s through push + pop, and separately the
    cost per document of ``push`` (placement, the end-of-stream flush included), per batch of ``pop``
    (materialising the tensors) and of a ``state_dict()`` taken after every batch (as the CUDA
@@ -38,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-import dataio.batching.packing
-from dataio.bench.corpus import simulated_token_documents
-from dataio.bench.table import cell, markdown_row
-from dataio.bench.timing import median_run
-from dataio.batching.cp_split import attention_work
-from dataio.batching.packing import Packer, pack
-from dataio.config import PackingConfig
+import headrace.dataio.batching.packing
+from headrace.dataio.bench.corpus import simulated_token_documents
+from headrace.dataio.bench.table import cell, markdown_row
+from headrace.dataio.bench.timing import median_run
+from headrace.dataio.batching.cp_split import attention_work
+from headrace.dataio.batching.packing import Packer, pack
+from headrace.dataio.config import PackingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [("none", 1), ("greedy", 1), ("best_fit", 1000), ("best_fit", 10000)]
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     lens = {name: np.array([len(d) for d in docs]) for name, docs in (("real", real), ("sim", sim))}
     repeated_real = [real[i % len(real)] for i in range(args.speed_docs)]
     workloads = {"real x16 rows": (repeated_real, 2048, 16), "sim x8 rows": (sim[: args.speed_docs], 8192, 8)}
-    impls = {"current": dataio.batching.packing}
+    impls = {"current": headrace.dataio.batching.packing}
     if (baseline := load_baseline(args.baseline)) is not None:
         impls = {f"baseline {args.baseline}": baseline, **impls}
     result = {

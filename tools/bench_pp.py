@@ -4,11 +4,11 @@
     torchrun --nproc-per-node 4 -m tools.bench_pp --device cuda --hidden 2048 --layers 16 --seq-len 2048
 
 Every schedule (``--schedules``) trains the same fresh tiny Llama (``--hidden``, ``--layers``) with the
-trainer's pipeline step (``training.step.pipeline_train_step``: packed THD rows from ``dataio``'s
+trainer's pipeline step (``headrace.training.step.pipeline_train_step``: packed THD rows from ``dataio``'s
 packer, chunked loss on the last stage, AdamW) for ``--steps`` steps at pp = world size, once per
 microbatch count in ``--microbatches``; the global batch (``--rows`` x ``--seq-len`` tokens) is the same
 for every run, so a larger count means smaller microbatches. Reported over the steps after ``--warmup``:
-tokens/s, the theoretical bubble (idle over compute with equal F/B/W costs, see ``training.distributed.pipeline``),
+tokens/s, the theoretical bubble (idle over compute with equal F/B/W costs, see ``headrace.training.distributed.pipeline``),
 the measured bubble (each rank's time outside its stages' forward/backward over its time inside them,
 averaged over ranks) and the idle fraction of the step. On a shared CPU, contention inflates the
 measured idle; compare schedules within one run.
@@ -29,8 +29,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "
 
 def packed_rows(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
     """One global batch of ``rows`` packed rows of random documents (16..seq_len tokens)."""
-    from dataio.batching.packing import Packer
-    from dataio.config import PackingConfig
+    from headrace.dataio.batching.packing import Packer
+    from headrace.dataio.config import PackingConfig
 
     rng = np.random.default_rng(seed)
     packer = Packer(PackingConfig(seq_len=seq_len, packing="greedy"), rows_per_batch=rows)
@@ -42,12 +42,12 @@ def packed_rows(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
 
 
 def run(args, schedule: str, microbatches: int, device: torch.device) -> dict:
-    from training.config.load import load_job_config
-    from training.models.build import build_hf_config
-    from training.components.optim import build_optimizer
-    from training.distributed.parallel_dims import ParallelDims
-    from training.distributed.pipeline import build_pipeline, pipeline_metrics
-    from training.step import pipeline_train_step
+    from headrace.training.config.load import load_job_config
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.components.optim import build_optimizer
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.distributed.pipeline import build_pipeline, pipeline_metrics
+    from headrace.training.step import pipeline_train_step
 
     model = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                  num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of a table")
     args = parser.parse_args()
-    from training.distributed.process_group import init_distributed, pick_device
+    from headrace.training.distributed.process_group import init_distributed, pick_device
 
     device = pick_device(args.device)
     init_distributed(device.type)

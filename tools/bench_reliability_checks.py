@@ -4,7 +4,7 @@ process (the ratio per round is what to quote on a shared machine):
 1. the shard version check in ``ShardSource._map`` (per batch and distinct shard): before, one
    ``mmap.size()`` (an fstat returning the size); now one ``os.fstat`` of the kept descriptor and a
    compare of (inode, mtime_ns);
-2. ``dataio verify``'s audio check: before, the header probe (``dataio.prepare.audio.probe``); now a
+2. ``dataio verify``'s audio check: before, the header probe (``headrace.dataio.prepare.audio.probe``); now a
    full decode (``check_decodes``) of a synthetic 10 s 16 kHz FLAC (sine + noise).
 
     python -m tools.bench_reliability_checks SHARD.tar [--calls 200000] [--rounds 7]
@@ -22,7 +22,7 @@ import time
 import numpy as np
 import soundfile as sf
 
-from dataio.shards.audioheader import check_decodes, probe
+from headrace.dataio.shards.audioheader import check_decodes, probe
 
 
 def _interleaved(a, b, calls: int, rounds: int) -> tuple[list[float], list[float]]:

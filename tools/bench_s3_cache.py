@@ -55,7 +55,7 @@ def upload(root: Path, endpoint: str, bucket: str, prefix: str) -> None:
 def two_epochs(url: str, samples: int, *, cache_dir: str | None, batch_size: int, workers: int,
                window: int) -> tuple[float, float]:
     """Samples/s of epoch 1 and of epoch 2 of one loader (``epochs: 2``)."""
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     config = {"datasets": [{"path": url}], "batch_size": batch_size, "epochs": 2, "num_workers": workers,
               "shuffle_window": window, "cache_dir": cache_dir}
@@ -70,8 +70,8 @@ def two_epochs(url: str, samples: int, *, cache_dir: str | None, batch_size: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dataio.bench.corpus import demo_token_documents, write_indexed_shards
-    from dataio.shards.formats import npy_bytes
+    from headrace.dataio.bench.corpus import demo_token_documents, write_indexed_shards
+    from headrace.dataio.shards.formats import npy_bytes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -8,7 +8,7 @@ NeMo manifest) in a scratch directory, then, in one run on the same disk:
   plus ``energon prepare --non-interactive`` indexing them, which is what the peer workflow needs;
 - ``dd if=/dev/zero bs=1M conv=fdatasync``: the disk's sequential write speed.
 
-Corpora, timings and dd come from ``dataio.bench`` (``corpus``, ``processes``).
+Corpora, timings and dd come from ``headrace.dataio.bench`` (``corpus``, ``processes``).
 Prints MB/s (bytes of tar written) and samples/s per method, and the ratios the targets are about.
 ``dataio shard`` is timed end to end (process start-up and metadata included) and by its own timer
 (the "in X s" of its summary line: planning and writing, without interpreter start-up and imports).
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.bench.corpus import flac_bytes, longtail_lengths, speech_like, write_bpe_tokenizer
-from dataio.bench.processes import REPO, dd_write_mb_per_s, time_dataio, time_energon_prepare
-from dataio.shards.formats import npy_bytes
+from headrace.dataio.bench.corpus import flac_bytes, longtail_lengths, speech_like, write_bpe_tokenizer
+from headrace.dataio.bench.processes import REPO, dd_write_mb_per_s, time_dataio, time_energon_prepare
+from headrace.dataio.shards.formats import npy_bytes
 
 SHARD_SIZE = {"text": 16_000_000, "audio": 64_000_000}  # several shards per corpus at the default sizes
 _THROUGHPUT = re.compile(r"in ([0-9.]+) s \(")

@@ -21,13 +21,13 @@ import torch
 
 
 def run(cfg, steps: int, warmup: int) -> dict:
-    from dataio import build_loader
-    from dataio.batching.prefetch import DevicePrefetcher
-    from training.components.optim import build_optimizer
-    from training.distributed.parallel_dims import ParallelDims
-    from training.speech.job import build_salm, salm_loss_sum, wrap_loader
-    from training.distributed.process_group import init_distributed
-    from training.step import train_step
+    from headrace.dataio import build_loader
+    from headrace.dataio.batching.prefetch import DevicePrefetcher
+    from headrace.training.components.optim import build_optimizer
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.speech.job import build_salm, salm_loss_sum, wrap_loader
+    from headrace.training.distributed.process_group import init_distributed
+    from headrace.training.step import train_step
 
     init_distributed("cpu")
     dims = ParallelDims.from_config(cfg.distributed, 1)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from training.config.load import load_job_config
+    from headrace.training.config.load import load_job_config
 
     results = {}
     for name, extra in (("1d", ["data.bucketing.num_token_buckets=1", "data.bucketing.max_tokens=null"]),

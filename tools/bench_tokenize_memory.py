@@ -1,6 +1,6 @@
-"""Peak RSS of tokenizing one huge document: one whole ``encode`` against ``dataio.prepare.tokenize``'s
+"""Peak RSS of tokenizing one huge document: one whole ``encode`` against ``headrace.dataio.prepare.tokenize``'s
 bounded pieces, each in a fresh process (``ru_maxrss``), with a small BPE tokenizer (vocabulary 200)
-trained on the standard library's ``os`` module source (``dataio.bench.corpus.write_bpe_tokenizer``).
+trained on the standard library's ``os`` module source (``headrace.dataio.bench.corpus.write_bpe_tokenizer``).
 
 Usage: ``python -m tools.bench_tokenize_memory [--mb 50]``
 """
@@ -14,12 +14,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dataio.bench.corpus import write_bpe_tokenizer
+from headrace.dataio.bench.corpus import write_bpe_tokenizer
 
 CODE = """
 import resource, sys, time, numpy as np
 from tokenizers import Tokenizer
-from dataio.prepare.tokenize import encode_texts
+from headrace.dataio.prepare.tokenize import encode_texts
 tok = Tokenizer.from_file(sys.argv[1])
 text = ("the quick brown fox jumps over a lazy dog " * (int(sys.argv[2]) * 25_000))[:int(sys.argv[2]) * 1_000_000]
 start = time.perf_counter()

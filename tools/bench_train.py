@@ -7,7 +7,7 @@ transformers loop, side by side with their ratios.
 Every run trains the same model (``--config``, one process, same seed) for the same number of steps
 on the same shards and batch shape:
 
-- ``headrace``: ``dataio.build_loader`` (indexed random access, best-fit packing, document-masked rows,
+- ``headrace``: ``headrace.dataio.build_loader`` (indexed random access, best-fit packing, document-masked rows,
   worker processes) through the trainer's ``DevicePrefetcher``;
 - ``webdataset``: ``wds.WebDataset`` over the same tars -> decode the ``.npy`` token member -> documents concatenated
   into rows of ``seq_len`` (the usual streaming recipe: no index, no packing metadata, so each row is one
@@ -17,8 +17,8 @@ on the same shards and batch shape:
   the ``webdataset`` rows.
 
 Prints tokens/s, the data-wait fraction and the token fill for each, MFU counted two ways (``mfu``: the
-attention the document masks require; ``mfu_full_row``: the full-row count, ``training.components.metrics``) over
-the device's dense bf16 peak from ``training.components.metrics.PEAK_FLOPS``, and peak memory; then each source's
+attention the document masks require; ``mfu_full_row``: the full-row count, ``headrace.training.components.metrics``) over
+the device's dense bf16 peak from ``headrace.training.components.metrics.PEAK_FLOPS``, and peak memory; then each source's
 tokens/s over the others'. Steady state: the first ``--warmup`` steps (allocator warm-up, compilation) are
 excluded; the trainer logs every ``--warmup`` steps, so it reads its figures (a GPU sync) once per window.
 """
@@ -80,8 +80,8 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device on this machine")
 
-    from training.config.load import load_job_config
-    from training.train import train
+    from headrace.training.config.load import load_job_config
+    from headrace.training.train import train
 
     results = {}
     for source in args.sources:

@@ -14,7 +14,7 @@ fresh in this process, interleaved over ``--rounds``:
 - ``2 workers``: the loader with ``num_workers: 2`` (ring, pipes, main process).
 
 Prints the median samples/s of each and their ratios to one process. The batch function is taken from
-the loader by wrapping ``dataio.stream.rank.iterate`` (it receives the ``RankBatches``).
+the loader by wrapping ``headrace.dataio.stream.rank.iterate`` (it receives the ``RankBatches``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 
 
 def _cfg(data: str, batch: int, workers: int):
-    from configtree import from_dict
-    from dataio.config import DataConfig
+    from headrace.config import from_dict
+    from headrace.dataio.config import DataConfig
 
     cfg = from_dict(DataConfig, {"datasets": [{"path": data}], "batch_size": batch}, "data")
     return dataclasses.replace(cfg, num_workers=workers, shuffle=False, epochs=1, packing="none", seq_len=None)
@@ -37,7 +37,7 @@ def _cfg(data: str, batch: int, workers: int):
 
 def loader_epoch(data: str, batch: int, workers: int) -> float:
     """Samples/s of one epoch of the loader, from its construction to its last batch."""
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     start, n = time.perf_counter(), 0
     for b in build_loader(_cfg(data, batch, workers), dp_rank=0, dp_size=1):
@@ -48,9 +48,9 @@ def loader_epoch(data: str, batch: int, workers: int) -> float:
 
 def split_epoch(data: str, batch: int, processes: int = 2) -> float:
     """Samples/s of one epoch made by ``processes`` forked processes with no transport (see the docstring)."""
-    import dataio.stream.rank as rank
-    from dataio import build_loader
-    from dataio.stream.collate import plain_memory
+    import headrace.dataio.stream.rank as rank
+    from headrace.dataio import build_loader
+    from headrace.dataio.stream.collate import plain_memory
 
     captured = {}
     iterate = rank.iterate

@@ -49,7 +49,7 @@ done
 # ---- training (issue 5, trainer) ------------------------------------------------------------------
 step "train the demo model: 2 CPU processes, FSDP2, packed rows, 40 steps -> runs/demo (metrics, checkpoints, hf/)"
 rm -rf runs/demo
-OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m training --config configs/demo.yaml
+OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m headrace.training --config configs/demo.yaml
 "$PY" - <<'PY'
 import json
 records = [json.loads(line) for line in open("runs/demo/metrics.jsonl")]

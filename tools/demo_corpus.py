@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.bench.documents import Document, select_documents
+from headrace.dataio.bench.documents import Document, select_documents
 
 SAMPLE_RATE = 16_000
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]

@@ -135,7 +135,7 @@ part smoke "pytest pytest_timeout webdataset soundfile" -- \
 part gpu_tests "pytest pytest_timeout" -- \
     "$PY" -m pytest -q -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
 part shards "tokenizers soundfile" --if-absent demo/shards/text -- env PY="$PY" bash -c \
-    '"$PY" -m tools.demo_corpus --out demo/corpus --speech synthetic && "$PY" -m dataio shard demo/corpus/text.jsonl \
+    '"$PY" -m tools.demo_corpus --out demo/corpus --speech synthetic && "$PY" -m headrace.dataio shard demo/corpus/text.jsonl \
      --output demo/shards/text --tokenizer demo/corpus/tokenizer.json --samples-per-shard 500 \
      --split train=0.98,val=0.02 --workers 4' 
 for source in headrace webdataset plain; do

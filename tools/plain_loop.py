@@ -11,7 +11,7 @@ fp32 otherwise), ``torch.optim.AdamW`` (``fused=True`` on CUDA, ``foreach`` else
 only at the start and the end of the timed span (after ``warmup`` steps).
 
 Figures (as ``tools.bench_train`` prints them for every source): tokens/s, data-wait fraction, MFU counted
-both ways (``training.components.metrics``: ``mfu`` from the causal (query, key) pairs of each row, ``mfu_full_row``
+both ways (``headrace.training.components.metrics``: ``mfu`` from the causal (query, key) pairs of each row, ``mfu_full_row``
 the full-row count) and peak memory.
 """
 
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from training.components.metrics import (
+from headrace.training.components.metrics import (
     attention_flops_per_pair,
     flops_per_token,
     matmul_flops_per_token,
@@ -36,7 +36,7 @@ def plain_model(cfg, device: torch.device):
     """The job's transformers model with sdpa attention, fp32 weights, on ``device`` (seeded like the trainer)."""
     from transformers import AutoModelForCausalLM
 
-    from training.models.build import build_hf_config
+    from headrace.training.models.build import build_hf_config
 
     hf_config = build_hf_config(cfg.model)
     torch.manual_seed(cfg.trainer.seed)

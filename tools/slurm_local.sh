@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node SLURM on this machine (Debian's slurm-wlm + munge), for tests/test_slurm.py and for trying
-# `python -m training.launch --slurm` without a cluster.
+# `python -m headrace.training.launch --slurm` without a cluster.
 #   tools/slurm_local.sh start [--install]   # install from apt if missing (needs root), start munged, slurmctld, slurmd
 #   tools/slurm_local.sh stop                # stop the three daemons this script started
 # State, config and logs live in $SLURM_LOCAL_DIR (default /tmp/headrace-slurm). The node is "localhost"

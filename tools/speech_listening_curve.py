@@ -1,4 +1,4 @@
-"""When does a SALM start to listen? The listening ratio (``training.speech.listening``) against the step on a
+"""When does a SALM start to listen? The listening ratio (``headrace.training.speech.listening``) against the step on a
 task only the audio can solve, at several learning rates; writes a JSON of the curves and a matplotlib plot.
 
     python -m tools.speech_listening_curve --lrs 3e-3 1e-2 --steps 150 --out docs/speech-listening-curve.png
@@ -32,7 +32,7 @@ ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, inter
 
 
 def tone_batch(count: int = 12, samples: int = 6000) -> dict:
-    from dataio.batching.bucketing import collate_audio
+    from headrace.dataio.batching.bucketing import collate_audio
 
     rng = np.random.default_rng(0)
     t = np.arange(samples) / 16000
@@ -44,12 +44,12 @@ def tone_batch(count: int = 12, samples: int = 6000) -> dict:
 def curve(lr: float, steps: int, workdir: Path) -> list[dict]:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from training.config.job_config import ModelConfig
-    from training.models.build import build_hf_config
-    from training.config.speech import EncoderConfig, SpeechConfig
-    from training.speech.job import SALM_INPUTS, SpeechBatches, salm_loss_sum
-    from training.speech.listening import with_mismatched_audio
-    from training.speech.model import build_meta_salm, materialize_salm
+    from headrace.training.config.job_config import ModelConfig
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.config.speech import EncoderConfig, SpeechConfig
+    from headrace.training.speech.job import SALM_INPUTS, SpeechBatches, salm_loss_sum
+    from headrace.training.speech.listening import with_mismatched_audio
+    from headrace.training.speech.model import build_meta_salm, materialize_salm
 
     vocab = {w: i for i, w in enumerate(["<|pad|>", "<|eos|>", "[UNK]", "transcribe", "transcript", *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

@@ -1,6 +1,6 @@
-"""``torchrun --nproc-per-node N -m training --config configs/X.yaml [a.b=c ...]`` (or ``python -m training``).
+"""``torchrun --nproc-per-node N -m headrace.training --config configs/X.yaml [a.b=c ...]`` (or ``python -m headrace.training``).
 
-Errors of the user's making (``dataio.usererror``: config, data, paths) are one line and exit status 2
+Errors of the user's making (``headrace.dataio.usererror``: config, data, paths) are one line and exit status 2
 on every rank; a config error is the same on every rank, so only rank 0 prints it, while a data error
 (one rank's shard) is printed by the rank that met it. ``--debug`` / ``HEADRACE_DEBUG=1`` show the
 traceback; bugs always do.
@@ -12,19 +12,19 @@ import argparse
 import os
 import sys
 
-from configtree import ConfigError
-from dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
+from headrace.config import ConfigError
+from headrace.dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m headrace.training", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="job YAML (see configs/)")
     parser.add_argument("--debug", action="store_true", help="tracebacks for input errors too (HEADRACE_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 trainer.max_steps=20")
     args = parser.parse_args(argv)
-    from training.config.load import load_job_config  # deferred: the CLI's --help and argument errors load no torch
-    from training.distributed.process_group import process_group_closed
-    from training.train import train
+    from headrace.training.config.load import load_job_config  # deferred: the CLI's --help and argument errors load no torch
+    from headrace.training.distributed.process_group import process_group_closed
+    from headrace.training.train import train
 
     rank = int(os.environ.get("RANK", 0))
     with process_group_closed():

@@ -1,6 +1,6 @@
 """Per-bucket batch sizes for 2D-bucketed SALM training (OOMptimizer-style).
 
-    python -m training.estimate_batch --config configs/speech_demo.yaml --budget-gib 8 [--out table.yaml]
+    python -m headrace.training.estimate_batch --config configs/speech_demo.yaml --budget-gib 8 [--out table.yaml]
 
 For each 2D bucket (``data.bucketing.bucket_duration_bins``, or the grid ``estimate_2d_bins`` derives
 from the dataset's index), a synthetic batch at the bucket's limits (audio of its longest duration,
@@ -70,8 +70,8 @@ def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
 
 def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_size: int) -> Callable[[], torch.Tensor]:
     """Forward of a batch at a bucket's limits: noise audio of ``seconds``, answers of ``tokens`` tokens."""
-    from training.speech.job import SALM_INPUTS
-    from training.speech.prompt import build_batch
+    from headrace.training.speech.job import SALM_INPUTS
+    from headrace.training.speech.prompt import build_batch
 
     device = next(model.parameters()).device
     samples = int(seconds * model.cfg.sample_rate)
@@ -153,7 +153,7 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.estimate_batch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m headrace.training.estimate_batch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a model.kind: salm job YAML")
     parser.add_argument("--budget-gib", type=float, required=True, help="memory budget per device (GiB)")
     parser.add_argument("--limit", type=int, default=4096, help="largest batch size tried")
@@ -164,17 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import yaml
 
-    from dataio.batching.bucketing import estimate_2d_bins
-    from dataio.loader import open_source
-    from training.config.load import load_job_config
-    from training.models.build import build_hf_config
-    from training.speech.job import SpeechBatches
-    from training.speech.model import build_meta_salm, materialize_salm
-    from training.distributed.process_group import pick_device
+    from headrace.dataio.batching.bucketing import estimate_2d_bins
+    from headrace.dataio.loader import open_source
+    from headrace.training.config.load import load_job_config
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.job import SpeechBatches
+    from headrace.training.speech.model import build_meta_salm, materialize_salm
+    from headrace.training.distributed.process_group import pick_device
 
     cfg = load_job_config(args.config, args.overrides)
     if cfg.model.kind != "salm":
-        print("error: training.estimate_batch needs a model.kind: salm job", file=sys.stderr)
+        print("error: headrace.training.estimate_batch needs a model.kind: salm job", file=sys.stderr)
         return 2
     bucketing = cfg.data.bucketing
     if bucketing.bucket_duration_bins:

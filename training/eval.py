@@ -1,9 +1,9 @@
-"""``[torchrun ...] -m training.eval --config X.yaml --checkpoint DIR [a.b=c ...]``: validate a finished run.
+"""``[torchrun ...] -m headrace.training.eval --config X.yaml --checkpoint DIR [a.b=c ...]``: validate a finished run.
 
 ``DIR`` is a DCP checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
 one) or a consolidated ``hf/`` export (``config.json`` + safetensors). The model is built and
 parallelized from the job config exactly as the trainer does (any world size: DCP reshards), only its
-weights are loaded (no optimizer state), and ``training.validation`` runs over ``data.val``. Rank 0 prints
+weights are loaded (no optimizer state), and ``headrace.training.validation`` runs over ``data.val``. Rank 0 prints
 one JSON line: ``{"checkpoint", "val_loss", "val_ppl", "val_tokens", "val_docs"}``.
 """
 
@@ -16,12 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-from configtree import ConfigError
+from headrace.config import ConfigError
 
 
 def resolve_checkpoint(path: str) -> tuple[Path, str]:
     """``(directory, kind)`` with kind ``dcp`` or ``hf``; a ``checkpoints/`` folder means its newest one."""
-    from training.components import checkpoint  # deferred: the CLI's --help and argument errors load no torch
+    from headrace.training.components import checkpoint  # deferred: the CLI's --help and argument errors load no torch
 
     p = Path(path)
     if (p / checkpoint.STATE_FILE).is_file():
@@ -38,10 +38,10 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
 def check_inputs(cfg, path: str) -> tuple[Path, str]:
     """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
     cannot hold the model."""
-    from training.config.validate import check_validation  # deferred: the CLI's --help loads no torch
+    from headrace.training.config.validate import check_validation  # deferred: the CLI's --help loads no torch
 
-    from training.components.checkpoint import sealed_state
-    from training.components.checkpoint_seal import Incomplete, NotSealed
+    from headrace.training.components.checkpoint import sealed_state
+    from headrace.training.components.checkpoint_seal import Incomplete, NotSealed
 
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
@@ -52,7 +52,7 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
             raise ValueError(f"--checkpoint {ckpt}: refused: {e}") from None
     if kind == "hf" and cfg.model.kind == "salm":
         raise ValueError(f"--checkpoint {path}: a SALM is evaluated from its DCP checkpoints (the hf/ export holds "
-                         "only its LLM); its decoding WER: python -m training.speech.eval")
+                         "only its LLM); its decoding WER: python -m headrace.training.speech.eval")
     return ckpt, kind
 
 
@@ -64,10 +64,10 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from training.distributed.parallel_dims import ParallelDims
-    from training.distributed.process_group import init_distributed, pick_device
-    from training.train import build_model_or_pipeline
-    from training.validation import make_validator
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.distributed.process_group import init_distributed, pick_device
+    from headrace.training.train import build_model_or_pipeline
+    from headrace.training.validation import make_validator
 
     ckpt, kind = check_inputs(cfg, path)
     if kind == "hf":
@@ -88,14 +88,14 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.eval", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m headrace.training.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the job YAML of the run (its data.val is evaluated)")
     parser.add_argument("--checkpoint", required=True, help="checkpoints/step-N, a checkpoints/ folder, or hf/")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val.batch_size=8")
     args = parser.parse_args(argv)
 
-    from training.config.load import load_job_config  # deferred: the CLI's --help and argument errors load no torch
+    from headrace.training.config.load import load_job_config  # deferred: the CLI's --help and argument errors load no torch
 
     try:
         cfg = load_job_config(args.config, args.overrides)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist  # deferred: the CLI's --help and argument errors load no torch
 
-    from training.distributed.process_group import process_group_closed
+    from headrace.training.distributed.process_group import process_group_closed
 
     with process_group_closed():
         result = evaluate_checkpoint(cfg, args.checkpoint)

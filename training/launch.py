@@ -1,4 +1,4 @@
-"""``python -m training.launch``: run the trainer on many machines, under SLURM or by hand.
+"""``python -m headrace.training.launch``: run the trainer on many machines, under SLURM or by hand.
 
 SLURM (``--slurm --nodes N --gpus-per-node G [--time T] [--jobs K] [--dry-run]``): writes
 ``<output_dir>/slurm/<name>.sbatch`` and submits it. The script ``srun``s one ``torchrun`` agent per
@@ -9,7 +9,7 @@ trainer processes each, ``--nnodes $SLURM_JOB_NUM_NODES``. ``--jobs K`` chains K
 each with its own data seed: the script's first argument, passed as ``trainer.data_seed`` and echoed
 into the job's output; ``slurm/jobs.jsonl`` records every job id with its seed. Each job resumes from
 the newest complete checkpoint (``checkpoint.resume``); the seed orders only the epochs not begun yet
-(``dataio.stream.seeding``), so no sample of the epoch in progress repeats or is skipped. ``--dry-run`` prints
+(``headrace.dataio.stream.seeding``), so no sample of the epoch in progress repeats or is skipped. ``--dry-run`` prints
 the script and the ``sbatch`` commands instead.
 
 By hand (``--nnodes N --node-rank R --master ADDR[:PORT]``): runs (or with ``--dry-run`` prints) this
@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from configtree import ConfigError
+from headrace.config import ConfigError
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Workers get their own TCPStore instead of sharing the rendezvous one: with the shared store a restarted
@@ -41,7 +41,7 @@ ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def trainer_args(config: str, overrides: list[str]) -> list[str]:
-    return ["-m", "training", "--config", str(Path(config).resolve()), *overrides]
+    return ["-m", "headrace.training", "--config", str(Path(config).resolve()), *overrides]
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -79,7 +79,7 @@ def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
     return "\n".join([
         "#!/bin/bash",
         *(f"#SBATCH {d}" for d in directives),
-        "# written by python -m training.launch; argument 1: this job's data seed",
+        "# written by python -m headrace.training.launch; argument 1: this job's data seed",
         "set -euo pipefail",
         'export DATA_SEED="${1:?usage: sbatch this-script DATA_SEED}"',
         'export RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
@@ -125,9 +125,9 @@ def submit_chain(script: Path, seeds: list[int], output_dir: Path, dry_run: bool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training.launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m headrace.training.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="the job YAML (as for python -m training)")
+    p.add_argument("--config", required=True, help="the job YAML (as for python -m headrace.training)")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to the trainer")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (SLURM: --gpus-per-node)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="trainer processes per node (default: "
@@ -164,8 +164,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from dataio.stream.seeding import fresh_seed
-    from training.config.load import load_job_config  # deferred: --help and argument errors load no torch
+    from headrace.dataio.stream.seeding import fresh_seed
+    from headrace.training.config.load import load_job_config  # deferred: --help and argument errors load no torch
 
     args = parse_args(argv)
     try:  # fail here, not on the cluster: the config must load

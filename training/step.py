@@ -1,7 +1,7 @@
 """One training step: forward, loss, backward, optimizer step; the trainer's loop and validation both use it.
 
 ``train_step`` runs ``grad_accum`` packed THD micro-batches, ``pipeline_train_step`` the same step through a
-pipeline schedule (``training.distributed.pipeline``). The loss is a sum of token cross-entropies divided by
+pipeline schedule (``headrace.training.distributed.pipeline``). The loss is a sum of token cross-entropies divided by
 the number of real tokens (labels != -100) in the whole global batch: that count is all-reduced over the loss
 mesh (dp x cp) *before* the first backward, so every micro-step's gradient is already correctly scaled and
 the result does not depend on how tokens split across micro-steps or ranks. FSDP2 and DDP average
@@ -27,19 +27,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from kernels.hf_attention import packed_attention_kwargs
-from kernels.loss import IGNORE_INDEX
-from training.components.optim import clip_grad_norm
-from training.config.job_config import JobConfig
-from training.distributed.context_parallel import cp_attention_kwargs
-from training.distributed.parallel_dims import ParallelDims
-from training.distributed.pipeline import Pipeline
-from training.speech.job import salm_loss_sum
+from headrace.kernels.hf_attention import packed_attention_kwargs
+from headrace.kernels.loss import IGNORE_INDEX
+from headrace.training.components.optim import clip_grad_norm
+from headrace.training.config.job_config import JobConfig
+from headrace.training.distributed.context_parallel import cp_attention_kwargs
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.distributed.pipeline import Pipeline
+from headrace.training.speech.job import salm_loss_sum
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
-               "attention_plan", "attention_pairs",  # + the host-made layout (training.step_inputs)
-               "audio", "audio_lens", "audio_mask",  # + a SALM's (training.speech)
-               "cp_imbalance")  # + context parallelism's (training.distributed.context_parallel)
+               "attention_plan", "attention_pairs",  # + the host-made layout (headrace.training.step_inputs)
+               "audio", "audio_lens", "audio_mask",  # + a SALM's (headrace.training.speech)
+               "cp_imbalance")  # + context parallelism's (headrace.training.distributed.context_parallel)
 
 
 @contextlib.contextmanager
@@ -59,7 +59,7 @@ def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
                      attention_kwargs: dict | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
     already shifted). ``attention_kwargs``: extra attention kwargs (the CP group,
-    ``training.distributed.context_parallel``)."""
+    ``headrace.training.distributed.context_parallel``)."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with ctx:
         return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
@@ -70,7 +70,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
                *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
                forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
     """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count as
-    device scalars (the host reads them once per log window, ``training.step_inputs``): nothing here waits
+    device scalars (the host reads them once per log window, ``headrace.training.step_inputs``): nothing here waits
     for the device. ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
     group = loss_mesh.get_group()
     global_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches).to(torch.float64)
@@ -127,7 +127,7 @@ def next_micro_batches(batches: Iterator[dict], count: int) -> list[dict]:
 
 def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Callable:
     """``forward(model, batch, autocast)`` -> summed loss of a batch: a SALM's, or the causal LM's (attention
-    over the cp group when cp > 1, ``training.distributed.context_parallel``)."""
+    over the cp group when cp > 1, ``headrace.training.distributed.context_parallel``)."""
     if cfg.model.kind == "salm":
         return salm_loss_sum
     if dims.cp > 1:

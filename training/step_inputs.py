@@ -2,10 +2,10 @@
 of the step's figures per log window.
 
 ``step_batch_transform``: the prefetcher's host-side transform of this rank's training batches (it runs in
-the read-ahead thread, ``dataio.batching.prefetch``): this rank's CP shard when cp > 1, and on every packed
-batch ``attention_pairs`` (``kernels.packed_layout.causal_pairs`` of the whole batch: the attention work its
+the read-ahead thread, ``headrace.dataio.batching.prefetch``): this rank's CP shard when cp > 1, and on every packed
+batch ``attention_pairs`` (``headrace.kernels.packed_layout.causal_pairs`` of the whole batch: the attention work its
 document masks require, for the document-masked MFU) and, without CP, ``attention_plan`` (the kernels'
-checks and plans; with CP, ``kernels.cp_attention`` plans the shard itself). Cost: O(documents) numpy work
+checks and plans; with CP, ``headrace.kernels.cp_attention`` plans the shard itself). Cost: O(documents) numpy work
 plus, on CPU, the bucket index tensors (O(tokens)) per batch, off the training thread.
 
 ``read_step_stats``: ``train_step`` returns device scalars (loss, grad norm, token count) so the step never
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.packed_layout import causal_pairs, with_attention_plan
-from training.distributed.context_parallel import rank_batch_transform
+from headrace.kernels.packed_layout import causal_pairs, with_attention_plan
+from headrace.training.distributed.context_parallel import rank_batch_transform
 
 
 def step_batch_transform(dims, meshes: dict, device_type: str) -> Callable[[dict], dict]:

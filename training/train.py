@@ -9,10 +9,10 @@
 - ``run_steps``: ``train_step`` until ``max_steps``, logging, validating and checkpointing on their steps;
 - ``save_final_checkpoint``, ``export_model`` (``hf/``), the summary.
 
-One step = ``grad_accum`` packed THD micro-batches through ``training.step`` (forward, loss scaled by the
+One step = ``grad_accum`` packed THD micro-batches through ``headrace.training.step`` (forward, loss scaled by the
 global batch's real-token count, backward, clip, optimizer step).
 
-Context parallelism (``distributed.cp_size`` > 1, ``training.distributed.context_parallel``): the prefetcher
+Context parallelism (``distributed.cp_size`` > 1, ``headrace.training.distributed.context_parallel``): the prefetcher
 keeps only this rank's head-tail chunks of each packed batch before the device copy, and attention runs over
 the cp group; the step's loss and gradient arithmetic is unchanged (dp x cp is already the loss mesh).
 
@@ -36,34 +36,34 @@ import yaml
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from configtree import to_dict
-from dataio.batching.even import even_batches
-from dataio.batching.prefetch import DevicePrefetcher
-from training.components import checkpoint
-from training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
+from headrace.config import to_dict
+from headrace.dataio.batching.even import even_batches
+from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.training.components import checkpoint
+from headrace.training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
                                          build_metrics_logger, flops_per_token, matmul_flops_per_token,
                                          max_memory_gib, peak_flops)
-from training.components.optim import build_optimizer, lr_at, set_lr
-from training.components.profiling import StepProfiler
-from training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
-from training.config.job_config import DistributedConfig, JobConfig
-from training.components.data import open_data, shard_sources
-from training.config.validate import check_data_paths, check_job, check_vocab
-from training.distributed import moe
-from training.distributed.context_parallel import cp_step_metrics, reset_exchanged_bytes
-from training.distributed.dense import apply_ddp
-from training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
-from training.distributed.parallelize import parallelize
-from training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
-from training.distributed.process_group import init_distributed, new_tail_group, pick_device
-from training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
-from training.models.loss import CausalLMLoss
-from training.components.run_lock import lock_output_dir
-from training.speech.eval import eval_in_training
-from training.speech.job import build_salm, export_salm, wrap_loader
-from training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
-from training.step_inputs import DeferredRecords, step_batch_transform
-from training.validation import make_validator
+from headrace.training.components.optim import build_optimizer, lr_at, set_lr
+from headrace.training.components.profiling import StepProfiler
+from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
+from headrace.training.config.job_config import DistributedConfig, JobConfig
+from headrace.training.components.data import open_data, shard_sources
+from headrace.training.config.validate import check_data_paths, check_job, check_vocab
+from headrace.training.distributed import moe
+from headrace.training.distributed.context_parallel import cp_step_metrics, reset_exchanged_bytes
+from headrace.training.distributed.dense import apply_ddp
+from headrace.training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
+from headrace.training.distributed.parallelize import parallelize
+from headrace.training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
+from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device
+from headrace.training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
+from headrace.training.models.loss import CausalLMLoss
+from headrace.training.components.run_lock import lock_output_dir
+from headrace.training.speech.eval import eval_in_training
+from headrace.training.speech.job import build_salm, export_salm, wrap_loader
+from headrace.training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
+from headrace.training.step_inputs import DeferredRecords, step_batch_transform
+from headrace.training.validation import make_validator
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -102,7 +102,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
 
 
 def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
-    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``training.distributed.pipeline``) and its model part
+    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``headrace.training.distributed.pipeline``) and its model part
     (transformers' names), else ``build_model``'s model and None."""
     if dims.pp == 1:
         return *build_model(cfg, dims, meshes, device), None
@@ -119,7 +119,7 @@ def print_on_rank0(message: str) -> None:
 @dataclass(kw_only=True)
 class Trainer:
     """The live state of a job: what ``build_trainer`` made and the step reached. The functions below take it
-    first (as ``training.distributed.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
+    first (as ``headrace.training.distributed.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
 
     cfg: JobConfig
     device: torch.device
@@ -147,7 +147,7 @@ class Trainer:
 def with_model_layout(cfg: JobConfig) -> JobConfig:
     """``cfg``, or its one-document-per-row variant when the model has no attention interface (said once)."""
     if (unpacked := one_document_per_row(cfg)) is not cfg:
-        print_on_rank0("the model has no attention interface (training.models.families): one document per row, sdpa, "
+        print_on_rank0("the model has no attention interface (headrace.training.models.families): one document per row, sdpa, "
                        "data.packing: none")
     return unpacked
 
@@ -182,11 +182,11 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, mesh
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:
-    """This dp rank's loader (``make_loader``, by default ``dataio.build_loader`` on ``data:``), its tokens checked
+    """This dp rank's loader (``make_loader``, by default ``headrace.dataio.build_loader`` on ``data:``), its tokens checked
     against the model's vocabulary; a SALM's audio batches get the prompt + transcript token layout."""
     cfg = trainer.cfg
     if make_loader is None:
-        from dataio import build_loader
+        from headrace.dataio import build_loader
 
         check_data_paths(cfg.data)
         make_loader = functools.partial(build_loader, cfg.data)
@@ -200,7 +200,7 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
 def resume(trainer: Trainer, loader) -> None:
     """Continue from the newest complete checkpoint this run wrote (``checkpoint.load_newest``: sealed, same model
     config, an incomplete one skipped): model, optimizer, RNG, every dp rank's loader position, the step and the
-    run's first loss; then apply a chained job's own data seed (``trainer.data_seed``, ``training.launch --jobs``)."""
+    run's first loss; then apply a chained job's own data seed (``trainer.data_seed``, ``headrace.training.launch --jobs``)."""
     cfg = trainer.cfg
     found = None
     if cfg.checkpoint.resume:
@@ -361,7 +361,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     """Run the job described by ``cfg``; returns the logged metric records (global figures, on every rank).
 
     ``make_loader(dp_rank, dp_size)`` (an iterable of batch dicts with ``state_dict`` / ``load_state_dict``)
-    replaces ``dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
+    replaces ``headrace.dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
     """
     check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
     device = pick_device(cfg.trainer.device)

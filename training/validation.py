@@ -3,15 +3,15 @@
 The val stream is the ``data:`` section with ``data.val``'s keys laid over it (typically
 ``datasets: [{path: ..., split: val}]``) and ``epochs: 1``: any dataset the loader reads, batched and
 packed like the training data (a SALM's audio batches get its prompt + transcript layout, as in training).
-The loader's layout (``dataio.stream.split``) gives DP rank ``r`` the global positions ``r, r + dp, ...``,
+The loader's layout (``headrace.dataio.stream.split``) gives DP rank ``r`` the global positions ``r, r + dp, ...``,
 so across DP ranks every val sample is read exactly once; TP/CP/PP peers read the same batches. At the
-tail the ranks that ran out run loss-free copies of their last batch (``dataio.batching.even``: the ranks
+tail the ranks that ran out run loss-free copies of their last batch (``headrace.dataio.batching.even``: the ranks
 agree between batches, in the loop's thread; a rank's padding sample flagged ``__valid__ = False`` has its
 labels masked here) so every rank runs the same number of forwards (FSDP2's collectives) and padding adds
 nothing.
 
 Per batch, one forward without autograd, by layout:
-- plain / TP / FSDP2 / SALM: the step's forward (``training.step.step_forward``: the chunked loss of
+- plain / TP / FSDP2 / SALM: the step's forward (``headrace.training.step.step_forward``: the chunked loss of
   ``CausalLMLoss``, so no ``[tokens, vocab]`` logits; a SALM's answer-token loss);
 - context parallel: the batch goes through the trainer's ``cp_batch_transform`` (this rank's head-tail
   chunks) and attention runs over the cp group; each rank sums its own tokens' losses;
@@ -23,7 +23,7 @@ Then one all-reduce of (loss sum, labelled tokens) over the loss mesh (dp x cp; 
 also summed over pp, where only the last stage holds it) and one of the document count over dp, so every
 rank returns the same figures. ``loss = sum / tokens``, ``ppl = exp(loss)``: a single process's figure
 over the same samples. A SALM adds a second pass with each utterance's audio swapped for another's
-(``val_mismatched_loss``, ``val_listening_ratio``: ``training.speech.listening``). Cost: one forward of the
+(``val_mismatched_loss``, ``val_listening_ratio``: ``headrace.training.speech.listening``). Cost: one forward of the
 val set per ``eval_every`` steps (two for a SALM).
 """
 
@@ -38,18 +38,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dataio.batching.even import even_batches, loss_free
-from dataio.batching.prefetch import DevicePrefetcher
-from kernels.loss import IGNORE_INDEX
-from training.config.job_config import val_data_config
-from training.components.data import open_data
-from training.components.labels import labelled_tokens, mask_invalid_rows
-from training.config.validate import check_data_paths, check_validation
-from training.distributed.context_parallel import rank_batch_transform
-from training.distributed.process_group import new_tail_group
-from training.speech.job import wrap_loader
-from training.speech.listening import validate_listening
-from training.step import step_forward, uses_autocast
+from headrace.dataio.batching.even import even_batches, loss_free
+from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.kernels.loss import IGNORE_INDEX
+from headrace.training.config.job_config import val_data_config
+from headrace.training.components.data import open_data
+from headrace.training.components.labels import labelled_tokens, mask_invalid_rows
+from headrace.training.config.validate import check_data_paths, check_validation
+from headrace.training.distributed.context_parallel import rank_batch_transform
+from headrace.training.distributed.process_group import new_tail_group
+from headrace.training.speech.job import wrap_loader
+from headrace.training.speech.listening import validate_listening
+from headrace.training.step import step_forward, uses_autocast
 
 PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")
 
@@ -103,7 +103,7 @@ def val_batches(loader: Iterable[dict], device: torch.device,
 
 
 def padding_batch(last: dict) -> dict:
-    """A loss-free copy of ``last`` (``dataio.batching.even``) that counts no token and no document."""
+    """A loss-free copy of ``last`` (``headrace.dataio.batching.even``) that counts no token and no document."""
     return {**loss_free(last), "__val_docs__": 0, "__val_tokens__": 0}
 
 
@@ -184,9 +184,9 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
 
 
 def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
-    """The hook of the trainer and ``training.eval``: a function that runs one pass over the val stream with
+    """The hook of the trainer and ``headrace.training.eval``: a function that runs one pass over the val stream with
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
@@ -215,7 +215,7 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
         return evaluate(model, functools.partial(forward, autocast=uses_autocast(cfg, model)), batches(), device,
                         loss_group=meshes["dp_cp"].get_group(), dp_group=dp.get_group())
 
-    if cfg.model.kind == "salm":  # + the loss with other utterances' audio (training.speech.listening)
+    if cfg.model.kind == "salm":  # + the loss with other utterances' audio (headrace.training.speech.listening)
         return lambda: validate_listening(run, forward)
     return lambda: run(forward)
 

@@ -1,6 +1,6 @@
 """The bucketed batching stage (``bucketing:`` set): duration-bucketed (or 2D: duration x transcript
 tokens, from the index's ``tokens`` column) audio batches from
-``dataio.batching.bucketing``'s rank-synced epoch plan, epoch by epoch. It replaces the stream's
+``headrace.dataio.batching.bucketing``'s rank-synced epoch plan, epoch by epoch. It replaces the stream's
 position plan (one dataset, no packing): batch ``b`` of the plan is a list of sample indices, read and
 decoded by the stream's ``SampleReader`` in the worker processes and padded by ``collate_audio``.
 
@@ -16,15 +16,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
-from dataio.loader_state import MAX_COUNT, StateError
-from dataio.shards.formats import is_audio_member
-from dataio.stream.batches import SampleReader, token_ext
-from dataio.stream.decode import SampleDecodeError
-from dataio.stream.refs import make_ref
-from dataio.stream.collate import Allocator
-from dataio.stream.rank import RankStream
-from dataio.stream.split import same_layout
+from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
+from headrace.dataio.loader_state import MAX_COUNT, StateError
+from headrace.dataio.shards.formats import is_audio_member
+from headrace.dataio.stream.batches import SampleReader, token_ext
+from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.refs import make_ref
+from headrace.dataio.stream.collate import Allocator
+from headrace.dataio.stream.rank import RankStream
+from headrace.dataio.stream.split import same_layout
 
 
 MAX_RANKS = 1 << 20  # a history's dp_size: more ranks than any job runs is a damaged state

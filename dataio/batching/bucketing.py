@@ -22,7 +22,7 @@ which estimates such a grid: equal-duration bins, each split into equal-token bi
 first bin (in (duration, tokens) order) that holds both its duration and its token count (the index's
 ``tokens`` column: shard the manifest with ``--tokenizer``); one past every bin goes to the last bin and
 is counted in ``oversized``. ``bucket_batch_size`` then fixes each bin's batch size (the table
-``python -m training.estimate_batch`` writes); without it batches are cut by padded duration as above,
+``python -m headrace.training.estimate_batch`` writes); without it batches are cut by padded duration as above,
 and also by padded tokens (``len * max tokens <= max_tokens``) when ``max_tokens`` is set. A bucket
 merged into a neighbour keeps the smaller of the two batch sizes.
 
@@ -41,10 +41,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from dataio.batching.packing import IGNORE_INDEX
-from dataio.config import BucketingConfig
+from headrace.dataio.batching.packing import IGNORE_INDEX
+from headrace.dataio.config import BucketingConfig
 
-_BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart from dataio.stream.seeding's
+_BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart from headrace.dataio.stream.seeding's
 
 
 @dataclass(kw_only=True)

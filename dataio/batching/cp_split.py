@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dataio.batching.packing import IGNORE_INDEX
+from headrace.dataio.batching.packing import IGNORE_INDEX
 
 TOKEN_FIELDS = ("input_ids", "labels", "position_ids")
 
@@ -46,7 +46,7 @@ def _rank_padded_index(chunk: torch.Tensor, padded_starts: torch.Tensor, cp_size
 
 
 def cp_shard(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """CP rank ``cp_rank``'s part of a packed batch (``dataio.batching.packing`` layout); see the module docstring."""
+    """CP rank ``cp_rank``'s part of a packed batch (``headrace.dataio.batching.packing`` layout); see the module docstring."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:
@@ -83,7 +83,7 @@ def cp_shard(batch: dict, cp_size: int, cp_rank: int) -> dict:
 
 
 def cp_split(batch: dict, cp_size: int) -> list[dict]:
-    """Split a packed batch (``dataio.batching.packing`` layout) into ``cp_size`` per-rank batches."""
+    """Split a packed batch (``headrace.dataio.batching.packing`` layout) into ``cp_size`` per-rank batches."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     return [cp_shard(batch, cp_size, rank) for rank in range(cp_size)]

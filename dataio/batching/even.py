@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from configtree import ConfigError
-from dataio.batching.packing import IGNORE_INDEX
+from headrace.config import ConfigError
+from headrace.dataio.batching.packing import IGNORE_INDEX
 
 
 def loss_free(batch: dict) -> dict:

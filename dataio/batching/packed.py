@@ -1,5 +1,5 @@
 """The packed batching stage (``seq_len`` set): the rank's documents, in stream order, packed into THD
-rows by ``dataio.batching.packing.Packer`` (``packing: none`` puts one document per row).
+rows by ``headrace.dataio.batching.packing.Packer`` (``packing: none`` puts one document per row).
 
 The stream's plain batches are only chunks of documents here, read in chunks sized for throughput
 (``RankStream.read_batch_size``: ~1 MB, at least ``batch_size`` documents), not ``batch_size``: each
@@ -21,13 +21,13 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from dataio.batching.packing import Packer, reshard_states
-from dataio.loader_state import MAX_COUNT, StateError
-from dataio.stream.batches import token_ext
-from dataio.stream.refs import REF_BITS, split_ref
-from dataio.stream.decode import decode_sample
-from dataio.stream.rank import RankStream
-from dataio.stream.split import same_layout
+from headrace.dataio.batching.packing import Packer, reshard_states
+from headrace.dataio.loader_state import MAX_COUNT, StateError
+from headrace.dataio.stream.batches import token_ext
+from headrace.dataio.stream.refs import REF_BITS, split_ref
+from headrace.dataio.stream.decode import decode_sample
+from headrace.dataio.stream.rank import RankStream
+from headrace.dataio.stream.split import same_layout
 
 
 class PackedBatches:

@@ -67,8 +67,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 import torch
 
-from dataio.config import PACKING_ALGORITHMS, PackingConfig
-from kernels.loss import IGNORE_INDEX  # labels where no loss is taken: the loss kernels' convention
+from headrace.dataio.config import PACKING_ALGORITHMS, PackingConfig
+from headrace.kernels.loss import IGNORE_INDEX  # labels where no loss is taken: the loss kernels' convention
 
 STATE_VERSION = 1
 _bucket_entries = operator.itemgetter(0)  # of a best_fit bucket (state entries, pieces)

@@ -1,5 +1,5 @@
 """The plain batching stage (``packing: none`` without ``seq_len``, no bucketing): the collated
-batches of ``dataio.stream.collate`` as the rank's stream makes them, ``batch_size`` samples each.
+batches of ``headrace.dataio.stream.collate`` as the rank's stream makes them, ``batch_size`` samples each.
 
 State: none of its own (the position is the stream's ``consumed``).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from dataio.stream.rank import RankStream
+from headrace.dataio.stream.rank import RankStream
 
 
 class PlainBatches:

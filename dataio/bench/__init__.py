@@ -1,27 +1,27 @@
 """``dataio bench``: loader throughput of headrace beside peer loaders, on the same samples.
 
-- ``dataio.bench.session``: one session: the loaders, worker counts and repeats in their order, and
+- ``headrace.dataio.bench.session``: one session: the loaders, worker counts and repeats in their order, and
   the result.
-- ``dataio.bench.data``: what is benchmarked (the shard directory of the ``data:`` section, its kind,
+- ``headrace.dataio.bench.data``: what is benchmarked (the shard directory of the ``data:`` section, its kind,
   sample count and bytes) and the per-field decode work every loader does alike.
-- ``dataio.bench.peers``: one adapter per loader (headrace, webdataset, energon, litdata, lhotse, plain
+- ``headrace.dataio.bench.peers``: one adapter per loader (headrace, webdataset, energon, litdata, lhotse, plain
   torch), each writing its own format with its own writer and reading it by its documented fast path.
-- ``dataio.bench.measure``: timing, batch latency percentiles, RSS and CPU summed over worker
+- ``headrace.dataio.bench.measure``: timing, batch latency percentiles, RSS and CPU summed over worker
   processes, and the simulated trainer step's data wait.
-- ``dataio.bench.pagecache``: the physical read limit (the same files read into one buffer).
-- ``dataio.bench.trainer``: the trainer's own data path (packing + device prefetch) against a
+- ``headrace.dataio.bench.pagecache``: the physical read limit (the same files read into one buffer).
+- ``headrace.dataio.bench.trainer``: the trainer's own data path (packing + device prefetch) against a
   simulated step.
-- ``dataio.bench.report``: ``results.json``, ``results.md`` and ``throughput.png``.
+- ``headrace.dataio.bench.report``: ``results.json``, ``results.md`` and ``throughput.png``.
 
 Shared with the drivers under ``tools/`` (``python -m tools.bench_*``: they parse options, call these
 and print; one home each, so every benchmark measures alike):
 
-- ``dataio.bench.corpus``: seeded synthetic data (speech-like FLAC, long-tailed documents, demo-text
-  tokens, indexed token shards); ``python -m dataio.bench.synth`` writes the large corpus with it.
-- ``dataio.bench.documents``: real English text shipped with every install (package READMEs,
+- ``headrace.dataio.bench.corpus``: seeded synthetic data (speech-like FLAC, long-tailed documents, demo-text
+  tokens, indexed token shards); ``python -m headrace.dataio.bench.synth`` writes the large corpus with it.
+- ``headrace.dataio.bench.documents``: real English text shipped with every install (package READMEs,
   standard-library docstrings), also the demo corpus's text.
-- ``dataio.bench.timing``: interleaved repeats, best / median of them, CPU seconds.
-- ``dataio.bench.processes``: whole-process timings (``dataio VERB`` of a checkout, ``energon
+- ``headrace.dataio.bench.timing``: interleaved repeats, best / median of them, CPU seconds.
+- ``headrace.dataio.bench.processes``: whole-process timings (``dataio VERB`` of a checkout, ``energon
   prepare``) and the disk's write speed (``dd``).
-- ``dataio.bench.table``: table cells and Markdown rows.
+- ``headrace.dataio.bench.table``: table cells and Markdown rows.
 """

@@ -9,7 +9,7 @@ same kind of input:
 - ``longtail_lengths(rng, n, median=, sigma=)``: log-normal document lengths, the shape of real text
   corpora (most documents short, a long tail); ``simulated_token_documents`` turns them into token
   arrays (views into one random pool, so 100M+ tokens cost one pool's memory).
-- ``demo_token_documents(n)``: the demo corpus's real documents (``dataio.bench.documents``),
+- ``demo_token_documents(n)``: the demo corpus's real documents (``headrace.dataio.bench.documents``),
   byte-level tokenised to int32.
 - ``write_bpe_tokenizer(path, texts, vocab_size)``: a whitespace-split BPE ``tokenizer.json`` trained
   on ``texts`` (what ``dataio shard --tokenizer`` takes).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.bench.extra import bench_import
+from headrace.dataio.bench.extra import bench_import
 
 RATE = 16000
 
@@ -72,7 +72,7 @@ def byte_tokens(text: str) -> np.ndarray:
 
 def demo_token_documents(count: int) -> list[np.ndarray]:
     """``count`` byte-tokenised demo-corpus documents; the installed ones repeated when they run out."""
-    from dataio.bench.documents import select_documents  # here: drivers that only synthesise audio skip it
+    from headrace.dataio.bench.documents import select_documents  # here: drivers that only synthesise audio skip it
 
     docs = [byte_tokens(d.text) for d in select_documents(count)]
     return [docs[i % len(docs)] for i in range(count)]
@@ -92,7 +92,7 @@ def write_bpe_tokenizer(path: Path, texts: Iterable[str], vocab_size: int) -> Pa
 def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = "train-%06d.tar",
                          maxcount: int = 10**9, maxsize: float = 3e9, workers: int = 1) -> int:
     """Write ``samples`` (webdataset dicts) as tars under ``root`` and index them; returns the shard count."""
-    from dataio.prepare.indexing import build_index
+    from headrace.dataio.prepare.indexing import build_index
 
     wds = bench_import("webdataset", "write_indexed_shards")
 

@@ -6,11 +6,11 @@ such as ``npy`` / ``tokens.npy``, ``audio`` when it has an audio member) and the
 (tokens or audio seconds). Peers write their own formats under ``work``.
 
 Every loader turns a sample into the same decoded dict (``{ext: value}``) and a batch into the same
-layout with ``dataio.stream.collate.collate`` (flat tensors plus lengths, in shared memory inside workers), so
+layout with ``headrace.dataio.stream.collate.collate`` (flat tensors plus lengths, in shared memory inside workers), so
 what differs between loaders is how they find, read and move the bytes. Loaders that hand over raw
 member bytes (energon's crude samples, plain torch, lhotse's recordings) decode them with
 ``plain_decode``: what a user of that library writes (``np.load``, ``json.loads``, soundfile + soxr
-through ``dataio.stream.decode.decode_audio``); headrace and webdataset use their own decoders.
+through ``headrace.dataio.stream.decode.decode_audio``); headrace and webdataset use their own decoders.
 
 Audio-bytes mode (``decode.audio: raw``, ``dataio bench --audio-bytes``): no loader decodes audio; each
 hands the encoded member bytes over as one ``uint8`` tensor plus lengths (headrace's raw collation), and
@@ -29,13 +29,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from dataio.config import DataConfig
-from dataio.shards.formats import is_audio_member, is_token_member
-from dataio.stream.collate import collate
-from dataio.stream.decode import decode_audio
-from dataio.config import DecodeConfig
-from dataio.stream.sources import ShardSource
-from dataio.stream.workers import process_memory
+from headrace.dataio.config import DataConfig
+from headrace.dataio.shards.formats import is_audio_member, is_token_member
+from headrace.dataio.stream.collate import collate
+from headrace.dataio.stream.decode import decode_audio
+from headrace.dataio.config import DecodeConfig
+from headrace.dataio.stream.sources import ShardSource
+from headrace.dataio.stream.workers import process_memory
 
 
 @dataclass(kw_only=True)
@@ -100,7 +100,7 @@ def plain_sample(members: dict[str, bytes], decode: DecodeConfig) -> dict[str, A
 
 
 def collate_samples(keys: list[str], samples: list[dict]) -> dict:
-    """Decoded samples -> the batch layout of headrace's own loader (``dataio.stream.collate.collate``)."""
+    """Decoded samples -> the batch layout of headrace's own loader (``headrace.dataio.stream.collate.collate``)."""
     n = len(samples)
     return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0,
                    alloc=process_memory())

@@ -9,7 +9,7 @@ figures are per the whole loader, not per process. Cost: a 2x2 solve per loader.
 
 from __future__ import annotations
 
-from dataio.bench.table import cell, markdown_table
+from headrace.dataio.bench.table import cell, markdown_table
 
 
 def fit(points: list[tuple[int, float]]) -> dict | None:

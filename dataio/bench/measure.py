@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dataio.bench.extra import bench_import
+from headrace.dataio.bench.extra import bench_import
 
 
 class ProcessSampler:

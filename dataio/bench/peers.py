@@ -3,11 +3,11 @@
 Every adapter is a ``Peer``: ``prepare(data)`` writes the loader's format from the benchmarked shards
 (cached under ``data.work/<name>`` with a stamp of the source, so reruns skip it) and ``open(data,
 workers, shuffle, state)`` returns an iterator of batches in headrace's batch layout
-(``dataio.bench.data.collate_samples``), ``data.cfg.batch_size`` samples each:
+(``headrace.dataio.bench.data.collate_samples``), ``data.cfg.batch_size`` samples each:
 
 - ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``).
 - ``headrace-dali`` (audio, beside ``dali`` in ``--compare``): the same loader with ``decode.audio:
-  dali``, each batch's audio decoded by DALI inside the loader (``dataio.stream.dali``).
+  dali``, each batch's audio decoded by DALI inside the loader (``headrace.dataio.stream.dali``).
 - ``webdataset``: ``wds.WebDataset(tars).decode(...).batched(B)`` in ``wds.WebLoader`` (the tars as they
   are; shards split over workers by webdataset's ``split_by_worker``).
 - ``energon``: ``get_loader(get_train_dataset(dir, repeat=False))`` on the same directory (its
@@ -51,11 +51,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
-from dataio.bench.extra import INSTALL
-from dataio.loader import build_loader
-from dataio.shards.formats import is_audio_member
-from dataio.stream.decode import Audio
+from headrace.dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
+from headrace.dataio.bench.extra import INSTALL
+from headrace.dataio.loader import build_loader
+from headrace.dataio.shards.formats import is_audio_member
+from headrace.dataio.stream.decode import Audio
 
 SHUFFLE_BUFFER = 1000
 
@@ -397,7 +397,7 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
 
 
 PEERS: dict[str, Peer] = {p.name: p for p in [
-    Peer(name="headrace", module="dataio", kinds=("text", "audio"), open=open_headrace),
+    Peer(name="headrace", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace),
     Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset, install=INSTALL),
     Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon, install=INSTALL),
     Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,

@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def time_dataio(argv: list[str], repo: Path = REPO) -> tuple[float, str]:
-    """(wall seconds, stdout) of ``python -m dataio *argv`` run from ``repo`` (its own ``dataio``)."""
+    """(wall seconds, stdout) of ``python -m headrace.dataio *argv`` run from ``repo`` (its own ``dataio``)."""
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "dataio", *argv], cwd=repo, check=True, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "headrace.dataio", *argv], cwd=repo, check=True, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(repo)})
     return time.perf_counter() - t, done.stdout
 

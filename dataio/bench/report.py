@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
-from dataio.bench import fixedcost
-from dataio.bench.extra import bench_import
-from dataio.bench.table import cell, markdown_table
+from headrace.dataio.bench import fixedcost
+from headrace.dataio.bench.extra import bench_import
+from headrace.dataio.bench.table import cell, markdown_table
 
 RUN_FIELDS = ("loader", "workers", "batch_size", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
               "samples_per_s", "mb_per_s", "units_per_s", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb",

@@ -1,13 +1,13 @@
 """One ``dataio bench`` session: every loader over the same samples, at every worker count, in
 interleaved repeats, with the page-cache read limit measured in the same run.
 
-Order of work: describe the data (``dataio.bench.data``), measure the read limit
-(``dataio.bench.pagecache``), let each peer write its own format once (``dataio.bench.peers``; a peer
+Order of work: describe the data (``headrace.dataio.bench.data``), measure the read limit
+(``headrace.dataio.bench.pagecache``), let each peer write its own format once (``headrace.dataio.bench.peers``; a peer
 that is not installed or cannot write it is reported under ``skipped`` with its reason), then run
 ``repeats x worker counts x loaders`` with the repeats outermost, so that load from other processes
 on a shared machine hits every loader alike; each (loader, workers) reports its median run by
-samples/s (``dataio.bench.timing``). ``trainer`` adds the trainer's own data path
-(``dataio.bench.trainer``). The result is the JSON object ``dataio.bench.report`` writes and prints.
+samples/s (``headrace.dataio.bench.timing``). ``trainer`` adds the trainer's own data path
+(``headrace.dataio.bench.trainer``). The result is the JSON object ``headrace.dataio.bench.report`` writes and prints.
 Cost: the runs themselves; the peers' formats are written once per session.
 """
 
@@ -25,16 +25,16 @@ from typing import Callable
 import torch
 from rich.console import Console
 
-from dataio.bench import report
-from dataio.bench.data import count, describe
-from dataio.bench.fixedcost import fixed_costs
-from dataio.bench.measure import measure
-from dataio.bench.pagecache import drop_page_cache, read_limit
-from dataio.bench.peers import PEERS, prepare, skip_reason
-from dataio.bench.timing import median_run
-from dataio.bench.trainer import trainer_run
-from dataio.config import DataConfig
-from dataio.usererror import CommandError
+from headrace.dataio.bench import report
+from headrace.dataio.bench.data import count, describe
+from headrace.dataio.bench.fixedcost import fixed_costs
+from headrace.dataio.bench.measure import measure
+from headrace.dataio.bench.pagecache import drop_page_cache, read_limit
+from headrace.dataio.bench.peers import PEERS, prepare, skip_reason
+from headrace.dataio.bench.timing import median_run
+from headrace.dataio.bench.trainer import trainer_run
+from headrace.dataio.config import DataConfig
+from headrace.dataio.usererror import CommandError
 
 # ``progress_bar(description, total=..., unit=...)``: a context yielding ``advance(n)``
 ProgressBar = Callable[..., AbstractContextManager[Callable[[int], None]]]
@@ -44,7 +44,7 @@ ProgressBar = Callable[..., AbstractContextManager[Callable[[int], None]]]
 class BenchOptions:
     """What to run (the options of ``dataio bench``)."""
 
-    compare: list[str]  # peer loaders beside headrace, names of ``dataio.bench.peers.PEERS``
+    compare: list[str]  # peer loaders beside headrace, names of ``headrace.dataio.bench.peers.PEERS``
     num_workers: list[int]
     batch_sizes: list[int] | None = None  # every loader at each (None: the config's); two or more: fixed cost
     formats: Path  # where peers write their formats
@@ -66,7 +66,7 @@ def progress_line(done: int, total: int, name: str, workers: int, batch_size: in
 
 
 def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBar) -> dict:
-    """The session's result (``dataio.bench.report``'s JSON object); CommandError for data the
+    """The session's result (``headrace.dataio.bench.report``'s JSON object); CommandError for data the
     benchmark cannot run on."""
     torch.set_num_threads(1)  # loaders do I/O and decoding; intra-op threads only oversubscribe the cores
     if opts.audio_bytes:

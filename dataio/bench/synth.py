@@ -1,6 +1,6 @@
 """A larger benchmark corpus: >= 1 GB of text tokens and >= 3 h of speech, as indexed shard directories.
 
-    python -m dataio.bench.synth --out /tmp/headrace-bench --text-gb 1.0 --speech-hours 3.0
+    python -m headrace.dataio.bench.synth --out /tmp/headrace-bench --text-gb 1.0 --speech-hours 3.0
 
 - text: the demo corpus's real documents (``corpus.demo_token_documents``: byte-level int32
   ``tokens.npy``), repeated under new keys until ``--text-gb`` of tokens; written and indexed by
@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from dataio.bench.corpus import RATE, demo_token_documents, flac_bytes, speech_like, write_indexed_shards
-from dataio.prepare.job import ShardOptions, shard_corpus
-from dataio.shards.formats import npy_bytes
+from headrace.dataio.bench.corpus import RATE, demo_token_documents, flac_bytes, speech_like, write_indexed_shards
+from headrace.dataio.prepare.job import ShardOptions, shard_corpus
+from headrace.dataio.shards.formats import npy_bytes
 
 SHARD_BYTES = 64 << 20
 
@@ -67,7 +67,7 @@ def write_speech(out: Path, hours: float, *, fmt: str = "flac", rate: int = RATE
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dataio.bench.synth", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m headrace.dataio.bench.synth", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-gb", type=float, default=1.0, help="GB of int32 text tokens (0: none)")
     p.add_argument("--speech-hours", type=float, default=3.0, help="hours of speech (0: none)")

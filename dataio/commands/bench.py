@@ -2,16 +2,16 @@
 torch, on the same samples, with the page-cache read limit measured in the same run.
 
 For each worker count, each loader reads the ``data:`` section's dataset for one epoch (or
-``--batches`` / ``--seconds``) with the same decode work, timed by ``dataio.bench.measure``; peers read
-their own formats, written once by their own writers under ``OUT/formats`` (``dataio.bench.peers``).
+``--batches`` / ``--seconds``) with the same decode work, timed by ``headrace.dataio.bench.measure``; peers read
+their own formats, written once by their own writers under ``OUT/formats`` (``headrace.dataio.bench.peers``).
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/throughput.png`` and prints the table.
 ``--trainer`` adds the trainer's own data path (packing + device prefetch) against a simulated step.
 ``--audio-bytes`` leaves audio encoded in every loader (headrace: ``decode.audio: raw``), so audio-size
 samples are compared by the bytes moved; with ``dali`` in ``--compare`` (decoded audio) headrace also
 runs with ``decode.audio: dali`` (row ``headrace-dali``) beside DALI's own reader.
-This module parses the options and hands them to ``dataio.bench.session`` (the order of the runs, the
+This module parses the options and hands them to ``headrace.dataio.bench.session`` (the order of the runs, the
 result), then writes and prints the report. Heavy imports (torch, the peers) happen inside ``run()`` so
-``--help`` stays fast. Each run's bar is ``dataio.commands.progress.progress_bar`` (on stderr, only on a
+``--help`` stays fast. Each run's bar is ``headrace.dataio.commands.progress.progress_bar`` (on stderr, only on a
 terminal), the project's one progress helper.
 """
 
@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dataio.usererror import CommandError
+from headrace.dataio.usererror import CommandError
 
 PEER_NAMES = ("webdataset", "energon", "litdata", "lhotse", "torch", "dali")
 
@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load_config(path: Path):
     import yaml
 
-    from dataio.config import DataConfig
-    from configtree import ConfigError, from_dict
+    from headrace.dataio.config import DataConfig
+    from headrace.config import ConfigError, from_dict
 
     try:
         raw = yaml.safe_load(path.read_text())
@@ -84,9 +84,9 @@ def _load_config(path: Path):
 
 def run(args: argparse.Namespace) -> int:
     # imported here, not at the top: torch and the peer loaders load only when a benchmark runs
-    from dataio.bench import report
-    from dataio.bench.session import BenchOptions, run_session
-    from dataio.commands.progress import progress_bar
+    from headrace.dataio.bench import report
+    from headrace.dataio.bench.session import BenchOptions, run_session
+    from headrace.dataio.commands.progress import progress_bar
 
     cfg = _load_config(args.config)
     compare = [n.strip() for n in args.compare.split(",") if n.strip()]

@@ -1,6 +1,6 @@
 """``dataio index DIR``: index and Megatron-Energon metadata for tar shards written elsewhere.
 
-Parses the options and runs ``dataio.prepare.indexing.build_index`` (see there: which shards are
+Parses the options and runs ``headrace.dataio.prepare.indexing.build_index`` (see there: which shards are
 scanned, how splits are assigned) with a progress bar, then prints a summary.
 """
 
@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from dataio.usererror import CommandError
+from headrace.dataio.usererror import CommandError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"{root}: not a directory")
     from functools import partial
 
-    from dataio.commands.progress import progress_bar
-    from dataio.prepare.indexing import build_index
-    from dataio.prepare.job import PrepareError
-    from dataio.prepare.plan import parse_splits
+    from headrace.dataio.commands.progress import progress_bar
+    from headrace.dataio.prepare.indexing import build_index
+    from headrace.dataio.prepare.job import PrepareError
+    from headrace.dataio.prepare.plan import parse_splits
 
     try:
         splits = parse_splits(args.split) if args.split else None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.usererror import CommandError
+from headrace.dataio.usererror import CommandError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def histogram(values: np.ndarray) -> dict:
 
 def summarize(root: Path) -> dict:
     """The summary ``--json`` prints (from ``root``'s headrace index)."""
-    from dataio.shards.index import load_index
+    from headrace.dataio.shards.index import load_index
 
     try:
         index = load_index(root)

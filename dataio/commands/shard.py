@@ -1,6 +1,6 @@
 """``dataio shard INPUT... --output DIR``: corpora in, indexed WebDataset shards out.
 
-Parses the options and runs ``dataio.prepare.job.shard_corpus`` (the plan, the output-directory claim,
+Parses the options and runs ``headrace.dataio.prepare.job.shard_corpus`` (the plan, the output-directory claim,
 the writer processes, the final index and metadata) with a progress bar, then prints its summary.
 Re-running the same command resumes: complete shards are kept, the rest are written again.
 """
@@ -12,7 +12,7 @@ import dataclasses
 from functools import partial
 from pathlib import Path
 
-from dataio.usererror import CommandError
+from headrace.dataio.usererror import CommandError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataio.commands.progress import progress_bar
-    from dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
+    from headrace.dataio.commands.progress import progress_bar
+    from headrace.dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
 
     fields = {f.name for f in dataclasses.fields(ShardOptions)}
     opts = ShardOptions(**{k: v for k, v in vars(args).items() if k in fields})

@@ -1,7 +1,7 @@
 """Audio re-encoding for ``dataio shard``: recognise, cut and re-encode audio with soundfile.
 
 Audio is kept as given whenever possible: no decode, one header probe to validate it and learn its
-sample rate and length (``dataio.shards.audioheader``), and the payload is later copied file-to-file by
+sample rate and length (``headrace.dataio.shards.audioheader``), and the payload is later copied file-to-file by
 the kernel (tarwriter.py). It is decoded and re-encoded only for ``offset``/``duration`` segments and
 when ``--audio-format`` asks for a different codec. Re-encoding reads integer PCM (``int32``) and writes
 the source's bit depth when the target codec has it, so 16- and 24-bit sources stay lossless in FLAC.

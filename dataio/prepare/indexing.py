@@ -3,14 +3,14 @@
 Finds ``DIR/**/*.tar`` (sorted, as ``energon prepare`` lists them; hidden temp files are ignored).
 Shards that already have a ``.nv-meta/parts/<shard>.npz`` sidecar (left by ``dataio shard`` on any
 number of nodes, or by an earlier ``dataio index`` run) whose byte count still matches are merged as
-they are; the others get one header scan each (``dataio.shards.tarscan``) in ``--workers`` processes, and
-leave a sidecar so an interrupted run resumes where it stopped. Then ``dataio.shards.metadata`` writes
+they are; the others get one header scan each (``headrace.dataio.shards.tarscan``) in ``--workers`` processes, and
+leave a sidecar so an interrupted run resumes where it stopped. Then ``headrace.dataio.shards.metadata`` writes
 energon's ``.nv-meta`` set, the ``.tar.idx`` files and the headrace index in one pass over the rows:
 non-interactive, and no tar is read twice.
 
 Splits: a shard keeps the split of its sidecar (``dataio shard --split``), and a scanned one goes to
 ``train``. ``--split train=0.98,val=0.02`` instead assigns every shard whole, by the hash of its name
-(``dataio.prepare.plan.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
+(``headrace.dataio.prepare.plan.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
 key) and records it in the sidecars. Whole shards, because tars from elsewhere mix keys in every shard
 and energon's ``split.yaml`` can only map shards to splits; per-sample splits need ``dataio shard``.
 """
@@ -21,12 +21,12 @@ import json
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from dataio.prepare.job import PrepareError, Progress, silent
-from dataio.prepare.plan import assign_shard_splits
-from dataio.shards.index import INDEX_DIR, PARTS_DIR, ShardPart, merge_parts
-from dataio.shards.metadata import write_dataset_metadata
-from dataio.shards.outdir import lock_output, remove_temps
-from dataio.shards.tarscan import TarFormatError, scan_shard
+from headrace.dataio.prepare.job import PrepareError, Progress, silent
+from headrace.dataio.prepare.plan import assign_shard_splits
+from headrace.dataio.shards.index import INDEX_DIR, PARTS_DIR, ShardPart, merge_parts
+from headrace.dataio.shards.metadata import write_dataset_metadata
+from headrace.dataio.shards.outdir import lock_output, remove_temps
+from headrace.dataio.shards.tarscan import TarFormatError, scan_shard
 
 
 def find_shards(root: Path) -> list[str]:

@@ -1,8 +1,8 @@
 """The shard job behind ``dataio shard``: corpora in, indexed WebDataset shards out.
 
-Plan once (``dataio.prepare.plan``: splits, shard boundaries, node ownership, all independent of worker
+Plan once (``headrace.dataio.prepare.plan``: splits, shard boundaries, node ownership, all independent of worker
 count), claim the output directory with the job's fingerprint, remove the temp files a killed run left,
-write this node's missing shards with ``workers`` forked processes (``dataio.prepare.writer``: atomic
+write this node's missing shards with ``workers`` forked processes (``headrace.dataio.prepare.writer``: atomic
 tar + index part per shard), and, once every shard of the plan exists, merge the parts into the
 dataset index and Megatron-Energon metadata. Running the same job again resumes: complete shards are
 kept, the rest are written again.
@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
-from dataio.prepare.plan import PlanError, job_fingerprint, parse_splits, plan_job, resolve_node
-from dataio.prepare.readers import ReadOptions, SampleError, open_input
-from dataio.prepare.writer import SKIPPED_DIR, STATE_DIR, ShardJob, ShardResult, is_complete, load_tokenizer, write_shard
-from dataio.shards.index import META_DIR, PARTS_DIR, ShardPart, merge_parts
-from dataio.shards.metadata import write_dataset_metadata
-from dataio.shards.outdir import lock_output
-from dataio.shards.tarwriter import write_atomically
-from dataio.sizes import parse_size
+from headrace.dataio.prepare.plan import PlanError, job_fingerprint, parse_splits, plan_job, resolve_node
+from headrace.dataio.prepare.readers import ReadOptions, SampleError, open_input
+from headrace.dataio.prepare.writer import SKIPPED_DIR, STATE_DIR, ShardJob, ShardResult, is_complete, load_tokenizer, write_shard
+from headrace.dataio.shards.index import META_DIR, PARTS_DIR, ShardPart, merge_parts
+from headrace.dataio.shards.metadata import write_dataset_metadata
+from headrace.dataio.shards.outdir import lock_output
+from headrace.dataio.shards.tarwriter import write_atomically
+from headrace.dataio.sizes import parse_size
 
 # progress(description, total=, unit=) -> a context yielding advance(n); the CLI passes its progress bar
 Progress = Callable[..., ContextManager[Callable[[int], None]]]

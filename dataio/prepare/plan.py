@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataio.prepare.readers import BadRecord, Entry, Input
+from headrace.dataio.prepare.readers import BadRecord, Entry, Input
 
 
 def parse_splits(text: str | None) -> list[tuple[str, float]]:

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterator, Protocol
 
-from dataio.prepare.audio import cut_and_encode, encode, sniff_ext
-from dataio.shards.audioheader import probe, probe_file
-from dataio.shards.formats import SHARD_AUDIO_EXTENSIONS
-from dataio.shards.tarwriter import FilePayload
+from headrace.dataio.prepare.audio import cut_and_encode, encode, sniff_ext
+from headrace.dataio.shards.audioheader import probe, probe_file
+from headrace.dataio.shards.formats import SHARD_AUDIO_EXTENSIONS
+from headrace.dataio.shards.tarwriter import FilePayload
 
 # Planning estimate for audio that is cut or decoded at shard time (16 kHz 16-bit FLAC is ~30 kB/s).
 SEGMENT_BYTES_PER_SECOND = 32_000

@@ -5,7 +5,7 @@ Order of operations (what makes a crash at any point harmless):
 1. in chunks of CHUNK samples: load (readers.py; a sample that fails to load is skipped and counted,
    and the shard fails outright once its skips exceed the job's budget), tokenize with one
    ``encode_batch`` call per ~1M characters (Rust, no per-sample Python loop; memory bounded by
-   dataio.prepare.tokenize whatever the text lengths), and append to ``SHARD.tmp-HOST-PID`` (tarwriter.py),
+   headrace.dataio.prepare.tokenize whatever the text lengths), and append to ``SHARD.tmp-HOST-PID`` (tarwriter.py),
    recording offsets and the largest token id as it goes;
 2. fsync, rename to ``SHARD``;
 3. save the skip report of the shard (if any), then its ``ShardPart`` sidecar; the part is the
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.formats import npy_bytes
-from dataio.prepare.plan import PlannedShard
-from dataio.prepare.readers import Input, SampleError
-from dataio.prepare.tokenize import encode_texts
-from dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
-from dataio.shards.tarwriter import TarWriter, write_atomically
+from headrace.dataio.shards.formats import npy_bytes
+from headrace.dataio.prepare.plan import PlannedShard
+from headrace.dataio.prepare.readers import Input, SampleError
+from headrace.dataio.prepare.tokenize import encode_texts
+from headrace.dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
+from headrace.dataio.shards.tarwriter import TarWriter, write_atomically
 
 STATE_DIR = ".nv-meta/headrace-shard"  # job fingerprint and per-shard skip reports
 SKIPPED_DIR = f"{STATE_DIR}/skipped"

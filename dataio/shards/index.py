@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.writes import writing
+from headrace.dataio.shards.writes import writing
 
 META_DIR = ".nv-meta"
 INDEX_DIR = f"{META_DIR}/headrace"

@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dataio.shards.index import META_DIR, DatasetIndex
-from dataio.shards.tarwriter import BLOCK, write_atomically
-from dataio.shards.writes import writing
+from headrace.dataio.shards.index import META_DIR, DatasetIndex
+from headrace.dataio.shards.tarwriter import BLOCK, write_atomically
+from headrace.dataio.shards.writes import writing
 
 ITAR_SUFFIX = ".idx"  # shard.tar -> shard.tar.idx
 DEFAULT_SPLITS = ("train", "val", "test")  # energon prepare always writes these three parts

@@ -17,7 +17,7 @@ import fcntl
 import shutil
 from pathlib import Path
 
-from dataio.shards.index import META_DIR
+from headrace.dataio.shards.index import META_DIR
 
 class OutputLocked(RuntimeError):
     """Another ``dataio shard`` / ``dataio index`` holds a conflicting lock on the output directory."""

@@ -16,7 +16,7 @@ are skipped (they still count toward the byte span of the sample before them, as
 Cost: a Python loop per header (~2 us) -- ~0.5 s for 100k members -- versus ``tarfile``'s ~15 us per
 member; lengths read the ``.npy`` token members (header regex, then one numpy ``max`` for the shard's
 largest token id, which the trainer checks against the model's vocabulary) and the header of audio
-members (``dataio.shards.audioheader.probe``: FLAC/WAV parsed directly, libsndfile for the rest).
+members (``headrace.dataio.shards.audioheader.probe``: FLAC/WAV parsed directly, libsndfile for the rest).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.audioheader import check_decodes, probe
-from dataio.shards.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
-from dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
-from dataio.shards.tarwriter import BLOCK
+from headrace.dataio.shards.audioheader import check_decodes, probe
+from headrace.dataio.shards.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
+from headrace.dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
+from headrace.dataio.shards.tarwriter import BLOCK
 
 ZERO_BLOCK = bytes(BLOCK)
 MAX_MEMBERS = int(np.iinfo(SAMPLE_DTYPE["member_count"]).max)  # members of one sample the index can hold
@@ -207,7 +207,7 @@ def _token_count_and_max(payload) -> tuple[int, int]:
 
 
 def audio_duration(payload) -> float:
-    """Duration in seconds of an audio member, from its header (``dataio.shards.audioheader.probe``)."""
+    """Duration in seconds of an audio member, from its header (``headrace.dataio.shards.audioheader.probe``)."""
     sample_rate, frames = probe(payload)
     return frames / sample_rate
 
@@ -305,7 +305,7 @@ def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train"
 
 def decode_check(ext: str, payload) -> str | None:
     """Why a member does not decode (None when it does): audio decoded whole by libsndfile, every frame,
-    to the length its header declares (``dataio.shards.audioheader.check_decodes``), ``.npy`` header without
+    to the length its header declares (``headrace.dataio.shards.audioheader.check_decodes``), ``.npy`` header without
     pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
     last = ext.rsplit(".", 1)[-1].lower()
     try:

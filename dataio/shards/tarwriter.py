@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from dataio.shards.writes import writing
+from headrace.dataio.shards.writes import writing
 
 BLOCK = 512
 MAX_MEMBER_SIZE = 8**11 - 1
@@ -232,7 +232,7 @@ class TarWriter:
 def write_atomically(path: str | os.PathLike, content, *, what: str) -> object:
     """Write ``content`` (bytes, or a function ``write(stream)``) to ``path.tmp-HOST-PID``, fsync, then
     rename onto ``path``; returns what ``write`` returned. An ``OSError`` names ``path`` and ``what``
-    (``dataio.shards.writes``: a full disk is a one-line error, not a traceback).
+    (``headrace.dataio.shards.writes``: a full disk is a one-line error, not a traceback).
 
     The file becomes visible under its final name only once complete; on any exception the temporary
     file is removed and the exception propagates. Host and pid in the temporary name keep writers on

@@ -1,7 +1,7 @@
 """Re-read every shard of a directory and check it against the index and energon's metadata (``dataio verify``).
 
 Per shard (in ``workers`` processes): the file size and, where recorded, the sha256; a fresh header
-scan (``dataio.shards.tarscan``: header checksums, truncation) whose samples, keys, byte spans and member
+scan (``headrace.dataio.shards.tarscan``: header checksums, truncation) whose samples, keys, byte spans and member
 offsets must equal the index rows; then every member must decode as the loader will decode it (audio:
 every frame through libsndfile, to the length its header declares; ``.npy`` header without pickle and
 with a matching size; ``.json`` parses; ``.txt`` is UTF-8).
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.index import META_DIR, DatasetIndex
-from dataio.shards.metadata import energon_spans
-from dataio.shards.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
+from headrace.dataio.shards.index import META_DIR, DatasetIndex
+from headrace.dataio.shards.metadata import energon_spans
+from headrace.dataio.shards.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
 
 
 @dataclass(frozen=True)

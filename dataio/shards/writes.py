@@ -1,7 +1,7 @@
 """Write errors that name what they were writing: a full disk (``ENOSPC``) or a failing device shows up
 in the middle of a ``write``, ``flush`` or ``fsync`` -- an ``OSError`` with no file name, which reads as a
 bug -- or as sqlite's ``OperationalError: database or disk is full``. ``writing(path, what)`` turns
-either into one ``OSError`` naming the path and what was being written (``dataio.usererror`` prints it
+either into one ``OSError`` naming the path and what was being written (``headrace.dataio.usererror`` prints it
 as one line, exit 2): "out/shard-000003.tar: No space left on device (writing the shard)"."""
 
 from __future__ import annotations

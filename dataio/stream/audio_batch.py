@@ -19,7 +19,7 @@ makes one batch's audio, per member extension:
    a member that fails is dropped (its ``SampleDecodeError`` returned, counted as a bad sample like any
    other) and the next takes its place, as does a member that decodes to fewer frames than its header
    declares: the batch stays dense;
-3. each sample's member becomes ``Audio`` over its slice, which ``dataio.stream.collate`` recognises as
+3. each sample's member becomes ``Audio`` over its slice, which ``headrace.dataio.stream.collate`` recognises as
    one run of memory and hands on as the batch tensor without a copy.
 
 So a decoded waveform is written once, into the memory the trainer reads, with no per-sample array
@@ -36,10 +36,10 @@ import numpy as np
 import soundfile
 import torch
 
-from dataio import libsndfile
-from dataio.stream.collate import Allocator
-from dataio.stream.decode import Audio, PendingAudio, SampleDecodeError, downmixed_and_resampled, member_error
-from dataio.config import DecodeConfig
+from headrace.dataio import libsndfile
+from headrace.dataio.stream.collate import Allocator
+from headrace.dataio.stream.decode import Audio, PendingAudio, SampleDecodeError, downmixed_and_resampled, member_error
+from headrace.dataio.config import DecodeConfig
 
 PCM16_SCALE = np.float32(1.0 / 0x8000)  # libsndfile's short -> float factor (a power of two: exact)
 _TORCH = {"float32": torch.float32, "int16": torch.int16}
@@ -131,7 +131,7 @@ def decode_pending(samples: list[dict], keys: Sequence[str], shards: Sequence[st
 def mean_decoded_bytes(durations: np.ndarray, cfg: DecodeConfig) -> float:
     """Mean bytes of a sample's audio once decoded here, from the index's ``duration`` column (seconds;
     NaN where unknown); 0 when it is not decoded here or the rate is unknown. The worker rings are
-    sized from it (``dataio.stream.rank``): decoded 16 kHz float32 is ~3x the FLAC it came from."""
+    sized from it (``headrace.dataio.stream.rank``): decoded 16 kHz float32 is ~3x the FLAC it came from."""
     if cfg.audio != "soundfile" or cfg.sample_rate is None or not len(durations):
         return 0.0
     known = durations[np.isfinite(durations)]

@@ -2,10 +2,10 @@
 collated plain batch (``BatchMaker``). Both are picklable and keep no state but a bad-sample count,
 so a batch is a pure function of its number and the rank's layout.
 
-Sample references (``__ref__``, packing ``ref``): ``dataio.stream.refs``.
+Sample references (``__ref__``, packing ``ref``): ``headrace.dataio.stream.refs``.
 Cost: one vectorised read per dataset per batch (``ShardSource.read``); a read that fails is retried
 sample by sample only to name the bad ones. Token batches (one ``.npy`` member a sample) take the
-batch-level path of ``dataio.stream.gather`` first.
+batch-level path of ``headrace.dataio.stream.gather`` first.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ import logging
 import numpy as np
 import torch
 
-from dataio.config import DataConfig
-from dataio.shards.formats import is_token_member
-from dataio.stream.audio_batch import decode_pending
-from dataio.stream.blend import BlendSchedule
-from dataio.stream.collate import Allocator, collate
-from dataio.stream.dali import BatchAudio
-from dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
-from dataio.stream.epochized import EpochizedSchedule
-from dataio.stream.gather import gather_tokens, tokens_only
-from dataio.stream.order import EpochOrder
-from dataio.stream.refs import REF_BITS, REF_MASK, make_ref
-from dataio.stream.seeding import SeedSchedule
-from dataio.stream.sources import ShardSource, by_value
-from dataio.stream.split import Layout
+from headrace.dataio.config import DataConfig
+from headrace.dataio.shards.formats import is_token_member
+from headrace.dataio.stream.audio_batch import decode_pending
+from headrace.dataio.stream.blend import BlendSchedule
+from headrace.dataio.stream.collate import Allocator, collate
+from headrace.dataio.stream.dali import BatchAudio
+from headrace.dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
+from headrace.dataio.stream.epochized import EpochizedSchedule
+from headrace.dataio.stream.gather import gather_tokens, tokens_only
+from headrace.dataio.stream.order import EpochOrder
+from headrace.dataio.stream.refs import REF_BITS, REF_MASK, make_ref
+from headrace.dataio.stream.seeding import SeedSchedule
+from headrace.dataio.stream.sources import ShardSource, by_value
+from headrace.dataio.stream.split import Layout
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class SampleReader:
         self.cfg, self.sources = cfg, sources
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
         self.token_exts = [token_ext(s) for s in sources]
-        self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (dataio.stream.dali)
+        self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (headrace.dataio.stream.dali)
         if cfg.decode.audio == "dali":
             self.batch_audio = BatchAudio(cfg.decode)
 
@@ -71,8 +71,8 @@ class SampleReader:
              ) -> tuple[list[dict], list[str], np.ndarray, int]:
         """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
         bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
-        arrays as ``NpyView`` for ``dataio.stream.collate`` to copy straight into the batch; ``alloc``:
-        soundfile audio decoded straight into one tensor from it, ``dataio.stream.audio_batch``)."""
+        arrays as ``NpyView`` for ``headrace.dataio.stream.collate`` to copy straight into the batch; ``alloc``:
+        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.audio_batch``)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
         pending = alloc is not None
         for i, item in enumerate(self._raw(refs)):
@@ -139,7 +139,7 @@ class BatchMaker:
     def __init__(self, *, reader: SampleReader, blend: BlendSchedule | EpochizedSchedule, seed: int | SeedSchedule,
                  layout: Layout, dp_rank: int, first_local: int, batch_size: int, subflavors: list[dict] | None = None):
         cfg = reader.cfg
-        self.subflavors = subflavors  # per dataset: energon's __subflavors__ (dataio.stream.metadataset)
+        self.subflavors = subflavors  # per dataset: energon's __subflavors__ (headrace.dataio.stream.metadataset)
         self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
         self.first_local, self.batch_size = first_local, batch_size
         self.local_end = layout.local_count(dp_rank, blend.end)
@@ -181,7 +181,7 @@ class BatchMaker:
         batch = gather_tokens(self.sources, refs, max(lo, hi), alloc) if self.tokens_only and len(refs) else None
         if batch is not None and self.reader.cfg.thd and _has_negative_id(batch):
             batch = None  # the general path names and counts the samples that packing cannot take
-        if batch is not None:  # token batches: read, checked and collated per batch (dataio.stream.gather)
+        if batch is not None:  # token batches: read, checked and collated per batch (headrace.dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
             return self._with_subflavors(batch)
         samples, keys, kept, bad = self.reader.read(refs, defer_npy=True, alloc=alloc)

@@ -2,10 +2,10 @@
 
 Each entry is one source (``open_source``: a headrace-indexed directory or URL, an energon-prepared
 directory or URL, a Lhotse manifest or Shar directory) or an energon metadataset
-(``dataio.stream.metadataset``), which stands for its leaves. With ``blend`` metadatasets (and plain
+(``headrace.dataio.stream.metadataset``), which stands for its leaves. With ``blend`` metadatasets (and plain
 entries) the leaves are blended by weight -- a leaf's weight is its entry's weight times its share in
-the metadataset -- through ``dataio.stream.blend``; a ``blend_epochized`` metadataset must be the only
-entry, and its leaves' ``floor(repetitions * len)`` make each epoch (``dataio.stream.epochized``).
+the metadataset -- through ``headrace.dataio.stream.blend``; a ``blend_epochized`` metadataset must be the only
+entry, and its leaves' ``floor(repetitions * len)`` make each epoch (``headrace.dataio.stream.epochized``).
 Everything after this (order, rank split, resume) is the same for both, so are the guarantees.
 """
 
@@ -15,19 +15,19 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from configtree import ConfigError
-from dataio.config import DataConfig, DatasetSpec
-from dataio.shards.index import INDEX_DIR
-from dataio.stream import interop, metadataset
-from dataio.stream.blend import BlendSchedule
-from dataio.stream.epochized import EpochizedSchedule
-from dataio.stream.shardcache import ShardCache
-from dataio.stream.sources import ShardSource, SplitError
+from headrace.config import ConfigError
+from headrace.dataio.config import DataConfig, DatasetSpec
+from headrace.dataio.shards.index import INDEX_DIR
+from headrace.dataio.stream import interop, metadataset
+from headrace.dataio.stream.blend import BlendSchedule
+from headrace.dataio.stream.epochized import EpochizedSchedule
+from headrace.dataio.stream.shardcache import ShardCache
+from headrace.dataio.stream.sources import ShardSource, SplitError
 
 
 def open_source(spec: DatasetSpec, cache: ShardCache | None = None) -> ShardSource:
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
-    ``dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
+    ``headrace.dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
     Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given."""
     options = spec.storage_options
     if "://" in spec.path:

@@ -35,11 +35,11 @@ import weakref
 import numpy as np
 import torch
 
-from dataio.shards.formats import is_token_member
-from dataio.stream.collate import Allocator, bookkeeping, torch_dtype
-from dataio.stream.decode import NPY_1D_DTYPES, npy_1d_layout
-from dataio.stream.refs import REF_BITS, REF_MASK
-from dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
+from headrace.dataio.shards.formats import is_token_member
+from headrace.dataio.stream.collate import Allocator, bookkeeping, torch_dtype
+from headrace.dataio.stream.decode import NPY_1D_DTYPES, npy_1d_layout
+from headrace.dataio.stream.refs import REF_BITS, REF_MASK
+from headrace.dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
 
 BLOCK_BITS = 10
 BLOCK = 1 << BLOCK_BITS
@@ -50,7 +50,7 @@ TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in ever
 
 def tokens_only(sources: list[ShardSource]) -> bool:
     """Whether every dataset is a mapped (local or disk-cached) indexed one (not a foreign format,
-    ``dataio.stream.interop``) with only ``.npy`` members (then ``gather_tokens`` is tried)."""
+    ``headrace.dataio.stream.interop``) with only ``.npy`` members (then ``gather_tokens`` is tried)."""
     return all(isinstance(s, ShardSource) and not s.ranged and len(s.index.extensions) == 1 and is_token_member(s.index.extensions[0])
                for s in sources)
 

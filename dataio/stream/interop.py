@@ -17,7 +17,7 @@ read whole (the sqlite into memory), the shards then like any remote shard.
 
 Lhotse: a cuts manifest (``cuts.jsonl.gz``) becomes a ``LhotseCutSource`` (lazy random access to cut i);
 a Shar directory becomes a ``SharSource``: its ``recording.NNNNNN.tar`` files are plain tars, indexed
-in memory with ``dataio.shards.tarscan`` and read like any shard, and the transcripts in the matching
+in memory with ``headrace.dataio.shards.tarscan`` and read like any shard, and the transcripts in the matching
 ``cuts.NNNNNN.jsonl.gz`` are parsed once at open into one compact buffer. Both give each sample the
 members ``dataio shard`` writes for audio: the audio, plus ``json`` = ``{"text", "id", "duration"}``
 (``transcript_json``), so plain batches carry ``batch["json"][i]["text"]`` and bucketed batches
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo, merge_parts
-from dataio.shards.tarscan import scan_shard
-from dataio.stream.cuts_index import CutsIndex
-from dataio.stream.sources import ShardSource
-from dataio.stream.storage import retry
+from headrace.dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo, merge_parts
+from headrace.dataio.shards.tarscan import scan_shard
+from headrace.dataio.stream.cuts_index import CutsIndex
+from headrace.dataio.stream.sources import ShardSource
+from headrace.dataio.stream.storage import retry
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 
@@ -219,9 +219,9 @@ class LhotseCutSource:
     Members per cut: ``wav`` (the audio) and ``json`` (``transcript_json``). When a cut spans a whole
     untransformed single-file mono recording, ``wav`` is that file's bytes as they are (FLAC, WAV, ...;
     libsndfile recognises the content whatever the extension says) and decoding happens in
-    ``dataio.stream.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
+    ``headrace.dataio.stream.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
     recordings) lhotse loads the audio and it is re-encoded to an in-memory float WAV (one encode per
-    cut). Cuts are read lazily through ``dataio.stream.cuts_index`` (an index of keys and durations,
+    cut). Cuts are read lazily through ``headrace.dataio.stream.cuts_index`` (an index of keys and durations,
     built in one streaming pass and cached beside the manifest; cut i parsed when read), so duration
     bucketing needs no decoding and a second open does not read the manifest.
     """
@@ -266,7 +266,7 @@ def _cut_audio_bytes(cut) -> bytes:
 
 def shar_index(root: str) -> DatasetIndex:
     """The in-memory index of a Lhotse Shar directory's ``recording.NNNNNN.tar`` shards (plain tars
-    of ``{cut_id}.{audio ext}`` plus ``{cut_id}.json``), built with ``dataio.shards.tarscan`` like any tar."""
+    of ``{cut_id}.{audio ext}`` plus ``{cut_id}.json``), built with ``headrace.dataio.shards.tarscan`` like any tar."""
     names = sorted(p.name for p in Path(root).glob("recording.*.tar"))
     return merge_parts([scan_shard(root, name) for name in names], job={"source": "lhotse Shar"})
 

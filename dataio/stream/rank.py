@@ -1,15 +1,15 @@
 """One DP rank's position in the global stream, and its plain batches from there on.
 
 ``RankStream`` owns what every batching stage shares: the sources, the blend schedule, the seed, the
-rank's ``Layout`` (``dataio.stream.split``), ``consumed`` (rank-local positions handed on: to the
+rank's ``Layout`` (``headrace.dataio.stream.split``), ``consumed`` (rank-local positions handed on: to the
 trainer, or into a packer) and the bad-sample count, plus running batch functions through the
-worker processes (``dataio.stream.workers``). Batching stages (``dataio.batching``) iterate through
+worker processes (``headrace.dataio.stream.workers``). Batching stages (``headrace.dataio.batching``) iterate through
 it and advance ``consumed``; their own state stays in their own files.
 
-State (``state_dict``, JSON-sized): ``seed``, ``reseeds`` (per-job seeds, ``dataio.stream.seeding``),
+State (``state_dict``, JSON-sized): ``seed``, ``reseeds`` (per-job seeds, ``headrace.dataio.stream.seeding``),
 ``layout``, ``consumed``, ``bad_samples``. Restoring it
 onto another ``dp_size`` re-lays the stream out over what every old rank consumed
-(``dataio.stream.split.relayout``): nothing lost or repeated.
+(``headrace.dataio.stream.split.relayout``): nothing lost or repeated.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dataio.config import DataConfig
-from dataio.stream.audio_batch import mean_decoded_bytes
-from dataio.stream.batches import BatchMaker, SampleReader
-from dataio.stream.blend import BlendSchedule
-from dataio.stream.collate import Allocator
-from dataio.stream.decode import SampleDecodeError
-from dataio.stream.epochized import EpochizedSchedule
-from dataio.stream.seeding import SeedSchedule
-from dataio.stream.sources import ShardSource
-from dataio.stream.split import Layout, relayout, same_layout
-from dataio.stream.pool import WorkerError
-from dataio.stream.workers import RankBatches, iterate
+from headrace.dataio.config import DataConfig
+from headrace.dataio.stream.audio_batch import mean_decoded_bytes
+from headrace.dataio.stream.batches import BatchMaker, SampleReader
+from headrace.dataio.stream.blend import BlendSchedule
+from headrace.dataio.stream.collate import Allocator
+from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.epochized import EpochizedSchedule
+from headrace.dataio.stream.seeding import SeedSchedule
+from headrace.dataio.stream.sources import ShardSource
+from headrace.dataio.stream.split import Layout, relayout, same_layout
+from headrace.dataio.stream.pool import WorkerError
+from headrace.dataio.stream.workers import RankBatches, iterate
 
 READ_BYTES = 1 << 20
 MAX_READ = 1024
@@ -133,7 +133,7 @@ class RankStream:
                 "bad_samples": self.bad_samples}
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
-        """Continue from the old ranks' states (see ``dataio.batching.stage``): the same position with the
+        """Continue from the old ranks' states (see ``headrace.dataio.batching.stage``): the same position with the
         same layout, else a re-layout over what every old rank consumed."""
         known = next(s for s in old if s is not None)
         self.seed = known["seed"]

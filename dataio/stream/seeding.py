@@ -6,7 +6,7 @@ statistically independent (SeedSequence hashes them, unlike ``base_seed + rank``
 run 0 equal rank 0 of run 1), cost about 10 microseconds, and need no state. The coordinates used in
 the data path:
 
-- ``("shards", dataset, epoch)``: the shard order of one dataset's epoch (``dataio.stream.order``).
+- ``("shards", dataset, epoch)``: the shard order of one dataset's epoch (``headrace.dataio.stream.order``).
 - ``("window", dataset, epoch, window)``: the in-window permutation of one shuffle window.
 - ``("worker", dp_rank, worker, epoch)``: the per-(DP rank, worker, epoch) seed given to
   ``torch``/``numpy``/``random`` in a worker, for decoders that draw random numbers (augmentation).
@@ -21,7 +21,7 @@ Per-job reseeding (``SeedSchedule``): a chained job may bring a new seed (``Load
 only to the epochs of each dataset that had not begun when the job resumed; every epoch already begun
 keeps the seed it began with. An epoch's order is a permutation of that dataset's samples, so as long
 as one epoch never mixes two seeds nothing within it repeats or is skipped. The blend needs no seed
-(``dataio.blend`` is closed-form), so the mixture is the same whatever the seeds.
+(``headrace.dataio.blend`` is closed-form), so the mixture is the same whatever the seeds.
 """
 
 from __future__ import annotations

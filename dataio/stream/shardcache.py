@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from configtree import ConfigError
-from dataio.shards.index import DatasetIndex
-from dataio.stream.storage import ShardFormatError, retry
+from headrace.config import ConfigError
+from headrace.dataio.shards.index import DatasetIndex
+from headrace.dataio.stream.storage import ShardFormatError, retry
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ but the buffers are writable, so numpy/torch views need no read-only special cas
 an fsspec file with a block cache of ``REMOTE_BLOCK`` bytes, so nearby samples come from one ranged
 GET; transient storage errors (``OSError``, timeouts) are retried with exponential backoff before they
 count as failures. With a ``ShardCache`` (``data.cache_dir``) a remote shard is instead downloaded whole
-on first use (``dataio.stream.shardcache``) and mapped like a local one; a process keeps at most
+on first use (``headrace.dataio.stream.shardcache``) and mapped like a local one; a process keeps at most
 ``OPEN_CACHED_SHARDS`` such maps, each holding its shard in the cache until the map is closed.
 
 Every read checks that the tar header right before the sample's first payload names the sample's key
@@ -19,7 +19,7 @@ local shard is one version for the loader's life: its (inode, mtime) when first 
 loader's processes is kept in memory shared with its workers, and every map and every read (one ``fstat``,
 which the size check needs anyway) compares against it, so a shard rewritten in place, even at the same
 size, is an error naming it rather than new bytes under the index's (and gather's checked) old keys.
-``dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
+``headrace.dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dataio.stream.shardcache import ShardCache, local_name, unlock
-from dataio.stream.storage import ShardFormatError, retry
-from dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
+from headrace.dataio.stream.shardcache import ShardCache, local_name, unlock
+from headrace.dataio.stream.storage import ShardFormatError, retry
+from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
 
 REMOTE_BLOCK = 8 << 20
 OPEN_REMOTE_SHARDS = 8
@@ -193,7 +193,7 @@ class ShardSource:
         file that was truncated under us is SIGBUS, which kills the process with no message (in a worker:
         "killed by signal SIGBUS", see ``RankStream.explain_worker_crash``); a local shard rewritten in
         place (its mtime changed: the map shows the new bytes where the index and the checks of
-        ``dataio.stream.gather`` describe the old) is an error naming it. A change between this check and
+        ``headrace.dataio.stream.gather`` describe the old) is an error naming it. A change between this check and
         the batch's copy is not caught (microseconds; a signal handler cannot resume a faulting access)."""
         self._reset_if_forked()
         entry = self._maps.get(shard)

@@ -1,4 +1,4 @@
-"""Worker processes: a stateless batch function run in forked workers (``dataio.stream.pool``), read
+"""Worker processes: a stateless batch function run in forked workers (``headrace.dataio.stream.pool``), read
 back in order.
 
 A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batches ``first +
@@ -39,7 +39,7 @@ worker count may change freely. Why not torch's plain DataLoader (used here befo
 machinery (index and result ``multiprocessing.Queue``s with their feeder threads and locks, the
 profiler hook around each ``next()``) cost more CPU than making a small batch; the pool keeps its
 failure handling -- a dead worker, a hung one (``worker_timeout``), an exception in one: each an
-error in the main process (see ``dataio.stream.pool``).
+error in the main process (see ``headrace.dataio.stream.pool``).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from dataio.stream.collate import Allocator, plain_memory
-from dataio.stream.pool import WorkerPool, worker_info
-from dataio.stream.seeding import derive_seed
+from headrace.dataio.stream.collate import Allocator, plain_memory
+from headrace.dataio.stream.pool import WorkerPool, worker_info
+from headrace.dataio.stream.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
 ALIGN = 64

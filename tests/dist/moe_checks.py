@@ -30,16 +30,16 @@ import torch.distributed as dist
 from tests.dist.train_common import ListLoader, copy_checkpoint, packed_batches
 from tests.dist.train_layouts import check_close, check_exported_params, job, loaders
 
-from kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
-from training.components import checkpoint  # noqa: E402
-from training.config.job_config import OptimConfig  # noqa: E402
-from training.distributed.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
-from training.distributed.moe import sparse_blocks  # noqa: E402
-from training.distributed.moe_routing import Capacity  # noqa: E402
-from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from training.distributed.parallel_dims import ParallelDims  # noqa: E402
-from training.train import build_model, train  # noqa: E402
-from training.step import forward_loss_sum  # noqa: E402
+from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
+from headrace.training.components import checkpoint  # noqa: E402
+from headrace.training.config.job_config import OptimConfig  # noqa: E402
+from headrace.training.distributed.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
+from headrace.training.distributed.moe import sparse_blocks  # noqa: E402
+from headrace.training.distributed.moe_routing import Capacity  # noqa: E402
+from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
+from headrace.training.train import build_model, train  # noqa: E402
+from headrace.training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4
 OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_decay=0.1)

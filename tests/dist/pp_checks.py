@@ -33,7 +33,7 @@ from tests.dist.train_layouts import (
     reference,
 )
 
-from training.train import train  # noqa: E402
+from headrace.training.train import train  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule", "DualPipeV")
 

@@ -30,14 +30,14 @@ import webdataset as wds
 from tests.dist.train_common import TINY_LLAMA
 from tests.loader_util import index_dir, npy_bytes
 
-from configtree import ConfigError
-from dataio import build_loader
-from training.config.load import load_job_config
-from training.components.run_lock import LOCK_FILE, OutputDirInUse
-from training.distributed.process_group import init_distributed, process_group_closed
-from training.train import train
-from training.validation import documents_started
-from training.config.job_config import val_data_config
+from headrace.config import ConfigError
+from headrace.dataio import build_loader
+from headrace.training.config.load import load_job_config
+from headrace.training.components.run_lock import LOCK_FILE, OutputDirInUse
+from headrace.training.distributed.process_group import init_distributed, process_group_closed
+from headrace.training.train import train
+from headrace.training.validation import documents_started
+from headrace.training.config.job_config import val_data_config
 
 DOCS = 40
 VAL_DOCS = DOCS
@@ -86,7 +86,7 @@ def check_output_dir_lock(workdir: Path) -> None:
     holder = None
     if dist.get_rank() == 0:
         out_dir.mkdir()
-        code = ("import sys, time; from dataio.shards.outdir import try_lock; f = try_lock(__import__('pathlib')"
+        code = ("import sys, time; from headrace.dataio.shards.outdir import try_lock; f = try_lock(__import__('pathlib')"
                 f".Path({str(out_dir / LOCK_FILE)!r})); f.write(b'host test pid %d' % __import__('os').getpid()); "
                 "f.flush(); print('held', flush=True); time.sleep(120)")
         holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

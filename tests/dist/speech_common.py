@@ -1,5 +1,5 @@
 """Shared pieces of the SALM tests: a tiny word tokenizer, a tiny SALM job, audio batches from the real
-bucketed collate (``dataio.batching.bucketing.collate_audio``) with different audio and transcript lengths."""
+bucketed collate (``headrace.dataio.batching.bucketing.collate_audio``) with different audio and transcript lengths."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.batching.bucketing import collate_audio
-from training.config.load import load_job_config
+from headrace.dataio.batching.bucketing import collate_audio
+from headrace.training.config.load import load_job_config
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "transcribe the audio transcript").split()

@@ -28,18 +28,18 @@ from tests.dist.speech_common import audio_batches, salm_job, save_tokenizer, wr
 from tests.dist.train_common import ListLoader
 from tests.dist.train_layouts import check_close
 
-from training.config.job_config import OptimConfig  # noqa: E402
-from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from training.speech.eval import evaluate  # noqa: E402
-from training.speech.job import SpeechBatches, export_salm, load_salm, salm_loss_sum  # noqa: E402
-from training.train import train  # noqa: E402
+from headrace.training.config.job_config import OptimConfig  # noqa: E402
+from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from headrace.training.speech.eval import evaluate  # noqa: E402
+from headrace.training.speech.job import SpeechBatches, export_salm, load_salm, salm_loss_sum  # noqa: E402
+from headrace.training.train import train  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 3, 4
 
 
 def make_init(workdir: Path, encoder: str) -> Path:
-    from training.models.build import build_hf_config
-    from training.speech.model import build_meta_salm, materialize_salm
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.model import build_meta_salm, materialize_salm
 
     cfg = salm_job(workdir, "fresh", encoder=encoder)
     torch.manual_seed(0)
@@ -58,8 +58,8 @@ def check_whisper_sharded_init(workdir: Path, init: Path) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from training.distributed.parallel_dims import ParallelDims
-    from training.speech.job import build_salm
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.speech.job import build_salm
 
     cfg = salm_job(workdir, "scratch", encoder="whisper")
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
@@ -98,7 +98,7 @@ def exported(out_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     params = {f"llm.{k}": v for f in sorted((out_dir / "hf").glob("model-*-of-*.safetensors"))
-              for k, v in load_file(f).items()}  # the sharded hf/ export (training.components.checkpoint.export_hf)
+              for k, v in load_file(f).items()}  # the sharded hf/ export (headrace.training.components.checkpoint.export_hf)
     for part in ("encoder", "adapter"):
         params |= {f"{part}.{k}": v for k, v in load_file(out_dir / part / "model.safetensors").items()}
     return params
@@ -109,7 +109,7 @@ def val_stream(workdir: Path) -> dict:
 
 
 def check_validation(workdir: Path, init: Path) -> None:
-    """The fsdp2 run's last checkpoint validated by ``training.eval`` at dp 4 and at dp 2 x tp 2 (+SP) equals
+    """The fsdp2 run's last checkpoint validated by ``headrace.training.eval`` at dp 4 and at dp 2 x tp 2 (+SP) equals
     one process's validation of it (a plain SALM on each rank, the val stream read as one dp rank); the
     figures logged in training count the same utterances and answer tokens (its loss differs: each rank's
     encoder BatchNorm keeps running statistics of its own batches, the checkpoint holds one rank's)."""
@@ -119,14 +119,14 @@ def check_validation(workdir: Path, init: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from dataio import build_loader
-    from training.eval import evaluate_checkpoint, resolve_checkpoint
-    from training.models.build import build_hf_config
-    from training.speech.listening import with_mismatched_audio
-    from training.speech.model import build_meta_salm, materialize_salm
-    from training.validation import evaluate as evaluate_val
-    from training.validation import val_batches
-    from training.config.job_config import val_data_config
+    from headrace.dataio import build_loader
+    from headrace.training.eval import evaluate_checkpoint, resolve_checkpoint
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.listening import with_mismatched_audio
+    from headrace.training.speech.model import build_meta_salm, materialize_salm
+    from headrace.training.validation import evaluate as evaluate_val
+    from headrace.training.validation import val_batches
+    from headrace.training.config.job_config import val_data_config
 
     ckpt, _ = resolve_checkpoint(str(workdir / "fsdp2" / "checkpoints"))
     got = {}
@@ -231,7 +231,7 @@ def main() -> None:
     print(f"OK whisper bf16 with a frozen encoder (first loss / fp32 reference - 1: "
           f"{history[0]['loss'] / refs['whisper'][0][0] - 1:.1e})", flush=True)
 
-    # Eval: the export decoded by python -m training.speech.eval's path (every rank holds the whole model)
+    # Eval: the export decoded by python -m headrace.training.speech.eval's path (every rank holds the whole model)
     # gives the hypotheses the sharded model gave during training.
     result = evaluate(str(workdir / "fsdp2"), str(workdir / "audio"), split="train", batch_duration=60.0,
                       out=str(workdir / "exported.jsonl"), max_new_tokens=4)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import training.train as train_mod
+import headrace.training.train as train_mod
 from tests.dist.train_common import TINY_LLAMA, ListLoader, packed_batches
-from training.config.load import load_job_config
+from headrace.training.config.load import load_job_config
 
 BURN_S = 0.15
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the trainer tests: a tiny model, packed batches from dataio's Packer, a list loader.
+"""Shared pieces of the trainer tests: a tiny model, packed batches from headrace.dataio's Packer, a list loader.
 
 ``ListLoader`` serves a fixed list of micro-batches so that any layout sees the same global batch: dp rank
 r of dp_size, with k micro-steps, reads micro-batches ``(step * dp_size + r) * k + m``; a single process
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dataio.batching.packing import Packer
-from dataio.config import PackingConfig
+from headrace.dataio.batching.packing import Packer
+from headrace.dataio.config import PackingConfig
 
 VOCAB = 256
 TINY_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -48,7 +48,7 @@ def packed_batches(count: int, *, seq_len: int = 32, rows: int = 2, seed: int = 
 
 def full_logits_loss_sum(hf_model, batch: dict) -> torch.Tensor:
     """The reference loss: HF's forward to full logits, then summed fp32 cross-entropy over labelled tokens."""
-    from kernels.hf_attention import packed_attention_kwargs
+    from headrace.kernels.hf_attention import packed_attention_kwargs
 
     logits = hf_model(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
@@ -76,10 +76,10 @@ class ListLoader:
 
 def copy_checkpoint(src_step: Path, dest_step: Path) -> None:
     """Copy checkpoint ``src_step`` (``.../checkpoints/step-N``) to ``dest_step`` with its run's seal key, which a
-    resume needs to accept it (training.components.checkpoint_seal)."""
+    resume needs to accept it (headrace.training.components.checkpoint_seal)."""
     import shutil
 
-    from training.components.checkpoint_seal import KEY_FILE
+    from headrace.training.components.checkpoint_seal import KEY_FILE
 
     shutil.copytree(src_step, dest_step)
     shutil.copy(src_step.parent / KEY_FILE, dest_step.parent / KEY_FILE)

@@ -1,4 +1,4 @@
-"""torchrun script: every family in ``training.models.families.TESTED_FAMILIES`` beyond Llama trains like one process.
+"""torchrun script: every family in ``headrace.training.models.families.TESTED_FAMILIES`` beyond Llama trains like one process.
 
 ``torchrun --nproc-per-node 4 -m tests.dist.train_families WORKDIR``: for each family a seeded tiny
 checkpoint is written, a single-process reference (HF model, document-masked attention, AdamW) is computed
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from tests.dist.train_common import TINY_LLAMA, packed_batches, save_pretrained_tiny
 from tests.dist.train_layouts import GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference
 
-from training.models.families import TESTED_FAMILIES  # noqa: E402
-from training.train import train  # noqa: E402
+from headrace.training.models.families import TESTED_FAMILIES  # noqa: E402
+from headrace.training.train import train  # noqa: E402
 
 # Tiny configs: the Llama fields plus what each family needs to stay tiny. Mistral keeps its default
 # 4096-token sliding window (longer than any document here, so document masking is exact).

@@ -1,4 +1,4 @@
-"""torchrun script: ``python -m training`` whose DP rank ``KILL_RANK`` SIGKILLs itself on its first attempt
+"""torchrun script: ``python -m headrace.training`` whose DP rank ``KILL_RANK`` SIGKILLs itself on its first attempt
 when its loader hands out batch ``KILL_AT`` (so mid-run, after a checkpoint; torchrun's
 ``--max-restarts`` must bring the job back and the trainer resume from the newest checkpoint).
 
@@ -13,9 +13,9 @@ import sys
 
 import torch.distributed as dist
 
-from dataio import build_loader
-from training.config.load import load_job_config
-from training.train import train
+from headrace.dataio import build_loader
+from headrace.training.config.load import load_job_config
+from headrace.training.train import train
 
 
 class KillingLoader:

@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 from tests.dist.train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches
 
-from training.components import checkpoint  # noqa: E402
-from training.config.load import load_job_config  # noqa: E402
-from training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from training.distributed.parallel_dims import ParallelDims  # noqa: E402
-from training.train import build_model, train  # noqa: E402
-from training.step import forward_loss_sum  # noqa: E402
+from headrace.training.components import checkpoint  # noqa: E402
+from headrace.training.config.load import load_job_config  # noqa: E402
+from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
+from headrace.training.train import build_model, train  # noqa: E402
+from headrace.training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4  # 4 micro-batches of 2 x 32 tokens per step
 OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_decay=0.1)
@@ -54,14 +54,14 @@ def pretrained_hf_model(workdir: Path):
     """The starting weights as a plain transformers model with document-masked attention (the reference)."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.hf_attention import register_varlen_attention
+    from headrace.kernels.hf_attention import register_varlen_attention
 
     return AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation=register_varlen_attention())
 
 
 def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
     """Plain single-process training: HF model, summed CE / tokens, torch's clip, AdamW, same schedule."""
-    from training.config.job_config import OptimConfig
+    from headrace.training.config.job_config import OptimConfig
 
     model = pretrained_hf_model(workdir)
     cfg = OptimConfig(**OPTIM)

@@ -5,7 +5,7 @@ val dataset of VAL_DOCS token documents (1..39 tokens, packed greedily into 32-t
 batch, so the pipeline regroups val rows into its 4-row steps). The reference is computed on every rank
 alone: a plain transformers model, full logits, over the whole val stream read as one dp rank.
 
-1. ``training.eval``'s ``evaluate_checkpoint`` on the starting weights (``hf`` kind) at pp 4 (1F1B), pp 2 x
+1. ``headrace.training.eval``'s ``evaluate_checkpoint`` on the starting weights (``hf`` kind) at pp 4 (1F1B), pp 2 x
    dp 2 (1F1B, Interleaved1F1B), pp 2 x tp 2, cp 4 (allgather), cp 2 x dp 2 (ring) and dp 4:
    val loss, perplexity, tokens and documents equal the reference;
 2. training with ``trainer.eval_every: 1`` at pp 2 x dp 2 and at cp 2 x dp 2 (2 steps): the losses equal the
@@ -30,11 +30,11 @@ from tests.dist.train_common import TINY_LLAMA, full_logits_loss_sum, packed_bat
 from tests.dist.train_layouts import GLOBAL_MICRO, STEPS, check_close, job, loaders
 from tests.dist.train_layouts import reference as train_reference
 
-from dataio import build_loader  # noqa: E402
-from training.eval import evaluate_checkpoint  # noqa: E402
-from training.train import train  # noqa: E402
-from training.validation import documents_started  # noqa: E402
-from training.config.job_config import val_data_config  # noqa: E402
+from headrace.dataio import build_loader  # noqa: E402
+from headrace.training.eval import evaluate_checkpoint  # noqa: E402
+from headrace.training.train import train  # noqa: E402
+from headrace.training.validation import documents_started  # noqa: E402
+from headrace.training.config.job_config import val_data_config  # noqa: E402
 
 VAL_DOCS = 30
 VAL = dict(batch_size=3)

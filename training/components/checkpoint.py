@@ -10,7 +10,7 @@ Atomicity: everything is written under ``step-N.tmp``; after a barrier rank 0 wr
 (temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N`` directories
 holding ``trainer_state.json``, so a crash at any moment leaves the previous checkpoint as the latest.
 
-Trust and completeness (``training.components.checkpoint_seal``): the JSON also records every file's size and an HMAC of
+Trust and completeness (``headrace.training.components.checkpoint_seal``): the JSON also records every file's size and an HMAC of
 DCP's ``.metadata`` (a pickle) keyed by the run's ``checkpoints/.seal-key``; ``load_newest`` checks them before
 DCP reads anything, refuses a directory this run did not write, and falls back to the previous checkpoint when
 the newest is incomplete (saying so). The JSON carries the model's config too, compared key by key on resume.
@@ -18,7 +18,7 @@ the newest is incomplete (saying so). The JSON carries the model's config too, c
 The HF export (``export_hf``) never gathers the model: every rank writes its shards with DCP's
 ``HuggingFaceStorageWriter`` and every rank consolidates a share of the output files, so peak memory per
 rank is its shard plus one tensor being copied (BENCHMARKS.md "hf export memory"). MoE experts are written
-per expert, as ``save_pretrained`` and the hub have them, by the ranks holding them (``training.models.hf_experts``).
+per expert, as ``save_pretrained`` and the hub have them, by the ranks holding them (``headrace.training.models.hf_experts``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from training.components.checkpoint_seal import Incomplete, NotSealed, check, seal, seal_key
-from training.errors import JobInputError
-from training.models.hf_experts import expert_converters, hub_names, per_expert_views
-from training.models.loss import unwrap_causal_lm
-from training.distributed.parallel_dims import gather_objects
+from headrace.training.components.checkpoint_seal import Incomplete, NotSealed, check, seal, seal_key
+from headrace.training.errors import JobInputError
+from headrace.training.models.hf_experts import expert_converters, hub_names, per_expert_views
+from headrace.training.models.loss import unwrap_causal_lm
+from headrace.training.distributed.parallel_dims import gather_objects
 
 STATE_FILE = "trainer_state.json"
 # Optimizer state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): ranks that
@@ -123,7 +123,7 @@ def write_error(where: Path, e: CheckpointException) -> Exception:
 
 
 def sealed_state(path: Path) -> dict:
-    """The trainer state of checkpoint ``path`` once its seal holds (``training.components.checkpoint_seal.check``)."""
+    """The trainer state of checkpoint ``path`` once its seal holds (``headrace.training.components.checkpoint_seal.check``)."""
     return check(path, seal_key(path.parent, create=False), STATE_FILE)
 
 
@@ -226,7 +226,7 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     (torch's ``consolidate_safetensors_files_on_every_rank``, the path torchtitan exports with), reading
     the shard files back from the shared directory. Output files hold at most ``shard_size_mb`` (one
     tensor larger than that gets a file of its own). MoE experts: ``experts_layout`` ``per_expert`` writes the
-    keys transformers' ``save_pretrained`` writes (the hub's, ``training.models.hf_experts``), ``fused`` the in-memory
+    keys transformers' ``save_pretrained`` writes (the hub's, ``headrace.training.models.hf_experts``), ``fused`` the in-memory
     3D tensors (which only transformers 5 loads)."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 

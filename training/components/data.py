@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from dataio.loader import Loader
-from dataio.usererror import one_line
-from training.errors import JobInputError
+from headrace.dataio.loader import Loader
+from headrace.dataio.usererror import one_line
+from headrace.training.errors import JobInputError
 
 
 def open_data(key: str, make: Callable[[], Iterable]) -> Iterable:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.loss import IGNORE_INDEX
+from headrace.kernels.loss import IGNORE_INDEX
 
 
 def labelled_tokens(batch: dict) -> int:

@@ -1,5 +1,5 @@
 """Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console, TensorBoard
-and, when ``logging.wandb`` is set, Weights & Biases (``training.components.wandb_run``).
+and, when ``logging.wandb`` is set, Weights & Biases (``headrace.training.components.wandb_run``).
 
 Throughput figures cover a window: the steps since the last logged one (``ThroughputWindow``), less the
 time spent validating or checkpointing in it, which is not training.
@@ -9,7 +9,7 @@ Model FLOPs, two counts, both logged:
 - ``mfu`` / ``flops_per_s`` (document-masked, the honest one): ``6 * N`` per token for the matmuls of
   forward + backward over the non-embedding parameters (lm_head included), plus ``12 * layers * hidden``
   per (query, key) pair that the batch's document masks require: sum over documents of n(n+1)/2
-  (``kernels.packed_layout.causal_pairs``, from each batch's ``cu_seqlens`` on the host, summed over the
+  (``headrace.kernels.packed_layout.causal_pairs``, from each batch's ``cu_seqlens`` on the host, summed over the
   dp ranks). A row of short documents does far less attention work than a full causal row.
 - ``mfu_full_row`` / ``flops_per_s_full_row``: the PaLM/torchtitan count ``6 * N + 12 * layers * hidden *
   seq_len`` per token, i.e. non-causal attention over the whole row: what the logs showed before, and
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from configtree import to_dict
-from training.components import wandb_run
+from headrace.config import to_dict
+from headrace.training.components import wandb_run
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
 PEAK_FLOPS = {
@@ -49,7 +49,7 @@ PEAK_FLOPS = {
 
 def matmul_flops_per_token(hf_config) -> float:
     """FLOPs of the parameter matmuls, forward + backward, per trained token: ``6 * N``."""
-    from training.models.build import count_params
+    from headrace.training.models.build import count_params
 
     _, non_embedding = count_params(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -107,7 +107,7 @@ class ThroughputWindow:
     def add(self, micro_batches: list[dict], token_ranks: int) -> None:
         """One step over ``micro_batches`` on each of ``token_ranks`` ranks holding distinct tokens (dp x cp)."""
         self.tokens += sum(mb["input_ids"].numel() for mb in micro_batches) * token_ranks
-        # this rank's batches' pairs (host ints, kernels.packed_layout); summed over dp ranks in ``figures``
+        # this rank's batches' pairs (host ints, headrace.kernels.packed_layout); summed over dp ranks in ``figures``
         self.attention_pairs += sum(mb["attention_pairs"] for mb in micro_batches if "attention_pairs" in mb)
         self.fill += [float(mb["fill"]) for mb in micro_batches if "fill" in mb]  # packed rows only (not audio)
 
@@ -140,7 +140,7 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, console: bool, tensorboard: bool, wandb_run=None):
         self.enabled = enabled
-        self.wandb_run = wandb_run  # a started wandb run (training.components.wandb_run) or None
+        self.wandb_run = wandb_run  # a started wandb run (headrace.training.components.wandb_run) or None
         self.history: list[dict] = []
         self.val_history: list[dict] = []
         if not enabled:

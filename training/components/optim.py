@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from training.config.job_config import OptimConfig
+from headrace.training.config.job_config import OptimConfig
 
 
 def optimizer_impl(params: list[torch.Tensor]) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from training.config.job_config import ProfileConfig
+from headrace.training.config.job_config import ProfileConfig
 
 
 class StepProfiler:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dataio.shards.outdir import try_lock
-from training.errors import JobInputError
+from headrace.dataio.shards.outdir import try_lock
+from headrace.training.errors import JobInputError
 
 LOCK_FILE = ".headrace-train.lock"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from training.config.job_config import WandbConfig
+from headrace.training.config.job_config import WandbConfig
 
 
 def open_run(cfg: WandbConfig, output_dir: Path, run_config: dict):

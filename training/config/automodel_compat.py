@@ -1,4 +1,4 @@
-"""NeMo Automodel's ``distributed:`` block, as its users write it, mapped onto ``training.config.job_config.DistributedConfig``.
+"""NeMo Automodel's ``distributed:`` block, as its users write it, mapped onto ``headrace.training.config.job_config.DistributedConfig``.
 
 Automodel's YAML (see ``/work/shared/seeds/nemo-automodel-distributed-training.txt`` and its
 ``FSDP2Config`` / ``MegatronFSDPConfig``) spells a few things differently: ``dp_size: none`` (the string)
@@ -12,7 +12,7 @@ are left to their own sections (their owners' issues).
 
 from __future__ import annotations
 
-from configtree import ConfigError
+from headrace.config import ConfigError
 
 # Automodel key -> (values that match this trainer's behaviour, why other values are refused).
 # Keys listed here are consumed (they have no field of their own in DistributedConfig).
@@ -22,7 +22,7 @@ ACCEPTED_AT_DEFAULT = {
     "offload_policy": ((None,), "FSDP2 CPU offload is not implemented"),
     "autocast_dtype": ((None,), "use trainer.precision: bf16 (FSDP2 MixedPrecisionPolicy, fp32 reduction)"),
     "mp_policy": ((None,), "use trainer.precision: bf16 (param_dtype bf16, reduce_dtype fp32) or fp32"),
-    "tp_plan": ((None,), "custom TP plans are not loaded: the Llama family uses training.distributed.dense.apply_tp, "
+    "tp_plan": ((None,), "custom TP plans are not loaded: the Llama family uses headrace.training.distributed.dense.apply_tp, "
                 "other families their transformers base_model_tp_plan"),
     "activation_checkpointing_scope": (("all",), "only language-model blocks are checkpointed (no vision/audio "
                                        "towers here)"),

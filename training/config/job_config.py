@@ -1,10 +1,10 @@
 """The trainer's job config: one ``@dataclass(kw_only=True)`` tree loaded from YAML plus ``a.b=c`` overrides.
 
 Sections: ``model`` (which transformers model and how to build it), ``data`` (the loader's own ``data:``
-section, passed to ``dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
-its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. ``training.config.load``
-reads it (``configtree``: unknown keys and wrong types fail with the full dotted path) and
-``training.config.validate`` holds every rule between its values.
+section, passed to ``headrace.dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
+its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. ``headrace.training.config.load``
+reads it (``headrace.config``: unknown keys and wrong types fail with the full dotted path) and
+``headrace.training.config.validate`` holds every rule between its values.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from configtree import from_dict, to_dict
-from dataio.config import DataConfig
-from training.config.speech import SpeechConfig
+from headrace.config import from_dict, to_dict
+from headrace.dataio.config import DataConfig
+from headrace.training.config.speech import SpeechConfig
 
 
 @dataclass(kw_only=True)
@@ -28,14 +28,14 @@ class ModelConfig:
     tokenizer: str | None = None  # tokenizer.json (or a directory) copied into the hf/ export
     attn_implementation: str = "sdpa"  # any name registered with transformers.AttentionInterface
     init_std: float | None = None  # overrides config.initializer_range for fresh models
-    kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (training.speech)
+    kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (headrace.training.speech)
     speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
 
 
 @dataclass(kw_only=True)
 class PipelineConfig:
     """Pipeline-parallel settings (``distributed.pp_size > 1``), NeMo Automodel's ``pipeline:`` block plus
-    torchtitan's stage controls; ``training.distributed.pipeline`` documents each field's effect."""
+    torchtitan's stage controls; ``headrace.training.distributed.pipeline`` documents each field's effect."""
 
     pp_schedule: str = "1f1b"  # Automodel or torchtitan spelling (1f1b, gpipe, interleaved_1f1b, ZBVZeroBubble..)
     pp_microbatch_size: int = 1  # packed rows per pipeline microbatch
@@ -48,7 +48,7 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class MoEConfig:
     """NeMo Automodel's ``distributed.moe:`` keys plus the experts kernel and the aux-loss weight
-    (see training.distributed.moe; keys it cannot honour fail there with the reason)."""
+    (see headrace.training.distributed.moe; keys it cannot honour fail there with the reason)."""
 
     reshard_after_forward: bool = False  # FSDP2 reshard of the expert groups (blocks: distributed.reshard_...)
     wrap_outer_model: bool = True  # fully_shard the root (embeddings, norm, lm_head); false is refused
@@ -56,7 +56,7 @@ class MoEConfig:
     lm_head_precision: str | None = None  # only the root's own precision is supported
     experts_implementation: str = "grouped_mm"  # grouped_mm | loop | hf (transformers' own, ep_size 1 only)
     aux_loss_coef: float | None = None  # router load-balancing loss weight; null: config.router_aux_loss_coef
-    # Megatron-Core's token dropping (training.distributed.moe_routing): null = dropless; else each expert computes at most
+    # Megatron-Core's token dropping (headrace.training.distributed.moe_routing): null = dropless; else each expert computes at most
     # ceil(tokens * top_k / num_experts * capacity_factor) of the tokens a rank routes in a micro-batch.
     capacity_factor: float | None = None
     token_drop_policy: Literal["probs", "position"] = "probs"  # keep the highest router weights / earliest tokens
@@ -73,7 +73,7 @@ class DistributedConfig:
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
-    cp_comm: Literal["allgather", "ring"] = "allgather"  # how CP attention exchanges K/V (kernels.cp_attention)
+    cp_comm: Literal["allgather", "ring"] = "allgather"  # how CP attention exchanges K/V (headrace.kernels.cp_attention)
     ep_size: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -122,7 +122,7 @@ class TrainerConfig:
     log_every: int = 1
     profile: ProfileConfig | None = None  # torch.profiler trace of a few steps, one file per rank
     eval_every: int = 0  # validate over the whole data.val stream every N steps and at the end (0: never)
-    data_seed: int | None = None  # this job's data seed: orders the epochs not yet begun (training.launch --jobs)
+    data_seed: int | None = None  # this job's data seed: orders the epochs not yet begun (headrace.training.launch --jobs)
 
 
 @dataclass(kw_only=True)
@@ -164,7 +164,7 @@ class LoggingConfig:
 
 @dataclass(kw_only=True)
 class JobConfig:
-    """The whole job: what ``python -m training --config X.yaml`` reads."""
+    """The whole job: what ``python -m headrace.training --config X.yaml`` reads."""
 
     model: ModelConfig
     data: DataConfig

@@ -1,5 +1,5 @@
 """Loading a job: YAML (or a dict) plus dotted ``a.b=c`` overrides, NeMo Automodel's spellings translated, typed
-into the ``JobConfig`` tree and checked against the rules of the config alone (``training.config.validate``).
+into the ``JobConfig`` tree and checked against the rules of the config alone (``headrace.training.config.validate``).
 Cost: the YAML parse; nothing is imported from transformers and no file but the YAML is read.
 """
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import copy
 
-from configtree import apply_overrides, from_dict, load_yaml
-from training.config.automodel_compat import translate_distributed
-from training.config.job_config import JobConfig
-from training.config.validate import check_config
+from headrace.config import apply_overrides, from_dict, load_yaml
+from headrace.training.config.automodel_compat import translate_distributed
+from headrace.training.config.job_config import JobConfig
+from headrace.training.config.validate import check_config
 
 
 def load_job_config(path: str | None, overrides: list[str] = (), base: dict | None = None) -> JobConfig:

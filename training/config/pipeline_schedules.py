@@ -3,14 +3,14 @@
 NeMo Automodel's names (1f1b, gpipe, interleaved_1f1b, looped_bfs, dfs = depth-first = interleaved,
 v_schedule, zero_bubble) and torchtitan's (the class names without "Schedule": 1F1B, Interleaved1F1B,
 ZBVZeroBubble, DualPipeV ...) are keys after lower-casing and dropping "_", "-" and spaces. The config
-checks a name here; ``training.distributed.pipeline`` builds the class it names.
+checks a name here; ``headrace.training.distributed.pipeline`` builds the class it names.
 """
 
 from __future__ import annotations
 
 import re
 
-from configtree import ConfigError
+from headrace.config import ConfigError
 
 SCHEDULES = {
     "1f1b": "Schedule1F1B",

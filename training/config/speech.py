@@ -11,7 +11,7 @@
         # encoder: {kind: whisper, pretrained_path: /ckpt/whisper-small, freeze: true}
         adapter: {subsampling: 2}
         prompt: "Transcribe the audio. <|audio|> Transcript:"
-        features: {n_mels: 80}               # kernels.log_mel, on the device in the step (parakeet)
+        features: {n_mels: 80}               # headrace.kernels.log_mel, on the device in the step (parakeet)
         spec_augment: {freq_masks: 2, time_masks: 2}
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kernels.log_mel import WHISPER_SAMPLE_RATE, LogMelConfig, SpecAugmentConfig
+from headrace.kernels.log_mel import WHISPER_SAMPLE_RATE, LogMelConfig, SpecAugmentConfig
 
 AUDIO_PLACEHOLDER = "<|audio|>"
 WHISPER_FEATURE_KINDS = ("whisper", "qwen2_audio", "voxtral")  # encoders on Whisper's own features over a fixed window

@@ -3,7 +3,7 @@ line naming the dotted key and the rule.
 
 ``check_config(cfg)`` holds the rules of the config alone between its fields and sections (exactly one model
 source, a SALM's bucketed audio, context parallelism's packed rows, known pipeline schedules, ...):
-``training.config.load`` runs it on every job it reads, so a CLI reports them before launching anything.
+``headrace.training.config.load`` runs it on every job it reads, so a CLI reports them before launching anything.
 ``check_job(cfg, world_size)`` is the whole pass, run by the trainer on every rank before the process
 group is used: ``check_config``, then the values the types alone do not exclude (counts that must be
 positive, a learning rate > 0), the model (a ``model_type`` transformers knows, paths that exist), the
@@ -13,7 +13,7 @@ each shard recorded (``ShardInfo.max_token``, written by ``dataio shard``/``data
 ``vocab_size``, so an out-of-range id is a line naming the shard, not an ``IndexError`` deep in the
 embedding. All are pure reads of the config and index metadata (microseconds, no data read).
 Rules that need the built model (TP heads, MoE experts, pipeline stages) fail where it is built, before any
-weight is allocated (``training.distributed``).
+weight is allocated (``headrace.training.distributed``).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from configtree import ConfigError
-from kernels.hf_attention import ATTENTION_NAME
-from training.config.job_config import val_data_config
-from training.config.pipeline_schedules import V_SHAPED, schedule_class_name
+from headrace.config import ConfigError
+from headrace.kernels.hf_attention import ATTENTION_NAME
+from headrace.training.config.job_config import val_data_config
+from headrace.training.config.pipeline_schedules import V_SHAPED, schedule_class_name
 
 if TYPE_CHECKING:
-    from dataio.stream.interop import LhotseCutSource
-    from dataio.stream.sources import ShardSource
+    from headrace.dataio.stream.interop import LhotseCutSource
+    from headrace.dataio.stream.sources import ShardSource
 
 # dotted key -> (rule text, predicate); None passes where the field is optional
 _RULES: dict[str, tuple[str, Callable]] = {
@@ -183,7 +183,7 @@ def check_degrees(cfg, world_size: int) -> int:
 
 
 def check_validation(cfg) -> None:
-    """The rules of validation (``trainer.eval_every``, ``python -m training.eval``): the val stream runs on the
+    """The rules of validation (``trainer.eval_every``, ``python -m headrace.training.eval``): the val stream runs on the
     job's layout."""
     val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
     if val_cfg is None:
@@ -195,7 +195,7 @@ def check_validation(cfg) -> None:
         raise ConfigError(f"distributed.pipeline.pp_schedule {dist_cfg.pipeline.pp_schedule}: validation is not "
                           "supported under the V schedules (torch 2.13's forward-only schedule.eval still hands "
                           "gradients between a rank's two stages and fails); validate with another schedule, e.g. "
-                          "python -m training.eval ... distributed.pipeline.pp_schedule=1f1b")
+                          "python -m headrace.training.eval ... distributed.pipeline.pp_schedule=1f1b")
 
 
 def check_data_paths(data, key: str = "data") -> None:

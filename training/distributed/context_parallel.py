@@ -1,10 +1,10 @@
 """Context parallelism in the trainer: the per-rank batch split and the attention kwargs (its config rules:
-``training.config.validate.check_cp_config``).
+``headrace.training.config.validate.check_cp_config``).
 
 With ``distributed.cp_size`` P > 1 the P ranks of a CP group read the same packed batch from the loader
 (they share a dp rank). ``cp_batch_transform`` runs on the host, in the prefetcher's read-ahead thread,
 *before* the device copy: it keeps only this rank's head-tail chunks
-(``dataio.batching.cp_split.cp_shard``, one gather per field), so no rank ever holds the whole row on the
+(``headrace.dataio.batching.cp_split.cp_shard``, one gather per field), so no rank ever holds the whole row on the
 device. The shard carries the global
 ``position_ids`` (RoPE sees the unsplit positions) and the local ``cu_seqlens``; ``cp_imbalance`` is the
 max/mean causal attention work over the group's ranks for this batch (``attention_work``).
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dataio.batching.cp_split import attention_work, cp_shard
-from kernels.cp_attention import exchanged_bytes, reset_exchanged_bytes
-from kernels.hf_attention import context_parallel_kwargs
+from headrace.dataio.batching.cp_split import attention_work, cp_shard
+from headrace.kernels.cp_attention import exchanged_bytes, reset_exchanged_bytes
+from headrace.kernels.hf_attention import context_parallel_kwargs
 
 
 def cp_batch_transform(cp_size: int, cp_rank: int) -> Callable[[dict], dict]:

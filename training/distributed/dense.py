@@ -7,20 +7,20 @@
    ``(dp_replicate, dp_shard_cp)`` mesh; DDP instead is applied by ``apply_ddp`` after materialization
    because it broadcasts real weights at construction.
 
-The model is a ``training.models.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2
+The model is a ``headrace.training.models.loss.CausalLMLoss`` (transformers' module names unchanged), so the FSDP2
 root is the module whose forward computes the loss: its unshard covers the lm_head weight the chunked loss
 reads.
 
-``training.distributed.parallelize`` picks the recipe by ``model_type``: this one, or the MoE families'
-(``training.distributed.moe``: expert parallelism and grouped experts first, then this recipe).
-Pipeline parallelism (pp) is step 0: ``training.distributed.pipeline`` splits the model into stage modules
+``headrace.training.distributed.parallelize`` picks the recipe by ``model_type``: this one, or the MoE families'
+(``headrace.training.distributed.moe``: expert parallelism and grouped experts first, then this recipe).
+Pipeline parallelism (pp) is step 0: ``headrace.training.distributed.pipeline`` splits the model into stage modules
 (HF child names, blocks in a ``ModuleDict`` keyed by their global index) and parallelizes each stage, so
 every step below handles a model whose ``model.embed_tokens`` / ``model.norm`` / ``lm_head`` may be absent.
 Context parallelism (cp) changes no module: FSDP2 already shards over dp_shard x cp, and attention runs
-over the cp mesh through the model kwargs (``training.distributed.context_parallel``).
+over the cp mesh through the model kwargs (``headrace.training.distributed.context_parallel``).
 
 Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
-other family uses, see ``training.models.families``): that plan has no sequence-parallel entries (norms stay
+other family uses, see ``headrace.training.models.families``): that plan has no sequence-parallel entries (norms stay
 replicated over the full sequence) and its embedding/lm_head styles are fixed, so we write the torch-native
 plan (the same module names) and keep it beside the function that applies it. HF attention reshapes with
 ``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head q_norm/k_norm act on head_dim but
@@ -45,18 +45,18 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from configtree import ConfigError
-from training.config.job_config import DistributedConfig
-from training.distributed.parallel_dims import ParallelDims
-from training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie
+from headrace.config import ConfigError
+from headrace.training.config.job_config import DistributedConfig
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
                            param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
-    """Any transformers causal LM (``training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
+    """Any transformers causal LM (``headrace.training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
     TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
     ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
-    ``ac_context_fn`` a selective-checkpoint policy (MoE: training.distributed.moe)."""
+    ``ac_context_fn`` a selective-checkpoint policy (MoE: headrace.training.distributed.moe)."""
     if dims.tp > 1:
         if model.config.model_type in OWN_TP_PLAN:
             apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)

@@ -6,13 +6,13 @@ on that instance; the router, the module's parameters and their names stay trans
 
 Algorithm (dropless by default: every routed token is computed, however unbalanced the routing):
 1. sort the T*k (token, expert) assignments by expert; ``counts[e]`` assignments go to expert e
-   (``training.distributed.moe_routing``; with a capacity factor it first drops what exceeds each expert's capacity,
+   (``headrace.training.distributed.moe_routing``; with a capacity factor it first drops what exceeds each expert's capacity,
    computed on this rank's tokens, and may pad every expert to exactly that capacity);
 2. EP only: exchange the counts (``all_to_all_single`` on E integers), then send each rank the rows for
    its E/ep experts and receive the rows other ranks routed to ours (``all_to_all_single`` with uneven
    splits, autograd-aware: its backward is the reverse exchange), and regroup the received rows
    (ordered by source rank, then expert) by local expert;
-3. run the local experts over their contiguous rows (``kernels.grouped_experts``: grouped GEMM or loop);
+3. run the local experts over their contiguous rows (``headrace.kernels.grouped_experts``: grouped GEMM or loop);
 4. undo 2 (regroup, reverse exchange) and sum each token's k outputs weighted by the router's weights.
 
 Cost per MoE layer and rank: two exchanges of k * T * H activations forward and two backward, plus one
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kernels.grouped_experts import grouped_experts
-from training.distributed.moe_routing import Capacity, plan_routes
+from headrace.kernels.grouped_experts import grouped_experts
+from headrace.training.distributed.moe_routing import Capacity, plan_routes
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE from transformers) and expert parallelism.
 
-``parallelize_moe_lm`` is the MoE family's parallelize function (``training.distributed.parallelize``
+``parallelize_moe_lm`` is the MoE family's parallelize function (``headrace.training.distributed.parallelize``
 dispatches to it on ``model_type``). On the meta model, in this order:
 
-1. every sparse MLP's experts module runs ``training.distributed.expert_parallel`` (sort by expert, or with
-   ``moe.capacity_factor`` drop what exceeds each expert's capacity (``training.distributed.moe_routing``),
+1. every sparse MLP's experts module runs ``headrace.training.distributed.expert_parallel`` (sort by expert, or with
+   ``moe.capacity_factor`` drop what exceeds each expert's capacity (``headrace.training.distributed.moe_routing``),
    [EP exchange], grouped GEMM or per-expert loop, combine); with ``ep_size > 1`` its fused 3D weights ``gate_up_proj``
    ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)`` become DTensors ``Shard(0)`` on the ``ep`` mesh (each rank
    holds E/ep experts, DCP reshards them to any other ep) and are ``fully_shard``-ed over ``ep_shard``;
@@ -35,14 +35,14 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from configtree import ConfigError
-from kernels.grouped_experts import IMPLEMENTATIONS
-from kernels.loss import IGNORE_INDEX
-from training.config.job_config import DistributedConfig
-from training.distributed.expert_parallel import MoEStats, install_experts_forward
-from training.distributed.moe_routing import Capacity
-from training.distributed.parallel_dims import ParallelDims
-from training.distributed.dense import dense_mlp_plan, parallelize_decoder_lm
+from headrace.config import ConfigError
+from headrace.kernels.grouped_experts import IMPLEMENTATIONS
+from headrace.kernels.loss import IGNORE_INDEX
+from headrace.training.config.job_config import DistributedConfig
+from headrace.training.distributed.expert_parallel import MoEStats, install_experts_forward
+from headrace.training.distributed.moe_routing import Capacity
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.distributed.dense import dense_mlp_plan, parallelize_decoder_lm
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -171,7 +171,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
     blocks = sparse_blocks(model)
     if not blocks:  # else expert parallelism, the grouped experts and the aux loss would silently not apply
         raise ConfigError(f"model_type {hf_config.model_type!r}: no decoder layer's mlp holds `experts` (the "
-                          "transformers MoE layout training.distributed.moe reads)")
+                          "transformers MoE layout headrace.training.distributed.moe reads)")
     for layer, mlp in blocks:
         if cfg.moe.experts_implementation != "hf":
             install_experts_forward(mlp.experts, layer=layer, num_experts=experts, ep_group=ep_group, ep=dims.ep,

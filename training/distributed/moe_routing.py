@@ -2,7 +2,7 @@
 
 ``plan_routes(top_k_index (T, k), top_k_weights (T, k), num_experts, capacity)`` turns the router's top-k
 choice into rows grouped by expert: ``token_of_row`` and ``weight_of_row`` (N,) and ``counts`` (E,) rows per
-expert, in expert order (what ``training.distributed.expert_parallel`` dispatches and ``kernels.grouped_experts`` runs).
+expert, in expert order (what ``headrace.training.distributed.expert_parallel`` dispatches and ``headrace.kernels.grouped_experts`` runs).
 
 - ``capacity=None`` (dropless): all T*k assignments, sorted by expert (stable: by token position within).
 - ``Capacity(factor, policy, pad)`` (Megatron-Core's ``moe_expert_capacity_factor``,

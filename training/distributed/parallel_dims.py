@@ -1,7 +1,7 @@
 """Parallel degrees: the one DeviceMesh and the meshes derived from it.
 
 ``ParallelDims.from_config(cfg.distributed, world_size)`` infers ``dp_size`` (world / (tp * pp * cp)) after
-the rules between the degrees (``training.config.validate.check_degrees``: a ``ConfigError`` naming the broken
+the rules between the degrees (``headrace.training.config.validate.check_degrees``: a ``ConfigError`` naming the broken
 rule), before any process group work. ``build_meshes`` then makes one mesh with the fixed dim order
 ``(pp, dp_replicate, dp_shard, cp, tp)`` (size-1 dims included, so code never branches on which dims exist)
 and flattens the derived dims:
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from training.config.job_config import DistributedConfig
-from training.config.validate import check_degrees
+from headrace.training.config.job_config import DistributedConfig
+from headrace.training.config.validate import check_degrees
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -41,7 +41,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: DistributedConfig, world_size: int) -> "ParallelDims":
         """The degrees of ``cfg`` over ``world_size`` ranks, after every rule between them
-        (``training.config.validate.check_degrees``); dp inferred when ``dp_size`` is null."""
+        (``headrace.training.config.validate.check_degrees``); dp inferred when ``dp_size`` is null."""
         dp = check_degrees(cfg, world_size)
         replicate = cfg.dp_replicate_size or 1
         return cls(strategy=cfg.strategy, dp_replicate=replicate, dp_shard=dp // replicate, cp=cfg.cp_size,

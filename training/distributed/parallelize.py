@@ -1,9 +1,9 @@
 """Parallelize a model on the meta device: check the layout against the model, then run its family's recipe.
 
-Recipes, by ``config.model_type``: the MoE families (``MOE_MODEL_TYPES``) ``training.distributed.moe``
+Recipes, by ``config.model_type``: the MoE families (``MOE_MODEL_TYPES``) ``headrace.training.distributed.moe``
 (expert parallelism, grouped experts, then the dense recipe); every other causal LM
-``training.distributed.dense`` (TP/SP -> AC -> compile -> FSDP2/HSDP); a SALM's is
-``training.speech.parallelize``. The trainer and each pipeline stage call ``parallelize``.
+``headrace.training.distributed.dense`` (TP/SP -> AC -> compile -> FSDP2/HSDP); a SALM's is
+``headrace.training.speech.parallelize``. The trainer and each pipeline stage call ``parallelize``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from configtree import ConfigError
-from training.config.job_config import DistributedConfig
-from training.distributed.dense import parallelize_decoder_lm
-from training.distributed.moe import parallelize_moe_lm
-from training.distributed.parallel_dims import ParallelDims
-from training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN, check_hf_tp_plan
+from headrace.config import ConfigError
+from headrace.training.config.job_config import DistributedConfig
+from headrace.training.distributed.dense import parallelize_decoder_lm
+from headrace.training.distributed.moe import parallelize_moe_lm
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN, check_hf_tp_plan
 
 
 def check_supported(dims: ParallelDims, hf_config) -> None:

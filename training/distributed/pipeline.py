@@ -14,7 +14,7 @@ lm_head if it holds the last stage). That pruned model is the rank's *model part
 transformers' own (``model.layers.5.mlp...``), so the optimizer, DCP checkpoints (which reshard to any pp,
 also pp 1) and the ``hf/`` export see exactly the names of a run without PP. Each pipeline stage is a
 ``DecoderStage`` that references the part's modules (shared, not copied) and is what TP/SP -> AC ->
-compile -> FSDP2 is applied to (``training.distributed.parallelize``), one FSDP2 root per stage; FSDP2 keeps weights
+compile -> FSDP2 is applied to (``headrace.training.distributed.parallelize``), one FSDP2 root per stage; FSDP2 keeps weights
 gathered across microbatches (``pipeline.reshard_after_forward: false``, torchtitan's choice under PP:
 resharding would all-gather every weight once per microbatch).
 
@@ -47,13 +47,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from kernels.hf_attention import packed_attention_kwargs
-from training.config.job_config import JobConfig, PipelineConfig
-from training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
-from training.distributed.parallelize import parallelize
-from training.models.build import build_meta_model, materialize, param_dtype
-from training.models.families import LLAMA_LIKE
-from training.models.loss import CausalLMLoss, lm_head_loss_sum
+from headrace.kernels.hf_attention import packed_attention_kwargs
+from headrace.training.config.job_config import JobConfig, PipelineConfig
+from headrace.training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
+from headrace.training.distributed.parallelize import parallelize
+from headrace.training.models.build import build_meta_model, materialize, param_dtype
+from headrace.training.models.families import LLAMA_LIKE
+from headrace.training.models.loss import CausalLMLoss, lm_head_loss_sum
 
 NEEDS_M_GE_STAGES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 

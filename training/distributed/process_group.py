@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 
 def init_distributed(device_type: str) -> None:
-    """Join the torchrun process group; a plain ``python -m training`` becomes a 1-rank group."""
+    """Join the torchrun process group; a plain ``python -m headrace.training`` becomes a 1-rank group."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -49,7 +49,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def new_tail_group():
-    """The gloo group of a finite stream's tail agreement (``dataio.batching.even``): one all_reduce of two
+    """The gloo group of a finite stream's tail agreement (``headrace.dataio.batching.even``): one all_reduce of two
     integers per batch in the loop's thread, on the host whatever the device. Collective: every rank calls it
     at the same point."""
     return dist.new_group(backend="gloo")

@@ -5,7 +5,7 @@ DTensor shards), then ``to_empty`` allocates each rank's shard only, and the wei
 either transformers' own ``_init_weights`` (random ops on DTensors draw per-shard values; RoPE buffers are
 recomputed) or a local safetensors checkpoint read through DCP's ``HuggingFaceStorageReader``, which
 copies only the slices each rank owns, file by file (MoE experts stored fused or per expert, as the hub has
-them: ``training.models.hf_experts``). Peak memory per rank is its shard plus one tensor.
+them: ``headrace.training.models.hf_experts``). Peak memory per rank is its shard plus one tensor.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from configtree import ConfigError
+from headrace.config import ConfigError
 
-from kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
-from training.config.job_config import JobConfig, ModelConfig
-from training.errors import JobInputError
-from training.models.families import check_family, supports_packed_attention
-from training.models.hf_experts import per_expert_views
-from training.models.loss import unwrap_causal_lm
+from headrace.kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
+from headrace.training.config.job_config import JobConfig, ModelConfig
+from headrace.training.errors import JobInputError
+from headrace.training.models.families import check_family, supports_packed_attention
+from headrace.training.models.hf_experts import per_expert_views
+from headrace.training.models.loss import unwrap_causal_lm
 
 
 def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -50,7 +50,7 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     if cfg.attn_implementation == ATTENTION_NAME and not supports_packed_attention(model_cls):
         raise ConfigError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
                          f"model.attn_implementation={ATTENTION_NAME} cannot mask documents; use sdpa with "
-                         "data.packing: none (the trainer switches to that by itself, see training.models.families)")
+                         "data.packing: none (the trainer switches to that by itself, see headrace.training.models.families)")
     if cfg.init_std is not None:
         config.initializer_range = cfg.init_std
     if cfg.attn_implementation == ATTENTION_NAME:
@@ -84,7 +84,7 @@ def causal_lm_class(config: PretrainedConfig) -> type:
 def one_document_per_row(cfg: JobConfig) -> JobConfig:
     """``cfg`` itself, or, for a model without the attention interface asked to run headrace_varlen, a copy
     with ``model.attn_implementation: sdpa`` and ``data.packing: none``: one document per row keeps the
-    documents apart under sdpa's plain causal mask (the fallback ``training.models.families`` describes)."""
+    documents apart under sdpa's plain causal mask (the fallback ``headrace.training.models.families`` describes)."""
     if cfg.model.attn_implementation != ATTENTION_NAME:
         return cfg
     model_cfg = dataclasses.replace(cfg.model, attn_implementation="sdpa")

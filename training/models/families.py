@@ -1,7 +1,7 @@
 """Which transformers causal LMs the trainer takes, and what it reads from each to parallelize it.
 
 Any ``AutoModelForCausalLM`` whose structure the trainer can read trains here; nothing is written per
-family except the hand-tuned TP+SP plan of the Llama family (``training.distributed.dense.apply_tp``):
+family except the hand-tuned TP+SP plan of the Llama family (``headrace.training.distributed.dense.apply_tp``):
 
 - decoder blocks (the FSDP2 unit, the activation-checkpointing and compile unit): the ``nn.ModuleList``
   whose children are instances of the model's ``_no_split_modules`` classes (transformers' own "never
@@ -17,7 +17,7 @@ family except the hand-tuned TP+SP plan of the Llama family (``training.distribu
   transformers 5.x) fall back to one document per row: ``data.packing: none`` and ``sdpa``, so the
   causal mask alone keeps documents apart (padding sits after each document, masked from the loss).
 
-The trainer's loss reads ``lm_head.weight`` directly (``training.models.loss``), so models that transform the
+The trainer's loss reads ``lm_head.weight`` directly (``headrace.training.models.loss``), so models that transform the
 logits after the head (Gemma 2's final soft-capping, Cohere's logit scale, Granite's logits scaling) are
 refused by ``POST_HEAD_FIELDS`` rather than trained on a different objective.
 
@@ -32,13 +32,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from training.models.loss import unwrap_causal_lm
-from configtree import ConfigError
+from headrace.training.models.loss import unwrap_causal_lm
+from headrace.config import ConfigError
 
-# Families with a hand-written TP+SP plan (training.distributed.dense.apply_tp); every other family uses its own
+# Families with a hand-written TP+SP plan (headrace.training.distributed.dense.apply_tp); every other family uses its own
 # base_model_tp_plan without sequence parallelism.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3")
-# Mixture-of-experts families: expert parallelism and grouped experts first (training.distributed.moe).
+# Mixture-of-experts families: expert parallelism and grouped experts first (headrace.training.distributed.moe).
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")
 OWN_TP_PLAN = LLAMA_LIKE + MOE_MODEL_TYPES  # TP by apply_tp; every other family by its base_model_tp_plan
 # The families CI trains against a single-process reference: llama in every layout (tests/dist/

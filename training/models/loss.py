@@ -1,11 +1,11 @@
 """``CausalLMLoss``: the module the trainer trains, a transformers causal LM whose forward returns its loss.
 
-Why a wrapper: the memory-lean loss (``kernels.loss.linear_cross_entropy``) reads ``lm_head.weight``
+Why a wrapper: the memory-lean loss (``headrace.kernels.loss.linear_cross_entropy``) reads ``lm_head.weight``
 directly instead of calling ``lm_head``, so it must run inside the forward of the FSDP2 *root* module,
 where the root's pre-forward hook has unsharded embeddings, final norm and lm_head. Calling
 ``hf_model.model(...)`` from outside would skip that hook. The wrapper's forward runs the decoder
 (``hf_model.model``), then the chunked cross-entropy: the ``[tokens, vocab]`` fp32 logits are never held,
-only one ``kernels.loss`` chunk at a time (7.9x less peak memory at a 128k vocabulary, BENCHMARKS.md).
+only one ``headrace.kernels.loss`` chunk at a time (7.9x less peak memory at a 128k vocabulary, BENCHMARKS.md).
 
 Parameter names stay transformers' own: the wrapper registers the HF model's children (``model``,
 ``lm_head``) under their names and keeps the HF model itself as a plain attribute (``causal_lm``), so
@@ -18,7 +18,7 @@ vocab shards (``output_layouts=Replicate``) and ``F.cross_entropy`` runs on the 
 before. A vocab-parallel chunked loss would remove that gather; it is not written yet.
 
 On CUDA with the optional ``liger`` extra the loss runs through Liger's fused linear cross-entropy instead of
-the chunked PyTorch kernel (``kernels.fused_loss``: the choice is said once); the chunked kernel stays the
+the chunked PyTorch kernel (``headrace.kernels.fused_loss``: the choice is said once); the chunked kernel stays the
 CPU path and the fallback.
 """
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kernels.fused_loss import linear_cross_entropy_kernel
-from kernels.loss import IGNORE_INDEX, linear_cross_entropy
+from headrace.kernels.fused_loss import linear_cross_entropy_kernel
+from headrace.kernels.loss import IGNORE_INDEX, linear_cross_entropy
 
 
 class CausalLMLoss(nn.Module):
@@ -51,8 +51,8 @@ class CausalLMLoss(nn.Module):
         object.__setattr__(self, "head", head)
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
         self.config = causal_lm.config
-        self.chunk_size = chunk_size  # tokens per logits chunk; None: kernels.loss's default (128 MiB of fp32)
-        self.router_aux_loss = None  # MoE: (router_logits, labels) -> summed aux term (training.distributed.moe sets it)
+        self.chunk_size = chunk_size  # tokens per logits chunk; None: headrace.kernels.loss's default (128 MiB of fp32)
+        self.router_aux_loss = None  # MoE: (router_logits, labels) -> summed aux term (headrace.training.distributed.moe sets it)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         aux = self.router_aux_loss is not None and labels is not None

@@ -13,14 +13,14 @@ Linear-GELU-Linear without biases: the SALM ``mlp`` adapter with ``subsampling: 
 Voxtral SALM gives each utterance ``max_source_positions / 4`` slots (375 per 30 s window), whatever its length,
 as Voxtral's processor does.
 
-``python -m training.speech.checkpoints CHECKPOINT OUT`` rewrites a transformers Qwen2-Audio or Voxtral
+``python -m headrace.training.speech.checkpoints CHECKPOINT OUT`` rewrites a transformers Qwen2-Audio or Voxtral
 checkpoint directory (``audio_tower.*``, ``multi_modal_projector.*``, ``language_model.{model,lm_head}.*``) as
 a SALM export: ``OUT/hf`` (the LLM: its text config, its weights renamed, the checkpoint's tokenizer files),
 ``OUT/encoder`` (the audio config + weights), ``OUT/adapter`` (the projector, names mapped) and
 ``OUT/salm.json`` whose prompt is the checkpoint's own layout around its audio token (Qwen2-Audio:
 ``<|audio_bos|>`` + the audio + ``<|audio_eos|>``, in the chat template's user turn for a chat checkpoint;
 ``--prompt`` gives another; Voxtral's default is ``[INST][BEGIN_AUDIO]<|audio|>[/INST]``).
-``training.speech.job.load_salm(OUT)`` rebuilds it; a training job starts from it with
+``headrace.training.speech.job.load_salm(OUT)`` rebuilds it; a training job starts from it with
 ``model.pretrained_path: OUT/hf``, ``speech.encoder: {kind: qwen2_audio, pretrained_path: OUT/encoder}``,
 ``speech.adapter: {kind: linear, subsampling: 1, pretrained_path: OUT/adapter}``. Cost: one read and one
 write of the weights (tensor by tensor through safetensors).
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from training.config.speech import AUDIO_PLACEHOLDER
+from headrace.training.config.speech import AUDIO_PLACEHOLDER
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
@@ -111,7 +111,7 @@ def convert(checkpoint: str | Path, out: str | Path, prompt: str | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.speech.checkpoints",
+    parser = argparse.ArgumentParser(prog="python -m headrace.training.speech.checkpoints",
                                      description="a Qwen2-Audio or Voxtral checkpoint directory -> a SALM export")
     parser.add_argument("checkpoint")
     parser.add_argument("out")

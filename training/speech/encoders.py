@@ -2,10 +2,10 @@
 config, the module, its input features, how many output frames an utterance gets, and where a checkpoint
 keeps its weights. Model code stays transformers'.
 
-- ``parakeet``: ``ParakeetEncoder`` (FastConformer) on ``kernels.log_mel.log_mel`` (the loader's DALI
+- ``parakeet``: ``ParakeetEncoder`` (FastConformer) on ``headrace.kernels.log_mel.log_mel`` (the loader's DALI
   features) of the batch's longest utterance, with an attention mask over each utterance's frames; its
   output frames come from its conv subsampling.
-- ``whisper``: ``WhisperEncoder`` on ``kernels.log_mel.whisper_log_mel`` (transformers'
+- ``whisper``: ``WhisperEncoder`` on ``headrace.kernels.log_mel.whisper_log_mel`` (transformers'
   ``WhisperFeatureExtractor`` computed on the device). Every utterance is padded to the encoder's fixed
   window, ``max_source_positions * 2`` mel frames (30 s for the released checkpoints), as Whisper was
   trained and as Qwen2-Audio feeds it: ``WhisperEncoder`` refuses any other length and takes no attention
@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, log_mel, num_frames, whisper_log_mel,
+from headrace.kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, log_mel, num_frames, whisper_log_mel,
                              whisper_num_frames)
-from training.config.speech import EncoderConfig
+from headrace.training.config.speech import EncoderConfig
 
 WHISPER_CHECKPOINT_PREFIX = "model.encoder."  # a whole Whisper model's (WhisperForConditionalGeneration) names
 
@@ -191,7 +191,7 @@ class Qwen2AudioFrontEnd(WhisperFrontEnd):
         return encoder(feats, attention_mask=mask).last_hidden_state
 
     def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
-        from kernels.log_mel import whisper_num_frames
+        from headrace.kernels.log_mel import whisper_num_frames
 
         return encoder._get_feat_extract_output_lengths(whisper_num_frames(audio_lens))[1].long()
 

@@ -1,13 +1,13 @@
 """Speech eval of an exported SALM: greedy transcripts, WER, per-utterance JSONL; data-parallel under torchrun.
 
-    torchrun --nproc-per-node 2 -m training.speech.eval --model runs/speech_demo --data demo/shards/audio \
+    torchrun --nproc-per-node 2 -m headrace.training.speech.eval --model runs/speech_demo --data demo/shards/audio \
         --split val --out runs/speech_demo/eval.jsonl
 
-Every rank loads the exported pair (``training.speech.job.load_salm``: the model is small enough to
+Every rank loads the exported pair (``headrace.training.speech.job.load_salm``: the model is small enough to
 replicate for decoding), reads its share of the split through the loader's duration bucketing with
 ``epochs: 1`` (each utterance exactly once across ranks), and decodes greedily with transformers'
 ``generate`` from the prompt embeddings (left-padded prompt, audio frames in the placeholder's slots,
-KV cache). Each batch also runs two forwards for the listening signal (``training.speech.listening``: the
+KV cache). Each batch also runs two forwards for the listening signal (``headrace.training.speech.listening``: the
 answer loss with its own audio and with another utterance's). Rank 0 gathers the hypotheses, writes one
 JSON line per utterance (key, reference, hypothesis, word errors) and prints the corpus WER, both losses
 and their ratio.
@@ -56,7 +56,7 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
                        max_new_tokens: int, *, synced: bool = False) -> list[str]:
     """Greedy decoding of a batch of utterances. ``synced``: every rank keeps stepping until all ranks'
     rows are done (``generate(synced_gpus=True)``), so FSDP2's per-layer collectives stay matched."""
-    from training.speech.prompt import build_batch
+    from headrace.training.speech.prompt import build_batch
 
     prompt = build_batch(template, model.audio_slots(audio_lens), left_pad=True)
     prompt = {k: v.to(audio.device) for k, v in prompt.items()}
@@ -81,7 +81,7 @@ def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
     """This rank's share of ``split``: duration-bucketed batches, one pass, each utterance once across ranks."""
     import torch.distributed as dist
 
-    from dataio import build_loader
+    from headrace.dataio import build_loader
 
     return build_loader(dict(datasets=[dict(path=data, split=split)], epochs=1, shuffle=False, num_workers=0,
                              decode=dict(sample_rate=sample_rate),
@@ -92,13 +92,13 @@ def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
 def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int, out: str | None,
                  synced: bool = False) -> dict:
     """Decode every batch of ``loader`` and take its answer-token losses with its own and with mismatched
-    audio (``training.speech.listening``); rank 0 gathers, writes the JSONL and returns ``{"wer",
+    audio (``headrace.training.speech.listening``); rank 0 gathers, writes the JSONL and returns ``{"wer",
     "utterances", "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
     import torch.distributed as dist
 
-    from training.distributed.parallel_dims import gather_objects
-    from training.speech.job import SpeechBatches
-    from training.speech.listening import listening_sums
+    from headrace.training.distributed.parallel_dims import gather_objects
+    from headrace.training.speech.job import SpeechBatches
+    from headrace.training.speech.listening import listening_sums
 
     speech = SpeechBatches([], model, cfg, tokenizer_path)
     rows, sums = [], torch.zeros(3, dtype=torch.float64)
@@ -129,7 +129,7 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
 def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
              max_new_tokens: int | None = None) -> dict:
     """Decode ``split`` of ``data`` with the exported SALM in ``model_dir`` (replicated on every rank)."""
-    from training.speech.job import load_salm
+    from headrace.training.speech.job import load_salm
 
     model, cfg = load_salm(model_dir)
     loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
@@ -166,7 +166,7 @@ def eval_in_training(model, cfg, step: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.speech.eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m headrace.training.speech.eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="an exported SALM (a SALM run's output_dir)")
     parser.add_argument("--data", required=True, help="an audio shard directory with transcripts")
     parser.add_argument("--split", default="val")
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    from training.distributed.process_group import init_distributed
+    from headrace.training.distributed.process_group import init_distributed
 
     init_distributed("cpu")
     try:

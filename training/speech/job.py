@@ -1,11 +1,11 @@
 """What the trainer calls for ``model.kind: salm``: build, batches, the step's forward, export, load.
 
-``training.train`` stays one loop for every model kind; for a SALM it calls:
+``headrace.training.train`` stays one loop for every model kind; for a SALM it calls:
 
 - ``build_salm``: meta SALM -> ``parallelize_salm`` -> materialize (LLM / encoder / adapter from local
   safetensors when configured) -> DDP if asked;
 - ``SpeechBatches``: wraps the loader's bucketed audio batches and adds the token layout
-  (``training.speech.prompt``: tokenized transcript, prompt, audio slots from the audio lengths) on the
+  (``headrace.training.speech.prompt``: tokenized transcript, prompt, audio slots from the audio lengths) on the
   host, inside the prefetcher's thread, so it overlaps the step; its state is the loader's;
 - ``salm_loss_sum``: the step's forward (log-mel on the device happens inside the model);
 - ``export_salm``: ``hf/`` (the LLM, loadable by ``AutoModelForCausalLM``), ``encoder/`` (config.json +
@@ -26,11 +26,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from configtree import from_dict, to_dict
-from training.distributed.parallel_dims import ParallelDims
-from training.config.speech import SpeechConfig
-from training.speech.model import SALM, build_meta_salm, materialize_salm
-from training.speech.prompt import build_batch, load_tokenizer, make_template
+from headrace.config import from_dict, to_dict
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.config.speech import SpeechConfig
+from headrace.training.speech.model import SALM, build_meta_salm, materialize_salm
+from headrace.training.speech.prompt import build_batch, load_tokenizer, make_template
 
 SALM_INPUTS = ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")
 MANIFEST = "salm.json"
@@ -38,13 +38,13 @@ MANIFEST = "salm.json"
 
 def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
-    from training.models.build import build_hf_config, param_dtype
-    from training.distributed.dense import apply_ddp
-    from training.speech.parallelize import parallelize_salm
+    from headrace.training.models.build import build_hf_config, param_dtype
+    from headrace.training.distributed.dense import apply_ddp
+    from headrace.training.speech.parallelize import parallelize_salm
 
     if cfg.model.speech.eval_every and dims.sequence_parallel:
         raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
-                         "split over the tp ranks); evaluate the export with python -m training.speech.eval")
+                         "split over the tp ranks); evaluate the export with python -m headrace.training.speech.eval")
     llm_config = build_hf_config(cfg.model)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
@@ -117,7 +117,7 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
-    from training.components.checkpoint import export_hf
+    from headrace.training.components.checkpoint import export_hf
 
     salm: SALM = getattr(model, "module", model)
     out_dir = Path(out_dir)
@@ -140,8 +140,8 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
 
 def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
     """The exported SALM in ``path`` as one plain module in eval mode (for decoding), with its config."""
-    from training.config.job_config import ModelConfig
-    from training.models.build import build_hf_config
+    from headrace.training.config.job_config import ModelConfig
+    from headrace.training.models.build import build_hf_config
 
     path = Path(path)
     raw = json.loads((path / MANIFEST).read_text())

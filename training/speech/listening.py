@@ -10,7 +10,7 @@ a higher loss from the wrong audio, so the ratio falls below 1.
 
 Used by validation (``val_mismatched_loss``, ``val_listening_ratio``: a second pass over the val stream
 through the same step forward, so every layout validation supports -- FSDP2, TP, SP -- computes it the
-same way) and by ``python -m training.speech.eval`` (one extra forward per batch). Cost: one forward of
+same way) and by ``python -m headrace.training.speech.eval`` (one extra forward per batch). Cost: one forward of
 the val set more per validation.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from training.components.labels import labelled_tokens, mask_invalid_rows
-from training.speech.job import SALM_INPUTS, salm_loss_sum
+from headrace.training.components.labels import labelled_tokens, mask_invalid_rows
+from headrace.training.speech.job import SALM_INPUTS, salm_loss_sum
 
 def partner_rows(batch_size: int) -> torch.Tensor:
     """The row whose audio each row gets: ``i -> (i + 1) mod B`` (never itself when ``B > 1``)."""

@@ -3,18 +3,18 @@
 ``SALM.forward(audio, audio_lens, input_ids, labels, audio_mask, position_ids)`` -> summed answer
 cross-entropy:
 
-1. log-mel features on the device (``kernels.log_mel``: the loader's DALI features to < 1e-3 dB for a
+1. log-mel features on the device (``headrace.kernels.log_mel``: the loader's DALI features to < 1e-3 dB for a
    parakeet encoder, ``WhisperFeatureExtractor``'s over a fixed window for a whisper one), SpecAugment in
    training when configured;
 2. the encoder (transformers' ``ParakeetEncoder``: FastConformer, 2^k conv subsampling, or
-   ``WhisperEncoder``; ``training.speech.encoders``) -> frames;
+   ``WhisperEncoder``; ``headrace.training.speech.encoders``) -> frames;
 3. the adapter stacks ``subsampling`` consecutive frames and projects them to the LLM's width;
 4. ``SpeechLMLoss`` embeds the prompt tokens, writes the valid adapter frames into the positions
-   ``audio_mask`` marks (the expanded audio placeholder, see ``training.speech.prompt``), runs the
+   ``audio_mask`` marks (the expanded audio placeholder, see ``headrace.training.speech.prompt``), runs the
    decoder and the chunked cross-entropy on the answer labels.
 
 Step 4 runs inside the LLM wrapper's forward so that under FSDP2 its root unit has the embedding and
-the lm_head unsharded (the same reason as ``training.models.loss.CausalLMLoss``). Under TP+SP the embedding
+the lm_head unsharded (the same reason as ``headrace.training.models.loss.CausalLMLoss``). Under TP+SP the embedding
 output is replicated, the frames are written, and the sequence is then split over the tp ranks with a
 DTensor redistribute (its backward all-gathers the gradient, so embedding and encoder see all of it).
 
@@ -30,10 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
-from kernels.log_mel import spec_augment
-from training.models.loss import CausalLMLoss
-from training.config.speech import SpeechConfig
-from training.speech.encoders import front_end, masked_frames
+from headrace.kernels.log_mel import spec_augment
+from headrace.training.models.loss import CausalLMLoss
+from headrace.training.config.speech import SpeechConfig
+from headrace.training.speech.encoders import front_end, masked_frames
 
 
 class Adapter(nn.Module):
@@ -143,7 +143,7 @@ class SALM(nn.Module):
 
 def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     """The whole SALM on the meta device (fp32 master weights), frozen parts marked."""
-    from training.models.build import build_meta_model
+    from headrace.training.models.build import build_meta_model
 
     front = front_end(cfg.encoder.kind, cfg.features)
     enc_config = front.config(cfg.encoder)
@@ -161,7 +161,7 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
 @torch.no_grad()
 def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) -> None:
     """Allocate each rank's shards, initialize, then load whatever has a local checkpoint."""
-    from training.models.build import load_safetensors, materialize
+    from headrace.training.models.build import load_safetensors, materialize
 
     materialize(model.llm, device, llm_path)
     model.encoder.to_empty(device=device)

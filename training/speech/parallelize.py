@@ -1,4 +1,4 @@
-"""Parallelize a SALM on the meta device, in the fixed order of ``training.distributed.dense``:
+"""Parallelize a SALM on the meta device, in the fixed order of ``headrace.training.distributed.dense``:
 
 1. TP (+SP) on the LLM only, with the text-decoder plan (``apply_tp``) except that the embedding's output
    stays replicated: the audio frames are written into the full sequence before SP splits it
@@ -18,11 +18,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from training.config.job_config import DistributedConfig
-from training.distributed.parallel_dims import ParallelDims
-from training.distributed.dense import apply_fsdp, apply_tp
-from training.distributed.parallelize import check_supported
-from training.speech.model import SALM
+from headrace.training.config.job_config import DistributedConfig
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.distributed.dense import apply_fsdp, apply_tp
+from headrace.training.distributed.parallelize import check_supported
+from headrace.training.speech.model import SALM
 
 
 def parallelize_salm(model: SALM, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,

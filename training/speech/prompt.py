@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.loss import IGNORE_INDEX
-from training.config.speech import AUDIO_PLACEHOLDER
+from headrace.kernels.loss import IGNORE_INDEX
+from headrace.training.config.speech import AUDIO_PLACEHOLDER
 
 EOS_NAMES = ("<|eos|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>")
 PAD_NAMES = ("<|pad|>", "<pad>", "<|endoftext|>")
