@@ -27,6 +27,7 @@ def job(tmp_path) -> dict:
     ("optim.lr=-1", r"optim\.lr: must be > 0, got -1"),  # was a long torch traceback
     ("optim.betas=[0.9, 1.5]", r"optim\.betas: must be two numbers in \[0, 1\)"),
     ("model.config.model_type=gpt9", r"model\.config\.model_type: 'gpt9' is not a causal LM model type"),  # was transformers' long traceback
+    ("model.config.model_type={a: 1}", r"model\.config\.model_type: \{'a': 1\} is not a causal LM model type"),  # fuzz: was TypeError
     ("distributed.tp_size=3", r"world size 1 is not divisible by tp_size \* pp_size \* cp_size = 3"),
 ])
 def test_bad_values_fail_at_start_up_naming_key_and_rule(tmp_path, override, message):

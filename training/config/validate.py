@@ -67,7 +67,7 @@ def check_job(cfg, world_size: int | None = None) -> None:
             raise ConfigError(f"{key}: must be {rule}, got {value!r}")
     if cfg.model.config is not None:
         model_type = cfg.model.config.get("model_type")
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if not isinstance(model_type, str) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ConfigError(f"model.config.model_type: {model_type!r} is not a causal LM model type of "
                               f"transformers (e.g. llama, qwen3, mistral, qwen3_moe)")
     else:
