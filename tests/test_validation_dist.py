@@ -44,7 +44,7 @@ def test_uneven_val_and_finite_streams_output_dir_lock_and_tp_heads_on_two_ranks
     """Issue 25 (tests/dist/reliability_checks.py): an uneven val split and a finite training stream finish on both
     ranks with every val document counted once (was a deadlock), a held output_dir and tp not dividing the heads
     are refused on both ranks."""
-    out = torchrun(2, "tests.dist.reliability_checks", tmp_path)
+    out = torchrun(2, "tests.dist.reliability_checks", tmp_path).stdout
     for check in ("uneven val stream and finite training stream finish on every rank",
                   "a held output_dir is refused on every rank",
                   "tp_size not dividing the heads is a ConfigError on every rank"):

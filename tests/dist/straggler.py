@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import headrace.training.step as step_mod
 import headrace.training.train as train_mod
 from tests.dist.train_common import TINY_LLAMA, ListLoader, packed_batches
 from headrace.training.config.load import load_job_config
@@ -38,14 +39,14 @@ def main(workdir: Path, slow_rank: int) -> None:
         checkpoint=dict(interval=0, save_final=False, export_hf=False, resume=False),
         logging=dict(console=False, tensorboard=False)))
     train_mod.init_distributed("cpu")
-    forward = train_mod.forward_loss_sum
+    forward = step_mod.forward_loss_sum
 
     def slow_forward(model, batch, autocast, attention_kwargs=None):
         burn_cpu(BURN_S)
         return forward(model, batch, autocast, attention_kwargs)
 
     if dist.get_rank() == slow_rank:
-        train_mod.forward_loss_sum = slow_forward
+        step_mod.forward_loss_sum = slow_forward
     batches = packed_batches(2 * (steps + 2))
     history = train_mod.train(cfg, lambda rank, size: ListLoader(batches, rank, size, 1))
     for record in history:
