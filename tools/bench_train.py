@@ -86,7 +86,8 @@ def main() -> None:
     results = {}
     for source in args.sources:
         cfg = load_job_config(args.config, [
-            f"data.datasets=[{{path: {args.data}}}]", f"trainer.max_steps={args.steps}",
+            f"data.datasets=[{{path: {args.data}}}]", "data.val=null", "trainer.eval_every=0",
+            f"trainer.max_steps={args.steps}",
             f"trainer.log_every={max(args.warmup, 1)}",
             f"trainer.device={args.device}", f"trainer.output_dir={args.out}/{source}", "checkpoint.interval=0",
             "checkpoint.save_final=false", "checkpoint.export_hf=false", "checkpoint.resume=false",
