@@ -60,6 +60,26 @@ def transformers_inputs(raw: dict, batch: dict, audio_token_id: int) -> dict:
             "feature_attention_mask": feats["attention_mask"], "labels": labels}
 
 
+def assert_sgd_steps_match(model, reference, inputs: dict, hf_inputs: dict, tokens) -> None:
+    """Two plain SGD steps (lr 0.5) of each model on its own loss (ours: the summed answer cross-entropy over the
+    answer tokens): the losses agree before and after the first step, and the step changed the model."""
+    losses = []
+    for _ in range(2):
+        loss = model(**inputs) / tokens
+        want = reference(**hf_inputs).loss
+        losses.append((float(loss), float(want)))
+        for m, value in ((model, loss), (reference, want)):
+            value.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p -= 0.5 * p.grad
+            m.zero_grad()
+    for ours_loss, theirs in losses:
+        assert abs(ours_loss - theirs) < 1e-5 * theirs, losses
+    assert losses[1][0] < losses[0][0] - 1e-3, losses
+
+
 def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp_path):
     from headrace.training.speech.job import SALM_INPUTS, SpeechBatches, load_salm
     from headrace.training.speech.checkpoints import main
@@ -91,21 +111,7 @@ def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss
     with torch.no_grad():
         torch.testing.assert_close(ours(), reference(**hf_inputs).logits, rtol=1e-4, atol=1e-5)
     # one SGD step of each on its own loss (ours: the summed answer cross-entropy over the answer tokens)
-    losses = []
-    for step in range(2):
-        loss = model(**{k: batch[k] for k in SALM_INPUTS}) / tokens
-        want = reference(**hf_inputs).loss
-        losses.append((float(loss), float(want)))
-        for m, value in ((model, loss), (reference, want)):
-            value.backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    if p.grad is not None:
-                        p -= 0.5 * p.grad
-            m.zero_grad()
-    for ours_loss, theirs in losses:
-        assert abs(ours_loss - theirs) < 1e-5 * theirs, losses
-    assert losses[1][0] < losses[0][0] - 1e-3, losses  # the step changed the model
+    assert_sgd_steps_match(model, reference, {k: batch[k] for k in SALM_INPUTS}, hf_inputs, tokens)
 
 
 VOXTRAL_SPECIAL = ["</s>", "[INST]", "[/INST]", "[BEGIN_AUDIO]", "[AUDIO]"]
@@ -166,18 +172,4 @@ def test_voxtral_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp
                                  batch["audio_mask"])
         ours = model.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
         torch.testing.assert_close(ours, reference(**hf_inputs).logits, rtol=1e-4, atol=1e-5)
-    losses = []
-    for _ in range(2):
-        loss = model(**{k: batch[k] for k in SALM_INPUTS}) / tokens
-        want = reference(**hf_inputs).loss
-        losses.append((float(loss), float(want)))
-        for m, value in ((model, loss), (reference, want)):
-            value.backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    if p.grad is not None:
-                        p -= 0.5 * p.grad
-            m.zero_grad()
-    for ours_loss, theirs in losses:
-        assert abs(ours_loss - theirs) < 1e-5 * theirs, losses
-    assert losses[1][0] < losses[0][0] - 1e-3, losses
+    assert_sgd_steps_match(model, reference, {k: batch[k] for k in SALM_INPUTS}, hf_inputs, tokens)
