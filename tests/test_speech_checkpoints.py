@@ -19,16 +19,23 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c i
 WINDOW_POSITIONS = 40  # 80 mel frames = 0.8 s (the test audio is 0.2..0.7 s)
 
 
-def save_qwen2_audio(path: Path):
-    """A tiny random Qwen2-Audio (transformers' model, config and a chat tokenizer) saved as a checkpoint."""
+def word_level_tokenizer(vocab: dict[str, int], eos: str, specials: list[str]):
+    """A whitespace word-level transformers tokenizer over ``vocab`` (``eos`` also pads)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+    from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["[UNK]", *SPECIAL, "system", "user", "assistant", "Audio", ":", *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                        additional_special_tokens=SPECIAL[1:])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos,
+                                   additional_special_tokens=specials)
+
+
+def save_qwen2_audio(path: Path):
+    """A tiny random Qwen2-Audio (transformers' model, config and a chat tokenizer) saved as a checkpoint."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", *SPECIAL, "system", "user", "assistant", "Audio", ":", *WORDS])}
+    tokenizer = word_level_tokenizer(vocab, "<|endoftext|>", SPECIAL[1:])
     tokenizer.chat_template = CHAT_TEMPLATE
     config = Qwen2AudioConfig(
         audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=80,
@@ -119,14 +126,10 @@ VOXTRAL_SPECIAL = ["</s>", "[INST]", "[/INST]", "[BEGIN_AUDIO]", "[AUDIO]"]
 
 def save_voxtral(path: Path):
     """A tiny random Voxtral (transformers' model and config) with a word-level tokenizer, saved."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, VoxtralConfig, VoxtralForConditionalGeneration
+    from transformers import VoxtralConfig, VoxtralForConditionalGeneration
 
     vocab = {w: i for i, w in enumerate(["[UNK]", *VOXTRAL_SPECIAL, *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>",
-                                        additional_special_tokens=VOXTRAL_SPECIAL[1:])
+    tokenizer = word_level_tokenizer(vocab, "</s>", VOXTRAL_SPECIAL[1:])
     config = VoxtralConfig(
         audio_config=dict(hidden_size=32, encoder_layers=2, encoder_attention_heads=4, intermediate_size=128,
                           num_mel_bins=80, max_source_positions=WINDOW_POSITIONS, dropout=0.0, attention_dropout=0.0,

@@ -25,7 +25,7 @@ from headrace.kernels.hf_attention import ATTENTION_NAME, register_varlen_attent
 from headrace.training.config.job_config import JobConfig, ModelConfig
 from headrace.training.errors import JobInputError
 from headrace.training.models.families import check_family, supports_packed_attention
-from headrace.training.models.hf_experts import per_expert_views
+from headrace.training.models.hf_experts import per_expert_views, renamed
 from headrace.training.models.loss import unwrap_causal_lm
 
 
@@ -166,10 +166,7 @@ def checkpoint_names(hf: nn.Module, path: str) -> dict[str, str]:
         except SafetensorError as e:
             raise JobInputError(f"model.pretrained_path: {file} is not a readable safetensors file ({e})") from None
         for key in keys:
-            name = key
-            for rename in renames:
-                name, _ = rename.rename_source_key(name)
-            names[name] = key
+            names[renamed(key, renames)] = key
     return names
 
 

@@ -87,13 +87,14 @@ def hub_names(hf: nn.Module, fqns) -> dict[str, str]:
 
     reverse = [t.reverse_transform() for t in reversed(get_model_conversion_mapping(hf, add_legacy=False))
                if isinstance(t, WeightRenaming)]
-    names = {}
-    for fqn in fqns:
-        name = fqn
-        for rename in reverse:
-            name, _ = rename.rename_source_key(name)
-        names[fqn] = name
-    return names
+    return {fqn: renamed(fqn, reverse) for fqn in fqns}
 
 
-__all__ = ["expert_converters", "hub_names", "local_experts", "per_expert_views"]
+def renamed(key: str, renames) -> str:
+    """``key`` through transformers' ``WeightRenaming``s in order (one direction of a family's key mapping)."""
+    for rename in renames:
+        key, _ = rename.rename_source_key(key)
+    return key
+
+
+__all__ = ["expert_converters", "hub_names", "local_experts", "per_expert_views", "renamed"]
