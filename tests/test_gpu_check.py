@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ["versions", "smoke", "gpu_tests", "shards", "train_headrace", "train_webdataset", "train_plain", "kernels",
-         "moe"]
+PARTS = ["versions", "shards", "train_headrace", "train_plain", "train_compiled", "gpu_tests", "kernels", "moe",
+         "train_webdataset", "smoke"]
 
 
 def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
@@ -33,13 +33,22 @@ def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
     import torch
     import transformers
 
-    versions = report[report.index("## versions"):report.index("## smoke")]
+    versions = report[report.index("## versions"):report.index("## shards")]
     assert f"torch {torch.__version__}" in versions and f"transformers {transformers.__version__}" in versions
     assert "device: " in versions and "nvidia-smi" in versions and "flash_attn " in versions
     for name in PARTS:
         assert f"## {name}\n\n$ " in report
     assert "-m tools.bench_train --config configs/llama_1b.yaml --device cuda" in report
     assert "--sources plain" in report and "-m pytest" in report and " -m gpu " in report
+    assert "distributed.compile=true" in report
+
+
+def test_a_part_whose_box_no_longer_fits_the_budget_is_skipped_and_reported(tmp_path):
+    proc, report = _run(tmp_path, "--parts", "versions,kernels", "--budget", "400", GPU_CHECK_TIMEOUT_KERNELS="500")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ")}
+    assert " | ok | " in rows["versions"]
+    assert " | skipped: budget (" in rows["kernels"] and "of 400s, box 500s)" in rows["kernels"]
 
 
 def test_a_part_past_its_box_is_reported_and_the_others_still_run(tmp_path):

@@ -7,33 +7,38 @@
 #   bash tools/gpu_check.sh                          # all parts -> runs/gpu_check/report.md
 #   bash tools/gpu_check.sh --report R.md --parts versions,kernels,moe
 #   bash tools/gpu_check.sh --dry-run                # versions for real; every other part listed, not run
+#   bash tools/gpu_check.sh --budget 540             # a part starts only if its box fits in what is left
 #
-# Parts (default box in s; GPU_CHECK_TIMEOUT_<PART>=S overrides): versions (60), smoke (150: the floor-torch
-# smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP schedules, the
-# dependency checks -- under the machine's torch), gpu_tests (120: pytest -m gpu), shards (60: the demo text
-# shards, built only if demo/shards/text is absent), train_headrace / train_webdataset / train_plain (120
-# each: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train lacks is a
-# failed part, not a failed run), kernels (60: tools.bench_kernels all), moe (45: tools.bench_moe experts).
-# Worst case, every box expiring: ~14 min; the device tool allows 10 min a call, so there split it in two
-# (--parts versions,smoke,gpu_tests,shards then --parts versions,train_headrace,...). PYTHON picks the
+# Parts, in run order, the headline figures first (default box in s; GPU_CHECK_TIMEOUT_<PART>=S overrides):
+# versions (60), shards (60: the demo text shards, built only if demo/shards/text is absent), train_headrace /
+# train_plain (120 each: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train
+# lacks is a failed part, not a failed run), train_compiled (180: the trainer with distributed.compile and
+# reshard_after_forward=false), gpu_tests (120: pytest -m gpu), kernels (60: tools.bench_kernels all), moe
+# (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the floor-torch smoke subset -- imports,
+# the loader, CP attention both modes + CP/FSDP2 training on gloo, PP schedules, the dependency checks --
+# under the machine's torch). Every box expiring: ~17 min, more than one device call allows, so --budget S
+# (seconds from the start) skips, and reports, each part whose box no longer fits. PYTHON picks the
 # interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 REPORT=runs/gpu_check/report.md
-PARTS="versions smoke gpu_tests shards train_headrace train_webdataset train_plain kernels moe"
+PARTS="versions shards train_headrace train_plain train_compiled gpu_tests kernels moe train_webdataset smoke"
 DRY=0
+BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
     case $1 in
         --report) REPORT=$2; shift 2 ;;
         --parts) PARTS=${2//,/ }; shift 2 ;;
         --dry-run) DRY=1; shift ;;
+        --budget) BUDGET=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
 declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=120 [shards]=60 [train_headrace]=120 [train_webdataset]=120
-                [train_plain]=120 [kernels]=60 [moe]=45)
+                [train_plain]=120 [train_compiled]=180 [kernels]=60 [moe]=45)
+START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
 done
@@ -69,8 +74,11 @@ part() {
     local var="GPU_CHECK_TIMEOUT_${name^^}" status secs=0 log=$LOGS/$name.log
     local box=${!var:-${BOX[$name]}}
     local absent; absent=$(missing $needs)
+    local left=$((BUDGET - ($(date +%s) - START)))
     if [ -n "$unless" ] && [ -e "$unless" ]; then
         status="skipped: $unless exists"
+    elif [ "$BUDGET" -gt 0 ] && [ "$left" -lt "$box" ]; then
+        status="skipped: budget (${left}s left of ${BUDGET}s, box ${box}s)"
     elif [ -n "$absent" ]; then
         status="skipped: needs $absent (not installed here; carry its wheel: BENCHMARKS.md, GPU check)"
     elif [ "$DRY" = 1 ] && [ "$name" != versions ]; then
@@ -130,22 +138,26 @@ for module, dist in (("transformers",) * 2, ("tokenizers",) * 2, ("safetensors",
         print(f"{module} MISSING")
 PY
 
-part smoke "pytest pytest_timeout webdataset soundfile" -- \
-    env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${SMOKE[@]}"
-part gpu_tests "pytest pytest_timeout" -- \
-    "$PY" -m pytest -q -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
 part shards "tokenizers soundfile" --if-absent demo/shards/text -- env PY="$PY" bash -c \
     '"$PY" -m tools.demo_corpus --out demo/corpus --speech synthetic && "$PY" -m headrace.dataio shard demo/corpus/text.jsonl \
      --output demo/shards/text --tokenizer demo/corpus/tokenizer.json --samples-per-shard 500 \
-     --split train=0.98,val=0.02 --workers 4' 
-for source in headrace webdataset plain; do
-    needs="tokenizers"; [ "$source" = webdataset ] && needs="tokenizers webdataset"
-    part "train_$source" "$needs" -- "$PY" -m tools.bench_train --config configs/llama_1b.yaml --device cuda \
-        --data demo/shards/text --sources "$source" --steps 20 --warmup 5 --out "runs/gpu_check/train_$source"
-done
+     --split train=0.98,val=0.02 --workers 4'
+train() {  # train PART SOURCE NEEDS [OVERRIDES...]: tools.bench_train on the 1B Llama, one source
+    local name=$1 source=$2 needs=$3; shift 3
+    part "$name" "$needs" -- "$PY" -m tools.bench_train --config configs/llama_1b.yaml --device cuda \
+        --data demo/shards/text --sources "$source" --steps 20 --warmup 5 --out "runs/gpu_check/$name" "$@"
+}
+train train_headrace headrace tokenizers
+train train_plain plain "tokenizers webdataset"
+train train_compiled headrace tokenizers distributed.compile=true distributed.reshard_after_forward=false
+part gpu_tests "pytest pytest_timeout" -- \
+    "$PY" -m pytest -q -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
 part kernels "" -- "$PY" -m tools.bench_kernels all --device cuda --dtype bfloat16
 part moe "" -- "$PY" -m tools.bench_moe experts --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
     --intermediate 768 --experts 64 --top-k 8
+train train_webdataset webdataset "tokenizers webdataset"
+part smoke "pytest pytest_timeout webdataset soundfile" -- \
+    env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${SMOKE[@]}"
 
 {
     printf '# GPU check: %s\n\n' "$(date -u '+%Y-%m-%d %H:%M UTC')"
