@@ -6,19 +6,30 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """A one-rank gloo process group in the test process (single-process trainer runs and references)."""
+def _one_rank_group(device_type: str):
     import torch.distributed as dist
 
     from headrace.training.distributed.process_group import init_distributed
 
     saved = dict(os.environ)
-    init_distributed("cpu")
+    init_distributed(device_type)
     yield
     dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank gloo process group in the test process (single-process trainer runs and references)."""
+    yield from _one_rank_group("cpu")
+
+
+@pytest.fixture
+def cuda_process_group():
+    """The one-rank group a CUDA run joins (NCCL for CUDA tensors, gloo for host ones): gloo would copy every
+    collective's CUDA tensor to the host, a sync no GPU job has."""
+    yield from _one_rank_group("cuda")
 
 
 # Installed, the packages are headrace.*; pytest's `pythonpath = ["."]` also leaves the checkout's

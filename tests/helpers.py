@@ -28,9 +28,11 @@ def free_port() -> int:
 
 
 def child_env(**extra: str | None) -> dict[str, str]:
-    """This process's environment for a child: the checkout importable, one intra-op thread, no
-    inherited rank variables; ``extra`` sets variables (None: removes one)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    """This process's environment for a child: the checkout importable ahead of what PYTHONPATH already
+    holds (packages carried to a machine there), one intra-op thread, no inherited rank variables;
+    ``extra`` sets variables (None: removes one)."""
+    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), OMP_NUM_THREADS="1")
     for key in _RANK_VARS:
         env.pop(key, None)
     for key, value in extra.items():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.dist.train_common import TINY_LLAMA
-from tools.bench_train import SOURCES, trainer_figures
+from tools.bench_train import SOURCES, figures_line, trainer_figures
 from tools.plain_loop import run_plain_loop
 from headrace.training.config.load import load_job_config
 from headrace.training.components.metrics import attention_flops_per_pair, flops_per_token, matmul_flops_per_token
@@ -41,3 +41,12 @@ def test_trainer_figures_weight_windows_by_steps():
     got = trainer_figures(history, warmup=5)
     assert got["tokens_per_s"] == pytest.approx((100 * 5 + 400 * 2) / 7)  # the warm-up window left out
     assert got["flops_per_s_full_row"] == pytest.approx(2 * (20 * 5 + 30 * 2) / 7) and got["max_mem_gib"] == 3.0
+
+
+def test_rows_without_packing_report_no_fill_and_still_print():
+    """The webdataset source's rows carry no packing metadata, so the trainer logs pack_fill None."""
+    history = [dict(step=s, tokens_per_s=10.0, data_wait_frac=0.0, pack_fill=None, max_mem=1.0, mfu=0.3,
+                    mfu_full_row=0.4, flops_per_s=1.0, flops_per_s_full_row=2.0) for s in (5, 10)]
+    got = trainer_figures(history, warmup=5)
+    assert got["pack_fill"] is None and got["mfu"] == pytest.approx(0.3)
+    assert "fill" not in figures_line(got) and "MFU 30.00%" in figures_line(got)

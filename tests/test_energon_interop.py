@@ -179,3 +179,30 @@ def test_webdataset_reads_indexed_shards_unchanged(datasets):
     urls = [str(p) for p in sorted(ours.glob("*.tar"))]
     got = [(s["__key__"], s["txt"], s["tokens.npy"], s["wav"]) for s in wds.WebDataset(urls, shardshuffle=False)]
     assert got == _expected(samples)
+
+
+def test_sharding_without_energon_installed_writes_metadata_energon_reads(tmp_path, monkeypatch):
+    """energon is the `bench` extra, not a dependency of sharding: where its distribution is absent, `dataio index`
+    (the metadata writer `dataio shard` shares) still writes `.info.json`, without `energon_version`, and energon
+    reads the directory."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    from headrace.dataio.cli import main
+    from headrace.dataio.shards import metadata
+
+    def without_energon(name: str) -> str:
+        if name == "megatron-energon":
+            raise PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(metadata, "version", without_energon)
+    samples = make_samples(n=6, seed=5)
+    write_shards(tmp_path, samples, per_shard=3)
+    assert main(["index", str(tmp_path), "--quiet"]) == 0
+    info = json.loads((tmp_path / ".nv-meta" / ".info.json").read_text())
+    assert "energon_version" not in info and sum(info["shard_counts"].values()) == 6
+    ds = get_val_dataset(tmp_path, split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                         batch_size=1, task_encoder=_encoder())
+    assert [(u.__key__, u.text, u.tokens, u.audio) for b in get_loader(ds) for u in b] == _expected(samples)

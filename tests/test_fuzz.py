@@ -4,17 +4,17 @@ hours-long mode."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_fuzz_seed_set():
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.fuzz"], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.fuzz"], cwd=REPO, env=child_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "derandomized cases per target passed" in proc.stdout

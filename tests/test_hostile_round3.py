@@ -23,6 +23,7 @@ from headrace.dataio.cli import main as dataio_main
 from headrace.dataio.loader_state import StateError
 from headrace.dataio.stream.decode import SampleDecodeError
 from tests.hostile import flac_bytes, lying_flac
+from tests.helpers import child_env
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
@@ -398,7 +399,7 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
     loader_util.make_text_dataset(tmp_path, [30, 30])
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, "-m", "headrace.dataio", "inspect", str(tmp_path), "--json"], cwd=repo,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
     proc.stdout.close()  # the reader is gone before the command writes (its imports take far longer)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -2,7 +2,6 @@
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from headrace.dataio.stream.decode import SampleDecodeError
 from headrace.dataio.stream.storage import ShardFormatError
 
 from tests.loader_util import index_dir, make_text_dataset, npy_bytes
+from tests.helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDS = [7, 5, 3, 1, 6]  # 22 samples: divides by none of dp 3, 4 or batch 3
@@ -116,7 +116,7 @@ print(json.dumps(out))
 
 def resume_in_new_process(config, dp_ranks, dp_size, states, n=None):
     """Per new rank, its batches' keys after restoring ``states`` in a fresh Python process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     args = json.dumps([config, list(dp_ranks), dp_size, states, n])
     out = subprocess.run([sys.executable, "-c", RESUME_SCRIPT, args], cwd=REPO, env=env, check=True,
                          capture_output=True, text=True).stdout

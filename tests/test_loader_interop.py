@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import soundfile
 import yaml
-from megatron.energon.epathlib import EPath
-from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
+
+pytest.importorskip("megatron.energon", reason="megatron-energon is the bench extra (tools/setup.sh installs it)")
+from megatron.energon.epathlib import EPath  # noqa: E402
+from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta  # noqa: E402
 
 from headrace.dataio import build_loader
 

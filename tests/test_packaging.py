@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
@@ -47,7 +49,7 @@ def test_dataio_help_lists_every_subcommand():
     from headrace.dataio.cli import COMMANDS
 
     proc = subprocess.run([sys.executable, "-m", "headrace.dataio", "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                          text=True, timeout=60, env=child_env())
     assert proc.returncode == 0, proc.stderr
     assert set(COMMANDS) == {"shard", "index", "inspect", "verify", "bench"}
     for name in COMMANDS:

@@ -22,6 +22,7 @@ import webdataset as wds
 from headrace.dataio.usererror import CommandError
 from headrace.dataio.commands import shard as shard_cmd
 from headrace.dataio.shards.index import load_index
+from tests.helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -263,7 +264,7 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path):
     tok = write_tokenizer(tmp_path)
     argv = [sys.executable, "-m", "headrace.dataio", "shard", str(src), "--tokenizer", str(tok), "--samples-per-shard", "60",
             "--workers", "2", "--quiet"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     subprocess.run(argv + ["--output", str(tmp_path / "clean")], cwd=REPO, env=env, check=True, capture_output=True)
 
     out = tmp_path / "crashed"
@@ -415,7 +416,7 @@ def test_missing_tokenizer(tmp_path):
 def test_cli_exit_status_and_one_line_error(tmp_path):
     src = bad_text_lines(tmp_path, ['{"text": "fine"}', "{oops"])
     result = subprocess.run([sys.executable, "-m", "headrace.dataio", "shard", str(src), "--output", str(tmp_path / "out")],
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+                            cwd=REPO, env=child_env(), capture_output=True, text=True)
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0
     assert "bad.jsonl:2: not valid JSON" in result.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from headrace.config import ConfigError  # noqa: E402
 from headrace.training.components import checkpoint  # noqa: E402
 from headrace.training.config.job_config import OptimConfig  # noqa: E402
 from headrace.training.config.load import load_job_config  # noqa: E402
+from tests.helpers import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -271,9 +271,7 @@ def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, m
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "headrace.training", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -337,7 +335,7 @@ def test_bench_train_reports_mfu_on_cuda(tmp_path):
     """The GPU recipe end to end through `python -m tools.bench_train` (few steps, 2k rows): figures come out, MFU
     is a fraction. The figures themselves are for BENCHMARKS.md, not asserted."""
     make_text_dataset(tmp_path / "data", [400, 400])
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "tools.bench_train", "--config", "configs/llama_1b.yaml", "--device",
                            "cuda", "--sources", "headrace", "--steps", "6", "--warmup", "2", "--data",
                            str(tmp_path / "data"), "--out", str(tmp_path / "out"), "data.seq_len=2048",

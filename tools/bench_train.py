@@ -118,19 +118,24 @@ def trainer_figures(history: list[dict], warmup: int) -> dict:
     previous = {history[0]["step"]: 0} | {r["step"]: p["step"] for p, r in zip(history, history[1:])}
     steady = [r for r in history if r["step"] > warmup]
     weights = [r["step"] - previous[r["step"]] for r in steady]
-    mean = lambda key: sum(r[key] * w for r, w in zip(steady, weights)) / sum(weights)  # noqa: E731
+
+    def mean(key: str) -> float | None:  # None where the trainer has no such figure (MFU on CPU, fill of unpacked rows)
+        if steady[0][key] is None:
+            return None
+        return sum(r[key] * w for r, w in zip(steady, weights)) / sum(weights)
+
     return {"tokens_per_s": mean("tokens_per_s"), "data_wait_frac": mean("data_wait_frac"),
             "pack_fill": mean("pack_fill"), "max_mem_gib": max(r["max_mem"] for r in history),
-            "mfu": mean("mfu") if steady[0]["mfu"] is not None else None,
-            "mfu_full_row": mean("mfu_full_row") if steady[0]["mfu_full_row"] is not None else None,
+            "mfu": mean("mfu"), "mfu_full_row": mean("mfu_full_row"),
             "flops_per_s": mean("flops_per_s"), "flops_per_s_full_row": mean("flops_per_s_full_row")}
 
 
 def figures_line(result: dict) -> str:
     mfu = (f"  MFU {result['mfu']:6.2%} (full row {result['mfu_full_row']:6.2%})" if result["mfu"] is not None else
            f"  {result['flops_per_s'] / 1e9:.2f} GFLOP/s (full row {result['flops_per_s_full_row'] / 1e9:.2f})")
+    fill = f"labelled-token fill {result['pack_fill']:6.1%}  " if result["pack_fill"] is not None else ""
     return (f"{result['tokens_per_s']:10,.0f} tok/s{mfu}  data wait {result['data_wait_frac']:6.2%}  "
-            f"labelled-token fill {result['pack_fill']:6.1%}  peak mem {result['max_mem_gib']:.1f} GiB")
+            f"{fill}peak mem {result['max_mem_gib']:.1f} GiB")
 
 
 if __name__ == "__main__":

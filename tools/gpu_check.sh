@@ -13,7 +13,7 @@
 # versions (60), shards (60: the demo text shards, built only if demo/shards/text is absent), train_headrace /
 # train_plain (120 each: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train
 # lacks is a failed part, not a failed run), train_compiled (180: the trainer with distributed.compile and
-# reshard_after_forward=false), gpu_tests (120: pytest -m gpu), kernels (60: tools.bench_kernels all), moe
+# reshard_after_forward=false), gpu_tests (120: pytest -m gpu), kernels (120: tools.bench_kernels all), moe
 # (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the floor-torch smoke subset -- imports,
 # the loader, CP attention both modes + CP/FSDP2 training on gloo, PP schedules, the dependency checks --
 # under the machine's torch). Every box expiring: ~17 min, more than one device call allows, so --budget S
@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=120 [shards]=60 [train_headrace]=120 [train_webdataset]=120
-                [train_plain]=120 [train_compiled]=180 [kernels]=60 [moe]=45)
+                [train_plain]=120 [train_compiled]=180 [kernels]=120 [moe]=45)
 START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }

@@ -32,7 +32,7 @@ import re
 import sqlite3
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +190,15 @@ def split_parts(index: DatasetIndex) -> dict[str, list[str]]:
     return {name: collapse_names(shards) for name, shards in parts.items()}
 
 
+def _energon_version() -> dict[str, str]:
+    """``energon_version`` for ``.info.json`` where energon is installed. Sharding does not need energon (it is
+    the ``bench`` extra), and energon reads a directory whose ``.info.json`` lacks the field."""
+    try:
+        return {"energon_version": version("megatron-energon")}
+    except PackageNotFoundError:
+        return {}
+
+
 def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, workers: int = 1) -> None:
     """Write energon's ``.nv-meta`` set, the per-shard ``.tar.idx`` files and the headrace index for
     the shards of ``index`` under ``root`` (``workers`` threads write the ``.tar.idx`` files)."""
@@ -227,8 +236,7 @@ def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, work
     dataset = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
     write_atomically(meta / "dataset.yaml", yaml.dump(dataset, sort_keys=False).encode(), what="energon's metadata")
     index.save(root)
-    info = {"energon_version": version("megatron-energon"),
-            "shard_counts": {s.name: int(c) for s, c in zip(index.shards, counts.tolist())}}
+    info = {**_energon_version(), "shard_counts": {s.name: int(c) for s, c in zip(index.shards, counts.tolist())}}
     write_atomically(info_path, json.dumps(info, indent=2).encode(), what="energon's metadata")
     dir_fd = os.open(meta, os.O_RDONLY)
     try:
