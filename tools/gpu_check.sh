@@ -13,10 +13,10 @@
 # versions (60), shards (60: the demo text shards, built only if demo/shards/text is absent), train_headrace /
 # train_plain (120 each: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train
 # lacks is a failed part, not a failed run), train_compiled (180: the trainer with distributed.compile and
-# reshard_after_forward=false), gpu_tests (120: pytest -m gpu), kernels (120: tools.bench_kernels all), moe
-# (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the floor-torch smoke subset -- imports,
-# the loader, CP attention both modes + CP/FSDP2 training on gloo, PP schedules, the dependency checks --
-# under the machine's torch). Every box expiring: ~17 min, more than one device call allows, so --budget S
+# reshard_after_forward=false), gpu_tests (240: pytest -m gpu, one line per test), kernels (120:
+# tools.bench_kernels all), moe (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the
+# floor-torch smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP
+# schedules, the dependency checks -- under the machine's torch). Every box expiring: ~19 min, more than one device call allows, so --budget S
 # (seconds from the start) skips, and reports, each part whose box no longer fits. PYTHON picks the
 # interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
-declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=120 [shards]=60 [train_headrace]=120 [train_webdataset]=120
+declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_headrace]=120 [train_webdataset]=120
                 [train_plain]=120 [train_compiled]=180 [kernels]=120 [moe]=45)
 START=$(date +%s)
 for p in $PARTS; do
@@ -151,7 +151,7 @@ train train_headrace headrace tokenizers
 train train_plain plain "tokenizers webdataset"
 train train_compiled headrace tokenizers distributed.compile=true distributed.reshard_after_forward=false
 part gpu_tests "pytest pytest_timeout" -- \
-    "$PY" -m pytest -q -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
+    "$PY" -m pytest -v --tb=short -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
 part kernels "" -- "$PY" -m tools.bench_kernels all --device cuda --dtype bfloat16
 part moe "" -- "$PY" -m tools.bench_moe experts --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
     --intermediate 768 --experts 64 --top-k 8
