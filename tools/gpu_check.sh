@@ -10,20 +10,20 @@
 #   bash tools/gpu_check.sh --budget 540             # a part starts only if its box fits in what is left
 #
 # Parts, in run order, the headline figures first (default box in s; GPU_CHECK_TIMEOUT_<PART>=S overrides):
-# versions (60), shards (60: the demo text shards, built only if demo/shards/text is absent), train_headrace /
-# train_plain (120 each: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train
-# lacks is a failed part, not a failed run), train_compiled (180: the trainer with distributed.compile and
-# reshard_after_forward=false), gpu_tests (240: pytest -m gpu, one line per test), kernels (120:
+# versions (60), shards (60: the demo text shards, built only if demo/shards/text is absent), train_headrace
+# (180) / train_plain (120: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train
+# lacks is a failed part, not a failed run), train_eager (120: the trainer without the recipe's compile and with
+# resharding after forward), gpu_tests (240: pytest -m gpu, one line per test), kernels (120:
 # tools.bench_kernels all), moe (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the
 # floor-torch smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP
-# schedules, the dependency checks -- under the machine's torch). Every box expiring: ~19 min, more than one device call allows, so --budget S
-# (seconds from the start) skips, and reports, each part whose box no longer fits. PYTHON picks the
-# interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
+# schedules, the dependency checks -- under the machine's torch). Every box expiring: ~19 min, more than one
+# device call allows, so --budget S (seconds from the start) skips, and reports, each part whose box no longer
+# fits. PYTHON picks the interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 REPORT=runs/gpu_check/report.md
-PARTS="versions shards train_headrace train_plain train_compiled gpu_tests kernels moe train_webdataset smoke"
+PARTS="versions shards train_headrace train_plain train_eager gpu_tests kernels moe train_webdataset smoke"
 DRY=0
 BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
@@ -36,8 +36,8 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
-declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_headrace]=120 [train_webdataset]=120
-                [train_plain]=120 [train_compiled]=180 [kernels]=120 [moe]=45)
+declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_headrace]=180 [train_webdataset]=120
+                [train_plain]=120 [train_eager]=120 [kernels]=120 [moe]=45)
 START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
@@ -149,7 +149,7 @@ train() {  # train PART SOURCE NEEDS [OVERRIDES...]: tools.bench_train on the 1B
 }
 train train_headrace headrace tokenizers
 train train_plain plain "tokenizers webdataset"
-train train_compiled headrace tokenizers distributed.compile=true distributed.reshard_after_forward=false
+train train_eager headrace tokenizers distributed.compile=false distributed.reshard_after_forward=true
 part gpu_tests "pytest pytest_timeout" -- \
     "$PY" -m pytest -v --tb=short -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
 part kernels "" -- "$PY" -m tools.bench_kernels all --device cuda --dtype bfloat16
