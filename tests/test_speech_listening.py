@@ -19,6 +19,7 @@ from tests.helpers import REPO, child_env
 from tests.dist.speech_common import WORDS, audio_batches, salm_job, save_tokenizer
 
 from headrace.training.speech.listening import mismatched_audio, partner_rows, with_mismatched_audio
+from tools.speech_recipe_curve import read_curve
 
 TONES = {WORDS[0]: 250.0, WORDS[1]: 700.0, WORDS[2]: 1800.0, WORDS[3]: 4000.0}  # the word says the tone
 
@@ -79,9 +80,9 @@ def write_tone_dataset(root: Path, count: int = 12) -> Path:
     return root
 
 
-def train_on_tones(tmp_path: Path, name: str, steps: int, lr: float) -> list[dict]:
-    """The tiny SALM trained by the trainer on the tone dataset, validated on it at the last step; the
-    records of metrics.jsonl."""
+def train_on_tones(tmp_path: Path, name: str, steps: int, lr: float, decode: bool = False) -> list[dict]:
+    """The tiny SALM trained by the trainer on the tone dataset, validated on it at the last step (``decode``:
+    also transcribed, ``model.speech.eval_every``); the records of metrics.jsonl."""
     from headrace.config import to_dict
     from headrace.training.config.load import load_job_config
     from headrace.training.train import train
@@ -92,6 +93,8 @@ def train_on_tones(tmp_path: Path, name: str, steps: int, lr: float) -> list[dic
     raw["data"]["bucketing"]["max_duration"] = 8.0  # one batch of all 12
     raw["checkpoint"]["interval"] = 1000  # the export only
     raw["trainer"]["eval_every"] = steps
+    if decode:
+        raw["model"]["speech"] |= dict(eval_every=steps, eval_split="train")
     train(load_job_config(None, base=raw))
     return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
 
@@ -113,9 +116,13 @@ def test_validation_listening_ratio_is_one_untrained_and_falls_when_the_model_li
     ratio = untrained["val_loss"] / untrained["val_mismatched_loss"]
     assert untrained["val_listening_ratio"] == pytest.approx(ratio)
     assert abs(untrained["val_listening_ratio"] - 1) < 0.02, untrained
-    (trained,) = [r for r in train_on_tones(tone_workdir, "trained", 150, 1e-2) if "val_loss" in r]
+    (trained,) = [r for r in train_on_tones(tone_workdir, "trained", 150, 1e-2, decode=True) if "val_loss" in r]
     assert trained["val_listening_ratio"] < 0.5, trained
     assert trained["val_loss"] < 0.1 < 1.0 < trained["val_mismatched_loss"], trained
+    # the recipe's curve tool reads the same run: one point, with the WER of the in-training decode
+    (point,) = read_curve(tone_workdir / "trained" / "metrics.jsonl")
+    assert point["step"] == 150 and point["val_listening_ratio"] == trained["val_listening_ratio"], point
+    assert point["val_wer"] is not None and point["val_wer"] < 0.5, point
 
     # python -m headrace.training.speech.eval on the export prints the same figures over the same utterances
     out = subprocess.run([sys.executable, "-m", "headrace.training.speech.eval", "--model", str(tone_workdir / "trained"),

@@ -266,7 +266,6 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     every ``eval_every`` (a SALM also decodes every ``model.speech.eval_every``), saves every
     ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
     cfg = trainer.cfg
-    max_steps = cfg.trainer.max_steps
     flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
     window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
                               world=dist.get_world_size(),
@@ -305,7 +304,9 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
             if trainer.first_loss is None:
                 trainer.first_loss = stats["loss"]
         if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
-            eval_in_training(trainer.model, cfg, step)  # rank 0 prints the WER and writes the hypotheses
+            decoded = eval_in_training(trainer.model, cfg, step)  # rank 0: the WER, and the hypotheses' file
+            if decoded:
+                logger.log_decoded(step, decoded)
         if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
             with window.paused():  # validation time is not training throughput
                 logger.log_val({"step": step, **validate()})

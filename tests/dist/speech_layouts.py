@@ -243,7 +243,9 @@ def main() -> None:
         after = read(workdir / "exported.jsonl")
         assert result["utterances"] == 8 and [r["key"] for r in after] == [f"u{i:04d}" for i in range(8)], after
         assert [r["hypothesis"] for r in during] == [r["hypothesis"] for r in after], (during, after)
-    print("OK eval during training equals eval of the export", flush=True)
+        logged = [r for r in read(workdir / "fsdp2" / "metrics.jsonl") if "val_wer" in r]  # the WER curve's points
+        assert logged == [{"step": STEPS, "val_wer": result["wer"], "val_wer_utterances": 8}], logged
+    print("OK eval during training equals eval of the export, and its WER is in metrics.jsonl", flush=True)
 
     train(salm_job(workdir, "resumed", init=inits["parakeet"], max_steps=2), loaders(1))
     history = train(salm_job(workdir, "resumed", init=inits["parakeet"], max_steps=STEPS), loaders(1))

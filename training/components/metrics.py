@@ -187,6 +187,13 @@ class MetricsLogger:
                                f"ppl {record['val_ppl']:.2f}  ({record['val_tokens']:,} tokens, "
                                f"{record['val_docs']:,} documents)", soft_wrap=True)
 
+    def log_decoded(self, step: int, result: dict) -> None:
+        """A SALM's in-training decode (``headrace.training.speech.eval.decode_split``'s result) to metrics.jsonl and
+        TensorBoard as ``val_wer`` and ``val_wer_utterances``: the WER curve beside the val losses."""
+        if self.enabled:
+            self._write({"step": step, "val_wer": result["wer"], "val_wer_utterances": result["utterances"]},
+                        lambda key: f"val/{key.removeprefix('val_')}")
+
     def _write(self, record: dict, tb_tag) -> None:
         """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
         self.file.write(json.dumps(record) + "\n")

@@ -139,8 +139,9 @@ def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, ou
 
 def eval_in_training(model, cfg, step: int) -> dict:
     """``model.speech.eval_every``: decode the training dataset's ``eval_split`` with the FSDP2-sharded model
-    being trained (its root units unsharded for the duration; ranks decode in step, see ``greedy_transcripts``). Rank 0 prints the WER and returns ``decode_split``'s result. Not under sequence parallel
-    (one-token decoding steps cannot split over tp ranks)."""
+    being trained (its root units unsharded for the duration; ranks decode in step, see
+    ``greedy_transcripts``). Rank 0 prints the WER and returns ``decode_split``'s result (other ranks: ``{}``).
+    Not under sequence parallel (one-token decoding steps cannot split over tp ranks)."""
     from torch.distributed.fsdp import FSDPModule
 
     salm = getattr(model, "module", model)
