@@ -76,6 +76,38 @@ def test_placeholder_replaced_by_frames_and_loss_on_answers_only(tmp_path):
     assert torch.equal(speech.convert(raw)["labels"], changed["labels"])
 
 
+def test_ctc_weight_adds_the_transcripts_ctc_loss_in_training_only(tmp_path):
+    """``model.speech.ctc_weight``: in training the step's loss is the answer loss plus the weighted CTC loss of
+    each transcript (its answer tokens, no eos) over that utterance's encoder frames, as ``F.ctc_loss`` gives it
+    computed by hand; in eval (validation, the listening ratio) it is the answer loss alone."""
+    model, speech = _tiny_salm(tmp_path, speech_extra=dict(ctc_weight=0.5))
+    raw = audio_batches(1, rows=3, seed=4)[0]
+    batch = speech.convert(raw)
+    inputs = {k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")}
+    head = model.ctc_head
+
+    def without_ctc():
+        model.ctc_head = None
+        try:
+            return model(**inputs)
+        finally:
+            model.ctc_head = head
+
+    model.eval()  # (the FastConformer's batch norms differ between the modes, so each mode is compared with itself)
+    torch.testing.assert_close(model(**inputs), without_ctc(), rtol=0, atol=0)
+    model.train()
+    loss = model(**inputs)
+    answers = speech.answers(raw)
+    hidden, frames = model.encoder_frames(batch["audio"], batch["audio_lens"])
+    log_probs = head(hidden).log_softmax(-1)
+    by_hand = sum(F.ctc_loss(log_probs[b, : frames[b]], torch.tensor(a), frames[b : b + 1], torch.tensor([len(a)]),
+                             blank=TINY_LLM["vocab_size"], reduction="sum") for b, a in enumerate(answers))
+    assert by_hand > 0 and all(len(a) <= int(f) for a, f in zip(answers, frames))
+    torch.testing.assert_close(loss, without_ctc() + 0.5 * by_hand, rtol=1e-5, atol=1e-4)
+    loss.backward()  # the encoder gets the CTC gradient
+    assert head.weight.grad.abs().sum() > 0
+
+
 def _whisper_checkpoint(path: Path):
     """A tiny whole Whisper model (encoder + decoder) saved as a HF checkpoint in float16, like large-v3's."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration

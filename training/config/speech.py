@@ -76,6 +76,10 @@ class SpeechConfig:
     # (n_fft 400, hop 160, its config's num_mel_bins), so it leaves this unset
     features: LogMelConfig | None = None
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
+    # > 0: a CTC head on the encoder frames, its loss on the transcript tokens added to the answer loss with this
+    # weight in training (joint CTC/attention): from scratch, it keeps the encoder's output tied to the audio
+    # while the LLM learns the text prior (without it the recipe's encoder collapsed to one output for any input)
+    ctc_weight: float = 0.0
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
     eval_every: int = 0  # decode the training dataset's eval_split every N steps, print the WER (0: never)
@@ -93,6 +97,8 @@ class SpeechConfig:
                              "n_mels = its config's num_mel_bins); leave model.speech.features unset")
         if self.encoder.kind == "parakeet" and self.features is None:
             self.features = LogMelConfig()
+        if self.ctc_weight < 0:
+            raise ValueError(f"ctc_weight must be >= 0, got {self.ctc_weight}")
         if self.prompt.count(AUDIO_PLACEHOLDER) != 1:
             raise ValueError(f"prompt must contain the audio placeholder {AUDIO_PLACEHOLDER} exactly once: "
                              f"{self.prompt!r}")

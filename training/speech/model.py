@@ -1,7 +1,7 @@
 """SALM: a speech encoder and a modality adapter feeding a transformers causal LM.
 
 ``SALM.forward(audio, audio_lens, input_ids, labels, audio_mask, position_ids)`` -> summed answer
-cross-entropy:
+cross-entropy (+ the weighted CTC loss in training, step 5):
 
 1. log-mel features on the device (``headrace.kernels.log_mel``: the loader's DALI features to < 1e-3 dB for a
    parakeet encoder, ``WhisperFeatureExtractor``'s over a fixed window for a whisper one), SpecAugment in
@@ -11,7 +11,10 @@ cross-entropy:
 3. the adapter stacks ``subsampling`` consecutive frames and projects them to the LLM's width;
 4. ``SpeechLMLoss`` embeds the prompt tokens, writes the valid adapter frames into the positions
    ``audio_mask`` marks (the expanded audio placeholder, see ``headrace.training.speech.prompt``), runs the
-   decoder and the chunked cross-entropy on the answer labels.
+   decoder and the chunked cross-entropy on the answer labels;
+5. in training with ``model.speech.ctc_weight > 0``, plus that weight times the CTC loss of each transcript
+   over its encoder frames (a linear head to the vocabulary + blank on the encoder's output; joint
+   CTC/attention): a signal that ties the encoder to the audio while the LLM learns the text prior.
 
 Step 4 runs inside the LLM wrapper's forward so that under FSDP2 its root unit has the embedding and
 the lm_head unsharded (the same reason as ``headrace.training.models.loss.CausalLMLoss``). Under TP+SP the embedding
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
 from headrace.kernels.log_mel import spec_augment
+from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.config.speech import SpeechConfig
 from headrace.training.speech.encoders import front_end, masked_frames
@@ -108,9 +112,11 @@ class SpeechLMLoss(CausalLMLoss):
 class SALM(nn.Module):
     """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
 
-    def __init__(self, encoder: nn.Module, adapter: nn.Module, llm: SpeechLMLoss, cfg: SpeechConfig, front):
+    def __init__(self, encoder: nn.Module, adapter: nn.Module, llm: SpeechLMLoss, cfg: SpeechConfig, front,
+                 ctc_head: nn.Linear | None = None):
         super().__init__()
         self.encoder, self.adapter, self.llm = encoder, adapter, llm
+        self.ctc_head = ctc_head  # encoder width -> vocabulary + blank, with model.speech.ctc_weight
         self.cfg = cfg
         self.front = front  # features, frame counts of this encoder kind (``front_end``)
         self.config = llm.config  # the LLM's (parallelize / metrics read model.config)
@@ -120,8 +126,8 @@ class SALM(nn.Module):
         """Adapter frames of each utterance, from its sample count alone."""
         return self.adapter.output_lengths(self.front.output_frames(self.encoder, audio_lens))
 
-    def encode(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> torch.Tensor:
-        """The valid adapter frames of every utterance, concatenated in batch order: ``[sum(slots), H]``."""
+    def encoder_frames(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's frames ``[B, T, H]`` (zero past each utterance's audio) and each utterance's count."""
         feats, frames = self.front.features(self.encoder, audio, audio_lens)
         if self.training and self.cfg.spec_augment.enabled:
             feats = spec_augment(feats, frames, self.cfg.spec_augment, self.augment_generator)
@@ -130,15 +136,45 @@ class SALM(nn.Module):
         # Frames past each utterance's audio are zeroed before the adapter stacks them, so its last slot does
         # not depend on what else is in the batch; past the longest one (Whisper's window) they are skipped.
         hidden = hidden[:, : int(covered.max())]
-        hidden = hidden * masked_frames(covered, hidden.shape[1])[..., None]
+        return hidden * masked_frames(covered, hidden.shape[1])[..., None], covered
+
+    def adapt(self, hidden: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
+        """The valid adapter frames of every utterance, concatenated in batch order: ``[sum(slots), H]``."""
         adapted = self.adapter(hidden)
         slots = self.adapter.output_lengths(covered)
         return adapted[masked_frames(slots, adapted.shape[1])]
 
+    def encode(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> torch.Tensor:
+        return self.adapt(*self.encoder_frames(audio, audio_lens))
+
     def forward(self, audio: torch.Tensor, audio_lens: torch.Tensor, input_ids: torch.Tensor,
                 labels: torch.Tensor | None, audio_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.llm(input_ids, labels, audio_embeds=self.encode(audio, audio_lens), audio_mask=audio_mask,
+        hidden, covered = self.encoder_frames(audio, audio_lens)
+        loss = self.llm(input_ids, labels, audio_embeds=self.adapt(hidden, covered), audio_mask=audio_mask,
                         position_ids=position_ids)
+        if self.ctc_head is not None and self.training and labels is not None:
+            loss = loss + self.cfg.ctc_weight * ctc_loss_sum(self.ctc_head(hidden), covered, labels)
+        return loss
+
+
+def transcript_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's answer tokens from the SALM labels (their labelled positions are the answer then its eos, one
+    run at the end of the row: ``headrace.training.speech.prompt.build_batch``): padded targets ``[B, L]``
+    (values past a row's length are any valid token) and the lengths, without the eos."""
+    labelled = labels != IGNORE_INDEX
+    start = labelled.int().argmax(1)
+    index = (start[:, None] + torch.arange(labels.shape[1], device=labels.device)).clamp(max=labels.shape[1] - 1)
+    return labels.gather(1, index).clamp(min=0), (labelled.sum(1) - 1).clamp(min=0)
+
+
+def ctc_loss_sum(logits: torch.Tensor, frames: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed CTC loss of the transcripts over the encoder frames (``logits`` ``[B, T, V + 1]``, blank = ``V``).
+    An utterance with more tokens than frames contributes 0 (``zero_infinity``). ``ctc_loss`` reads the lengths
+    on the host: one sync per micro-batch on a GPU."""
+    targets, lengths = transcript_targets(labels)
+    log_probs = logits.float().log_softmax(-1).transpose(0, 1)
+    return nn.functional.ctc_loss(log_probs, targets, frames, lengths, blank=logits.shape[-1] - 1,
+                                  reduction="sum", zero_infinity=True)
 
 
 def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
@@ -151,7 +187,8 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     with torch.device("meta"):
         encoder = front.build(enc_config)
         adapter = build_adapter(cfg.adapter, enc_config.hidden_size, llm_config.hidden_size)
-    model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg, front)
+        ctc_head = nn.Linear(enc_config.hidden_size, llm_config.vocab_size + 1) if cfg.ctc_weight > 0 else None
+    model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg, front, ctc_head)
     for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
         if frozen:  # (not requires_grad_(True) otherwise: Whisper's sinusoidal positions stay fixed)
             part.requires_grad_(False)
@@ -170,10 +207,14 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
         module._is_hf_initialized = False
     model.front.initialize(model.encoder)
     model.adapter.reset_parameters()
+    if model.ctc_head is not None:  # a training aid: never exported, always fresh
+        model.ctc_head.to_empty(device=device)
+        model.ctc_head.reset_parameters()
     if path := model.cfg.encoder.pretrained_path:
         load_safetensors(model.encoder, path, prefix=model.front.checkpoint_prefix(path))
     if model.cfg.adapter.pretrained_path:
         load_safetensors(model.adapter, model.cfg.adapter.pretrained_path)
 
 
-__all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "materialize_salm"]
+__all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "ctc_loss_sum",
+           "materialize_salm", "transcript_targets"]
