@@ -251,6 +251,8 @@ def test_speech_demo_recipe_loads():
     assert cfg.data.bucketing.two_d and cfg.data.seq_len is None
     whisper = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_whisper_demo.yaml"))
     assert whisper.model.speech.encoder.kind == "whisper" and whisper.model.speech.features is None
+    asr = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_asr_recipe.yaml"))
+    assert asr.model.speech.ctc_weight > 0 and asr.data.val is not None and asr.model.speech.eval_split == "val"
 
 
 def _estimator_job(tmp_path) -> str:
