@@ -91,6 +91,9 @@ def check_config(cfg) -> None:
     if (model.kind == "salm") != (model.speech is not None):
         raise ConfigError("model.speech is required with model.kind: salm, and only then")
     if model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
+        if model.speech.encoder.from_checkpoint and model.pretrained_path is None:
+            raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
+                              "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
             raise ConfigError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
                               "data.seq_len unset")
