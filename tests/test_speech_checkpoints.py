@@ -7,6 +7,7 @@ in one line."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -198,14 +199,16 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     FLAC shards: its step-1 loss is transformers' loss on the loader's first batch, and its step-2 loss is
     transformers' loss on the second batch after the same AdamW step of transformers' model (so every part was
     read under its own name and trained alike); the SALM read in place gives transformers' logits; the export
-    carries the checkpoint's prompt."""
+    carries the checkpoint's prompt; the speech eval of the checkpoint as it is gives transformers' loss."""
     from headrace.dataio import build_loader
     from headrace.training.components.optim import build_optimizer
     from headrace.training.config.load import load_job_config
+    from headrace.training.speech.eval import eval_loader, evaluate
     from headrace.training.speech.job import SpeechBatches, load_salm
     from headrace.training.train import train
 
     reference, vocab = save_qwen2_audio(tmp_path / "qwen2-audio")
+    fresh = copy.deepcopy(reference)  # the checkpoint as saved (``reference`` takes the AdamW step)
     write_audio_dataset(tmp_path / "utterances")
     cfg = load_job_config(None, base=qwen2_audio_job(tmp_path))
     history = train(cfg)
@@ -229,11 +232,23 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     optimizer.step()
     with torch.no_grad():
         after = reference(**hf_inputs[1]).loss
-    assert history[0]["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert history[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert history[1]["loss"] == pytest.approx(float(after), rel=1e-5)
-    assert abs(float(after) - float(loss)) > 1e-3  # the step moved the model (the second figure is not the first's)
+    assert abs(float(after) - loss.item()) > 1e-3  # the step moved the model (the second figure is not the first's)
     exported, exported_speech = load_salm(tmp_path / "in-place")
     assert exported_speech.prompt == speech.prompt and exported_speech.encoder.kind == "qwen2_audio"
+
+    # the eval CLI's evaluate() on the checkpoint as it is (a zero-shot baseline): over every utterance of the
+    # shards, its answer loss is transformers' (losses are per utterance, so the batching does not matter)
+    result = evaluate(str(tmp_path / "qwen2-audio"), str(tmp_path / "utterances"), split="train",
+                      batch_duration=60.0, out=None, max_new_tokens=2)
+    sums = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for raw in eval_loader(str(tmp_path / "utterances"), "train", 16000, 60.0):
+            hf = transformers_inputs(raw, to_steps.convert(raw), vocab["<|AUDIO|>"])
+            tokens = int((hf["labels"] != -100).sum())
+            sums += torch.tensor([float(fresh(**hf).loss) * tokens, tokens], dtype=torch.float64)
+    assert result["utterances"] == 8 and result["loss"] == pytest.approx(float(sums[0] / sums[1]), rel=1e-5)
 
 
 def test_qwen2_audio_checkpoint_refuses_contradicting_settings(tmp_path):
