@@ -8,10 +8,12 @@ in one line."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.dist.speech_common import WORDS, audio_batches, salm_job, save_tokenizer, write_audio_dataset
 
@@ -151,7 +153,8 @@ def save_voxtral(path: Path):
 
 def test_voxtral_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp_path):
     """Voxtral: its projector (4 frames stacked, Linear-GELU-Linear, no biases) becomes the mlp adapter with names
-    mapped; every utterance gets the whole window's 10 slots, as Voxtral's processor gives it."""
+    mapped; every utterance gets the whole window's 10 slots, as Voxtral's processor gives it. Read in place
+    (``load_salm`` on the checkpoint directory) it gives the same logits."""
     from transformers import WhisperFeatureExtractor
 
     from headrace.training.speech.checkpoints import main
@@ -173,12 +176,15 @@ def test_voxtral_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp
     hf_inputs = {"input_ids": batch["input_ids"].masked_fill(batch["audio_mask"], vocab["[AUDIO]"]),
                  "input_features": feats, "labels": labels}
     tokens = int((batch["labels"] != -100).sum())
+    in_place, in_place_speech = load_salm(tmp_path / "voxtral")  # the same mapping, read from the checkpoint itself
+    assert in_place_speech.adapter == dataclasses.replace(speech.adapter, pretrained_path=str(tmp_path / "voxtral"))
     model.eval()
     with torch.no_grad():
-        embeds = model.llm.embed(batch["input_ids"], model.encode(batch["audio"], batch["audio_lens"]),
-                                 batch["audio_mask"])
-        ours = model.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
-        torch.testing.assert_close(ours, reference(**hf_inputs).logits, rtol=1e-4, atol=1e-5)
+        for salm in (model, in_place):
+            embeds = salm.llm.embed(batch["input_ids"], salm.encode(batch["audio"], batch["audio_lens"]),
+                                    batch["audio_mask"])
+            ours = salm.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
+            torch.testing.assert_close(ours, reference(**hf_inputs).logits, rtol=1e-4, atol=1e-5)
     assert_sgd_steps_match(model, reference, {k: batch[k] for k in SALM_INPUTS}, hf_inputs, tokens)
 
 
@@ -203,6 +209,7 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     from headrace.dataio import build_loader
     from headrace.training.components.optim import build_optimizer
     from headrace.training.config.load import load_job_config
+    from headrace.training.estimate_batch import main as estimate_batch
     from headrace.training.speech.eval import eval_loader, evaluate
     from headrace.training.speech.job import SpeechBatches, load_salm
     from headrace.training.train import train
@@ -237,6 +244,13 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     assert abs(float(after) - loss.item()) > 1e-3  # the step moved the model (the second figure is not the first's)
     exported, exported_speech = load_salm(tmp_path / "in-place")
     assert exported_speech.prompt == speech.prompt and exported_speech.encoder.kind == "qwen2_audio"
+
+    # the batch estimator on the same job (its model read in place): one bucket measured, exit 0
+    job = tmp_path / "job.yaml"
+    raw = qwen2_audio_job(tmp_path)
+    raw["data"]["bucketing"] = dict(bucket_duration_bins=[[0.8, 8]], max_duration=2.0, max_tokens=64)
+    job.write_text(yaml.safe_dump(raw))
+    assert estimate_batch(["--config", str(job), "--budget-gib", "0.001", "--limit", "8"]) == 0
 
     # the eval CLI's evaluate() on the checkpoint as it is (a zero-shot baseline): over every utterance of the
     # shards, its answer loss is transformers' (losses are per utterance, so the batching does not matter)

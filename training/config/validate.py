@@ -13,7 +13,9 @@ each shard recorded (``ShardInfo.max_token``, written by ``dataio shard``/``data
 ``vocab_size``, so an out-of-range id is a line naming the shard, not an ``IndexError`` deep in the
 embedding. All are pure reads of the config and index metadata (microseconds, no data read).
 Rules that need the built model (TP heads, MoE experts, pipeline stages) fail where it is built, before any
-weight is allocated (``headrace.training.distributed``).
+weight is allocated (``headrace.training.distributed``). The rules between a SALM's speech settings and the
+released speech-LLM checkpoint it starts from live beside that mapping (``headrace.training.speech.checkpoints
+.with_speech_llm``, which the trainer runs right after ``check_job``).
 """
 
 from __future__ import annotations
