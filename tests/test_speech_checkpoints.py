@@ -41,7 +41,7 @@ def save_qwen2_audio(path: Path):
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
     vocab = {w: i for i, w in enumerate(["[UNK]", *SPECIAL, "system", "user", "assistant", "Audio", ":", *WORDS])}
-    tokenizer = word_level_tokenizer(vocab, "<|endoftext|>", SPECIAL[1:])
+    tokenizer = word_level_tokenizer(vocab, "<|im_end|>", SPECIAL[1:])  # a chat checkpoint: answers end its turn
     tokenizer.chat_template = CHAT_TEMPLATE
     config = Qwen2AudioConfig(
         audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=80,
@@ -109,6 +109,9 @@ def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss
     batch = SpeechBatches([], model, speech, str(tmp_path / "salm" / "hf")).convert(raw)
     assert batch["input_ids"][0, :5].tolist() == [vocab[t] for t in ("<|im_start|>", "user", "Audio", ":",
                                                                       "<|audio_bos|>")]
+    # each answer ends the assistant turn with the tokenizer's eos_token, as the chat template closes a turn
+    assert speech.answer_end == "<|im_end|>"
+    assert [row[row != -100][-1] for row in batch["labels"]] == [vocab["<|im_end|>"]] * 3
     hf_inputs = transformers_inputs(raw, batch, vocab["<|AUDIO|>"])
     # the slots are the frames transformers' processor would expand <|AUDIO|> into
     mel = hf_inputs["feature_attention_mask"].sum(1)
@@ -274,6 +277,8 @@ def test_qwen2_audio_checkpoint_refuses_contradicting_settings(tmp_path):
     from headrace.training.train import train
 
     save_qwen2_audio(tmp_path / "qwen2-audio")
+    (tmp_path / "llm").mkdir()  # a plain LLM's directory: no encoder to take
+    (tmp_path / "llm" / "config.json").write_text('{"model_type": "llama"}')
     for model, error in (
             (dict(speech=dict(encoder=dict(kind="whisper"))),
              r"^model.speech.encoder.kind: 'whisper' contradicts model.pretrained_path .*qwen2-audio, a qwen2_audio "
@@ -287,11 +292,7 @@ def test_qwen2_audio_checkpoint_refuses_contradicting_settings(tmp_path):
             (dict(pretrained_path=str(tmp_path / "llm")), r"^model.speech.encoder: set one of config / config_path / "
                                                           r"pretrained_path \(model.pretrained_path .* is not the checkpoint")):
         raw = qwen2_audio_job(tmp_path)
-        speech = model.pop("speech", {})
-        raw["model"].update(model, speech=speech)
-        if raw["model"]["pretrained_path"].endswith("llm"):
-            Path(raw["model"]["pretrained_path"]).mkdir(exist_ok=True)
-            (Path(raw["model"]["pretrained_path"]) / "config.json").write_text('{"model_type": "llama"}')
+        raw["model"].update(model, speech=model.get("speech", {}))
         with pytest.raises(ConfigError, match=error):
             train(load_job_config(None, base=raw))
     raw = qwen2_audio_job(tmp_path)

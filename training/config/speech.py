@@ -101,6 +101,9 @@ class SpeechConfig:
     # one placeholder, the frames' place; unset: the speech-LLM checkpoint's layout, else DEFAULT_PROMPT
     prompt: str | None = None
     answer_field: str = "text"  # the batch field the loss is taken on (the transcript for ASR)
+    # the token that ends each answer (and decoding); unset: a speech-LLM checkpoint's tokenizer's eos_token (a chat
+    # checkpoint's turn end), else the first of headrace.training.speech.prompt.EOS_NAMES the tokenizer has
+    answer_end: str | None = None
     # log-mel parameters of a parakeet encoder (default: DALI's); a whisper encoder takes Whisper's own features
     # (n_fft 400, hop 160, its config's num_mel_bins), so it leaves this unset
     features: LogMelConfig | None = None

@@ -32,7 +32,8 @@ as Voxtral's processor does.
 
 Prompt: the checkpoint's own layout around its audio token (Qwen2-Audio: ``<|audio_bos|>`` + the audio +
 ``<|audio_eos|>``, in the chat template's user turn for a chat checkpoint; Voxtral's default is
-``[INST][BEGIN_AUDIO]<|audio|>[/INST]``); ``speech.prompt`` (``--prompt``) gives another.
+``[INST][BEGIN_AUDIO]<|audio|>[/INST]``); ``speech.prompt`` (``--prompt``) gives another. Each answer ends with the
+tokenizer's ``eos_token`` (a chat checkpoint's turn end, e.g. ``<|im_end|>``) unless ``speech.answer_end`` says.
 """
 
 from __future__ import annotations
@@ -95,12 +96,9 @@ def adapter_fields(checkpoint: Path, kind: str) -> dict:
             "hidden_size": config["text_config"]["hidden_size"], "bias": False}
 
 
-def chat_prompt(checkpoint: Path, kind: str) -> str:
-    """The prompt a chat checkpoint's template gives one user turn of audio (``apply_chat_template`` with the
+def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
+    """The prompt the checkpoint's chat template gives one user turn of audio (``apply_chat_template`` with the
     audio and no text, its audio token as the placeholder), else ``BASE_PROMPTS[kind]``."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if tokenizer.chat_template is None:
         return BASE_PROMPTS[kind]
     text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
@@ -131,11 +129,15 @@ def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> Spee
               "adapter": {**adapter_fields(checkpoint, kind), "pretrained_path": str(checkpoint)}}
     for section, fields in theirs.items():
         _refuse_contradiction(section, getattr(speech, section), fields, checkpoint, kind)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     try:
         return dataclasses.replace(
             speech, encoder=dataclasses.replace(speech.encoder, kind=kind, pretrained_path=str(checkpoint)),
             adapter=dataclasses.replace(speech.adapter, **theirs["adapter"]),
-            prompt=speech.prompt or chat_prompt(checkpoint, kind))
+            prompt=speech.prompt or chat_prompt(tokenizer, checkpoint, kind),
+            answer_end=speech.answer_end or tokenizer.eos_token)
     except ValueError as e:  # SpeechConfig's own rules (e.g. features with Whisper's encoder) against the result
         raise ConfigError(f"model.speech: {e}") from None
 

@@ -80,7 +80,7 @@ class SpeechBatches:
         self.loader, self.cfg, self.multiple_of = loader, cfg, multiple_of
         self.salm = getattr(model, "module", model)  # DDP wraps
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.template = make_template(self.tokenizer, cfg.prompt)
+        self.template = make_template(self.tokenizer, cfg.prompt, cfg.answer_end)
 
     def answers(self, batch: dict) -> list[list[int]]:
         if "tokens" in batch and self.cfg.answer_field == "text":  # the shards carry token ids already
