@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.dist.speech_common import WORDS, audio_batches, salm_job, save_tokenizer, write_audio_dataset
+from tests.dist.speech_common import WORDS, audio_batches, salm_job, write_audio_dataset
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
@@ -196,7 +196,6 @@ def qwen2_audio_job(tmp_path: Path, speech: dict | None = None, **model) -> dict
     Qwen2-Audio checkpoint directory ``tmp_path/qwen2-audio`` in place, with ``speech`` as its speech section."""
     from headrace.config import to_dict
 
-    save_tokenizer(tmp_path / "tokenizer.json")
     raw = to_dict(salm_job(tmp_path, "in-place", encoder="whisper", data_path=str(tmp_path / "utterances"),
                            precision="fp32"))
     raw["model"] = dict(kind="salm", pretrained_path=str(tmp_path / "qwen2-audio"), speech=speech or {}, **model)
