@@ -110,6 +110,8 @@ def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
 
 
 def _refuse_contradiction(section: str, given, theirs: dict, checkpoint: Path, kind: str) -> None:
+    """ConfigError for the first field of ``given`` (the user's ``speech.<section>``) that is set and is not the
+    checkpoint's (``theirs``)."""
     for key, value in theirs.items():
         mine = getattr(given, key)
         if key == "pretrained_path" and mine is not None:
@@ -123,14 +125,14 @@ def _refuse_contradiction(section: str, given, theirs: dict, checkpoint: Path, k
 def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> SpeechConfig:
     """``speech`` with its unset encoder / adapter settings and prompt taken from the speech-LLM checkpoint; a
     ConfigError naming the key of a given one that contradicts it."""
+    from transformers import AutoTokenizer
+
     checkpoint = Path(checkpoint).resolve()
     kind = speech_llm_kind(checkpoint)
     theirs = {"encoder": {"kind": kind, "config": None, "config_path": None, "pretrained_path": str(checkpoint)},
               "adapter": {**adapter_fields(checkpoint, kind), "pretrained_path": str(checkpoint)}}
     for section, fields in theirs.items():
         _refuse_contradiction(section, getattr(speech, section), fields, checkpoint, kind)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     try:
         return dataclasses.replace(
