@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -207,11 +208,13 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     FLAC shards: its step-1 loss is transformers' loss on the loader's first batch, and its step-2 loss is
     transformers' loss on the second batch after the same AdamW step of transformers' model (so every part was
     read under its own name and trained alike); the SALM read in place gives transformers' logits; the export
-    carries the checkpoint's prompt; the speech eval of the checkpoint as it is gives transformers' loss."""
+    carries the checkpoint's prompt; the checkpoint eval of the job as written gives the val loss the trainer
+    logged; the speech eval of the checkpoint as it is gives transformers' loss."""
     from headrace.dataio import build_loader
     from headrace.training.components.optim import build_optimizer
     from headrace.training.config.load import load_job_config
     from headrace.training.estimate_batch import main as estimate_batch
+    from headrace.training.eval import evaluate_checkpoint
     from headrace.training.speech.eval import eval_loader, evaluate
     from headrace.training.speech.job import SpeechBatches, load_salm
     from headrace.training.train import train
@@ -219,9 +222,17 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     reference, vocab = save_qwen2_audio(tmp_path / "qwen2-audio")
     fresh = copy.deepcopy(reference)  # the checkpoint as saved (``reference`` takes the AdamW step)
     write_audio_dataset(tmp_path / "utterances")
-    cfg = load_job_config(None, base=qwen2_audio_job(tmp_path))
+    raw = qwen2_audio_job(tmp_path)
+    raw["data"]["val"] = dict(datasets=[dict(path=str(tmp_path / "utterances"))])
+    raw["trainer"]["eval_every"] = 3
+    cfg = load_job_config(None, base=raw)
     history = train(cfg)
     assert [r["step"] for r in history] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    # python -m headrace.training.eval's path on the run's last checkpoint, from the job as written: the val loss
+    # the trainer logged at that step
+    (logged,) = [r for r in map(json.loads, open(tmp_path / "in-place" / "metrics.jsonl")) if "val_loss" in r]
+    figures = evaluate_checkpoint(cfg, str(tmp_path / "in-place" / "checkpoints"))
+    assert figures["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6) and figures["val_docs"] == 8
 
     model, speech = load_salm(tmp_path / "qwen2-audio")  # the same mapping, read in place for decoding
     assert speech.prompt == ("<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n"
