@@ -297,10 +297,12 @@ def test_qwen2_audio_checkpoint_refuses_contradicting_settings(tmp_path):
             (dict(speech=dict(adapter=dict(kind="mlp"))), r"^model.speech.adapter.kind: 'mlp' contradicts"),
             (dict(speech=dict(encoder=dict(kind="qwen2_audio", pretrained_path=str(tmp_path)))),
              r"^model.speech.encoder.pretrained_path: .* contradicts"),
-            (dict(speech=dict(features=dict(n_mels=80))), r"^model.speech: features: a whisper encoder takes Whisper's"),
+            (dict(speech=dict(features=dict(n_mels=80))),
+             r"^model.speech: features: a whisper encoder takes Whisper's"),
             (dict(tokenizer=str(tmp_path / "tokenizer.json")), r"^model.tokenizer: .* contradicts model.pretrained_path"),
-            (dict(pretrained_path=str(tmp_path / "llm")), r"^model.speech.encoder: set one of config / config_path / "
-                                                          r"pretrained_path \(model.pretrained_path .* is not the checkpoint")):
+            (dict(pretrained_path=str(tmp_path / "llm")),
+             r"^model.speech.encoder: set one of config / config_path / pretrained_path \(model.pretrained_path .* "
+             r"is not the checkpoint")):
         raw = qwen2_audio_job(tmp_path)
         raw["model"].update(model, speech=model.get("speech", {}))
         with pytest.raises(ConfigError, match=error):

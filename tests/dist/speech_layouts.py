@@ -73,7 +73,8 @@ def check_whisper_sharded_init(workdir: Path, init: Path) -> None:
     print("OK whisper from scratch under fsdp2", flush=True)
 
 
-def reference(workdir: Path, init: Path, batches, tokenizer: Path | None = None) -> tuple[list[float], list[float], dict]:
+def reference(workdir: Path, init: Path, batches,
+              tokenizer: Path | None = None) -> tuple[list[float], list[float], dict]:
     """Single-process losses, gradient norms and final parameters of ``load_salm(init)`` trained on ``batches``
     (``tokenizer``: the job's, by default the test tokenizer)."""
     model, speech = load_salm(init)

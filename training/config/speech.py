@@ -133,4 +133,5 @@ class SpeechConfig:
                              f"{self.prompt!r}")
 
 
-__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "EncoderConfig", "SpeechConfig"]
+__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "EncoderConfig",
+           "SpeechConfig"]

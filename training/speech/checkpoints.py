@@ -163,7 +163,8 @@ def with_speech_llm(cfg):
     if model.tokenizer is not None and Path(model.tokenizer).resolve() not in (checkpoint,
                                                                               checkpoint / "tokenizer.json"):
         raise ConfigError(f"model.tokenizer: {model.tokenizer} contradicts model.pretrained_path {checkpoint}, a "
-                          f"{kind} checkpoint with its own tokenizer (its audio token and chat template); leave it unset")
+                          f"{kind} checkpoint with its own tokenizer (its audio token and chat template); leave it "
+                          "unset")
     speech = speech_from_checkpoint(checkpoint, model.speech)
     return dataclasses.replace(cfg, model=dataclasses.replace(model, tokenizer=str(checkpoint), speech=speech))
 

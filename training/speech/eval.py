@@ -136,7 +136,7 @@ def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, ou
 
     model, cfg = load_salm(model_dir)
     loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
-    tokenizer = model_dir if speech_llm_kind(model_dir) else Path(model_dir) / "hf"  # the checkpoint's own, or the export's
+    tokenizer = model_dir if speech_llm_kind(model_dir) else Path(model_dir) / "hf"  # the checkpoint's, or the export's
     return decode_split(model, cfg, str(tokenizer), loader,
                         max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
 

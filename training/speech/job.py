@@ -171,5 +171,5 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
                          multiple_of=dims.tp if dims.sequence_parallel else 1)
 
 
-__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum", "wrap_loader",
-           "write_manifest"]
+__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
+           "wrap_loader", "write_manifest"]
