@@ -9,8 +9,8 @@
         encoder: {kind: parakeet, config: {hidden_size: 128, num_hidden_layers: 4, ...}, freeze: false}
         # or Whisper's encoder from a local Whisper checkpoint (features: Whisper's own, leave unset):
         # encoder: {kind: whisper, pretrained_path: /ckpt/whisper-small, freeze: true}
-        # or a transformers ParakeetForCTC checkpoint's encoder:
-        # encoder: {kind: parakeet, pretrained_path: /ckpt/parakeet-ctc-1.1b}
+        # or a transformers ParakeetForCTC checkpoint's encoder, on the NeMo features it was trained on:
+        # encoder: {kind: parakeet, pretrained_path: /ckpt/parakeet-ctc-1.1b}, features: {kind: nemo}
         adapter: {subsampling: 2}
         prompt: "Transcribe the audio. <|audio|> Transcript:"
         features: {n_mels: 80}               # headrace.kernels.log_mel, on the device in the step (parakeet)

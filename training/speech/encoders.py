@@ -3,11 +3,11 @@ config, the module, its input features, how many output frames an utterance gets
 keeps its weights. Model code stays transformers'.
 
 - ``parakeet``: ``ParakeetEncoder`` (FastConformer) on ``headrace.kernels.log_mel.log_mel`` (the loader's DALI
-  features) of the batch's longest utterance, with an attention mask over each utterance's frames; its
+  features; ``features.kind: nemo``: ``nemo_log_mel``, NeMo's, as transformers' ``ParakeetFeatureExtractor``
+  computes them) of the batch's longest utterance, with an attention mask over each utterance's frames; its
   output frames come from its conv subsampling. ``pretrained_path`` may be a transformers ``ParakeetForCTC``
-  checkpoint directory (its ``encoder_config``, its ``encoder.*`` weights; the CTC head is not read). The
-  features stay these: transformers' ``ParakeetFeatureExtractor`` (NeMo's: preemphasis, natural log,
-  per-utterance normalisation) is not reproduced, so a released encoder starts on features it was not trained on.
+  checkpoint directory (its ``encoder_config``, its ``encoder.*`` weights; the CTC head is not read); such an
+  encoder was trained on NeMo's features.
 - ``whisper``: ``WhisperEncoder`` on ``headrace.kernels.log_mel.whisper_log_mel`` (transformers'
   ``WhisperFeatureExtractor`` computed on the device). Every utterance is padded to the encoder's fixed
   window, ``max_source_positions * 2`` mel frames (30 s for the released checkpoints), as Whisper was
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from headrace.kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, log_mel, num_frames, whisper_log_mel,
-                             whisper_num_frames)
+from headrace.kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, feature_frames, log_mel,
+                                      nemo_log_mel, whisper_log_mel, whisper_num_frames)
 from headrace.training.config.speech import EncoderConfig
 from headrace.training.speech.checkpoints import PREFIX as PARTS_PREFIX
 from headrace.training.speech.checkpoints import SPEECH_LLMS
@@ -112,14 +112,14 @@ class ParakeetFrontEnd:
 
     def features(self, encoder: nn.Module, audio: torch.Tensor,
                  audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return log_mel(audio, audio_lens, self.cfg)
+        return (nemo_log_mel if self.cfg.kind == "nemo" else log_mel)(audio, audio_lens, self.cfg)
 
     def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         mask = masked_frames(frames, feats.shape[-1])
         return encoder(feats.transpose(1, 2), attention_mask=mask.long()).last_hidden_state
 
     def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
-        return encoder._get_subsampling_output_length(num_frames(audio_lens, self.cfg.hop_length)).long()
+        return encoder._get_subsampling_output_length(feature_frames(audio_lens, self.cfg)).long()
 
     def checkpoint_prefix(self, path: str) -> str:
         return whole_model_prefix(path)  # ParakeetForCTC's encoder.*, or an encoder's own directory
