@@ -1,4 +1,4 @@
-"""Log-mel features of a padded waveform batch on the device: the loader's DALI path, and Whisper's.
+"""Log-mel features of a padded waveform batch on the device: the loader's DALI path, NeMo's, and Whisper's.
 
 ``log_mel(audio, lengths, cfg)`` computes, in plain torch on whatever device ``audio`` lives (no
 torchaudio), the same features as ``headrace.dataio.stream.dali``'s ``features: log_mel`` graph
@@ -27,7 +27,12 @@ floored at the utterance's maximum - 8, then ``(x + 4) / 4``. The frames the rea
 tests/test_kernels_log_mel.py. Cost: the STFT of the whole window per utterance (the encoder's input
 size is fixed anyway).
 
-Both run with autocast off: the mel matmul and the log must stay in float32 under a bf16 step.
+``nemo_log_mel(audio, lengths, cfg)`` (``LogMelConfig(kind="nemo")``) computes transformers'
+``ParakeetFeatureExtractor`` features (NeMo's preprocessor: preemphasis, symmetric Hann, ``log(x + 2^-24)``,
+per-utterance per-bin normalisation over ``length // hop`` frames), the input a released Parakeet encoder
+expects; measured against the extractor in tests/test_kernels_log_mel.py.
+
+All run with autocast off: the mel matmul and the log must stay in float32 under a bf16 step.
 
 ``spec_augment`` masks random frequency bands and time spans per utterance (SpecAugment without time
 warping), drawing from an explicit ``torch.Generator`` so runs are reproducible per rank.
@@ -42,6 +47,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -50,14 +56,18 @@ CUTOFF_DB = -80.0
 
 @dataclass(kw_only=True)
 class LogMelConfig:
-    """The feature parameters; defaults equal ``data.decode.dali``'s (25 ms window, 10 ms hop, 80 mels)."""
+    """The feature parameters; defaults equal ``data.decode.dali``'s (25 ms window, 10 ms hop, 80 mels).
+    ``kind: nemo``: NeMo's features, as transformers' ``ParakeetFeatureExtractor`` computes them
+    (``nemo_log_mel``), the ones a released Parakeet / Canary encoder was trained on."""
 
+    kind: Literal["dali", "nemo"] = "dali"
     sample_rate: int = 16000
     n_mels: int = 80
     n_fft: int = 512
     win_length: int = 400
     hop_length: int = 160
-    scale: bool = True  # (db + 40) / 40: about [-1, 1] instead of [-80, 0] dB
+    scale: bool = True  # dali: (db + 40) / 40, about [-1, 1] instead of [-80, 0] dB
+    preemphasis: float = 0.97  # nemo: x[t] - 0.97 x[t - 1] before the STFT
 
     def __post_init__(self):
         if self.win_length > self.n_fft:
@@ -124,6 +134,43 @@ def log_mel(audio: torch.Tensor, lengths: torch.Tensor, cfg: LogMelConfig) -> tu
     db = 10.0 * torch.log10(torch.clamp(mels / peak.clamp(min=torch.finfo(mels.dtype).tiny), min=1e-8))
     db = db.masked_fill(~valid[:, None, :], CUTOFF_DB)
     return ((db - CUTOFF_DB / 2) / (-CUTOFF_DB / 2) if cfg.scale else db), frames
+
+
+NEMO_LOG_GUARD, NEMO_NORM_EPS = 2.0**-24, 1e-5  # ParakeetFeatureExtractor's
+
+
+def feature_frames(lengths: torch.Tensor, cfg: LogMelConfig) -> torch.Tensor:
+    """Feature frames of each utterance: DALI's ``1 + length // hop``, NeMo's ``length // hop``."""
+    return torch.div(lengths, cfg.hop_length, rounding_mode="floor") + (cfg.kind == "dali")
+
+
+@torch.autocast("cuda", enabled=False)
+@torch.autocast("cpu", enabled=False)
+def nemo_log_mel(audio: torch.Tensor, lengths: torch.Tensor, cfg: LogMelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``audio [B, T]`` (zero-padded) with valid ``lengths [B]`` -> (NeMo features ``[B, n_mels, 1 + T // hop]``,
+    frames ``[B]``): preemphasis within each utterance, centred STFT with zero padding and a symmetric Hann
+    window of ``win_length``, Slaney mel bank on the power spectrum, ``log(x + 2^-24)``, then each mel bin
+    normalised to zero mean and unit variance over the utterance's ``length // hop`` frames (unbiased variance,
+    as NeMo's ``per_feature``); frames after them are 0. ``ParakeetFeatureExtractor``'s features, on the device."""
+    audio = audio.float()
+    lengths = lengths.to(audio.device)
+    inside = torch.arange(audio.shape[1], device=audio.device)[None, :] < lengths[:, None]
+    if cfg.preemphasis:
+        audio = torch.cat([audio[:, :1], audio[:, 1:] - cfg.preemphasis * audio[:, :-1]], dim=1)
+    audio = audio * inside
+    window = torch.hann_window(cfg.win_length, periodic=False, device=audio.device)
+    spec = torch.stft(audio, cfg.n_fft, hop_length=cfg.hop_length, win_length=cfg.win_length, window=window,
+                      center=True, pad_mode="constant", return_complex=True)
+    power = spec.real.square() + spec.imag.square()
+    logs = torch.log(torch.matmul(_mel_matrix(cfg.sample_rate, cfg.n_mels, cfg.n_fft, str(audio.device)), power)
+                     + NEMO_LOG_GUARD)
+    frames = feature_frames(lengths, cfg)
+    valid = (torch.arange(logs.shape[-1], device=audio.device)[None, :] < frames[:, None])[:, None, :]
+    count = frames[:, None, None].to(logs.dtype)
+    mean = (logs * valid).sum(-1, keepdim=True) / count
+    # (count - 1): the unbiased variance; at least 1 so a one-frame utterance gives zeros, not NaN
+    var = (((logs - mean) * valid).square()).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+    return (logs - mean) / (var.sqrt() + NEMO_NORM_EPS) * valid, frames
 
 
 WHISPER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_HOP = 16000, 400, 160  # WhisperFeatureExtractor's
@@ -201,4 +248,5 @@ def spec_augment(features: torch.Tensor, frames: torch.Tensor, cfg: SpecAugmentC
 
 
 __all__ = ["CUTOFF_DB", "WHISPER_HOP", "WHISPER_N_FFT", "WHISPER_SAMPLE_RATE", "LogMelConfig", "SpecAugmentConfig",
-           "log_mel", "num_frames", "spec_augment", "whisper_log_mel", "whisper_num_frames"]
+           "feature_frames", "log_mel", "nemo_log_mel", "num_frames", "spec_augment", "whisper_log_mel",
+           "whisper_num_frames"]

@@ -1,5 +1,5 @@
 """headrace.kernels.log_mel against the loader's DALI log-mel path (DALI on CPU) and against transformers'
-WhisperFeatureExtractor, and SpecAugment's masks."""
+WhisperFeatureExtractor and ParakeetFeatureExtractor, and SpecAugment's masks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from headrace.kernels.log_mel import LogMelConfig, SpecAugmentConfig, log_mel, spec_augment, whisper_log_mel
+from headrace.kernels.log_mel import (LogMelConfig, SpecAugmentConfig, log_mel, nemo_log_mel, spec_augment,
+                                      whisper_log_mel)
 
 TOLERANCE_DB = 1e-3  # the stated tolerance (README "Speech LLMs"): float32 FFT rounding only
 
@@ -69,6 +70,9 @@ def test_log_mel_on_cuda_matches_dali_gpu_features():
 # 1,152,000 elements off by 1.26e-5. The (log10 + 4) / 4 scale turns an atol of 1e-4 into 0.04 % of a bin's
 # energy (0.002 dB): 8x the measured worst case, and ~100x below a real error (one mel bin or frame off).
 ATOL = {"cpu": 1e-5, "cuda": 1e-4}
+# NeMo's features are normalised to unit variance per bin; the extractor takes |X| (a sqrt) then squares it, we take
+# |X|^2 directly: float32 rounding, measured at most 4.1e-6 (80 mels) and 7.2e-6 (128), CPU; a frame or bin off is ~1
+NEMO_ATOL = 1e-5
 
 
 def _compare_with_whisper_extractor(device: str, n_mels: int, window_frames: int) -> None:
@@ -103,6 +107,27 @@ def test_whisper_log_mel_matches_whisper_feature_extractor(n_mels, window_frames
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_whisper_log_mel_on_cuda_matches_whisper_feature_extractor():
     _compare_with_whisper_extractor("cuda", 128, 3000)
+
+
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_nemo_log_mel_matches_parakeet_feature_extractor(n_mels):
+    """NeMo's features of a padded batch (``kind: nemo``) vs transformers' ParakeetFeatureExtractor: the same frames
+    per utterance (its attention mask), the same normalised values, whatever the batch padding holds."""
+    from transformers import ParakeetFeatureExtractor
+
+    waves = _utterances()
+    want = ParakeetFeatureExtractor(feature_size=n_mels)(waves, sampling_rate=16000, return_attention_mask=True,
+                                                         return_tensors="pt")
+    audio = torch.zeros(len(waves), max(len(w) for w in waves))
+    for row, w in zip(audio, waves):
+        row[: len(w)] = torch.from_numpy(w)
+    audio[1, len(waves[1]):] = 1.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 step computes its features in fp32
+        ours, frames = nemo_log_mel(audio, torch.tensor([len(w) for w in waves]), LogMelConfig(kind="nemo",
+                                                                                               n_mels=n_mels))
+    assert ours.dtype == torch.float32 and frames.tolist() == want["attention_mask"].sum(1).tolist()
+    assert ours.transpose(1, 2).shape == want["input_features"].shape
+    torch.testing.assert_close(ours.transpose(1, 2), want["input_features"], rtol=0, atol=NEMO_ATOL)
 
 
 def test_spec_augment_masks_within_limits_and_reproducibly():

@@ -165,6 +165,55 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
                                    model.eval().encode(batch["audio"], batch["audio_lens"]))
 
 
+def test_parakeet_encoder_from_a_parakeet_ctc_checkpoint_matches_transformers_and_trains(tmp_path):
+    """``speech.encoder: {kind: parakeet, pretrained_path: <a ParakeetForCTC checkpoint>}`` with NeMo's features
+    (``features.kind: nemo``): its encoder_config (its default LayerDrop 0.1 off) and ``encoder.*`` weights, the
+    CTC head not read; from the same audio, the frames of the batch equal transformers' ParakeetEncoder on
+    ParakeetFeatureExtractor's features of each utterance alone; one SGD step of the SALM reaches the encoder
+    and lowers the loss."""
+    from transformers import ParakeetCTCConfig, ParakeetFeatureExtractor, ParakeetForCTC
+
+    n_mels = 16
+    torch.manual_seed(2)
+    ctc = ParakeetForCTC(ParakeetCTCConfig(encoder_config=dict(TINY_ENCODER, num_mel_bins=n_mels), vocab_size=32,
+                                           pad_token_id=31)).eval()
+    ctc.save_pretrained(tmp_path / "parakeet-ctc")
+    assert ctc.config.encoder_config.layerdrop == 0.1
+    model, speech = _tiny_salm(tmp_path, speech_extra=dict(
+        encoder=dict(kind="parakeet", pretrained_path=str(tmp_path / "parakeet-ctc")),
+        features=dict(kind="nemo", n_mels=n_mels)))
+    assert model.encoder.config.layerdrop == 0.0
+    ours = dict(model.encoder.named_parameters())
+    assert ours.keys() == dict(ctc.encoder.named_parameters()).keys()
+    for name, value in ctc.encoder.named_parameters():
+        assert torch.equal(ours[name], value), name
+    raw = audio_batches(1, rows=3, seed=4)[0]
+    batch = speech.convert(raw)
+    waves = [w[:n].numpy() for w, n in zip(raw["audio"], raw["audio_lens"])]
+    theirs = ParakeetFeatureExtractor(feature_size=n_mels)(waves, sampling_rate=16000, return_attention_mask=True,
+                                                           return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        feats, frames = model.front.features(model.encoder, batch["audio"], batch["audio_lens"])
+        assert frames.tolist() == theirs["attention_mask"].sum(1).tolist() and len(set(frames.tolist())) == 3
+        hidden = model.front.hidden(model.encoder, feats, frames)
+        covered = model.front.output_frames(model.encoder, batch["audio_lens"])
+        for row, (n, m) in enumerate(zip(frames.tolist(), covered.tolist())):
+            alone = ctc.encoder(theirs["input_features"][row : row + 1, :n]).last_hidden_state[0]
+            assert alone.shape[0] == m
+            torch.testing.assert_close(hidden[row, :m], alone, rtol=1e-4, atol=1e-5)  # measured 7e-6 at most
+    model.train()
+    inputs = {k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")}
+    loss = model(**inputs)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoder.parameters() if p.requires_grad)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 1e-2 * p.grad / (batch["labels"] != -100).sum()
+        assert model(**inputs) < loss
+
+
 def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
     from headrace.config import to_dict
     from headrace.training.config.load import load_job_config

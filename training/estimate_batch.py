@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from headrace.dataio.loader import open_source
     from headrace.training.config.load import load_job_config
     from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.checkpoints import with_speech_llm
     from headrace.training.speech.job import SpeechBatches
     from headrace.training.speech.model import build_meta_salm, materialize_salm
     from headrace.training.distributed.process_group import pick_device
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.model.kind != "salm":
         print("error: headrace.training.estimate_batch needs a model.kind: salm job", file=sys.stderr)
         return 2
+    cfg = with_speech_llm(cfg)
     bucketing = cfg.data.bucketing
     if bucketing.bucket_duration_bins:
         bins = np.asarray(bucketing.bucket_duration_bins, dtype=np.float64)

@@ -66,10 +66,12 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
 
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
+    from headrace.training.speech.checkpoints import with_speech_llm
     from headrace.training.train import build_model_or_pipeline
     from headrace.training.validation import make_validator
 
     ckpt, kind = check_inputs(cfg, path)
+    cfg = with_speech_llm(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
                                                                  pretrained_path=str(ckpt)))

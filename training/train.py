@@ -59,6 +59,7 @@ from headrace.training.distributed.process_group import init_distributed, new_ta
 from headrace.training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.components.run_lock import lock_output_dir
+from headrace.training.speech.checkpoints import with_speech_llm
 from headrace.training.speech.eval import eval_in_training
 from headrace.training.speech.job import build_salm, export_salm, wrap_loader
 from headrace.training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
@@ -365,6 +366,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     replaces ``headrace.dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
     """
     check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
+    cfg = with_speech_llm(cfg)  # a SALM on a Qwen2-Audio / Voxtral checkpoint: its parts, prompt and tokenizer
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     cfg = with_model_layout(cfg)

@@ -13,7 +13,8 @@ audio (one process reading each dp rank's batches). The same for a SALM on Whisp
 ``WORKDIR/init_whisper``): built from scratch under FSDP2 its fixed position table is the unsharded one;
 FSDP2 (dp=2) x TP=2 with activation checkpointing matches its reference, and a
 bf16 run with the encoder frozen stays within bf16 rounding of the first loss and exports the encoder
-unchanged. Prints ``OK <check>`` per passed check; any mismatch raises.
+unchanged. A Qwen2-Audio checkpoint directory trained in place under FSDP2 x TP + SP matches one process
+training it. Prints ``OK <check>`` per passed check; any mismatch raises.
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ def check_whisper_sharded_init(workdir: Path, init: Path) -> None:
     print("OK whisper from scratch under fsdp2", flush=True)
 
 
-def reference(workdir: Path, init: Path, batches) -> tuple[list[float], list[float], dict]:
+def reference(workdir: Path, init: Path, batches,
+              tokenizer: Path | None = None) -> tuple[list[float], list[float], dict]:
+    """Single-process losses, gradient norms and final parameters of ``load_salm(init)`` trained on ``batches``
+    (``tokenizer``: the job's, by default the test tokenizer)."""
     model, speech = load_salm(init)
     model.train()
-    convert = SpeechBatches([], model, speech, str(workdir / "tokenizer.json")).convert
-    cfg = OptimConfig(**salm_job(workdir, "x", init=init).optim.__dict__)
+    convert = SpeechBatches([], model, speech, str(tokenizer or workdir / "tokenizer.json")).convert
+    cfg = OptimConfig(**salm_job(workdir, "x").optim.__dict__)
     opt = build_optimizer(model, cfg)
     losses, norms = [], []
     for step in range(1, STEPS + 1):
@@ -92,6 +96,28 @@ def reference(workdir: Path, init: Path, batches) -> tuple[list[float], list[flo
     # Parameters only: the encoder's BatchNorm running statistics are per rank (each sees its own
     # micro-batches, as under DDP without SyncBatchNorm); the export writes rank 0's.
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def check_qwen2_audio_in_place(workdir: Path, batches, loaders) -> None:
+    """A Qwen2-Audio checkpoint directory trained in place (``model.pretrained_path``, empty speech section) under
+    FSDP2 (dp 2) x TP 2 + SP: each rank reads its own slices of the LLM (``language_model.*``), encoder
+    (``audio_tower.*``) and projector, and the losses and gradient norms match one process training
+    ``load_salm(CKPT)``."""
+    from headrace.training.config.load import load_job_config
+    from tests.test_speech_checkpoints import qwen2_audio_job, save_qwen2_audio
+
+    if dist.get_rank() == 0:
+        save_qwen2_audio(workdir / "qwen2-audio")
+    dist.barrier()
+    ref_losses, ref_norms, _ = reference(workdir, workdir / "qwen2-audio", batches, workdir / "qwen2-audio")
+    raw = qwen2_audio_job(workdir)
+    raw["distributed"] = dict(strategy="fsdp2", tp_size=2, sequence_parallel=True)
+    raw["trainer"].update(grad_accum=2, max_steps=STEPS)
+    history = train(load_job_config(None, base=raw), loaders(2))
+    check_close("qwen2_audio in place losses", [r["loss"] for r in history], ref_losses, 2e-5)
+    check_close("qwen2_audio in place relative grad norms", [r["grad_norm"] / n - 1 for r, n in zip(history, ref_norms)],
+                [0.0] * STEPS, 1e-5)
+    print("OK qwen2_audio checkpoint in place under fsdp2 x tp2 + sp matches", flush=True)
 
 
 def exported(out_dir: Path) -> dict:
@@ -246,6 +272,8 @@ def main() -> None:
         logged = [r for r in read(workdir / "fsdp2" / "metrics.jsonl") if "val_wer" in r]  # the WER curve's points
         assert logged == [{"step": STEPS, "val_wer": result["wer"], "val_wer_utterances": 8}], logged
     print("OK eval during training equals eval of the export, and its WER is in metrics.jsonl", flush=True)
+
+    check_qwen2_audio_in_place(workdir, batches, loaders)
 
     train(salm_job(workdir, "resumed", init=inits["parakeet"], max_steps=2), loaders(1))
     history = train(salm_job(workdir, "resumed", init=inits["parakeet"], max_steps=STEPS), loaders(1))

@@ -273,7 +273,8 @@ def _file_index(state: dict, max_bytes: float) -> dict[str, int]:
 def _copy_tokenizer(tokenizer: str, dest: Path) -> None:
     src = Path(tokenizer)
     if src.is_dir():
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                     "chat_template.json"):
             if (src / name).is_file():
                 shutil.copy(src / name, dest / name)
     else:

@@ -24,7 +24,9 @@ class ModelConfig:
 
     config: dict[str, Any] | None = None  # inline HF config fields, must include model_type
     config_path: str | None = None  # a local config.json or a directory holding one
-    pretrained_path: str | None = None  # a local directory with config.json + *.safetensors
+    # a local directory with config.json + *.safetensors; for kind: salm also a transformers Qwen2-Audio / Voxtral
+    # checkpoint, the whole SALM (headrace.training.speech.checkpoints)
+    pretrained_path: str | None = None
     tokenizer: str | None = None  # tokenizer.json (or a directory) copied into the hf/ export
     attn_implementation: str = "sdpa"  # any name registered with transformers.AttentionInterface
     init_std: float | None = None  # overrides config.initializer_range for fresh models

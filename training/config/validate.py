@@ -13,7 +13,9 @@ each shard recorded (``ShardInfo.max_token``, written by ``dataio shard``/``data
 ``vocab_size``, so an out-of-range id is a line naming the shard, not an ``IndexError`` deep in the
 embedding. All are pure reads of the config and index metadata (microseconds, no data read).
 Rules that need the built model (TP heads, MoE experts, pipeline stages) fail where it is built, before any
-weight is allocated (``headrace.training.distributed``).
+weight is allocated (``headrace.training.distributed``). The rules between a SALM's speech settings and the
+released speech-LLM checkpoint it starts from live beside that mapping (``headrace.training.speech.checkpoints
+.with_speech_llm``, which the trainer runs right after ``check_job``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def check_config(cfg) -> None:
     if (model.kind == "salm") != (model.speech is not None):
         raise ConfigError("model.speech is required with model.kind: salm, and only then")
     if model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
+        if model.speech.encoder.from_checkpoint and model.pretrained_path is None:
+            raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
+                              "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
             raise ConfigError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
                               "data.seq_len unset")

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,6 +46,8 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
             config = config_or_error(lambda: AutoConfig.for_model(fields.pop("model_type"), **fields), path)
         else:
             config = config_or_error(lambda: AutoConfig.from_pretrained(path), path)
+    if cfg.kind == "salm":  # a SALM's LLM may be the text model of a speech LLM (Qwen2-Audio: its text_config)
+        config = config.get_text_config(decoder=True)
     model_cls = causal_lm_class(config)
     check_family(config, model_cls)
     if cfg.attn_implementation == ATTENTION_NAME and not supports_packed_attention(model_cls):
@@ -107,8 +110,9 @@ def build_meta_model(config: PretrainedConfig) -> nn.Module:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, pretrained_path: str | None = None) -> None:
-    """Allocate each rank's (already sharded) parameters on ``device``, then initialize or load them."""
+def materialize(model: nn.Module, device: torch.device, pretrained_path: str | None = None, prefix: str = "") -> None:
+    """Allocate each rank's (already sharded) parameters on ``device``, then initialize or load them
+    (``prefix``: as ``load_safetensors``'s)."""
     model.to_empty(device=device)
     for module in model.modules():  # to_empty left garbage, so nothing is initialized yet
         module._is_hf_initialized = False
@@ -121,12 +125,13 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
         hf.initialize_weights()  # also recomputes the non-persistent RoPE buffers
     hf.tie_weights()
     if pretrained_path is not None:
-        load_safetensors(model, pretrained_path)
+        load_safetensors(model, pretrained_path, prefix)
 
 
-def load_safetensors(model: nn.Module, path: str, prefix: str = "") -> None:
+def load_safetensors(model: nn.Module, path: str, prefix: str = "", rename: Callable[[str], str] | None = None) -> None:
     """Fill ``model`` (plain, FSDP2 or TP-sharded) from a HF safetensors directory, each rank its own slices;
-    ``prefix``: the checkpoint names the model's weights ``prefix + name`` (a part of a bigger model)."""
+    ``prefix``: the checkpoint names the model's weights ``prefix + name`` (a part of a bigger model), and
+    ``rename(name)`` is the model's name of such a ``name`` (a part whose modules are named otherwise)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -134,7 +139,9 @@ def load_safetensors(model: nn.Module, path: str, prefix: str = "") -> None:
     hf = unwrap_causal_lm(model)
     if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
-    stored_as = {name[len(prefix):]: key for name, key in checkpoint_names(hf, path).items() if name.startswith(prefix)}
+    rename = rename or (lambda name: name)
+    stored_as = {rename(name[len(prefix):]): key for name, key in checkpoint_names(hf, path).items()
+                 if name.startswith(prefix)}
     stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
     # fused MoE experts stored per expert (the hub's layout) are read into per-expert views of the local experts
     reads = per_expert_views(hf, state, keep_fused=stored_as.keys() | stored)

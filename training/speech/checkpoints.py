@@ -1,34 +1,45 @@
-"""Released speech-LLM checkpoints as SALMs (Qwen2-Audio, Voxtral): their encoders as front ends, and a
-checkpoint directory converted to a SALM export.
+"""Released transformers speech LLMs (Qwen2-Audio, Voxtral) as SALMs: one mapping of their checkpoint directory
+onto the SALM's parts, read in place by a training job or written out as a SALM export.
 
-``Qwen2AudioEncoder`` is Whisper's encoder plus a 2x average pooling and a final LayerNorm; unlike plain
+A checkpoint directory (config.json ``model_type`` ``qwen2_audio`` / ``voxtral``) holds ``audio_tower.*`` (the
+encoder), ``multi_modal_projector.*`` (the adapter; Voxtral's ``linear_1`` / ``linear_2`` are the mlp adapter's
+``proj_in`` / ``proj_out``) and ``language_model.{model,lm_head}.*`` (the LLM, its ``text_config``), with its
+tokenizer and chat template. ``PARTS`` / ``salm_name`` are that mapping, used both ways:
+
+- in place: a ``model.kind: salm`` job with ``model.pretrained_path: CKPT`` (``with_speech_llm``, run by the
+  trainer after ``check_job``) takes the encoder (``speech.encoder: {kind: qwen2_audio | voxtral,
+  pretrained_path: CKPT}``: its ``audio_config``, ``audio_tower.*``), the projector (``speech.adapter``, its
+  kind / stacking / bias, ``pretrained_path: CKPT``), the LLM (``model.pretrained_path``: ``text_config``,
+  ``language_model.*``), the tokenizer and the prompt from the checkpoint; each rank reads only its own slices
+  of each part from the checkpoint's safetensors (``headrace.training.models.build.load_safetensors`` with the
+  part's prefix), so nothing is written. A setting the user gave that contradicts the checkpoint (another encoder
+  kind, an adapter stacking, another tokenizer) is a ``ConfigError`` naming the key. ``job.load_salm(CKPT)``
+  builds the same SALM for decoding.
+- ``python -m headrace.training.speech.checkpoints CKPT OUT`` writes the SALM export ``OUT/{hf,encoder,adapter}``
+  + ``OUT/salm.json`` (what ``job.load_salm(OUT)`` and ``init`` exports read). Cost: one read and one write of the
+  weights (tensor by tensor through safetensors).
+
+Encoders: ``Qwen2AudioEncoder`` is Whisper's encoder plus a 2x average pooling and a final LayerNorm; unlike plain
 Whisper it attends only over the frames the audio covers (a bidirectional mask over the conv frames, as
 ``Qwen2AudioModel`` builds it). Features are Whisper's, over its fixed window (``WhisperFrontEnd``):
 ``ceil(samples / 160)`` mel frames -> ``(frames - 1) // 2 + 1`` conv frames -> ``(conv - 2) // 2 + 1``
 pooled frames, one LLM position each through the projector (``adapter.kind: linear``).
-
 ``VoxtralEncoder`` is Whisper's encoder without a mask; Voxtral feeds every frame of the window to its
 projector, which stacks ``audio_config.intermediate_size / d_model`` (4) consecutive frames and applies
 Linear-GELU-Linear without biases: the SALM ``mlp`` adapter with ``subsampling: 4, bias: false``. So a
 Voxtral SALM gives each utterance ``max_source_positions / 4`` slots (375 per 30 s window), whatever its length,
 as Voxtral's processor does.
 
-``python -m headrace.training.speech.checkpoints CHECKPOINT OUT`` rewrites a transformers Qwen2-Audio or Voxtral
-checkpoint directory (``audio_tower.*``, ``multi_modal_projector.*``, ``language_model.{model,lm_head}.*``) as
-a SALM export: ``OUT/hf`` (the LLM: its text config, its weights renamed, the checkpoint's tokenizer files),
-``OUT/encoder`` (the audio config + weights), ``OUT/adapter`` (the projector, names mapped) and
-``OUT/salm.json`` whose prompt is the checkpoint's own layout around its audio token (Qwen2-Audio:
-``<|audio_bos|>`` + the audio + ``<|audio_eos|>``, in the chat template's user turn for a chat checkpoint;
-``--prompt`` gives another; Voxtral's default is ``[INST][BEGIN_AUDIO]<|audio|>[/INST]``).
-``headrace.training.speech.job.load_salm(OUT)`` rebuilds it; a training job starts from it with
-``model.pretrained_path: OUT/hf``, ``speech.encoder: {kind: qwen2_audio, pretrained_path: OUT/encoder}``,
-``speech.adapter: {kind: linear, subsampling: 1, pretrained_path: OUT/adapter}``. Cost: one read and one
-write of the weights (tensor by tensor through safetensors).
+Prompt: the checkpoint's own layout around its audio token (Qwen2-Audio: ``<|audio_bos|>`` + the audio +
+``<|audio_eos|>``, in the chat template's user turn for a chat checkpoint; Voxtral's default is
+``[INST][BEGIN_AUDIO]<|audio|>[/INST]``); ``speech.prompt`` (``--prompt``) gives another. Each answer ends with the
+tokenizer's ``eos_token`` (a chat checkpoint's turn end, e.g. ``<|im_end|>``) unless ``speech.answer_end`` says.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -36,12 +47,15 @@ from pathlib import Path
 
 import torch
 
-from headrace.training.config.speech import AUDIO_PLACEHOLDER
+from headrace.config import ConfigError
+from headrace.training.config.speech import AUDIO_PLACEHOLDER, SpeechConfig
 
+SPEECH_LLMS = ("qwen2_audio", "voxtral")  # transformers model_types read as SALMs
+PARTS = {"audio_tower.": "encoder", "multi_modal_projector.": "adapter", "language_model.": "hf"}
+PREFIX = {part: prefix for prefix, part in PARTS.items()}
+ADAPTER_NAMES = {"linear_1.": "proj_in.", "linear_2.": "proj_out."}  # Voxtral's projector -> the mlp adapter
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
-PARTS = {"audio_tower.": "encoder", "multi_modal_projector.": "adapter", "language_model.": "hf"}
-ADAPTER_NAMES = {"linear_1.": "proj_in.", "linear_2.": "proj_out."}  # Voxtral's projector -> the mlp adapter
 # without a chat template: the base checkpoint's ASR prompt (Qwen2-Audio's processor layout: the audio between
 # its markers, then the task), or Voxtral's instruction turn around its audio
 BASE_PROMPTS = {"qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>Detect the language and recognize the "
@@ -50,12 +64,41 @@ BASE_PROMPTS = {"qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>De
 AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "voxtral": "[AUDIO]"}
 
 
-def chat_prompt(checkpoint: Path, kind: str) -> str:
-    """The prompt a chat checkpoint's template gives one user turn of audio (``apply_chat_template`` with the
-    audio and no text, its audio token as the placeholder), else ``BASE_PROMPTS[kind]``."""
-    from transformers import AutoTokenizer
+def speech_llm_kind(path: str | Path | None) -> str | None:
+    """The ``model_type`` of the transformers speech LLM whose checkpoint directory ``path`` is, else None."""
+    config = Path(path) / "config.json" if path is not None else None
+    if config is None or not config.is_file():
+        return None
+    kind = json.loads(config.read_text()).get("model_type")
+    return kind if kind in SPEECH_LLMS else None
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+def part_prefix(path: str | Path, part: str) -> str:
+    """The prefix of ``part``'s weights in the directory ``path``: ``PREFIX[part]`` in a speech LLM's checkpoint,
+    nothing in a part's own directory (an export's ``hf/``, ``adapter/``)."""
+    return PREFIX[part] if speech_llm_kind(path) else ""
+
+
+def salm_name(part: str, name: str) -> str:
+    """The SALM module's name of the checkpoint's ``part`` weight ``name`` (its prefix already removed)."""
+    if part == "adapter":
+        return next((new + name[len(old):] for old, new in ADAPTER_NAMES.items() if name.startswith(old)), name)
+    return name
+
+
+def adapter_fields(checkpoint: Path, kind: str) -> dict:
+    """The ``speech.adapter`` settings that are the checkpoint's projector."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if kind == "qwen2_audio":
+        return {"kind": "linear", "subsampling": 1, "hidden_size": None, "bias": True}
+    audio = config["audio_config"]  # stacks intermediate_size / d_model frames (VoxtralModel.get_audio_features)
+    return {"kind": "mlp", "subsampling": audio["intermediate_size"] // audio["hidden_size"],
+            "hidden_size": config["text_config"]["hidden_size"], "bias": False}
+
+
+def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
+    """The prompt the checkpoint's chat template gives one user turn of audio (``apply_chat_template`` with the
+    audio and no text, its audio token as the placeholder), else ``BASE_PROMPTS[kind]``."""
     if tokenizer.chat_template is None:
         return BASE_PROMPTS[kind]
     text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
@@ -66,31 +109,89 @@ def chat_prompt(checkpoint: Path, kind: str) -> str:
     return text.replace(token, AUDIO_PLACEHOLDER, 1)
 
 
+def _refuse_contradiction(section: str, given, theirs: dict, checkpoint: Path, kind: str) -> None:
+    """ConfigError for the first field of ``given`` (the user's ``speech.<section>``) that is set and is not the
+    checkpoint's (``theirs``)."""
+    for key, value in theirs.items():
+        mine = getattr(given, key)
+        if key == "pretrained_path" and mine is not None:
+            mine = str(Path(mine).resolve())
+        if mine is not None and mine != value:
+            shown = repr(mine) if len(repr(mine)) < 60 else repr(mine)[:57] + "..."
+            raise ConfigError(f"model.speech.{section}.{key}: {shown} contradicts model.pretrained_path {checkpoint}, "
+                              f"a {kind} checkpoint whose {section} has {key} {value!r}; leave it unset")
+
+
+def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> SpeechConfig:
+    """``speech`` with its unset encoder / adapter settings and prompt taken from the speech-LLM checkpoint; a
+    ConfigError naming the key of a given one that contradicts it."""
+    from transformers import AutoTokenizer
+
+    checkpoint = Path(checkpoint).resolve()
+    kind = speech_llm_kind(checkpoint)
+    theirs = {"encoder": {"kind": kind, "config": None, "config_path": None, "pretrained_path": str(checkpoint)},
+              "adapter": {**adapter_fields(checkpoint, kind), "pretrained_path": str(checkpoint)}}
+    for section, fields in theirs.items():
+        _refuse_contradiction(section, getattr(speech, section), fields, checkpoint, kind)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    try:
+        return dataclasses.replace(
+            speech, encoder=dataclasses.replace(speech.encoder, kind=kind, pretrained_path=str(checkpoint)),
+            adapter=dataclasses.replace(speech.adapter, **theirs["adapter"]),
+            prompt=speech.prompt or chat_prompt(tokenizer, checkpoint, kind),
+            answer_end=speech.answer_end or tokenizer.eos_token)
+    except ValueError as e:  # SpeechConfig's own rules (e.g. features with Whisper's encoder) against the result
+        raise ConfigError(f"model.speech: {e}") from None
+
+
+def with_speech_llm(cfg):
+    """``cfg`` (a ``JobConfig``), or, for a SALM whose ``model.pretrained_path`` is a speech LLM's checkpoint,
+    the job with the checkpoint's encoder, adapter, prompt and tokenizer filled in (module docstring); the same
+    job again for a job already filled in. ConfigError for a setting that contradicts the checkpoint, or an
+    encoder left unset without such a checkpoint."""
+    model = cfg.model
+    if model.kind != "salm":
+        return cfg
+    kind = speech_llm_kind(model.pretrained_path)
+    if kind is None:
+        if model.speech.encoder.from_checkpoint:
+            raise ConfigError(f"model.speech.encoder: set one of config / config_path / pretrained_path "
+                              f"(model.pretrained_path {model.pretrained_path} is not the checkpoint of a "
+                              f"transformers speech LLM, {' / '.join(SPEECH_LLMS)}, whose encoder could be used)")
+        return cfg
+    checkpoint = Path(model.pretrained_path).resolve()
+    if model.tokenizer is not None and Path(model.tokenizer).resolve() not in (checkpoint,
+                                                                              checkpoint / "tokenizer.json"):
+        raise ConfigError(f"model.tokenizer: {model.tokenizer} contradicts model.pretrained_path {checkpoint}, a "
+                          f"{kind} checkpoint with its own tokenizer (its audio token and chat template); leave it "
+                          "unset")
+    speech = speech_from_checkpoint(checkpoint, model.speech)
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, tokenizer=str(checkpoint), speech=speech))
+
+
 def convert(checkpoint: str | Path, out: str | Path, prompt: str | None = None) -> Path:
-    """Write the SALM export of a Qwen2-Audio checkpoint directory (module docstring); returns ``out``."""
+    """Write the SALM export of a speech-LLM checkpoint directory (module docstring); returns ``out``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from headrace.training.speech.job import write_manifest
+
     checkpoint, out = Path(checkpoint), Path(out)
-    config = json.loads((checkpoint / "config.json").read_text())
-    kind = config.get("model_type")
-    if kind not in ("qwen2_audio", "voxtral"):
-        raise ValueError(f"{checkpoint}: a {kind!r} checkpoint, not qwen2_audio or voxtral")
+    kind = speech_llm_kind(checkpoint)
+    if kind is None:
+        raise ValueError(f"{checkpoint}: not the checkpoint directory of a {' or '.join(SPEECH_LLMS)} model")
     parts: dict[str, dict[str, torch.Tensor]] = {part: {} for part in PARTS.values()}
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
                 prefix = next((p for p in PARTS if key.startswith(p)), None)
                 if prefix is None:
-                    raise ValueError(f"{file}: {key} belongs to no part of Qwen2-Audio ({', '.join(PARTS)})")
-                name = key[len(prefix):]
-                if PARTS[prefix] == "adapter":
-                    name = next((new + name[len(old):] for old, new in ADAPTER_NAMES.items() if name.startswith(old)),
-                                name)
-                parts[PARTS[prefix]][name] = f.get_tensor(key)
+                    raise ValueError(f"{file}: {key} belongs to no part of {kind} ({', '.join(PARTS)})")
+                parts[PARTS[prefix]][salm_name(PARTS[prefix], key[len(prefix):])] = f.get_tensor(key)
     for part, state in parts.items():
         (out / part).mkdir(parents=True, exist_ok=True)
         save_file(state, str(out / part / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((checkpoint / "config.json").read_text())
     audio, text = dict(config["audio_config"]), dict(config["text_config"])
     audio["model_type"] = f"{kind}_encoder"
     (out / "encoder" / "config.json").write_text(json.dumps(audio, indent=1))
@@ -99,14 +200,7 @@ def convert(checkpoint: str | Path, out: str | Path, prompt: str | None = None) 
     for name in TOKENIZER_FILES:
         if (checkpoint / name).exists():
             shutil.copy(checkpoint / name, out / "hf" / name)
-    if kind == "qwen2_audio":
-        adapter = {"kind": "linear", "subsampling": 1}
-    else:  # stacks intermediate_size / d_model frames (VoxtralModel.get_audio_features' reshape)
-        adapter = {"kind": "mlp", "subsampling": audio["intermediate_size"] // audio["hidden_size"],
-                   "hidden_size": text["hidden_size"], "bias": False}
-    speech = {"encoder": {"kind": kind, "pretrained_path": "encoder"},
-              "adapter": {**adapter, "pretrained_path": "adapter"}, "prompt": prompt or chat_prompt(checkpoint, kind)}
-    (out / "salm.json").write_text(json.dumps(speech, indent=1))
+    write_manifest(speech_from_checkpoint(checkpoint, SpeechConfig(prompt=prompt)), out)
     return out
 
 
@@ -130,4 +224,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["chat_prompt", "convert"]
+__all__ = ["PARTS", "SPEECH_LLMS", "chat_prompt", "convert", "part_prefix", "salm_name", "speech_from_checkpoint",
+           "speech_llm_kind", "with_speech_llm"]

@@ -3,8 +3,11 @@ config, the module, its input features, how many output frames an utterance gets
 keeps its weights. Model code stays transformers'.
 
 - ``parakeet``: ``ParakeetEncoder`` (FastConformer) on ``headrace.kernels.log_mel.log_mel`` (the loader's DALI
-  features) of the batch's longest utterance, with an attention mask over each utterance's frames; its
-  output frames come from its conv subsampling.
+  features; ``features.kind: nemo``: ``nemo_log_mel``, NeMo's, as transformers' ``ParakeetFeatureExtractor``
+  computes them) of the batch's longest utterance, with an attention mask over each utterance's frames; its
+  output frames come from its conv subsampling. ``pretrained_path`` may be a transformers ``ParakeetForCTC``
+  checkpoint directory (its ``encoder_config``, its ``encoder.*`` weights; the CTC head is not read); such an
+  encoder was trained on NeMo's features.
 - ``whisper``: ``WhisperEncoder`` on ``headrace.kernels.log_mel.whisper_log_mel`` (transformers'
   ``WhisperFeatureExtractor`` computed on the device). Every utterance is padded to the encoder's fixed
   window, ``max_source_positions * 2`` mel frames (30 s for the released checkpoints), as Whisper was
@@ -27,23 +30,45 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from headrace.kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, log_mel, num_frames, whisper_log_mel,
-                             whisper_num_frames)
+from headrace.kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, feature_frames, log_mel,
+                                      nemo_log_mel, whisper_log_mel, whisper_num_frames)
 from headrace.training.config.speech import EncoderConfig
+from headrace.training.speech.checkpoints import PREFIX as PARTS_PREFIX
+from headrace.training.speech.checkpoints import SPEECH_LLMS
 
 WHISPER_CHECKPOINT_PREFIX = "model.encoder."  # a whole Whisper model's (WhisperForConditionalGeneration) names
+# whole transformers models whose checkpoint directory is read for its encoder: model_type -> (the encoder's
+# sub-config, its weights' prefix)
+WHOLE_MODELS = {"parakeet_ctc": ("encoder_config", "encoder."),
+                **{kind: ("audio_config", PARTS_PREFIX["encoder"]) for kind in SPEECH_LLMS}}
+LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop")
+
+
+def _read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+        return json.load(f)
+
+
+def whole_model_prefix(path: str) -> str:
+    """The prefix of the encoder's weights in ``path``: ``WHOLE_MODELS``' for a whole model's checkpoint, else none
+    (an encoder's own directory, an export's ``encoder/``)."""
+    return WHOLE_MODELS.get(_read_config(path).get("model_type"), (None, ""))[1]
 
 
 def _config_fields(cfg: EncoderConfig, model_types: tuple[str, ...]) -> dict:
-    """The encoder config's fields: inline, or a config.json / a directory holding one (of ``model_types``)."""
+    """The encoder config's fields: inline, or a config.json / a directory holding one (of ``model_types``, or a
+    whole model of ``WHOLE_MODELS`` holding one)."""
     if cfg.config is not None:
         return dict(cfg.config)
-    path = cfg.config_path or cfg.pretrained_path
-    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-        fields = json.load(f)
+    fields = _read_config(cfg.config_path or cfg.pretrained_path)
+    if (whole := WHOLE_MODELS.get(fields.get("model_type"))) is not None:
+        # the encoder of a released model: its LayerDrop, if any, was a regularizer of that model's own training
+        # (ParakeetEncoderConfig's default is 0.1) and is off here, where FSDP2 ranks cannot skip layers apart
+        fields = {k: 0.0 if k in LAYERDROP_KEYS else v for k, v in fields[whole[0]].items()}
     model_type = fields.pop("model_type", model_types[0])
     if model_type not in model_types:
-        raise ValueError(f"model.speech.encoder: {path} holds a {model_type!r} config, not one of {list(model_types)} "
+        raise ValueError(f"model.speech.encoder: {cfg.config_path or cfg.pretrained_path} holds a {model_type!r} "
+                         f"config, not one of {list(model_types)} "
                          f"(encoder.kind: {cfg.kind})")
     return fields
 
@@ -87,17 +112,17 @@ class ParakeetFrontEnd:
 
     def features(self, encoder: nn.Module, audio: torch.Tensor,
                  audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return log_mel(audio, audio_lens, self.cfg)
+        return (nemo_log_mel if self.cfg.kind == "nemo" else log_mel)(audio, audio_lens, self.cfg)
 
     def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         mask = masked_frames(frames, feats.shape[-1])
         return encoder(feats.transpose(1, 2), attention_mask=mask.long()).last_hidden_state
 
     def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
-        return encoder._get_subsampling_output_length(num_frames(audio_lens, self.cfg.hop_length)).long()
+        return encoder._get_subsampling_output_length(feature_frames(audio_lens, self.cfg)).long()
 
     def checkpoint_prefix(self, path: str) -> str:
-        return ""
+        return whole_model_prefix(path)  # ParakeetForCTC's encoder.*, or an encoder's own directory
 
     def max_seconds(self, encoder: nn.Module) -> float | None:
         return None  # any length (the batch's longest sets the feature width)
@@ -196,7 +221,7 @@ class Qwen2AudioFrontEnd(WhisperFrontEnd):
         return encoder._get_feat_extract_output_lengths(whisper_num_frames(audio_lens))[1].long()
 
     def checkpoint_prefix(self, path: str) -> str:
-        return ""  # an encoder-only directory (``convert`` writes one)
+        return whole_model_prefix(path)  # Qwen2-Audio's audio_tower.*, or an export's encoder/
 
 
 class VoxtralFrontEnd(WhisperFrontEnd):
@@ -221,7 +246,7 @@ class VoxtralFrontEnd(WhisperFrontEnd):
         return torch.full_like(audio_lens, encoder.config.max_source_positions, dtype=torch.long)
 
     def checkpoint_prefix(self, path: str) -> str:
-        return ""
+        return whole_model_prefix(path)
 
 
 def front_end(kind: str, features: LogMelConfig | None) -> ParakeetFrontEnd | WhisperFrontEnd:

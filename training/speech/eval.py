@@ -1,4 +1,5 @@
-"""Speech eval of an exported SALM: greedy transcripts, WER, per-utterance JSONL; data-parallel under torchrun.
+"""Speech eval of an exported SALM (or of a released Qwen2-Audio / Voxtral checkpoint as it is): greedy transcripts,
+WER, per-utterance JSONL; data-parallel under torchrun.
 
     torchrun --nproc-per-node 2 -m headrace.training.speech.eval --model runs/speech_demo --data demo/shards/audio \
         --split val --out runs/speech_demo/eval.jsonl
@@ -128,12 +129,15 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
 
 def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
              max_new_tokens: int | None = None) -> dict:
-    """Decode ``split`` of ``data`` with the exported SALM in ``model_dir`` (replicated on every rank)."""
+    """Decode ``split`` of ``data`` with the SALM in ``model_dir`` (an export, or a Qwen2-Audio / Voxtral checkpoint
+    directory: ``load_salm``), replicated on every rank."""
+    from headrace.training.speech.checkpoints import speech_llm_kind
     from headrace.training.speech.job import load_salm
 
     model, cfg = load_salm(model_dir)
     loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
-    return decode_split(model, cfg, str(Path(model_dir) / "hf"), loader,
+    tokenizer = model_dir if speech_llm_kind(model_dir) else Path(model_dir) / "hf"  # the checkpoint's, or the export's
+    return decode_split(model, cfg, str(tokenizer), loader,
                         max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
 
 
@@ -168,7 +172,8 @@ def eval_in_training(model, cfg, step: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m headrace.training.speech.eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="an exported SALM (a SALM run's output_dir)")
+    parser.add_argument("--model", required=True, help="an exported SALM (a SALM run's output_dir), or a transformers "
+                                                       "Qwen2-Audio / Voxtral checkpoint directory")
     parser.add_argument("--data", required=True, help="an audio shard directory with transcripts")
     parser.add_argument("--split", default="val")
     parser.add_argument("--batch-duration", type=float, default=60.0, help="seconds of padded audio per batch")

@@ -10,7 +10,8 @@
 - ``salm_loss_sum``: the step's forward (log-mel on the device happens inside the model);
 - ``export_salm``: ``hf/`` (the LLM, loadable by ``AutoModelForCausalLM``), ``encoder/`` (config.json +
   model.safetensors, loadable by ``ParakeetEncoder`` / ``WhisperEncoder.from_pretrained``),
-  ``adapter/model.safetensors`` and ``salm.json`` (the speech config) -- ``load_salm(dir)`` rebuilds the pair for inference.
+  ``adapter/model.safetensors`` and ``salm.json`` (the speech config) -- ``load_salm(dir)`` rebuilds the pair for
+  inference (also straight from a Qwen2-Audio / Voxtral checkpoint directory).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class SpeechBatches:
         self.loader, self.cfg, self.multiple_of = loader, cfg, multiple_of
         self.salm = getattr(model, "module", model)  # DDP wraps
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.template = make_template(self.tokenizer, cfg.prompt)
+        self.template = make_template(self.tokenizer, cfg.prompt, cfg.answer_end)
 
     def answers(self, batch: dict) -> list[list[int]]:
         if "tokens" in batch and self.cfg.answer_field == "text":  # the shards carry token ids already
@@ -131,26 +132,36 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
         state = {k.replace("._checkpoint_wrapped_module", ""): v.contiguous() for k, v in state.items()}
         save_file(state, str(out_dir / name / "model.safetensors"), metadata={"format": "pt"})
     salm.encoder.config.save_pretrained(out_dir / "encoder")
-    speech = to_dict(salm.cfg)
-    speech["encoder"] = {"kind": salm.cfg.encoder.kind, "pretrained_path": "encoder"}
-    speech["adapter"] = {**speech["adapter"], "pretrained_path": "adapter"}
-    (out_dir / MANIFEST).write_text(json.dumps(speech, indent=1))
+    write_manifest(salm.cfg, out_dir)
     return out_dir
 
 
+def write_manifest(speech: SpeechConfig, out_dir: Path) -> None:
+    """``out_dir/salm.json``: ``speech`` with its encoder and adapter in ``out_dir/encoder`` / ``adapter``."""
+    raw = to_dict(speech)
+    raw["encoder"] = {"kind": speech.encoder.kind, "pretrained_path": "encoder"}
+    raw["adapter"] = {**raw["adapter"], "pretrained_path": "adapter"}
+    (out_dir / MANIFEST).write_text(json.dumps(raw, indent=1))
+
+
 def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
-    """The exported SALM in ``path`` as one plain module in eval mode (for decoding), with its config."""
+    """The SALM in ``path`` (an export, or a transformers speech LLM's checkpoint directory read in place:
+    ``headrace.training.speech.checkpoints``) as one plain module in eval mode (for decoding), with its config."""
     from headrace.training.config.job_config import ModelConfig
     from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.checkpoints import speech_from_checkpoint, speech_llm_kind
 
     path = Path(path)
-    raw = json.loads((path / MANIFEST).read_text())
-    for part in ("encoder", "adapter"):
-        raw[part]["pretrained_path"] = str(path / raw[part]["pretrained_path"])
-    speech = from_dict(SpeechConfig, raw, "salm.json")
-    llm_config = build_hf_config(ModelConfig(pretrained_path=str(path / "hf")))
+    if speech_llm_kind(path):
+        speech, llm_path = speech_from_checkpoint(path, SpeechConfig()), path
+    else:
+        raw = json.loads((path / MANIFEST).read_text())
+        for part in ("encoder", "adapter"):
+            raw[part]["pretrained_path"] = str(path / raw[part]["pretrained_path"])
+        speech, llm_path = from_dict(SpeechConfig, raw, "salm.json"), path / "hf"
+    llm_config = build_hf_config(ModelConfig(kind="salm", pretrained_path=str(llm_path), speech=speech))
     model = build_meta_salm(llm_config, speech)
-    materialize_salm(model, torch.device(device), str(path / "hf"))
+    materialize_salm(model, torch.device(device), str(llm_path))
     return model.eval(), speech
 
 
@@ -160,4 +171,5 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
                          multiple_of=dims.tp if dims.sequence_parallel else 1)
 
 
-__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum", "wrap_loader"]
+__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
+           "wrap_loader", "write_manifest"]

@@ -197,10 +197,12 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
 
 @torch.no_grad()
 def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) -> None:
-    """Allocate each rank's shards, initialize, then load whatever has a local checkpoint."""
+    """Allocate each rank's shards, initialize, then load whatever has a local checkpoint (a part's own directory,
+    or a whole model's checkpoint whose part it reads: ``headrace.training.speech.checkpoints``)."""
     from headrace.training.models.build import load_safetensors, materialize
+    from headrace.training.speech.checkpoints import part_prefix, salm_name
 
-    materialize(model.llm, device, llm_path)
+    materialize(model.llm, device, llm_path, prefix=part_prefix(llm_path, "hf") if llm_path else "")
     model.encoder.to_empty(device=device)
     model.adapter.to_empty(device=device)
     for module in model.encoder.modules():
@@ -212,8 +214,9 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
         model.ctc_head.reset_parameters()
     if path := model.cfg.encoder.pretrained_path:
         load_safetensors(model.encoder, path, prefix=model.front.checkpoint_prefix(path))
-    if model.cfg.adapter.pretrained_path:
-        load_safetensors(model.adapter, model.cfg.adapter.pretrained_path)
+    if path := model.cfg.adapter.pretrained_path:
+        load_safetensors(model.adapter, path, prefix=part_prefix(path, "adapter"),
+                         rename=lambda name: salm_name("adapter", name))
 
 
 __all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "ctc_loss_sum",

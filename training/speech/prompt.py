@@ -41,8 +41,9 @@ def load_tokenizer(path: str):
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 
 
-def make_template(tokenizer, prompt: str) -> PromptTemplate:
-    """Split ``prompt`` at the audio placeholder and tokenize both sides; eos / pad from the vocabulary."""
+def make_template(tokenizer, prompt: str, answer_end: str | None = None) -> PromptTemplate:
+    """Split ``prompt`` at the audio placeholder and tokenize both sides; eos (``answer_end``, else the first of
+    ``EOS_NAMES`` the vocabulary has) and pad from the vocabulary."""
     before, after = prompt.split(AUDIO_PLACEHOLDER)
 
     def special(names: tuple[str, ...], what: str) -> int:
@@ -51,7 +52,7 @@ def make_template(tokenizer, prompt: str) -> PromptTemplate:
                 return token
         raise ValueError(f"model.tokenizer has no {what} token (looked for {', '.join(names)})")
 
-    eos = special(EOS_NAMES, "end-of-sequence")
+    eos = special((answer_end,) if answer_end else EOS_NAMES, "end-of-sequence")
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids if text.strip() else []  # noqa: E731
     return PromptTemplate(prefix=encode(before.rstrip()), suffix=encode(after), eos_id=eos,
                           pad_id=special(PAD_NAMES, "padding") if any(tokenizer.token_to_id(n) is not None
