@@ -108,6 +108,33 @@ def test_ctc_weight_adds_the_transcripts_ctc_loss_in_training_only(tmp_path):
     assert head.weight.grad.abs().sum() > 0
 
 
+def test_a_fresh_fastconformer_passes_the_audio_through_its_subsampling():
+    """From scratch (the ASR recipe's encoder: 8x conv subsampling), the subsampling stack keeps the features'
+    variation: two different utterances still differ after it by >= 1e-3 of their feature difference
+    (torch's conv init: ~8e-3). transformers' N(0, 0.02) conv init shrank it to ~1e-6, and within the first
+    training steps the encoder's output stopped depending on the audio."""
+    from headrace.training.config.load import load_job_config
+    from headrace.training.models.build import build_hf_config
+    from headrace.training.speech.model import build_meta_salm, materialize_salm
+
+    cfg = load_job_config(str(Path(__file__).resolve().parent.parent / "configs" / "speech_asr_recipe.yaml"))
+    torch.manual_seed(0)
+    model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
+    materialize_salm(model, torch.device("cpu"), None)
+    model.eval()
+    t = torch.arange(32000) / 16000
+    audio = torch.stack([0.3 * torch.sin(2 * torch.pi * 300 * t), 0.3 * torch.randn(32000)])
+    lens = torch.tensor([32000, 32000])
+    out = {}
+    model.encoder.subsampling.register_forward_hook(lambda module, args, output: out.update(frames=output))
+    with torch.no_grad():
+        feats, _ = model.front.features(model.encoder, audio, lens)
+        model.encode(audio, lens)
+    frames = out["frames"][0] if isinstance(out["frames"], tuple) else out["frames"]
+    kept = (frames[0] - frames[1]).abs().mean() / (feats[0] - feats[1]).abs().mean()
+    assert kept > 1e-3, kept
+
+
 def _whisper_checkpoint(path: Path):
     """A tiny whole Whisper model (encoder + decoder) saved as a HF checkpoint in float16, like large-v3's."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration

@@ -109,8 +109,8 @@ class SpeechConfig:
     features: LogMelConfig | None = None
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
     # > 0: a CTC head on the encoder frames, its loss on the transcript tokens added to the answer loss with this
-    # weight in training (joint CTC/attention): from scratch, it keeps the encoder's output tied to the audio
-    # while the LLM learns the text prior (without it the recipe's encoder collapsed to one output for any input)
+    # weight in training (joint CTC/attention): from scratch, it gives the encoder an alignment signal of its
+    # own while the LLM learns the text prior
     ctc_weight: float = 0.0
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
