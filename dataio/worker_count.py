@@ -68,7 +68,7 @@ class WorkerChoice:
 
     def to_dict(self) -> dict:
         return {"num_workers": self.num_workers, "rates": {str(n): r for n, r in self.rates.items()},
-                "seconds": self.seconds, "cores": self.cores}
+                "seconds": self.seconds, "cores": self.cores, "line": self.line()}
 
 
 def usable_cores() -> int:
