@@ -110,7 +110,7 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
         loaders.append(name)
 
     load_before = os.getloadavg()[0]
-    trials: dict[tuple[str, int, int], list[dict]] = {}
+    trials: dict[tuple[str, int | str, int], list[dict]] = {}
     total = None if (opts.batches or opts.seconds) else data.samples  # None: an open-ended bar
     # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
     # ``auto`` is headrace's own setting: only the loaders with ``auto_workers`` run it
