@@ -22,8 +22,10 @@ measurement is of 2 vs 0 only, since each candidate costs ~0.6 s. A job that wan
 What it cannot see: the training step. It picks the faster loader alone; a step that keeps the main
 process's core busy favours workers more than this measurement does.
 
-Cost: 4 runs of (a loader's start, its first batch, ``WARMUP_S + WINDOW_S``): ~1.5 s of wall time on the
-rank's cores, once per process and config, before the loader's first batch; nothing with one usable core.
+Cost: 4 runs of (a loader's start, its first batch, ``WARMUP_S + WINDOW_S``): 1.5-1.7 s of wall time on the
+rank's cores on the 2-core box at load 3-5 (2-4 s at load ~30), once per process and config, before the
+loader's first batch; nothing with one usable core. Memory: the throwaway loaders are gone before the real one
+starts (their workers' peak is that of 2 workers).
 """
 
 from __future__ import annotations
