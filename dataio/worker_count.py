@@ -24,8 +24,8 @@ process's core busy favours workers more than this measurement does.
 
 Cost: 4 runs of (a loader's start, its first batch, ``WARMUP_S + WINDOW_S``): 1.5-1.7 s of wall time on the
 rank's cores on the 2-core box at load 3-5 (2-4 s at load ~30), once per process and config, before the
-loader's first batch; nothing with one usable core. Memory: the throwaway loaders are gone before the real one
-starts (their workers' peak is that of 2 workers).
+loader's first batch; nothing with one usable core. Memory: each throwaway loader (its maps, ring and workers)
+is freed, by reference counting, before the next one starts, so the peak is that of the larger setting.
 """
 
 from __future__ import annotations
