@@ -143,7 +143,7 @@ class DataConfig:
     epochs: int | None = None  # None: endless; N: the stream ends after N passes (see headrace.dataio.stream.blend)
     stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
     batch_size: int = 32
-    # worker processes, or "auto": 0 or 2, whichever a ~1.5 s measurement at start finds faster (headrace.dataio.worker_count)
+    # worker processes, or "auto": 0 or 2, whichever a ~1.5 s measurement at start finds faster (worker_count.py)
     num_workers: int | Literal["auto"] = 2
     prefetch: int = 2  # batches in flight per worker
     pin_memory: bool = False
