@@ -23,7 +23,7 @@ What it cannot see: the training step. It picks the faster loader alone; a step 
 process's core busy favours workers more than this measurement does.
 
 Cost: 4 runs of (a loader's start, its first batch, ``WARMUP_S + WINDOW_S``): 1.5-1.7 s of wall time on the
-rank's cores on the 2-core box at load 3-5 (2-4 s at load ~30), once per process and config, before the
+rank's cores on the 2-core box at load 2-5 (2-4 s at load ~30), once per process and config, before the
 loader's first batch; nothing with one usable core. Memory: each throwaway loader (its maps, ring and workers)
 is freed, by reference counting, before the next one starts, so the peak is that of the larger setting.
 """
