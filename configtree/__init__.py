@@ -91,6 +91,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:  # its values, as written in YAML: `int | 'auto'`
+        return " | ".join(repr(v) for v in get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

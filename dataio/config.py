@@ -143,7 +143,8 @@ class DataConfig:
     epochs: int | None = None  # None: endless; N: the stream ends after N passes (see headrace.dataio.stream.blend)
     stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
     batch_size: int = 32
-    num_workers: int = 2
+    # worker processes, or "auto": 0 or 2, whichever a ~1.5 s measurement at start finds faster (worker_count.py)
+    num_workers: int | Literal["auto"] = 2
     prefetch: int = 2  # batches in flight per worker
     pin_memory: bool = False
     worker_timeout: float = 120.0  # seconds without a batch before a worker counts as hung
@@ -176,8 +177,11 @@ class DataConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.thd:
             self.packing_config()  # PackingConfig checks seq_len and packing_buffer
-        if self.num_workers < 0 or self.max_bad_samples < 0:
-            raise ValueError("num_workers and max_bad_samples must be >= 0")
+        if self.num_workers != "auto" and (isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int)
+                                           or self.num_workers < 0):
+            raise ValueError(f"num_workers must be an integer >= 0 or 'auto', got {self.num_workers!r}")
+        if self.max_bad_samples < 0:
+            raise ValueError(f"max_bad_samples must be >= 0, got {self.max_bad_samples}")
         if isinstance(self.cache_limit, str):
             try:
                 self.cache_limit = parse_size(self.cache_limit)

@@ -26,6 +26,8 @@ one shuffle window per worker, independent of the epoch length.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -43,6 +45,7 @@ from headrace.dataio.loader_state import STATE_VERSION, StateError, check_states
 from headrace.dataio.stream.datasets import open_datasets, open_source
 from headrace.dataio.stream.rank import RankStream
 from headrace.dataio.stream.seeding import fresh_seed
+from headrace.dataio.worker_count import AUTO, WorkerChoice, choose
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,19 @@ class Loader:
     """Iterable of batches for one DP rank; ``state_dict()`` / ``load_state_dict()`` for exact resume.
 
     The rank's stream (``self.stream``: sources, seed, layout, position) and one batching stage
-    (``self.stage``); the state is the stream's plus the stage's, under a version and a fingerprint."""
+    (``self.stage``); the state is the stream's plus the stage's, under a version and a fingerprint.
+    ``num_workers: auto`` is resolved here, before anything else (``headrace.dataio.worker_count``):
+    ``self.cfg`` holds the count chosen, ``self.worker_choice`` how (None when the count was written)."""
 
     def __init__(self, cfg: DataConfig, *, dp_rank: int, dp_size: int):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
+        self.worker_choice: WorkerChoice | None = None
+        if cfg.num_workers == AUTO:
+            self.worker_choice = choose(cfg, functools.partial(Loader, dp_rank=dp_rank, dp_size=dp_size),
+                                        dp_rank=dp_rank, dp_size=dp_size)
+            log.info(self.worker_choice.line())
+            cfg = dataclasses.replace(cfg, num_workers=self.worker_choice.num_workers)
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.datasets = open_datasets(cfg)  # sources (metadatasets flattened) and their schedule
         self.stream = RankStream(cfg, self.datasets.sources, self.datasets.schedule,

@@ -223,3 +223,22 @@ def test_batch_sizes_report_the_fixed_cost_per_batch(shards, tmp_path):
     assert "fixed us/batch" in table and "us/batch at 16" in table
     with pytest.raises(CommandError, match="--batch-sizes"):
         bench(tmp_path, {"datasets": [{"path": str(shards / "text")}]}, "--batch-sizes", "0,8", "--compare", "")
+
+
+def test_auto_workers_runs_headrace_with_its_choice_beside_the_counts(shards, tmp_path):
+    """``--num-workers 0,auto``: headrace also runs with the count ``num_workers: auto`` chose, its measurement
+    (a real one: this machine's rates) in the row and the table; the peers have no ``auto`` and run their counts."""
+    from headrace.dataio.worker_count import pick
+
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+                   "--num-workers", "0,auto", "--compare", "torch", "--batches", "4")
+    assert sorted((r["loader"], str(r["workers"])) for r in result["runs"]) == [
+        ("headrace", "0"), ("headrace", "auto"), ("torch", "0")]
+    auto = next(r for r in result["runs"] if r["workers"] == "auto")
+    assert auto["samples"] == 32
+    choice = auto["auto"]
+    rates = {int(n): r for n, r in choice["rates"].items()}
+    assert choice["num_workers"] == (pick(rates) if rates else 0)
+    assert all(r > 0 for r in rates.values()) and (rates or choice["cores"] < 2)
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert f"| auto ({choice['num_workers']}) |" in table and choice["line"] in table

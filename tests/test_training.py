@@ -280,9 +280,10 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, process_group):
+def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, process_group, capsys):
     """`python -m headrace.training` on packed shards: outputs, HF export, and stop-at-3 + resume == 6 straight steps
-    (so the loader continued with exactly the batches the uninterrupted run saw next)."""
+    (so the loader continued with exactly the batches the uninterrupted run saw next), the resume with
+    `num_workers: auto` (whatever count it picks, the stream is the one the written count gave)."""
     from transformers import AutoModelForCausalLM
 
     from headrace.training.train import train
@@ -304,8 +305,11 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
 
     resumed = tmp_path / "resumed"
     copy_checkpoint(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
-    cfg = load_job_config(str(REPO / "configs" / "debug_llama.yaml"), [f"trainer.output_dir={resumed}", *overrides])
+    cfg = load_job_config(str(REPO / "configs" / "debug_llama.yaml"),
+                          [f"trainer.output_dir={resumed}", *overrides, "data.num_workers=auto"])
+    capsys.readouterr()
     history = train(cfg)
+    assert capsys.readouterr().out.count("data.num_workers: auto -> ") == 1  # rank 0's one line
     assert [r["step"] for r in history] == [4, 5, 6]
     want = losses(straight)
     assert [r["loss"] for r in history] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-6)

@@ -47,7 +47,7 @@ from headrace.training.components.optim import build_optimizer, lr_at, set_lr
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
 from headrace.training.config.job_config import DistributedConfig, JobConfig
-from headrace.training.components.data import open_data, shard_sources
+from headrace.training.components.data import open_data, shard_sources, worker_choice_line
 from headrace.training.config.validate import check_data_paths, check_job, check_vocab
 from headrace.training.distributed import moe
 from headrace.training.distributed.context_parallel import cp_step_metrics, reset_exchanged_bytes
@@ -192,6 +192,8 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
         check_data_paths(cfg.data)
         make_loader = functools.partial(build_loader, cfg.data)
     loader = open_data("data", lambda: make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp))
+    if line := worker_choice_line(loader):
+        print_on_rank0(line)
     check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     if cfg.model.kind == "salm":
         loader = wrap_loader(loader, trainer.model, cfg, trainer.dims)

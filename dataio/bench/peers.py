@@ -5,7 +5,9 @@ Every adapter is a ``Peer``: ``prepare(data)`` writes the loader's format from t
 workers, shuffle, state)`` returns an iterator of batches in headrace's batch layout
 (``headrace.dataio.bench.data.collate_samples``), ``data.cfg.batch_size`` samples each:
 
-- ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``).
+- ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``). Worker count ``auto`` is headrace's
+  own: ``auto_workers`` makes the loader's measurement (``headrace.dataio.worker_count``) on the same config,
+  and the run then uses the count it chose.
 - ``headrace-dali`` (audio, beside ``dali`` in ``--compare``): the same loader with ``decode.audio:
   dali``, each batch's audio decoded by DALI inside the loader (``headrace.dataio.stream.dali``).
 - ``webdataset``: ``wds.WebDataset(tars).decode(...).batched(B)`` in ``wds.WebLoader`` (the tars as they
@@ -53,9 +55,11 @@ import torch
 
 from headrace.dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
 from headrace.dataio.bench.extra import INSTALL
-from headrace.dataio.loader import build_loader
+from headrace.dataio.config import DataConfig
+from headrace.dataio.loader import Loader, build_loader
 from headrace.dataio.shards.formats import is_audio_member
 from headrace.dataio.stream.decode import Audio
+from headrace.dataio.worker_count import AUTO, WorkerChoice, choose
 
 SHUFFLE_BUFFER = 1000
 
@@ -66,6 +70,8 @@ class Peer:
     module: str  # the import that must exist (its absence is a reported skip)
     kinds: tuple[str, ...]  # "text", "audio"
     open: Callable[[BenchData, int, bool, Any], Iterator[dict]]
+    # what ``num_workers: auto`` resolves to for ``open``'s config (None: the peer has no such setting)
+    auto_workers: Callable[[BenchData, bool], WorkerChoice] | None = None
     prepare: Callable[[BenchData], Any] | None = None  # returns the state open() needs (or None)
     install: str = ""  # the hint printed when the module is missing
     source_bytes: bool = True  # can hand over the source's encoded audio bytes (audio-bytes mode)
@@ -139,18 +145,33 @@ def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
 
 # ------------------------------------------------------------------------------------------ headrace
 
-def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+def headrace_config(data: BenchData, workers: int | str, shuffle: bool) -> DataConfig:
     # Peers do not pack: the comparison is of plain batches (packing none, no seq_len: with seq_len the
     # loader makes THD rows, one document each); the trainer path, --trainer, packs.
-    cfg = dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none", seq_len=None)
-    return iter(build_loader(cfg, dp_rank=0, dp_size=1))
+    return dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none", seq_len=None)
+
+
+def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    return iter(build_loader(headrace_config(data, workers, shuffle), dp_rank=0, dp_size=1))
+
+
+def auto_headrace(data: BenchData, shuffle: bool) -> WorkerChoice:
+    return choose(headrace_config(data, AUTO, shuffle), functools.partial(Loader, dp_rank=0, dp_size=1),
+                  dp_rank=0, dp_size=1)
+
+
+def _with_dali(data: BenchData) -> BenchData:
+    """headrace with ``decode.audio: dali``: members read by headrace, each batch decoded by DALI."""
+    decode = dataclasses.replace(data.decode, audio="dali")
+    return dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, decode=decode))
 
 
 def open_headrace_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
-    """headrace with ``decode.audio: dali``: members read by headrace, each batch decoded by DALI."""
-    decode = dataclasses.replace(data.decode, audio="dali")
-    return open_headrace(dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, decode=decode)),
-                         workers, shuffle, state)
+    return open_headrace(_with_dali(data), workers, shuffle, state)
+
+
+def auto_headrace_dali(data: BenchData, shuffle: bool) -> WorkerChoice:
+    return auto_headrace(_with_dali(data), shuffle)
 
 
 # ---------------------------------------------------------------------------------------- webdataset
@@ -397,7 +418,8 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
 
 
 PEERS: dict[str, Peer] = {p.name: p for p in [
-    Peer(name="headrace", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace),
+    Peer(name="headrace", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace,
+         auto_workers=auto_headrace),
     Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset, install=INSTALL),
     Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon, install=INSTALL),
     Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
@@ -408,7 +430,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
     Peer(name="dali", module="nvidia.dali", kinds=("audio",), open=open_dali, install="pip install 'headrace[dali]'"),
     Peer(name="headrace-dali", module="nvidia.dali", kinds=("audio",), open=open_headrace_dali,
-         install="pip install 'headrace[dali]'"),
+         auto_workers=auto_headrace_dali, install="pip install 'headrace[dali]'"),
 ]}
 
 

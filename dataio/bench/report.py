@@ -44,7 +44,7 @@ def markdown(result: dict) -> str:
     unit = "tokens/s" if data["kind"] == "text" else "audio MB/s" if audio_bytes else "audio s/s"
     header = ["loader", "workers", "batch", "samples/s", "MB/s", unit, "first batch s", "p50 ms", "p99 ms", "peak RSS MB",
               "CPU cores", "samples/CPU-s", "data wait", "x page cache", "x headrace"]
-    rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), r["workers"], r["batch_size"], cell(r["samples_per_s"], ",.0f"),
+    rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), _workers(r), r["batch_size"], cell(r["samples_per_s"], ",.0f"),
              cell(r["mb_per_s"], ",.1f"), cell(r["units_per_s"], ",.1f" if audio_bytes else ",.0f"),
              cell(r["first_batch_s"], ".2f"),
              cell(r["latency_p50_ms"], ".1f"), cell(r["latency_p99_ms"], ".1f"), cell(r["peak_rss_mb"], ",.0f"),
@@ -62,6 +62,11 @@ def markdown(result: dict) -> str:
     ]
     for s in result["skipped"]:
         lines.append(f"| {s['loader']} | - | - | skipped: {s['reason']} |" + " |" * 11)
+    auto = [r for r in result["runs"] if "auto" in r]
+    if auto:
+        lines += ["", "`auto` (`num_workers: auto`): the loader's measurement before the run, then the run with the "
+                      "count it chose:", ""]
+        lines += [f"- {r['loader']}, batch {r['batch_size']}: {r['auto']['line']}" for r in auto]
     if result.get("fixed_cost"):
         lines += ["", "Fixed cost per batch and cost per sample (least-squares fit of time per batch over the batch "
                       "sizes):", "", *fixedcost.markdown(result["fixed_cost"])]
@@ -73,6 +78,11 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _workers(run: dict) -> str:
+    """The workers cell: the count, or ``auto`` with the count it chose."""
+    return f"auto ({run['auto']['num_workers']})" if "auto" in run else str(run["workers"])
+
+
 def plot(result: dict, path: Path) -> None:
     bench_import("matplotlib", "dataio bench's plot").use("Agg")
     import matplotlib.pyplot as plt
@@ -81,7 +91,7 @@ def plot(result: dict, path: Path) -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     several = len({r["batch_size"] for r in result["runs"]}) > 1
     for r in result["runs"]:
-        if r["samples_per_s"]:
+        if r["samples_per_s"] and "auto" not in r:  # auto is one of the plotted counts
             name = r["loader"] + (", shuffled" if r["shuffle"] else "") + (f", batch {r['batch_size']}" if several else "")
             series.setdefault(name, []).append(
                 (r["workers"], r["samples_per_s"]))
@@ -93,7 +103,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("DataLoader worker processes")
     ax.set_ylabel("samples/s (log)")
-    workers = sorted({r["workers"] for r in result["runs"]})
+    workers = sorted({r["workers"] for r in result["runs"] if "auto" not in r})
     ax.set_xticks(workers)
     data = result["data"]
     kind = data["kind"] + (", audio left encoded" if data.get("audio") == "bytes" else "")

@@ -35,6 +35,7 @@ from headrace.dataio.bench.timing import median_run
 from headrace.dataio.bench.trainer import trainer_run
 from headrace.dataio.config import DataConfig
 from headrace.dataio.usererror import CommandError
+from headrace.dataio.worker_count import AUTO
 
 # ``progress_bar(description, total=..., unit=...)``: a context yielding ``advance(n)``
 ProgressBar = Callable[..., AbstractContextManager[Callable[[int], None]]]
@@ -45,7 +46,7 @@ class BenchOptions:
     """What to run (the options of ``dataio bench``)."""
 
     compare: list[str]  # peer loaders beside headrace, names of ``headrace.dataio.bench.peers.PEERS``
-    num_workers: list[int]
+    num_workers: list[int | str]  # counts, and "auto" (headrace's measured choice; peers skip it)
     batch_sizes: list[int] | None = None  # every loader at each (None: the config's); two or more: fixed cost
     formats: Path  # where peers write their formats
     seconds: float | None = None  # each run's limit (neither: one epoch)
@@ -109,15 +110,17 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
         loaders.append(name)
 
     load_before = os.getloadavg()[0]
-    trials: dict[tuple[str, int, int], list[dict]] = {}
+    trials: dict[tuple[str, int | str, int], list[dict]] = {}
     total = None if (opts.batches or opts.seconds) else data.samples  # None: an open-ended bar
     # Repeats outermost, so that load from other processes on a shared machine hits every loader alike.
-    measured, configs = 0, max(1, opts.repeats) * len(batch_sizes) * len(opts.num_workers) * len(loaders)
+    # ``auto`` is headrace's own setting: only the loaders with ``auto_workers`` run it
+    runs_at = {w: [n for n in loaders if w != AUTO or PEERS[n].auto_workers is not None] for w in opts.num_workers}
+    measured, configs = 0, max(1, opts.repeats) * len(batch_sizes) * sum(map(len, runs_at.values()))
     for _ in range(max(1, opts.repeats)):
         for batch_size in batch_sizes:
             sized = dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, batch_size=batch_size))
             for workers in opts.num_workers:
-                for name in loaders:
+                for name in runs_at[workers]:
                     measured += 1
                     if (name, -1, 0) in trials:  # failed before: reported once
                         continue
@@ -125,9 +128,12 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
                         drop_page_cache()
                     peer, state = PEERS[name], states.get(name)
                     try:
+                        # auto: the loader's own measurement, then a run with the count it chose
+                        choice = peer.auto_workers(sized, opts.shuffle) if workers == AUTO else None
+                        count_used = workers if choice is None else choice.num_workers
                         with progress_bar(f"{name}, {workers} workers, batch {batch_size}", total=total,
                                           unit="samples") as advance:
-                            result = measure(lambda: peer.open(sized, workers, opts.shuffle, state),
+                            result = measure(lambda: peer.open(sized, count_used, opts.shuffle, state),
                                              lambda b: count(b, sized), max_samples=data.samples,
                                              max_batches=opts.batches, max_seconds=opts.seconds, step_s=step_s,
                                              progress=advance)
@@ -136,13 +142,16 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
                         trials[(name, -1, 0)] = []
                         progress_line(measured, configs, name, workers, batch_size, f"failed: {type(e).__name__}")
                         continue
+                    if choice is not None:
+                        result["auto"] = choice.to_dict()
                     trials.setdefault((name, workers, batch_size), []).append(result)
                     rate = result["samples_per_s"]
                     progress_line(measured, configs, name, workers, batch_size, f"{result['samples']:,} samples in "
-                                  f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else ""))
+                                  f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else "")
+                                  + (f"; {choice.line()}" if choice is not None else ""))
     runs = []
     for (name, workers, batch_size), results in trials.items():
-        if workers < 0:
+        if workers == -1:
             continue
         runs.append({"loader": name, "workers": workers, "batch_size": batch_size, "shuffle": opts.shuffle,
                      "prepare_s": prepare_s.get(name), "repeats": len(results),

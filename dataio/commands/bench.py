@@ -26,6 +26,13 @@ from headrace.dataio.usererror import CommandError
 PEER_NAMES = ("webdataset", "energon", "litdata", "lhotse", "torch", "dali")
 
 
+def _worker_counts(text: str) -> list[int | str]:
+    counts = [v.strip() for v in text.split(",") if v.strip()]
+    if "auto" not in counts:
+        return _int_list(text)
+    return [v if v == "auto" else _int_list(v)[0] for v in counts]
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -42,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", default=",".join(PEER_NAMES[:5]),
                         help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} "
                              "(empty: headrace only)")
-    parser.add_argument("--num-workers", type=_int_list, default=[0, 2], help="worker counts, e.g. 0,2,4")
+    parser.add_argument("--num-workers", type=_worker_counts, default=[0, 2],
+                        help="worker counts, e.g. 0,2,4; `auto`: headrace's own choice (num_workers: auto), its "
+                             "measurement shown, beside the counts")
     parser.add_argument("--batch-sizes", type=_int_list,
                         help="batch sizes to run every loader at (default: the config's); two or more also report "
                              "each loader's fixed cost per batch and cost per sample (a least-squares fit)")

@@ -1,5 +1,5 @@
-"""The trainer's view of a ``dataio`` loader: opening one with its refusals as one-line job errors, and the shard
-sources whose recorded token ids the start-up vocabulary check reads."""
+"""The trainer's view of a ``dataio`` loader: opening one with its refusals as one-line job errors, the shard
+sources whose recorded token ids the start-up vocabulary check reads, and what ``num_workers: auto`` chose."""
 
 from __future__ import annotations
 
@@ -25,4 +25,12 @@ def shard_sources(loader: Iterable) -> list:
     return loader.stream.sources if isinstance(loader, Loader) else []
 
 
-__all__ = ["open_data", "shard_sources"]
+def worker_choice_line(loader: Iterable) -> str | None:
+    """The line saying what ``data.num_workers: auto`` chose and the rates behind it; None for a count that was
+    written, or a hand-made loader."""
+    if isinstance(loader, Loader) and loader.worker_choice is not None:
+        return loader.worker_choice.line()
+    return None
+
+
+__all__ = ["open_data", "shard_sources", "worker_choice_line"]
