@@ -74,7 +74,8 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
 
 
 def listening_line(result: dict) -> str:
-    return (f"answer loss {result['loss']:.4f} with its own audio, {result['mismatched_loss']:.4f} with another "
+    """Both losses to 5 significant digits (a model that transcribes well has losses of 1e-4 and below)."""
+    return (f"answer loss {result['loss']:.5g} with its own audio, {result['mismatched_loss']:.5g} with another "
             f"utterance's: listening ratio {result['listening_ratio']:.3f}")
 
 
