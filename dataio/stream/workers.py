@@ -174,6 +174,12 @@ class SharedRing:
         base = self._worker * self.region
         return first + ticket, base + self._start, base + self._used
 
+    def cancel_batch(self) -> None:
+        """End the current batch unsent: whatever it took is free again at the next ``begin_batch``."""
+        held = self.finish_batch()
+        if held is not None:
+            self.released[held[0]] = 1
+
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The worker's allocator (``make_batch``'s ``alloc``): the batch's ring bytes, else shared memory
         (no room, or the consumer holds every ticket)."""
@@ -198,15 +204,15 @@ class SharedRing:
         return copy.data_ptr() - self.base
 
     # -- main side -----------------------------------------------------------------------------
-    def receive(self, held: tuple[int, int, int] | None, wire, pin: bool):
-        """The batch of ``wire`` whose ring bytes are ``held``: tensors viewing them, or pinned copies."""
+    def receive(self, held: tuple[int, int, int] | None, wires: list, pin: bool) -> list[dict]:
+        """The batches of ``wires`` whose ring bytes are ``held``: tensors viewing them, or pinned copies."""
         if held is None:
-            return _from_wire(wire, None, pin)
+            return [_from_wire(wire, None, pin) for wire in wires]
         ticket, start, end = held
-        owner = self.array[start:end]  # one object per batch: each of its tensors holds a reference
-        batch = _from_wire(wire, owner, pin, start)
+        owner = self.array[start:end]  # one object per piece: each of its tensors holds a reference
+        batches = [_from_wire(wire, owner, pin, start) for wire in wires]
         self._held.append((ticket, owner))
-        return batch
+        return batches
 
     def release_dropped(self) -> None:
         """Give back the tickets of batches whose tensors are all gone (only ``_held`` refers to the owner)."""
@@ -307,8 +313,9 @@ class RankBatches:
     over worker processes in tasks (``worker_tasks``)."""
 
     def __init__(self, make_batch: Callable[[int, Allocator], dict], *, first: int, last: int | None, seed: int,
-                 dp_rank: int, epoch: int):
+                 dp_rank: int, epoch: int, make_task: Callable[[int, int, Allocator], list[dict] | None] | None = None):
         self.make_batch, self.first, self.last = make_batch, first, last
+        self.make_task = make_task  # (first, count, alloc) -> those batches made at once, or None: one by one
         self.seed, self.dp_rank, self.epoch = seed, dp_rank, epoch
         self.ring: SharedRing | None = None  # set by ``iterate`` before the workers fork
 
@@ -329,8 +336,9 @@ class RankBatches:
 
     def worker_tasks(self, worker: int, num_workers: int) -> Iterator[list]:
         """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
-        num_workers, ...``, each a list of ``(ring bytes held, wire batch)``, after seeding the global
-        generators with ``worker_seed``."""
+        num_workers, ...``, each a list of ``(ring bytes held, [wire batch, ...])``: the whole task in one
+        piece of the ring where ``make_task`` makes it at once, else one piece a batch. The global
+        generators are seeded with ``worker_seed`` first."""
         seed = self.worker_seed(worker)
         torch.default_generator.manual_seed(seed)  # the CPU generator only: a forked worker cannot use CUDA
         np.random.seed(seed % 2**32)
@@ -338,16 +346,28 @@ class RankBatches:
         ring, per_task = self.ring, self.per_task
         b = self.first + worker * per_task
         while self.last is None or b < self.last:  # one task: batches b .. b + per_task - 1, sent together
-            task = []
-            for i in range(b, b + per_task if self.last is None else min(b + per_task, self.last)):
-                if ring is None:
-                    task.append((None, _to_wire(self.make_batch(i, shared_memory), None)))
-                    continue
+            batches = range(b, b + per_task if self.last is None else min(b + per_task, self.last))
+            task = None
+            if ring is not None and self.make_task is not None and len(batches) > 1:
                 ring.begin_batch(worker)
-                wire = _to_wire(self.make_batch(i, ring.allocate), ring)  # small tensors join the batch's bytes
-                task.append((ring.finish_batch(), wire))
+                made = self.make_task(batches.start, len(batches), ring.allocate)
+                if made is None:
+                    ring.cancel_batch()
+                else:
+                    wires = [_to_wire(batch, ring) for batch in made]
+                    task = [(ring.finish_batch(), wires)]
+            if task is None:
+                task = [self._one(i, ring, worker) for i in batches]
             yield task
             b += num_workers * per_task
+
+    def _one(self, b: int, ring: SharedRing | None, worker: int) -> tuple[tuple[int, int, int] | None, list]:
+        """Batch ``b`` as one piece of a task: its ring bytes and its wire."""
+        if ring is None:
+            return None, [_to_wire(self.make_batch(b, shared_memory), None)]
+        ring.begin_batch(worker)
+        wire = _to_wire(self.make_batch(b, ring.allocate), ring)  # small tensors join the batch's bytes
+        return ring.finish_batch(), [wire]
 
 
 def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
@@ -394,14 +414,17 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             yield first
             del first  # not held by this frame while the consumer waits for the next one
         for task in pool.tasks():
-            for held, wire in task:
+            for held, wires in task:
                 if ring is not None:
-                    ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
-                batch = ring.receive(held, wire, pin) if ring is not None else _from_wire(wire, None, pin)
+                    ring.release_dropped()  # before the next piece: the consumer is done with what it dropped
+                piece = ring.receive(held, wires, pin) if ring is not None else [_from_wire(w, None, pin) for w in wires]
                 if pin and ring is not None:
                     ring.release_dropped()  # copied out: its bytes are free at once
-                yield batch
-                del batch  # not held by this frame while the consumer waits for the next one
+                piece.reverse()
+                while piece:
+                    batch = piece.pop()
+                    yield batch
+                    del batch  # not held by this frame while the consumer waits for the next one
             del task
         clean = True
     finally:  # also when the consumer stops early (GeneratorExit): busy workers are terminated
