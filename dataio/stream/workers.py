@@ -5,8 +5,12 @@ A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batc
 t*per_task ...``; worker ``w`` of ``num_workers`` makes tasks ``w, w + num_workers, ...``, each when
 the main process asks for it), ``per_task`` chosen from the nominal batch bytes so one message carries
 ~4 MB (``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a
-pickle of a few hundred bytes) once per task. The main process reads task ``t`` from worker ``t %
-num_workers``, so it sees batches ``first, first + 1, ...`` whatever the worker timing.
+pickle of a few hundred bytes) once per task. Where the batch function can make a whole task at once
+(``make_task``: token batches, ``headrace.dataio.stream.batches.BatchMaker.task``, one gather for the
+task's samples) the worker does, so the per-batch fixed cost too is paid once per task, and the task's
+batches share one piece of the ring (given back once all of them are dropped). The main process reads
+task ``t`` from worker ``t % num_workers``, so it sees batches ``first, first + 1, ...`` whatever the
+worker timing.
 
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per worker
 (``SharedRing``: ``mmap(-1)``, inherited by the forked workers, no file, pages touched lazily, so
@@ -81,13 +85,15 @@ class SharedRing:
     batches still out that holds its first tensor with some slack (else the largest that holds it), so a batch takes the bytes it needs -- a long-tailed batch several times the mean fits as
     long as the ring has the room (fixed slots of twice the mean sent ~10 % of 32-document batches the
     slow way) -- and a consumer that keeps up reuses the same few warm pages (the first touch of a page
-    is a page fault in each worker: ~3.7 us here, ~10 ms per 10 MB of ring). Each batch holds a
-    *ticket* (a byte of shared flags): the main process sets it once every tensor of the batch has been
-    dropped, in whatever order, and the worker then counts the batch's bytes as free again.
+    is a page fault in each worker: ~3.7 us here, ~10 ms per 10 MB of ring). Each batch (or task made
+    at once: one piece of the ring) holds a *ticket* (a byte of shared flags): the main process sets it
+    once every tensor of the piece has been dropped, in whatever order, and the worker then counts the
+    piece's bytes as free again.
 
     Worker side: ``begin_batch`` takes a ticket, ``alloc`` carves tensors, ``finish_batch`` says which
-    bytes the batch holds. Main side: ``receive`` turns a wire batch into tensors viewing its bytes,
-    ``release_dropped`` gives back the tickets of batches nobody references any more."""
+    bytes the piece holds (``cancel_batch``: none). Main side: ``receive`` turns a piece's wire batches
+    into tensors viewing its bytes, ``release_dropped`` gives back the tickets of pieces nobody
+    references any more."""
 
     def __init__(self, num_workers: int, prefetch: int, batch_bytes: int):
         self.per_task = batches_per_task(batch_bytes)
