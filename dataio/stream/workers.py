@@ -17,18 +17,17 @@ Transport: before the workers fork, the main process maps one anonymous shared-m
 creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of the process it runs in
 (``SharedRing.allocate`` in a worker with a ring: a worker collates each batch straight into free
 bytes of its ring; ``shared_memory`` in a worker without one; ``plain_memory`` in the main process)
-and the worker sends, per ring tensor, only where it is (its small tensors made elsewhere -- lengths,
-references -- copied into the batch's ring bytes first). The main process hands out tensors that
-*are* views of the ring -- no copy -- each holding a reference to one per-batch object (a numpy view
-of the batch's bytes); the batch's bytes go back to its worker (a flag in shared memory) once every
-tensor of that batch has been dropped, which the main process checks at each ``next()`` (that
-object's reference count: nothing per tensor). A consumer
-that keeps batches (``list(loader)``) keeps their bytes; once a worker finds no room it sends that
-batch by torch's handles (a shared-memory file per tensor, its descriptor passed over a socket), so
-holding batches is always safe, only slower. With ``pin_memory`` tensors are copied once into pinned
-memory instead and the bytes are released at once. Tensors of at most 64 KB travel by value in the
-pickle only when the ring has no room; nothing else touches the batch on the way (a worker's batch is what
-``make_batch`` returned). Only built-in types and numpy arrays go into the pickle (``_to_wire``).
+and the worker sends, per ring tensor, only where it is. The main process hands out tensors that
+*are* views of the ring -- no copy, one ``torch.frombuffer`` each -- each holding a reference to one
+object per piece of the ring (a numpy view of its bytes); the piece goes back to its worker (a flag in
+shared memory) once every tensor of it has been dropped, which the main process checks at each
+``next()`` (that object's reference count: nothing per tensor). A consumer that keeps batches
+(``list(loader)``) keeps their bytes; once a worker finds no room it sends that batch by torch's
+handles (a shared-memory file per tensor, its descriptor passed over a socket), so holding batches is
+always safe, only slower. With ``pin_memory`` tensors are copied once into pinned memory instead and
+the bytes are released at once. Other tensors of at most 64 KB (lengths, references) travel by value,
+as raw bytes in the pickle; nothing else touches the batch on the way (a worker's batch is what
+``make_batch`` returned). The transport adds only built-in types to the pickle (``_to_wire``).
 
 Start-up: the main process makes the first batch itself, then forks the workers, which start at the
 second; so the first batch comes as fast as in one process and the workers inherit whatever it set up
@@ -195,20 +194,6 @@ class SharedRing:
     def holds(self, t: torch.Tensor) -> bool:
         return self.base <= t.data_ptr() < self.end
 
-    def place(self, t: torch.Tensor) -> int | None:
-        """Where ``t``'s bytes lie in the map: where they are for a contiguous view of the ring, else a
-        copy in the current batch's bytes for a tensor of at most ``SMALL_TENSOR_BYTES`` (lengths,
-        references: read back as a view like the rest, no pickled array); None when neither applies."""
-        if self.holds(t) and t.is_contiguous():
-            return t.data_ptr() - self.base
-        if t.nbytes > SMALL_TENSOR_BYTES:
-            return None
-        copy = self.alloc(tuple(t.shape), t.dtype)
-        if copy is None:
-            return None
-        copy.copy_(t)
-        return copy.data_ptr() - self.base
-
     # -- main side -----------------------------------------------------------------------------
     def receive(self, held: tuple[int, int, int] | None, wires: list, pin: bool) -> list[dict]:
         """The batches of ``wires`` whose ring bytes are ``held``: tensors viewing them, or pinned copies."""
@@ -251,27 +236,26 @@ def process_memory() -> Allocator:
 
 def _to_wire(batch: dict, ring: SharedRing | None) -> tuple[dict, list, list]:
     """``(rest, in_ring, inline)``: the batch without its ring tensors (``(path, offset, shape, dtype
-    code)`` each: those made in the ring and, copied into the batch's ring bytes, those of at most 64 KB
-    made elsewhere) and, where the ring has no room, its tensors of at most 64 KB (``(path, numpy
-    array)``: by value, cheaper than a handle); what is left is pickled as it is (a bigger tensor
-    outside the ring: by torch's handle). Only built-in types and arrays are pickled: a pickled wrapper
-    object or torch.dtype costs a Python call each way (~30 us a batch, measured), an unpickled numpy
-    array ~8 us against ~2.5 us for a ``torch.frombuffer`` view of the ring (measured)."""
+    code)`` each) and its other tensors of at most 64 KB (``(path, bytes, shape, dtype code)``: by value,
+    cheaper than a handle); what is left is pickled as it is (a bigger tensor outside the ring, or one of
+    a dtype not in ``DTYPES``: by torch's handle). Only built-in types go into the pickle: a pickled
+    wrapper object, torch.dtype or numpy array costs a Python call each way (~30 us a batch for
+    wrappers; ~8 us to unpickle a small array against ~2.5 us for ``torch.frombuffer`` of its bytes,
+    measured)."""
     in_ring, inline = [], []
 
     def strip(d: dict, path: tuple) -> dict:
         rest = {}
         for k, v in d.items():
-            if isinstance(v, torch.Tensor):
-                code = DTYPE_CODE.get(v.dtype)  # another dtype goes as below
-                offset = ring.place(v) if ring is not None and code is not None else None
-                if offset is not None:
-                    in_ring.append(((*path, k), offset, tuple(v.shape), code))
-                    continue
+            if isinstance(v, torch.Tensor) and v.dtype in DTYPE_CODE:
                 if ring is not None and ring.holds(v):
+                    if v.is_contiguous():
+                        in_ring.append(((*path, k), v.data_ptr() - ring.base, tuple(v.shape), DTYPE_CODE[v.dtype]))
+                        continue
                     v = v.contiguous()  # a strided view of the ring: a copy of its own goes, by value or handle
                 if v.nbytes <= SMALL_TENSOR_BYTES:
-                    inline.append(((*path, k), v.numpy()))
+                    raw = bytearray(v.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    inline.append(((*path, k), raw, tuple(v.shape), DTYPE_CODE[v.dtype]))
                     continue
             elif isinstance(v, dict):
                 v = strip(v, (*path, k))
@@ -282,21 +266,24 @@ def _to_wire(batch: dict, ring: SharedRing | None) -> tuple[dict, list, list]:
 
 
 def _from_wire(wire: tuple[dict, list, list], owner: np.ndarray | None, pin: bool, owner_start: int = 0) -> dict:
-    """The batch back from ``_to_wire``'s parts; ring tensors view ``owner`` (the batch's ring bytes,
-    which start at ``owner_start`` of the map; one ``torch.frombuffer`` each, which holds a reference
-    to ``owner``), copied into pinned memory with ``pin``."""
+    """The batch back from ``_to_wire``'s parts: one ``torch.frombuffer`` a tensor, of ``owner`` (the
+    batch's ring bytes, which start at ``owner_start`` of the map; each such tensor holds a reference to
+    ``owner``) or of its own bytes; copied into pinned memory with ``pin``."""
     batch, in_ring, inline = wire
     for path, offset, shape, code in in_ring:
-        dtype, count = DTYPES[code], math.prod(shape)
-        t = torch.frombuffer(owner, dtype=dtype, count=count, offset=offset - owner_start) if count else \
-            torch.empty(shape, dtype=dtype)
-        if len(shape) != 1:
-            t = t.view(shape)
-        _put(batch, path, torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t) if pin else t)
-    for path, array in inline:
-        t = torch.from_numpy(array)
-        _put(batch, path, t.pin_memory() if pin else t)
+        _put(batch, path, _tensor(owner, offset - owner_start, shape, DTYPES[code], pin))
+    for path, raw, shape, code in inline:
+        _put(batch, path, _tensor(raw, 0, shape, DTYPES[code], pin))
     return _pinned(batch) if pin else batch
+
+
+def _tensor(buffer, offset: int, shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The ``shape`` tensor at ``offset`` of ``buffer`` (sharing its memory), or its copy in pinned memory."""
+    count = math.prod(shape)
+    t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count else torch.empty(shape, dtype=dtype)
+    if len(shape) != 1:
+        t = t.view(shape)
+    return torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t) if pin else t
 
 
 def _put(batch: dict, path: tuple, value) -> None:
@@ -372,7 +359,7 @@ class RankBatches:
         if ring is None:
             return None, [_to_wire(self.make_batch(b, shared_memory), None)]
         ring.begin_batch(worker)
-        wire = _to_wire(self.make_batch(b, ring.allocate), ring)  # small tensors join the batch's bytes
+        wire = _to_wire(self.make_batch(b, ring.allocate), ring)
         return ring.finish_batch(), [wire]
 
 
