@@ -76,7 +76,7 @@ class WorkerPool:
         self.procs: list = []
         self.requests: list[Connection] = []
         self.results: list[Connection] = []
-        self.ready: list[select.poll] = []  # one per results pipe, registered once (Connection.poll builds a selector per call)
+        self.ready: list[select.poll] = []  # per results pipe, registered once (Connection.poll: a selector a call)
         self.asked = [0] * num_workers
         try:
             for w in range(num_workers):

@@ -410,7 +410,8 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             for held, wires in task:
                 if ring is not None:
                     ring.release_dropped()  # before the next piece: the consumer is done with what it dropped
-                piece = ring.receive(held, wires, pin) if ring is not None else [_from_wire(w, None, pin) for w in wires]
+                piece = ring.receive(held, wires, pin) if ring is not None else \
+                    [_from_wire(w, None, pin) for w in wires]
                 if pin and ring is not None:
                     ring.release_dropped()  # copied out: its bytes are free at once
                 piece.reverse()
