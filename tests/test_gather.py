@@ -168,3 +168,46 @@ def test_known_blocks_are_read_without_the_lock(tmp_path, monkeypatch):
     refs = make_ref(0, np.array([BLOCK + 60, 2, BLOCK + 1]))
     assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
     assert len(locks) == taken
+
+
+def test_a_task_made_at_once_is_batch_by_batch_what_make_batch_gives(tmp_path):
+    """``BatchMaker.task`` (a worker's task of token batches from one gather) gives each batch as
+    ``BatchMaker.__call__`` makes it -- (B, L) where a batch's lengths agree, flat + lengths where not,
+    blended datasets, the short last batch -- and None where a batch must go the general way (a bad
+    sample); through 2 workers the loader's batches and state are those of one process."""
+    from headrace.dataio.loader import build_loader
+    from headrace.dataio.stream.batches import BatchMaker
+
+    rng = np.random.default_rng(1)
+    token_tars(tmp_path / "a", [rng.integers(1, 60, 70).tolist()])
+    token_tars(tmp_path / "b", [[6] * 50], prefix="u")  # batches drawn only from here are (B, 6)
+    cfg = {"datasets": [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b"), "weight": 4.0}], "batch_size": 3,
+           "epochs": 1, "shuffle": True, "shuffle_window": 16, "num_workers": 0}
+    stream = build_loader(cfg, dp_rank=0, dp_size=1).stream
+    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
+                       first_local=0, batch_size=3)
+    last = stream.num_batches(3)
+    shapes = set()
+    for first in range(0, last, 3):
+        count = min(4, last - first)
+        task = maker.task(first, count, plain_memory)
+        assert task is not None and len(task) == count
+        for b, batch in enumerate(task, first):
+            assert_same(batch, maker(b, plain_memory))
+            shapes.add(batch["tokens.npy"].ndim)
+    assert shapes == {1, 2} and len(maker(last - 1, plain_memory)["__key__"]) < 3  # both layouts, a short tail
+
+    one, two = (build_loader({**cfg, "num_workers": n}) for n in (0, 2))
+    for x, y in zip(one, two, strict=True):
+        assert_same({k: v for k, v in x.items()}, {k: y[k] for k in x})
+    assert one.state_dict() == two.state_dict()
+
+    tar = tmp_path / "a" / "t-000000.tar"
+    data = bytearray(tar.read_bytes())
+    data[data.index(b"\x93NUMPY", data.index(b"t00005.")) + 1] = ord("X")  # sample 5's magic
+    tar.write_bytes(bytes(data))
+    stream = build_loader({**cfg, "datasets": cfg["datasets"][:1], "shuffle": False}, dp_rank=0, dp_size=1).stream
+    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
+                       first_local=0, batch_size=3)
+    assert maker.task(0, 2, plain_memory) is None  # batch 1 holds sample 5: the general path names it
+    assert maker.task(2, 2, plain_memory) is not None

@@ -114,6 +114,19 @@ def test_ring_takes_the_lowest_free_bytes_and_gives_them_back_in_any_order():
     assert ring.tickets == 16 and ring.released.sum() == 16 - 4  # c, d and the last two are out
 
 
+def test_a_cancelled_piece_gives_its_bytes_back():
+    """A task the worker abandons after carving bytes (``make_task`` found a batch for the general path)
+    leaves no bytes out: the next piece takes the same ones."""
+    ring = SharedRing(num_workers=1, prefetch=1, batch_bytes=1 << 20)
+    ring.begin_batch(0)
+    ring.alloc((1000,), torch.int64)
+    ring.cancel_batch()
+    ring.begin_batch(0)
+    ring.alloc((1000,), torch.int64)
+    assert ring.finish_batch()[1:] == (0, 8000)
+    assert ring.released.sum() == ring.tickets - 1  # only the piece just made is out
+
+
 def pid_batch(b, alloc):
     import numpy as np
 

@@ -19,7 +19,7 @@ from headrace.dataio.config import DataConfig
 from headrace.dataio.shards.formats import is_token_member
 from headrace.dataio.stream.audio_batch import decode_pending
 from headrace.dataio.stream.blend import BlendSchedule
-from headrace.dataio.stream.collate import Allocator, collate
+from headrace.dataio.stream.collate import Allocator, bookkeeping, collate
 from headrace.dataio.stream.dali import BatchAudio
 from headrace.dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
 from headrace.dataio.stream.epochized import EpochizedSchedule
@@ -167,18 +167,23 @@ class BatchMaker:
             within[sel] = self.orders[d].indices(e, pos[sel])
         return within
 
-    def __call__(self, b: int, alloc: Allocator) -> dict:
-        """The plain (collated) batch ``b`` in tensors from ``alloc``, with ``__pos__`` (rank-local
-        positions), ``__bad__`` (samples skipped while making it) and ``__end__`` (the position after it)
-        for the main process."""
+    def _span(self, b: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """``(end, local, positions)`` of batch ``b``: the rank-local position after it, and the rank-local
+        and global positions of its samples (those a re-layout skips left out)."""
         lo = self.first_local + b * self.batch_size
         hi = lo + self.batch_size if self.local_end is None else min(lo + self.batch_size, self.local_end)
         local = np.arange(lo, max(lo, hi), dtype=np.int64)
         positions = self.layout.positions(self.dp_rank, local)
         keep = ~self.layout.skipped(positions) if self.layout.skips else slice(None)
-        local, positions = local[keep], positions[keep]
+        return max(lo, hi), local[keep], positions[keep]
+
+    def __call__(self, b: int, alloc: Allocator) -> dict:
+        """The plain (collated) batch ``b`` in tensors from ``alloc``, with ``__pos__`` (rank-local
+        positions), ``__bad__`` (samples skipped while making it) and ``__end__`` (the position after it)
+        for the main process."""
+        end, local, positions = self._span(b)
         refs = self.refs(positions)
-        batch = gather_tokens(self.sources, refs, max(lo, hi), alloc) if self.tokens_only and len(refs) else None
+        batch = gather_tokens(self.sources, refs, end, alloc) if self.tokens_only and len(refs) else None
         if batch is not None and self.reader.cfg.thd and _has_negative_id(batch):
             batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (headrace.dataio.stream.gather)
@@ -191,15 +196,65 @@ class BatchMaker:
             samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc)
             valid = torch.zeros(len(samples), dtype=torch.bool)
             local = np.full(len(samples), -1)
-        batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=max(lo, hi), alloc=alloc)
+        batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=end, alloc=alloc)
         batch["__pos__"] = torch.from_numpy(local[kept])
         batch["__bad__"] = bad
         return self._with_subflavors(batch)
+
+    def task(self, first: int, count: int, alloc: Allocator) -> list[dict] | None:
+        """Batches ``first .. first+count-1``, each as ``self(b, alloc)`` makes it, from one
+        ``gather_tokens`` over all their samples (a worker's task: the fixed cost of a batch -- the
+        lookups, the shard checks, the bookkeeping -- paid once a task): every tensor, its small ones
+        included, is a view of one per-field tensor from ``alloc``. None where that does not apply (not
+        token batches, a batch without samples, a sample the general path must name): the caller then
+        makes them one by one."""
+        if not self.tokens_only:
+            return None
+        spans = [self._span(b) for b in range(first, first + count)]
+        if min(len(local) for _, local, _ in spans) == 0:
+            return None
+        local = np.concatenate([local for _, local, _ in spans])
+        refs = self.refs(np.concatenate([positions for _, _, positions in spans]))
+        union = gather_tokens(self.sources, refs, 0, alloc)
+        if union is None or (self.reader.cfg.thd and _has_negative_id(union)):
+            return None
+        ext = next(k for k in union if is_token_member(k))
+        tokens, lengths = union[ext], union["__lengths__"].get(ext)
+        counts = [tokens.shape[1]] * len(refs) if lengths is None else lengths.tolist()
+        tokens = tokens.view(-1)
+        if lengths is None:
+            lengths = torch.full((len(refs),), counts[0], dtype=torch.int64)
+        small = [_into(alloc, t) for t in (union["__ref__"], union["__valid__"], lengths, torch.from_numpy(local))]
+        ref, valid, lengths, pos = small
+        subflavors = None if self.subflavors is None else [self.subflavors[d] for d in (refs >> REF_BITS).tolist()]
+        out, at, offset = [], 0, 0
+        for end, part, _ in spans:
+            n = len(part)
+            own = counts[at : at + n]
+            size = sum(own)
+            batch = bookkeeping(union["__key__"][at : at + n], ref[at : at + n], valid[at : at + n], end)
+            if min(own) == max(own):
+                batch[ext], batch["__lengths__"] = tokens[offset : offset + size].view(n, own[0]), {}
+            else:
+                batch[ext], batch["__lengths__"] = tokens[offset : offset + size], {ext: lengths[at : at + n]}
+            batch["__pos__"], batch["__bad__"] = pos[at : at + n], 0
+            if subflavors is not None:
+                batch["__subflavors__"] = subflavors[at : at + n]
+            out.append(batch)
+            at, offset = at + n, offset + size
+        return out
 
     def _with_subflavors(self, batch: dict) -> dict:
         if self.subflavors is not None:
             batch["__subflavors__"] = [self.subflavors[d] for d in (batch["__ref__"] >> REF_BITS).tolist()]
         return batch
+
+
+def _into(alloc: Allocator, t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in a tensor from ``alloc`` (a worker's ring: sent as a view, not pickled)."""
+    out = alloc(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
 
 
 def _has_negative_id(batch: dict) -> bool:

@@ -33,8 +33,10 @@ sampler machinery: which task a worker makes is fixed by its number.
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing
 import pickle
+import select
 import signal
 import time
 import traceback
@@ -74,6 +76,7 @@ class WorkerPool:
         self.procs: list = []
         self.requests: list[Connection] = []
         self.results: list[Connection] = []
+        self.ready: list[select.poll] = []  # per results pipe, registered once (Connection.poll: a selector a call)
         self.asked = [0] * num_workers
         try:
             for w in range(num_workers):
@@ -89,6 +92,8 @@ class WorkerPool:
                 self.procs.append(proc)
                 self.requests.append(requests_out)
                 self.results.append(results_in)
+                self.ready.append(select.poll())
+                self.ready[-1].register(results_in.fileno(), select.POLLIN)
             for w in range(num_workers):
                 for _ in range(prefetch):
                     self._ask(w)
@@ -138,7 +143,7 @@ class WorkerPool:
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
             wait = LIVENESS_S if deadline is None else max(0.0, deadline - time.monotonic())
-            if conn.poll(wait):
+            if self.ready[w].poll(math.ceil(wait * 1000)):  # readable, or EOF (a hang-up): recv tells which
                 try:
                     message = conn.recv()
                 except EOFError:

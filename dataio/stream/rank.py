@@ -90,7 +90,7 @@ class RankStream:
         removed), computed by ``num_workers`` worker processes and read back in order."""
         cfg = self.cfg
         batches = RankBatches(make, first=first, last=last, seed=self.seeds.latest, dp_rank=self.dp_rank,
-                              epoch=epoch)
+                              epoch=epoch, make_task=make.task if isinstance(make, BatchMaker) else None)
         try:
             for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
                                  timeout=cfg.worker_timeout if cfg.num_workers else 0, batch_bytes=batch_bytes,

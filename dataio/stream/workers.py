@@ -5,8 +5,12 @@ A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batc
 t*per_task ...``; worker ``w`` of ``num_workers`` makes tasks ``w, w + num_workers, ...``, each when
 the main process asks for it), ``per_task`` chosen from the nominal batch bytes so one message carries
 ~4 MB (``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a
-pickle of a few hundred bytes) once per task. The main process reads task ``t`` from worker ``t %
-num_workers``, so it sees batches ``first, first + 1, ...`` whatever the worker timing.
+pickle of a few hundred bytes) once per task. Where the batch function can make a whole task at once
+(``make_task``: token batches, ``headrace.dataio.stream.batches.BatchMaker.task``, one gather for the
+task's samples) the worker does, so the per-batch fixed cost too is paid once per task, and the task's
+batches share one piece of the ring (given back once all of them are dropped). The main process reads
+task ``t`` from worker ``t % num_workers``, so it sees batches ``first, first + 1, ...`` whatever the
+worker timing.
 
 Transport: before the workers fork, the main process maps one anonymous shared-memory ring per worker
 (``SharedRing``: ``mmap(-1)``, inherited by the forked workers, no file, pages touched lazily, so
@@ -14,15 +18,16 @@ creating it costs nothing). ``make_batch(b, alloc)`` receives the allocator of t
 (``SharedRing.allocate`` in a worker with a ring: a worker collates each batch straight into free
 bytes of its ring; ``shared_memory`` in a worker without one; ``plain_memory`` in the main process)
 and the worker sends, per ring tensor, only where it is. The main process hands out tensors that
-*are* views of the ring -- no copy -- all sharing one per-batch storage; the batch's bytes go back to
-its worker (a flag in shared memory) once every tensor of that batch has been dropped, which the main
-process checks at each ``next()`` (the storage's reference count: nothing per tensor). A consumer
-that keeps batches (``list(loader)``) keeps their bytes; once a worker finds no room it sends that
-batch by torch's handles (a shared-memory file per tensor, its descriptor passed over a socket), so
-holding batches is always safe, only slower. With ``pin_memory`` tensors are copied once into pinned
-memory instead and the bytes are released at once. Tensors of at most 64 KB (lengths, references)
-travel by value in the pickle; nothing else touches the batch on the way (a worker's batch is what
-``make_batch`` returned). Only built-in types and numpy arrays go into the pickle (``_to_wire``).
+*are* views of the ring -- no copy, one ``torch.frombuffer`` each -- each holding a reference to one
+object per piece of the ring (a numpy view of its bytes); the piece goes back to its worker (a flag in
+shared memory) once every tensor of it has been dropped, which the main process checks at each
+``next()`` (that object's reference count: nothing per tensor). A consumer that keeps batches
+(``list(loader)``) keeps their bytes; once a worker finds no room it sends that batch by torch's
+handles (a shared-memory file per tensor, its descriptor passed over a socket), so holding batches is
+always safe, only slower. With ``pin_memory`` tensors are copied once into pinned memory instead and
+the bytes are released at once. Other tensors of at most 64 KB (lengths, references) travel by value,
+as raw bytes in the pickle; nothing else touches the batch on the way (a worker's batch is what
+``make_batch`` returned). The transport adds only built-in types to the pickle (``_to_wire``).
 
 Start-up: the main process makes the first batch itself, then forks the workers, which start at the
 second; so the first batch comes as fast as in one process and the workers inherit whatever it set up
@@ -44,7 +49,6 @@ error in the main process (see ``headrace.dataio.stream.pool``).
 
 from __future__ import annotations
 
-import collections
 import gc
 import math
 import mmap
@@ -79,13 +83,15 @@ class SharedRing:
     batches still out that holds its first tensor with some slack (else the largest that holds it), so a batch takes the bytes it needs -- a long-tailed batch several times the mean fits as
     long as the ring has the room (fixed slots of twice the mean sent ~10 % of 32-document batches the
     slow way) -- and a consumer that keeps up reuses the same few warm pages (the first touch of a page
-    is a page fault in each worker: ~3.7 us here, ~10 ms per 10 MB of ring). Each batch holds a
-    *ticket* (a byte of shared flags): the main process sets it once every tensor of the batch has been
-    dropped, in whatever order, and the worker then counts the batch's bytes as free again.
+    is a page fault in each worker: ~3.7 us here, ~10 ms per 10 MB of ring). Each batch (or task made
+    at once: one piece of the ring) holds a *ticket* (a byte of shared flags): the main process sets it
+    once every tensor of the piece has been dropped, in whatever order, and the worker then counts the
+    piece's bytes as free again.
 
     Worker side: ``begin_batch`` takes a ticket, ``alloc`` carves tensors, ``finish_batch`` says which
-    bytes the batch holds. Main side: ``receive`` turns a wire batch into tensors viewing its bytes,
-    ``release_dropped`` gives back the tickets of batches nobody references any more."""
+    bytes the piece holds (``cancel_batch``: none). Main side: ``receive`` turns a piece's wire batches
+    into tensors viewing its bytes, ``release_dropped`` gives back the tickets of pieces nobody
+    references any more."""
 
     def __init__(self, num_workers: int, prefetch: int, batch_bytes: int):
         self.per_task = batches_per_task(batch_bytes)
@@ -96,6 +102,7 @@ class SharedRing:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.buffer = torch.from_numpy(self.array)
         self.base = self.buffer.data_ptr()
+        self.end = self.base + len(self.array)
         self._flags = mmap.mmap(-1, num_workers * self.tickets)
         self.released = np.frombuffer(self._flags, dtype=np.uint8)  # 1: the main process is done with the batch
         self.released[:] = 1
@@ -171,6 +178,12 @@ class SharedRing:
         base = self._worker * self.region
         return first + ticket, base + self._start, base + self._used
 
+    def cancel_batch(self) -> None:
+        """End the current batch unsent: whatever it took is free again at the next ``begin_batch``."""
+        held = self.finish_batch()
+        if held is not None:
+            self.released[held[0]] = 1
+
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The worker's allocator (``make_batch``'s ``alloc``): the batch's ring bytes, else shared memory
         (no room, or the consumer holds every ticket)."""
@@ -178,18 +191,18 @@ class SharedRing:
         return t if t is not None else shared_memory(shape, dtype)
 
     def holds(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() == self.base
+        return self.base <= t.data_ptr() < self.end
 
     # -- main side -----------------------------------------------------------------------------
-    def receive(self, held: tuple[int, int, int] | None, wire, pin: bool):
-        """The batch of ``wire`` whose ring bytes are ``held``: tensors viewing them, or pinned copies."""
+    def receive(self, held: tuple[int, int, int] | None, wires: list, pin: bool) -> list[dict]:
+        """The batches of ``wires`` whose ring bytes are ``held``: tensors viewing them, or pinned copies."""
         if held is None:
-            return _from_wire(wire, None, pin)
+            return [_from_wire(wire, None, pin) for wire in wires]
         ticket, start, end = held
-        owner = self.array[start:end]  # one object per batch: its refcount is the batch's
-        batch = _from_wire(wire, torch.from_numpy(owner), pin, start)
+        owner = self.array[start:end]  # one object per piece: each of its tensors holds a reference
+        batches = [_from_wire(wire, owner, pin, start) for wire in wires]
         self._held.append((ticket, owner))
-        return batch
+        return batches
 
     def release_dropped(self) -> None:
         """Give back the tickets of batches whose tensors are all gone (only ``_held`` refers to the owner)."""
@@ -222,23 +235,26 @@ def process_memory() -> Allocator:
 
 def _to_wire(batch: dict, ring: SharedRing | None) -> tuple[dict, list, list]:
     """``(rest, in_ring, inline)``: the batch without its ring tensors (``(path, offset, shape, dtype
-    code)`` each) and its tensors of at most 64 KB (``(path, numpy array)``: by value, cheaper than a
-    handle); what is left is pickled as it is (a bigger tensor outside the ring: by torch's handle).
-    Only built-in types and arrays are pickled: a pickled wrapper object or torch.dtype costs a Python
-    call each way (~30 us a batch, measured)."""
+    code)`` each) and its other tensors of at most 64 KB (``(path, bytes, shape, dtype code)``: by value,
+    cheaper than a handle); what is left is pickled as it is (a bigger tensor outside the ring, or one of
+    a dtype not in ``DTYPES``: by torch's handle). Only built-in types go into the pickle: a pickled
+    wrapper object, torch.dtype or numpy array costs a Python call each way (~30 us a batch for
+    wrappers; ~8 us to unpickle a small array against ~2.5 us for ``torch.frombuffer`` of its bytes,
+    measured)."""
     in_ring, inline = [], []
 
     def strip(d: dict, path: tuple) -> dict:
         rest = {}
         for k, v in d.items():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and v.dtype in DTYPE_CODE:
                 if ring is not None and ring.holds(v):
                     if v.is_contiguous():
                         in_ring.append(((*path, k), v.data_ptr() - ring.base, tuple(v.shape), DTYPE_CODE[v.dtype]))
                         continue
                     v = v.contiguous()  # a strided view of the ring: a copy of its own goes, by value or handle
                 if v.nbytes <= SMALL_TENSOR_BYTES:
-                    inline.append(((*path, k), v.numpy()))
+                    raw = bytearray(v.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    inline.append(((*path, k), raw, tuple(v.shape), DTYPE_CODE[v.dtype]))
                     continue
             elif isinstance(v, dict):
                 v = strip(v, (*path, k))
@@ -248,19 +264,25 @@ def _to_wire(batch: dict, ring: SharedRing | None) -> tuple[dict, list, list]:
     return strip(batch, ()), in_ring, inline
 
 
-def _from_wire(wire: tuple[dict, list, list], owner: torch.Tensor | None, pin: bool, owner_start: int = 0) -> dict:
-    """The batch back from ``_to_wire``'s parts; ring tensors view ``owner`` (the batch's ring bytes,
-    which start at ``owner_start`` of the map), copied into pinned memory with ``pin``."""
+def _from_wire(wire: tuple[dict, list, list], owner: np.ndarray | None, pin: bool, owner_start: int = 0) -> dict:
+    """The batch back from ``_to_wire``'s parts: one ``torch.frombuffer`` a tensor, of ``owner`` (the
+    batch's ring bytes, which start at ``owner_start`` of the map; each such tensor holds a reference to
+    ``owner``) or of its own bytes; copied into pinned memory with ``pin``."""
     batch, in_ring, inline = wire
     for path, offset, shape, code in in_ring:
-        dtype = DTYPES[code]
-        start = offset - owner_start
-        t = owner[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-        _put(batch, path, torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t) if pin else t)
-    for path, array in inline:
-        t = torch.from_numpy(array)
-        _put(batch, path, t.pin_memory() if pin else t)
+        _put(batch, path, _tensor(owner, offset - owner_start, shape, DTYPES[code], pin))
+    for path, raw, shape, code in inline:
+        _put(batch, path, _tensor(raw, 0, shape, DTYPES[code], pin))
     return _pinned(batch) if pin else batch
+
+
+def _tensor(buffer, offset: int, shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """The ``shape`` tensor at ``offset`` of ``buffer`` (sharing its memory), or its copy in pinned memory."""
+    count = math.prod(shape)
+    t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count else torch.empty(shape, dtype=dtype)
+    if len(shape) != 1:
+        t = t.view(shape)
+    return torch.empty(shape, dtype=dtype, pin_memory=True).copy_(t) if pin else t
 
 
 def _put(batch: dict, path: tuple, value) -> None:
@@ -283,8 +305,9 @@ class RankBatches:
     over worker processes in tasks (``worker_tasks``)."""
 
     def __init__(self, make_batch: Callable[[int, Allocator], dict], *, first: int, last: int | None, seed: int,
-                 dp_rank: int, epoch: int):
+                 dp_rank: int, epoch: int, make_task: Callable[[int, int, Allocator], list[dict] | None] | None = None):
         self.make_batch, self.first, self.last = make_batch, first, last
+        self.make_task = make_task  # (first, count, alloc) -> those batches made at once, or None: one by one
         self.seed, self.dp_rank, self.epoch = seed, dp_rank, epoch
         self.ring: SharedRing | None = None  # set by ``iterate`` before the workers fork
 
@@ -305,8 +328,9 @@ class RankBatches:
 
     def worker_tasks(self, worker: int, num_workers: int) -> Iterator[list]:
         """Worker ``worker``'s tasks: batches ``first + t*per_task ...`` of tasks ``t = worker, worker +
-        num_workers, ...``, each a list of ``(ring bytes held, wire batch)``, after seeding the global
-        generators with ``worker_seed``."""
+        num_workers, ...``, each a list of ``(ring bytes held, [wire batch, ...])``: the whole task in one
+        piece of the ring where ``make_task`` makes it at once, else one piece a batch. The global
+        generators are seeded with ``worker_seed`` first."""
         seed = self.worker_seed(worker)
         torch.default_generator.manual_seed(seed)  # the CPU generator only: a forked worker cannot use CUDA
         np.random.seed(seed % 2**32)
@@ -314,16 +338,28 @@ class RankBatches:
         ring, per_task = self.ring, self.per_task
         b = self.first + worker * per_task
         while self.last is None or b < self.last:  # one task: batches b .. b + per_task - 1, sent together
-            task = []
-            for i in range(b, b + per_task if self.last is None else min(b + per_task, self.last)):
-                if ring is None:
-                    task.append((None, _to_wire(self.make_batch(i, shared_memory), None)))
-                    continue
+            batches = range(b, b + per_task if self.last is None else min(b + per_task, self.last))
+            task = None
+            if ring is not None and self.make_task is not None and len(batches) > 1:
                 ring.begin_batch(worker)
-                batch = self.make_batch(i, ring.allocate)
-                task.append((ring.finish_batch(), _to_wire(batch, ring)))
+                made = self.make_task(batches.start, len(batches), ring.allocate)
+                if made is None:
+                    ring.cancel_batch()
+                else:
+                    wires = [_to_wire(batch, ring) for batch in made]
+                    task = [(ring.finish_batch(), wires)]
+            if task is None:
+                task = [self._one(i, ring, worker) for i in batches]
             yield task
             b += num_workers * per_task
+
+    def _one(self, b: int, ring: SharedRing | None, worker: int) -> tuple[tuple[int, int, int] | None, list]:
+        """Batch ``b`` as one piece of a task: its ring bytes and its wire."""
+        if ring is None:
+            return None, [_to_wire(self.make_batch(b, shared_memory), None)]
+        ring.begin_batch(worker)
+        wire = _to_wire(self.make_batch(b, ring.allocate), ring)
+        return ring.finish_batch(), [wire]
 
 
 def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
@@ -370,14 +406,18 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             yield first
             del first  # not held by this frame while the consumer waits for the next one
         for task in pool.tasks():
-            for held, wire in task:
+            for held, wires in task:
                 if ring is not None:
-                    ring.release_dropped()  # before the next batch: the consumer is done with what it dropped
-                batch = ring.receive(held, wire, pin) if ring is not None else _from_wire(wire, None, pin)
+                    ring.release_dropped()  # before the next piece: the consumer is done with what it dropped
+                piece = ring.receive(held, wires, pin) if ring is not None else \
+                    [_from_wire(w, None, pin) for w in wires]
                 if pin and ring is not None:
                     ring.release_dropped()  # copied out: its bytes are free at once
-                yield batch
-                del batch  # not held by this frame while the consumer waits for the next one
+                piece.reverse()
+                while piece:
+                    batch = piece.pop()
+                    yield batch
+                    del batch  # not held by this frame while the consumer waits for the next one
             del task
         clean = True
     finally:  # also when the consumer stops early (GeneratorExit): busy workers are terminated
