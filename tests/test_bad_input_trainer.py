@@ -85,7 +85,7 @@ def test_damaged_or_pickle_only_pretrained_path_is_one_line(tmp_path, capsys, on
 def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_and_refuses_a_tampered_one(
         tmp_path, capsys, one_rank):
     make_text_dataset(tmp_path / "d", [60])
-    steps = lambda n: ("trainer.log_every=1", f"trainer.max_steps={n}", f"optim.decay_steps=6",  # noqa: E731
+    steps = lambda n: ("trainer.log_every=1", f"trainer.max_steps={n}", "optim.decay_steps=6",  # noqa: E731
                        "checkpoint.interval=2", datasets(tmp_path / "d"))
     assert run(tmp_path, capsys, *steps(4))[0] == 0
     out = tmp_path / "out"
