@@ -23,7 +23,7 @@ def _cu(lengths):
 
 def _qkv(total, heads, kv_heads, dim, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    make = lambda h: torch.randn(total, h, dim, generator=g, dtype=torch.float32).to(device, dtype).requires_grad_()  # noqa: E731
+    make = lambda h: torch.randn(total, h, dim, generator=g, dtype=torch.float32).to(device, dtype).requires_grad_()
     return make(heads), make(kv_heads), make(kv_heads)
 
 
