@@ -13,7 +13,7 @@ torchaudio), the same features as ``headrace.dataio.stream.dali``'s ``features: 
    ``transformers.audio_utils.mel_filter_bank``, built once per device and shape).
 4. dB relative to each utterance's own peak over its valid frames, floored at -80 dB.
 
-Measured against DALI 2.4 on CPU (tests/test_kernels_log_mel.py): max |difference| below 1e-3 dB on
+Measured against DALI 2.4 on CPU (tests/test_log_mel.py): max |difference| below 1e-3 dB on
 utterances of different lengths in one batch (float32 FFT rounding). Frames past an utterance's end are
 set to -80 dB (the floor). The output is scaled to about [-1, 1] by ``(db + 40) / 40`` for the encoder
 (``scale: true``, the default for training; ``scale: false`` returns DALI's dB values).
@@ -24,13 +24,13 @@ the released checkpoints), centred STFT (n_fft 400, hop 160, periodic Hann, refl
 whole window) without its last frame, Slaney mel bank (80 or 128 bins), ``log10(max(x, 1e-10))``
 floored at the utterance's maximum - 8, then ``(x + 4) / 4``. The frames the real audio covers are
 ``ceil(length / hop)`` (the extractor's attention mask). Measured against the extractor in
-tests/test_kernels_log_mel.py. Cost: the STFT of the whole window per utterance (the encoder's input
+tests/test_log_mel.py. Cost: the STFT of the whole window per utterance (the encoder's input
 size is fixed anyway).
 
 ``nemo_log_mel(audio, lengths, cfg)`` (``LogMelConfig(kind="nemo")``) computes transformers'
 ``ParakeetFeatureExtractor`` features (NeMo's preprocessor: preemphasis, symmetric Hann, ``log(x + 2^-24)``,
 per-utterance per-bin normalisation over ``length // hop`` frames), the input a released Parakeet encoder
-expects; measured against the extractor in tests/test_kernels_log_mel.py.
+expects; measured against the extractor in tests/test_log_mel.py.
 
 All run with autocast off: the mel matmul and the log must stay in float32 under a bf16 step.
 

@@ -40,7 +40,9 @@ def cuda_process_group():
 def pytest_sessionfinish(session, exitstatus):
     import sys
 
-    bare = sorted(m for m in sys.modules if m.split(".")[0] in ("dataio", "training", "configtree")
+    from tools.package_dirs import RUNTIME_FOLDERS
+
+    bare = sorted(m for m in sys.modules if m.split(".")[0] in set(RUNTIME_FOLDERS) - {"kernels"}
                   or (m.startswith("kernels.") and "site-packages" not in str(getattr(sys.modules[m], "__file__", ""))))
     if bare:
         print(f"\nERROR: modules imported under their bare names besides headrace.*: {', '.join(bare)}",

@@ -448,7 +448,7 @@ def targets(tmp: Path) -> dict:
     from tests.loader_util import make_text_dataset
 
     from headrace.dataio import build_loader
-    from tests.test_hostile_config import job
+    from tests.test_bad_input_config import job
 
     make_text_dataset(tmp / "ds", [6, 6])
     state_cfg = {"datasets": [{"path": str(tmp / "ds")}], "batch_size": 2, "num_workers": 0, "epochs": 1}

@@ -13,10 +13,11 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from tools import lockfile, torch_api
+from tools.package_dirs import RUNTIME_FOLDERS
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-RUNTIME_ROOTS = ("dataio", "training", "kernels", "configtree")  # the folders of the runtime code
+RUNTIME_ROOTS = RUNTIME_FOLDERS
 # Runtime dependencies the code reaches through another package rather than by importing them.
 USED_THROUGH = {"tensorboard": "torch.utils.tensorboard"}
 

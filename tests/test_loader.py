@@ -65,7 +65,8 @@ def test_every_sample_once_and_equal_batch_counts(text, dp_size):
         if reference is None:
             reference = per_rank
         assert per_rank == reference, "the worker count must not change the stream"
-    assert len(per_rank[0]) == -(-(-(-len(all_keys) // dp_size)) // 3)
+    samples_per_rank = -(-len(all_keys) // dp_size)  # ceil
+    assert len(per_rank[0]) == -(-samples_per_rank // 3)
 
 
 def test_tp_peers_identical_and_ranks_disjoint(text):

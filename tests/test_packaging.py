@@ -91,9 +91,6 @@ def test_pyproject_declares_ranges_entry_points_and_extras():
     assert any(r.startswith("nvidia-dali-cuda130") for r in extras["dali"])
     assert any(r.startswith("s3fs") for r in extras["s3"])
     assert {r.split(">")[0].split("=")[0] for r in extras["dev"]} >= {"pytest", "hypothesis", "pytest-timeout"}
-    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {
-        "headrace.dataio": "dataio", "headrace.training": "training", "headrace.kernels": "kernels",
-        "headrace.config": "configtree"}
     from headrace.dataio.cli import main
 
     assert callable(main)

@@ -26,8 +26,10 @@ import importlib
 import sys
 from pathlib import Path
 
+from tools.package_dirs import RUNTIME_FOLDERS
+
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = ("dataio", "training", "kernels", "configtree", "tools", "tests")
+ROOTS = (*RUNTIME_FOLDERS, "tools", "tests")
 RECORD = REPO / "tools" / "torch_floor_api.txt"
 FLOOR = "2.11"
 

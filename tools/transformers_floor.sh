@@ -22,5 +22,5 @@ if ! "$venv/bin/python" -c "from importlib.metadata import version as v; assert 
 fi
 echo "transformers floor: $("$venv/bin/python" -c 'import transformers, torch; print(transformers.__version__, "with torch", torch.__version__)')"
 OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q --timeout=600 \
-    tests/test_training_dist.py::test_families_match_single_process tests/test_speech.py tests/test_speech_dist.py \
-    tests/test_training.py "$@"
+    tests/test_train_dist.py::test_families_match_single_process tests/test_speech.py tests/test_speech_dist.py \
+    tests/test_train.py "$@"

@@ -45,7 +45,6 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from headrace.config import ConfigError
 from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie

@@ -7,12 +7,11 @@ multi-rank checks (uneven val, finite stream, output_dir lock, tp heads) are in 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import webdataset as wds
 
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO
 from tests.loader_util import index_dir, make_text_dataset
 
 from headrace.training.__main__ import main
@@ -86,7 +85,7 @@ def test_damaged_or_pickle_only_pretrained_path_is_one_line(tmp_path, capsys, on
 def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_and_refuses_a_tampered_one(
         tmp_path, capsys, one_rank):
     make_text_dataset(tmp_path / "d", [60])
-    steps = lambda n: ("trainer.log_every=1", f"trainer.max_steps={n}", f"optim.decay_steps=6",  # noqa: E731
+    steps = lambda n: ("trainer.log_every=1", f"trainer.max_steps={n}", "optim.decay_steps=6",  # noqa: E731
                        "checkpoint.interval=2", datasets(tmp_path / "d"))
     assert run(tmp_path, capsys, *steps(4))[0] == 0
     out = tmp_path / "out"
@@ -155,25 +154,6 @@ def test_demo_config_validates_and_eval_without_val_says_what_to_set_once(tmp_pa
     monkeypatch.setenv("RANK", "1")
     assert eval_main(["--config", "configs/debug_llama.yaml", "--checkpoint", str(tmp_path)]) == 2
     assert capsys.readouterr().err == ""
-
-
-def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
-    """A file-size limit (RLIMIT_FSIZE: the writes fail as on a full disk) under ``python -m headrace.training``: was a
-    CheckpointException traceback; now one line naming the checkpoint directory, exit 2."""
-    import os
-    import resource
-    import subprocess
-
-    make_text_dataset(tmp_path / "d", [20])
-    proc = subprocess.run(
-        [sys.executable, "-m", "headrace.training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
-        cwd=REPO, env=child_env(HEADRACE_DEBUG=None), capture_output=True, text=True,
-        timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert ours == [f"error: checkpoint: cannot write {tmp_path / 'out' / 'checkpoints' / 'step-00000001.tmp'} "
-                    "(rank 0): a file stopped growing mid-write (disk full or a file-size limit?)"], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
 
 
 def test_rerun_of_a_finished_run_says_it_skips_the_current_export(tmp_path, capfd, one_rank):

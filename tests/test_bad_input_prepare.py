@@ -1,22 +1,32 @@
-"""Regression tests of issue 16 (hostile input), data side: every example of the issue, each at the
-mechanism that now refuses it -- tar headers, lying audio headers, manifest numbers, shards that shrink
-under a mapping, loader states for other data, the output-directory lock, bounded tokenizer memory."""
+"""Bad input on the preparation side, each example of issues 16 and 25 at the mechanism that now refuses it,
+through the real entry point (the ``dataio`` CLI in-process, or the library call it makes): tar headers, lying
+audio headers, manifest numbers and malformed input files, non-regular files (FIFOs), the output-directory lock,
+bounded tokenizer memory, ``dataio verify`` decoding every audio frame, disk full, and the CLI's journeys (one-line
+errors, broken pipe, hints). The loader side is test_bad_input_loader.py."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
+import shutil
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 
-from headrace.dataio.usererror import CommandError
-from headrace.dataio.stream.decode import SampleDecodeError, decode_sample
+from headrace.dataio import build_loader
+from headrace.dataio.cli import main as dataio_main
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.audioheader import probe
 from headrace.dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
+from headrace.dataio.stream.decode import SampleDecodeError, decode_sample
+from headrace.dataio.usererror import CommandError
+from tests import loader_util
+from tests.helpers import child_env
 from tests.hostile import NAME, SIZE, base256, fix_checksum, flac_bytes, lying_flac, make_tar, pax_tar, set_field
 from tests.test_energon_interop import make_samples, run_verb, write_shards
 
@@ -108,7 +118,6 @@ def test_lying_flac_is_refused_by_every_reader():
 def test_memory_error_for_a_declared_size_is_the_samples_fault(monkeypatch):
     """A header within the byte ceiling can still declare more than fits in memory: that MemoryError
     is a counted bad sample naming the declared size (it used to be re-raised, naming nothing)."""
-    import soundfile
 
     def no_memory(self, *args, **kwargs):
         raise MemoryError
@@ -130,14 +139,6 @@ def _shard_cmd(*argv) -> int:
     parser = argparse.ArgumentParser()
     shard_cmd.add_arguments(parser)
     return shard_cmd.run(parser.parse_args([str(a) for a in argv] + ["--quiet"]))
-
-
-def _manifest(tmp_path, records: list[dict], audio: dict[str, bytes]):
-    for name, data in audio.items():
-        (tmp_path / name).write_bytes(data)
-    path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def test_shard_refuses_a_lying_flac_and_skips_it_under_budget(tmp_path):
@@ -261,78 +262,6 @@ def test_cli_bug_keeps_its_traceback(tmp_path, monkeypatch):
         main(["inspect", str(tmp_path)])
 
 
-# --- 3. shards that shrink under a running loader ------------------------------------------------------
-
-def _loader_cfg(root, **kw):
-    return {"datasets": [{"path": str(root)}], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle": False,
-            "max_bad_samples": 0, **kw}
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_shard_truncated_under_the_loader_is_its_error_not_sigbus(tmp_path, workers):
-    """Used to die of SIGBUS with no message (num_workers 0) or report "workers are out of shared memory"."""
-    import itertools
-    import os
-
-    from tests import loader_util
-    from headrace.dataio import build_loader
-
-    # shard 0 long enough (500 batches) that workers reading a task of several batches ahead are still in it
-    loader_util.make_text_dataset(tmp_path, [2000, 40])
-    loader = build_loader(_loader_cfg(tmp_path, num_workers=workers, prefetch=1))
-    it = iter(loader)
-    next(it)
-    os.truncate(tmp_path / "doc-000000.tar", 4096)  # the shard being read (mapped in this process or a worker)
-    # a worker may not have mapped it yet: then the open-time size check names it
-    shrank = r"shard shrank to 4096 bytes while mapped" + ("" if workers == 0 else r"|truncated shard: 4096 bytes")
-    with pytest.raises(SampleDecodeError, match=rf"doc-000000\.tar'?: ({shrank})"):
-        list(itertools.islice(it, 600))
-
-
-# --- 4. loader states: fingerprint of the data's identity, every field checked ---------------------------
-
-def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_path):
-    from tests import loader_util
-    from headrace.dataio import build_loader
-    from headrace.dataio.loader_state import StateError
-
-    loader_util.make_text_dataset(tmp_path / "d", [10, 10], seed=0)
-    loader = build_loader(_loader_cfg(tmp_path / "d"))
-    next(iter(loader))
-    state = loader.state_dict()
-    copy = tmp_path / "copy"
-    import shutil
-
-    shutil.copytree(tmp_path / "d", copy)  # the same data elsewhere: still this state's data
-    build_loader(_loader_cfg(copy)).load_state_dict(state)
-    loader_util.make_text_dataset(tmp_path / "d", [10, 10], seed=1)  # rebuilt in place: 20 other samples
-    with pytest.raises(StateError, match="comes from other data"):
-        build_loader(_loader_cfg(tmp_path / "d")).load_state_dict(state)
-
-
-@pytest.mark.parametrize("field, value, message", [
-    ("consumed", -50, "'consumed' must be a non-negative integer, got -50"),  # was numpy's message
-    ("consumed", "12", "'consumed' must be a non-negative integer, got '12'"),
-    ("bad_samples", 1.5, "'bad_samples' must be a non-negative integer"),
-    ("dp_size", 0, "'dp_size' must be an integer above dp_rank 0, got 0"),
-    ("layout", None, "'layout' must be a mapping"),
-    ("seed", -1, "'seed' must be a non-negative integer, got -1"),  # found by the fuzzer: numpy's message
-    ("bad_samples", 1, "already counts 1 bad samples, over max_bad_samples=0"),  # fuzzer: "see the warnings"
-    ("layout", {"start": 0, "dp_size": 1, "skips": [{"start": 0, "dp_size": 2, "consumed": [1]}]},
-     "'layout' must be a mapping of start"),
-])
-def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, message):
-    from tests import loader_util
-    from headrace.dataio import build_loader
-    from headrace.dataio.loader_state import StateError
-
-    loader_util.make_text_dataset(tmp_path, [8])
-    state = build_loader(_loader_cfg(tmp_path)).state_dict()
-    state[field] = value
-    with pytest.raises(StateError, match=rf"loader state 0: {message}"):
-        build_loader(_loader_cfg(tmp_path)).load_state_dict(state)
-
-
 # --- 6. tokenizing a huge document: bounded memory, the same ids ------------------------------------
 
 def test_long_texts_are_encoded_in_bounded_pieces_with_the_same_ids(tmp_path):
@@ -392,29 +321,250 @@ def test_manifest_audio_path_must_be_a_string(tmp_path):
         _shard_cmd(manifest, "--output", tmp_path / "out")
 
 
-def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatch):
-    """A worker that dies of SIGBUS (the shard shrank between the size check and the copy) is reported
-    as the shard's error, not as the signal: the main process stats the shards once a worker dies so."""
-    import faulthandler
-    import os
-    import signal
+# --- the CLI in-process, and the input files of issue 25 ------------------------------------------------
 
-    from tests import loader_util
-    from headrace.dataio import build_loader
-    from headrace.dataio.stream.batches import BatchMaker
-    from headrace.dataio.stream.storage import ShardFormatError
+def _cli(capsys, *argv) -> tuple[int, str]:
+    """``dataio ARGV`` in-process: (exit status, stderr)."""
+    code = dataio_main([str(a) for a in argv])
+    return code, capsys.readouterr().err
 
-    loader_util.make_text_dataset(tmp_path, [40, 40])
-    made = BatchMaker.__call__
 
-    def truncate_then_die(self, b, alloc):  # forked workers inherit the patch
-        if b == 3:
-            os.truncate(tmp_path / "doc-000001.tar", 4096)
-            faulthandler.disable()  # pytest's handler, inherited by the fork, would print every module's name
-            os.kill(os.getpid(), signal.SIGBUS)
-        return made(self, b, alloc)
+def _manifest(tmp_path, records: list[dict], audio: dict[str, bytes] | None = None, name: str = "m.jsonl"):
+    for file, data in (audio or {}).items():
+        (tmp_path / file).write_bytes(data)
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
-    monkeypatch.setattr(BatchMaker, "__call__", truncate_then_die)
-    loader = build_loader(_loader_cfg(tmp_path, num_workers=2, prefetch=1))
-    with pytest.raises(ShardFormatError, match=r"doc-000001\.tar.*truncated shard: 4096 bytes"):
-        list(loader)
+
+def _one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("dataio "), err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_fifo_in_a_shards_place_is_an_error_not_a_hang(tmp_path, capsys):
+    """The loader, `dataio verify` and the tar scan open shards without blocking and refuse non-files."""
+    from headrace.dataio.shards.tarscan import TarFormatError, open_tar
+
+    loader_util.make_text_dataset(tmp_path, [10, 10])
+    shard = tmp_path / "doc-000001.tar"
+    shard.unlink()
+    os.mkfifo(shard)
+    cfg = {"datasets": [{"path": str(tmp_path)}], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle": False}
+    with pytest.raises(SampleDecodeError, match=r"doc-000001\.tar'?: not a regular file"):
+        list(build_loader(cfg))
+    with pytest.raises(TarFormatError, match="not a regular file"):
+        open_tar(shard)
+    code, err = _cli(capsys, "verify", tmp_path, "--quiet", "--workers", "1")
+    assert code == 1 and "doc-000001.tar" in err
+
+
+def test_fifo_in_a_manifest_is_refused_not_waited_on(tmp_path, capsys):
+    """Used to hang `dataio shard` forever (with --skip-errors too): the FIFO was opened for its header."""
+    os.mkfifo(tmp_path / "pipe.flac")
+    records = [{"audio_filepath": "pipe.flac", "duration": 0.1, "text": "x"},
+               {"audio_filepath": "a.flac", "duration": 0.1, "text": "y"}]
+    manifest = _manifest(tmp_path, records, {"a.flac": flac_bytes()})
+    code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet")
+    _one_line_error(code, err, "m.jsonl:1", "pipe.flac", "not a regular file")
+    code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet", "--skip-errors", "1")
+    assert code == 0, err
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert len(skipped) == 1 and "not a regular file" in skipped[0]["reason"]
+
+
+def test_fifo_as_an_input_file_is_refused(tmp_path, capsys):
+    os.mkfifo(tmp_path / "docs.jsonl")
+    code, err = _cli(capsys, "shard", tmp_path / "docs.jsonl", "--output", tmp_path / "out", "--quiet")
+    _one_line_error(code, err, "docs.jsonl", "not a regular file")
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),  # RecursionError
+    ('{"text": "a \\ud800 b"}', "lone surrogate"),  # UnicodeEncodeError when written
+])
+def test_bad_json_lines_are_bad_records(tmp_path, capsys, line, reason):
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+    code, err = _cli(capsys, "shard", path, "--output", tmp_path / "out", "--quiet")
+    _one_line_error(code, err, "docs.jsonl:2", reason)
+    code, err = _cli(capsys, "shard", path, "--output", tmp_path / "out", "--quiet", "--skip-errors", "1")
+    assert code == 0, err
+
+
+def test_paired_surrogates_are_text(tmp_path, capsys):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "smile \\ud83d\\ude00"}\n')
+    code, err = _cli(capsys, "shard", path, "--output", tmp_path / "out", "--quiet")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("data, reason", [
+    (gzip.compress("".join(json.dumps({"text": str(i * 7919)}) + "\n" for i in range(5000)).encode())[:3000],
+     "broken gzip stream (EOFError"),
+    (b"not gzip at all\n", "broken gzip stream (BadGzipFile"),
+])
+def test_truncated_or_fake_gzip_names_the_file(tmp_path, capsys, data, reason):
+    path = tmp_path / "docs.jsonl.gz"
+    path.write_bytes(data)
+    code, err = _cli(capsys, "shard", path, "--output", tmp_path / "out", "--quiet")
+    _one_line_error(code, err, "docs.jsonl.gz:", reason)
+
+
+def test_huge_duration_with_an_offset_is_a_bad_record(tmp_path, capsys):
+    """duration 1e308 with an offset used to be an OverflowError traceback."""
+    manifest = _manifest(tmp_path, [{"audio_filepath": "a.flac", "duration": 1e308, "offset": 0.5, "text": "x"}],
+                         {"a.flac": flac_bytes()})
+    code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet")
+    _one_line_error(code, err, "m.jsonl:1", "'duration' must be at most 1e+07 seconds")
+
+
+def test_negative_skip_errors_is_refused(tmp_path, capsys):
+    """--skip-errors -1 used to be an IndexError once a sample was skipped."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a"}\n{"nope": 1}\n')
+    code, err = _cli(capsys, "shard", path, "--output", tmp_path / "out", "--quiet", "--skip-errors", "-1")
+    _one_line_error(code, err, "--skip-errors must be >= 0, got -1")
+
+
+def test_junk_parquet_names_the_file(tmp_path, capsys):
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(b"PAR1 this is not parquet PAR1")
+    code, err = _cli(capsys, "shard", path, "--output", tmp_path / "out", "--quiet")
+    _one_line_error(code, err, "rows.parquet: not a readable Parquet file")
+
+
+def test_flac_of_unknown_length_is_accepted_everywhere(tmp_path, capsys):
+    """total_samples 0 (the format's "unknown") used to be refused as "claims 9223372036854775807 frames"."""
+    unknown = lying_flac(0, frames=1600)
+    manifest = _manifest(tmp_path, [{"audio_filepath": "u.flac", "duration": 0.1, "text": "x"}], {"u.flac": unknown})
+    code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet")
+    assert code == 0, err
+    from headrace.dataio.shards.index import load_index
+
+    assert float(load_index(tmp_path / "out").samples["duration"][0]) == pytest.approx(0.1)
+    code, err = _cli(capsys, "verify", tmp_path / "out", "--quiet")
+    assert code == 0, err
+    batch = next(iter(build_loader({"datasets": [{"path": str(tmp_path / "out")}], "batch_size": 1,
+                                    "num_workers": 0, "epochs": 1, "decode": {"sample_rate": None}})))
+    assert batch["flac"].shape[-1] == 1600
+
+
+def _damaged(kind: str) -> bytes:
+    good = bytearray(flac_bytes(48000))
+    if kind == "truncated":
+        return bytes(good[: len(good) // 2])  # header intact: says 48000 frames
+    good[len(good) // 2] ^= 0xFF  # one flipped byte inside a frame
+    return bytes(good)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bit-flipped"])
+def test_verify_decodes_every_flac_frame(tmp_path, capsys, kind):
+    """A FLAC with a damaged frame used to pass verify (headers only) and fail in training
+    ("flac decoder lost sync")."""
+    from tests.test_energon_interop import make_samples, write_shards
+    from headrace.dataio.shards.index import load_index
+
+    samples = make_samples(n=6, seed=2)
+    for s in samples:
+        s["flac"] = flac_bytes(48000)
+    samples[4]["flac"] = _damaged(kind)
+    root = tmp_path / "ds"
+    write_shards(root, samples, per_shard=3)
+    code, err = _cli(capsys, "index", root, "--quiet", "--workers", "1")
+    assert code == 0, err
+    index = load_index(root)
+    code, err = _cli(capsys, "verify", root, "--quiet", "--workers", "1")
+    assert code == 1
+    assert index.shards[1].name in err and repr(index.key(4)) in err and ".flac" in err
+    assert "does not decode" in err
+
+
+def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
+    """`dataio inspect DIR --json | head` used to end in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    loader_util.make_text_dataset(tmp_path, [30, 30])
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "headrace.dataio", "inspect", str(tmp_path), "--json"], cwd=repo,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+    proc.stdout.close()  # the reader is gone before the command writes (its imports take far longer)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("verb", ["inspect", "verify"])
+def test_missing_directory_is_named_without_the_index_hint(tmp_path, capsys, verb):
+    code, err = _cli(capsys, verb, tmp_path / "nope")
+    _one_line_error(code, err, f"{tmp_path / 'nope'}: no such directory")
+    assert "dataio index" not in err
+    code, err = _cli(capsys, verb, tmp_path)  # exists, no index: the hint is the help
+    _one_line_error(code, err, "run `dataio index")
+
+
+def test_bench_prints_a_line_per_measured_config(tmp_path, capsys):
+    from tests.test_bench import bench
+
+    loader_util.make_text_dataset(tmp_path / "d", [20, 20])
+    capsys.readouterr()
+    bench(tmp_path, {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8},
+          "--compare", "", "--num-workers", "0,1", "--batches", "2", "--repeats", "2")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dataio bench: [")]
+    assert [line.split("]")[0] for line in lines] == [f"dataio bench: [{i}/4" for i in range(1, 5)]
+    assert all("headrace" in line and "samples" in line for line in lines)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (mounting needs root: skipped elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(disk, leave_kib: int) -> None:
+    """Fill ``disk`` until ``leave_kib`` KiB are left."""
+    st = os.statvfs(disk)
+    fill = st.f_bavail * st.f_frsize - leave_kib * 1024
+    if fill > 0:
+        with open(disk / "filler", "wb") as f:
+            f.write(bytes(fill))
+
+
+def test_disk_full_while_sharding_names_the_shard(small_disk, tmp_path, capsys):
+    """Used to be a bare `OSError: [Errno 28] No space left on device` traceback."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"word {i} " * 20}) + "\n" for i in range(3000)))
+    code, err = _cli(capsys, "shard", src, "--output", small_disk / "out", "--quiet")
+    _one_line_error(code, err, str(small_disk / "out"), "No space left on device (writing the shard)")
+
+
+def test_disk_full_while_indexing_names_the_file_and_what(small_disk, capsys):
+    """sqlite's `OperationalError: database or disk is full` (and ENOSPC elsewhere) named nothing; now
+    each point where `dataio index` runs out of space is one line naming the file and what it was."""
+    source = small_disk.parent / "src"
+    loader_util.make_text_dataset(source, [50])
+    seen = set()
+    for leave in (8, 16, 24, 32, 48, 64, 400):
+        for p in small_disk.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (small_disk / "d").mkdir()
+        shutil.copy(source / "doc-000000.tar", small_disk / "d")
+        _fill(small_disk, leave)
+        code, err = _cli(capsys, "index", small_disk / "d", "--quiet", "--workers", "1")
+        if leave == 400:
+            assert code == 0, err  # room enough: the same run succeeds
+            continue
+        _one_line_error(code, err, str(small_disk / "d"), " (writing ")
+        seen.add(err.split(" (writing ")[1])
+    assert len(seen) >= 2, seen  # several writers reached, each naming itself
+
