@@ -103,6 +103,23 @@ def register_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer
         optimizer.register_step_post_hook(lambda *_: precompute(model))
 
 
+def high_precision_weights(state: dict) -> dict:
+    """``state`` with every FSDP2 shard that torchao's float8 all-gather wrapped (a tensor subclass holding the
+    high-precision weight, which safetensors cannot write) replaced by that weight; other values as they are."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain(value):
+        if not isinstance(value, DTensor) or not is_traceable_wrapper_subclass(local := value.to_local()):
+            return value
+        names, _ = local.__tensor_flatten__()
+        (inner,) = (getattr(local, name) for name in names)
+        return DTensor.from_local(inner, value.device_mesh, value.placements, shape=value.shape,
+                                  stride=value.stride())
+
+    return {key: plain(value) for key, value in state.items()}
+
+
 def _torchao_float8():
     # torchao loads its CUDA extensions and registers torch.compile constants on import (~1 s): only jobs
     # with a float8 section pay for it.
@@ -114,4 +131,4 @@ def _torchao_float8():
 
 
 __all__ = ["FLOAT8_ALIGNMENT", "apply_quantize", "check_float8_device", "convert_linears", "float8_skip_reason",
-           "register_scale_precompute", "torchao_config"]
+           "high_precision_weights", "register_scale_precompute", "torchao_config"]
