@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ["versions", "shards", "train_headrace", "train_plain", "train_eager", "gpu_tests", "kernels", "moe",
+PARTS = ["versions", "shards", "train_headrace", "train_torchtitan", "train_plain", "train_float8",
+         "train_float8_rowwise", "train_offload", "float8_loss", "train_eager", "gpu_tests", "kernels", "moe",
          "train_webdataset", "smoke"]
 
 
@@ -41,6 +42,8 @@ def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
     assert "-m tools.bench_train --config configs/llama_1b.yaml --device cuda" in report
     assert "--sources plain" in report and "-m pytest" in report and " -m gpu " in report
     assert "distributed.compile=false" in report
+    assert "-m tools.bench_torchtitan" in report and "quantize.linear.float8={recipe_name: tensorwise}" in report
+    assert "distributed.offload_policy=cpu" in report and "-m tools.loss_gap" in report
 
 
 def test_a_part_whose_box_no_longer_fits_the_budget_is_skipped_and_reported(tmp_path):
@@ -65,3 +68,20 @@ def test_unknown_part_is_one_line_exit_2(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "tools/gpu_check.sh"), "--parts", "versions,nope"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("gpu_check: unknown part 'nope'")
+
+
+def test_loss_gap_passes_within_its_limit_and_fails_past_it(tmp_path):
+    """tools.loss_gap, the float8_loss part's verdict: exit 0 within --max, 1 past it."""
+    import json
+    import subprocess
+    import sys
+
+    for name, loss in (("bf16", 4.00), ("close", 4.05), ("far", 4.20)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"headrace": {
+            "last_loss": loss, "tokens_per_s": 100.0, "max_mem_gib": 10.0}}))
+    run = lambda other: subprocess.run([sys.executable, "-m", "tools.loss_gap", str(tmp_path / "bf16.json"),  # noqa: E731
+                                        str(tmp_path / f"{other}.json"), "--max", "0.02"], cwd=REPO,
+                                       capture_output=True, text=True)
+    close, far = run("close"), run("far")
+    assert close.returncode == 0 and "+1.25%" in close.stdout, close.stdout + close.stderr
+    assert far.returncode == 1 and "+5.00%" in far.stdout

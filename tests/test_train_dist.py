@@ -16,10 +16,11 @@ def test_layouts_resume_and_reshard(tmp_path):
     save_pretrained_tiny(tmp_path / "pretrained")
     out = torchrun(4, "tests.dist.train_layouts", tmp_path, "layouts").stdout
     for check in ("chunked loss under fsdp2", "fsdp2_bf16 losses", "fsdp2 matches", "hsdp_ac matches",
-                  "ddp matches", "tp_sp matches", "fsdp2_tp_sp matches", "resume reproduces", "hf export logits equal"):
+                  "ddp matches", "tp_sp matches", "fsdp2_tp_sp matches", "fsdp2_offload matches", "resume reproduces",
+                  "hf export logits equal"):
         assert out.count(f"OK {check}") == 4, out[-3000:]
     out = torchrun(2, "tests.dist.train_layouts", tmp_path, "reshard").stdout
-    for check in ("as reshard_dp2", "as reshard_tp2", "OK per-block compile"):
+    for check in ("as reshard_dp2", "as reshard_tp2", "OK float8 under fsdp2", "OK per-block compile"):
         assert out.count(check) == 2, out[-3000:]
 
 

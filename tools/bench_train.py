@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the figures")
     parser.add_argument("--out", default="runs/bench_train")
+    parser.add_argument("--json-out", help="also write the figures (the last line's JSON) to this file")
     parser.add_argument("overrides", nargs="*", help="extra job overrides, e.g. data.batch_size=2")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -111,6 +112,9 @@ def main() -> None:
         if others:
             print(f"{source:>10} tok/s vs: {', '.join(others)}", flush=True)
     print(json.dumps(results))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f)
 
 
 def trainer_figures(history: list[dict], warmup: int) -> dict:
@@ -125,6 +129,7 @@ def trainer_figures(history: list[dict], warmup: int) -> dict:
         return sum(r[key] * w for r, w in zip(steady, weights)) / sum(weights)
 
     return {"tokens_per_s": mean("tokens_per_s"), "data_wait_frac": mean("data_wait_frac"),
+            "last_loss": history[-1]["loss"],
             "pack_fill": mean("pack_fill"), "max_mem_gib": max(r["max_mem"] for r in history),
             "mfu": mean("mfu"), "mfu_full_row": mean("mfu_full_row"),
             "flops_per_s": mean("flops_per_s"), "flops_per_s_full_row": mean("flops_per_s_full_row")}

@@ -11,8 +11,12 @@
 #
 # Parts, in run order, the headline figures first (default box in s; GPU_CHECK_TIMEOUT_<PART>=S overrides):
 # versions (60), shards (60: the demo text shards, built only if demo/shards/text is absent), train_headrace
-# (180) / train_plain (120: tools.bench_train on configs/llama_1b.yaml, one source each, so a source bench_train
-# lacks is a failed part, not a failed run), train_eager (120: the trainer without the recipe's compile and with
+# (180) / train_torchtitan (240: tools.bench_torchtitan, the same Llama shape, batch and rows in torchtitan,
+# and the ratio line) / train_plain (120: tools.bench_train on configs/llama_1b.yaml, one source each, so a
+# source bench_train lacks is a failed part, not a failed run), train_float8 (180: the recipe with
+# quantize.linear.float8 tensorwise) / train_float8_rowwise (180) / train_offload (180:
+# distributed.offload_policy=cpu), float8_loss (300: 200 steps bf16 and float8, the last losses within 2%),
+# train_eager (120: the trainer without the recipe's compile and with
 # resharding after forward), gpu_tests (240: pytest -m gpu, one line per test), kernels (120:
 # tools.bench_kernels all), moe (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the
 # floor-torch smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP
@@ -23,7 +27,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 REPORT=runs/gpu_check/report.md
-PARTS="versions shards train_headrace train_plain train_eager gpu_tests kernels moe train_webdataset smoke"
+PARTS="versions shards train_headrace train_torchtitan train_plain train_float8 train_float8_rowwise train_offload"
+PARTS+=" float8_loss train_eager gpu_tests kernels moe train_webdataset smoke"
 DRY=0
 BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
@@ -37,7 +42,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_headrace]=180 [train_webdataset]=120
-                [train_plain]=120 [train_eager]=120 [kernels]=120 [moe]=45)
+                [train_plain]=120 [train_eager]=120 [kernels]=120 [moe]=45 [train_torchtitan]=240
+                [train_float8]=180 [train_float8_rowwise]=180 [train_offload]=180 [float8_loss]=300)
 START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
@@ -131,7 +137,8 @@ for module, dist in (("transformers",) * 2, ("tokenizers",) * 2, ("safetensors",
                      ("lhotse",) * 2, ("soundfile",) * 2, ("soxr",) * 2, ("tensorboard",) * 2, ("webdataset",) * 2,
                      ("megatron.energon", "megatron-energon"), ("litdata",) * 2, ("psutil",) * 2,
                      ("matplotlib",) * 2, ("flash_attn", "flash-attn"), ("nvidia.dali", "nvidia-dali-cuda130"),
-                     ("pytest",) * 2, ("pytest_timeout", "pytest-timeout")):
+                     ("pytest",) * 2, ("pytest_timeout", "pytest-timeout"), ("torchao",) * 2, ("torchtitan",) * 2,
+                     ("datasets",) * 2):
     try:
         print(f"{module} {version(dist)}")
     except PackageNotFoundError:
@@ -145,10 +152,23 @@ part shards "tokenizers soundfile" --if-absent demo/shards/text -- env PY="$PY" 
 train() {  # train PART SOURCE NEEDS [OVERRIDES...]: tools.bench_train on the 1B Llama, one source
     local name=$1 source=$2 needs=$3; shift 3
     part "$name" "$needs" -- "$PY" -m tools.bench_train --config configs/llama_1b.yaml --device cuda \
-        --data demo/shards/text --sources "$source" --steps 20 --warmup 5 --out "runs/gpu_check/$name" "$@"
+        --data demo/shards/text --sources "$source" --steps "${STEPS:-20}" --warmup "${WARMUP:-5}" \
+        --out "runs/gpu_check/$name" --json-out "runs/gpu_check/$name.json" "$@"
 }
 train train_headrace headrace tokenizers
+part train_torchtitan "torchtitan datasets tokenizers" -- "$PY" -m tools.bench_torchtitan --steps 20 --warmup 5 \
+    --out runs/gpu_check/train_torchtitan --headrace runs/gpu_check/train_headrace.json
 train train_plain plain "tokenizers webdataset"
+FLOAT8='quantize.linear.float8={recipe_name: tensorwise}'
+train train_float8 headrace "tokenizers torchao" "$FLOAT8"
+train train_float8_rowwise headrace "tokenizers torchao" 'quantize.linear.float8={recipe_name: rowwise}'
+train train_offload headrace tokenizers distributed.offload_policy=cpu
+part float8_loss "torchao tokenizers" -- env PY="$PY" FLOAT8="$FLOAT8" bash -c \
+    'for run in bf16 float8; do "$PY" -m tools.bench_train --config configs/llama_1b.yaml --device cuda \
+         --data demo/shards/text --sources headrace --steps 200 --warmup 20 --out "runs/gpu_check/float8_loss_$run" \
+         --json-out "runs/gpu_check/float8_loss_$run.json" $([ $run = float8 ] && echo "$FLOAT8") || exit 1
+     done
+     "$PY" -m tools.loss_gap runs/gpu_check/float8_loss_bf16.json runs/gpu_check/float8_loss_float8.json --max 0.02'
 train train_eager headrace tokenizers distributed.compile=false distributed.reshard_after_forward=true
 part gpu_tests "pytest pytest_timeout" -- \
     "$PY" -m pytest -v --tb=short -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests

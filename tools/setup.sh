@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install headrace with its dev, bench, dali and wandb extras, every package at
+# Create .venv (if needed) and install headrace with its dev, bench, dali, fp8 and wandb extras, every package at
 # the version constraints.txt pins: the exact set the tests ran with (DALI's CPU pipeline runs without a
 # GPU, so its tests run for real; ~260 MB of wheels). tools/update_lock.sh re-resolves and rewrites the file.
 # torch goes first, at the locked version: with no torch installed, a range that admits a newer release
@@ -33,7 +33,7 @@ else
     torch=${HEADRACE_TORCH:-2.13.0}  # the tested top of pyproject's torch range
 fi
 pip_install "torch==$torch"
-pip_install -e '.[dev,bench,dali,wandb]'
+pip_install -e '.[dev,bench,dali,fp8,wandb]'
 # boto3 (and moto, the S3 server of tests/test_loader_s3.py, which needs it) at the botocore that s3fs's
 # aiobotocore accepts: boto3 shares botocore's version numbers; a newer boto3 pulls a botocore that
 # aiobotocore refuses, and an unpinned resolve backtracks through boto3 releases for minutes.

@@ -57,6 +57,7 @@ from headrace.training.distributed.parallelize import parallelize
 from headrace.training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
 from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device
 from headrace.training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
+from headrace.training.models.float8 import apply_quantize, register_scale_precompute
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.components.run_lock import lock_output_dir
 from headrace.training.speech.checkpoints import with_speech_llm
@@ -94,9 +95,10 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     if cfg.model.kind == "salm":
         return build_salm(cfg, dims, meshes, device)
     hf_config = build_hf_config(cfg.model)
-    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed,
-                        param_dtype(cfg.trainer.precision))
-    materialize(model, device, cfg.model.pretrained_path)
+    model = CausalLMLoss(build_meta_model(hf_config))
+    apply_quantize(model, cfg.quantize, device)
+    model = parallelize(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
+    materialize(model, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)
     return model, hf_config
@@ -177,9 +179,11 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, mesh
     learning rate is set per step, ``take_step``) and the step's forward."""
     torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
     model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    if cfg.quantize.linear.float8 is not None:
+        register_scale_precompute(model, optimizer, cfg.quantize.linear.float8)
     return Trainer(cfg=cfg, device=device, dims=dims, meshes=meshes, model=model, hf_config=hf_config, pipe=pipe,
-                   optimizer=build_optimizer(model, cfg.optim), forward=step_forward(cfg, dims, meshes),
-                   autocast=uses_autocast(cfg, model))
+                   optimizer=optimizer, forward=step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg, model))
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:

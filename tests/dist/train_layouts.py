@@ -3,14 +3,15 @@
 ``torchrun --nproc-per-node 4 -m tests.dist.train_layouts WORKDIR layouts`` (WORKDIR holds ``pretrained/``):
 first, one micro-batch per rank through the FSDP2 model's chunked loss gives the full-logits loss and
 gradients (fp32, and bf16 MixedPrecisionPolicy within bf16 rounding). Then FSDP2, HSDP(+activation
-checkpointing), DDP, TP+SP and FSDP2+TP+SP each train STEPS steps on the same global batches from the
+checkpointing), DDP, TP+SP, FSDP2+TP+SP and FSDP2 with CPU offload each train STEPS steps on the same global batches from the
 same weights; losses, gradient norms and final weights (read back from the ``hf/`` export) must match an
 independent single-process reference computed on every rank; FSDP2 in bf16 must stay within bf16
 rounding of its losses. Then a run stopped at step 2 and resumed must reproduce the uninterrupted
 losses, and the exported model's logits must equal the checkpointed sharded model's.
 
 ``torchrun --nproc-per-node 2 -m tests.dist.train_layouts WORKDIR reshard``: the 4-rank FSDP2 checkpoint
-at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses; then
+at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses; float8
+linears under FSDP2 train like one process converting the same weights with torchao; then
 one step with every block compiled (``distributed.compile``) gives the eager loss.
 Prints ``OK <check>`` per passed check; any mismatch raises.
 """
@@ -37,11 +38,12 @@ STEPS, GLOBAL_MICRO = 4, 4  # 4 micro-batches of 2 x 32 tokens per step
 OPTIM = dict(lr=3e-3, warmup_steps=1, decay_steps=4, max_grad_norm=1.0, weight_decay=0.1)
 
 
-def job(workdir: Path, name: str, distributed: dict, grad_accum: int, max_steps: int = STEPS, **trainer):
+def job(workdir: Path, name: str, distributed: dict, grad_accum: int, max_steps: int = STEPS, quantize=None,
+        **trainer):
     return load_job_config(None, base=dict(
         model=dict(pretrained_path=str(workdir / "pretrained"), attn_implementation="headrace_varlen"),
         data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2, packing="greedy"),
-        distributed=distributed, optim=OPTIM,
+        distributed=distributed, optim=OPTIM, quantize=quantize or {},
         trainer=dict(max_steps=max_steps, grad_accum=grad_accum, output_dir=str(workdir / name), **trainer),
         checkpoint=dict(interval=2, export_hf=True), logging=dict(console=False, tensorboard=False)))
 
@@ -59,11 +61,14 @@ def pretrained_hf_model(workdir: Path):
     return AutoModelForCausalLM.from_pretrained(workdir / "pretrained", attn_implementation=register_varlen_attention())
 
 
-def reference(workdir: Path, batches) -> tuple[list[float], list[float], dict]:
-    """Plain single-process training: HF model, summed CE / tokens, torch's clip, AdamW, same schedule."""
+def reference(workdir: Path, batches, convert=None) -> tuple[list[float], list[float], dict]:
+    """Plain single-process training: HF model (``convert(model)`` first, if given), summed CE / tokens, torch's
+    clip, AdamW, same schedule."""
     from headrace.training.config.job_config import OptimConfig
 
     model = pretrained_hf_model(workdir)
+    if convert is not None:
+        convert(model)
     cfg = OptimConfig(**OPTIM)
     opt = build_optimizer(model, cfg)
     losses, norms = [], []
@@ -175,6 +180,7 @@ def run_layouts(workdir: Path, batches) -> None:
         "ddp": (dict(strategy="ddp"), 1),
         "tp_sp": (dict(strategy="fsdp2", tp_size=4, sequence_parallel=True), 4),
         "fsdp2_tp_sp": (dict(strategy="fsdp2", tp_size=2, sequence_parallel=True), 2),
+        "fsdp2_offload": (dict(strategy="fsdp2", offload_policy="cpu"), 1),  # FSDP2's CPUOffloadPolicy
     }
     results = {}
     for name, (distributed, k) in layouts.items():
@@ -241,6 +247,8 @@ def run_reshard(workdir: Path, batches) -> None:
         resume_step2(workdir, "fsdp2", name, distributed, k, batches, expected)
         print(f"OK 4-rank checkpoint resumes on 2 ranks as {name}", flush=True)
 
+    check_float8_fsdp2(workdir, batches)
+
     # distributed.compile: each block torch.compile'd under FSDP2, one step from the pretrained weights. The
     # aot_eager backend traces forward and backward like inductor (dynamo graphs through the HF block and
     # FSDP2's hooks, AOT autograd) without code generation, which takes ~75 s cold on 2 CPU cores.
@@ -250,6 +258,29 @@ def run_reshard(workdir: Path, batches) -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     check_close("compiled loss", history[0]["loss"], expected[0], 2e-5)
     print("OK per-block compile under fsdp2 gives the eager loss", flush=True)
+
+
+def check_float8_fsdp2(workdir: Path, batches) -> None:
+    """float8 linears (tensorwise, FSDP2 all-gathering float8 weights with scales precomputed after each
+    optimizer step) on 2 ranks train like one process converting the same weights with torchao. Measured
+    3.7e-5 relative: only the order of the fp32 gradient reduction differs, but float8 rounding turns such a
+    difference into whole float8 steps of a few elements; the bound is 5e-4. A wrong scale (per shard instead
+    of per tensor) or a missed all-reduce moves the loss by percents."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    float8 = dict(recipe_name="tensorwise", enable_fsdp_float8_all_gather=True,
+                  precompute_float8_dynamic_scale_for_fsdp=True, emulate=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    want, _, _ = reference(workdir, batches, lambda model: convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda module, name: name != "lm_head"))
+    history = train(job(workdir, "float8_dp2", dict(strategy="fsdp2"), 2, quantize=dict(linear=dict(float8=float8))),
+                    loaders(batches, 2))
+    relative = [r["loss"] / w - 1 for r, w in zip(history, want)]
+    check_close("float8 fsdp2 relative losses", relative, [0.0] * len(relative), 5e-4)
+    print(f"OK float8 under fsdp2 (float8 all-gather) matches one process within {max(map(abs, relative)):.1e}",
+          flush=True)
 
 
 def main() -> None:

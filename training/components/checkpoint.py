@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from headrace.training.components.checkpoint_seal import Incomplete, NotSealed, check, seal, seal_key
 from headrace.training.errors import JobInputError
+from headrace.training.models.float8 import high_precision_weights
 from headrace.training.models.hf_experts import expert_converters, hub_names, per_expert_views
 from headrace.training.models.loss import unwrap_causal_lm
 from headrace.training.distributed.parallel_dims import gather_objects
@@ -230,7 +231,7 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     3D tensors (which only transformers 5 loads)."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 
-    state = get_model_state_dict(model)  # this rank's shards (DTensor) under HF names
+    state = high_precision_weights(get_model_state_dict(model))  # this rank's shards (DTensor) under HF names
     hf = unwrap_causal_lm(model)
     if getattr(hf_config, "tie_word_embeddings", False):  # stored once, as the embedding; re-tied on load
         state.pop(next(n for n, m in hf.named_modules() if m is hf.get_output_embeddings()) + ".weight")

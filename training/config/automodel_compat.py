@@ -19,7 +19,6 @@ from headrace.config import ConfigError
 ACCEPTED_AT_DEFAULT = {
     "patch_is_packed_sequence": ((False,), "headrace trains packed rows (document masking from cu_seqlens); "
                                  "there is no transformers packed-sequence check to patch"),
-    "offload_policy": ((None,), "FSDP2 CPU offload is not implemented"),
     "autocast_dtype": ((None,), "use trainer.precision: bf16 (FSDP2 MixedPrecisionPolicy, fp32 reduction)"),
     "mp_policy": ((None,), "use trainer.precision: bf16 (param_dtype bf16, reduce_dtype fp32) or fp32"),
     "tp_plan": ((None,), "custom TP plans are not loaded: the Llama family uses headrace.training.distributed.dense.apply_tp, "
@@ -40,6 +39,10 @@ MEGATRON_FSDP_KEYS = (
     "keep_fp8_transpose_cache", "nccl_ub", "fsdp_double_buffer",
 )
 SIZE_KEYS = ("dp_size", "dp_replicate_size")  # the sizes Automodel lets be `none`
+CPU_OFFLOAD_TARGET = "torch.distributed.fsdp.CPUOffloadPolicy"
+# Automodel's top-level ``fp8:`` keys that torchtitan's ``quantize.linear.float8`` spells the same way.
+FP8_KEYS = ("recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+            "force_recompute_fp8_weight_in_bwd", "filter_fqns", "emulate")
 
 
 def translate_distributed(raw: dict) -> None:
@@ -70,10 +73,43 @@ def translate_distributed(raw: dict) -> None:
                           "per-block checkpointing (true / full, activation_checkpointing_every for every N-th)")
     if "reshard_after_forward" in section and section["reshard_after_forward"] is None:
         del section["reshard_after_forward"]  # Automodel's heuristic == this trainer's default (true)
+    if "offload_policy" in section:
+        section.update(translate_offload_policy(section.pop("offload_policy")))
     if "enable_compile" in section:
         compile_ = section.pop("enable_compile")
         if section.setdefault("compile", compile_) != compile_:
             raise ConfigError("distributed.enable_compile and distributed.compile disagree; set one of them")
 
 
-__all__ = ["ACCEPTED_AT_DEFAULT", "MEGATRON_FSDP_KEYS", "translate_distributed"]
+def translate_offload_policy(value) -> dict:
+    """Automodel's ``offload_policy`` (null, or ``{_target_: torch.distributed.fsdp.CPUOffloadPolicy, pin_memory:
+    ...}``) or this trainer's ``none`` / ``cpu`` as ``DistributedConfig`` fields."""
+    if value is None or value in ("none", "cpu"):
+        return {"offload_policy": value or "none"}
+    if isinstance(value, dict) and value.get("_target_") == CPU_OFFLOAD_TARGET and set(value) <= {"_target_",
+                                                                                               "pin_memory"}:
+        return {"offload_policy": "cpu", "offload_pin_memory": value.get("pin_memory", True)}
+    raise ConfigError(f"distributed.offload_policy={value!r} is not supported: use cpu, none, or "
+                      f"{{_target_: {CPU_OFFLOAD_TARGET}, pin_memory: true|false}}")
+
+
+def translate_fp8(raw: dict) -> None:
+    """Automodel's top-level ``fp8:`` block (``enabled`` + torchao's switches) into ``quantize.linear.float8``."""
+    block = raw.pop("fp8", None)
+    if block is None:
+        return
+    if not isinstance(block, dict):
+        raise ConfigError(f"fp8: expected a mapping of {', '.join(('enabled',) + FP8_KEYS)}, got {block!r}")
+    unknown = sorted(set(block) - {"enabled", *FP8_KEYS})
+    if unknown:
+        raise ConfigError(f"fp8.{unknown[0]}: unknown key (accepted: {', '.join(('enabled',) + FP8_KEYS)})")
+    if not block.get("enabled", False):
+        return
+    linear = raw.setdefault("quantize", {}).setdefault("linear", {})
+    if linear.get("float8") is not None:
+        raise ConfigError("fp8 and quantize.linear.float8 are both set; keep one of them")
+    linear["float8"] = {key: value for key, value in block.items() if key != "enabled"}
+
+
+__all__ = ["ACCEPTED_AT_DEFAULT", "CPU_OFFLOAD_TARGET", "FP8_KEYS", "MEGATRON_FSDP_KEYS", "translate_distributed",
+           "translate_fp8", "translate_offload_policy"]

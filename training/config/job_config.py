@@ -84,8 +84,39 @@ class DistributedConfig:
     compile_backend: str = "inductor"  # torch.compile backend; aot_eager traces without code generation
     reshard_after_forward: bool = True
     defer_fsdp_grad_sync: bool = True  # reduce gradients only on the last micro-step
+    # FSDP2 CPU offload (torch's CPUOffloadPolicy): sharded parameters, gradients and the optimizer step live in
+    # host memory; each block's shard is copied to the device for its all-gather. Saves device memory, costs
+    # host<->device traffic and a CPU optimizer step.
+    offload_policy: Literal["none", "cpu"] = "none"
+    offload_pin_memory: bool = True  # pinned host shards (asynchronous copies); on a CPU-only run it is ignored
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass(kw_only=True)
+class Float8Config:
+    """``quantize.linear.float8``, torchtitan's names: the block's ``nn.Linear`` layers become torchao
+    ``Float8Linear`` (float8 matmuls with dynamic scales, weights and master copy kept in high precision).
+    ``headrace.training.models.float8`` applies it and says which layers it skips."""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    enable_fsdp_float8_all_gather: bool = False  # FSDP2 all-gathers the float8 weights (tensorwise only)
+    precompute_float8_dynamic_scale_for_fsdp: bool = False  # one all-reduce of every weight's amax per step
+    force_recompute_fp8_weight_in_bwd: bool = False  # recompute the float8 weight in backward (saves memory)
+    filter_fqns: list[str] = field(default_factory=list)  # layers whose name contains one of these stay as they are
+    emulate: bool = False  # torchao's emulated float8 matmul: numerics without float8 hardware (tests, old GPUs)
+
+
+@dataclass(kw_only=True)
+class LinearQuantizeConfig:
+    float8: Float8Config | None = None  # null: linears stay in trainer.precision
+
+
+@dataclass(kw_only=True)
+class QuantizeConfig:
+    """``quantize:`` (torchtitan's section; NeMo Automodel's top-level ``fp8:`` block is translated into it)."""
+
+    linear: LinearQuantizeConfig = field(default_factory=LinearQuantizeConfig)
 
 
 @dataclass(kw_only=True)
@@ -172,6 +203,7 @@ class JobConfig:
     data: DataConfig
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -189,6 +221,7 @@ def val_data_config(data: DataConfig) -> DataConfig | None:
 
 
 __all__ = [
-    "CheckpointConfig", "DistributedConfig", "JobConfig", "LoggingConfig", "MoEConfig", "ModelConfig", "OptimConfig",
-    "PipelineConfig", "ProfileConfig", "TrainerConfig", "WandbConfig", "val_data_config",
+    "CheckpointConfig", "DistributedConfig", "Float8Config", "JobConfig", "LinearQuantizeConfig", "LoggingConfig",
+    "MoEConfig", "ModelConfig", "OptimConfig", "PipelineConfig", "ProfileConfig", "QuantizeConfig", "TrainerConfig",
+    "WandbConfig", "val_data_config",
 ]

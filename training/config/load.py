@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 
 from headrace.config import apply_overrides, from_dict, load_yaml
-from headrace.training.config.automodel_compat import translate_distributed
+from headrace.training.config.automodel_compat import translate_distributed, translate_fp8
 from headrace.training.config.job_config import JobConfig
 from headrace.training.config.validate import check_config
 
@@ -19,6 +19,7 @@ def load_job_config(path: str | None, overrides: list[str] = (), base: dict | No
     raw = load_yaml(path) if path else copy.deepcopy(base or {})
     apply_overrides(raw, list(overrides))
     translate_distributed(raw)  # Automodel's spellings (dp_size: none, ...); unsupported keys fail here
+    translate_fp8(raw)  # Automodel's top-level fp8: block -> quantize.linear.float8
     cfg = from_dict(JobConfig, raw, "")
     check_config(cfg)
     return cfg

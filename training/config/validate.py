@@ -115,6 +115,29 @@ def check_config(cfg) -> None:
         raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} needs a data.val stream "
                           "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
     check_cp_config(cfg)
+    check_float8_config(cfg)
+    if cfg.distributed.offload_policy == "cpu" and (cfg.distributed.strategy != "fsdp2" or cfg.model.kind != "causal_lm"):
+        raise ConfigError("distributed.offload_policy: cpu is FSDP2's CPUOffloadPolicy for a causal LM; it needs "
+                          "strategy: fsdp2 and model.kind: causal_lm")
+
+
+def check_float8_config(cfg) -> None:
+    """``quantize.linear.float8`` against the layout: what torchao's float8 training composes with."""
+    float8 = cfg.quantize.linear.float8
+    if float8 is None:
+        return
+    key = "quantize.linear.float8"
+    if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
+        raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe_name: tensorwise (torchao all-gathers "
+                          f"float8 weights with one scale per tensor), got {float8.recipe_name}")
+    if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
+        raise ConfigError(f"{key}.precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather: true "
+                          "(it precomputes the scales that all-gather casts with)")
+    if cfg.distributed.tp_size > 1:
+        raise ConfigError(f"{key} with distributed.tp_size={cfg.distributed.tp_size} is not supported: the TP plan "
+                          "would need torchao's float8 TP styles; use FSDP2/HSDP/DDP, PP or CP with float8")
+    if cfg.model.kind != "causal_lm":
+        raise ConfigError(f"{key} applies to model.kind: causal_lm (a SALM's encoder and LLM are not converted)")
 
 
 def check_cp_config(cfg) -> None:
@@ -231,5 +254,5 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[S
                                   f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
 
 
-__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_degrees", "check_job",
-           "check_validation", "check_vocab"]
+__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_degrees", "check_float8_config",
+           "check_job", "check_validation", "check_vocab"]

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -77,9 +77,18 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[st
     # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
     # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
     sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
-    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32):
-        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward and sharded)
+    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32 or cfg.offload_policy == "cpu"):
+        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward and sharded,
+                   offload_policy(cfg))
     return model
+
+
+def offload_policy(cfg: DistributedConfig) -> OffloadPolicy:
+    """FSDP2's policy for ``distributed.offload_policy``: the base ``OffloadPolicy`` keeps shards on the device.
+    Pinned host memory needs CUDA, so a CPU-only run offloads unpinned (to the memory it computes in anyway)."""
+    if cfg.offload_policy == "cpu":
+        return CPUOffloadPolicy(pin_memory=cfg.offload_pin_memory and torch.cuda.is_available())
+    return OffloadPolicy()
 
 
 def dense_mlp_plan(block: nn.Module, seq) -> dict:
@@ -133,16 +142,17 @@ def head_norm_plan(block: nn.Module) -> dict:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
-               reshard_after_forward: bool) -> None:
+               reshard_after_forward: bool, offload: OffloadPolicy = OffloadPolicy()) -> None:
     """fully_shard each block (its all-gather overlaps the previous block's compute), then the root
     (embeddings, final norm, lm_head: tied weights stay in one group, unsharded for the whole loss
-    forward). Compute runs in ``param_dtype``; sharded weights and gradient reduction stay fp32."""
+    forward). Compute runs in ``param_dtype``; sharded weights and gradient reduction stay fp32; with a
+    ``CPUOffloadPolicy`` the shards, their gradients and the optimizer step stay in host memory."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp,
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> nn.Module:
@@ -153,4 +163,5 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh
     return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
 
 
-__all__ = ["apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "parallelize_decoder_lm"]
+__all__ = ["apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "offload_policy",
+           "parallelize_decoder_lm"]

@@ -42,7 +42,7 @@ from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.expert_parallel import MoEStats, install_experts_forward
 from headrace.training.distributed.moe_routing import Capacity
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.distributed.dense import dense_mlp_plan, parallelize_decoder_lm
+from headrace.training.distributed.dense import dense_mlp_plan, offload_policy, parallelize_decoder_lm
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -178,7 +178,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
                                     impl=cfg.moe.experts_implementation, stats=stats, capacity=capacity)
         if ep_mesh is not None:
             shard_experts(mlp, ep_mesh)
-            fully_shard(mlp.experts, mesh=meshes["ep_shard"], mp_policy=mp,
+            fully_shard(mlp.experts, mesh=meshes["ep_shard"], mp_policy=mp, offload_policy=offload_policy(cfg),
                         reshard_after_forward=cfg.moe.reshard_after_forward)
     coef = cfg.moe.aux_loss_coef if cfg.moe.aux_loss_coef is not None else hf_config.router_aux_loss_coef
     if coef:

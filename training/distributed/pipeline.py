@@ -52,6 +52,7 @@ from headrace.training.config.job_config import JobConfig, PipelineConfig
 from headrace.training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
 from headrace.training.distributed.parallelize import parallelize
 from headrace.training.models.build import build_meta_model, materialize, param_dtype
+from headrace.training.models.float8 import apply_quantize
 from headrace.training.models.families import LLAMA_LIKE
 from headrace.training.models.loss import CausalLMLoss, lm_head_loss_sum
 
@@ -298,6 +299,7 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
                                class_name, total)
 
     full = CausalLMLoss(build_meta_model(hf_config))
+    apply_quantize(full, cfg.quantize, device)
     blocks = [sum(p.numel() for p in block.parameters()) for block in full.model.layers]
     heads = (full.model.embed_tokens.weight.numel(),
              sum(p.numel() for p in full.model.norm.parameters()) + full.lm_head.weight.numel())
@@ -309,7 +311,7 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
     modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, meshes, stage_cfg,
                            param_dtype(cfg.trainer.precision)) for s in mine]
-    materialize(part, device, cfg.model.pretrained_path)
+    materialize(part, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
     group = meshes["pp"].get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()

@@ -110,10 +110,12 @@ def build_meta_model(config: PretrainedConfig) -> nn.Module:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, pretrained_path: str | None = None, prefix: str = "") -> None:
+def materialize(model: nn.Module, device: torch.device, pretrained_path: str | None = None, prefix: str = "",
+                offload: bool = False) -> None:
     """Allocate each rank's (already sharded) parameters on ``device``, then initialize or load them
-    (``prefix``: as ``load_safetensors``'s)."""
-    model.to_empty(device=device)
+    (``prefix``: as ``load_safetensors``'s). ``offload`` (FSDP2's CPUOffloadPolicy): the parameters live in host
+    memory, the buffers (RoPE tables) on ``device``, where forward reads them."""
+    model.to_empty(device="cpu" if offload else device)
     for module in model.modules():  # to_empty left garbage, so nothing is initialized yet
         module._is_hf_initialized = False
     hf = unwrap_causal_lm(model)
@@ -126,6 +128,10 @@ def materialize(model: nn.Module, device: torch.device, pretrained_path: str | N
     hf.tie_weights()
     if pretrained_path is not None:
         load_safetensors(model, pretrained_path, prefix)
+    if offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
 
 
 def load_safetensors(model: nn.Module, path: str, prefix: str = "", rename: Callable[[str], str] | None = None) -> None:
