@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from tests.dist.train_common import TINY_LLAMA, packed_batches, save_pretrained_tiny
-from tests.test_training import base_job
+from tests.test_train import base_job
 
 from headrace.training.config.load import load_job_config
 
