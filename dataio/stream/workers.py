@@ -319,8 +319,24 @@ class RankBatches:
         return None if self.last is None else max(0, -(-(self.last - self.first) // self.per_task))
 
     def __iter__(self) -> Iterator[dict]:
-        for b in range(self.first, sys.maxsize if self.last is None else self.last):
-            yield self.make_batch(b, plain_memory)
+        return self.here(1)
+
+    def here(self, per_task: int) -> Iterator[dict]:
+        """The batches made in this process, ``per_task`` at a time by one ``make_task`` where it applies
+        (token batches: the per-batch fixed cost -- lookups, shard checks, allocation -- paid once a task;
+        each batch's tensors are views of the task's), else one by one."""
+        b = self.first
+        while self.last is None or b < self.last:
+            count = per_task if self.last is None else min(per_task, self.last - b)
+            made = self.make_task(b, count, plain_memory) if count > 1 and self.make_task is not None else None
+            if made is None:
+                for i in range(b, b + count):
+                    yield self.make_batch(i, plain_memory)
+            else:
+                made.reverse()
+                while made:  # popped: a batch the consumer dropped is not held here
+                    yield made.pop()
+            b += count
 
     def worker_seed(self, worker: int) -> int:
         """The seed of worker ``worker``'s augmentation randomness (decoders): one stream per (rank, worker, epoch)."""
@@ -363,7 +379,7 @@ class RankBatches:
 
 
 def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
-            batch_bytes: int = 0, first_here: bool = True) -> Iterator[dict]:
+            batch_bytes: int = 0, first_here: bool = True, per_task_here: int = 1) -> Iterator[dict]:
     """Batches in order, computed in this process (``num_workers=0``) or in worker processes that
     collate into shared rings sized for batches of ``batch_bytes`` (0: torch's default transport only).
 
@@ -373,9 +389,10 @@ def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory
     first use: ~20 ms of CPU per worker per epoch otherwise) is inherited instead of paid in every
     worker. That batch draws augmentation randomness from this process's generators, as without
     workers. Pass ``first_here=False`` when making a batch starts threads that must not be forked
-    (a DALI pipeline)."""
+    (a DALI pipeline). Without workers, ``per_task_here`` batches are made at a time
+    (``RankBatches.here``)."""
     if num_workers == 0:
-        return iter(batches)
+        return batches.here(per_task_here)
     return _with_workers(batches, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
                          timeout=timeout, batch_bytes=batch_bytes, first_here=first_here)
 
