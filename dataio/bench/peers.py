@@ -188,7 +188,10 @@ def open_headrace_full(data: BenchData, workers: int, shuffle: bool, state: Any)
 
 def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     kind, field, rate = data.contract, data.field, data.decode.sample_rate
-    return (contract.from_headrace(b, field, kind, rate) for b in open_headrace_full(data, workers, shuffle, state))
+    for batch in open_headrace_full(data, workers, shuffle, state):
+        out = contract.from_headrace(batch, field, kind, rate)
+        del batch  # held here, the batch would keep its memory (or ring bytes) while the next is made
+        yield out
 
 
 def auto_headrace(data: BenchData, shuffle: bool) -> WorkerChoice:

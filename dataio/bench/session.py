@@ -118,11 +118,14 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
     # ``auto`` is headrace's own setting: only the loaders with ``auto_workers`` run it
     runs_at = {w: [n for n in loaders if w != AUTO or PEERS[n].auto_workers is not None] for w in opts.num_workers}
     measured, configs = 0, max(1, opts.repeats) * len(batch_sizes) * sum(map(len, runs_at.values()))
-    for _ in range(max(1, opts.repeats)):
+    # Each repeat also starts one loader later in the order (a rotation), so that no loader always runs
+    # right after the same other one (whose pages, allocations and CPU state it would inherit).
+    for repeat in range(max(1, opts.repeats)):
         for batch_size in batch_sizes:
             sized = dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, batch_size=batch_size))
             for workers in opts.num_workers:
-                for name in runs_at[workers]:
+                names = runs_at[workers]
+                for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                     measured += 1
                     if (name, -1, 0) in trials:  # failed before: reported once
                         continue
