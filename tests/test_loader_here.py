@@ -4,6 +4,7 @@ still exactly ``BatchMaker``'s one by one, and a resume inside a task continues 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from headrace.dataio.loader import build_loader
 from headrace.dataio.stream.batches import BatchMaker
@@ -41,3 +42,34 @@ def test_one_process_tasks_are_make_batch_one_by_one_and_resume_inside_a_task(tm
     assert len(rest) == 16
     for x, y in zip(rest, batches[5:], strict=True):
         assert_same(x, y)
+
+
+def test_recycled_memory_reuses_only_dropped_batches(tmp_path, monkeypatch):
+    """With every tensor recycled (threshold 0): a consumer that keeps batches gets them intact; one that
+    drops each batch gets the next in the same memory, with the right contents."""
+    from headrace.dataio.stream import rank, workers
+
+    monkeypatch.setattr(workers, "RECYCLE_BYTES", 0)
+    monkeypatch.setattr(rank, "TASK_SAMPLES_HERE", 1)  # one batch at a time: each its own allocation
+    rng = np.random.default_rng(3)
+    token_tars(tmp_path / "a", [rng.integers(1, 40, 60).tolist()])
+    cfg = {"datasets": [{"path": str(tmp_path / "a")}], "batch_size": 64, "epochs": 1, "num_workers": 0}
+    stream = build_loader(cfg, dp_rank=0, dp_size=1).stream
+    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
+                       first_local=0, batch_size=8)
+    cfg["batch_size"] = 8  # 8 batches, every one kept
+    kept = list(build_loader(cfg, dp_rank=0, dp_size=1))
+    assert len({b["tokens.npy"].untyped_storage().data_ptr() for b in kept}) == 8  # none reused while held
+    for b, batch in enumerate(kept):
+        expected = maker(b, plain_memory)
+        assert torch.equal(batch["tokens.npy"], expected["tokens.npy"]), b
+    cfg["batch_size"] = 4
+    maker4 = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout,
+                        dp_rank=0, first_local=0, batch_size=4)
+    pointers = set()
+    for b, batch in enumerate(build_loader(cfg, dp_rank=0, dp_size=1)):
+        tokens = batch["tokens.npy"]
+        assert torch.equal(tokens, maker4(b, plain_memory)["tokens.npy"]), b
+        pointers.add(tokens.untyped_storage().data_ptr())
+        del batch, tokens
+    assert len(pointers) < 15  # 15 batches, dropped as they came: buffers were reused

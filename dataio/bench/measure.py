@@ -153,8 +153,9 @@ def measure(
         "units": units,
         "seconds": end - start,
         "first_batch_s": (first_at - start) if first_at is not None else None,
-        "samples_per_s": (samples - first_n) / steady if steady > 0 else None,
-        "units_per_s": (units - first_units) / steady if steady > 0 else None,
+        # one batch only (a slow start-up filled the time limit): no rate after it, None rather than 0
+        "samples_per_s": (samples - first_n) / steady if steady > 0 and batches > 1 else None,
+        "units_per_s": (units - first_units) / steady if steady > 0 and batches > 1 else None,
         "latency_p50_ms": percentile_ms(latencies, 50),
         "latency_p99_ms": percentile_ms(latencies, 99),
         "peak_rss_mb": sampler.peak_rss / 2**20,

@@ -76,6 +76,40 @@ DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 
 
+RECYCLE_BYTES = 1 << 20  # tensors from this size up are carved from recycled buffers in one process
+RECYCLED_BUFFERS = 4  # buffers a one-process iterator keeps for reuse (each as large as a batch's tensor)
+
+
+class RecycledMemory:
+    """The allocator of batches made in this process (``RankBatches.here``): a tensor of at least
+    ``RECYCLE_BYTES`` is a view of a buffer the consumer has dropped, when one is large enough, instead of
+    fresh memory. Fresh memory of a batch's size comes from ``mmap`` (glibc's threshold follows the last
+    freed size, and batch sizes vary), so each batch would otherwise fault in every page it writes:
+    ~0.25 us a 4 KB page, ~1 us a 13 KB document. A buffer is free when nothing but this object refers to
+    it (its tensors and their views hold a reference to it, as ``SharedRing``'s pieces do); a consumer
+    that keeps batches keeps their buffers, and at most ``RECYCLED_BUFFERS`` are tracked (beyond them,
+    plain memory). Memory: at most that many batch tensors beyond what the consumer holds."""
+
+    def __init__(self):
+        self._buffers: list[np.ndarray] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < RECYCLE_BYTES:
+            return plain_memory(shape, dtype)
+        buffer = next((b for b in self._buffers if sys.getrefcount(b) <= 3 and nbytes <= b.nbytes <= 2 * nbytes),
+                      None)  # references: the list, the generator's variable, getrefcount's argument
+        if buffer is None:
+            if len(self._buffers) >= RECYCLED_BUFFERS:
+                free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]
+                if not free:
+                    return plain_memory(shape, dtype)
+                del self._buffers[free[0]]  # too small or too large for this size: make room
+            buffer = np.empty(nbytes + nbytes // 4, dtype=np.uint8)  # slack: the next batch may be longer
+            self._buffers.append(buffer)
+        return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class SharedRing:
     """One ring of ``region`` bytes per worker in one anonymous shared map, mapped before fork.
 
@@ -325,13 +359,13 @@ class RankBatches:
         """The batches made in this process, ``per_task`` at a time by one ``make_task`` where it applies
         (token batches: the per-batch fixed cost -- lookups, shard checks, allocation -- paid once a task;
         each batch's tensors are views of the task's), else one by one."""
-        b = self.first
+        b, alloc = self.first, RecycledMemory()
         while self.last is None or b < self.last:
             count = per_task if self.last is None else min(per_task, self.last - b)
-            made = self.make_task(b, count, plain_memory) if count > 1 and self.make_task is not None else None
+            made = self.make_task(b, count, alloc) if count > 1 and self.make_task is not None else None
             if made is None:
                 for i in range(b, b + count):
-                    yield self.make_batch(i, plain_memory)
+                    yield self.make_batch(i, alloc)
             else:
                 made.reverse()
                 while made:  # popped: a batch the consumer dropped is not held here
