@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import soundfile
 import webdataset as wds
 
@@ -110,7 +111,7 @@ def test_audio_peers_decode_the_same_seconds(shards, tmp_path):
     runs = {r["loader"]: r for r in result["runs"]}
     skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
     dali = {"dali", "headrace-dali"}  # DALI's reader, and headrace with decode.audio: dali beside it
-    assert set(runs) | dali == {"headrace", "webdataset", "energon", "lhotse", "torch", *dali}, skipped
+    assert set(runs) | dali == {"headrace", "headrace-full", "webdataset", "energon", "lhotse", "torch", *dali}, skipped
     for name in dali:
         assert name in runs or "not installed" in skipped[name]  # the `dali` extra is optional
     seconds = runs["headrace"]["units"]
@@ -136,7 +137,7 @@ def test_audio_bytes_every_loader_hands_over_the_same_bytes(shards, tmp_path, wo
     runs = {r["loader"]: r for r in result["runs"]}
     skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
     assert "re-encodes" in skipped["lhotse"] and "headrace-dali" not in runs  # nothing decoded here
-    assert set(runs) | {"dali"} == {"headrace", "webdataset", "energon", "torch", "dali"}, skipped
+    assert set(runs) | {"dali"} == {"headrace", "headrace-full", "webdataset", "energon", "torch", "dali"}, skipped
     megabytes = _audio_bytes(shards / "audio") / 1e6
     for name, run in runs.items():
         assert run["samples"] == 17, name
@@ -194,7 +195,7 @@ def test_cold_cache_refused_without_root_says_so(shards, tmp_path, monkeypatch):
     result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
                    "--compare", "", "--num-workers", "0", "--cache", "cold", "--batches", "2")
     assert result["cache"].startswith("warm (cold refused: not root")
-    assert [r["loader"] for r in result["runs"]] == ["headrace"]
+    assert [r["loader"] for r in result["runs"]] == ["headrace", "headrace-full"]
 
 
 def test_fixed_cost_fit_recovers_the_line():
@@ -211,10 +212,10 @@ def test_batch_sizes_report_the_fixed_cost_per_batch(shards, tmp_path):
     result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
                    "--num-workers", "0", "--compare", "torch", "--batch-sizes", "1,4,16")
     assert {(r["loader"], r["batch_size"]) for r in result["runs"]} == {
-        (name, b) for name in ("headrace", "torch") for b in (1, 4, 16)}
+        (name, b) for name in ("headrace", "headrace-full", "torch") for b in (1, 4, 16)}
     assert all(r["samples"] == 61 for r in result["runs"])  # each size: the whole epoch
     costs = {c["loader"]: c for c in result["fixed_cost"]}
-    assert set(costs) == {"headrace", "torch"}
+    assert set(costs) == {"headrace", "headrace-full", "torch"}
     for c in costs.values():
         assert c["workers"] == 0 and set(c["us_per_batch"]) == {"1", "4", "16"}
         assert all(v > 0 for v in c["us_per_batch"].values())
@@ -233,8 +234,8 @@ def test_auto_workers_runs_headrace_with_its_choice_beside_the_counts(shards, tm
     result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
                    "--num-workers", "0,auto", "--compare", "torch", "--batches", "4")
     assert sorted((r["loader"], str(r["workers"])) for r in result["runs"]) == [
-        ("headrace", "0"), ("headrace", "auto"), ("torch", "0")]
-    auto = next(r for r in result["runs"] if r["workers"] == "auto")
+        ("headrace", "0"), ("headrace", "auto"), ("headrace-full", "0"), ("headrace-full", "auto"), ("torch", "0")]
+    auto = next(r for r in result["runs"] if r["workers"] == "auto" and r["loader"] == "headrace")
     assert auto["samples"] == 32
     choice = auto["auto"]
     rates = {int(n): r for n, r in choice["rates"].items()}
@@ -242,3 +243,50 @@ def test_auto_workers_runs_headrace_with_its_choice_beside_the_counts(shards, tm
     assert all(r > 0 for r in rates.values()) and (rates or choice["cores"] < 2)
     table = (tmp_path / "out" / "results.md").read_text()
     assert f"| auto ({choice['num_workers']}) |" in table and choice["line"] in table
+
+
+def test_every_loader_returns_exactly_the_contract(shards, tmp_path):
+    """Each loader's batches hold the output contract and nothing else: for text, one flat token tensor in the
+    stored dtype + int64 lengths; every loader yields the same documents (order aside), headrace's contract
+    row the same tokens as its full layout."""
+    from headrace.dataio.bench.data import describe
+    from headrace.dataio.config import DataConfig
+    from headrace.config import from_dict
+    from headrace.dataio.bench.peers import prepare
+
+    data = describe(from_dict(DataConfig, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8}), tmp_path)
+    documents = {}
+    for name in ("headrace", "webdataset", "energon", "litdata", "torch"):
+        peer = PEERS[name]
+        if skip_reason(peer, data):
+            continue
+        state, _ = prepare(peer, data)
+        docs = []
+        for batch in peer.open(data, 0, False, state):
+            assert set(batch) == {"tokens", "lengths"}, name
+            tokens, lengths = batch["tokens"], batch["lengths"]
+            assert tokens.ndim == 1 and tokens.dtype == torch.uint16 and lengths.dtype == torch.int64, name
+            assert int(lengths.sum()) == tokens.numel() and len(lengths) <= 8, name
+            docs += [tuple(d.tolist()) for d in torch.split(tokens, lengths.tolist())]
+        documents[name] = sorted(docs)
+    assert {"headrace", "webdataset", "energon", "torch"} <= set(documents)
+    for name, docs in documents.items():
+        assert len(docs) == 61 and docs == documents["headrace"], name
+    full = [tuple(d.tolist()) for b in PEERS["headrace-full"].open(data, 0, False, None)
+            for d in torch.split(b["npy"], b["__lengths__"]["npy"].tolist())]
+    assert sorted(full) == documents["headrace"]
+
+
+def test_contract_pieces():
+    """Stacked headrace batches (equal lengths) and flat audio become the contract; audio is zero-padded."""
+    from headrace.dataio.bench.contract import audio_batch, count, from_headrace
+
+    stacked = {"npy": torch.arange(6, dtype=torch.int32).view(2, 3), "__lengths__": {}}
+    out = from_headrace(stacked, "npy", "text", None)
+    assert out["tokens"].tolist() == list(range(6)) and out["lengths"].tolist() == [3, 3]
+    assert count(out, "text") == (2, 6.0)
+    flat = {"flac": torch.ones(5), "__lengths__": {"flac": torch.tensor([2, 3])}, "__sample_rate__": {"flac": [10]}}
+    audio = from_headrace(flat, "flac", "audio", None)
+    assert audio["audio"].tolist() == [[1, 1, 0], [1, 1, 1]] and audio["sample_rate"] == 10
+    assert count(audio, "audio") == (2, 0.5)
+    assert audio_batch([np.ones(1, np.float32)], 16000)["audio"].shape == (1, 1)

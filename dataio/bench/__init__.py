@@ -3,9 +3,12 @@
 - ``headrace.dataio.bench.session``: one session: the loaders, worker counts and repeats in their order, and
   the result.
 - ``headrace.dataio.bench.data``: what is benchmarked (the shard directory of the ``data:`` section, its kind,
-  sample count and bytes) and the per-field decode work every loader does alike.
-- ``headrace.dataio.bench.peers``: one adapter per loader (headrace, webdataset, energon, litdata, lhotse, plain
-  torch), each writing its own format with its own writer and reading it by its documented fast path.
+  sample count and bytes).
+- ``headrace.dataio.bench.contract``: the output contract every loader returns per batch (flat tokens +
+  lengths; padded audio + lengths; encoded bytes + lengths) and the cheapest code that builds it.
+- ``headrace.dataio.bench.peers``: one adapter per loader (headrace on the contract and in its full layout,
+  webdataset, energon, litdata, lhotse, plain torch, DALI), each writing its own format with its own
+  writer, reading it by its documented fast path and batching by its own stage into the contract.
 - ``headrace.dataio.bench.measure``: timing, batch latency percentiles, RSS and CPU summed over worker
   processes, and the simulated trainer step's data wait.
 - ``headrace.dataio.bench.pagecache``: the physical read limit (the same files read into one buffer).

@@ -1,41 +1,32 @@
-"""What ``dataio bench`` measures: one indexed shard directory, and the decode work every loader does.
+"""What ``dataio bench`` measures: one indexed shard directory.
 
 ``describe(cfg, work)`` resolves the ``data:`` section's (single) dataset into a ``BenchData``: the
 tar files of its split, their sample count and bytes, its kind (``text`` when it has a token member
-such as ``npy`` / ``tokens.npy``, ``audio`` when it has an audio member) and the member that is counted
-(tokens or audio seconds). Peers write their own formats under ``work``.
+such as ``npy`` / ``tokens.npy``, ``audio`` when it has an audio member), the member that is counted
+(tokens or audio) and the output contract every loader produces for it (``headrace.dataio.bench.contract``).
+Peers write their own formats under ``work``.
 
-Every loader turns a sample into the same decoded dict (``{ext: value}``) and a batch into the same
-layout with ``headrace.dataio.stream.collate.collate`` (flat tensors plus lengths, in shared memory inside workers), so
-what differs between loaders is how they find, read and move the bytes. Loaders that hand over raw
-member bytes (energon's crude samples, plain torch, lhotse's recordings) decode them with
-``plain_decode``: what a user of that library writes (``np.load``, ``json.loads``, soundfile + soxr
-through ``headrace.dataio.stream.decode.decode_audio``); headrace and webdataset use their own decoders.
+``count_full`` counts a batch in headrace's own full layout (``headrace.dataio.stream.collate``: keys,
+flat tensors plus lengths), the ``headrace-full`` row's.
 
 Audio-bytes mode (``decode.audio: raw``, ``dataio bench --audio-bytes``): no loader decodes audio; each
-hands the encoded member bytes over as one ``uint8`` tensor plus lengths (headrace's raw collation), and
-the counted unit is MB of encoded audio, so every loader moves the same bytes and the page-cache limit
-is a like-for-like ceiling.
+hands the encoded member bytes over as one ``uint8`` tensor plus lengths, and the counted unit is MB of
+encoded audio, so every loader moves the same bytes and the page-cache limit is a like-for-like ceiling.
 """
 
 from __future__ import annotations
 
-import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import numpy as np
 import torch
 
+from headrace.dataio.bench.contract import contract_kind
 from headrace.dataio.config import DataConfig
 from headrace.dataio.shards.formats import is_audio_member, is_token_member
-from headrace.dataio.stream.collate import collate
-from headrace.dataio.stream.decode import decode_audio
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.stream.sources import ShardSource
-from headrace.dataio.stream.workers import process_memory
 
 
 @dataclass(kw_only=True)
@@ -54,6 +45,11 @@ class BenchData:
     @property
     def decode(self) -> DecodeConfig:
         return self.cfg.decode
+
+    @property
+    def contract(self) -> str:
+        """The output contract's kind: "text", "audio" (decoded) or "bytes" (``headrace.dataio.bench.contract``)."""
+        return contract_kind(self.kind, self.audio_bytes)
 
     @property
     def audio_bytes(self) -> bool:
@@ -81,32 +77,7 @@ def describe(cfg: DataConfig, work: Path) -> BenchData:
                      bytes=sum(p.stat().st_size for p in shards), work=work)
 
 
-def plain_decode(ext: str, payload: bytes, decode: DecodeConfig) -> Any:
-    """One member decoded the way a user of a raw-bytes loader would: by its extension's last part."""
-    suffix = ext.rpartition(".")[2].lower()
-    if suffix == "npy":
-        return torch.from_numpy(np.load(io.BytesIO(payload), allow_pickle=False))
-    if suffix == "json":
-        return json.loads(payload)
-    if suffix == "txt":
-        return payload.decode("utf-8")
-    if is_audio_member(ext):  # raw: the encoded bytes, collated as uint8 + lengths like headrace's
-        return memoryview(payload) if decode.audio == "raw" else decode_audio(payload, decode)
-    return payload
-
-
-def plain_sample(members: dict[str, bytes], decode: DecodeConfig) -> dict[str, Any]:
-    return {ext: plain_decode(ext, payload, decode) for ext, payload in members.items()}
-
-
-def collate_samples(keys: list[str], samples: list[dict]) -> dict:
-    """Decoded samples -> the batch layout of headrace's own loader (``headrace.dataio.stream.collate.collate``)."""
-    n = len(samples)
-    return collate(samples, keys, torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool), end=0,
-                   alloc=process_memory())
-
-
-def count(batch: dict, data: BenchData) -> tuple[int, float]:
+def count_full(batch: dict, data: BenchData) -> tuple[int, float]:
     """(samples, units) of one batch in that layout: tokens for text, seconds of audio for audio, MB of
     encoded audio in audio-bytes mode."""
     n = len(batch["__key__"])
@@ -121,4 +92,4 @@ def count(batch: dict, data: BenchData) -> tuple[int, float]:
     return n, values.numel() / rate
 
 
-__all__ = ["BenchData", "collate_samples", "count", "describe", "plain_decode", "plain_sample"]
+__all__ = ["BenchData", "count_full", "describe"]

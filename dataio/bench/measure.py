@@ -8,6 +8,9 @@ ends or a limit (samples, batches, seconds) is reached. Per batch it times the `
 - ``samples_per_s`` / ``units_per_s``: after the first batch, so start-up is reported once, separately,
   instead of diluting short runs;
 - ``latency_p50_ms`` / ``latency_p99_ms``: of the ``next()`` calls after the first;
+- ``main_cpu_us_per_batch``: CPU time of this (the training) process per batch after the first, all its
+  threads but the sampler's own (``time.process_time`` less the sampler thread's ``time.thread_time``):
+  what worker processes exist to take off the trainer;
 - with ``step_s``: the trainer sleeps ``step_s`` after each batch (a simulated compute step) and
   ``data_wait_fraction`` is the time spent inside ``next()`` over the wall time after the first batch.
 
@@ -46,6 +49,7 @@ class ProcessSampler:
         self._root = self._psutil.Process(os.getpid())
         self._cpu: dict[int, float] = {}  # pid -> CPU seconds at the last poll
         self._base: dict[int, float] = {}  # pid -> CPU seconds when first seen before start (excluded)
+        self.thread_cpu = 0.0  # CPU seconds of the polling thread itself, as of its last poll
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
 
@@ -74,6 +78,7 @@ class ProcessSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.poll()
+            self.thread_cpu = time.thread_time()
 
     def __enter__(self) -> "ProcessSampler":
         self.peak_rss = 0
@@ -124,6 +129,7 @@ def measure(
             del batch  # a held batch would pin its shared-memory block while the next one is made
             if first_at is None:
                 first_at, first_n, first_units = now, n, u
+                first_cpu = time.process_time() - sampler.thread_cpu
             else:
                 latencies.append(now - t)
             samples, units, batches = samples + n, units + u, batches + 1
@@ -135,6 +141,7 @@ def measure(
             if step_s:
                 time.sleep(step_s)
         end = time.perf_counter()
+        main_cpu = time.process_time() - sampler.thread_cpu - first_cpu if first_at is not None else None
         close = getattr(iterator, "close", None) or getattr(iterator, "_shutdown_workers", None)
         if close is not None:
             close()
@@ -146,11 +153,13 @@ def measure(
         "units": units,
         "seconds": end - start,
         "first_batch_s": (first_at - start) if first_at is not None else None,
-        "samples_per_s": (samples - first_n) / steady if steady > 0 else None,
-        "units_per_s": (units - first_units) / steady if steady > 0 else None,
+        # one batch only (a slow start-up filled the time limit): no rate after it, None rather than 0
+        "samples_per_s": (samples - first_n) / steady if steady > 0 and batches > 1 else None,
+        "units_per_s": (units - first_units) / steady if steady > 0 and batches > 1 else None,
         "latency_p50_ms": percentile_ms(latencies, 50),
         "latency_p99_ms": percentile_ms(latencies, 99),
         "peak_rss_mb": sampler.peak_rss / 2**20,
         "cpu_util": sampler.cpu_seconds() / (end - start) if end > start else None,
+        "main_cpu_us_per_batch": main_cpu / (batches - 1) * 1e6 if main_cpu is not None and batches > 1 else None,
         "data_wait_fraction": (sum(latencies) / steady if steady > 0 else None) if step_s else None,
     }

@@ -1,22 +1,28 @@
-"""One adapter per loader: its own format, written by its own writer, read by its documented fast path.
+"""One adapter per loader: its own format, written by its own writer, read by its documented fast path,
+each batch built as the output contract (``headrace.dataio.bench.contract``) by the cheapest code that does.
 
 Every adapter is a ``Peer``: ``prepare(data)`` writes the loader's format from the benchmarked shards
 (cached under ``data.work/<name>`` with a stamp of the source, so reruns skip it) and ``open(data,
-workers, shuffle, state)`` returns an iterator of batches in headrace's batch layout
-(``headrace.dataio.bench.data.collate_samples``), ``data.cfg.batch_size`` samples each:
+workers, shuffle, state)`` returns an iterator of contract batches, ``data.cfg.batch_size`` samples each.
+Peers decode only the counted member (``data.field``); the contract has nothing else.
 
-- ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``). Worker count ``auto`` is headrace's
-  own: ``auto_workers`` makes the loader's measurement (``headrace.dataio.worker_count``) on the same config,
-  and the run then uses the count it chose.
+- ``headrace``: ``build_loader`` on the shard directory (``epochs: 1``), its batches turned into the
+  contract by ``contract.from_headrace`` (views: no copy for tokens). ``headrace-full`` is the same
+  loader measured in its full batch layout (keys, references, validity, positions, every member),
+  counted off that layout. Worker count ``auto`` is headrace's own: ``auto_workers`` makes the loader's
+  measurement (``headrace.dataio.worker_count``) on the same config, and the run uses the count it chose.
 - ``headrace-dali`` (audio, beside ``dali`` in ``--compare``): the same loader with ``decode.audio:
   dali``, each batch's audio decoded by DALI inside the loader (``headrace.dataio.stream.dali``).
-- ``webdataset``: ``wds.WebDataset(tars).decode(...).batched(B)`` in ``wds.WebLoader`` (the tars as they
-  are; shards split over workers by webdataset's ``split_by_worker``).
-- ``energon``: ``get_loader(get_train_dataset(dir, repeat=False))`` on the same directory (its
-  ``.nv-meta`` comes from ``dataio shard`` / ``dataio index``), a ``CrudeWebdataset`` task encoder
-  whose cooker decodes the raw members.
-- ``litdata``: ``litdata.optimize`` into litdata chunks (tokens as numpy arrays, audio as bytes),
-  read with ``StreamingDataset`` + ``StreamingDataLoader``.
+- ``webdataset``: ``wds.WebDataset(tars).decode(only=[field]).to_tuple(field).batched(B,
+  collation_fn=contract)`` in ``wds.WebLoader``: webdataset's own decoder (``np.load`` for ``.npy``) and
+  its own batching stage (shards split over workers by webdataset's ``split_by_worker``).
+- ``energon``: ``get_loader(get_train_dataset(dir, batch_size=B, repeat=False))`` on the same directory
+  (its ``.nv-meta`` comes from ``dataio shard`` / ``dataio index``): a ``CrudeWebdataset`` whose cooker
+  decodes the one member, batched by energon's own batching stage (the task encoder's ``batch``).
+- ``litdata``: ``litdata.optimize`` into litdata chunks holding each sample's member as raw bytes
+  (token ids without the ``.npy`` header: litdata's ``bytes`` serializer, no pickle, no copy on read),
+  read with ``StreamingDataset`` + ``StreamingDataLoader``; ``np.frombuffer`` + the contract's
+  concatenation as ``collate_fn``.
 - ``lhotse`` (audio only): ``CutSet.to_shar`` (lhotse's Shar writer, audio re-encoded to FLAC) read
   back with ``CutSet.from_shar`` + ``SimpleCutSampler`` + ``IterableDatasetWrapper`` in a DataLoader,
   lhotse's documented Shar recipe: every worker iterates the whole Shar (no shard split), so with
@@ -30,9 +36,8 @@ workers, shuffle, state)`` returns an iterator of batches in headrace's batch la
 Shuffled runs use each loader's own mechanism (webdataset/energon: shard shuffle + a 1,000-sample
 buffer; litdata/lhotse/torch: their ``shuffle=True``; headrace: ``shuffle: true``).
 
-Audio-bytes mode (``decode.audio: raw``): every adapter hands over the tar's encoded audio bytes
-(``plain_decode`` returns the member buffer); lhotse is skipped, since its Shar holds audio re-encoded
-by lhotse, not the source bytes.
+Audio-bytes mode (``decode.audio: raw``): every adapter hands over the tar's encoded audio bytes; lhotse
+is skipped, since its Shar holds audio re-encoded by lhotse, not the source bytes.
 """
 
 from __future__ import annotations
@@ -53,12 +58,12 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from headrace.dataio.bench.data import BenchData, collate_samples, plain_decode, plain_sample
+from headrace.dataio.bench import contract
+from headrace.dataio.bench.data import BenchData, count_full
 from headrace.dataio.bench.extra import INSTALL
 from headrace.dataio.config import DataConfig
 from headrace.dataio.loader import Loader, build_loader
-from headrace.dataio.shards.formats import is_audio_member
-from headrace.dataio.stream.decode import Audio
+from headrace.dataio.stream.decode import decode_audio
 from headrace.dataio.worker_count import AUTO, WorkerChoice, choose
 
 SHUFFLE_BUFFER = 1000
@@ -75,6 +80,8 @@ class Peer:
     prepare: Callable[[BenchData], Any] | None = None  # returns the state open() needs (or None)
     install: str = ""  # the hint printed when the module is missing
     source_bytes: bool = True  # can hand over the source's encoded audio bytes (audio-bytes mode)
+    # (samples, units) of one batch: the contract's count unless the peer yields another layout
+    count: Callable[[dict, BenchData], tuple[int, float]] | None = None
 
 
 def skip_reason(peer: Peer, data: BenchData) -> str | None:
@@ -88,6 +95,30 @@ def skip_reason(peer: Peer, data: BenchData) -> str | None:
     if data.audio_bytes and not peer.source_bytes:
         return f"{peer.name} re-encodes the audio into its own format: its bytes are not the source's"
     return None
+
+
+def count(peer: Peer, batch: dict, data: BenchData) -> tuple[int, float]:
+    """(samples, units) of one of ``peer``'s batches."""
+    return peer.count(batch, data) if peer.count is not None else contract.count(batch, data.contract)
+
+
+# ------------------------------------------------------------------------------ the contract's pieces
+
+def decode_member(data: BenchData, payload: bytes) -> Any:
+    """The counted member decoded as a user of a raw-bytes loader would: ``np.load`` for tokens, soundfile
+    (+ soxr) for audio, nothing in audio-bytes mode."""
+    if data.kind == "text":
+        return np.load(io.BytesIO(payload), allow_pickle=False)
+    return payload if data.audio_bytes else decode_audio(payload, data.decode)
+
+
+def batch_of(data: BenchData, values: list) -> dict:
+    """The contract batch of decoded members (``decode_member``'s values)."""
+    if data.kind == "text":
+        return contract.token_batch(values)
+    if data.audio_bytes:
+        return contract.bytes_batch(values)
+    return contract.audio_batch([a.waveform for a in values], values[0].sample_rate)
 
 
 # --------------------------------------------------------------------------------------- tar walking
@@ -151,8 +182,16 @@ def headrace_config(data: BenchData, workers: int | str, shuffle: bool) -> DataC
     return dataclasses.replace(data.cfg, num_workers=workers, shuffle=shuffle, epochs=1, packing="none", seq_len=None)
 
 
-def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+def open_headrace_full(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     return iter(build_loader(headrace_config(data, workers, shuffle), dp_rank=0, dp_size=1))
+
+
+def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
+    kind, field, rate = data.contract, data.field, data.decode.sample_rate
+    for batch in open_headrace_full(data, workers, shuffle, state):
+        out = contract.from_headrace(batch, field, kind, rate)
+        del batch  # held here, the batch would keep its memory (or ring bytes) while the next is made
+        yield out
 
 
 def auto_headrace(data: BenchData, shuffle: bool) -> WorkerChoice:
@@ -176,16 +215,14 @@ def auto_headrace_dali(data: BenchData, shuffle: bool) -> WorkerChoice:
 
 # ---------------------------------------------------------------------------------------- webdataset
 
-def _wds_audio(decode, key: str, payload: bytes):
-    """A webdataset decoder handler: audio members through soundfile + soxr, others left to wds."""
-    return plain_decode(key, payload, decode) if is_audio_member(key.rpartition(".")[2]) else None
+def _wds_member(data: BenchData, key: str, payload: bytes):
+    """webdataset's decoder handler for the counted member (the others are never decoded); webdataset
+    passes the member's extension with a leading dot."""
+    return decode_member(data, payload) if key.lstrip(".") == data.field else None
 
 
-def _wds_collate(samples: list[dict]) -> dict:
-    keys = [s["__key__"] for s in samples]
-    fields = [{k: torch.from_numpy(v) if hasattr(v, "__array__") and not isinstance(v, torch.Tensor) else v
-               for k, v in s.items() if not k.startswith("__")} for s in samples]
-    return collate_samples(keys, fields)
+def _wds_collate(data: BenchData, rows: list[tuple]) -> dict:
+    return batch_of(data, [row[0] for row in rows])
 
 
 def open_webdataset(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
@@ -195,8 +232,8 @@ def open_webdataset(data: BenchData, workers: int, shuffle: bool, state: Any) ->
                         empty_check=False, seed=0 if shuffle else None)
     if shuffle:
         ds = ds.shuffle(SHUFFLE_BUFFER)
-    ds = ds.decode(functools.partial(_wds_audio, data.decode)).batched(
-        data.cfg.batch_size, collation_fn=_wds_collate, partial=True)
+    ds = ds.decode(functools.partial(_wds_member, data), only=[data.field]).to_tuple(data.field).batched(
+        data.cfg.batch_size, collation_fn=functools.partial(_wds_collate, data), partial=True)
     return iter(wds.WebLoader(ds, batch_size=None, num_workers=workers))
 
 
@@ -209,26 +246,25 @@ def _energon_encoder_class():
 
     @edataclass
     class Decoded(Sample):
-        fields: dict
+        value: Any
 
     class BenchEncoder(DefaultTaskEncoder):
-        decoder = None  # raw member bytes; the cooker decodes them like every raw-bytes peer
+        decoder = None  # raw member bytes; the cooker decodes the one member like every raw-bytes peer
 
-        def __init__(self, decode):
+        def __init__(self, data: BenchData):
             super().__init__()
-            self.decode = decode
+            self.data = data
 
             @stateless
             def cook(crude: dict) -> Decoded:
-                members = {k: v for k, v in crude.items() if not k.startswith("__")}
                 return Decoded(__key__=crude["__key__"], __restore_key__=crude["__restore_key__"],
                                __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"),
-                               fields=plain_sample(members, decode))
+                               value=decode_member(data, crude[data.field]))
 
             self.cookers = [Cooker(cook)]
 
         def batch(self, samples: list) -> dict:
-            return collate_samples([s.__key__ for s in samples], [s.fields for s in samples])
+            return batch_of(self.data, [s.value for s in samples])
 
     return BenchEncoder
 
@@ -240,60 +276,52 @@ def open_energon(data: BenchData, workers: int, shuffle: bool, state: Any) -> It
     ds = get_train_dataset(str(data.root), split_part=data.split, worker_config=wc, batch_size=data.cfg.batch_size,
                            shuffle_buffer_size=SHUFFLE_BUFFER if shuffle else None,
                            max_samples_per_sequence=100 if shuffle else None, repeat=False,
-                           task_encoder=_energon_encoder_class()(data.decode))
+                           task_encoder=_energon_encoder_class()(data))
     return iter(get_loader(ds))
 
 
 # ------------------------------------------------------------------------------------------- litdata
 
-def _litdata_rows(shard: str) -> Iterator[dict]:
-    """litdata ``optimize`` fn: one tar -> its samples (tokens as arrays, audio/json as bytes, txt as str)."""
-    import numpy as np
-
-    for key, members in tar_samples(Path(shard)):
-        row: dict[str, Any] = {"__key__": key}
-        for ext, payload in members.items():
-            suffix = ext.rpartition(".")[2]
-            row[ext] = (np.load(io.BytesIO(payload), allow_pickle=False) if suffix == "npy"
-                        else payload.decode() if suffix == "txt" else payload)
-        yield row
+def _litdata_rows(field: str, text: bool, shard: str) -> Iterator[bytes]:
+    """litdata ``optimize`` fn: one tar -> each sample's counted member as raw bytes (token ids without the
+    ``.npy`` header for text, the encoded member for audio)."""
+    for _, members in tar_samples(Path(shard)):
+        payload = members[field]
+        yield np.load(io.BytesIO(payload), allow_pickle=False).tobytes() if text else payload
 
 
-def prepare_litdata(data: BenchData) -> Path:
+def _token_dtype(data: BenchData) -> str | None:
+    """The dtype of the counted token member (from the first sample's ``.npy`` header); None for audio."""
+    if data.kind != "text":
+        return None
+    _, members = next(tar_samples(data.shards[0]))
+    return np.load(io.BytesIO(members[data.field]), allow_pickle=False).dtype.str
+
+
+def prepare_litdata(data: BenchData) -> tuple[Path, str | None]:
     def write(tmp: Path) -> None:
         from litdata import optimize
 
-        optimize(fn=_litdata_rows, inputs=[str(p) for p in data.shards], output_dir=str(tmp), chunk_bytes="64MB",
-                 num_workers=1, mode="overwrite", verbose=False, reorder_files=False, start_method="fork")
+        optimize(fn=functools.partial(_litdata_rows, data.field, data.kind == "text"),
+                 inputs=[str(p) for p in data.shards], output_dir=str(tmp), chunk_bytes="64MB", num_workers=1,
+                 mode="overwrite", verbose=False, reorder_files=False, start_method="fork")
 
-    return _cached(data, "litdata", write)
-
-
-def _litdata_collate(decode, items: list[dict]) -> dict:
-    keys = [item["__key__"] for item in items]
-    samples = []
-    for item in items:
-        fields = {}
-        for ext, value in item.items():
-            if ext == "__key__":
-                continue
-            suffix = ext.rpartition(".")[2]
-            if suffix == "npy":
-                fields[ext] = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
-            elif isinstance(value, (bytes, bytearray, memoryview)):  # litdata hands bytes back as views
-                fields[ext] = plain_decode(ext, bytes(value), decode)
-            else:
-                fields[ext] = value
-        samples.append(fields)
-    return collate_samples(keys, samples)
+    return _cached(data, "litdata", write), _token_dtype(data)
 
 
-def open_litdata(data: BenchData, workers: int, shuffle: bool, state: Path) -> Iterator[dict]:
+def _litdata_collate(data: BenchData, dtype: str | None, items: list) -> dict:
+    if dtype is not None:
+        return contract.token_batch([np.frombuffer(item, dtype=dtype) for item in items])
+    return batch_of(data, [decode_member(data, item) for item in items])
+
+
+def open_litdata(data: BenchData, workers: int, shuffle: bool, state: tuple[Path, str | None]) -> Iterator[dict]:
     from litdata import StreamingDataLoader, StreamingDataset
 
-    ds = StreamingDataset(str(state), shuffle=shuffle, seed=0)
+    path, dtype = state
+    ds = StreamingDataset(str(path), shuffle=shuffle, seed=0)
     return iter(StreamingDataLoader(ds, batch_size=data.cfg.batch_size, num_workers=workers,
-                                    collate_fn=functools.partial(_litdata_collate, data.decode)))
+                                    collate_fn=functools.partial(_litdata_collate, data, dtype)))
 
 
 # -------------------------------------------------------------------------------------------- lhotse
@@ -317,16 +345,16 @@ class LhotseAudio(torch.utils.data.Dataset):
     """lhotse's dataset contract: ``__getitem__`` gets a CutSet (one sampler batch) and collates it."""
 
     def __init__(self, data: BenchData):
-        self.field, self.rate = data.field, data.decode.sample_rate
+        self.rate = data.decode.sample_rate
 
     def __getitem__(self, cuts) -> dict:
-        keys, samples = [], []
+        waves, rate = [], None
         for cut in cuts:
             if self.rate is not None and cut.sampling_rate != self.rate:
                 cut = cut.resample(self.rate)
-            keys.append(cut.id)
-            samples.append({self.field: Audio(torch.from_numpy(cut.load_audio()[0]), cut.sampling_rate)})
-        return collate_samples(keys, samples)
+            waves.append(cut.load_audio()[0])
+            rate = cut.sampling_rate
+        return contract.audio_batch(waves, rate)
 
 
 def open_lhotse(data: BenchData, workers: int, shuffle: bool, state: Path) -> Iterator[dict]:
@@ -342,38 +370,36 @@ def open_lhotse(data: BenchData, workers: int, shuffle: bool, state: Path) -> It
 # --------------------------------------------------------------------------------------------- torch
 
 class TarSamples(torch.utils.data.Dataset):
-    """Map-style dataset over tars: sample ``i`` is read by offset (``os.pread``) and decoded plainly."""
+    """Map-style dataset over tars: sample ``i``'s counted member read by offset (``os.pread``), decoded."""
 
-    def __init__(self, data: BenchData, index: list[tuple[int, str, dict[str, tuple[int, int]]]]):
-        self.paths, self.index, self.decode = [str(p) for p in data.shards], index, data.decode
+    def __init__(self, data: BenchData, index: list[tuple[int, int, int]]):
+        self.paths, self.index, self.data = [str(p) for p in data.shards], index, data
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> tuple[str, dict]:
+    def __getitem__(self, i: int) -> Any:
         if self._pid != os.getpid():  # a forked worker opens its own descriptors
             self._fds, self._pid = {}, os.getpid()
-        shard, key, members = self.index[i]
+        shard, offset, size = self.index[i]
         fd = self._fds.get(shard)
         if fd is None:
             fd = self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
-        return key, plain_sample({ext: os.pread(fd, size, off) for ext, (off, size) in members.items()}, self.decode)
+        return decode_member(self.data, os.pread(fd, size, offset))
 
 
-def _torch_collate(items: list[tuple[str, dict]]) -> dict:
-    return collate_samples([k for k, _ in items], [s for _, s in items])
-
-
-def prepare_torch(data: BenchData) -> list:
-    return [(s, key, members) for s, path in enumerate(data.shards) for key, members in tar_offsets(path)]
+def prepare_torch(data: BenchData) -> list[tuple[int, int, int]]:
+    """``(shard, offset, size)`` of every sample's counted member."""
+    return [(s, *members[data.field]) for s, path in enumerate(data.shards) for _, members in tar_offsets(path)]
 
 
 def open_torch(data: BenchData, workers: int, shuffle: bool, state: list) -> Iterator[dict]:
     generator = torch.Generator().manual_seed(0)
     return iter(torch.utils.data.DataLoader(TarSamples(data, state), batch_size=data.cfg.batch_size, shuffle=shuffle,
-                                            num_workers=workers, collate_fn=_torch_collate, generator=generator))
+                                            num_workers=workers, collate_fn=functools.partial(batch_of, data),
+                                            generator=generator))
 
 
 # ---------------------------------------------------------------------------------------------- dali
@@ -406,13 +432,11 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
             outputs = pipe.run()
             n = min(batch_size, left)
             if data.audio_bytes:
-                samples = [{data.field: memoryview(np.array(outputs[0].at(i)))} for i in range(n)]
+                yield contract.bytes_batch([np.array(outputs[0].at(i)) for i in range(n)])
             else:
                 audio, rate = outputs
-                samples = [{data.field: Audio(torch.from_numpy(np.array(audio.at(i)).reshape(-1)), int(rate.at(i)))}
-                           for i in range(n)]
+                yield contract.audio_batch([np.array(audio.at(i)).reshape(-1) for i in range(n)], int(rate.at(0)))
             left -= n
-            yield collate_samples([str(i) for i in range(n)], samples)
 
     return batches()
 
@@ -420,6 +444,8 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
 PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer(name="headrace", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace,
          auto_workers=auto_headrace),
+    Peer(name="headrace-full", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace_full,
+         auto_workers=auto_headrace, count=count_full),
     Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset, install=INSTALL),
     Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon, install=INSTALL),
     Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
@@ -441,4 +467,5 @@ def prepare(peer: Peer, data: BenchData) -> tuple[Any, float]:
     return state, time.perf_counter() - start
 
 
-__all__ = ["PEERS", "Peer", "prepare", "skip_reason", "split_name", "tar_offsets", "tar_samples"]
+__all__ = ["PEERS", "Peer", "batch_of", "count", "decode_member", "prepare", "skip_reason", "split_name", "tar_offsets",
+           "tar_samples"]

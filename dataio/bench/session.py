@@ -26,11 +26,12 @@ import torch
 from rich.console import Console
 
 from headrace.dataio.bench import report
-from headrace.dataio.bench.data import count, describe
+from headrace.dataio.bench.contract import CONTRACT
+from headrace.dataio.bench.data import describe
 from headrace.dataio.bench.fixedcost import fixed_costs
 from headrace.dataio.bench.measure import measure
 from headrace.dataio.bench.pagecache import drop_page_cache, read_limit
-from headrace.dataio.bench.peers import PEERS, prepare, skip_reason
+from headrace.dataio.bench.peers import PEERS, count, prepare, skip_reason
 from headrace.dataio.bench.timing import median_run
 from headrace.dataio.bench.trainer import trainer_run
 from headrace.dataio.config import DataConfig
@@ -95,7 +96,8 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
     limit = read_limit(data.shards, warm=opts.cache == "warm" or cold_refused is not None)
     limit["samples_per_s"] = data.samples * limit["bytes_per_s"] / data.bytes
 
-    loaders, skipped, states, prepare_s = ["headrace"], [], {}, {}
+    # headrace on the output contract (the row peers are compared with) and in its own full batch layout
+    loaders, skipped, states, prepare_s = ["headrace", "headrace-full"], [], {}, {}
     for name in compare:
         reason = skip_reason(PEERS[name], data)
         if reason:
@@ -116,11 +118,14 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
     # ``auto`` is headrace's own setting: only the loaders with ``auto_workers`` run it
     runs_at = {w: [n for n in loaders if w != AUTO or PEERS[n].auto_workers is not None] for w in opts.num_workers}
     measured, configs = 0, max(1, opts.repeats) * len(batch_sizes) * sum(map(len, runs_at.values()))
-    for _ in range(max(1, opts.repeats)):
+    # Each repeat also starts one loader later in the order (a rotation), so that no loader always runs
+    # right after the same other one (whose pages, allocations and CPU state it would inherit).
+    for repeat in range(max(1, opts.repeats)):
         for batch_size in batch_sizes:
             sized = dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, batch_size=batch_size))
             for workers in opts.num_workers:
-                for name in runs_at[workers]:
+                names = runs_at[workers]
+                for name in names[repeat % len(names):] + names[: repeat % len(names)]:
                     measured += 1
                     if (name, -1, 0) in trials:  # failed before: reported once
                         continue
@@ -134,7 +139,7 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
                         with progress_bar(f"{name}, {workers} workers, batch {batch_size}", total=total,
                                           unit="samples") as advance:
                             result = measure(lambda: peer.open(sized, count_used, opts.shuffle, state),
-                                             lambda b: count(b, sized), max_samples=data.samples,
+                                             lambda b: count(peer, b, sized), max_samples=data.samples,
                                              max_batches=opts.batches, max_seconds=opts.seconds, step_s=step_s,
                                              progress=advance)
                     except Exception as e:  # reported with its reason, never dropped silently
@@ -171,6 +176,7 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "cuda": torch.cuda.is_available(), "load_before": load_before},
         "cache": opts.cache if not cold_refused else f"warm (cold refused: {cold_refused})",
+        "contract": {"kind": data.contract, "batch": CONTRACT[data.contract]},
         "data": {"path": str(data.root), "split": data.split, "kind": data.kind, "field": data.field,
                  "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
                  "members": data.members, "samples": data.samples, "bytes": data.bytes, "shards": len(data.shards),

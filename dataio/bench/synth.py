@@ -6,6 +6,9 @@
   ``tokens.npy``), repeated under new keys until ``--text-gb`` of tokens; written and indexed by
   ``corpus.write_indexed_shards`` (``webdataset.ShardWriter``, the peer ecosystem's writer) in
   shards of ~64 MB.
+- ``--lognormal-docs N`` (instead of ``--text-gb``): the loader benchmark's corpus (issue 35): ``N``
+  documents of ``corpus.simulated_token_documents`` lengths (log-normal, median 814 tokens, sigma
+  1.664: mean ~3,300 int32 tokens = ~13 KB), 5,556 a shard, under ``OUT/text-lognormal``.
 - speech: ``corpus.speech_like`` utterances (3-6 s, 16 kHz FLAC, ~90 KB) with a NeMo manifest,
   sharded by ``dataio shard``; ``--speech-format wav`` / ``--speech-rate 24000`` write 16-bit WAV or
   another rate instead (the decoded-audio benchmark's WAV and resampling cases).
@@ -23,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from headrace.dataio.bench.corpus import RATE, demo_token_documents, flac_bytes, speech_like, write_indexed_shards
+from headrace.dataio.bench.corpus import (RATE, demo_token_documents, flac_bytes, simulated_token_documents,
+                                          speech_like, write_indexed_shards)
 from headrace.dataio.prepare.job import ShardOptions, shard_corpus
 from headrace.dataio.shards.formats import npy_bytes
 
@@ -43,6 +47,14 @@ def write_text(out: Path, gigabytes: float) -> None:
 
     shards = write_indexed_shards(out, samples(), maxsize=SHARD_BYTES, workers=2)
     print(f"text: {count:,} documents, {written / 1e9:.2f} GB of int32 tokens in {shards} shards -> {out}")
+
+
+def write_lognormal_text(out: Path, docs: int) -> None:
+    tokens = simulated_token_documents(docs, median=814, sigma=1.664, seed=0)
+    samples = ({"__key__": f"d{i:08d}", "tokens.npy": npy_bytes(d)} for i, d in enumerate(tokens))
+    shards = write_indexed_shards(out, samples, maxcount=5556)
+    print(f"text: {docs:,} log-normal documents, {sum(d.nbytes for d in tokens) / 1e6:,.1f} MB of int32 tokens "
+          f"in {shards} shards -> {out}")
 
 
 def write_speech(out: Path, hours: float, *, fmt: str = "flac", rate: int = RATE) -> None:
@@ -70,11 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m headrace.dataio.bench.synth", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-gb", type=float, default=1.0, help="GB of int32 text tokens (0: none)")
+    p.add_argument("--lognormal-docs", type=int, default=0,
+                   help="write this many log-normal int32 token documents (the loader benchmark's corpus) instead "
+                        "of --text-gb")
     p.add_argument("--speech-hours", type=float, default=3.0, help="hours of speech (0: none)")
     p.add_argument("--speech-format", choices=["flac", "wav"], default="flac", help="16-bit FLAC or WAV")
     p.add_argument("--speech-rate", type=int, default=RATE, help="the utterances' sample rate in Hz")
     args = p.parse_args(argv)
-    if args.text_gb > 0:
+    if args.lognormal_docs > 0:
+        write_lognormal_text(args.out / "text-lognormal", args.lognormal_docs)
+    elif args.text_gb > 0:
         write_text(args.out / "text", args.text_gb)
     if args.speech_hours > 0:
         write_speech(args.out / "speech", args.speech_hours, fmt=args.speech_format, rate=args.speech_rate)

@@ -33,6 +33,8 @@ from headrace.dataio.stream.workers import RankBatches, iterate
 
 READ_BYTES = 1 << 20
 MAX_READ = 1024
+TASK_SAMPLES_HERE = 256  # samples per task made at once without workers (see plain)
+TASK_BYTES_HERE = 4 << 20  # ... and at most this many stored bytes
 
 
 class RankStream:
@@ -75,8 +77,12 @@ class RankStream:
                            dp_rank=self.dp_rank, first_local=self.consumed, batch_size=batch_size,
                            subflavors=self.subflavors)
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
+        # Without workers small batches are made a task at a time (``RankBatches.here``): ~256 samples,
+        # at most ~4 MB held by the task's batches, so the per-batch fixed cost is paid once per task.
+        per_task = max(1, min(TASK_SAMPLES_HERE // batch_size,
+                              int(TASK_BYTES_HERE // max(batch_size * self._mean_sample_bytes(), 1.0))))
         return self.run(maker, first=0, last=self.num_batches(batch_size), epoch=self.blend.epoch_at(start_pos),
-                        batch_bytes=self._batch_bytes(batch_size))
+                        batch_bytes=self._batch_bytes(batch_size), per_task_here=per_task)
 
     def read_batch_size(self) -> int:
         """Samples per read for a stage that re-batches them (packing): at least ``cfg.batch_size``,
@@ -85,7 +91,7 @@ class RankStream:
         return max(self.cfg.batch_size, min(MAX_READ, int(READ_BYTES / max(self._mean_sample_bytes(), 1.0))))
 
     def run(self, make: Callable[[int, Allocator], dict], *, first: int, last: int | None, epoch: int,
-            batch_bytes: int = 0) -> Iterator[dict]:
+            batch_bytes: int = 0, per_task_here: int = 1) -> Iterator[dict]:
         """Batches ``first .. last-1`` of ``make`` (``make(b, alloc)``; its ``__bad__`` counted here and
         removed), computed by ``num_workers`` worker processes and read back in order."""
         cfg = self.cfg
@@ -94,7 +100,7 @@ class RankStream:
         try:
             for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
                                  timeout=cfg.worker_timeout if cfg.num_workers else 0, batch_bytes=batch_bytes,
-                                 first_here=self.fork_safe):
+                                 first_here=self.fork_safe, per_task_here=per_task_here):
                 self._count_bad(batch.pop("__bad__"))
                 yield batch
                 del batch  # a worker's ring bytes come back once the consumer drops the batch too

@@ -76,6 +76,40 @@ DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 
 
+RECYCLE_BYTES = 1 << 20  # tensors from this size up are carved from recycled buffers in one process
+RECYCLED_BUFFERS = 4  # buffers a one-process iterator keeps for reuse (each as large as a batch's tensor)
+
+
+class RecycledMemory:
+    """The allocator of batches made in this process (``RankBatches.here``): a tensor of at least
+    ``RECYCLE_BYTES`` is a view of a buffer the consumer has dropped, when one is large enough, instead of
+    fresh memory. Fresh memory of a batch's size comes from ``mmap`` (glibc's threshold follows the last
+    freed size, and batch sizes vary), so each batch would otherwise fault in every page it writes:
+    ~0.25 us a 4 KB page, ~1 us a 13 KB document. A buffer is free when nothing but this object refers to
+    it (its tensors and their views hold a reference to it, as ``SharedRing``'s pieces do); a consumer
+    that keeps batches keeps their buffers, and at most ``RECYCLED_BUFFERS`` are tracked (beyond them,
+    plain memory). Memory: at most that many batch tensors beyond what the consumer holds."""
+
+    def __init__(self):
+        self._buffers: list[np.ndarray] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < RECYCLE_BYTES:
+            return plain_memory(shape, dtype)
+        buffer = next((b for b in self._buffers if sys.getrefcount(b) <= 3 and nbytes <= b.nbytes <= 2 * nbytes),
+                      None)  # references: the list, the generator's variable, getrefcount's argument
+        if buffer is None:
+            if len(self._buffers) >= RECYCLED_BUFFERS:
+                free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]
+                if not free:
+                    return plain_memory(shape, dtype)
+                del self._buffers[free[0]]  # too small or too large for this size: make room
+            buffer = np.empty(nbytes + nbytes // 4, dtype=np.uint8)  # slack: the next batch may be longer
+            self._buffers.append(buffer)
+        return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class SharedRing:
     """One ring of ``region`` bytes per worker in one anonymous shared map, mapped before fork.
 
@@ -319,8 +353,24 @@ class RankBatches:
         return None if self.last is None else max(0, -(-(self.last - self.first) // self.per_task))
 
     def __iter__(self) -> Iterator[dict]:
-        for b in range(self.first, sys.maxsize if self.last is None else self.last):
-            yield self.make_batch(b, plain_memory)
+        return self.here(1)
+
+    def here(self, per_task: int) -> Iterator[dict]:
+        """The batches made in this process, ``per_task`` at a time by one ``make_task`` where it applies
+        (token batches: the per-batch fixed cost -- lookups, shard checks, allocation -- paid once a task;
+        each batch's tensors are views of the task's), else one by one."""
+        b, alloc = self.first, RecycledMemory()
+        while self.last is None or b < self.last:
+            count = per_task if self.last is None else min(per_task, self.last - b)
+            made = self.make_task(b, count, alloc) if count > 1 and self.make_task is not None else None
+            if made is None:
+                for i in range(b, b + count):
+                    yield self.make_batch(i, alloc)
+            else:
+                made.reverse()
+                while made:  # popped: a batch the consumer dropped is not held here
+                    yield made.pop()
+            b += count
 
     def worker_seed(self, worker: int) -> int:
         """The seed of worker ``worker``'s augmentation randomness (decoders): one stream per (rank, worker, epoch)."""
@@ -363,7 +413,7 @@ class RankBatches:
 
 
 def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
-            batch_bytes: int = 0, first_here: bool = True) -> Iterator[dict]:
+            batch_bytes: int = 0, first_here: bool = True, per_task_here: int = 1) -> Iterator[dict]:
     """Batches in order, computed in this process (``num_workers=0``) or in worker processes that
     collate into shared rings sized for batches of ``batch_bytes`` (0: torch's default transport only).
 
@@ -373,9 +423,10 @@ def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory
     first use: ~20 ms of CPU per worker per epoch otherwise) is inherited instead of paid in every
     worker. That batch draws augmentation randomness from this process's generators, as without
     workers. Pass ``first_here=False`` when making a batch starts threads that must not be forked
-    (a DALI pipeline)."""
+    (a DALI pipeline). Without workers, ``per_task_here`` batches are made at a time
+    (``RankBatches.here``)."""
     if num_workers == 0:
-        return iter(batches)
+        return batches.here(per_task_here)
     return _with_workers(batches, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
                          timeout=timeout, batch_bytes=batch_bytes, first_here=first_here)
 
