@@ -197,7 +197,7 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
     from transformers import AutoModelForCausalLM
 
     from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
     from headrace.training.step import forward_loss_sum
 
     save_fused(tmp_path / "m", recipe_fields(recipe))
@@ -263,7 +263,7 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from headrace.training.components.checkpoint import export_hf
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
 
     fields = recipe_fields(recipe)
     torch.manual_seed(0)

@@ -223,7 +223,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
     from headrace.training.config.job_config import DistributedConfig
     from headrace.training.components.optim import build_optimizer
     from headrace.training.distributed.parallel_dims import ParallelDims
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
     from headrace.training.step import train_step
 
     save_pretrained_tiny(tmp_path / "m")
@@ -251,7 +251,7 @@ def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, m
 
     from headrace.training.config.job_config import DistributedConfig
     from headrace.training.distributed.parallel_dims import ParallelDims
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
     from headrace.training.step import forward_loss_sum
 
     cfg = load_job_config(None, base=base_job(tmp_path, trainer=dict(precision="bf16")))

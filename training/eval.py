@@ -42,6 +42,7 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
 
     from headrace.training.components.checkpoint import sealed_state
     from headrace.training.components.checkpoint_seal import Incomplete, NotSealed
+    from headrace.training.model_kinds import model_kind
 
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
@@ -50,9 +51,9 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
             sealed_state(ckpt)  # before DCP unpickles its .metadata
         except (Incomplete, NotSealed) as e:
             raise ValueError(f"--checkpoint {ckpt}: refused: {e}") from None
-    if kind == "hf" and cfg.model.kind == "salm":
-        raise ValueError(f"--checkpoint {path}: a SALM is evaluated from its DCP checkpoints (the hf/ export holds "
-                         "only its LLM); its decoding WER: python -m headrace.training.speech.eval")
+    refusal = model_kind(cfg).hf_export_refusal
+    if kind == "hf" and refusal is not None:
+        raise ValueError(f"--checkpoint {path}: {refusal}")
     return ckpt, kind
 
 
@@ -66,12 +67,11 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
 
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
-    from headrace.training.speech.checkpoints import with_speech_llm
-    from headrace.training.train import build_model_or_pipeline
+    from headrace.training.model_kinds import build_model_or_pipeline, model_kind
     from headrace.training.validation import make_validator
 
     ckpt, kind = check_inputs(cfg, path)
-    cfg = with_speech_llm(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
+    cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
                                                                  pretrained_path=str(ckpt)))

@@ -30,7 +30,8 @@ from headrace.training.components import checkpoint  # noqa: E402
 from headrace.training.config.load import load_job_config  # noqa: E402
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
-from headrace.training.train import build_model, train  # noqa: E402
+from headrace.training.model_kinds import build_model  # noqa: E402
+from headrace.training.train import train  # noqa: E402
 from headrace.training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4  # 4 micro-batches of 2 x 32 tokens per step

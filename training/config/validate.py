@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from headrace.config import ConfigError
 from headrace.kernels.hf_attention import ATTENTION_NAME
-from headrace.training.config.job_config import val_data_config
+from headrace.training.config.job_config import KIND_CONFIGS, val_data_config
 from headrace.training.config.pipeline_schedules import V_SHAPED, schedule_class_name
 
 if TYPE_CHECKING:
@@ -90,14 +90,16 @@ def check_config(cfg) -> None:
     given = [n for n in ("config", "config_path", "pretrained_path") if getattr(model, n) is not None]
     if len(given) != 1:
         raise ConfigError(f"model: set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
-    if (model.kind == "salm") != (model.speech is not None):
-        raise ConfigError("model.speech is required with model.kind: salm, and only then")
-    if model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
-        if model.speech.encoder.from_checkpoint and model.pretrained_path is None:
-            raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
-                              "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
+    kind = KIND_CONFIGS[model.kind]
+    for owner, section in ((name, k.section) for name, k in KIND_CONFIGS.items() if k.section is not None):
+        if (getattr(model, section) is not None) != (section == kind.section):
+            raise ConfigError(f"model.{section} is required with model.kind: {owner}, and only then")
+    if model.speech is not None and model.speech.encoder.from_checkpoint and model.pretrained_path is None:
+        raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
+                          "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
+    if kind.bucketed:  # its batches come from data.bucketing, not THD rows
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
-            raise ConfigError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
+            raise ConfigError(f"model.kind: {model.kind} trains on bucketed audio: set data.bucketing and leave "
                               "data.seq_len unset")
     elif cfg.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
         raise ConfigError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
@@ -122,7 +124,7 @@ def check_cp_config(cfg) -> None:
     cp = cfg.distributed.cp_size
     if cp == 1:
         return
-    if cfg.model.kind != "causal_lm":
+    if KIND_CONFIGS[cfg.model.kind].bucketed:
         raise ConfigError(f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
                           "supported (set cp_size to 1)")
     if cfg.distributed.pp_size > 1:

@@ -43,6 +43,7 @@ from headrace.training.distributed.expert_parallel import MoEStats, install_expe
 from headrace.training.distributed.moe_routing import Capacity
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.distributed.dense import dense_mlp_plan, parallelize_decoder_lm
+from headrace.training.models.loss import unwrap_ddp
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -196,7 +197,7 @@ def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
     ``moe_dropped`` (fraction of the router's token-expert assignments the capacity factor dropped),
     ``moe_aux_loss`` (mean over micro-batches and ranks), ``a2a_bytes`` (sent per rank, forward + backward)
     and ``a2a_s`` (seconds in the token exchanges, the slowest rank)."""
-    stats = getattr(getattr(model, "module", model), "moe_stats", None)
+    stats = getattr(unwrap_ddp(model), "moe_stats", None)
     if stats is None:
         return {}
     group = loss_mesh.get_group()
@@ -218,7 +219,7 @@ def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
 
 def reset_step(model: nn.Module) -> None:
     """Start a new step's accumulators (no-op for dense models)."""
-    stats = getattr(getattr(model, "module", model), "moe_stats", None)
+    stats = getattr(unwrap_ddp(model), "moe_stats", None)
     if stats is not None:
         stats.reset()
 

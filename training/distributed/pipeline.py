@@ -282,9 +282,6 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     part (init or ``model.pretrained_path``), build the schedule."""
     pcfg = cfg.distributed.pipeline
     class_name = schedule_class_name(pcfg.pp_schedule)
-    if cfg.model.kind != "causal_lm":
-        raise ValueError(f"pp_size > 1 splits a causal LM; model.kind {cfg.model.kind!r} has no pipeline split "
-                         "rule (set distributed.pp_size=1)")
     if hf_config.model_type not in LLAMA_LIKE:  # the decoders whose forward DecoderStage reproduces
         raise ValueError(f"pp_size > 1: model_type {hf_config.model_type!r} has no pipeline split rule "
                          f"(supported: {', '.join(LLAMA_LIKE)})")
@@ -327,6 +324,20 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
                     timer=PipelineTimer(stages, device), pp_mesh=meshes["pp"])
 
 
+def run_schedule(pipe: Pipeline, rows: dict, *, train: bool) -> list[torch.Tensor]:
+    """One call of ``pipe``'s schedule over ``rows`` (``input_ids``, ``labels``, ``position_ids``): with backward
+    (``train``, the step) or forward only (validation). The first stage takes the ids, the last the labels;
+    returns the last stage's per-microbatch losses ([] on other ranks)."""
+    args = (rows["input_ids"],) if pipe.has_first else ()
+    kwargs = {"position_ids": rows["position_ids"]}
+    target, losses = None, []
+    if pipe.has_last:
+        kwargs["labels"] = target = rows["labels"]
+    run = pipe.schedule.step if train else pipe.schedule.eval
+    run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    return losses
+
+
 def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
     """Per-stage figures of the last step, gathered over the pp group (a collective on it): compute seconds,
     measured bubble (idle / compute, comparable with ``pp_bubble_theory``), idle fraction, peak memory."""
@@ -344,4 +355,4 @@ def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
 
 
 __all__ = ["DecoderStage", "Pipeline", "bubble_theory", "build_pipeline", "local_stage_ids", "microbatch_count",
-           "pipeline_metrics", "split_layers", "stage_count"]
+           "pipeline_metrics", "run_schedule", "split_layers", "stage_count"]

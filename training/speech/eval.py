@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from headrace.training.models.loss import unwrap_ddp
+
 _PUNCT = re.compile(r"[^\w\s']")
 
 
@@ -149,7 +151,7 @@ def eval_in_training(model, cfg, step: int) -> dict:
     Not under sequence parallel (one-token decoding steps cannot split over tp ranks)."""
     from torch.distributed.fsdp import FSDPModule
 
-    salm = getattr(model, "module", model)
+    salm = unwrap_ddp(model)
     speech = cfg.model.speech
     roots = [m for m in (salm, salm.llm) if isinstance(m, FSDPModule)]
     loader = eval_loader(cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate,
