@@ -229,13 +229,13 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
     save_pretrained_tiny(tmp_path / "m")
     cfg = load_job_config(None, base=base_job(tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m"))))
     dims = ParallelDims.from_config(DistributedConfig(), 1)
-    meshes = dims.build_meshes("cpu")
+    dims.build_meshes("cpu")
     micro = packed_batches(8)
     results = []
     for batches in ([micro[:4], micro[4:]], [[concat(micro[:4])], [concat(micro[4:])]]):
-        model, _ = build_model(cfg, dims, meshes, torch.device("cpu"))
+        model, _ = build_model(cfg, dims, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optim)
-        losses = [float(train_step(model, opt, step, meshes["dp_cp"], max_grad_norm=1.0, defer_grad_sync=True,
+        losses = [float(train_step(model, opt, step, dims.get_mesh("dp_cp"), max_grad_norm=1.0, defer_grad_sync=True,
                                    autocast=False)["loss"]) for step in batches]
         results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (acc_losses, acc_params), (big_losses, big_params) = results
@@ -256,7 +256,7 @@ def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, m
 
     cfg = load_job_config(None, base=base_job(tmp_path, trainer=dict(precision="bf16")))
     dims = ParallelDims.from_config(DistributedConfig(), 1)
-    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     assert isinstance(model, FSDPModule)
     seen, attention = [], hf_attention.varlen_attention
 

@@ -31,26 +31,25 @@ from headrace.training.models.loss import CausalLMLoss
 from headrace.training.protocols.model_kind import Forward, ModelKind, one_pass, same_job, same_loader
 
 
-def build_causal_lm(cfg: JobConfig, dims: ParallelDims, meshes: dict, device: torch.device
-                    ) -> tuple[nn.Module, PretrainedConfig]:
+def build_causal_lm(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> tuple[nn.Module, PretrainedConfig]:
     """meta ``CausalLMLoss`` -> parallelize -> allocate this rank's shards -> init or load (-> DDP).
     Returns (model, hf_config)."""
     hf_config = build_hf_config(cfg.model)
-    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed,
+    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, cfg.distributed,
                         param_dtype(cfg.trainer.precision))
     materialize(model, device, cfg.model.pretrained_path)
     if cfg.distributed.strategy == "ddp":
-        model = apply_ddp(model, dims, meshes)
+        model = apply_ddp(model, dims)
     return model, hf_config
 
 
-def causal_lm_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict) -> Forward:
+def causal_lm_forward(cfg: JobConfig, dims: ParallelDims) -> Forward:
     """The chunked loss of ``CausalLMLoss``; attention over the cp group when cp > 1
     (``headrace.training.distributed.context_parallel``). Looked up in ``step`` when called, so a test may
     replace ``step.forward_loss_sum``."""
-    if dims.cp > 1:
+    if dims.cp_enabled:
         return functools.partial(step.forward_loss_sum,
-                                 attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
+                                 attention_kwargs=cp_attention_kwargs(dims.get_mesh("cp"), cfg.distributed.cp_comm))
     return step.forward_loss_sum
 
 

@@ -37,6 +37,15 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import yaml
+
+from headrace.dataio.batching.bucketing import estimate_2d_bins
+from headrace.dataio.loader import open_source
+from headrace.training.config.load import load_job_config
+from headrace.training.distributed.process_group import pick_device
+from headrace.training.model_kinds import model_kind
+from headrace.training.speech.job import SALM_INPUTS
+from headrace.training.speech.prompt import build_batch
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = 4096) -> int:
@@ -70,9 +79,6 @@ def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
 
 def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_size: int) -> Callable[[], torch.Tensor]:
     """Forward of a batch at a bucket's limits: noise audio of ``seconds``, answers of ``tokens`` tokens."""
-    from headrace.training.speech.job import SALM_INPUTS
-    from headrace.training.speech.prompt import build_batch
-
     device = next(model.parameters()).device
     samples = int(seconds * model.cfg.sample_rate)
     audio = torch.randn(batch_size, samples, generator=torch.Generator().manual_seed(0)) * 0.1
@@ -162,14 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the YAML table here (default: print it)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the job config")
     args = parser.parse_args(argv)
-    import yaml
-
-    from headrace.dataio.batching.bucketing import estimate_2d_bins
-    from headrace.dataio.loader import open_source
-    from headrace.training.config.load import load_job_config
-    from headrace.training.distributed.process_group import pick_device
-    from headrace.training.model_kinds import model_kind
-
     cfg = load_job_config(args.config, args.overrides)
     kind = model_kind(cfg)
     if kind.batch_probe is None:

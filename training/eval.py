@@ -38,10 +38,10 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
 def check_inputs(cfg, path: str) -> tuple[Path, str]:
     """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
     cannot hold the model."""
-    from headrace.training.config.validate import check_validation  # deferred: the CLI's --help loads no torch
-
+    # deferred, these four: the CLI's --help loads no torch
     from headrace.training.components.checkpoint import sealed_state
     from headrace.training.components.checkpoint_seal import Incomplete, NotSealed
+    from headrace.training.config.validate import check_validation
     from headrace.training.model_kinds import model_kind
 
     ckpt, kind = resolve_checkpoint(path)
@@ -60,7 +60,8 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
 def evaluate_checkpoint(cfg, path: str) -> dict:
     """Build the model of ``cfg`` (its pipeline when pp > 1), load the weights at ``path``, run the val
     stream (a collective)."""
-    import torch  # deferred: the CLI's --help and argument errors load no torch
+    # deferred, all of these: the CLI's --help and argument errors load no torch
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -78,10 +79,10 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    meshes = dims.build_meshes(device.type)
+    dims.build_meshes(device.type)
     torch.manual_seed(cfg.trainer.seed)
-    model, _, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
-    validate = make_validator(cfg, dims, meshes, device, model, pipe)
+    model, _, pipe = build_model_or_pipeline(cfg, dims, device)
+    validate = make_validator(cfg, dims, device, model, pipe)
     if kind == "dcp":
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(ckpt))
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # the same on every rank of a torchrun: said once
             print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch.distributed as dist  # deferred: the CLI's --help and argument errors load no torch
+    # deferred, these two: the CLI's --help and argument errors load no torch
+    import torch.distributed as dist
 
     from headrace.training.distributed.process_group import process_group_closed
 

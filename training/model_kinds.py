@@ -25,23 +25,23 @@ def model_kind(cfg: JobConfig) -> ModelKind:
     return MODEL_KINDS[cfg.model.kind]
 
 
-def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict, device: torch.device):
+def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device):
     """The kind's ``build_model``: (model, llm config), the whole model on this rank's shards."""
-    return model_kind(cfg).build_model(cfg, dims, meshes, device)
+    return model_kind(cfg).build_model(cfg, dims, device)
 
 
-def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict, device: torch.device
+def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, device: torch.device
                             ) -> tuple[nn.Module, object, Pipeline | None]:
     """``(model, llm config, pipe)``: with pp > 1 this rank's pipeline (``headrace.training.distributed.pipeline``)
     and its model part (transformers' names), else ``build_model``'s model and None."""
     kind = model_kind(cfg)
     if dims.pp == 1:
-        return *kind.build_model(cfg, dims, meshes, device), None
+        return *kind.build_model(cfg, dims, device), None
     if kind.build_pipeline is None:
         raise ValueError(f"pp_size > 1 splits a causal LM; model.kind {kind.name!r} has no pipeline split rule "
                          "(set distributed.pp_size=1)")
     hf_config = kind.llm_config(cfg.model)
-    pipe = kind.build_pipeline(cfg, dims, meshes, device, hf_config)
+    pipe = kind.build_pipeline(cfg, dims, device, hf_config)
     return pipe.part, hf_config, pipe
 
 

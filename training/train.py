@@ -1,6 +1,7 @@
 """The training loop. ``train(cfg)`` at the bottom runs the job as a sequence of steps, each a function here:
 
-- ``init_distributed`` + ``set_up_meshes``: the process group, ``ParallelDims`` and its device meshes;
+- ``ParallelDims.from_config`` (the degrees' rules), ``init_distributed`` + ``set_up_meshes``: the process
+  group and every device mesh, held by the ``ParallelDims`` (``get_mesh``);
 - ``build_trainer``: the model through its kind's spec (``headrace.training.model_kinds``: a causal LM,
   ``headrace.training.causal_lm``, or a SALM, ``headrace.training.speech.kind``), built on the meta device,
   parallelized (TP/SP -> AC -> compile -> FSDP2/HSDP, or DDP; this rank's pipeline stages when pp > 1), each
@@ -35,11 +36,11 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from headrace.config import to_dict
 from headrace.dataio.batching.even import even_batches
 from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.loader import build_loader
 from headrace.training.components import checkpoint
 from headrace.training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
                                          build_metrics_logger, flops_per_token, matmul_flops_per_token,
@@ -47,14 +48,14 @@ from headrace.training.components.metrics import (MetricsLogger, ThroughputWindo
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
-from headrace.training.config.job_config import DistributedConfig, JobConfig
+from headrace.training.config.job_config import JobConfig
 from headrace.training.components.data import open_data, shard_sources, worker_choice_line
 from headrace.training.config.validate import check_data_paths, check_job, check_vocab
 from headrace.training.distributed import moe
 from headrace.training.distributed.context_parallel import cp_step_metrics, reset_exchanged_bytes
 from headrace.training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
 from headrace.training.distributed.pipeline import Pipeline, pipeline_metrics
-from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device
+from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device, world_size
 from headrace.training.model_kinds import build_model_or_pipeline, model_kind
 from headrace.training.models.build import one_document_per_row
 from headrace.training.components.run_lock import lock_output_dir
@@ -98,8 +99,7 @@ class Trainer:
     cfg: JobConfig
     kind: ModelKind  # cfg.model.kind's spec: what the loop calls for this kind of model
     device: torch.device
-    dims: ParallelDims
-    meshes: dict[str, DeviceMesh]
+    dims: ParallelDims  # the degrees and every mesh (dims.get_mesh)
     model: nn.Module  # with pp > 1 this rank's pipeline part
     hf_config: PretrainedConfig  # a SALM's: its LLM's
     pipe: Pipeline | None
@@ -127,14 +127,11 @@ def with_model_layout(cfg: JobConfig) -> JobConfig:
     return unpacked
 
 
-def set_up_meshes(cfg: DistributedConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
-    """``ParallelDims`` over the world and its meshes; rank 0 prints every rank's coordinates. Collective."""
-    world = dist.get_world_size()
-    dims = ParallelDims.from_config(cfg, world)  # its rules already passed check_job
-    meshes = dims.build_meshes(device.type)
-    coords = rank_coordinates(meshes["world"])
-    print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}")
-    return dims, meshes
+def set_up_meshes(dims: ParallelDims, device: torch.device) -> None:
+    """``dims``' meshes over the world; rank 0 prints every rank's coordinates. Collective."""
+    dims.build_meshes(device.type)
+    coords = rank_coordinates(dims.get_mesh("world"))
+    print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {dims.world_size} ranks\n{format_coordinates(coords)}")
 
 
 def save_job_config(cfg: JobConfig) -> None:
@@ -146,15 +143,15 @@ def save_job_config(cfg: JobConfig) -> None:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
 
-def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Trainer:
+def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> Trainer:
     """The model (this rank's pipeline part when pp > 1) from one seed on every rank, its optimizer (the
     learning rate is set per step, ``take_step``) and the step's forward."""
     torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
     kind = model_kind(cfg)
-    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
-    return Trainer(cfg=cfg, kind=kind, device=device, dims=dims, meshes=meshes, model=model, hf_config=hf_config,
-                   pipe=pipe, optimizer=build_optimizer(model, cfg.optim),
-                   forward=kind.step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg, model))
+    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, device)
+    return Trainer(cfg=cfg, kind=kind, device=device, dims=dims, model=model, hf_config=hf_config, pipe=pipe,
+                   optimizer=build_optimizer(model, cfg.optim), forward=kind.step_forward(cfg, dims),
+                   autocast=uses_autocast(cfg, model))
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:
@@ -163,11 +160,9 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     transcript token layout)."""
     cfg = trainer.cfg
     if make_loader is None:
-        from headrace.dataio import build_loader
-
         check_data_paths(cfg.data)
         make_loader = functools.partial(build_loader, cfg.data)
-    loader = open_data("data", lambda: make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp))
+    loader = open_data("data", lambda: make_loader(trainer.dims.get_mesh("dp").get_local_rank(), trainer.dims.dp))
     if line := worker_choice_line(loader):
         print_on_rank0(line)
     check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
@@ -196,7 +191,7 @@ def resume(trainer: Trainer, loader) -> None:
 
 def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfiler) -> dict:
     """Step ``trainer.step``: its learning rate, fresh per-step counters, then ``train_step`` (or the pipeline's)."""
-    cfg, loss_mesh = trainer.cfg, trainer.meshes["dp_cp"]
+    cfg, loss_mesh = trainer.cfg, trainer.dims.get_mesh("dp_cp")
     set_lr(trainer.optimizer, lr_at(trainer.step, cfg.optim, cfg.trainer.max_steps))
     moe.reset_step(trainer.model)
     reset_exchanged_bytes()  # cp_bytes_sent is per step
@@ -217,7 +212,7 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
     """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
     scalars, left as they are: ``DeferredRecords`` reads them), the window's ``throughput``, memory, MoE,
     pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on every rank."""
-    device, loss_mesh = trainer.device, trainer.meshes["dp_cp"]
+    device, loss_mesh = trainer.device, trainer.dims.get_mesh("dp_cp")
     return {
         "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
         "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
@@ -231,7 +226,7 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
     checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                    checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
+                    checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
                     keep_last=trainer.cfg.checkpoint.keep_last,
                     extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
                            "first_loss": host_float(trainer.first_loss)})
@@ -337,22 +332,23 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     replaces ``headrace.dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
     """
     check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
+    dims = ParallelDims.from_config(cfg.distributed, world_size())  # the degrees' rules
     cfg = model_kind(cfg).prepare_job(cfg)  # a SALM on a Qwen2-Audio / Voxtral checkpoint: its parts, prompt, tokenizer
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     cfg = with_model_layout(cfg)
-    dims, meshes = set_up_meshes(cfg.distributed, device)
+    set_up_meshes(dims, device)
     held = lock_output_dir(Path(cfg.trainer.output_dir))  # rank 0 holds it until the job ends
     save_job_config(cfg)
-    trainer = build_trainer(cfg, device, dims, meshes)
+    trainer = build_trainer(cfg, device, dims)
     loader = build_train_loader(trainer, make_loader)
-    torch.manual_seed(seed_for_rank(cfg.trainer.seed, meshes["dp"].get_local_rank()))
+    torch.manual_seed(seed_for_rank(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
     resume(trainer, loader)  # a resumed run restores its RNG too
-    validate = (make_validator(cfg, dims, meshes, device, trainer.model, trainer.pipe)
+    validate = (make_validator(cfg, dims, device, trainer.model, trainer.pipe)
                 if cfg.trainer.eval_every else None)
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
-    batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, meshes, device.type))
+    batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, device.type))
 
     run_steps(trainer, batches, logger, profiler, validate)
 

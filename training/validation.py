@@ -40,6 +40,7 @@ from torch import nn
 
 from headrace.dataio.batching.even import even_batches, loss_free
 from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.loader import build_loader
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.job_config import val_data_config
 from headrace.training.components.data import open_data
@@ -177,16 +178,14 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
                           pp_group=pipe.pp_mesh.get_group())
 
 
-def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
+def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
     """The hook of the trainer and ``headrace.training.eval``: a function that runs one pass over the val stream with
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
-    from headrace.dataio import build_loader
-
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
-    dp = meshes["dp"]
+    dp = dims.get_mesh("dp")
 
-    transform = rank_batch_transform(dims, meshes)
+    transform = rank_batch_transform(dims)
     tail_group = new_tail_group()
 
     def open_loader():
@@ -203,11 +202,11 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
-    forward = kind.step_forward(cfg, dims, meshes)
+    forward = kind.step_forward(cfg, dims)
 
     def run(forward: Callable) -> dict:
         return evaluate(model, functools.partial(forward, autocast=uses_autocast(cfg, model)), batches(), device,
-                        loss_group=meshes["dp_cp"].get_group(), dp_group=dp.get_group())
+                        loss_group=dims.get_mesh("dp_cp").get_group(), dp_group=dp.get_group())
 
     return lambda: kind.validate(run, forward)  # a SALM adds its mismatched-audio pass
 

@@ -133,7 +133,7 @@ def check_first_gradients(workdir: Path, batches) -> None:
     for precision in ("fp32", "bf16"):
         cfg = job(workdir, f"grads_{precision}", dict(strategy="fsdp2"), 1, precision=precision)
         dims = ParallelDims.from_config(cfg.distributed, world)
-        model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+        model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
         model.chunk_size = 13
         dtypes = []
         model.model.norm.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
@@ -204,7 +204,7 @@ def run_layouts(workdir: Path, batches) -> None:
     # Export == trained model: reload the final checkpoint into a sharded model and compare logits.
     cfg = job(workdir, "fsdp2", dict(strategy="fsdp2"), 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     path = workdir / "fsdp2" / "checkpoints" / "step-00000004"
     checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     batch = batches[0]

@@ -4,11 +4,11 @@ line naming the dotted key and the rule.
 ``check_config(cfg)`` holds the rules of the config alone between its fields and sections (exactly one model
 source, a SALM's bucketed audio, context parallelism's packed rows, known pipeline schedules, ...):
 ``headrace.training.config.load`` runs it on every job it reads, so a CLI reports them before launching anything.
-``check_job(cfg, world_size)`` is the whole pass, run by the trainer on every rank before the process
-group is used: ``check_config``, then the values the types alone do not exclude (counts that must be
-positive, a learning rate > 0), the model (a ``model_type`` transformers knows, paths that exist), the
-parallel degrees against the world size (``check_degrees``, which ``ParallelDims`` also runs) and the val
-stream against the layout. ``check_vocab(...)`` compares the tokenizer's vocabulary and the largest token id
+``check_job(cfg)`` is the whole pass, run by the trainer on every rank before the process group is used:
+``check_config``, then the values the types alone do not exclude (counts that must be positive, a learning
+rate > 0), the model (a ``model_type`` transformers knows, paths that exist) and the val stream against the
+layout; the trainer then checks the parallel degrees against the world size
+(``headrace.training.distributed.parallel_dims.ParallelDims.from_config``, where their rules live). ``check_vocab(...)`` compares the tokenizer's vocabulary and the largest token id
 each shard recorded (``ShardInfo.max_token``, written by ``dataio shard``/``dataio index``) with the model's
 ``vocab_size``, so an out-of-range id is a line naming the shard, not an ``IndexError`` deep in the
 embedding. All are pure reads of the config and index metadata (microseconds, no data read).
@@ -58,7 +58,7 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-def check_job(cfg, world_size: int | None = None) -> None:
+def check_job(cfg) -> None:
     """ConfigError for the first value of ``cfg`` (a ``JobConfig``) that breaks a rule (module docstring)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -77,8 +77,6 @@ def check_job(cfg, world_size: int | None = None) -> None:
         if not os.path.exists(path):
             key = "model.config_path" if cfg.model.config_path else "model.pretrained_path"
             raise ConfigError(f"{key}: {path} does not exist")
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    check_degrees(cfg.distributed, world_size)
     if cfg.trainer.eval_every:
         check_validation(cfg)
 
@@ -148,47 +146,6 @@ def check_cp_rows(data, cp: int, key: str) -> None:
                           "(each row is cut into 2 x cp_size chunks)")
 
 
-def check_degrees(cfg, world_size: int) -> int:
-    """``dp_size`` of ``cfg`` (a ``DistributedConfig``) over ``world_size`` ranks (world / (tp * pp * cp) when
-    null), after every rule between the degrees and the world size."""
-    for name in ("tp_size", "pp_size", "cp_size", "ep_size", "dp_size", "dp_replicate_size"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"distributed.{name} must be >= 1, got {value}")
-    tp, pp, cp, ep = cfg.tp_size, cfg.pp_size, cfg.cp_size, cfg.ep_size
-    if cfg.strategy == "ddp":
-        bad = {n: v for n, v in dict(tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep).items() if v > 1}
-        if bad:
-            raise ConfigError(f"distributed: strategy ddp replicates the whole model: it cannot combine with "
-                              f"{bad}; use strategy fsdp2 for model parallelism")
-        if cfg.dp_replicate_size not in (None, 1):
-            raise ConfigError("distributed: dp_replicate_size (HSDP) needs strategy fsdp2; ddp already replicates "
-                              "everywhere")
-    non_dp = tp * pp * cp
-    if cfg.dp_size is None:
-        if world_size % non_dp:
-            raise ConfigError(f"distributed: world size {world_size} is not divisible by tp_size * pp_size * "
-                              f"cp_size = {non_dp}")
-        dp = world_size // non_dp
-    else:
-        dp = cfg.dp_size
-    if dp * non_dp != world_size:
-        raise ConfigError(f"distributed: dp_size * tp_size * pp_size * cp_size = {dp}*{tp}*{pp}*{cp} = "
-                          f"{dp * non_dp} must equal the world size {world_size}")
-    replicate = cfg.dp_replicate_size or 1
-    if dp % replicate:
-        raise ConfigError(f"distributed: dp_replicate_size {replicate} must divide dp_size {dp}")
-    if cfg.sequence_parallel and tp == 1:
-        raise ConfigError("distributed: sequence_parallel shards activations over the tp group: it needs "
-                          "tp_size > 1")
-    if ep > 1 and (dp * cp) % ep:
-        raise ConfigError(f"distributed: ep_size {ep} must divide dp_size * cp_size = {dp * cp} (experts borrow "
-                          "those ranks)")
-    if cfg.activation_checkpointing_every < 1:
-        raise ConfigError("distributed: activation_checkpointing_every must be >= 1")
-    return dp
-
-
 def check_validation(cfg) -> None:
     """The rules of validation (``trainer.eval_every``, ``python -m headrace.training.eval``): the val stream runs on the
     job's layout."""
@@ -233,5 +190,5 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[S
                                   f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
 
 
-__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_degrees", "check_job",
+__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_job",
            "check_validation", "check_vocab"]

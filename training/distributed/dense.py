@@ -51,36 +51,50 @@ from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie
 
 
-def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                           param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
+def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
+                           mlp_plan=None, ac_context_fn=None) -> nn.Module:
     """Any transformers causal LM (``headrace.training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
     TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
     ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
     ``ac_context_fn`` a selective-checkpoint policy (MoE: headrace.training.distributed.moe)."""
-    if dims.tp > 1:
+    if dims.tp_enabled:
         if model.config.model_type in OWN_TP_PLAN:
-            apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
+            apply_tp(model, dims.get_mesh("tp"), dims.sequence_parallel, mlp_plan or dense_mlp_plan)
         else:
-            apply_hf_tp_plan(model, meshes["tp"], dims.sequence_parallel)
+            apply_hf_tp_plan(model, dims.get_mesh("tp"), dims.sequence_parallel)
     layers = decoder_blocks(model)  # a ModuleList, or a pipeline stage's ModuleDict keyed by global index
-    if cfg.activation_checkpointing:
-        for name, block in list(layers.named_children()):
-            if int(name) % cfg.activation_checkpointing_every == 0:
-                layers.register_module(name, checkpoint_wrapper(
-                    block, **({"context_fn": ac_context_fn} if ac_context_fn else {})))
+    apply_ac(layers, cfg, ac_context_fn)
     blocks = list(layers.children())
+    apply_compile(blocks, cfg)
+    if uses_fsdp(dims, cfg, param_dtype):
+        # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
+        # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
+        apply_fsdp(model, blocks, dims.get_mesh("fsdp"), param_dtype, cfg.reshard_after_forward and dims.dp_sharded)
+    return model
+
+
+def apply_ac(layers: nn.Module, cfg: DistributedConfig, context_fn=None) -> None:
+    """Activation checkpointing of every ``activation_checkpointing_every``-th block of ``layers`` (a ModuleList,
+    or a pipeline stage's ModuleDict keyed by global index), in place; ``context_fn``: a selective policy."""
+    if not cfg.activation_checkpointing:
+        return
+    for name, block in list(layers.named_children()):
+        if int(name) % cfg.activation_checkpointing_every == 0:
+            layers.register_module(name, checkpoint_wrapper(block, **({"context_fn": context_fn} if context_fn else {})))
+
+
+def apply_compile(blocks: list[nn.Module], cfg: DistributedConfig) -> None:
+    """``torch.compile`` each block in place (``distributed.compile``): one graph per block type, reused."""
     if cfg.compile:
         for block in blocks:
             block.compile(backend=cfg.compile_backend)
-    # bf16 goes through FSDP2's MixedPrecisionPolicy even with nothing to shard (one rank, or TP only):
-    # under autocast HF's RoPE hands fp32 q/k beside a bf16 v to the attention kernel (flash-attn refuses
-    # that), while bf16 parameters keep every activation bf16.
-    # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
-    # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
-    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
-    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32):
-        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward and sharded)
-    return model
+
+
+def uses_fsdp(dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype) -> bool:
+    """FSDP2 wraps the model when asked and there is something to shard, or bf16 to compute in: bf16 goes through
+    its MixedPrecisionPolicy even on one rank (or TP only), since under autocast HF's RoPE hands fp32 q/k beside a
+    bf16 v to the attention kernel (flash-attn refuses that), while bf16 parameters keep every activation bf16."""
+    return cfg.strategy == "fsdp2" and (dims.dp_sharded or param_dtype != torch.float32)
 
 
 def dense_mlp_plan(block: nn.Module, seq) -> dict:
@@ -146,12 +160,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> nn.Module:
+def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Classic DDP over the whole dp mesh (model already materialized: DDP broadcasts rank 0's weights)."""
     if dims.dp == 1:
         return model
     device_ids = None if next(model.parameters()).device.type == "cpu" else [torch.cuda.current_device()]
-    return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
+    return DistributedDataParallel(model, process_group=dims.get_mesh("dp").get_group(), device_ids=device_ids)
 
 
-__all__ = ["apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "parallelize_decoder_lm"]
+__all__ = ["apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "parallelize_decoder_lm",
+           "uses_fsdp"]

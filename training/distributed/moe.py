@@ -93,12 +93,6 @@ def check_moe(dims: ParallelDims, cfg: DistributedConfig, hf_config) -> None:
                          "at once, which a head-sharded q/k projection cannot compute locally")
 
 
-def build_moe_meshes(dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> dict[str, DeviceMesh]:
-    """``ep`` and ``ep_shard`` sub-meshes: the dp x cp dim unflattened into (ep_shard, ep), ep innermost."""
-    moe_mesh = meshes["dp_cp"]._unflatten(0, ((dims.dp * dims.cp) // dims.ep, dims.ep), ("ep_shard", "ep"))
-    return {"ep": moe_mesh["ep"], "ep_shard": moe_mesh["ep_shard"]}
-
-
 def moe_mlp_plan(block: nn.Module, seq) -> dict:
     """TP plan for a block's mlp: the dense plan for a dense one, nothing for a sparse one (its experts are not
     tensor-parallel); under
@@ -154,8 +148,8 @@ def router_aux_loss(router_logits, labels: torch.Tensor, *, loss_fn, num_experts
     return coef * aux * (labels != IGNORE_INDEX).sum()
 
 
-def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                       param_dtype: torch.dtype) -> nn.Module:
+def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype
+                       ) -> nn.Module:
     """Experts (EP, grouped GEMM), router aux loss, then the dense recipe; see the module docstring."""
     hf_config = model.config
     check_moe(dims, cfg, hf_config)
@@ -163,9 +157,9 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
     stats = MoEStats()
     model.moe_stats = stats
     ep_group = ep_mesh = None
-    if dims.ep > 1:
-        meshes = meshes | build_moe_meshes(dims, meshes)
-        ep_mesh, ep_group = meshes["ep"], meshes["ep"].get_group()
+    if dims.ep_enabled:
+        ep_mesh = dims.get_mesh("ep")
+        ep_group = ep_mesh.get_group()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     capacity = None if cfg.moe.capacity_factor is None else Capacity(
         factor=cfg.moe.capacity_factor, policy=cfg.moe.token_drop_policy, pad=cfg.moe.pad_to_capacity)
@@ -179,7 +173,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
                                     impl=cfg.moe.experts_implementation, stats=stats, capacity=capacity)
         if ep_mesh is not None:
             shard_experts(mlp, ep_mesh)
-            fully_shard(mlp.experts, mesh=meshes["ep_shard"], mp_policy=mp,
+            fully_shard(mlp.experts, mesh=dims.get_mesh("ep_shard"), mp_policy=mp,
                         reshard_after_forward=cfg.moe.reshard_after_forward)
     coef = cfg.moe.aux_loss_coef if cfg.moe.aux_loss_coef is not None else hf_config.router_aux_loss_coef
     if coef:
@@ -187,7 +181,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
             router_aux_loss, loss_fn=sys.modules[type(model.causal_lm).__module__].load_balancing_loss_func,
             num_experts=experts, top_k=hf_config.num_experts_per_tok, coef=coef, stats=stats)
     ac_context_fn = router_saving_ac(model) if cfg.moe.ignore_router_for_ac else None
-    return parallelize_decoder_lm(model, dims, meshes, cfg, param_dtype, mlp_plan=moe_mlp_plan,
+    return parallelize_decoder_lm(model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan,
                                   ac_context_fn=ac_context_fn)
 
 
@@ -224,4 +218,4 @@ def reset_step(model: nn.Module) -> None:
         stats.reset()
 
 
-__all__ = ["build_moe_meshes", "check_moe", "parallelize_moe_lm", "reset_step", "step_metrics"]
+__all__ = ["check_moe", "parallelize_moe_lm", "reset_step", "step_metrics"]

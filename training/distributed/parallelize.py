@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from headrace.config import ConfigError
 from headrace.training.config.job_config import DistributedConfig
@@ -42,12 +41,11 @@ PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                param_dtype: torch.dtype) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype) -> nn.Module:
     """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default)."""
     check_supported(dims, model.config)
     fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
-    return fn(model, dims, meshes, cfg, param_dtype)
+    return fn(model, dims, cfg, param_dtype)
 
 
 __all__ = ["PARALLELIZE_FNS", "check_supported", "parallelize"]

@@ -276,7 +276,7 @@ class Pipeline:
         return bubble_theory(self.class_name, self.pp_mesh.size(), len(self.stages), self.n_microbatches)
 
 
-def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: torch.device,
+def build_pipeline(cfg: JobConfig, dims, device: torch.device,
                    hf_config) -> Pipeline:
     """Split on the meta device, parallelize every stage (TP/SP, AC, compile, FSDP2), materialize this rank's
     part (init or ``model.pretrained_path``), build the schedule."""
@@ -288,7 +288,7 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("pp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head live "
                          "on different stages); set model.config.tie_word_embeddings=false")
-    pp, pp_rank = dims.pp, meshes["pp"].get_local_rank()
+    pp, pp_rank = dims.pp, dims.get_mesh("pp").get_local_rank()
     num_layers = hf_config.num_hidden_layers
     total = stage_count(pcfg, class_name, pp, num_layers)
     n_micro = microbatch_count(cfg.data.batch_size * cfg.trainer.grad_accum, pcfg.pp_microbatch_size,
@@ -304,10 +304,10 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     mine = local_stage_ids(class_name, pp_rank, pp, total)
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
-    modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, meshes, stage_cfg,
+    modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, stage_cfg,
                            param_dtype(cfg.trainer.precision)) for s in mine]
     materialize(part, device, cfg.model.pretrained_path)
-    group = meshes["pp"].get_group()
+    group = dims.get_mesh("pp").get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()
     cls = getattr(torch_schedules, class_name)
@@ -321,7 +321,7 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     return Pipeline(part=part, stages=stages, stage_ranges=ranges, schedule=schedule, class_name=class_name,
                     n_microbatches=n_micro, microbatch_size=pcfg.pp_microbatch_size,
                     scale_grads_in_schedule=pcfg.scale_grads_in_schedule, loss=loss,
-                    timer=PipelineTimer(stages, device), pp_mesh=meshes["pp"])
+                    timer=PipelineTimer(stages, device), pp_mesh=dims.get_mesh("pp"))
 
 
 def run_schedule(pipe: Pipeline, rows: dict, *, train: bool) -> list[torch.Tensor]:

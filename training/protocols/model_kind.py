@@ -38,11 +38,11 @@ class ModelKind:
     # The job as it trains: parts taken from a released checkpoint filled in (identity for most kinds).
     prepare_job: Callable[[JobConfig], JobConfig]
     # meta model -> parallelize -> this rank's shards -> init / load (-> DDP): (model, llm config).
-    build_model: Callable[[JobConfig, ParallelDims, dict, torch.device], tuple[nn.Module, PretrainedConfig]]
+    build_model: Callable[[JobConfig, ParallelDims, torch.device], tuple[nn.Module, PretrainedConfig]]
     # This rank's pipeline stages when pp > 1 (None: the kind has no pipeline split rule).
-    build_pipeline: Callable[[JobConfig, ParallelDims, dict, torch.device, PretrainedConfig], Pipeline] | None
+    build_pipeline: Callable[[JobConfig, ParallelDims, torch.device, PretrainedConfig], Pipeline] | None
     # The step's (and validation's) forward for this layout: ``forward(model, batch, autocast)`` -> summed loss.
-    step_forward: Callable[[JobConfig, ParallelDims, dict], Forward]
+    step_forward: Callable[[JobConfig, ParallelDims], Forward]
     # The loader's batches -> the step's batches (identity when the loader already yields them).
     wrap_loader: Callable[[Iterable, nn.Module, JobConfig, ParallelDims], Iterable]
     # ``run(forward)`` is one validation pass; the kind may add passes of its own (a SALM: mismatched audio).

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 
 from headrace.config import from_dict
 from headrace.training.components.checkpoint import export_hf
@@ -42,7 +41,7 @@ from headrace.training.speech.prompt import build_batch, load_tokenizer, make_te
 SALM_INPUTS = ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")
 
 
-def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
+def build_salm(cfg, dims: ParallelDims, device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
     if cfg.model.speech.eval_every and dims.sequence_parallel:
         raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
@@ -50,11 +49,11 @@ def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: t
     llm_config = build_hf_config(cfg.model, text_model=True)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
+    model = parallelize_salm(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision))
     materialize_salm(model, device, cfg.model.pretrained_path)
-    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
+    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + dims.get_mesh("dp").get_local_rank())
     if cfg.distributed.strategy == "ddp":
-        model = apply_ddp(model, dims, meshes)
+        model = apply_ddp(model, dims)
     return model, llm_config
 
 

@@ -28,7 +28,7 @@ from headrace.training.speech.listening import validate_listening
 from headrace.training.speech.model import SALM, build_meta_salm, materialize_salm
 
 
-def salm_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict) -> Forward:
+def salm_forward(cfg: JobConfig, dims: ParallelDims) -> Forward:
     """The same forward in every layout: the SALM splits its own sequence under SP."""
     return salm_loss_sum
 
