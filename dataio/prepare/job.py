@@ -142,9 +142,8 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
                 report.samples += result.samples
                 report.bytes += result.bytes
                 skipped_count += len(result.skipped)
-                message = skip_budget_error(result.skipped[-1]["reason"], skipped_count, opts.skip_errors)
-                if message is not None:
-                    raise PrepareError(message)
+                if skipped_count > opts.skip_errors:
+                    raise PrepareError(skip_budget_error(result.skipped[-1]["reason"], skipped_count, opts.skip_errors))
     except SampleError as e:
         remove_stale_temps(root, todo)
         raise PrepareError(str(e)) from None
