@@ -19,13 +19,9 @@ every step below handles a model whose ``model.embed_tokens`` / ``model.norm`` /
 Context parallelism (cp) changes no module: FSDP2 already shards over dp_shard x cp, and attention runs
 over the cp mesh through the model kwargs (``headrace.training.distributed.context_parallel``).
 
-Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
-other family uses, see ``headrace.training.models.families``): that plan has no sequence-parallel entries (norms stay
-replicated over the full sequence) and its embedding/lm_head styles are fixed, so we write the torch-native
-plan (the same module names) and keep it beside the function that applies it. HF attention reshapes with
-``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head q_norm/k_norm act on head_dim but
-their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under
-SP (HF would derive them from the sequence-sharded embeddings).
+Step 1 is ``headrace.training.distributed.tensor_parallel`` (every TP plan); steps 2-4 and DDP are the shared
+pieces here (``apply_ac``, ``apply_compile``, ``uses_fsdp`` + ``apply_fsdp``, ``apply_ddp``) that each family
+group's recipe calls in this order (the MoE families', a SALM's: ``headrace.training.speech.parallelize``).
 """
 
 from __future__ import annotations
@@ -35,20 +31,12 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 from torch.nn.parallel import DistributedDataParallel
 
-from headrace.config import ConfigError
 from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie
+from headrace.training.distributed.tensor_parallel import apply_hf_tp_plan, apply_tp, dense_mlp_plan
+from headrace.training.models.families import OWN_TP_PLAN, decoder_blocks
 
 
 def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
@@ -97,56 +85,6 @@ def uses_fsdp(dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dty
     return cfg.strategy == "fsdp2" and (dims.dp_sharded or param_dtype != torch.float32)
 
 
-def dense_mlp_plan(block: nn.Module, seq) -> dict:
-    """Megatron MLP: gate/up column-wise, down row-wise (its output back to the ``seq`` layout)."""
-    plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
-    if seq != Replicate():
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=True)
-    return plan
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp_plan=dense_mlp_plan,
-             embed_output: Placement | None = None) -> None:
-    """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
-    stream are sharded over the sequence dim and all-gathered just before attention / MLP. ``embed_output``
-    overrides the embedding's output layout (a SALM splits the sequence itself after adding audio)."""
-    seq = Shard(1) if sequence_parallel else Replicate()
-    present = dict(model.named_modules())  # a pipeline stage holds only some of these
-    parallelize_module(model, tp_mesh, {name: style for name, style in {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_output or seq),
-        **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    }.items() if name in present})
-    layer_plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-    }
-    if sequence_parallel:
-        layer_plan |= {
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            # self_attn is called with keyword arguments; gather the sequence before q/k/v.
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
-        }
-    for block in model.model.layers.children():
-        parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
-    retie(model)
-
-
-def head_norm_plan(block: nn.Module) -> dict:
-    """Qwen3's per-head q_norm/k_norm see only this rank's heads: their input is marked sharded on the head dim
-    (``(B, S, heads, head_dim)``), so the replicated weight's gradient is a partial sum that DTensor all-reduces
-    over tp. Without it each tp rank would update the weight from half the heads and the replicas would drift."""
-    return {f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
-            for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)}
-
-
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
                reshard_after_forward: bool) -> None:
     """fully_shard each block (its all-gather overlaps the previous block's compute), then the root
@@ -168,5 +106,4 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return DistributedDataParallel(model, process_group=dims.get_mesh("dp").get_group(), device_ids=device_ids)
 
 
-__all__ = ["apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "parallelize_decoder_lm",
-           "uses_fsdp"]
+__all__ = ["apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "parallelize_decoder_lm", "uses_fsdp"]

@@ -42,7 +42,8 @@ from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.expert_parallel import MoEStats, install_experts_forward
 from headrace.training.distributed.moe_routing import Capacity
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.distributed.dense import dense_mlp_plan, parallelize_decoder_lm
+from headrace.training.distributed.dense import parallelize_decoder_lm
+from headrace.training.distributed.tensor_parallel import dense_mlp_plan
 from headrace.training.models.loss import unwrap_ddp
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")

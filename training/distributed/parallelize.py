@@ -18,7 +18,8 @@ from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.dense import parallelize_decoder_lm
 from headrace.training.distributed.moe import parallelize_moe_lm
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN, check_hf_tp_plan
+from headrace.training.distributed.tensor_parallel import check_hf_tp_plan
+from headrace.training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN
 
 
 def check_supported(dims: ParallelDims, hf_config) -> None:

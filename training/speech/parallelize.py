@@ -18,8 +18,9 @@ from torch.distributed.tensor import Replicate
 
 from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.distributed.dense import apply_ac, apply_fsdp, apply_tp, uses_fsdp
+from headrace.training.distributed.dense import apply_ac, apply_fsdp, uses_fsdp
 from headrace.training.distributed.parallelize import check_supported
+from headrace.training.distributed.tensor_parallel import apply_tp
 from headrace.training.speech.model import SALM
 
 
