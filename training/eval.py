@@ -72,7 +72,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     from headrace.training.validation import make_validator
 
     ckpt, kind = check_inputs(cfg, path)
-    cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
+    cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a speech LLM's checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
                                                                  pretrained_path=str(ckpt)))

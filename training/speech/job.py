@@ -1,6 +1,7 @@
 """What the trainer calls for ``model.kind: salm``: build, batches, the step's forward, export, load.
 
-``headrace.training.train`` stays one loop for every model kind; for a SALM it calls:
+``headrace.training.train`` stays one loop for every model kind; the SALM's spec (``headrace.training.speech.kind``)
+hands it:
 
 - ``build_salm``: meta SALM -> ``parallelize_salm`` -> materialize (LLM / encoder / adapter from local
   safetensors when configured) -> DDP if asked;
