@@ -17,8 +17,10 @@ from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E4
 from headrace.training.model_kinds import MODEL_KINDS, build_model_or_pipeline  # noqa: E402
 
 TRAINING = Path(__file__).resolve().parent.parent / "training"
-# a comparison of a model kind with a literal name: `model.kind == "salm"`, `kind != "causal_lm"`, ...
-KIND_BRANCH = re.compile(r"""\bkind\s*(==|!=|\bin\b|\bnot in\b)\s*[(\["']\s*["']?(causal_lm|salm)""")
+# a test of the job's kind (`cfg.model.kind == ...`, `model.kind in (...)`) or of any name against a registered
+# kind's name (`kind != "causal_lm"`): a new kind's name is covered as soon as it is registered
+KIND_BRANCH = re.compile(r"""\bmodel\.kind\s*(==|!=|\bin\b|\bnot\s+in\b)|(==|!=|\bin\b)\s*[(\[{]?\s*["'](%s)["']"""
+                         % "|".join(map(re.escape, MODEL_KINDS)))
 
 
 def test_the_config_knows_exactly_the_registered_kinds():
@@ -32,7 +34,8 @@ def test_no_branch_on_the_kind_outside_the_specs():
              for path in TRAINING.rglob("*.py") for n, line in enumerate(path.read_text().splitlines(), 1)
              if KIND_BRANCH.search(line)]
     assert found == []
-    assert KIND_BRANCH.search('if cfg.model.kind == "salm":')  # the pattern is not blind
+    for branch in ('if cfg.model.kind == "salm":', 'elif kind != "causal_lm"', 'if model.kind in KINDS:'):
+        assert KIND_BRANCH.search(branch), branch  # the pattern is not blind
 
 
 def test_a_kind_without_a_pipeline_rule_is_refused_naming_it(tmp_path):
