@@ -254,9 +254,12 @@ def check_config(overrides: list[str], base: dict) -> None:
     from headrace.config import ConfigError
     from headrace.training.config.load import load_job_config
     from headrace.training.config.validate import check_job
+    from headrace.training.distributed.parallel_dims import ParallelDims
 
     try:
-        check_job(load_job_config(None, overrides, base=base), world_size=2)
+        cfg = load_job_config(None, overrides, base=base)
+        check_job(cfg)
+        ParallelDims.from_config(cfg.distributed, 2)
     except ConfigError as e:
         assert "\n" not in str(e).strip() or "YAML" in str(e), str(e)
 

@@ -11,6 +11,7 @@ import pytest
 from headrace.config import ConfigError
 from headrace.training.config.load import load_job_config
 from headrace.training.config.validate import check_job, check_vocab
+from headrace.training.distributed.parallel_dims import ParallelDims
 
 from tests.dist.train_common import TINY_LLAMA, VOCAB
 from tests.helpers import child_env, torchrun
@@ -33,11 +34,14 @@ def job(tmp_path) -> dict:
 def test_bad_values_fail_at_start_up_naming_key_and_rule(tmp_path, override, message):
     cfg = load_job_config(None, [override], base=job(tmp_path))
     with pytest.raises(ConfigError, match=message):
-        check_job(cfg, world_size=1)
+        check_job(cfg)
+        ParallelDims.from_config(cfg.distributed, 1)  # the degrees' rules: train() runs both before any process group
 
 
 def test_good_job_passes(tmp_path):
-    check_job(load_job_config(None, [], base=job(tmp_path)), world_size=1)
+    cfg = load_job_config(None, [], base=job(tmp_path))
+    check_job(cfg)
+    ParallelDims.from_config(cfg.distributed, 1)
 
 
 @pytest.mark.parametrize("override, message", [

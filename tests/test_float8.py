@@ -31,10 +31,10 @@ def float8_job(tmp_path, **float8) -> dict:
 
 def built(cfg):
     from headrace.training.distributed.parallel_dims import ParallelDims
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
 
     dims = ParallelDims.from_config(cfg.distributed, 1)
-    return build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))[0]
+    return build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))[0]
 
 
 # The CLI closes the process group it ran in: these run before the tests that share the module's group.

@@ -197,7 +197,7 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
     from transformers import AutoModelForCausalLM
 
     from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
     from headrace.training.step import forward_loss_sum
 
     save_fused(tmp_path / "m", recipe_fields(recipe))
@@ -215,7 +215,7 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
             data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2),
             distributed=dict(moe=dict(experts_implementation=impl))))
         dims = ParallelDims.from_config(cfg.distributed, 1)
-        model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+        model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
         loss = forward_loss_sum(model, batch, autocast=False)
         loss.backward()
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
@@ -263,7 +263,7 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from headrace.training.components.checkpoint import export_hf
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
 
     fields = recipe_fields(recipe)
     torch.manual_seed(0)
@@ -275,7 +275,7 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     cfg = load_job_config(None, base=dict(model=dict(pretrained_path=str(tmp_path / "save_pretrained")),
                                           data=dict(datasets=[dict(path="unused")], seq_len=32)))
     dims = ParallelDims.from_config(cfg.distributed, 1)
-    model, hf_config = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, hf_config = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     export_hf(model, hf_config, tmp_path / "per_expert")
     export_hf(model, hf_config, tmp_path / "fused", experts_layout="fused")
     got = safetensors_dir(tmp_path / "per_expert")

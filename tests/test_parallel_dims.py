@@ -36,3 +36,19 @@ def test_dp_is_inferred_from_the_other_degrees():
 def test_invalid_layouts_name_the_broken_rule(world, kw, rule):
     with pytest.raises(ValueError, match=rule):
         dims(world, **kw)
+
+
+def test_enabled_flags_and_no_mesh_before_build_meshes():
+    d = dims(8, tp_size=2, ep_size=4)
+    assert (d.tp_enabled, d.cp_enabled, d.pp_enabled, d.ep_enabled, d.dp_sharded) == (True, False, False, True, True)
+    assert not dims(1).dp_sharded
+    with pytest.raises(KeyError, match="no mesh 'tp' .*call build_meshes first"):
+        d.get_mesh("tp")
+
+
+def test_one_rank_gets_every_mesh_but_ep(process_group):
+    d = dims(1).build_meshes("cpu")
+    assert {"world", "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "fsdp"} == d.meshes.keys()
+    assert d.get_mesh("dp_cp").size() == 1 and d == dims(1)  # the meshes are not part of the degrees' identity
+    with pytest.raises(KeyError, match="no mesh 'ep'"):
+        d.get_mesh("ep")

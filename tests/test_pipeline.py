@@ -121,10 +121,10 @@ def test_pp_needs_a_split_rule_and_untied_embeddings():
     cfg = load_job_config(None, base=yaml.safe_load(AUTOMODEL_BLOCK))
     hf.tie_word_embeddings = True
     with pytest.raises(ValueError, match="tie_word_embeddings=true is not supported"):
-        build_pipeline(cfg, None, {}, None, hf)
+        build_pipeline(cfg, None, None, hf)
     hf.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type 'gpt2' has no pipeline split rule"):
-        build_pipeline(cfg, None, {}, None, hf)
+        build_pipeline(cfg, None, None, hf)
 
 
 @pytest.mark.slow

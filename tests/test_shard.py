@@ -385,7 +385,7 @@ def test_corrupt_audio_fails_then_skips_under_budget(tmp_path):
 
 def test_skip_budget_counts_planning_errors_and_fails_beyond_it(tmp_path):
     src = bad_text_lines(tmp_path, ['{"text": "a"}', "not json", '{"text": ""}', '{"text": "b"}'])
-    with pytest.raises(CommandError, match=r"3: empty text .*2 bad records exceed --skip-errors 1"):
+    with pytest.raises(CommandError, match=r"3: empty text .*2 bad samples exceed --skip-errors 1"):
         shard(src, "--output", tmp_path / "o1", "--skip-errors", 1)
     shard(src, "--output", tmp_path / "o2", "--skip-errors", 2)
     skipped = [json.loads(line) for line in (tmp_path / "o2" / "skipped.jsonl").read_text().splitlines()]

@@ -254,7 +254,7 @@ def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
         raw["data"]["decode"].update(decode)
         cfg = load_job_config(None, base=raw)
         with pytest.raises(ValueError, match=error):
-            build_salm(cfg, ParallelDims.from_config(cfg.distributed, 1), {}, torch.device("cpu"))
+            build_salm(cfg, ParallelDims.from_config(cfg.distributed, 1), torch.device("cpu"))
 
 
 def test_word_errors_and_wer():

@@ -81,19 +81,19 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
     from headrace.training.config.job_config import DistributedConfig
     from headrace.training.components.optim import build_optimizer
     from headrace.training.distributed.parallel_dims import ParallelDims
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
     from headrace.training.step import train_step
 
     save_pretrained_tiny(tmp_path / "m")
     cfg = load_job_config(None, base=base_job(tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m"))))
     dims = ParallelDims.from_config(DistributedConfig(), 1)
-    meshes = dims.build_meshes("cpu")
+    dims.build_meshes("cpu")
     micro = packed_batches(8)
     results = []
     for batches in ([micro[:4], micro[4:]], [[concat(micro[:4])], [concat(micro[4:])]]):
-        model, _ = build_model(cfg, dims, meshes, torch.device("cpu"))
+        model, _ = build_model(cfg, dims, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optim)
-        losses = [float(train_step(model, opt, step, meshes["dp_cp"], max_grad_norm=1.0, defer_grad_sync=True,
+        losses = [float(train_step(model, opt, step, dims.get_mesh("dp_cp"), max_grad_norm=1.0, defer_grad_sync=True,
                                    autocast=False)["loss"]) for step in batches]
         results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (acc_losses, acc_params), (big_losses, big_params) = results
@@ -109,12 +109,12 @@ def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, m
 
     from headrace.training.config.job_config import DistributedConfig
     from headrace.training.distributed.parallel_dims import ParallelDims
-    from headrace.training.train import build_model
+    from headrace.training.model_kinds import build_model
     from headrace.training.step import forward_loss_sum
 
     cfg = load_job_config(None, base=base_job(tmp_path, trainer=dict(precision="bf16")))
     dims = ParallelDims.from_config(DistributedConfig(), 1)
-    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     assert isinstance(model, FSDPModule)
     seen, attention = [], hf_attention.varlen_attention
 

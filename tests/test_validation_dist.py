@@ -32,11 +32,11 @@ def test_validation_config_rules(tmp_path):
                       val=dict(datasets=[dict(path="v")], seq_len=30)),
             distributed=dict(strategy="fsdp2", **distributed), trainer=dict(eval_every=5)))
 
-    check_job(job(pp_size=2, pipeline=dict(pp_schedule="interleaved_1f1b")), world_size=2)
+    check_job(job(pp_size=2, pipeline=dict(pp_schedule="interleaved_1f1b")))
     with pytest.raises(ConfigError, match="pp_schedule DualPipeV: validation is not supported under the V"):
-        check_job(job(pp_size=2, pipeline=dict(pp_schedule="DualPipeV")), world_size=2)
+        check_job(job(pp_size=2, pipeline=dict(pp_schedule="DualPipeV")))
     with pytest.raises(ConfigError, match=r"data\.val\.seq_len=30 must be divisible by 2 x distributed\.cp_size = 4"):
-        check_job(job(cp_size=2), world_size=2)
+        check_job(job(cp_size=2))
 
 
 @pytest.mark.slow

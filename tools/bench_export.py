@@ -78,7 +78,7 @@ def main() -> None:
                   tie_word_embeddings=False)
     hf_config = build_hf_config(ModelConfig(config=fields))
     dims = ParallelDims.from_config(DistributedConfig(), dist.get_world_size())
-    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, dims.build_meshes("cpu"), DistributedConfig(),
+    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims.build_meshes("cpu"), DistributedConfig(),
                         torch.float32)
     materialize(model, torch.device("cpu"))
     total_mib = sum(p.numel() for p in model.parameters()) * 4 / 2**20

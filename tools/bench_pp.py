@@ -60,16 +60,16 @@ def run(args, schedule: str, microbatches: int, device: torch.device) -> dict:
                          pipeline=dict(pp_schedule=schedule, pp_microbatch_size=args.rows // microbatches)),
         trainer=dict(precision=args.precision)))
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    meshes = dims.build_meshes(device.type)
+    dims.build_meshes(device.type)
     torch.manual_seed(0)
-    pipe = build_pipeline(cfg, dims, meshes, device, build_hf_config(cfg.model))
+    pipe = build_pipeline(cfg, dims, device, build_hf_config(cfg.model))
     optimizer = build_optimizer(pipe.part, cfg.optim)
     batch = {k: v.to(device) for k, v in packed_rows(args.rows, args.seq_len, args.vocab, seed=0).items()
              if torch.is_tensor(v)}
     records = []
     for step in range(args.steps):
         start = time.perf_counter()
-        pipeline_train_step(pipe, optimizer, [batch], meshes["dp_cp"], max_grad_norm=1.0)
+        pipeline_train_step(pipe, optimizer, [batch], dims.get_mesh("dp_cp"), max_grad_norm=1.0)
         wall = time.perf_counter() - start
         figures = pipeline_metrics(pipe, 0.0)
         if step >= args.warmup:

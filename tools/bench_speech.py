@@ -31,9 +31,9 @@ def run(cfg, steps: int, warmup: int) -> dict:
 
     init_distributed("cpu")
     dims = ParallelDims.from_config(cfg.distributed, 1)
-    meshes = dims.build_meshes("cpu")
+    dims.build_meshes("cpu")
     torch.manual_seed(cfg.trainer.seed)
-    model, _ = build_salm(cfg, dims, meshes, torch.device("cpu"))
+    model, _ = build_salm(cfg, dims, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim)
     batches = DevicePrefetcher(wrap_loader(build_loader(cfg.data, 0, 1), model, cfg, dims), "cpu")
     utts = seconds = wait = 0.0
@@ -44,7 +44,7 @@ def run(cfg, steps: int, warmup: int) -> dict:
         t = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - t
-        train_step(model, optimizer, [batch], meshes["dp_cp"], max_grad_norm=cfg.optim.max_grad_norm,
+        train_step(model, optimizer, [batch], dims.get_mesh("dp_cp"), max_grad_norm=cfg.optim.max_grad_norm,
                    defer_grad_sync=True, autocast=False, forward=salm_loss_sum)
         lens = batch["audio_lens"]
         utts += len(lens)

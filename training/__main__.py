@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="tracebacks for input errors too (HEADRACE_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-3 trainer.max_steps=20")
     args = parser.parse_args(argv)
-    from headrace.training.config.load import load_job_config  # deferred: the CLI's --help and argument errors load no torch
+    # deferred, these three: the CLI's --help and argument errors load no torch
+    from headrace.training.config.load import load_job_config
     from headrace.training.distributed.process_group import process_group_closed
     from headrace.training.train import train
 

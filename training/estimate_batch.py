@@ -37,6 +37,15 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import yaml
+
+from headrace.dataio.batching.bucketing import estimate_2d_bins
+from headrace.dataio.loader import open_source
+from headrace.training.config.load import load_job_config
+from headrace.training.distributed.process_group import pick_device
+from headrace.training.model_kinds import model_kind
+from headrace.training.speech.job import SALM_INPUTS
+from headrace.training.speech.prompt import build_batch
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int = 4096) -> int:
@@ -70,9 +79,6 @@ def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
 
 def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_size: int) -> Callable[[], torch.Tensor]:
     """Forward of a batch at a bucket's limits: noise audio of ``seconds``, answers of ``tokens`` tokens."""
-    from headrace.training.speech.job import SALM_INPUTS
-    from headrace.training.speech.prompt import build_batch
-
     device = next(model.parameters()).device
     samples = int(seconds * model.cfg.sample_rate)
     audio = torch.randn(batch_size, samples, generator=torch.Generator().manual_seed(0)) * 0.1
@@ -162,22 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the YAML table here (default: print it)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the job config")
     args = parser.parse_args(argv)
-    import yaml
-
-    from headrace.dataio.batching.bucketing import estimate_2d_bins
-    from headrace.dataio.loader import open_source
-    from headrace.training.config.load import load_job_config
-    from headrace.training.models.build import build_hf_config
-    from headrace.training.speech.checkpoints import with_speech_llm
-    from headrace.training.speech.job import SpeechBatches
-    from headrace.training.speech.model import build_meta_salm, materialize_salm
-    from headrace.training.distributed.process_group import pick_device
-
     cfg = load_job_config(args.config, args.overrides)
-    if cfg.model.kind != "salm":
-        print("error: headrace.training.estimate_batch needs a model.kind: salm job", file=sys.stderr)
+    kind = model_kind(cfg)
+    if kind.batch_probe is None:
+        print(f"error: headrace.training.estimate_batch sizes bucketed audio batches: model.kind {kind.name} has "
+              "none (e.g. model.kind: salm)", file=sys.stderr)
         return 2
-    cfg = with_speech_llm(cfg)
+    cfg = kind.prepare_job(cfg)
     bucketing = cfg.data.bucketing
     if bucketing.bucket_duration_bins:
         bins = np.asarray(bucketing.bucket_duration_bins, dtype=np.float64)
@@ -193,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({free / 2**30:.1f} GiB); give at most that", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.time_limit
-    model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
-    materialize_salm(model, device, cfg.model.pretrained_path)
-    speech = SpeechBatches([], model, cfg.model.speech, cfg.model.tokenizer)
+    model, speech = kind.batch_probe(cfg, device)
     print(f"estimating {len(bins)} buckets on {device.type} within {args.budget_gib:g} GiB "
           f"(time limit {args.time_limit:g} s)", file=sys.stderr, flush=True)
     sizes = estimate_table(model, speech, bins, budget, args.limit, deadline=deadline,

@@ -38,10 +38,11 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
 def check_inputs(cfg, path: str) -> tuple[Path, str]:
     """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
     cannot hold the model."""
-    from headrace.training.config.validate import check_validation  # deferred: the CLI's --help loads no torch
-
+    # deferred, these four: the CLI's --help loads no torch
     from headrace.training.components.checkpoint import sealed_state
     from headrace.training.components.checkpoint_seal import Incomplete, NotSealed
+    from headrace.training.config.validate import check_validation
+    from headrace.training.model_kinds import model_kind
 
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
@@ -50,38 +51,38 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
             sealed_state(ckpt)  # before DCP unpickles its .metadata
         except (Incomplete, NotSealed) as e:
             raise ValueError(f"--checkpoint {ckpt}: refused: {e}") from None
-    if kind == "hf" and cfg.model.kind == "salm":
-        raise ValueError(f"--checkpoint {path}: a SALM is evaluated from its DCP checkpoints (the hf/ export holds "
-                         "only its LLM); its decoding WER: python -m headrace.training.speech.eval")
+    refusal = model_kind(cfg).hf_export_refusal
+    if kind == "hf" and refusal is not None:
+        raise ValueError(f"--checkpoint {path}: {refusal}")
     return ckpt, kind
 
 
 def evaluate_checkpoint(cfg, path: str) -> dict:
     """Build the model of ``cfg`` (its pipeline when pp > 1), load the weights at ``path``, run the val
     stream (a collective)."""
-    import torch  # deferred: the CLI's --help and argument errors load no torch
+    # deferred, all of these: the CLI's --help and argument errors load no torch
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
-    from headrace.training.speech.checkpoints import with_speech_llm
-    from headrace.training.train import build_model_or_pipeline
+    from headrace.training.model_kinds import build_model_or_pipeline, model_kind
     from headrace.training.validation import make_validator
 
     ckpt, kind = check_inputs(cfg, path)
-    cfg = with_speech_llm(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
+    cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a speech LLM's checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
                                                                  pretrained_path=str(ckpt)))
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    meshes = dims.build_meshes(device.type)
+    dims.build_meshes(device.type)
     torch.manual_seed(cfg.trainer.seed)
-    model, _, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
-    validate = make_validator(cfg, dims, meshes, device, model, pipe)
+    model, _, pipe = build_model_or_pipeline(cfg, dims, device)
+    validate = make_validator(cfg, dims, device, model, pipe)
     if kind == "dcp":
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(ckpt))
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:  # the same on every rank of a torchrun: said once
             print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch.distributed as dist  # deferred: the CLI's --help and argument errors load no torch
+    # deferred, these two: the CLI's --help and argument errors load no torch
+    import torch.distributed as dist
 
     from headrace.training.distributed.process_group import process_group_closed
 

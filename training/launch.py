@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 from headrace.config import ConfigError
+from headrace.dataio.stream.seeding import fresh_seed
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Workers get their own TCPStore instead of sharing the rendezvous one: with the shared store a restarted
@@ -162,9 +164,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
-    from headrace.dataio.stream.seeding import fresh_seed
     from headrace.training.config.load import load_job_config  # deferred: --help and argument errors load no torch
 
     args = parse_args(argv)

@@ -8,15 +8,15 @@ the result does not depend on how tokens split across micro-steps or ranks. FSDP
 gradients over dp, so each rank's loss is multiplied by the dp x cp size to make that average a sum.
 Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
 
-``step_forward`` picks a batch's forward (the causal LM's chunked loss, with the CP attention group when
-cp > 1, or a SALM's) and ``uses_autocast`` the bf16 rule; validation runs the same forward without autograd.
+``forward_loss_sum`` is the causal LM's forward (its model kind picks a job's forward,
+``headrace.training.protocols.model_kind``) and ``uses_autocast`` the bf16 rule; validation runs the same forward
+without autograd.
 Cost per step: one all-reduce of the token count and one of the loss, besides the model's own collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -31,10 +31,8 @@ from headrace.kernels.hf_attention import packed_attention_kwargs
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.components.optim import clip_grad_norm
 from headrace.training.config.job_config import JobConfig
-from headrace.training.distributed.context_parallel import cp_attention_kwargs
-from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.distributed.pipeline import Pipeline
-from headrace.training.speech.job import salm_loss_sum
+from headrace.training.distributed.pipeline import Pipeline, run_schedule
+from headrace.training.models.loss import bf16_autocast
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
                "attention_plan", "attention_pairs",  # + the host-made layout (headrace.training.step_inputs)
@@ -60,8 +58,7 @@ def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
     already shifted). ``attention_kwargs``: extra attention kwargs (the CP group,
     ``headrace.training.distributed.context_parallel``)."""
-    ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with ctx:
+    with bf16_autocast(batch["input_ids"].device.type, autocast):
         return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
                      **(attention_kwargs or {}))
 
@@ -101,12 +98,7 @@ def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_
     pipe.loss.scale = loss_mesh.size() / global_tokens.clamp(min=1).item()
     if pipe.scale_grads_in_schedule:  # the schedule divides every gradient by the microbatch count
         pipe.loss.scale *= pipe.n_microbatches
-    args = (batch["input_ids"],) if pipe.has_first else ()
-    kwargs = {"position_ids": batch["position_ids"]}
-    target, losses = None, []
-    if pipe.has_last:
-        kwargs["labels"] = target = batch["labels"]
-    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    losses = run_schedule(pipe, batch, train=True)
     grad_norm = clip_grad_norm(pipe.part.parameters(), max_grad_norm, pp_group=pipe.pp_mesh.get_group())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -125,21 +117,10 @@ def next_micro_batches(batches: Iterator[dict], count: int) -> list[dict]:
     return [{k: v for k, v in next(batches).items() if k in STEP_INPUTS} for _ in range(count)]
 
 
-def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Callable:
-    """``forward(model, batch, autocast)`` -> summed loss of a batch: a SALM's, or the causal LM's (attention
-    over the cp group when cp > 1, ``headrace.training.distributed.context_parallel``)."""
-    if cfg.model.kind == "salm":
-        return salm_loss_sum
-    if dims.cp > 1:
-        return functools.partial(forward_loss_sum,
-                                 attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))
-    return forward_loss_sum
-
-
 def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
     """bf16 through ``torch.autocast``: on every model but an FSDP2 one, which casts via its policy."""
     return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
 
 
 __all__ = ["STEP_INPUTS", "forward_loss_sum", "gradient_sync", "next_micro_batches", "pipeline_train_step",
-           "step_forward", "train_step", "uses_autocast"]
+           "train_step", "uses_autocast"]

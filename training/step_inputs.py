@@ -25,9 +25,9 @@ from headrace.kernels.packed_layout import causal_pairs, with_attention_plan
 from headrace.training.distributed.context_parallel import rank_batch_transform
 
 
-def step_batch_transform(dims, meshes: dict, device_type: str) -> Callable[[dict], dict]:
+def step_batch_transform(dims, device_type: str) -> Callable[[dict], dict]:
     """The host-side transform of this rank's training batches (see the module docstring)."""
-    cp_shard = rank_batch_transform(dims, meshes)
+    cp_shard = rank_batch_transform(dims)
 
     def transform(batch: dict) -> dict:
         if "cu_seqlens" not in batch:  # not a packed batch (a SALM's): nothing to plan

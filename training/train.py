@@ -1,10 +1,12 @@
 """The training loop. ``train(cfg)`` at the bottom runs the job as a sequence of steps, each a function here:
 
-- ``init_distributed`` + ``set_up_meshes``: the process group, ``ParallelDims`` and its device meshes;
-- ``build_trainer``: the model on the meta device wrapped in ``CausalLMLoss`` (forward = decoder + lm_head
-  cross-entropy in token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelized (TP/SP ->
-  AC -> compile -> FSDP2/HSDP, or DDP; this rank's pipeline stages when pp > 1), each rank's shard
-  materialized, and its optimizer; a ``Trainer`` holds this live state and the step reached;
+- ``ParallelDims.from_config`` (the degrees' rules), ``init_distributed`` + ``set_up_meshes``: the process
+  group and every device mesh, held by the ``ParallelDims`` (``get_mesh``);
+- ``build_trainer``: the model through its kind's spec (``headrace.training.model_kinds``: a causal LM,
+  ``headrace.training.causal_lm``, or a SALM, ``headrace.training.speech.kind``), built on the meta device,
+  parallelized (TP/SP -> AC -> compile -> FSDP2/HSDP, or DDP; this rank's pipeline stages when pp > 1), each
+  rank's shard materialized, and its optimizer; a ``Trainer`` holds this live state and the step reached. The
+  loop never asks which kind it trains: the loader wrap, the forward, decoding and export come from the spec;
 - ``build_train_loader`` (this dp rank's loader), ``resume`` (the newest checkpoint, if any);
 - ``run_steps``: ``train_step`` until ``max_steps``, logging, validating and checkpointing on their steps;
 - ``save_final_checkpoint``, ``export_model`` (``hf/``), the summary.
@@ -34,11 +36,11 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from headrace.config import to_dict
 from headrace.dataio.batching.even import even_batches
 from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.loader import build_loader
 from headrace.training.components import checkpoint
 from headrace.training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
                                          build_metrics_logger, flops_per_token, matmul_flops_per_token,
@@ -46,24 +48,20 @@ from headrace.training.components.metrics import (MetricsLogger, ThroughputWindo
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
-from headrace.training.config.job_config import DistributedConfig, JobConfig
+from headrace.training.config.job_config import JobConfig
 from headrace.training.components.data import open_data, shard_sources, worker_choice_line
 from headrace.training.config.validate import check_data_paths, check_job, check_vocab
 from headrace.training.distributed import moe
 from headrace.training.distributed.context_parallel import cp_step_metrics, reset_exchanged_bytes
-from headrace.training.distributed.dense import apply_ddp
 from headrace.training.distributed.parallel_dims import MESH_DIMS, ParallelDims, format_coordinates, rank_coordinates
-from headrace.training.distributed.parallelize import parallelize
-from headrace.training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
-from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device
-from headrace.training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
-from headrace.training.models.float8 import apply_quantize, register_scale_precompute
-from headrace.training.models.loss import CausalLMLoss
+from headrace.training.distributed.pipeline import Pipeline, pipeline_metrics
+from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device, world_size
+from headrace.training.model_kinds import build_model_or_pipeline, model_kind
+from headrace.training.models.build import one_document_per_row
+from headrace.training.models.float8 import register_scale_precompute
 from headrace.training.components.run_lock import lock_output_dir
-from headrace.training.speech.checkpoints import with_speech_llm
-from headrace.training.speech.eval import eval_in_training
-from headrace.training.speech.job import build_salm, export_salm, wrap_loader
-from headrace.training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
+from headrace.training.protocols.model_kind import ModelKind
+from headrace.training.step import next_micro_batches, pipeline_train_step, train_step, uses_autocast
 from headrace.training.step_inputs import DeferredRecords, step_batch_transform
 from headrace.training.validation import make_validator
 
@@ -89,31 +87,6 @@ def even_if_finite(batches: DevicePrefetcher, cfg: JobConfig) -> Iterator[dict]:
     return even_batches(batches, new_tail_group())
 
 
-def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
-    """meta ``CausalLMLoss`` -> parallelize -> allocate this rank's shards -> init or load (-> DDP).
-    Returns (model, hf_config)."""
-    if cfg.model.kind == "salm":
-        return build_salm(cfg, dims, meshes, device)
-    hf_config = build_hf_config(cfg.model)
-    model = CausalLMLoss(build_meta_model(hf_config))
-    apply_quantize(model, cfg.quantize, device)
-    model = parallelize(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
-    materialize(model, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
-    if cfg.distributed.strategy == "ddp":
-        model = apply_ddp(model, dims, meshes)
-    return model, hf_config
-
-
-def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
-    """``(model, hf_config, pipe)``: with pp > 1 this rank's pipeline (``headrace.training.distributed.pipeline``) and its model part
-    (transformers' names), else ``build_model``'s model and None."""
-    if dims.pp == 1:
-        return *build_model(cfg, dims, meshes, device), None
-    hf_config = build_hf_config(cfg.model)
-    pipe = build_pipeline(cfg, dims, meshes, device, hf_config)
-    return pipe.part, hf_config, pipe
-
-
 def print_on_rank0(message: str) -> None:
     if dist.get_rank() == 0:
         print(message, flush=True)
@@ -125,9 +98,9 @@ class Trainer:
     first (as ``headrace.training.distributed.pipeline``'s take a ``Pipeline``); ``train`` calls them in order."""
 
     cfg: JobConfig
+    kind: ModelKind  # cfg.model.kind's spec: what the loop calls for this kind of model
     device: torch.device
-    dims: ParallelDims
-    meshes: dict[str, DeviceMesh]
+    dims: ParallelDims  # the degrees and every mesh (dims.get_mesh)
     model: nn.Module  # with pp > 1 this rank's pipeline part
     hf_config: PretrainedConfig  # a SALM's: its LLM's
     pipe: Pipeline | None
@@ -149,20 +122,17 @@ class Trainer:
 
 def with_model_layout(cfg: JobConfig) -> JobConfig:
     """``cfg``, or its one-document-per-row variant when the model has no attention interface (said once)."""
-    if (unpacked := one_document_per_row(cfg)) is not cfg:
+    if (unpacked := one_document_per_row(cfg, model_kind(cfg).llm_config)) is not cfg:
         print_on_rank0("the model has no attention interface (headrace.training.models.families): one document per row, sdpa, "
                        "data.packing: none")
     return unpacked
 
 
-def set_up_meshes(cfg: DistributedConfig, device: torch.device) -> tuple[ParallelDims, dict[str, DeviceMesh]]:
-    """``ParallelDims`` over the world and its meshes; rank 0 prints every rank's coordinates. Collective."""
-    world = dist.get_world_size()
-    dims = ParallelDims.from_config(cfg, world)  # its rules already passed check_job
-    meshes = dims.build_meshes(device.type)
-    coords = rank_coordinates(meshes["world"])
-    print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {world} ranks\n{format_coordinates(coords)}")
-    return dims, meshes
+def set_up_meshes(dims: ParallelDims, device: torch.device) -> None:
+    """``dims``' meshes over the world; rank 0 prints every rank's coordinates. Collective."""
+    dims.build_meshes(device.type)
+    coords = rank_coordinates(dims.get_mesh("world"))
+    print_on_rank0(f"mesh {dict(zip(MESH_DIMS, dims.shape))} on {dims.world_size} ranks\n{format_coordinates(coords)}")
 
 
 def save_job_config(cfg: JobConfig) -> None:
@@ -174,34 +144,32 @@ def save_job_config(cfg: JobConfig) -> None:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
 
-def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> Trainer:
+def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> Trainer:
     """The model (this rank's pipeline part when pp > 1) from one seed on every rank, its optimizer (the
     learning rate is set per step, ``take_step``) and the step's forward."""
     torch.manual_seed(cfg.trainer.seed)  # same seed everywhere for init
-    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
+    kind = model_kind(cfg)
+    model, hf_config, pipe = build_model_or_pipeline(cfg, dims, device)
     optimizer = build_optimizer(model, cfg.optim)
     if cfg.quantize.linear.float8 is not None:
         register_scale_precompute(model, optimizer, cfg.quantize.linear.float8)
-    return Trainer(cfg=cfg, device=device, dims=dims, meshes=meshes, model=model, hf_config=hf_config, pipe=pipe,
-                   optimizer=optimizer, forward=step_forward(cfg, dims, meshes), autocast=uses_autocast(cfg, model))
+    return Trainer(cfg=cfg, kind=kind, device=device, dims=dims, model=model, hf_config=hf_config, pipe=pipe,
+                   optimizer=optimizer, forward=kind.step_forward(cfg, dims), autocast=uses_autocast(cfg, model))
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:
     """This dp rank's loader (``make_loader``, by default ``headrace.dataio.build_loader`` on ``data:``), its tokens checked
-    against the model's vocabulary; a SALM's audio batches get the prompt + transcript token layout."""
+    against the model's vocabulary, through the kind's ``wrap_loader`` (a SALM's audio batches get the prompt +
+    transcript token layout)."""
     cfg = trainer.cfg
     if make_loader is None:
-        from headrace.dataio import build_loader
-
         check_data_paths(cfg.data)
         make_loader = functools.partial(build_loader, cfg.data)
-    loader = open_data("data", lambda: make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp))
+    loader = open_data("data", lambda: make_loader(trainer.dims.get_mesh("dp").get_local_rank(), trainer.dims.dp))
     if line := worker_choice_line(loader):
         print_on_rank0(line)
     check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
-    if cfg.model.kind == "salm":
-        loader = wrap_loader(loader, trainer.model, cfg, trainer.dims)
-    return loader
+    return trainer.kind.wrap_loader(loader, trainer.model, cfg, trainer.dims)
 
 
 def resume(trainer: Trainer, loader) -> None:
@@ -226,7 +194,7 @@ def resume(trainer: Trainer, loader) -> None:
 
 def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfiler) -> dict:
     """Step ``trainer.step``: its learning rate, fresh per-step counters, then ``train_step`` (or the pipeline's)."""
-    cfg, loss_mesh = trainer.cfg, trainer.meshes["dp_cp"]
+    cfg, loss_mesh = trainer.cfg, trainer.dims.get_mesh("dp_cp")
     set_lr(trainer.optimizer, lr_at(trainer.step, cfg.optim, cfg.trainer.max_steps))
     moe.reset_step(trainer.model)
     reset_exchanged_bytes()  # cp_bytes_sent is per step
@@ -247,7 +215,7 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
     """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
     scalars, left as they are: ``DeferredRecords`` reads them), the window's ``throughput``, memory, MoE,
     pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on every rank."""
-    device, loss_mesh = trainer.device, trainer.meshes["dp_cp"]
+    device, loss_mesh = trainer.device, trainer.dims.get_mesh("dp_cp")
     return {
         "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
         "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
@@ -261,7 +229,7 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
     checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                    checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
+                    checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
                     keep_last=trainer.cfg.checkpoint.keep_last,
                     extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
                            "first_loss": host_float(trainer.first_loss)})
@@ -270,7 +238,7 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
               validate: Callable[[], dict] | None) -> None:
     """Steps until ``trainer.max_steps`` or the end of a finite stream. Logs every ``log_every`` steps, validates
-    every ``eval_every`` (a SALM also decodes every ``model.speech.eval_every``), saves every
+    every ``eval_every`` (the kind may also decode: a SALM every ``model.speech.eval_every``), saves every
     ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
     cfg = trainer.cfg
     flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
@@ -310,8 +278,8 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
             window.restart(step)
             if trainer.first_loss is None:
                 trainer.first_loss = stats["loss"]
-        if cfg.model.kind == "salm" and cfg.model.speech.eval_every and step % cfg.model.speech.eval_every == 0:
-            decoded = eval_in_training(trainer.model, cfg, step)  # rank 0: the WER, and the hypotheses' file
+        if trainer.kind.decode is not None:
+            decoded = trainer.kind.decode(trainer.model, cfg, step)  # rank 0: the WER, and the hypotheses' file
             if decoded:
                 logger.log_decoded(step, decoded)
         if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
@@ -334,7 +302,7 @@ EXPORT_MARK = "headrace_export.json"  # in hf/: the step and options it was expo
 
 
 def export_model(trainer: Trainer) -> None:
-    """``checkpoint.export_hf``: the consolidated ``hf/`` of the model (a SALM's: ``export_salm``), said on rank 0;
+    """The kind's export: the consolidated ``hf/`` of the model (and a SALM's other parts), said on rank 0;
     skipped when ``hf/`` already holds this step with these options (a finished run started again). Collective."""
     cfg = trainer.cfg
     if not cfg.checkpoint.export_hf:
@@ -354,12 +322,7 @@ def export_model(trainer: Trainer) -> None:
         return
     print_on_rank0(f"exporting step {trainer.step} to {out} ...")
     start = time.perf_counter()
-    if cfg.model.kind == "salm":
-        export_salm(trainer.model, cfg, trainer.out_dir)
-    else:
-        checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
-                             shard_size_mb=cfg.checkpoint.export_shard_size_mb,
-                             experts_layout=cfg.checkpoint.export_hf_experts)
+    trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")
@@ -372,22 +335,23 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     replaces ``headrace.dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
     """
     check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
-    cfg = with_speech_llm(cfg)  # a SALM on a Qwen2-Audio / Voxtral checkpoint: its parts, prompt and tokenizer
+    dims = ParallelDims.from_config(cfg.distributed, world_size())  # the degrees' rules
+    cfg = model_kind(cfg).prepare_job(cfg)  # a SALM on a Qwen2-Audio / Voxtral checkpoint: its parts, prompt, tokenizer
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     cfg = with_model_layout(cfg)
-    dims, meshes = set_up_meshes(cfg.distributed, device)
+    set_up_meshes(dims, device)
     held = lock_output_dir(Path(cfg.trainer.output_dir))  # rank 0 holds it until the job ends
     save_job_config(cfg)
-    trainer = build_trainer(cfg, device, dims, meshes)
+    trainer = build_trainer(cfg, device, dims)
     loader = build_train_loader(trainer, make_loader)
-    torch.manual_seed(seed_for_rank(cfg.trainer.seed, meshes["dp"].get_local_rank()))
+    torch.manual_seed(seed_for_rank(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
     resume(trainer, loader)  # a resumed run restores its RNG too
-    validate = (make_validator(cfg, dims, meshes, device, trainer.model, trainer.pipe)
+    validate = (make_validator(cfg, dims, device, trainer.model, trainer.pipe)
                 if cfg.trainer.eval_every else None)
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
-    batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, meshes, device.type))
+    batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, device.type))
 
     run_steps(trainer, batches, logger, profiler, validate)
 
@@ -402,4 +366,4 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     return logger.history
 
 
-__all__ = ["Trainer", "build_model", "build_model_or_pipeline", "build_trainer", "seed_for_rank", "train"]
+__all__ = ["Trainer", "build_trainer", "seed_for_rank", "train"]

@@ -11,7 +11,7 @@ labels masked here) so every rank runs the same number of forwards (FSDP2's coll
 nothing.
 
 Per batch, one forward without autograd, by layout:
-- plain / TP / FSDP2 / SALM: the step's forward (``headrace.training.step.step_forward``: the chunked loss of
+- plain / TP / FSDP2 / SALM: the step's forward (the model kind's ``step_forward``: the chunked loss of
   ``CausalLMLoss``, so no ``[tokens, vocab]`` logits; a SALM's answer-token loss);
 - context parallel: the batch goes through the trainer's ``cp_batch_transform`` (this rank's head-tail
   chunks) and attention runs over the cp group; each rank sums its own tokens' losses;
@@ -40,6 +40,7 @@ from torch import nn
 
 from headrace.dataio.batching.even import even_batches, loss_free
 from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.loader import build_loader
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.job_config import val_data_config
 from headrace.training.components.data import open_data
@@ -47,9 +48,9 @@ from headrace.training.components.labels import labelled_tokens, mask_invalid_ro
 from headrace.training.config.validate import check_data_paths, check_validation
 from headrace.training.distributed.context_parallel import rank_batch_transform
 from headrace.training.distributed.process_group import new_tail_group
-from headrace.training.speech.job import wrap_loader
-from headrace.training.speech.listening import validate_listening
-from headrace.training.step import step_forward, uses_autocast
+from headrace.training.distributed.pipeline import run_schedule
+from headrace.training.model_kinds import model_kind
+from headrace.training.step import uses_autocast
 
 PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")
 
@@ -142,14 +143,8 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
 
     def run(rows: dict) -> None:
         nonlocal total, calls
-        args = (rows["input_ids"],) if pipe.has_first else ()
-        kwargs = {"position_ids": rows["position_ids"]}
-        if pipe.has_last:
-            kwargs["labels"] = rows["labels"]
-        losses: list[torch.Tensor] = []
         pipe.loss.scale = 1.0  # the summed loss itself (the train step sets its scale before every step)
-        pipe.schedule.eval(*args, target=rows["labels"] if pipe.has_last else None, losses=losses,
-                           return_outputs=False, **kwargs)
+        losses = run_schedule(pipe, rows, train=False)
         if losses:
             total += torch.stack(losses).to(torch.float64).sum()
         calls += 1
@@ -183,16 +178,14 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
                           pp_group=pipe.pp_mesh.get_group())
 
 
-def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
+def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
     """The hook of the trainer and ``headrace.training.eval``: a function that runs one pass over the val stream with
     a fresh loader for this rank's DP index and returns the figures (a collective on every rank)."""
-    from headrace.dataio import build_loader
-
     check_validation(cfg)
     val_cfg = val_data_config(cfg.data)
-    dp = meshes["dp"]
+    dp = dims.get_mesh("dp")
 
-    transform = rank_batch_transform(dims, meshes)
+    transform = rank_batch_transform(dims)
     tail_group = new_tail_group()
 
     def open_loader():
@@ -201,23 +194,21 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
     check_data_paths(val_cfg, "data.val")
     open_loader()  # its data errors at start-up, not at the first validation
 
+    kind = model_kind(cfg)
+
     def batches() -> Iterator[dict]:
-        loader = open_loader()
-        if cfg.model.kind == "salm":
-            loader = wrap_loader(loader, model, cfg, dims)
+        loader = kind.wrap_loader(open_loader(), model, cfg, dims)
         return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch)
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
-    forward = step_forward(cfg, dims, meshes)
+    forward = kind.step_forward(cfg, dims)
 
     def run(forward: Callable) -> dict:
         return evaluate(model, functools.partial(forward, autocast=uses_autocast(cfg, model)), batches(), device,
-                        loss_group=meshes["dp_cp"].get_group(), dp_group=dp.get_group())
+                        loss_group=dims.get_mesh("dp_cp").get_group(), dp_group=dp.get_group())
 
-    if cfg.model.kind == "salm":  # + the loss with other utterances' audio (headrace.training.speech.listening)
-        return lambda: validate_listening(run, forward)
-    return lambda: run(forward)
+    return lambda: kind.validate(run, forward)  # a SALM adds its mismatched-audio pass
 
 
 __all__ = ["documents_started", "evaluate", "evaluate_pipeline", "make_validator", "val_batches"]

@@ -92,7 +92,7 @@ def write_bpe_tokenizer(path: Path, texts: Iterable[str], vocab_size: int) -> Pa
 def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = "train-%06d.tar",
                          maxcount: int = 10**9, maxsize: float = 3e9, workers: int = 1) -> int:
     """Write ``samples`` (webdataset dicts) as tars under ``root`` and index them; returns the shard count."""
-    from headrace.dataio.prepare.indexing import build_index
+    from headrace.dataio.prepare.indexing import build_index  # here: the shard writer loads only for real shards
 
     wds = bench_import("webdataset", "write_indexed_shards")
 

@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_config(path: Path):
+    # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
     import yaml
 
     from headrace.dataio.config import DataConfig

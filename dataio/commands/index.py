@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     root = args.dir
     if not root.is_dir():
         raise CommandError(f"{root}: not a directory")
+    # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
     from functools import partial
 
     from headrace.dataio.commands.progress import progress_bar

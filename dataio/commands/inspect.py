@@ -38,6 +38,7 @@ def histogram(values: np.ndarray) -> dict:
 
 def summarize(root: Path) -> dict:
     """The summary ``--json`` prints (from ``root``'s headrace index)."""
+    # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
     from headrace.dataio.shards.index import load_index
 
     try:

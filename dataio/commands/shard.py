@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
     from headrace.dataio.commands.progress import progress_bar
     from headrace.dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
 

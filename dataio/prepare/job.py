@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
 from headrace.dataio.prepare.plan import PlanError, job_fingerprint, parse_splits, plan_job, resolve_node
-from headrace.dataio.prepare.readers import ReadOptions, SampleError, open_input
+from headrace.dataio.prepare.readers import ReadOptions, SampleError, open_input, skip_budget_error
 from headrace.dataio.prepare.writer import SKIPPED_DIR, STATE_DIR, ShardJob, ShardResult, is_complete, load_tokenizer, write_shard
 from headrace.dataio.shards.index import META_DIR, PARTS_DIR, ShardPart, merge_parts
 from headrace.dataio.shards.metadata import write_dataset_metadata
@@ -143,8 +143,7 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
                 report.bytes += result.bytes
                 skipped_count += len(result.skipped)
                 if skipped_count > opts.skip_errors:
-                    raise PrepareError(f"{result.skipped[-1]['reason']} ({skipped_count} bad samples exceed "
-                                       f"--skip-errors {opts.skip_errors})")
+                    raise PrepareError(skip_budget_error(result.skipped[-1]["reason"], skipped_count, opts.skip_errors))
     except SampleError as e:
         remove_stale_temps(root, todo)
         raise PrepareError(str(e)) from None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from headrace.dataio.prepare.readers import BadRecord, Entry, Input
+from headrace.dataio.prepare.readers import BadRecord, Entry, Input, skip_budget_error
 
 
 def parse_splits(text: str | None) -> list[tuple[str, float]]:
@@ -132,10 +132,8 @@ def plan_job(inputs: list[Input], *, splits: list[tuple[str, float]], shard_byte
 
     def reject(record: BadRecord) -> None:
         bad.append(record)
-        if len(bad) > skip_errors:
-            more = "" if skip_errors == 0 else f" ({len(bad)} bad records exceed --skip-errors {skip_errors})"
-            hint = "; --skip-errors N skips up to N bad samples" if skip_errors == 0 else ""
-            raise PlanError(f"{record}{more}{hint}")
+        if (message := skip_budget_error(str(record), len(bad), skip_errors)) is not None:
+            raise PlanError(message)
 
     for input_id, reader in enumerate(inputs):
         for item in reader.scan():

@@ -56,6 +56,16 @@ class SampleError(ValueError):
     """A sample that cannot be written; the message names file, line and the broken rule."""
 
 
+def skip_budget_error(reason: str, count: int, budget: int, where: str = "") -> str | None:
+    """The one-line error once ``count`` bad samples (the last one's ``reason``) exceed the ``--skip-errors``
+    ``budget``, None within it: planning, each shard's writer and the whole job check the budget through it."""
+    if count <= budget:
+        return None
+    if budget == 0:
+        return f"{reason}; --skip-errors N skips up to N bad samples"
+    return f"{reason} ({count} bad samples{where} exceed --skip-errors {budget})"
+
+
 @dataclass(kw_only=True, slots=True)
 class Entry:
     """A planned sample: enough to place it in a shard and to load it later."""

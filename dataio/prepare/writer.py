@@ -23,7 +23,7 @@ import numpy as np
 
 from headrace.dataio.shards.formats import npy_bytes
 from headrace.dataio.prepare.plan import PlannedShard
-from headrace.dataio.prepare.readers import Input, SampleError
+from headrace.dataio.prepare.readers import Input, SampleError, skip_budget_error
 from headrace.dataio.prepare.tokenize import encode_texts
 from headrace.dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
 from headrace.dataio.shards.tarwriter import TarWriter, write_atomically
@@ -87,9 +87,8 @@ def _load_chunk(job: ShardJob, shard: PlannedShard, entries, skipped: list[dict]
         except SampleError as e:
             skipped.append({"source": job.inputs[entry.input_id].path, "line": entry.line, "key": entry.key,
                             "shard": shard.name, "reason": str(e)})
-            if len(skipped) > job.skip_errors:
-                raise TooManySkips(str(e) if job.skip_errors == 0 else
-                                   f"{e} ({len(skipped)} bad samples in {shard.name} exceed --skip-errors {job.skip_errors})")
+            if (message := skip_budget_error(str(e), len(skipped), job.skip_errors, f" in {shard.name}")) is not None:
+                raise TooManySkips(message)
     return samples
 
 

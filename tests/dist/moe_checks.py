@@ -38,7 +38,8 @@ from headrace.training.distributed.moe import sparse_blocks  # noqa: E402
 from headrace.training.distributed.moe_routing import Capacity  # noqa: E402
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
-from headrace.training.train import build_model, train  # noqa: E402
+from headrace.training.model_kinds import build_model  # noqa: E402
+from headrace.training.train import train  # noqa: E402
 from headrace.training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4
@@ -174,16 +175,16 @@ def check_first_gradients(workdir: Path, batches, refs: dict) -> None:
         _, want_grads, _, want_loss = refs[capacity_of(distributed)]
         cfg = job(workdir, f"grads_{name}", distributed, k)
         dims = ParallelDims.from_config(cfg.distributed, world)
-        meshes = dims.build_meshes("cpu")
-        model, _ = build_model(cfg, dims, meshes, torch.device("cpu"))
-        loader = iter(ListLoader(batches, meshes["dp"].get_local_rank(), dims.dp, k))
+        dims.build_meshes("cpu")
+        model, _ = build_model(cfg, dims, torch.device("cpu"))
+        loader = iter(ListLoader(batches, dims.get_mesh("dp").get_local_rank(), dims.dp, k))
         loss = 0.0
         for _ in range(k):
             mb_loss = forward_loss_sum(model, next(loader), autocast=False)
             (mb_loss * dims.dp / tokens).backward()
             loss += float(mb_loss)
         total = torch.tensor(loss, dtype=torch.float64)
-        dist.all_reduce(total, group=meshes["dp"].get_group())
+        dist.all_reduce(total, group=dims.get_mesh("dp").get_group())
         check_close(f"{name} first loss", total, want_loss, 1e-5 * want_loss)
         checked = 0
         for pname, param in model.named_parameters():
@@ -232,7 +233,7 @@ def run(workdir: Path, batches) -> None:
     # and a fused export of the same sharded model.
     cfg = job(workdir, "ep2", LAYOUTS["ep2"][0], 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    model, hf_config = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, hf_config = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     path = workdir / "ep2" / "checkpoints" / "step-00000004"
     checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     checkpoint.export_hf(model, hf_config, workdir / "ep2_fused", experts_layout="fused")

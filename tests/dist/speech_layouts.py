@@ -64,7 +64,7 @@ def check_whisper_sharded_init(workdir: Path, init: Path) -> None:
 
     cfg = salm_job(workdir, "scratch", encoder="whisper")
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    model, _ = build_salm(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, _ = build_salm(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     layers = model.encoder.layers
     assert all(isinstance(layer, FSDPModule) and type(layer).__name__ == "FSDPWhisperEncoderLayer" for layer in layers)
     table = model.encoder.embed_positions.weight

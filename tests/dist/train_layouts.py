@@ -31,7 +31,8 @@ from headrace.training.components import checkpoint  # noqa: E402
 from headrace.training.config.load import load_job_config  # noqa: E402
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
-from headrace.training.train import build_model, train  # noqa: E402
+from headrace.training.model_kinds import build_model  # noqa: E402
+from headrace.training.train import train  # noqa: E402
 from headrace.training.step import forward_loss_sum  # noqa: E402
 
 STEPS, GLOBAL_MICRO = 4, 4  # 4 micro-batches of 2 x 32 tokens per step
@@ -137,7 +138,7 @@ def check_first_gradients(workdir: Path, batches) -> None:
     for precision in ("fp32", "bf16"):
         cfg = job(workdir, f"grads_{precision}", dict(strategy="fsdp2"), 1, precision=precision)
         dims = ParallelDims.from_config(cfg.distributed, world)
-        model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+        model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
         model.chunk_size = 13
         dtypes = []
         model.model.norm.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
@@ -209,7 +210,7 @@ def run_layouts(workdir: Path, batches) -> None:
     # Export == trained model: reload the final checkpoint into a sharded model and compare logits.
     cfg = job(workdir, "fsdp2", dict(strategy="fsdp2"), 1)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
-    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     path = workdir / "fsdp2" / "checkpoints" / "step-00000004"
     checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
     batch = batches[0]

@@ -33,6 +33,7 @@ import torch
 
 from headrace.config import to_dict
 from headrace.training.components import wandb_run
+from headrace.training.models.build import count_params
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
 PEAK_FLOPS = {
@@ -49,8 +50,6 @@ PEAK_FLOPS = {
 
 def matmul_flops_per_token(hf_config) -> float:
     """FLOPs of the parameter matmuls, forward + backward, per trained token: ``6 * N``."""
-    from headrace.training.models.build import count_params
-
     _, non_embedding = count_params(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
         non_embedding += hf_config.vocab_size * hf_config.hidden_size  # lm_head matmul still runs

@@ -21,7 +21,7 @@ ACCEPTED_AT_DEFAULT = {
                                  "there is no transformers packed-sequence check to patch"),
     "autocast_dtype": ((None,), "use trainer.precision: bf16 (FSDP2 MixedPrecisionPolicy, fp32 reduction)"),
     "mp_policy": ((None,), "use trainer.precision: bf16 (param_dtype bf16, reduce_dtype fp32) or fp32"),
-    "tp_plan": ((None,), "custom TP plans are not loaded: the Llama family uses headrace.training.distributed.dense.apply_tp, "
+    "tp_plan": ((None,), "custom TP plans are not loaded: the Llama family uses headrace.training.distributed.tensor_parallel.apply_tp, "
                 "other families their transformers base_model_tp_plan"),
     "activation_checkpointing_scope": (("all",), "only language-model blocks are checkpointed (no vision/audio "
                                        "towers here)"),

@@ -34,6 +34,21 @@ class ModelConfig:
     speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
 
 
+@dataclass(frozen=True, kw_only=True)
+class KindConfig:
+    """What the config alone knows of a model kind (its runtime spec: ``headrace.training.model_kinds``)."""
+
+    section: str | None  # the ``ModelConfig`` field of its own settings, set with this kind and only then
+    bucketed: bool  # trains on bucketed whole samples (data.bucketing), not packed rows of data.seq_len tokens
+    # its build applies quantize.linear.float8 and distributed.offload_policy (else both are refused)
+    float8_and_offload: bool = False
+
+
+# model.kind -> its config facts; a new kind adds its name to ModelConfig.kind, its section, and a row here
+KIND_CONFIGS = {"causal_lm": KindConfig(section=None, bucketed=False, float8_and_offload=True),
+                "salm": KindConfig(section="speech", bucketed=True)}
+
+
 @dataclass(kw_only=True)
 class PipelineConfig:
     """Pipeline-parallel settings (``distributed.pp_size > 1``), NeMo Automodel's ``pipeline:`` block plus

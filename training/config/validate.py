@@ -4,11 +4,11 @@ line naming the dotted key and the rule.
 ``check_config(cfg)`` holds the rules of the config alone between its fields and sections (exactly one model
 source, a SALM's bucketed audio, context parallelism's packed rows, known pipeline schedules, ...):
 ``headrace.training.config.load`` runs it on every job it reads, so a CLI reports them before launching anything.
-``check_job(cfg, world_size)`` is the whole pass, run by the trainer on every rank before the process
-group is used: ``check_config``, then the values the types alone do not exclude (counts that must be
-positive, a learning rate > 0), the model (a ``model_type`` transformers knows, paths that exist), the
-parallel degrees against the world size (``check_degrees``, which ``ParallelDims`` also runs) and the val
-stream against the layout. ``check_vocab(...)`` compares the tokenizer's vocabulary and the largest token id
+``check_job(cfg)`` is the whole pass, run by the trainer on every rank before the process group is used:
+``check_config``, then the values the types alone do not exclude (counts that must be positive, a learning
+rate > 0), the model (a ``model_type`` transformers knows, paths that exist) and the val stream against the
+layout; the trainer then checks the parallel degrees against the world size
+(``headrace.training.distributed.parallel_dims.ParallelDims.from_config``, where their rules live). ``check_vocab(...)`` compares the tokenizer's vocabulary and the largest token id
 each shard recorded (``ShardInfo.max_token``, written by ``dataio shard``/``dataio index``) with the model's
 ``vocab_size``, so an out-of-range id is a line naming the shard, not an ``IndexError`` deep in the
 embedding. All are pure reads of the config and index metadata (microseconds, no data read).
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from headrace.config import ConfigError
 from headrace.kernels.hf_attention import ATTENTION_NAME
-from headrace.training.config.job_config import val_data_config
+from headrace.training.config.job_config import KIND_CONFIGS, val_data_config
 from headrace.training.config.pipeline_schedules import V_SHAPED, schedule_class_name
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-def check_job(cfg, world_size: int | None = None) -> None:
+def check_job(cfg) -> None:
     """ConfigError for the first value of ``cfg`` (a ``JobConfig``) that breaks a rule (module docstring)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -77,8 +77,6 @@ def check_job(cfg, world_size: int | None = None) -> None:
         if not os.path.exists(path):
             key = "model.config_path" if cfg.model.config_path else "model.pretrained_path"
             raise ConfigError(f"{key}: {path} does not exist")
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    check_degrees(cfg.distributed, world_size)
     if cfg.trainer.eval_every:
         check_validation(cfg)
 
@@ -90,14 +88,16 @@ def check_config(cfg) -> None:
     given = [n for n in ("config", "config_path", "pretrained_path") if getattr(model, n) is not None]
     if len(given) != 1:
         raise ConfigError(f"model: set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
-    if (model.kind == "salm") != (model.speech is not None):
-        raise ConfigError("model.speech is required with model.kind: salm, and only then")
-    if model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
-        if model.speech.encoder.from_checkpoint and model.pretrained_path is None:
-            raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
-                              "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
+    kind = KIND_CONFIGS[model.kind]
+    for owner, section in ((name, k.section) for name, k in KIND_CONFIGS.items() if k.section is not None):
+        if (getattr(model, section) is not None) != (section == kind.section):
+            raise ConfigError(f"model.{section} is required with model.kind: {owner}, and only then")
+    if model.speech is not None and model.speech.encoder.from_checkpoint and model.pretrained_path is None:
+        raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
+                          "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
+    if kind.bucketed:  # its batches come from data.bucketing, not THD rows
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
-            raise ConfigError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
+            raise ConfigError(f"model.kind: {model.kind} trains on bucketed audio: set data.bucketing and leave "
                               "data.seq_len unset")
     elif cfg.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
         raise ConfigError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
@@ -116,9 +116,10 @@ def check_config(cfg) -> None:
                           "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
     check_cp_config(cfg)
     check_float8_config(cfg)
-    if cfg.distributed.offload_policy == "cpu" and (cfg.distributed.strategy != "fsdp2" or cfg.model.kind != "causal_lm"):
-        raise ConfigError("distributed.offload_policy: cpu is FSDP2's CPUOffloadPolicy for a causal LM; it needs "
-                          "strategy: fsdp2 and model.kind: causal_lm")
+    if cfg.distributed.offload_policy == "cpu" and (cfg.distributed.strategy != "fsdp2"
+                                                    or not KIND_CONFIGS[cfg.model.kind].float8_and_offload):
+        raise ConfigError(f"distributed.offload_policy: cpu is FSDP2's CPUOffloadPolicy; it needs strategy: fsdp2 "
+                          f"and a model kind whose build applies it (model.kind {cfg.model.kind} does not)")
 
 
 def check_float8_config(cfg) -> None:
@@ -136,8 +137,9 @@ def check_float8_config(cfg) -> None:
     if cfg.distributed.tp_size > 1:
         raise ConfigError(f"{key} with distributed.tp_size={cfg.distributed.tp_size} is not supported: the TP plan "
                           "would need torchao's float8 TP styles; use FSDP2/HSDP/DDP, PP or CP with float8")
-    if cfg.model.kind != "causal_lm":
-        raise ConfigError(f"{key} applies to model.kind: causal_lm (a SALM's encoder and LLM are not converted)")
+    if not KIND_CONFIGS[cfg.model.kind].float8_and_offload:
+        raise ConfigError(f"{key}: model.kind {cfg.model.kind} does not convert its linears (float8 applies to "
+                          "model.kind: causal_lm)")
 
 
 def check_cp_config(cfg) -> None:
@@ -145,7 +147,7 @@ def check_cp_config(cfg) -> None:
     cp = cfg.distributed.cp_size
     if cp == 1:
         return
-    if cfg.model.kind != "causal_lm":
+    if KIND_CONFIGS[cfg.model.kind].bucketed:
         raise ConfigError(f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
                           "supported (set cp_size to 1)")
     if cfg.distributed.pp_size > 1:
@@ -167,47 +169,6 @@ def check_cp_rows(data, cp: int, key: str) -> None:
     if data.seq_len % (2 * cp):
         raise ConfigError(f"{key}.seq_len={data.seq_len} must be divisible by 2 x distributed.cp_size = {2 * cp} "
                           "(each row is cut into 2 x cp_size chunks)")
-
-
-def check_degrees(cfg, world_size: int) -> int:
-    """``dp_size`` of ``cfg`` (a ``DistributedConfig``) over ``world_size`` ranks (world / (tp * pp * cp) when
-    null), after every rule between the degrees and the world size."""
-    for name in ("tp_size", "pp_size", "cp_size", "ep_size", "dp_size", "dp_replicate_size"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"distributed.{name} must be >= 1, got {value}")
-    tp, pp, cp, ep = cfg.tp_size, cfg.pp_size, cfg.cp_size, cfg.ep_size
-    if cfg.strategy == "ddp":
-        bad = {n: v for n, v in dict(tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep).items() if v > 1}
-        if bad:
-            raise ConfigError(f"distributed: strategy ddp replicates the whole model: it cannot combine with "
-                              f"{bad}; use strategy fsdp2 for model parallelism")
-        if cfg.dp_replicate_size not in (None, 1):
-            raise ConfigError("distributed: dp_replicate_size (HSDP) needs strategy fsdp2; ddp already replicates "
-                              "everywhere")
-    non_dp = tp * pp * cp
-    if cfg.dp_size is None:
-        if world_size % non_dp:
-            raise ConfigError(f"distributed: world size {world_size} is not divisible by tp_size * pp_size * "
-                              f"cp_size = {non_dp}")
-        dp = world_size // non_dp
-    else:
-        dp = cfg.dp_size
-    if dp * non_dp != world_size:
-        raise ConfigError(f"distributed: dp_size * tp_size * pp_size * cp_size = {dp}*{tp}*{pp}*{cp} = "
-                          f"{dp * non_dp} must equal the world size {world_size}")
-    replicate = cfg.dp_replicate_size or 1
-    if dp % replicate:
-        raise ConfigError(f"distributed: dp_replicate_size {replicate} must divide dp_size {dp}")
-    if cfg.sequence_parallel and tp == 1:
-        raise ConfigError("distributed: sequence_parallel shards activations over the tp group: it needs "
-                          "tp_size > 1")
-    if ep > 1 and (dp * cp) % ep:
-        raise ConfigError(f"distributed: ep_size {ep} must divide dp_size * cp_size = {dp * cp} (experts borrow "
-                          "those ranks)")
-    if cfg.activation_checkpointing_every < 1:
-        raise ConfigError("distributed: activation_checkpointing_every must be >= 1")
-    return dp
 
 
 def check_validation(cfg) -> None:
@@ -254,5 +215,5 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[S
                                   f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
 
 
-__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_degrees", "check_float8_config",
-           "check_job", "check_validation", "check_vocab"]
+__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_float8_config", "check_job",
+           "check_validation", "check_vocab"]

@@ -40,9 +40,9 @@ def cp_batch_transform(cp_size: int, cp_rank: int) -> Callable[[dict], dict]:
     return transform
 
 
-def rank_batch_transform(dims, meshes: dict) -> Callable[[dict], dict] | None:
+def rank_batch_transform(dims) -> Callable[[dict], dict] | None:
     """The host-side transform of this rank's batches (training and validation): its CP shard when cp > 1."""
-    return cp_batch_transform(dims.cp, meshes["cp"].get_local_rank()) if dims.cp > 1 else None
+    return cp_batch_transform(dims.cp, dims.get_mesh("cp").get_local_rank()) if dims.cp_enabled else None
 
 
 def cp_attention_kwargs(mesh, mode: str) -> dict:

@@ -19,13 +19,9 @@ every step below handles a model whose ``model.embed_tokens`` / ``model.norm`` /
 Context parallelism (cp) changes no module: FSDP2 already shards over dp_shard x cp, and attention runs
 over the cp mesh through the model kwargs (``headrace.training.distributed.context_parallel``).
 
-Why our own TP plan for the Llama family instead of transformers' ``base_model_tp_plan`` (which every
-other family uses, see ``headrace.training.models.families``): that plan has no sequence-parallel entries (norms stay
-replicated over the full sequence) and its embedding/lm_head styles are fixed, so we write the torch-native
-plan (the same module names) and keep it beside the function that applies it. HF attention reshapes with
-``-1`` heads, so q/k/v sharded by heads work unmodified; Qwen3's per-head q_norm/k_norm act on head_dim but
-their weight gradient sums over all heads (``head_norm_plan``). Position ids must be passed explicitly under
-SP (HF would derive them from the sequence-sharded embeddings).
+Step 1 is ``headrace.training.distributed.tensor_parallel`` (every TP plan); steps 2-4 and DDP are the shared
+pieces here (``apply_ac``, ``apply_compile``, ``uses_fsdp`` + ``apply_fsdp``, ``apply_ddp``) that each family
+group's recipe calls in this order (the MoE families', a SALM's: ``headrace.training.speech.parallelize``).
 """
 
 from __future__ import annotations
@@ -35,52 +31,59 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.models.families import OWN_TP_PLAN, apply_hf_tp_plan, decoder_blocks, retie
+from headrace.training.distributed.tensor_parallel import apply_hf_tp_plan, apply_tp, dense_mlp_plan
+from headrace.training.models.families import OWN_TP_PLAN, decoder_blocks
 
 
-def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                           param_dtype: torch.dtype, mlp_plan=None, ac_context_fn=None) -> nn.Module:
+def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
+                           mlp_plan=None, ac_context_fn=None) -> nn.Module:
     """Any transformers causal LM (``headrace.training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
     TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
     ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
     ``ac_context_fn`` a selective-checkpoint policy (MoE: headrace.training.distributed.moe)."""
-    if dims.tp > 1:
+    if dims.tp_enabled:
         if model.config.model_type in OWN_TP_PLAN:
-            apply_tp(model, meshes["tp"], dims.sequence_parallel, mlp_plan or dense_mlp_plan)
+            apply_tp(model, dims.get_mesh("tp"), dims.sequence_parallel, mlp_plan or dense_mlp_plan)
         else:
-            apply_hf_tp_plan(model, meshes["tp"], dims.sequence_parallel)
+            apply_hf_tp_plan(model, dims.get_mesh("tp"), dims.sequence_parallel)
     layers = decoder_blocks(model)  # a ModuleList, or a pipeline stage's ModuleDict keyed by global index
-    if cfg.activation_checkpointing:
-        for name, block in list(layers.named_children()):
-            if int(name) % cfg.activation_checkpointing_every == 0:
-                layers.register_module(name, checkpoint_wrapper(
-                    block, **({"context_fn": ac_context_fn} if ac_context_fn else {})))
+    apply_ac(layers, cfg, ac_context_fn)
     blocks = list(layers.children())
+    apply_compile(blocks, cfg)
+    if uses_fsdp(dims, cfg, param_dtype):
+        # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
+        # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
+        apply_fsdp(model, blocks, dims.get_mesh("fsdp"), param_dtype, cfg.reshard_after_forward and dims.dp_sharded,
+                   offload_policy(cfg))
+    return model
+
+
+def apply_ac(layers: nn.Module, cfg: DistributedConfig, context_fn=None) -> None:
+    """Activation checkpointing of every ``activation_checkpointing_every``-th block of ``layers`` (a ModuleList,
+    or a pipeline stage's ModuleDict keyed by global index), in place; ``context_fn``: a selective policy."""
+    if not cfg.activation_checkpointing:
+        return
+    for name, block in list(layers.named_children()):
+        if int(name) % cfg.activation_checkpointing_every == 0:
+            layers.register_module(name, checkpoint_wrapper(block, **({"context_fn": context_fn} if context_fn else {})))
+
+
+def apply_compile(blocks: list[nn.Module], cfg: DistributedConfig) -> None:
+    """``torch.compile`` each block in place (``distributed.compile``): one graph per block type, reused."""
     if cfg.compile:
         for block in blocks:
             block.compile(backend=cfg.compile_backend)
-    # bf16 goes through FSDP2's MixedPrecisionPolicy even with nothing to shard (one rank, or TP only):
-    # under autocast HF's RoPE hands fp32 q/k beside a bf16 v to the attention kernel (flash-attn refuses
-    # that), while bf16 parameters keep every activation bf16.
-    # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
-    # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
-    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
-    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32 or cfg.offload_policy == "cpu"):
-        apply_fsdp(model, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward and sharded,
-                   offload_policy(cfg))
-    return model
+
+
+def uses_fsdp(dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype) -> bool:
+    """FSDP2 wraps the model when asked and there is something to shard, or bf16 to compute in: bf16 goes through
+    its MixedPrecisionPolicy even on one rank (or TP only), since under autocast HF's RoPE hands fp32 q/k beside a
+    bf16 v to the attention kernel (flash-attn refuses that), while bf16 parameters keep every activation bf16."""
+    return cfg.strategy == "fsdp2" and (dims.dp_sharded or param_dtype != torch.float32 or cfg.offload_policy == "cpu")
 
 
 def offload_policy(cfg: DistributedConfig) -> OffloadPolicy:
@@ -89,56 +92,6 @@ def offload_policy(cfg: DistributedConfig) -> OffloadPolicy:
     if cfg.offload_policy == "cpu":
         return CPUOffloadPolicy(pin_memory=cfg.offload_pin_memory and torch.cuda.is_available())
     return OffloadPolicy()
-
-
-def dense_mlp_plan(block: nn.Module, seq) -> dict:
-    """Megatron MLP: gate/up column-wise, down row-wise (its output back to the ``seq`` layout)."""
-    plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
-    if seq != Replicate():
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=True)
-    return plan
-
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp_plan=dense_mlp_plan,
-             embed_output: Placement | None = None) -> None:
-    """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
-    stream are sharded over the sequence dim and all-gathered just before attention / MLP. ``embed_output``
-    overrides the embedding's output layout (a SALM splits the sequence itself after adding audio)."""
-    seq = Shard(1) if sequence_parallel else Replicate()
-    present = dict(model.named_modules())  # a pipeline stage holds only some of these
-    parallelize_module(model, tp_mesh, {name: style for name, style in {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_output or seq),
-        **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    }.items() if name in present})
-    layer_plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-    }
-    if sequence_parallel:
-        layer_plan |= {
-            "input_layernorm": SequenceParallel(),
-            "post_attention_layernorm": SequenceParallel(),
-            # self_attn is called with keyword arguments; gather the sequence before q/k/v.
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
-        }
-    for block in model.model.layers.children():
-        parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
-    retie(model)
-
-
-def head_norm_plan(block: nn.Module) -> dict:
-    """Qwen3's per-head q_norm/k_norm see only this rank's heads: their input is marked sharded on the head dim
-    (``(B, S, heads, head_dim)``), so the replicated weight's gradient is a partial sum that DTensor all-reduces
-    over tp. Without it each tp rank would update the weight from half the heads and the replicas would drift."""
-    return {f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
-            for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)}
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -155,13 +108,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> nn.Module:
+def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Classic DDP over the whole dp mesh (model already materialized: DDP broadcasts rank 0's weights)."""
     if dims.dp == 1:
         return model
     device_ids = None if next(model.parameters()).device.type == "cpu" else [torch.cuda.current_device()]
-    return DistributedDataParallel(model, process_group=meshes["dp"].get_group(), device_ids=device_ids)
+    return DistributedDataParallel(model, process_group=dims.get_mesh("dp").get_group(), device_ids=device_ids)
 
 
-__all__ = ["apply_ddp", "apply_fsdp", "apply_tp", "dense_mlp_plan", "head_norm_plan", "offload_policy",
-           "parallelize_decoder_lm"]
+__all__ = ["apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "offload_policy", "parallelize_decoder_lm",
+           "uses_fsdp"]

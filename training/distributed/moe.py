@@ -42,7 +42,9 @@ from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.expert_parallel import MoEStats, install_experts_forward
 from headrace.training.distributed.moe_routing import Capacity
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.distributed.dense import dense_mlp_plan, offload_policy, parallelize_decoder_lm
+from headrace.training.distributed.dense import offload_policy, parallelize_decoder_lm
+from headrace.training.distributed.tensor_parallel import dense_mlp_plan
+from headrace.training.models.loss import unwrap_ddp
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -90,12 +92,6 @@ def check_moe(dims: ParallelDims, cfg: DistributedConfig, hf_config) -> None:
     if dims.tp > 1 and hf_config.model_type == "olmoe":
         raise ConfigError("tp_size > 1 with olmoe is not supported: its q_norm/k_norm normalize over all heads "
                          "at once, which a head-sharded q/k projection cannot compute locally")
-
-
-def build_moe_meshes(dims: ParallelDims, meshes: dict[str, DeviceMesh]) -> dict[str, DeviceMesh]:
-    """``ep`` and ``ep_shard`` sub-meshes: the dp x cp dim unflattened into (ep_shard, ep), ep innermost."""
-    moe_mesh = meshes["dp_cp"]._unflatten(0, ((dims.dp * dims.cp) // dims.ep, dims.ep), ("ep_shard", "ep"))
-    return {"ep": moe_mesh["ep"], "ep_shard": moe_mesh["ep_shard"]}
 
 
 def moe_mlp_plan(block: nn.Module, seq) -> dict:
@@ -153,8 +149,8 @@ def router_aux_loss(router_logits, labels: torch.Tensor, *, loss_fn, num_experts
     return coef * aux * (labels != IGNORE_INDEX).sum()
 
 
-def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                       param_dtype: torch.dtype) -> nn.Module:
+def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype
+                       ) -> nn.Module:
     """Experts (EP, grouped GEMM), router aux loss, then the dense recipe; see the module docstring."""
     hf_config = model.config
     check_moe(dims, cfg, hf_config)
@@ -162,9 +158,9 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
     stats = MoEStats()
     model.moe_stats = stats
     ep_group = ep_mesh = None
-    if dims.ep > 1:
-        meshes = meshes | build_moe_meshes(dims, meshes)
-        ep_mesh, ep_group = meshes["ep"], meshes["ep"].get_group()
+    if dims.ep_enabled:
+        ep_mesh = dims.get_mesh("ep")
+        ep_group = ep_mesh.get_group()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     capacity = None if cfg.moe.capacity_factor is None else Capacity(
         factor=cfg.moe.capacity_factor, policy=cfg.moe.token_drop_policy, pad=cfg.moe.pad_to_capacity)
@@ -178,7 +174,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
                                     impl=cfg.moe.experts_implementation, stats=stats, capacity=capacity)
         if ep_mesh is not None:
             shard_experts(mlp, ep_mesh)
-            fully_shard(mlp.experts, mesh=meshes["ep_shard"], mp_policy=mp, offload_policy=offload_policy(cfg),
+            fully_shard(mlp.experts, mesh=dims.get_mesh("ep_shard"), mp_policy=mp, offload_policy=offload_policy(cfg),
                         reshard_after_forward=cfg.moe.reshard_after_forward)
     coef = cfg.moe.aux_loss_coef if cfg.moe.aux_loss_coef is not None else hf_config.router_aux_loss_coef
     if coef:
@@ -186,7 +182,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, meshes: dict[str, D
             router_aux_loss, loss_fn=sys.modules[type(model.causal_lm).__module__].load_balancing_loss_func,
             num_experts=experts, top_k=hf_config.num_experts_per_tok, coef=coef, stats=stats)
     ac_context_fn = router_saving_ac(model) if cfg.moe.ignore_router_for_ac else None
-    return parallelize_decoder_lm(model, dims, meshes, cfg, param_dtype, mlp_plan=moe_mlp_plan,
+    return parallelize_decoder_lm(model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan,
                                   ac_context_fn=ac_context_fn)
 
 
@@ -196,7 +192,7 @@ def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
     ``moe_dropped`` (fraction of the router's token-expert assignments the capacity factor dropped),
     ``moe_aux_loss`` (mean over micro-batches and ranks), ``a2a_bytes`` (sent per rank, forward + backward)
     and ``a2a_s`` (seconds in the token exchanges, the slowest rank)."""
-    stats = getattr(getattr(model, "module", model), "moe_stats", None)
+    stats = getattr(unwrap_ddp(model), "moe_stats", None)
     if stats is None:
         return {}
     group = loss_mesh.get_group()
@@ -218,9 +214,9 @@ def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
 
 def reset_step(model: nn.Module) -> None:
     """Start a new step's accumulators (no-op for dense models)."""
-    stats = getattr(getattr(model, "module", model), "moe_stats", None)
+    stats = getattr(unwrap_ddp(model), "moe_stats", None)
     if stats is not None:
         stats.reset()
 
 
-__all__ = ["build_moe_meshes", "check_moe", "parallelize_moe_lm", "reset_step", "step_metrics"]
+__all__ = ["check_moe", "parallelize_moe_lm", "reset_step", "step_metrics"]

@@ -12,14 +12,14 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from headrace.config import ConfigError
 from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.dense import parallelize_decoder_lm
 from headrace.training.distributed.moe import parallelize_moe_lm
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN, check_hf_tp_plan
+from headrace.training.distributed.tensor_parallel import check_hf_tp_plan
+from headrace.training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_TP_PLAN
 
 
 def check_supported(dims: ParallelDims, hf_config) -> None:
@@ -42,12 +42,11 @@ PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                param_dtype: torch.dtype) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype) -> nn.Module:
     """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default)."""
     check_supported(dims, model.config)
     fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
-    return fn(model, dims, meshes, cfg, param_dtype)
+    return fn(model, dims, cfg, param_dtype)
 
 
 __all__ = ["PARALLELIZE_FNS", "check_supported", "parallelize"]

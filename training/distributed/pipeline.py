@@ -277,22 +277,19 @@ class Pipeline:
         return bubble_theory(self.class_name, self.pp_mesh.size(), len(self.stages), self.n_microbatches)
 
 
-def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: torch.device,
+def build_pipeline(cfg: JobConfig, dims, device: torch.device,
                    hf_config) -> Pipeline:
     """Split on the meta device, parallelize every stage (TP/SP, AC, compile, FSDP2), materialize this rank's
     part (init or ``model.pretrained_path``), build the schedule."""
     pcfg = cfg.distributed.pipeline
     class_name = schedule_class_name(pcfg.pp_schedule)
-    if cfg.model.kind != "causal_lm":
-        raise ValueError(f"pp_size > 1 splits a causal LM; model.kind {cfg.model.kind!r} has no pipeline split "
-                         "rule (set distributed.pp_size=1)")
     if hf_config.model_type not in LLAMA_LIKE:  # the decoders whose forward DecoderStage reproduces
         raise ValueError(f"pp_size > 1: model_type {hf_config.model_type!r} has no pipeline split rule "
                          f"(supported: {', '.join(LLAMA_LIKE)})")
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("pp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head live "
                          "on different stages); set model.config.tie_word_embeddings=false")
-    pp, pp_rank = dims.pp, meshes["pp"].get_local_rank()
+    pp, pp_rank = dims.pp, dims.get_mesh("pp").get_local_rank()
     num_layers = hf_config.num_hidden_layers
     total = stage_count(pcfg, class_name, pp, num_layers)
     n_micro = microbatch_count(cfg.data.batch_size * cfg.trainer.grad_accum, pcfg.pp_microbatch_size,
@@ -309,10 +306,10 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     mine = local_stage_ids(class_name, pp_rank, pp, total)
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
-    modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, meshes, stage_cfg,
+    modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, stage_cfg,
                            param_dtype(cfg.trainer.precision)) for s in mine]
     materialize(part, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
-    group = meshes["pp"].get_group()
+    group = dims.get_mesh("pp").get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()
     cls = getattr(torch_schedules, class_name)
@@ -326,7 +323,21 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     return Pipeline(part=part, stages=stages, stage_ranges=ranges, schedule=schedule, class_name=class_name,
                     n_microbatches=n_micro, microbatch_size=pcfg.pp_microbatch_size,
                     scale_grads_in_schedule=pcfg.scale_grads_in_schedule, loss=loss,
-                    timer=PipelineTimer(stages, device), pp_mesh=meshes["pp"])
+                    timer=PipelineTimer(stages, device), pp_mesh=dims.get_mesh("pp"))
+
+
+def run_schedule(pipe: Pipeline, rows: dict, *, train: bool) -> list[torch.Tensor]:
+    """One call of ``pipe``'s schedule over ``rows`` (``input_ids``, ``labels``, ``position_ids``): with backward
+    (``train``, the step) or forward only (validation). The first stage takes the ids, the last the labels;
+    returns the last stage's per-microbatch losses ([] on other ranks)."""
+    args = (rows["input_ids"],) if pipe.has_first else ()
+    kwargs = {"position_ids": rows["position_ids"]}
+    target, losses = None, []
+    if pipe.has_last:
+        kwargs["labels"] = target = rows["labels"]
+    run = pipe.schedule.step if train else pipe.schedule.eval
+    run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    return losses
 
 
 def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
@@ -346,4 +357,4 @@ def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
 
 
 __all__ = ["DecoderStage", "Pipeline", "bubble_theory", "build_pipeline", "local_stage_ids", "microbatch_count",
-           "pipeline_metrics", "split_layers", "stage_count"]
+           "pipeline_metrics", "run_schedule", "split_layers", "stage_count"]

@@ -12,6 +12,12 @@ import torch
 import torch.distributed as dist
 
 
+def world_size() -> int:
+    """The job's world size: the process group's, or before there is one the launcher's ``WORLD_SIZE`` (1 without
+    a launcher), so the degrees can be checked before any process group work."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def init_distributed(device_type: str) -> None:
     """Join the torchrun process group; a plain ``python -m headrace.training`` becomes a 1-rank group."""
     if dist.is_initialized():
@@ -55,4 +61,4 @@ def new_tail_group():
     return dist.new_group(backend="gloo")
 
 
-__all__ = ["init_distributed", "new_tail_group", "pick_device", "process_group_closed"]
+__all__ = ["init_distributed", "new_tail_group", "pick_device", "process_group_closed", "world_size"]

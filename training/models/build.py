@@ -30,8 +30,10 @@ from headrace.training.models.hf_experts import per_expert_views, renamed
 from headrace.training.models.loss import unwrap_causal_lm
 
 
-def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The transformers config from inline YAML fields, a local config.json, or a pretrained directory."""
+def build_hf_config(cfg: ModelConfig, *, text_model: bool = False) -> PretrainedConfig:
+    """The transformers config from inline YAML fields, a local config.json, or a pretrained directory;
+    ``text_model``: its text decoder's (a SALM's LLM may be the text model of a speech LLM: Qwen2-Audio's
+    ``text_config``)."""
     if cfg.config is not None:
         fields = dict(cfg.config)
         model_type = fields.pop("model_type", None)
@@ -46,7 +48,7 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
             config = config_or_error(lambda: AutoConfig.for_model(fields.pop("model_type"), **fields), path)
         else:
             config = config_or_error(lambda: AutoConfig.from_pretrained(path), path)
-    if cfg.kind == "salm":  # a SALM's LLM may be the text model of a speech LLM (Qwen2-Audio: its text_config)
+    if text_model:
         config = config.get_text_config(decoder=True)
     model_cls = causal_lm_class(config)
     check_family(config, model_cls)
@@ -84,14 +86,16 @@ def causal_lm_class(config: PretrainedConfig) -> type:
                          "(not a causal LM)") from None
 
 
-def one_document_per_row(cfg: JobConfig) -> JobConfig:
+def one_document_per_row(cfg: JobConfig, llm_config: Callable[[ModelConfig], PretrainedConfig] = build_hf_config
+                         ) -> JobConfig:
     """``cfg`` itself, or, for a model without the attention interface asked to run headrace_varlen, a copy
     with ``model.attn_implementation: sdpa`` and ``data.packing: none``: one document per row keeps the
-    documents apart under sdpa's plain causal mask (the fallback ``headrace.training.models.families`` describes)."""
+    documents apart under sdpa's plain causal mask (the fallback ``headrace.training.models.families`` describes).
+    ``llm_config``: the model kind's (``ModelKind.llm_config``)."""
     if cfg.model.attn_implementation != ATTENTION_NAME:
         return cfg
     model_cfg = dataclasses.replace(cfg.model, attn_implementation="sdpa")
-    if supports_packed_attention(causal_lm_class(build_hf_config(model_cfg))):
+    if supports_packed_attention(causal_lm_class(llm_config(model_cfg))):
         return cfg
     return dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, packing="none"))
 

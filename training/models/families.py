@@ -1,13 +1,13 @@
 """Which transformers causal LMs the trainer takes, and what it reads from each to parallelize it.
 
 Any ``AutoModelForCausalLM`` whose structure the trainer can read trains here; nothing is written per
-family except the hand-tuned TP+SP plan of the Llama family (``headrace.training.distributed.dense.apply_tp``):
+family except the hand-tuned TP+SP plan of the Llama family (``headrace.training.distributed.tensor_parallel.apply_tp``):
 
 - decoder blocks (the FSDP2 unit, the activation-checkpointing and compile unit): the ``nn.ModuleList``
   whose children are instances of the model's ``_no_split_modules`` classes (transformers' own "never
   split this across devices" list, e.g. ``MistralDecoderLayer``, ``GPTNeoXLayer``);
 - tensor parallelism: the model config's ``base_model_tp_plan`` (module-path pattern -> style name),
-  translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` by ``TP_STYLES``; embeddings and the
+  translated to torch's ``ColwiseParallel`` / ``RowwiseParallel`` by ``tensor_parallel.TP_STYLES``; embeddings and the
   output head get vocab-sharded styles here (tied embeddings included: both shard dim 0 of the one
   weight, which is re-tied after the plan is applied), whether or not the plan names the input embedding
   (transformers >= 5.24 names GPT-NeoX's ``embed_in`` as ``embedding_rowwise``, the same vocab-parallel
@@ -28,14 +28,11 @@ refused by ``POST_HEAD_FIELDS`` rather than trained on a different objective.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from headrace.training.models.loss import unwrap_causal_lm
 from headrace.config import ConfigError
+from headrace.training.models.loss import unwrap_causal_lm
 
-# Families with a hand-written TP+SP plan (headrace.training.distributed.dense.apply_tp); every other family uses its own
+# Families with a hand-written TP+SP plan (headrace.training.distributed.tensor_parallel.apply_tp); every other family uses its own
 # base_model_tp_plan without sequence parallelism.
 LLAMA_LIKE = ("llama", "qwen2", "qwen3")
 # Mixture-of-experts families: expert parallelism and grouped experts first (headrace.training.distributed.moe).
@@ -47,23 +44,6 @@ OWN_TP_PLAN = LLAMA_LIKE + MOE_MODEL_TYPES  # TP by apply_tp; every other family
 TESTED_FAMILIES = ("llama", "qwen3", "mistral", "gemma", "phi3", "olmo2", "gpt_neox")
 # Config fields that change the logits after lm_head (the chunked loss would ignore them).
 POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-# transformers' TP style names (transformers/integrations/tensor_parallel.py) -> torch parallel styles.
-# colwise: output features sharded, the local result feeds the next op (local heads); rowwise: input
-# sharded on its last dim, output all-reduced; *_gather_output / *_split_input: the output is gathered
-# whole (used where a norm or a fused projection needs every feature) and the next row-wise layer
-# slices its replicated input again; embedding_rowwise: vocab-parallel embedding (token ids replicated,
-# each rank looks up its vocabulary slice, the partial rows are summed), the style the trainer gives every
-# input embedding. Other styles (packed_*, moe_*, replicated_with_grad_allreduce, mla_kv_a_proj, ...) are
-# refused by check_hf_tp_plan, naming the module and style.
-TP_STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-}
-
 
 def supports_packed_attention(model_cls: type) -> bool:
     """Whether the model calls the attention function registered by name (so headrace_varlen can run)."""
@@ -97,46 +77,5 @@ def _unwrap_checkpoint(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
-def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
-    """Fail before building when ``tp_size > 1`` cannot be served by the model's own plan."""
-    plan = getattr(hf_config, "base_model_tp_plan", None)
-    if not plan:
-        raise ConfigError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} has no base_model_tp_plan "
-                         "in transformers (set tp_size: 1)")
-    if sequence_parallel:
-        raise ConfigError(f"distributed.sequence_parallel: model_type {hf_config.model_type!r} has no "
-                         f"sequence-parallel plan (written for {', '.join(LLAMA_LIKE)}); set it false")
-    unknown = {k: v for k, v in plan.items() if v not in TP_STYLES}
-    if unknown:
-        raise ConfigError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} uses TP styles "
-                         f"{unknown} that the trainer does not translate (known: {', '.join(TP_STYLES)})")
-
-
-def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """TP from the model's ``base_model_tp_plan``; vocab-sharded embedding and head, re-tied when shared."""
-    hf = unwrap_causal_lm(model)
-    base = hf.base_model
-    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
-    # the embedding is styled below with the head, once, whether or not the plan names it
-    in_base = {module: name for name, module in base.named_modules()}
-    plan = {k: v for k, v in hf.config.base_model_tp_plan.items() if k != in_base.get(embedding)}
-    parallelize_module(base, tp_mesh, {k: TP_STYLES[v]() for k, v in plan.items()})
-    names = {module: name for name, module in model.named_modules()}
-    parallelize_module(model, tp_mesh, {
-        names[embedding]: TP_STYLES["embedding_rowwise"](),
-        names[head]: ColwiseParallel(output_layouts=Replicate()),
-    })
-    retie(model)
-
-
-def retie(model: nn.Module) -> None:
-    """parallelize_module gives each module a new Parameter; tied embeddings must share one again (the
-    embedding's row-wise and the head's column-wise styles both shard dim 0, so the layouts agree)."""
-    hf = unwrap_causal_lm(model)
-    if getattr(hf.config, "tie_word_embeddings", False):
-        hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
-
-
-__all__ = ["LLAMA_LIKE", "MOE_MODEL_TYPES", "OWN_TP_PLAN", "POST_HEAD_FIELDS", "TESTED_FAMILIES", "TP_STYLES",
-           "apply_hf_tp_plan", "check_family", "check_hf_tp_plan", "decoder_blocks", "retie",
-           "supports_packed_attention"]
+__all__ = ["LLAMA_LIKE", "MOE_MODEL_TYPES", "OWN_TP_PLAN", "POST_HEAD_FIELDS", "TESTED_FAMILIES", "check_family",
+           "decoder_blocks", "supports_packed_attention"]

@@ -24,6 +24,8 @@ CPU path and the fallback.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,10 +85,21 @@ def lm_head_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Ten
     return loss_sum
 
 
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The module DDP wraps (``model`` itself when not DDP: FSDP2 and TP change modules in place)."""
+    return getattr(model, "module", model)
+
+
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The transformers model inside ``model`` (a ``CausalLMLoss``, possibly wrapped by DDP, or a bare HF model)."""
-    model = getattr(model, "module", model)  # DDP wraps; FSDP2 / TP do not
+    model = unwrap_ddp(model)
     return getattr(model, "causal_lm", model)
 
 
-__all__ = ["CausalLMLoss", "lm_head_loss_sum", "unwrap_causal_lm"]
+def bf16_autocast(device_type: str, enabled: bool):
+    """The bf16 ``torch.autocast`` context of a loss forward when ``enabled`` (``headrace.training.step.uses_autocast``),
+    else a no-op context."""
+    return torch.autocast(device_type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+__all__ = ["CausalLMLoss", "bf16_autocast", "lm_head_loss_sum", "unwrap_causal_lm", "unwrap_ddp"]

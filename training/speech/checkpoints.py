@@ -47,9 +47,10 @@ from pathlib import Path
 
 import torch
 
-from headrace.config import ConfigError
+from headrace.config import ConfigError, to_dict
 from headrace.training.config.speech import AUDIO_PLACEHOLDER, SpeechConfig
 
+MANIFEST = "salm.json"  # the speech config of a SALM export (job.load_salm reads it)
 SPEECH_LLMS = ("qwen2_audio", "voxtral")  # transformers model_types read as SALMs
 PARTS = {"audio_tower.": "encoder", "multi_modal_projector.": "adapter", "language_model.": "hf"}
 PREFIX = {part: prefix for prefix, part in PARTS.items()}
@@ -145,13 +146,11 @@ def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> Spee
 
 
 def with_speech_llm(cfg):
-    """``cfg`` (a ``JobConfig``), or, for a SALM whose ``model.pretrained_path`` is a speech LLM's checkpoint,
-    the job with the checkpoint's encoder, adapter, prompt and tokenizer filled in (module docstring); the same
+    """The SALM kind's ``prepare_job``: ``cfg`` (a ``JobConfig``), or, when its ``model.pretrained_path`` is a
+    speech LLM's checkpoint, the job with the checkpoint's encoder, adapter, prompt and tokenizer filled in (module docstring); the same
     job again for a job already filled in. ConfigError for a setting that contradicts the checkpoint, or an
     encoder left unset without such a checkpoint."""
     model = cfg.model
-    if model.kind != "salm":
-        return cfg
     kind = speech_llm_kind(model.pretrained_path)
     if kind is None:
         if model.speech.encoder.from_checkpoint:
@@ -169,12 +168,18 @@ def with_speech_llm(cfg):
     return dataclasses.replace(cfg, model=dataclasses.replace(model, tokenizer=str(checkpoint), speech=speech))
 
 
+def write_manifest(speech: SpeechConfig, out_dir: Path) -> None:
+    """``out_dir/salm.json``: ``speech`` with its encoder and adapter in ``out_dir/encoder`` / ``adapter``."""
+    raw = to_dict(speech)
+    raw["encoder"] = {"kind": speech.encoder.kind, "pretrained_path": "encoder"}
+    raw["adapter"] = {**raw["adapter"], "pretrained_path": "adapter"}
+    (out_dir / MANIFEST).write_text(json.dumps(raw, indent=1))
+
+
 def convert(checkpoint: str | Path, out: str | Path, prompt: str | None = None) -> Path:
     """Write the SALM export of a speech-LLM checkpoint directory (module docstring); returns ``out``."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from headrace.training.speech.job import write_manifest
 
     checkpoint, out = Path(checkpoint), Path(out)
     kind = speech_llm_kind(checkpoint)
@@ -224,5 +229,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["PARTS", "SPEECH_LLMS", "chat_prompt", "convert", "part_prefix", "salm_name", "speech_from_checkpoint",
-           "speech_llm_kind", "with_speech_llm"]
+__all__ = ["MANIFEST", "PARTS", "SPEECH_LLMS", "chat_prompt", "convert", "part_prefix", "salm_name", "speech_from_checkpoint",
+           "speech_llm_kind", "with_speech_llm", "write_manifest"]

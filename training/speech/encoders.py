@@ -225,8 +225,6 @@ class Qwen2AudioFrontEnd(WhisperFrontEnd):
         return encoder(feats, attention_mask=mask).last_hidden_state
 
     def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:
-        from headrace.kernels.log_mel import whisper_num_frames
-
         return encoder._get_feat_extract_output_lengths(whisper_num_frames(audio_lens))[1].long()
 
     def checkpoint_prefix(self, path: str) -> str:

@@ -27,6 +27,16 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from headrace.dataio.loader import build_loader
+from headrace.training.distributed.parallel_dims import gather_objects
+from headrace.training.distributed.process_group import init_distributed
+from headrace.training.models.loss import unwrap_ddp
+from headrace.training.speech.checkpoints import speech_llm_kind
+from headrace.training.speech.job import SpeechBatches, load_salm
+from headrace.training.speech.listening import listening_sums
+from headrace.training.speech.prompt import build_batch
 
 _PUNCT = re.compile(r"[^\w\s']")
 
@@ -57,8 +67,6 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
                        max_new_tokens: int, *, synced: bool = False) -> list[str]:
     """Greedy decoding of a batch of utterances. ``synced``: every rank keeps stepping until all ranks'
     rows are done (``generate(synced_gpus=True)``), so FSDP2's per-layer collectives stay matched."""
-    from headrace.training.speech.prompt import build_batch
-
     prompt = build_batch(template, model.audio_slots(audio_lens), left_pad=True)
     prompt = {k: v.to(audio.device) for k, v in prompt.items()}
     embeds = model.llm.embed(prompt["input_ids"], model.encode(audio, audio_lens), prompt["audio_mask"])
@@ -81,10 +89,6 @@ def listening_line(result: dict) -> str:
 
 def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
     """This rank's share of ``split``: duration-bucketed batches, one pass, each utterance once across ranks."""
-    import torch.distributed as dist
-
-    from headrace.dataio import build_loader
-
     return build_loader(dict(datasets=[dict(path=data, split=split)], epochs=1, shuffle=False, num_workers=0,
                              decode=dict(sample_rate=sample_rate),
                              bucketing=dict(max_duration=batch_duration, num_buckets=1)),
@@ -96,12 +100,6 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
     """Decode every batch of ``loader`` and take its answer-token losses with its own and with mismatched
     audio (``headrace.training.speech.listening``); rank 0 gathers, writes the JSONL and returns ``{"wer",
     "utterances", "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
-    import torch.distributed as dist
-
-    from headrace.training.distributed.parallel_dims import gather_objects
-    from headrace.training.speech.job import SpeechBatches
-    from headrace.training.speech.listening import listening_sums
-
     speech = SpeechBatches([], model, cfg, tokenizer_path)
     rows, sums = [], torch.zeros(3, dtype=torch.float64)
     for batch in loader:
@@ -132,9 +130,6 @@ def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, ou
              max_new_tokens: int | None = None) -> dict:
     """Decode ``split`` of ``data`` with the SALM in ``model_dir`` (an export, or a Qwen2-Audio / Voxtral checkpoint
     directory: ``load_salm``), replicated on every rank."""
-    from headrace.training.speech.checkpoints import speech_llm_kind
-    from headrace.training.speech.job import load_salm
-
     model, cfg = load_salm(model_dir)
     loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
     tokenizer = model_dir if speech_llm_kind(model_dir) else Path(model_dir) / "hf"  # the checkpoint's, or the export's
@@ -149,7 +144,7 @@ def eval_in_training(model, cfg, step: int) -> dict:
     Not under sequence parallel (one-token decoding steps cannot split over tp ranks)."""
     from torch.distributed.fsdp import FSDPModule
 
-    salm = getattr(model, "module", model)
+    salm = unwrap_ddp(model)
     speech = cfg.model.speech
     roots = [m for m in (salm, salm.llm) if isinstance(m, FSDPModule)]
     loader = eval_loader(cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate,
@@ -181,10 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the model's max_new_tokens")
     parser.add_argument("--out", default=None, help="per-utterance JSONL (default: MODEL/eval-SPLIT.jsonl)")
     args = parser.parse_args(argv)
-    import torch.distributed as dist
-
-    from headrace.training.distributed.process_group import init_distributed
-
     init_distributed("cpu")
     try:
         out = args.out or str(Path(args.model) / f"eval-{args.split}.jsonl")

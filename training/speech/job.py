@@ -1,6 +1,7 @@
 """What the trainer calls for ``model.kind: salm``: build, batches, the step's forward, export, load.
 
-``headrace.training.train`` stays one loop for every model kind; for a SALM it calls:
+``headrace.training.train`` stays one loop for every model kind; the SALM's spec (``headrace.training.speech.kind``)
+hands it:
 
 - ``build_salm``: meta SALM -> ``parallelize_salm`` -> materialize (LLM / encoder / adapter from local
   safetensors when configured) -> DDP if asked;
@@ -16,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,35 +25,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 
-from headrace.config import from_dict, to_dict
-from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.config import from_dict
+from headrace.training.components.checkpoint import export_hf
+from headrace.training.config.job_config import ModelConfig
 from headrace.training.config.speech import SpeechConfig
+from headrace.training.distributed.dense import apply_ddp
+from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.models.build import build_hf_config, param_dtype
+from headrace.training.models.loss import bf16_autocast, unwrap_ddp
+from headrace.training.speech.checkpoints import MANIFEST, speech_from_checkpoint, speech_llm_kind, write_manifest
 from headrace.training.speech.model import SALM, build_meta_salm, materialize_salm
+from headrace.training.speech.parallelize import parallelize_salm
 from headrace.training.speech.prompt import build_batch, load_tokenizer, make_template
 
 SALM_INPUTS = ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")
-MANIFEST = "salm.json"
 
 
-def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: torch.device):
+def build_salm(cfg, dims: ParallelDims, device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
-    from headrace.training.models.build import build_hf_config, param_dtype
-    from headrace.training.distributed.dense import apply_ddp
-    from headrace.training.speech.parallelize import parallelize_salm
-
     if cfg.model.speech.eval_every and dims.sequence_parallel:
         raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
                          "split over the tp ranks); evaluate the export with python -m headrace.training.speech.eval")
-    llm_config = build_hf_config(cfg.model)
+    llm_config = build_hf_config(cfg.model, text_model=True)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
+    model = parallelize_salm(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision))
     materialize_salm(model, device, cfg.model.pretrained_path)
-    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
+    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + dims.get_mesh("dp").get_local_rank())
     if cfg.distributed.strategy == "ddp":
-        model = apply_ddp(model, dims, meshes)
+        model = apply_ddp(model, dims)
     return model, llm_config
 
 
@@ -78,7 +79,7 @@ class SpeechBatches:
         if tokenizer_path is None:
             raise ValueError("model.tokenizer is required with model.kind: salm (prompt and transcripts)")
         self.loader, self.cfg, self.multiple_of = loader, cfg, multiple_of
-        self.salm = getattr(model, "module", model)  # DDP wraps
+        self.salm = unwrap_ddp(model)
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.template = make_template(self.tokenizer, cfg.prompt, cfg.answer_end)
 
@@ -109,8 +110,7 @@ class SpeechBatches:
 
 def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
     """The step's forward for a SALM micro-batch (summed answer cross-entropy)."""
-    ctx = torch.autocast(batch["audio"].device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with ctx:
+    with bf16_autocast(batch["audio"].device.type, autocast):
         return model(**{k: batch[k] for k in SALM_INPUTS})
 
 
@@ -118,9 +118,7 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
-    from headrace.training.components.checkpoint import export_hf
-
-    salm: SALM = getattr(model, "module", model)
+    salm: SALM = unwrap_ddp(model)
     out_dir = Path(out_dir)
     export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer)
     parts = {name: get_model_state_dict(getattr(salm, name), options=StateDictOptions(
@@ -136,21 +134,9 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     return out_dir
 
 
-def write_manifest(speech: SpeechConfig, out_dir: Path) -> None:
-    """``out_dir/salm.json``: ``speech`` with its encoder and adapter in ``out_dir/encoder`` / ``adapter``."""
-    raw = to_dict(speech)
-    raw["encoder"] = {"kind": speech.encoder.kind, "pretrained_path": "encoder"}
-    raw["adapter"] = {**raw["adapter"], "pretrained_path": "adapter"}
-    (out_dir / MANIFEST).write_text(json.dumps(raw, indent=1))
-
-
 def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
     """The SALM in ``path`` (an export, or a transformers speech LLM's checkpoint directory read in place:
     ``headrace.training.speech.checkpoints``) as one plain module in eval mode (for decoding), with its config."""
-    from headrace.training.config.job_config import ModelConfig
-    from headrace.training.models.build import build_hf_config
-    from headrace.training.speech.checkpoints import speech_from_checkpoint, speech_llm_kind
-
     path = Path(path)
     if speech_llm_kind(path):
         speech, llm_path = speech_from_checkpoint(path, SpeechConfig()), path
@@ -159,7 +145,7 @@ def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SAL
         for part in ("encoder", "adapter"):
             raw[part]["pretrained_path"] = str(path / raw[part]["pretrained_path"])
         speech, llm_path = from_dict(SpeechConfig, raw, "salm.json"), path / "hf"
-    llm_config = build_hf_config(ModelConfig(kind="salm", pretrained_path=str(llm_path), speech=speech))
+    llm_config = build_hf_config(ModelConfig(pretrained_path=str(llm_path)), text_model=True)
     model = build_meta_salm(llm_config, speech)
     materialize_salm(model, torch.device(device), str(llm_path))
     return model.eval(), speech
@@ -172,4 +158,4 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
 
 
 __all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
-           "wrap_loader", "write_manifest"]
+           "wrap_loader"]

@@ -35,8 +35,10 @@ from transformers import PretrainedConfig
 
 from headrace.kernels.log_mel import spec_augment
 from headrace.kernels.loss import IGNORE_INDEX
-from headrace.training.models.loss import CausalLMLoss
 from headrace.training.config.speech import SpeechConfig
+from headrace.training.models.build import build_meta_model, load_safetensors, materialize
+from headrace.training.models.loss import CausalLMLoss
+from headrace.training.speech.checkpoints import part_prefix, salm_name
 from headrace.training.speech.encoders import front_end, masked_frames
 
 
@@ -179,8 +181,6 @@ def ctc_loss_sum(logits: torch.Tensor, frames: torch.Tensor, labels: torch.Tenso
 
 def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     """The whole SALM on the meta device (fp32 master weights), frozen parts marked."""
-    from headrace.training.models.build import build_meta_model
-
     front = front_end(cfg.encoder.kind, cfg.features)
     enc_config = front.config(cfg.encoder)
     llm = build_meta_model(llm_config)
@@ -199,9 +199,6 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
 def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) -> None:
     """Allocate each rank's shards, initialize, then load whatever has a local checkpoint (a part's own directory,
     or a whole model's checkpoint whose part it reads: ``headrace.training.speech.checkpoints``)."""
-    from headrace.training.models.build import load_safetensors, materialize
-    from headrace.training.speech.checkpoints import part_prefix, salm_name
-
     materialize(model.llm, device, llm_path, prefix=part_prefix(llm_path, "hf") if llm_path else "")
     model.encoder.to_empty(device=device)
     model.adapter.to_empty(device=device)

@@ -14,34 +14,29 @@ only sees trainable parameters.
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from headrace.training.config.job_config import DistributedConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
-from headrace.training.distributed.dense import apply_fsdp, apply_tp
+from headrace.training.distributed.dense import apply_ac, apply_fsdp, uses_fsdp
 from headrace.training.distributed.parallelize import check_supported
+from headrace.training.distributed.tensor_parallel import apply_tp
 from headrace.training.speech.model import SALM
 
 
-def parallelize_salm(model: SALM, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                     param_dtype: torch.dtype) -> SALM:
+def parallelize_salm(model: SALM, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype) -> SALM:
     check_supported(dims, model.config)
-    if dims.tp > 1:
-        apply_tp(model.llm, meshes["tp"], dims.sequence_parallel, embed_output=Replicate())
+    if dims.tp_enabled:
+        apply_tp(model.llm, dims.get_mesh("tp"), dims.sequence_parallel, embed_output=Replicate())
         if dims.sequence_parallel:
-            model.llm.sequence_mesh = meshes["tp"]
+            model.llm.sequence_mesh = dims.get_mesh("tp")
     parts = [(model.encoder, model.encoder.layers), (model.llm, model.llm.model.layers)]
-    if cfg.activation_checkpointing:
-        for _, blocks in parts:
-            for i in range(0, len(blocks), cfg.activation_checkpointing_every):
-                blocks[i] = checkpoint_wrapper(blocks[i])
-    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
-    if cfg.strategy == "fsdp2" and (sharded or param_dtype != torch.float32):
+    for _, blocks in parts:
+        apply_ac(blocks, cfg)
+    if uses_fsdp(dims, cfg, param_dtype):
         for module, blocks in parts:
-            apply_fsdp(module, blocks, meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
-        apply_fsdp(model, [], meshes["fsdp"], param_dtype, cfg.reshard_after_forward)
+            apply_fsdp(module, blocks, dims.get_mesh("fsdp"), param_dtype, cfg.reshard_after_forward)
+        apply_fsdp(model, [], dims.get_mesh("fsdp"), param_dtype, cfg.reshard_after_forward)
     return model
 
 
