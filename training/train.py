@@ -57,6 +57,7 @@ from headrace.training.distributed.parallelize import parallelize
 from headrace.training.distributed.pipeline import Pipeline, build_pipeline, pipeline_metrics
 from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device
 from headrace.training.models.build import build_hf_config, build_meta_model, materialize, one_document_per_row, param_dtype
+from headrace.training.models import lora
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.components.run_lock import lock_output_dir
 from headrace.training.speech.checkpoints import with_speech_llm
@@ -95,8 +96,10 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
         return build_salm(cfg, dims, meshes, device)
     hf_config = build_hf_config(cfg.model)
     model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed,
-                        param_dtype(cfg.trainer.precision))
+                        param_dtype(cfg.trainer.precision), adapters=lora.adapter_hook(cfg.peft))
     materialize(model, device, cfg.model.pretrained_path)
+    if cfg.peft is not None:
+        lora.init_adapters(model, cfg.peft)
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)
     return model, hf_config
@@ -207,8 +210,8 @@ def resume(trainer: Trainer, loader) -> None:
     cfg = trainer.cfg
     found = None
     if cfg.checkpoint.resume:
-        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer,
-                                       checkpoint.model_config_record(trainer.hf_config))
+        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer, model_record(trainer),
+                                       trainable_only=cfg.peft is not None)
     if found is not None:
         resume_from, state = found
         loader.load_state_dict(state["loader"])
@@ -254,13 +257,24 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
     }
 
 
+def model_record(trainer: Trainer) -> dict:
+    """What a checkpoint records of the model and a resume compares: its config, with LoRA also the base it
+    adapts (the checkpoint holds only the trainable state) and the adapter settings."""
+    record = checkpoint.model_config_record(trainer.hf_config)
+    if trainer.cfg.peft is not None:
+        record["peft"] = lora.base_reference(trainer.cfg)
+    return record
+
+
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
-    checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                    checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
-                    keep_last=trainer.cfg.checkpoint.keep_last,
-                    extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
-                           "first_loss": host_float(trainer.first_loss)})
+    path = checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
+                           checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
+                           keep_last=trainer.cfg.checkpoint.keep_last,
+                           extra={"model_config": model_record(trainer), "first_loss": host_float(trainer.first_loss)},
+                           trainable_only=trainer.cfg.peft is not None)
+    if trainer.cfg.peft is not None:
+        print_on_rank0(lora.checkpoint_size_line(path, trainer.model, trainer.cfg))
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
@@ -355,7 +369,10 @@ def export_model(trainer: Trainer) -> None:
     else:
         checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
                              shard_size_mb=cfg.checkpoint.export_shard_size_mb,
-                             experts_layout=cfg.checkpoint.export_hf_experts)
+                             experts_layout=cfg.checkpoint.export_hf_experts,
+                             transform=None if cfg.peft is None else lora.merger(cfg.peft))
+    if cfg.peft is not None and cfg.peft.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
+        lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora", cfg.model.pretrained_path)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")

@@ -2,7 +2,7 @@
 
 Sections: ``model`` (which transformers model and how to build it), ``data`` (the loader's own ``data:``
 section, passed to ``headrace.dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
-its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. ``headrace.training.config.load``
+its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``, ``peft`` (LoRA). ``headrace.training.config.load``
 reads it (``headrace.config``: unknown keys and wrong types fail with the full dotted path) and
 ``headrace.training.config.validate`` holds every rule between its values.
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from headrace.config import from_dict, to_dict
 from headrace.dataio.config import DataConfig
+from headrace.training.config.peft import PeftConfig
 from headrace.training.config.speech import SpeechConfig
 
 
@@ -175,6 +176,7 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    peft: PeftConfig | None = None  # LoRA adapters on a frozen base (headrace.training.models.lora, docs/lora.md)
 
 
 def val_data_config(data: DataConfig) -> DataConfig | None:

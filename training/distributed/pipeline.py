@@ -52,6 +52,7 @@ from headrace.training.config.job_config import JobConfig, PipelineConfig
 from headrace.training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
 from headrace.training.distributed.parallelize import parallelize
 from headrace.training.models.build import build_meta_model, materialize, param_dtype
+from headrace.training.models.lora import adapter_hook, init_adapters
 from headrace.training.models.families import LLAMA_LIKE
 from headrace.training.models.loss import CausalLMLoss, lm_head_loss_sum
 
@@ -308,8 +309,10 @@ def build_pipeline(cfg: JobConfig, dims, meshes: dict[str, DeviceMesh], device: 
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
     modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, meshes, stage_cfg,
-                           param_dtype(cfg.trainer.precision)) for s in mine]
+                           param_dtype(cfg.trainer.precision), adapters=adapter_hook(cfg.peft)) for s in mine]
     materialize(part, device, cfg.model.pretrained_path)
+    if cfg.peft is not None:
+        init_adapters(part, cfg.peft)
     group = meshes["pp"].get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()
