@@ -54,8 +54,9 @@ STATE_FILE = "trainer_state.json"
 # Optimizer state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): ranks that
 # hold different parameters (pipeline stages) then write disjoint keys instead of colliding param_groups lists.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# LoRA (``trainable_only``): frozen parameters are the base's, referenced by the trainer state, not copied
-_TRAINABLE = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+# LoRA (``trainable_only``): frozen parameters are the base's, referenced by the trainer state, not copied; not
+# strict, as the frozen keys are absent by design (a trainable key missing from the files still fails in dcp.load)
+_TRAINABLE = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 

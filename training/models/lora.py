@@ -223,10 +223,10 @@ def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
     everyone = {k for keys in gather_objects(sorted(state)) for k in keys}  # pipeline stages hold parts
     wanted = {PEFT_PREFIX + k for k in everyone}
     if wanted != stored:
-        missing, extra = sorted(wanted - stored), sorted(stored - wanted)
+        differ = [f"{len(keys)} keys {what} (e.g. {keys[0]})" for keys, what in
+                  ((sorted(wanted - stored), "missing"), (sorted(stored - wanted), "not selected")) if keys]
         raise JobInputError(f"peft.pretrained_path: {path} adapts other modules than peft selects: "
-                            f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} not selected "
-                            f"(e.g. {extra[:2]}); set peft.target_modules to the adapter's target_modules "
+                            f"{', '.join(differ)}; set peft.target_modules to the adapter's target_modules "
                             f"{config.get('target_modules')}")
     dcp.load({PEFT_PREFIX + k: v for k, v in state.items()}, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
