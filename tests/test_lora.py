@@ -10,40 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist.lora_checks import lora_job, make_base_and_adapter
 from tests.dist.train_common import (TINY_LLAMA, ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches,
                                     save_pretrained_tiny)
 from tests.helpers import REPO
 
 from headrace.config import ConfigError  # noqa: E402
 from headrace.training.config.load import load_job_config  # noqa: E402
-
-TARGETS = ["q_proj", "v_proj", "down_proj"]  # column-wise and row-wise layers
-
-
-def make_base_and_adapter(workdir: Path) -> None:
-    """A seeded base checkpoint and a peft adapter on it with non-zero B (peft's init_lora_weights=False), so
-    the adapter changes the output from step 0."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    save_pretrained_tiny(workdir / "pretrained")
-    torch.manual_seed(1)
-    base = AutoModelForCausalLM.from_pretrained(workdir / "pretrained")
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(workdir / "adapter")
-
-
-def lora_job(workdir: Path, name: str, max_steps: int, **peft) -> object:
-    """The tiny job on ``workdir``'s base and peft adapter; ``peft`` overrides the block (None drops a key)."""
-    block = dict(r=4, lora_alpha=8, target_modules=TARGETS, pretrained_path=str(workdir / "adapter")) | peft
-    return load_job_config(None, base=dict(
-        model=dict(pretrained_path=str(workdir / "pretrained"), attn_implementation="headrace_varlen"),
-        data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2, packing="greedy"),
-        optim=dict(lr=1e-2, warmup_steps=0, decay_steps=4),
-        trainer=dict(max_steps=max_steps, output_dir=str(workdir / name)), checkpoint=dict(interval=2),
-        logging=dict(console=False, tensorboard=False),
-        peft={k: v for k, v in block.items() if v is not None}))
-
 
 def peft_reference(workdir: Path, adapter: Path):
     from peft import PeftModel
