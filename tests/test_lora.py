@@ -199,3 +199,35 @@ def test_an_adapter_of_other_modules_or_rank_is_refused(tmp_path, process_group)
     shutil.rmtree(tmp_path / "adapter")
     with pytest.raises(JobInputError, match="is not a peft adapter directory"):
         train(lora_job(tmp_path, "none", 1), lambda r, n: ListLoader(batches, r, n, 1))
+
+
+def test_salm_lora_on_its_llm_and_encoder(tmp_path, process_group):
+    """A SALM with LoRA on its LLM and its encoder (Hugging Face's names, as NeMo's SALM writes them): the frozen
+    bases stay out of the checkpoint (adapters, the speech adapter, which stays trainable, and buffers); hf/ and encoder/
+    hold merged weights, lora/ the LLM's adapter in peft's format."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from headrace.config import to_dict
+    from headrace.training.train import train
+    from tests.dist.speech_common import audio_batches, salm_job, save_tokenizer
+
+    save_tokenizer(tmp_path / "tokenizer.json")
+    raw = to_dict(salm_job(tmp_path, "salm", max_steps=2))
+    raw["peft"] = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
+                       parts=["llm", "encoder"])
+    batches = audio_batches(2)
+    history = train(load_job_config(None, base=raw), lambda r, n: ListLoader(batches, r, n, 1))
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    out = tmp_path / "salm"
+    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step-00000002")).read_metadata()
+    stored = {k.split(".", 1)[1] for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert {k for k in stored if ".lora_" in k and k.startswith("llm.")} and \
+        {k for k in stored if ".lora_" in k and k.startswith("encoder.")}
+    buffers = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's statistics move in training
+    assert all(".lora_" in k or k.startswith("adapter.") or k.endswith(buffers) for k in stored), stored
+    AutoModelForCausalLM.from_pretrained(out / "hf")
+    targets = json.loads((out / "lora" / "adapter_config.json").read_text())["target_modules"]
+    assert len(targets) == 4 and all(t.startswith("model.layers.") for t in targets)
+    assert not [k for k in load_file(out / "encoder" / "model.safetensors") if ".lora_" in k]

@@ -29,6 +29,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -151,6 +152,24 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
 def adapter_hook(cfg: PeftConfig | None) -> Callable[[nn.Module], list[str]] | None:
     """What a parallelize function runs on the model after TP (``apply_lora`` with ``cfg``); None without LoRA."""
     return None if cfg is None else partial(apply_lora, cfg=cfg)
+
+
+def salm_adapter_hook(cfg: PeftConfig | None) -> Callable[[nn.Module], None] | None:
+    """``adapter_hook`` for a SALM: LoRA on the parts ``cfg.parts`` names (its LLM, its speech encoder), each
+    frozen; the speech adapter keeps its own ``freeze`` setting."""
+    if cfg is None:
+        return None
+
+    def apply(salm: nn.Module) -> None:
+        for part in cfg.parts:
+            apply_lora(getattr(salm, part), cfg)
+    return apply
+
+
+def init_salm_adapters(salm: nn.Module, cfg: PeftConfig) -> None:
+    """``init_adapters`` of each adapted part of a SALM; ``cfg.pretrained_path`` is the LLM's adapter."""
+    for part in cfg.parts:
+        init_adapters(getattr(salm, part), cfg if part == "llm" else replace(cfg, pretrained_path=None), f" ({part})")
 
 
 def is_adapter_key(key: str) -> bool:
@@ -314,5 +333,5 @@ def checkpoint_size_line(path: Path, model: nn.Module, job) -> str:
 
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoRALinear", "adapter_hook", "adapter_placements", "apply_lora",
-           "base_reference", "checkpoint_size_line", "init_adapters", "llm_of", "merger", "is_adapter_key", "load_adapter", "merged_state", "read_adapter_config", "save_adapter",
-           "selected_modules", "wildcard"]
+           "base_reference", "checkpoint_size_line", "init_adapters", "init_salm_adapters", "llm_of", "merger", "is_adapter_key", "load_adapter", "merged_state", "read_adapter_config", "salm_adapter_hook",
+           "save_adapter", "selected_modules", "wildcard"]

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from headrace.config import from_dict, to_dict
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.config.speech import SpeechConfig
+from headrace.training.models import lora
 from headrace.training.speech.model import SALM, build_meta_salm, materialize_salm
 from headrace.training.speech.prompt import build_batch, load_tokenizer, make_template
 
@@ -49,8 +50,11 @@ def build_salm(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: t
     llm_config = build_hf_config(cfg.model)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision))
+    model = parallelize_salm(model, dims, meshes, cfg.distributed, param_dtype(cfg.trainer.precision),
+                             adapters=lora.salm_adapter_hook(cfg.peft))
     materialize_salm(model, device, cfg.model.pretrained_path)
+    if cfg.peft is not None:
+        lora.init_salm_adapters(model, cfg.peft)
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + meshes["dp"].get_local_rank())
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims, meshes)
@@ -122,9 +126,13 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
 
     salm: SALM = getattr(model, "module", model)
     out_dir = Path(out_dir)
-    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer)
+    peft = cfg.peft
+    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer,
+              transform=lora.merger(peft) if peft is not None and "llm" in peft.parts else None)
     parts = {name: get_model_state_dict(getattr(salm, name), options=StateDictOptions(
         full_state_dict=True, cpu_offload=True)) for name in ("encoder", "adapter")}
+    if peft is not None and "encoder" in peft.parts:  # encoder/ holds the merged weights (no adapter of its own)
+        parts["encoder"] = lora.merged_state(parts["encoder"], peft.scaling)
     if dist.get_rank() != 0:
         return None
     for name, state in parts.items():

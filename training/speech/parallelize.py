@@ -26,12 +26,15 @@ from headrace.training.speech.model import SALM
 
 
 def parallelize_salm(model: SALM, dims: ParallelDims, meshes: dict[str, DeviceMesh], cfg: DistributedConfig,
-                     param_dtype: torch.dtype) -> SALM:
+                     param_dtype: torch.dtype, adapters=None) -> SALM:
+    """``adapters(model)``: LoRA on the LLM and/or encoder, after TP (``headrace.training.models.lora``)."""
     check_supported(dims, model.config)
     if dims.tp > 1:
         apply_tp(model.llm, meshes["tp"], dims.sequence_parallel, embed_output=Replicate())
         if dims.sequence_parallel:
             model.llm.sequence_mesh = meshes["tp"]
+    if adapters is not None:
+        adapters(model)
     parts = [(model.encoder, model.encoder.layers), (model.llm, model.llm.model.layers)]
     if cfg.activation_checkpointing:
         for _, blocks in parts:
