@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ["versions", "shards", "train_headrace", "train_plain", "train_eager", "gpu_tests", "kernels", "moe",
-         "train_webdataset", "smoke"]
+         "lora", "train_webdataset", "smoke"]
 
 
 def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
