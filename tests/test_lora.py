@@ -231,3 +231,27 @@ def test_salm_lora_on_its_llm_and_encoder(tmp_path, process_group):
     targets = json.loads((out / "lora" / "adapter_config.json").read_text())["target_modules"]
     assert len(targets) == 4 and all(t.startswith("model.layers.") for t in targets)
     assert not [k for k in load_file(out / "encoder" / "model.safetensors") if ".lora_" in k]
+
+
+def test_eval_of_a_lora_checkpoint_equals_eval_of_its_merged_export(tmp_path, process_group):
+    """``headrace.training.eval`` on a LoRA checkpoint (trainable state only, the base rebuilt from the job) and on
+    the merged hf/ export gives the same validation loss."""
+    from headrace.training.eval import evaluate_checkpoint
+    from headrace.training.train import train
+    from tests.loader_util import make_text_dataset
+
+    make_base_and_adapter(tmp_path, TINY_LLAMA | {"vocab_size": 1024})  # the dataset's ids reach ~1000
+    make_text_dataset(tmp_path / "data", [30])
+    cfg = load_job_config(None, [f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.num_workers=0",
+                                 f"data.val={{datasets: [{{path: {tmp_path / 'data'}}}]}}"],
+                          base=to_dict_of(lora_job(tmp_path, "eval", 2)))
+    train(cfg)
+    step = evaluate_checkpoint(cfg, str(tmp_path / "eval" / "checkpoints" / "step-00000002"))
+    merged = evaluate_checkpoint(cfg, str(tmp_path / "eval" / "hf"))
+    assert step["val_loss"] == pytest.approx(merged["val_loss"], rel=1e-5)
+
+
+def to_dict_of(cfg) -> dict:
+    from headrace.config import to_dict
+
+    return to_dict(cfg)

@@ -62,7 +62,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     import torch  # deferred: the CLI's --help and argument errors load no torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
@@ -74,7 +74,8 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     cfg = with_speech_llm(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
-                                                                 pretrained_path=str(ckpt)))
+                                                                 pretrained_path=str(ckpt)),
+                                  peft=None)  # a LoRA run's hf/ holds the merged model
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
@@ -83,9 +84,11 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     model, _, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
     validate = make_validator(cfg, dims, meshes, device, model, pipe)
     if kind == "dcp":
-        state = {"model": get_model_state_dict(model)}
+        # a LoRA checkpoint holds the trainable parameters only; the frozen base is built from the job's config
+        lora = StateDictOptions(ignore_frozen_params=True, strict=False) if cfg.peft is not None else None
+        state = {"model": get_model_state_dict(model, options=lora)}
         dcp.load(state, checkpoint_id=str(ckpt))
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=lora)
     return {"checkpoint": str(ckpt), **validate()}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.dist.train_common import ListLoader, packed_batches, save_pretrained_tiny
+from tests.dist.train_common import TINY_LLAMA, ListLoader, packed_batches, save_pretrained_tiny
 
 from headrace.training.config.load import load_job_config  # noqa: E402
 
@@ -28,13 +28,13 @@ LAYOUTS = {  # name -> distributed section (2 ranks)
 }
 
 
-def make_base_and_adapter(workdir: Path) -> None:
+def make_base_and_adapter(workdir: Path, fields: dict = TINY_LLAMA) -> None:
     """A seeded base checkpoint and a peft adapter on it with non-zero B (peft's ``init_lora_weights=False``), so
     the adapter changes the output from step 0."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    save_pretrained_tiny(workdir / "pretrained")
+    save_pretrained_tiny(workdir / "pretrained", fields)
     torch.manual_seed(1)
     base = AutoModelForCausalLM.from_pretrained(workdir / "pretrained")
     config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
