@@ -255,3 +255,21 @@ def to_dict_of(cfg) -> dict:
     from headrace.config import to_dict
 
     return to_dict(cfg)
+
+
+def test_a_moe_model_trains_lora_on_its_attention(tmp_path, process_group):
+    """On a MoE recipe the default selection (``*_proj``) adapts the attention projections; the experts and the
+    router stay frozen and out of the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from headrace.training.train import train
+
+    cfg = load_job_config(str(REPO / "configs" / "debug_qwen3_moe.yaml"), [
+        f"trainer.output_dir={tmp_path / 'moe'}", "trainer.max_steps=2", "data.seq_len=32", "checkpoint.interval=0",
+        "logging.tensorboard=false", "logging.console=false", "peft={r: 4, lora_alpha: 8}",
+        f"model.config.vocab_size={TINY_LLAMA['vocab_size']}"])
+    history = train(cfg, lambda r, n: ListLoader(packed_batches(4), r, n, 1))
+    assert len(history) == 2
+    meta = dcp.FileSystemReader(str(tmp_path / "moe" / "checkpoints" / "step-00000002")).read_metadata()
+    stored = {k.split(".", 1)[1] for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert stored and all(".self_attn." in k and ".lora_" in k for k in stored), stored

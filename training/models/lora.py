@@ -195,12 +195,6 @@ def init_adapters(model: nn.Module, cfg: PeftConfig, label: str = "") -> None:
               + (f", adapter from {cfg.pretrained_path}" if cfg.pretrained_path else ""), flush=True)
 
 
-def adapter_keys(model: nn.Module) -> list[str]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return [k for k in get_model_state_dict(model) if is_adapter_key(k)]
-
-
 def read_adapter_config(path: str | Path) -> dict:
     """``adapter_config.json`` of a peft adapter directory (plain JSON), after the rules this trainer needs."""
     file = Path(path) / ADAPTER_CONFIG
