@@ -152,8 +152,10 @@ def test_hf_names_translate_and_refusals_are_one_line_through_the_cli(tmp_path, 
     assert (cfg.peft.dim, cfg.peft.alpha, cfg.peft.dropout, cfg.peft.dropout_position) == (16, 32, 0.1, "pre")
     assert cfg.peft.target_modules == ["q_proj"]
     out = f"trainer.output_dir={tmp_path / 'out'}"
+    recipe = load_job_config(str(REPO / "configs" / "debug_lora.yaml"))  # Automodel's block, as written
+    assert (recipe.peft.dim, recipe.peft.scaling, recipe.peft.target_modules) == (8, 2.0, ["*_proj"])
     for recipe, override, message in [
-            ("debug_llama", "peft={dim: 8, use_triton: true}", "peft.use_triton=True is not supported"),
+            ("debug_lora", "peft.use_triton=true", "peft.use_triton=True is not supported"),
             ("debug_qwen3_moe", "peft={target_modules: ['*.experts']}", "LoRA on experts is not supported")]:
         assert main(["--config", f"configs/{recipe}.yaml", out, override]) == 2
         err = capsys.readouterr().err
