@@ -1,4 +1,4 @@
-"""LoRA under FSDP2, DDP, TP+SP and PP on 2 gloo ranks (one torchrun launch, tests/dist/lora_checks.py) trains
+"""LoRA under FSDP2 (+ activation checkpointing), DDP, TP+SP and PP on 2 gloo ranks (one torchrun launch, tests/dist/lora_checks.py) trains
 exactly like one process from the same base and peft adapter: same losses, same trained adapter."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torchrun script and shared pieces of the LoRA tests (tests/test_lora.py, tests/test_lora_dist.py).
 
 ``torchrun --nproc-per-node 2 -m tests.dist.lora_checks WORKDIR`` (WORKDIR holds ``pretrained/`` and the peft
-``adapter/`` of ``make_base_and_adapter``): FSDP2 dp=2, DDP dp=2, TP=2 with sequence parallelism and PP=2 each
+``adapter/`` of ``make_base_and_adapter``): FSDP2 dp=2 with activation checkpointing, DDP dp=2, TP=2 with sequence parallelism and PP=2 each
 train ``STEPS`` steps of LoRA on the same global batches from the same base and adapter, writing their
 ``metrics.jsonl`` and ``lora/`` export under ``WORKDIR/<layout>``; the test compares them with the same job run
 by one process.
@@ -21,7 +21,7 @@ from headrace.training.config.load import load_job_config  # noqa: E402
 TARGETS = ["q_proj", "v_proj", "down_proj"]  # column-wise and row-wise layers under TP
 STEPS, GLOBAL_MICRO = 3, 2  # per step: 2 micro-batches of 2 x 32 tokens
 LAYOUTS = {  # name -> distributed section (2 ranks)
-    "fsdp_dp2": {},
+    "fsdp_dp2_ac": {"activation_checkpointing": True},
     "ddp_dp2": {"strategy": "ddp"},
     "tp2_sp": {"tp_size": 2, "sequence_parallel": True},
     "pp2": {"pp_size": 2},
