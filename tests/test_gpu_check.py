@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ["versions", "shards", "train_headrace", "train_torchtitan", "train_plain", "train_float8",
-         "train_float8_rowwise", "train_offload", "float8_loss", "train_eager", "gpu_tests", "kernels", "moe",
+         "train_float8_rowwise", "train_offload", "float8_loss", "train_eager", "gpu_tests", "kernels", "moe", "lora",
          "train_webdataset", "smoke"]
 
 

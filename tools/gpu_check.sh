@@ -18,7 +18,8 @@
 # distributed.offload_policy=cpu), float8_loss (300: 200 steps bf16 and float8, the last losses within 2%),
 # train_eager (120: the trainer without the recipe's compile and with
 # resharding after forward), gpu_tests (240: pytest -m gpu, one line per test), kernels (120:
-# tools.bench_kernels all), moe (45: tools.bench_moe experts), train_webdataset (120), smoke (150: the
+# tools.bench_kernels all), moe (45: tools.bench_moe experts), lora (150: tools.bench_lora, LoRA then full
+# fine-tuning of one 1.2B Llama in bf16, step time and peak memory each), train_webdataset (120), smoke (150: the
 # floor-torch smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP
 # schedules, the dependency checks -- under the machine's torch). Every box expiring: ~19 min, more than one
 # device call allows, so --budget S (seconds from the start) skips, and reports, each part whose box no longer
@@ -28,7 +29,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 REPORT=runs/gpu_check/report.md
 PARTS="versions shards train_headrace train_torchtitan train_plain train_float8 train_float8_rowwise train_offload"
-PARTS+=" float8_loss train_eager gpu_tests kernels moe train_webdataset smoke"
+PARTS+=" float8_loss train_eager gpu_tests kernels moe lora train_webdataset smoke"
 DRY=0
 BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
@@ -43,7 +44,8 @@ while [ $# -gt 0 ]; do
 done
 declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_headrace]=180 [train_webdataset]=120
                 [train_plain]=120 [train_eager]=120 [kernels]=120 [moe]=45 [train_torchtitan]=240
-                [train_float8]=180 [train_float8_rowwise]=180 [train_offload]=180 [float8_loss]=300)
+                [train_float8]=180 [train_float8_rowwise]=180 [train_offload]=180 [float8_loss]=300
+                [lora]=150)
 START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
@@ -175,6 +177,10 @@ part gpu_tests "pytest pytest_timeout" -- \
 part kernels "" -- "$PY" -m tools.bench_kernels all --device cuda --dtype bfloat16
 part moe "" -- "$PY" -m tools.bench_moe experts --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
     --intermediate 768 --experts 64 --top-k 8
+# one JSON line per mode (BENCHMARKS.md "LoRA against full fine-tuning"); full second, so its larger peak
+# cannot be what the LoRA run's figure measured
+part lora "" -- env PY="$PY" bash -c 'for mode in lora full; do "$PY" -m tools.bench_lora --mode $mode --device cuda \
+    --hidden 2048 --layers 16 --seq-len 4096 --batch 2 --steps 12 --warmup 4 --precision bf16 || exit 1; done'
 train train_webdataset webdataset "tokenizers webdataset"
 part smoke "pytest pytest_timeout webdataset soundfile" -- \
     env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${SMOKE[@]}"

@@ -26,6 +26,7 @@ from headrace.training.distributed.dense import apply_ddp
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.distributed.parallelize import parallelize
 from headrace.training.distributed.pipeline import build_pipeline
+from headrace.training.models import lora
 from headrace.training.models.build import build_hf_config, build_meta_model, materialize, param_dtype
 from headrace.training.models.float8 import apply_quantize
 from headrace.training.models.loss import CausalLMLoss
@@ -33,14 +34,17 @@ from headrace.training.protocols.model_kind import Forward, ModelKind, one_pass,
 
 
 def build_causal_lm(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> tuple[nn.Module, PretrainedConfig]:
-    """meta ``CausalLMLoss`` -> float8 linears (``quantize:``) -> parallelize -> allocate this rank's shards -> init
-    or load (-> DDP).
+    """meta ``CausalLMLoss`` -> float8 linears (``quantize:``) -> parallelize (LoRA adapters after TP, ``peft:``)
+    -> allocate this rank's shards -> init or load (-> DDP).
     Returns (model, hf_config)."""
     hf_config = build_hf_config(cfg.model)
     model = CausalLMLoss(build_meta_model(hf_config))
     apply_quantize(model, cfg.quantize, device)
-    model = parallelize(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision))
+    model = parallelize(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision),
+                        adapters=lora.adapter_hook(cfg.peft))
     materialize(model, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
+    if cfg.peft is not None:
+        lora.init_adapters(model, cfg.peft)
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims)
     return model, hf_config
@@ -60,7 +64,8 @@ def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConf
     """``out_dir/hf``: the consolidated model and its tokenizer (``checkpoint.export_hf``). Collective."""
     checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
                          shard_size_mb=cfg.checkpoint.export_shard_size_mb,
-                         experts_layout=cfg.checkpoint.export_hf_experts)
+                         experts_layout=cfg.checkpoint.export_hf_experts,
+                         transform=None if cfg.peft is None else lora.merger(cfg.peft))
 
 
 CAUSAL_LM = ModelKind(

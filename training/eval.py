@@ -64,7 +64,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
@@ -75,7 +75,8 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a speech LLM's checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
-                                                                 pretrained_path=str(ckpt)))
+                                                                 pretrained_path=str(ckpt)),
+                                  peft=None)  # a LoRA run's hf/ holds the merged model
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
@@ -84,9 +85,11 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     model, _, pipe = build_model_or_pipeline(cfg, dims, device)
     validate = make_validator(cfg, dims, device, model, pipe)
     if kind == "dcp":
-        state = {"model": get_model_state_dict(model)}
+        # a LoRA checkpoint holds the trainable parameters only; the frozen base is built from the job's config
+        lora = StateDictOptions(ignore_frozen_params=True, strict=False) if cfg.peft is not None else None
+        state = {"model": get_model_state_dict(model, options=lora)}
         dcp.load(state, checkpoint_id=str(ckpt))
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=lora)
     return {"checkpoint": str(ckpt), **validate()}
 
 

@@ -58,6 +58,7 @@ from headrace.training.distributed.pipeline import Pipeline, pipeline_metrics
 from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device, world_size
 from headrace.training.model_kinds import build_model_or_pipeline, model_kind
 from headrace.training.models.build import one_document_per_row
+from headrace.training.models import lora
 from headrace.training.models.float8 import register_scale_precompute
 from headrace.training.components.run_lock import lock_output_dir
 from headrace.training.protocols.model_kind import ModelKind
@@ -179,8 +180,8 @@ def resume(trainer: Trainer, loader) -> None:
     cfg = trainer.cfg
     found = None
     if cfg.checkpoint.resume:
-        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer,
-                                       checkpoint.model_config_record(trainer.hf_config))
+        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer, model_record(trainer),
+                                       trainable_only=cfg.peft is not None)
     if found is not None:
         resume_from, state = found
         loader.load_state_dict(state["loader"])
@@ -226,13 +227,24 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
     }
 
 
+def model_record(trainer: Trainer) -> dict:
+    """What a checkpoint records of the model and a resume compares: its config, with LoRA also the base it
+    adapts (the checkpoint holds only the trainable state) and the adapter settings."""
+    record = checkpoint.model_config_record(trainer.hf_config)
+    if trainer.cfg.peft is not None:
+        record["peft"] = lora.base_reference(trainer.cfg)
+    return record
+
+
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
-    checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                    checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
-                    keep_last=trainer.cfg.checkpoint.keep_last,
-                    extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
-                           "first_loss": host_float(trainer.first_loss)})
+    path = checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
+                           checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
+                           keep_last=trainer.cfg.checkpoint.keep_last,
+                           extra={"model_config": model_record(trainer), "first_loss": host_float(trainer.first_loss)},
+                           trainable_only=trainer.cfg.peft is not None)
+    if trainer.cfg.peft is not None:
+        print_on_rank0(lora.checkpoint_size_line(path, trainer.model, trainer.cfg))
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
@@ -323,6 +335,8 @@ def export_model(trainer: Trainer) -> None:
     print_on_rank0(f"exporting step {trainer.step} to {out} ...")
     start = time.perf_counter()
     trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
+    if cfg.peft is not None and cfg.peft.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
+        lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora", cfg.model.pretrained_path)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")

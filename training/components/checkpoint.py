@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,6 +55,9 @@ STATE_FILE = "trainer_state.json"
 # Optimizer state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): ranks that
 # hold different parameters (pipeline stages) then write disjoint keys instead of colliding param_groups lists.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# LoRA (``trainable_only``): frozen parameters are the base's, referenced by the trainer state, not copied; not
+# strict, as the frozen keys are absent by design (a trainable key missing from the files still fails in dcp.load)
+_TRAINABLE = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -72,16 +76,18 @@ def latest(folder: str | Path) -> Path | None:
 
 
 def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         loader_states: list, keep_last: int | None = None, *, extra: dict | None = None) -> Path:
+         loader_states: list, keep_last: int | None = None, *, extra: dict | None = None,
+         trainable_only: bool = False) -> Path:
     """Write checkpoint ``step`` atomically (a collective: every rank calls it). ``extra``: more JSON for the
-    trainer state (the model config, the run's first loss). A write that fails (a full disk) is one line
+    trainer state (the model config, the run's first loss). ``trainable_only``: the model's trainable parameters
+    only (LoRA: the frozen base is ``extra``'s reference, not a copy). A write that fails (a full disk) is one line
     naming the directory, on every rank."""
     final = checkpoint_dir(folder, step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # leftovers of a crashed save
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINABLE if trainable_only else _OPTIONS)
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     except CheckpointException as e:
@@ -129,7 +135,7 @@ def sealed_state(path: Path) -> dict:
 
 
 def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                model_config: dict) -> tuple[Path, dict] | None:
+                model_config: dict, trainable_only: bool = False) -> tuple[Path, dict] | None:
     """Load the newest complete checkpoint of ``folder`` (``load``) and return ``(path, trainer state)``; None
     when there is none. Rank 0 checks each candidate's seal and every rank learns the verdict: an incomplete one
     is skipped for the previous one (said on rank 0), one this run did not write or one of another model is a
@@ -156,7 +162,7 @@ def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Opt
             continue
         check_model_config(path, what.get("model_config"), model_config)
         try:
-            return path, load(path, model, optimizer, what)
+            return path, load(path, model, optimizer, what, trainable_only)
         except CheckpointException as e:  # a data file damaged at its right size
             _say(f"checkpoint {path} does not load ({one_failure(e)}): falling back to the previous one")
     if candidates:
@@ -200,15 +206,18 @@ def check_model_config(path: Path, saved: dict | None, current: dict) -> None:
                             "checkpoint.resume: false / another trainer.output_dir)")
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> dict:
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
+         trainable_only: bool = False) -> dict:
     """Restore model and optimizer from ``path`` into the current layout; returns ``trainer_state`` (the
-    checked JSON of ``path``), after restoring this rank's RNG when the world size is unchanged."""
+    checked JSON of ``path``), after restoring this rank's RNG when the world size is unchanged.
+    ``trainable_only``: as ``save``'s (the frozen parameters stay as built)."""
     path = Path(path)
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    options = _TRAINABLE if trainable_only else _OPTIONS
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_OPTIONS)
+                   options=options)
     if len(trainer_state["rng"]) == dist.get_world_size():
         torch.set_rng_state(_decode(trainer_state["rng"][dist.get_rank()]["cpu"]))
         cuda = trainer_state["rng"][dist.get_rank()].get("cuda")
@@ -218,7 +227,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, t
 
 
 def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None, *,
-              shard_size_mb: float = 5000.0, experts_layout: str = "per_expert") -> Path:
+              shard_size_mb: float = 5000.0, experts_layout: str = "per_expert",
+              transform: Callable[[dict], dict] | None = None) -> Path:
     """Consolidated, sharded safetensors (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``)
     + ``config.json`` (+ tokenizer) that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective.
 
@@ -226,12 +236,15 @@ def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str |
     (``save_distributed``), then each rank consolidates the output files ``k`` with ``k % world == rank``
     (torch's ``consolidate_safetensors_files_on_every_rank``, the path torchtitan exports with), reading
     the shard files back from the shared directory. Output files hold at most ``shard_size_mb`` (one
-    tensor larger than that gets a file of its own). MoE experts: ``experts_layout`` ``per_expert`` writes the
+    tensor larger than that gets a file of its own). ``transform(state)``: the state written instead of the
+    model's own (LoRA: adapters merged into the base, ``headrace.training.models.lora.merged_state``). MoE experts: ``experts_layout`` ``per_expert`` writes the
     keys transformers' ``save_pretrained`` writes (the hub's, ``headrace.training.models.hf_experts``), ``fused`` the in-memory
     3D tensors (which only transformers 5 loads)."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
 
     state = high_precision_weights(get_model_state_dict(model))  # this rank's shards (DTensor) under HF names
+    if transform is not None:
+        state = transform(state)
     hf = unwrap_causal_lm(model)
     if getattr(hf_config, "tie_word_embeddings", False):  # stored once, as the embedding; re-tied on load
         state.pop(next(n for n, m in hf.named_modules() if m is hf.get_output_embeddings()) + ".weight")

@@ -43,6 +43,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, announce: bool = True) -
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # LoRA trains matrices only; DCP cannot flatten an empty group
     impl, reason = optimizer_impl(decay + no_decay)
     if announce and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print(f"AdamW: {impl} ({reason})", flush=True)

@@ -2,7 +2,7 @@
 
 Sections: ``model`` (which transformers model and how to build it), ``data`` (the loader's own ``data:``
 section, passed to ``headrace.dataio.build_loader`` untouched), ``distributed`` (shaped like NeMo Automodel's, so
-its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``. ``headrace.training.config.load``
+its users can paste theirs), ``optim``, ``trainer``, ``checkpoint``, ``logging``, ``peft`` (LoRA). ``headrace.training.config.load``
 reads it (``headrace.config``: unknown keys and wrong types fail with the full dotted path) and
 ``headrace.training.config.validate`` holds every rule between its values.
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from headrace.config import from_dict, to_dict
 from headrace.dataio.config import DataConfig
+from headrace.training.config.peft import PeftConfig
 from headrace.training.config.speech import SpeechConfig
 
 
@@ -42,11 +43,12 @@ class KindConfig:
     bucketed: bool  # trains on bucketed whole samples (data.bucketing), not packed rows of data.seq_len tokens
     # its build applies quantize.linear.float8 and distributed.offload_policy (else both are refused)
     float8_and_offload: bool = False
+    peft_parts: tuple[str, ...] = ("llm",)  # the parts ``peft.parts`` may name (LoRA adapters on them)
 
 
 # model.kind -> its config facts; a new kind adds its name to ModelConfig.kind, its section, and a row here
 KIND_CONFIGS = {"causal_lm": KindConfig(section=None, bucketed=False, float8_and_offload=True),
-                "salm": KindConfig(section="speech", bucketed=True)}
+                "salm": KindConfig(section="speech", bucketed=True, peft_parts=("llm", "encoder"))}
 
 
 @dataclass(kw_only=True)
@@ -222,6 +224,7 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    peft: PeftConfig | None = None  # LoRA adapters on a frozen base (headrace.training.models.lora, docs/lora.md)
 
 
 def val_data_config(data: DataConfig) -> DataConfig | None:

@@ -10,6 +10,7 @@ import copy
 from headrace.config import apply_overrides, from_dict, load_yaml
 from headrace.training.config.automodel_compat import translate_distributed, translate_fp8
 from headrace.training.config.job_config import JobConfig
+from headrace.training.config.peft import translate_peft
 from headrace.training.config.validate import check_config
 
 
@@ -20,6 +21,7 @@ def load_job_config(path: str | None, overrides: list[str] = (), base: dict | No
     apply_overrides(raw, list(overrides))
     translate_distributed(raw)  # Automodel's spellings (dp_size: none, ...); unsupported keys fail here
     translate_fp8(raw)  # Automodel's top-level fp8: block -> quantize.linear.float8
+    translate_peft(raw)  # Automodel's / Hugging Face's LoRA names; keys that mean something else fail here
     cfg = from_dict(JobConfig, raw, "")
     check_config(cfg)
     return cfg

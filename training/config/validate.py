@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from headrace.config import ConfigError
 from headrace.kernels.hf_attention import ATTENTION_NAME
 from headrace.training.config.job_config import KIND_CONFIGS, val_data_config
+from headrace.training.config.peft import check_peft
 from headrace.training.config.pipeline_schedules import V_SHAPED, schedule_class_name
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ def check_config(cfg) -> None:
         raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} needs a data.val stream "
                           "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
     check_cp_config(cfg)
+    check_peft(cfg.peft, model.kind, KIND_CONFIGS[model.kind].peft_parts)
     check_float8_config(cfg)
     if cfg.distributed.offload_policy == "cpu" and (cfg.distributed.strategy != "fsdp2"
                                                     or not KIND_CONFIGS[cfg.model.kind].float8_and_offload):

@@ -149,8 +149,8 @@ def router_aux_loss(router_logits, labels: torch.Tensor, *, loss_fn, num_experts
     return coef * aux * (labels != IGNORE_INDEX).sum()
 
 
-def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype
-                       ) -> nn.Module:
+def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
+                       adapters=None) -> nn.Module:
     """Experts (EP, grouped GEMM), router aux loss, then the dense recipe; see the module docstring."""
     hf_config = model.config
     check_moe(dims, cfg, hf_config)
@@ -183,7 +183,7 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedCon
             num_experts=experts, top_k=hf_config.num_experts_per_tok, coef=coef, stats=stats)
     ac_context_fn = router_saving_ac(model) if cfg.moe.ignore_router_for_ac else None
     return parallelize_decoder_lm(model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan,
-                                  ac_context_fn=ac_context_fn)
+                                  ac_context_fn=ac_context_fn, adapters=adapters)
 
 
 def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:

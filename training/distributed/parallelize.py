@@ -42,11 +42,13 @@ PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype) -> nn.Module:
-    """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default)."""
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
+                adapters=None) -> nn.Module:
+    """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default);
+    ``adapters``: LoRA, added after TP (``headrace.training.models.lora.adapter_hook``)."""
     check_supported(dims, model.config)
     fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
-    return fn(model, dims, cfg, param_dtype)
+    return fn(model, dims, cfg, param_dtype, adapters=adapters)
 
 
 __all__ = ["PARALLELIZE_FNS", "check_supported", "parallelize"]

@@ -54,6 +54,7 @@ from headrace.training.distributed.parallelize import parallelize
 from headrace.training.models.build import build_meta_model, materialize, param_dtype
 from headrace.training.models.float8 import apply_quantize
 from headrace.training.models.families import LLAMA_LIKE
+from headrace.training.models.lora import adapter_hook, init_adapters
 from headrace.training.models.loss import CausalLMLoss, lm_head_loss_sum
 
 NEEDS_M_GE_STAGES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -307,8 +308,10 @@ def build_pipeline(cfg: JobConfig, dims, device: torch.device,
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
     modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, stage_cfg,
-                           param_dtype(cfg.trainer.precision)) for s in mine]
+                           param_dtype(cfg.trainer.precision), adapters=adapter_hook(cfg.peft)) for s in mine]
     materialize(part, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
+    if cfg.peft is not None:
+        init_adapters(part, cfg.peft)
     group = dims.get_mesh("pp").get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()

@@ -145,7 +145,9 @@ def load_safetensors(model: nn.Module, path: str, prefix: str = "", rename: Call
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    state = get_model_state_dict(model)
+    from headrace.training.models.lora import is_adapter_key
+
+    state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)}  # LoRA: not the base's
     hf = unwrap_causal_lm(model)
     if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding

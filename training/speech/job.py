@@ -32,6 +32,7 @@ from headrace.training.config.job_config import ModelConfig
 from headrace.training.config.speech import SpeechConfig
 from headrace.training.distributed.dense import apply_ddp
 from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.models import lora
 from headrace.training.models.build import build_hf_config, param_dtype
 from headrace.training.models.loss import bf16_autocast, unwrap_ddp
 from headrace.training.speech.checkpoints import MANIFEST, speech_from_checkpoint, speech_llm_kind, write_manifest
@@ -50,8 +51,11 @@ def build_salm(cfg, dims: ParallelDims, device: torch.device):
     llm_config = build_hf_config(cfg.model, text_model=True)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision))
+    model = parallelize_salm(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision),
+                             adapters=lora.salm_adapter_hook(cfg.peft))
     materialize_salm(model, device, cfg.model.pretrained_path)
+    if cfg.peft is not None:
+        lora.init_salm_adapters(model, cfg.peft)
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + dims.get_mesh("dp").get_local_rank())
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims)
@@ -120,9 +124,13 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
 
     salm: SALM = unwrap_ddp(model)
     out_dir = Path(out_dir)
-    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer)
+    peft = cfg.peft
+    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer,
+              transform=lora.merger(peft) if peft is not None and "llm" in peft.parts else None)
     parts = {name: get_model_state_dict(getattr(salm, name), options=StateDictOptions(
         full_state_dict=True, cpu_offload=True)) for name in ("encoder", "adapter")}
+    if peft is not None and "encoder" in peft.parts:  # encoder/ holds the merged weights (no adapter of its own)
+        parts["encoder"] = lora.merged_state(parts["encoder"], peft.scaling)
     if dist.get_rank() != 0:
         return None
     for name, state in parts.items():
