@@ -45,14 +45,15 @@ def test_lora_matches_peft_trains_only_adapters_exports_and_resumes(tmp_path, pr
     from transformers import AutoModelForCausalLM
 
     from headrace.training.distributed.parallel_dims import ParallelDims
-    from headrace.training.train import build_model, train
+    from headrace.training.model_kinds import build_model
+    from headrace.training.train import train
 
     make_base_and_adapter(tmp_path)
     batches = packed_batches(4)
     ref = peft_reference(tmp_path, tmp_path / "adapter")
     cfg = lora_job(tmp_path, "straight", 4)
     dims = ParallelDims.from_config(cfg.distributed, 1)
-    model, _ = build_model(cfg, dims, dims.build_meshes("cpu"), torch.device("cpu"))
+    model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     with torch.no_grad():
