@@ -1,7 +1,9 @@
 """``[torchrun ...] -m headrace.training.eval --config X.yaml --checkpoint DIR [a.b=c ...]``: validate a finished run.
 
-``DIR`` is a DCP checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
-one) or a consolidated ``hf/`` export (``config.json`` + safetensors). The model is built and
+``DIR`` is a checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
+one) or a consolidated ``hf/`` export (``config.json`` + safetensors). A checkpoint gets the trainer's
+guarantees: its seal must hold under this user's key and its files' hashes must match before any tensor is
+read, and nothing is unpickled (``headrace.training.components.checkpoint``). The model is built and
 parallelized from the job config exactly as the trainer does (any world size: DCP reshards), only its
 weights are loaded (no optimizer state), and ``headrace.training.validation`` runs over ``data.val``. Rank 0 prints
 one JSON line: ``{"checkpoint", "val_loss", "val_ppl", "val_tokens", "val_docs"}``.
@@ -35,9 +37,9 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
     return newest, "dcp"
 
 
-def check_inputs(cfg, path: str) -> tuple[Path, str]:
-    """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
-    cannot hold the model."""
+def check_inputs(cfg, path: str) -> tuple[Path, str, dict | None]:
+    """``(directory, kind, sealed trainer state or None)``; ValueError (one line) when ``cfg`` has no val stream,
+    the checkpoint's seal does not hold, or it cannot hold the model."""
     from headrace.training.config.validate import check_validation  # deferred: the CLI's --help loads no torch
 
     from headrace.training.components.checkpoint import sealed_state
@@ -45,15 +47,16 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
 
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
+    state = None
     if kind == "dcp":
         try:
-            sealed_state(ckpt)  # before DCP unpickles its .metadata
+            state = sealed_state(ckpt)  # before any tensor is read
         except (Incomplete, NotSealed) as e:
             raise ValueError(f"--checkpoint {ckpt}: refused: {e}") from None
     if kind == "hf" and cfg.model.kind == "salm":
         raise ValueError(f"--checkpoint {path}: a SALM is evaluated from its DCP checkpoints (the hf/ export holds "
                          "only its LLM); its decoding WER: python -m headrace.training.speech.eval")
-    return ckpt, kind
+    return ckpt, kind, state
 
 
 def evaluate_checkpoint(cfg, path: str) -> dict:
@@ -61,16 +64,14 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     stream (a collective)."""
     import torch  # deferred: the CLI's --help and argument errors load no torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
+    from headrace.training.components.checkpoint import load_model_weights
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
     from headrace.training.speech.checkpoints import with_speech_llm
     from headrace.training.train import build_model_or_pipeline
     from headrace.training.validation import make_validator
 
-    ckpt, kind = check_inputs(cfg, path)
+    ckpt, kind, state = check_inputs(cfg, path)
     cfg = with_speech_llm(cfg)  # the job as the trainer ran it (a SALM on a Qwen2-Audio / Voxtral checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
@@ -83,9 +84,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     model, _, pipe = build_model_or_pipeline(cfg, dims, meshes, device)
     validate = make_validator(cfg, dims, meshes, device, model, pipe)
     if kind == "dcp":
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(ckpt))
-        set_model_state_dict(model, state["model"])
+        load_model_weights(ckpt, model, state)
     return {"checkpoint": str(ckpt), **validate()}
 
 
@@ -111,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     from headrace.training.distributed.process_group import process_group_closed
 
     with process_group_closed():
-        result = evaluate_checkpoint(cfg, args.checkpoint)
+        try:
+            result = evaluate_checkpoint(cfg, args.checkpoint)
+        except ConfigError as e:  # JobInputError: a checkpoint file that does not hash to its seal, alike on every rank
+            if dist.get_rank() == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
     return 0

@@ -26,7 +26,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,6 +135,10 @@ class Trainer:
     step: int = 0  # the last step trained (or resumed from)
     # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
     first_loss: float | torch.Tensor | None = None
+    saver: checkpoint.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
+
+    def __post_init__(self):
+        self.saver = checkpoint.Saver(self.cfg.checkpoint.async_mode)
 
     @property
     def out_dir(self) -> Path:
@@ -256,11 +260,11 @@ def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throug
 
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
-    checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                    checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
-                    keep_last=trainer.cfg.checkpoint.keep_last,
-                    extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
-                           "first_loss": host_float(trainer.first_loss)})
+    trainer.saver.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
+                       checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
+                       keep_last=trainer.cfg.checkpoint.keep_last,
+                       extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
+                              "first_loss": host_float(trainer.first_loss)})
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
@@ -295,6 +299,7 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
             print_on_rank0(f"data exhausted after step {trainer.step}")
             return
+        trainer.saver.raise_if_failed()  # a background save that failed stops the run at the next step
         trainer.step += 1
         with clock.step():
             stats = take_step(trainer, micro, profiler)
@@ -319,11 +324,14 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
 
 
 def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
-    """``checkpoint.save_final``: the last step's checkpoint, unless the interval already wrote it."""
+    """``checkpoint.save_final``: the last step's checkpoint, unless the interval already wrote it; returns once
+    every save is written."""
+    trainer.saver.wait(say=True)
     folder = trainer.checkpoints
     saved_already = checkpoint.latest(folder) == checkpoint.checkpoint_dir(folder, trainer.step)
     if trainer.cfg.checkpoint.save_final and trainer.step > 0 and not saved_already:
         save_checkpoint(trainer, batches)
+        trainer.saver.wait()
 
 
 EXPORT_MARK = "headrace_export.json"  # in hf/: the step and options it was exported with
