@@ -241,3 +241,70 @@ def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint_e
     assert [s for s in got if s > 2] == [3, 4, 5, 6]
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A moto S3 server on loopback with bucket ``ckpts``, reached through the standard AWS variables."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    from tests.helpers import free_port
+
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="ckpts")
+    try:
+        yield client
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tmp_path, one_rank, s3_bucket,
+                                                                            monkeypatch):
+    """``checkpoint.folder: s3://...``: saves upload each rank's files then the state file (the commit marker);
+    keep_last prunes; a save cut off mid-upload leaves a step folder without the marker, which the rerun ignores
+    (resuming from the previous one, with the losses of an uninterrupted run) and overwrites."""
+    from headrace.training.components import checkpoint_store
+
+    make_text_dataset(tmp_path / "d", [80])
+    url = "s3://ckpts/run/checkpoints"
+    common = ("trainer.max_steps=6", "checkpoint.interval=2", "checkpoint.keep_last=1")
+    assert main([*args(tmp_path, *common), f"trainer.output_dir={tmp_path / 'straight'}"]) == 0
+    expected = losses(tmp_path / "straight")
+
+    real_upload = checkpoint_store.upload
+
+    def cut_off_at_step_4(local_dir, names, where):
+        if where.endswith("step-00000004") and names != ["trainer_state.json"]:
+            real_upload(local_dir, names[:1], where)
+            raise SystemExit(9)  # the job dies after the first file of step 4 reached the bucket
+        real_upload(local_dir, names, where)
+
+    monkeypatch.setattr(checkpoint_store, "upload", cut_off_at_step_4)
+    with pytest.raises(SystemExit):
+        main(args(tmp_path, *common, f"checkpoint.folder={url}"))
+    monkeypatch.setattr(checkpoint_store, "upload", real_upload)
+    keys = lambda: sorted(o["Key"] for o in s3_bucket.list_objects_v2(Bucket="ckpts").get("Contents", []))  # noqa: E731
+    assert [k for k in keys() if k.endswith("trainer_state.json")] == ["run/checkpoints/step-00000002/trainer_state.json"]
+    assert any(k.startswith("run/checkpoints/step-00000004/") for k in keys())  # the partial one
+    assert str(checkpoint_store.step_folders(url, "trainer_state.json", complete_only=True)) == \
+        str([f"{url}/step-00000002"])
+
+    assert main(args(tmp_path, *common, f"checkpoint.folder={url}")) == 0
+    got = losses(tmp_path / "out")
+    assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
+    complete = [k for k in keys() if k.endswith("trainer_state.json")]
+    assert complete == ["run/checkpoints/step-00000006/trainer_state.json"], keys()  # keep_last: 1
+    assert {k.split("/")[2] for k in keys()} == {"step-00000006"}
+    assert not list((tmp_path / "out" / "checkpoints").glob("step-*"))  # local copies removed after the upload

@@ -145,8 +145,9 @@ class Trainer:
         return Path(self.cfg.trainer.output_dir)
 
     @property
-    def checkpoints(self) -> Path:
-        return self.out_dir / "checkpoints"
+    def checkpoints(self) -> Path | str:
+        """``checkpoint.folder`` (a path or URL), else ``output_dir/checkpoints``."""
+        return self.cfg.checkpoint.folder or self.out_dir / "checkpoints"
 
 
 def with_model_layout(cfg: JobConfig) -> JobConfig:
@@ -212,7 +213,8 @@ def resume(trainer: Trainer, loader) -> None:
     found = None
     if cfg.checkpoint.resume:
         found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer,
-                                       checkpoint.model_config_record(trainer.hf_config))
+                                       checkpoint.model_config_record(trainer.hf_config),
+                                       local=trainer.out_dir / "checkpoints")
     if found is not None:
         resume_from, state = found
         loader.load_state_dict(state["loader"])
@@ -264,7 +266,8 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
                        checkpoint.gather_loader_states(batches, trainer.meshes["dp"]),
                        keep_last=trainer.cfg.checkpoint.keep_last,
                        extra={"model_config": checkpoint.model_config_record(trainer.hf_config),
-                              "first_loss": host_float(trainer.first_loss)})
+                              "first_loss": host_float(trainer.first_loss)},
+                       local=trainer.out_dir / "checkpoints")
 
 
 def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,

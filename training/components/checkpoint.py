@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from headrace.training.components import checkpoint_store as store
 from headrace.training.components.checkpoint_seal import (
     HashingFileSystem,
     Incomplete,
@@ -76,13 +78,17 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _FILE_BYTES = 512 * 2**20
 
 
-def checkpoint_dir(folder: str | Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` lives (``step-00000100``); zero-padded so names sort by step."""
-    return Path(folder) / f"step-{step:08d}"
+def checkpoint_dir(folder: str | Path, step: int) -> Path | str:
+    """Where the checkpoint of ``step`` lives (``step-00000100``; a URL under a URL); zero-padded so names sort by
+    step."""
+    name = f"step-{step:08d}"
+    return store.join(str(folder), name) if store.is_url(folder) else Path(folder) / name
 
 
-def latest(folder: str | Path) -> Path | None:
+def latest(folder: str | Path) -> Path | str | None:
     """The newest complete checkpoint in ``folder`` (``*.tmp`` and ones without the state file are ignored)."""
+    if store.is_url(folder):
+        return next(reversed(store.step_folders(str(folder), STATE_FILE, complete_only=True)), None)
     folder = Path(folder)
     if not folder.is_dir():
         return None
@@ -138,15 +144,19 @@ def stage(tensors: dict, buffers: dict | None, *, pin: bool) -> dict:
     return staged
 
 
-def write(folder: Path, step: int, tensors: dict, files: dict[str, int], state: dict, key: bytes | None, *,
-          keep_last: int | None, group=None) -> Path:
+def write(folder: str | Path, step: int, tensors: dict, files: dict[str, int], state: dict, key: bytes | None, *,
+          keep_last: int | None, group=None, local: Path | None = None) -> Path | str:
     """Write checkpoint ``step`` from ``tensors`` (key -> file number ``files``, the same on every rank) and the
     JSON ``state`` atomically (a collective over ``group``; ``key``: rank 0's seal key). Each file's size and
-    SHA-256 come from its writer stream."""
-    final = checkpoint_dir(folder, step)
+    SHA-256 come from its writer stream. A URL ``folder``: written under ``local``, then uploaded, the state
+    file last (``checkpoint_store``)."""
+    url = checkpoint_dir(folder, step) if store.is_url(folder) else None
+    final = checkpoint_dir(local if url else folder, step)
     tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0 and tmp.exists():
-        shutil.rmtree(tmp)  # leftovers of a crashed save
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        if url:
+            store.remove(url)  # a save of this step cut off earlier: its parts must not mix with this one's
     dist.barrier(group=group)
     writer = dcp.HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=files, save_distributed=True)
     writer.fs = hashing = HashingFileSystem()
@@ -154,16 +164,24 @@ def write(folder: Path, step: int, tensors: dict, files: dict[str, int], state: 
         dcp.save(tensors, storage_writer=writer, process_group=group)
     except CheckpointException as e:
         raise write_error(tmp, e) from e
+    if url:
+        store.upload(tmp, sorted(hashing.digests), url)
     digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashing.digests, group=group)
+    dist.all_gather_object(digests, hashing.digests, group=group)  # also: every rank's files are uploaded
     if dist.get_rank() == 0:
         _write_json(tmp / STATE_FILE, seal(state, {n: d for part in digests for n, d in part.items()}, key))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(Path(folder), keep_last)
+        if url:
+            store.upload(tmp, [STATE_FILE], url)  # the commit marker, last
+            store.prune(str(folder), keep_last, STATE_FILE)
+        else:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _prune(Path(folder), keep_last)
     dist.barrier(group=group)
-    return final
+    if url:
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank: its host's local copy
+    return url or final
 
 
 class Saver:
@@ -184,11 +202,13 @@ class Saver:
         self._error: BaseException | None = None
 
     def save(self, folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             loader_states: list, *, keep_last: int | None = None, extra: dict | None = None) -> Path:
+             loader_states: list, *, keep_last: int | None = None, extra: dict | None = None,
+             local: Path | None = None) -> Path | str:
         """Checkpoint ``step`` (a collective). ``extra``: more JSON for the trainer state (the model config, the
-        run's first loss). Returns the directory the checkpoint has (or will have, once written)."""
+        run's first loss); ``local``: where a checkpoint for a URL ``folder`` is written before its upload.
+        Returns where the checkpoint is (or will be, once written)."""
         self.wait(say=True)
-        folder = Path(folder)
+        folder = folder if store.is_url(folder) else Path(folder)
         model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
         tensors, plain = split_state(model_state, optim_state)
         state = {"step": step, "loader": loader_states, "rng": gather_objects(_rng_state()),
@@ -196,20 +216,21 @@ class Saver:
         files = _file_index(tensors, _FILE_BYTES)
         key = seal_key_or_fail(create=True) if dist.get_rank() == 0 else None
         if self.async_mode == "disabled":
-            return write(folder, step, tensors, files, state, key, keep_last=keep_last)
+            return write(folder, step, tensors, files, state, key, keep_last=keep_last, local=local)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         staged = stage(tensors, self._buffers, pin=self.async_mode == "async_with_pinned_mem")
         self._writing = checkpoint_dir(folder, step)
         self._thread = threading.Thread(target=self._write_in_background,
-                                        args=(folder, step, staged, files, state, key, keep_last), daemon=True,
+                                        args=(folder, step, staged, files, state, key, keep_last, local),
+                                        daemon=True,
                                         name=f"checkpoint-{step}")
         self._thread.start()
         return self._writing
 
-    def _write_in_background(self, folder, step, staged, files, state, key, keep_last) -> None:
+    def _write_in_background(self, folder, step, staged, files, state, key, keep_last, local) -> None:
         try:
-            write(folder, step, staged, files, state, key, keep_last=keep_last, group=self._group)
+            write(folder, step, staged, files, state, key, keep_last=keep_last, group=self._group, local=local)
         except BaseException as e:  # kept for the training thread to raise
             self._error = e
 
@@ -284,17 +305,32 @@ def damaged(path: Path, state: dict) -> str | None:
     return found[0] if found else None
 
 
+def _fetched(url: str, local: Path) -> Path:
+    """The step folder ``url`` downloaded under ``local/.fetched-<host>/`` by each host's lowest rank. A
+    collective."""
+    hosts = gather_objects(socket.gethostname())
+    path = local / f".fetched-{hosts[dist.get_rank()]}" / url.rstrip("/").rsplit("/", 1)[-1]
+    if hosts.index(hosts[dist.get_rank()]) == dist.get_rank():
+        store.download(url, path)
+    dist.barrier()
+    return path
+
+
 def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                model_config: dict) -> tuple[Path, dict] | None:
+                model_config: dict, local: Path | None = None) -> tuple[Path, dict] | None:
     """Load the newest complete checkpoint of ``folder`` (``load``) and return ``(path, trainer state)``; None
     when there is none. Rank 0 checks each candidate's seal and every rank learns the verdict; the ranks re-hash
     its files: an incomplete or damaged one is skipped for the previous one (said on rank 0), one this user's
     saves did not write, one of the former pickled layout or of another model is a ``JobInputError`` on every
-    rank. A collective."""
-    folder = Path(folder)
-    candidates = sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()),
-                        reverse=True) if folder.is_dir() else []
-    for path in candidates:
+    rank. A URL ``folder``: each candidate is downloaded under ``local`` first (``_fetched``). A collective."""
+    if store.is_url(folder):
+        candidates = store.step_folders(str(folder), STATE_FILE, complete_only=True)[::-1]
+    else:
+        folder = Path(folder)
+        candidates = sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()),
+                            reverse=True) if folder.is_dir() else []
+    for where in candidates:
+        path = _fetched(where, local) if store.is_url(folder) else where
         verdict: list = [None]
         if dist.get_rank() == 0:
             try:
@@ -306,17 +342,17 @@ def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Opt
         dist.broadcast_object_list(verdict, src=0)
         kind, what = verdict[0]
         if kind == "refused":
-            raise JobInputError(f"checkpoint {path}: refused: {what}")
+            raise JobInputError(f"checkpoint {where}: refused: {what}")
         if kind == "ok" and (bad := damaged(path, what)):
             kind, what = "incomplete", bad
         if kind == "incomplete":
-            _say(f"checkpoint {path} is incomplete ({what}): falling back to the previous one")
+            _say(f"checkpoint {where} is incomplete ({what}): falling back to the previous one")
             continue
-        check_model_config(path, what.get("model_config"), model_config)
+        check_model_config(where, what.get("model_config"), model_config)
         try:
-            return path, load(path, model, optimizer, what)
+            return where, load(path, model, optimizer, what)
         except CheckpointException as e:  # a header or tensor that does not fit this model
-            _say(f"checkpoint {path} does not load ({one_failure(e)}): falling back to the previous one")
+            _say(f"checkpoint {where} does not load ({one_failure(e)}): falling back to the previous one")
     if candidates:
         raise JobInputError(f"checkpoint: no complete checkpoint in {folder} (see above); move it away to start "
                             "afresh")

@@ -131,6 +131,9 @@ class TrainerConfig:
 class CheckpointConfig:
     """DCP checkpoints under ``output_dir/checkpoints`` and the consolidated HF export."""
 
+    # where checkpoints go: output_dir/checkpoints when unset; an fsspec URL (s3://bucket/run/checkpoints) for
+    # nodes without a shared file system (written under output_dir/checkpoints first, docs/checkpoints.md)
+    folder: str | None = None
     interval: int = 0  # save every N steps (0: only at the end)
     save_final: bool = True
     resume: bool = True  # continue from the newest complete checkpoint in output_dir when there is one
