@@ -36,14 +36,28 @@ def one_rank(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def args(tmp_path, *overrides) -> list[str]:
-    return [*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {tmp_path / 'd'}}}]", *overrides]
+def args(tmp_path, *overrides, data: Path | None = None) -> list[str]:
+    return [*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {data or tmp_path / 'd'}}}]",
+            *overrides]
 
 
 def losses(out: Path) -> dict[int, float]:
     """step -> loss of the metrics log (a step logged twice, before a kill and after the resume: the later)."""
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """``(dataset, losses)`` of an uninterrupted 6-step run (checkpoints every 2 steps): what a run killed or cut
+    off and resumed must reproduce."""
+    work = tmp_path_factory.mktemp("straight")
+    make_text_dataset(work / "d", [80])
+    with pytest.MonkeyPatch.context() as m:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
+            m.delenv(key, raising=False)
+        assert main(args(work, "trainer.max_steps=6", "checkpoint.interval=2")) == 0
+    return work / "d", losses(work / "out")
 
 
 class _Payload:
@@ -217,15 +231,13 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("mode", ["async_with_pinned_mem"])
-def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint_exactly(tmp_path, one_rank, mode):
-    make_text_dataset(tmp_path / "d", [80])
-    straight = args(tmp_path, "trainer.max_steps=6", "checkpoint.interval=2", f"checkpoint.async_mode={mode}")
-    assert main([*straight, f"trainer.output_dir={tmp_path / 'straight'}"]) == 0
-    expected = losses(tmp_path / "straight")
+def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint_exactly(tmp_path, one_rank, straight):
+    data, expected = straight
+    run_args = args(tmp_path, "trainer.max_steps=6", "checkpoint.interval=2",
+                    "checkpoint.async_mode=async_with_pinned_mem", data=data)
 
     marker = tmp_path / "writing"
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCK_AT_STEP_4, str(marker), *straight], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCK_AT_STEP_4, str(marker), *run_args], cwd=REPO,
                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -236,7 +248,7 @@ def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint_e
     ckpts = tmp_path / "out" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000004.tmp"]
 
-    assert main(straight) == 0  # resumes from step 2 (the .tmp is ignored), then runs to the end
+    assert main(run_args) == 0  # resumes from step 2 (the .tmp is ignored), then runs to the end
     got = losses(tmp_path / "out")
     assert [s for s in got if s > 2] == [3, 4, 5, 6]
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
@@ -271,17 +283,15 @@ def s3_bucket(monkeypatch):
 
 
 def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tmp_path, one_rank, s3_bucket,
-                                                                            monkeypatch):
+                                                                            monkeypatch, straight):
     """``checkpoint.folder: s3://...``: saves upload each rank's files then the state file (the commit marker);
     keep_last prunes; a save cut off mid-upload leaves a step folder without the marker, which the rerun ignores
     (resuming from the previous one, with the losses of an uninterrupted run) and overwrites."""
     from headrace.training.components import checkpoint_store
 
-    make_text_dataset(tmp_path / "d", [80])
+    data, expected = straight
     url = "s3://ckpts/run/checkpoints"
-    common = ("trainer.max_steps=6", "checkpoint.interval=2", "checkpoint.keep_last=1")
-    assert main([*args(tmp_path, *common), f"trainer.output_dir={tmp_path / 'straight'}"]) == 0
-    expected = losses(tmp_path / "straight")
+    common = ("trainer.max_steps=6", "checkpoint.interval=2", "checkpoint.keep_last=1", f"checkpoint.folder={url}")
 
     real_upload = checkpoint_store.upload
 
@@ -293,7 +303,7 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
 
     monkeypatch.setattr(checkpoint_store, "upload", cut_off_at_step_4)
     with pytest.raises(SystemExit):
-        main(args(tmp_path, *common, f"checkpoint.folder={url}"))
+        main(args(tmp_path, *common, data=data))
     monkeypatch.setattr(checkpoint_store, "upload", real_upload)
     keys = lambda: sorted(o["Key"] for o in s3_bucket.list_objects_v2(Bucket="ckpts").get("Contents", []))  # noqa: E731
     assert [k for k in keys() if k.endswith("trainer_state.json")] == ["run/checkpoints/step-00000002/trainer_state.json"]
@@ -301,7 +311,7 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
     assert str(checkpoint_store.step_folders(url, "trainer_state.json", complete_only=True)) == \
         str([f"{url}/step-00000002"])
 
-    assert main(args(tmp_path, *common, f"checkpoint.folder={url}")) == 0
+    assert main(args(tmp_path, *common, data=data)) == 0
     got = losses(tmp_path / "out")
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
     complete = [k for k in keys() if k.endswith("trainer_state.json")]

@@ -54,7 +54,7 @@ def run_mode(mode: str, model, optimizer, batch, out: Path, steps: int, save_at:
     for step in range(1, steps + 1):
         start = time.perf_counter()
         saver.raise_if_failed()
-        busy = saver._thread is not None and saver._thread.is_alive()  # a background write overlaps this step
+        busy = saver.busy  # a background write overlaps this step
         train_step(model, optimizer, batch)
         if step in save_at:
             saver.save(folder, step, model, optimizer, [{}])

@@ -234,6 +234,11 @@ class Saver:
         except BaseException as e:  # kept for the training thread to raise
             self._error = e
 
+    @property
+    def busy(self) -> bool:
+        """A background save is being written."""
+        return self._thread is not None and self._thread.is_alive()
+
     def raise_if_failed(self) -> None:
         """Raise a finished background save's failure (``JobInputError`` naming the checkpoint), once."""
         if self._thread is not None and not self._thread.is_alive():
