@@ -318,3 +318,18 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
     assert complete == ["run/checkpoints/step-00000006/trainer_state.json"], keys()  # keep_last: 1
     assert {k.split("/")[2] for k in keys()} == {"step-00000006"}
     assert not list((tmp_path / "out" / "checkpoints").glob("step-*"))  # local copies removed after the upload
+
+
+def test_async_mode_names_and_automodels_is_async():
+    from headrace.config import ConfigError
+    from headrace.training.config.load import load_job_config
+
+    cfg = str(REPO / "configs" / "debug_llama.yaml")
+    assert load_job_config(cfg).checkpoint.async_mode == "disabled"
+    assert load_job_config(cfg, ["checkpoint.is_async=true"]).checkpoint.async_mode == "async"
+    assert load_job_config(cfg, ["checkpoint.is_async=true", "checkpoint.async_mode=async_with_pinned_mem"]
+                           ).checkpoint.async_mode == "async_with_pinned_mem"
+    for bad, says in ((["checkpoint.is_async=false", "checkpoint.async_mode=async"], "contradicts"),
+                      (["checkpoint.async_mode=sometimes"], "checkpoint.async_mode")):
+        with pytest.raises(ConfigError, match=says):
+            load_job_config(cfg, bad)
