@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--save-at", default="3,7")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes", default="disabled,async,async_with_pinned_mem")
+    parser.add_argument("--no-layout-times", action="store_true", help="skip the save / load vs dcp defaults")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -121,8 +122,9 @@ def main() -> None:
         for mode in args.modes.split(","):
             print(json.dumps({"round": r, **run_mode(mode, model, optimizer, batch, args.out, args.steps, save_at),
                               "load": os.getloadavg()[0]}), flush=True)
-        print(json.dumps({"round": r, **save_load_times(model, optimizer, args.out), "load": os.getloadavg()[0]}),
-              flush=True)
+        if not args.no_layout_times:
+            print(json.dumps({"round": r, **save_load_times(model, optimizer, args.out),
+                              "load": os.getloadavg()[0]}), flush=True)
     shutil.rmtree(args.out, ignore_errors=True)
     dist.destroy_process_group()
 
