@@ -98,6 +98,23 @@ def save_load_times(model, optimizer, out: Path) -> dict:
             "dcp_load_s": dcp_load}
 
 
+def staging_times(model, optimizer, rounds: int) -> list[dict]:
+    """What the step pays per save without contention: the host copy of ``async`` (fresh memory each save) and
+    of ``async_with_pinned_mem`` (buffers kept from the first save), A B A B."""
+    train_step(model, optimizer, torch.randn(2, model[0].in_features))  # AdamW state exists
+    tensors, _ = checkpoint.split_state(*get_state_dict(model, optimizer, options=checkpoint._OPTIONS))
+    kept: dict = {}
+    rows = []
+    for r in range(rounds):
+        for mode, buffers in (("async", None), ("async_with_pinned_mem", kept)):
+            start = time.perf_counter()
+            staged = checkpoint.stage(tensors, buffers, pin=mode == "async_with_pinned_mem")
+            rows.append({"round": r, "mode": mode, "stage_s": time.perf_counter() - start,
+                         "load": os.getloadavg()[0]})
+            del staged
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -109,6 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes", default="disabled,async,async_with_pinned_mem")
     parser.add_argument("--no-layout-times", action="store_true", help="skip the save / load vs dcp defaults")
+    parser.add_argument("--staging-only", action="store_true", help="only the host copy per mode, A B A B")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -117,6 +135,11 @@ def main() -> None:
     batch = torch.randn(args.batch, args.width)
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"params_m": params / 1e6, "load": os.getloadavg()}), flush=True)
+    if args.staging_only:
+        for row in staging_times(model, optimizer, args.rounds):
+            print(json.dumps(row), flush=True)
+        dist.destroy_process_group()
+        return
     save_at = {int(s) for s in args.save_at.split(",")}
     for r in range(args.rounds):
         for mode in args.modes.split(","):
