@@ -14,6 +14,8 @@ holds); DCP reshards by FQN and chunk offsets, so a checkpoint loads into any wo
 Atomicity: everything is written under ``step-N.tmp``; after every rank's files are written, rank 0 writes the
 JSON last (temp file, fsync, rename) and renames the directory. ``latest()`` only considers ``step-N``
 directories holding ``trainer_state.json``, so a crash at any moment leaves the previous checkpoint as the latest.
+A ``folder`` that is an fsspec URL (``s3://``) gets the same checkpoint written locally, uploaded, and the state
+file uploaded last as the commit marker (``checkpoint_store``).
 
 Saves (``Saver``, ``checkpoint.async_mode``): ``disabled`` writes in the step; ``async`` copies the state to
 fresh host memory and writes it from a background thread over a gloo group of its own while training goes on;
