@@ -91,7 +91,7 @@ def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_a
     out = tmp_path / "out"
     first_loss = json.loads((out / "summary.json").read_text())["first_loss"]
     ckpts = out / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == [".seal-key", "step-00000002", "step-00000004"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000004"]  # the key is the user's
 
     # another model whose shapes may match: refused, naming every key that differs
     code, err = run(tmp_path, capsys, *steps(6), "model.config.tie_word_embeddings=true",
@@ -100,8 +100,8 @@ def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_a
     assert "holds another model than this job's model config: head_dim 8 -> 4; hidden_size 64 -> 32; " \
            "tie_word_embeddings False -> True" in err, err
 
-    # step 4 cut short (a .distcp truncated): the run says so and resumes from step 2
-    data_file = next((ckpts / "step-00000004").glob("*.distcp"))
+    # step 4 cut short (a safetensors file truncated): the run says so and resumes from step 2
+    data_file = next((ckpts / "step-00000004").glob("*.safetensors"))
     data_file.write_bytes(data_file.read_bytes()[:100])
     capsys.readouterr()
     assert run(tmp_path, capsys, *steps(6))[0] == 0
@@ -109,14 +109,23 @@ def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_a
     assert [r["step"] for r in records][-4:] == [3, 4, 5, 6]
     assert json.loads((out / "summary.json").read_text())["first_loss"] == first_loss  # the run's, not step 3's
 
-    # a .metadata changed at the same size (e.g. a crafted pickle): refused in one line, nothing unpickled
-    meta = ckpts / "step-00000006" / ".metadata"
-    data = bytearray(meta.read_bytes())
+    # a weight changed at the same size: its hash no longer matches, so step 6 is passed over for step 4
+    data_file = next((ckpts / "step-00000006").glob("*.safetensors"))
+    data = bytearray(data_file.read_bytes())
     data[-1] ^= 0xFF
-    meta.write_bytes(bytes(data))
-    code, err = run(tmp_path, capsys, *steps(8))
+    data_file.write_bytes(bytes(data))
+    assert run(tmp_path, capsys, *steps(8))[0] == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-8:] == [3, 4, 5, 6, 5, 6, 7, 8]
+
+    # the state changed (here its step), resealed with a key the checkpoint brings along: refused in one line
+    state_file = ckpts / "step-00000008" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "step": 7}))
+    (ckpts / ".seal-key").write_bytes(b"k" * 32)
+    code, err = run(tmp_path, capsys, *steps(10))
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: checkpoint {ckpts / 'step-00000006'}: refused: its seal does not match"), err
+    assert err.startswith(f"error: checkpoint {ckpts / 'step-00000008'}: refused: its seal does not match"), err
 
 
 def test_incomplete_checkpoint_fallback_is_said(tmp_path, capfd, one_rank):

@@ -1,7 +1,9 @@
 """``[torchrun ...] -m headrace.training.eval --config X.yaml --checkpoint DIR [a.b=c ...]``: validate a finished run.
 
-``DIR`` is a DCP checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
-one) or a consolidated ``hf/`` export (``config.json`` + safetensors). The model is built and
+``DIR`` is a checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
+one) or a consolidated ``hf/`` export (``config.json`` + safetensors). A checkpoint gets the trainer's
+guarantees: its seal must hold under this user's key and its files' hashes must match before any tensor is
+read, and nothing is unpickled (``headrace.training.components.checkpoint``). The model is built and
 parallelized from the job config exactly as the trainer does (any world size: DCP reshards), only its
 weights are loaded (no optimizer state), and ``headrace.training.validation`` runs over ``data.val``. Rank 0 prints
 one JSON line: ``{"checkpoint", "val_loss", "val_ppl", "val_tokens", "val_docs"}``.
@@ -35,9 +37,9 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
     return newest, "dcp"
 
 
-def check_inputs(cfg, path: str) -> tuple[Path, str]:
-    """``resolve_checkpoint(path)``; ValueError (one line) when ``cfg`` has no val stream or the checkpoint
-    cannot hold the model."""
+def check_inputs(cfg, path: str) -> tuple[Path, str, dict | None]:
+    """``(directory, kind, sealed trainer state or None)``; ValueError (one line) when ``cfg`` has no val stream,
+    the checkpoint's seal does not hold, or it cannot hold the model."""
     # deferred, these four: the CLI's --help loads no torch
     from headrace.training.components.checkpoint import sealed_state
     from headrace.training.components.checkpoint_seal import Incomplete, NotSealed
@@ -46,15 +48,16 @@ def check_inputs(cfg, path: str) -> tuple[Path, str]:
 
     ckpt, kind = resolve_checkpoint(path)
     check_validation(cfg)
+    state = None
     if kind == "dcp":
         try:
-            sealed_state(ckpt)  # before DCP unpickles its .metadata
+            state = sealed_state(ckpt)  # before any tensor is read
         except (Incomplete, NotSealed) as e:
             raise ValueError(f"--checkpoint {ckpt}: refused: {e}") from None
     refusal = model_kind(cfg).hf_export_refusal
     if kind == "hf" and refusal is not None:
         raise ValueError(f"--checkpoint {path}: {refusal}")
-    return ckpt, kind
+    return ckpt, kind, state
 
 
 def evaluate_checkpoint(cfg, path: str) -> dict:
@@ -63,15 +66,13 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     # deferred, all of these: the CLI's --help and argument errors load no torch
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
+    from headrace.training.components.checkpoint import load_model_weights
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
     from headrace.training.model_kinds import build_model_or_pipeline, model_kind
     from headrace.training.validation import make_validator
 
-    ckpt, kind = check_inputs(cfg, path)
+    ckpt, kind, state = check_inputs(cfg, path)
     cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a speech LLM's checkpoint)
     if kind == "hf":
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
@@ -86,10 +87,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     validate = make_validator(cfg, dims, device, model, pipe)
     if kind == "dcp":
         # a LoRA checkpoint holds the trainable parameters only; the frozen base is built from the job's config
-        lora = StateDictOptions(ignore_frozen_params=True, strict=False) if cfg.peft is not None else None
-        state = {"model": get_model_state_dict(model, options=lora)}
-        dcp.load(state, checkpoint_id=str(ckpt))
-        set_model_state_dict(model, state["model"], options=lora)
+        load_model_weights(ckpt, model, state, trainable_only=cfg.peft is not None)
     return {"checkpoint": str(ckpt), **validate()}
 
 
@@ -116,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     from headrace.training.distributed.process_group import process_group_closed
 
     with process_group_closed():
-        result = evaluate_checkpoint(cfg, args.checkpoint)
+        try:
+            result = evaluate_checkpoint(cfg, args.checkpoint)
+        except ConfigError as e:  # JobInputError: a checkpoint file that does not hash to its seal, alike on every rank
+            if dist.get_rank() == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
     return 0

@@ -28,7 +28,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,14 +111,19 @@ class Trainer:
     step: int = 0  # the last step trained (or resumed from)
     # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
     first_loss: float | torch.Tensor | None = None
+    saver: checkpoint.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
+
+    def __post_init__(self):
+        self.saver = checkpoint.Saver(self.cfg.checkpoint.async_mode)
 
     @property
     def out_dir(self) -> Path:
         return Path(self.cfg.trainer.output_dir)
 
     @property
-    def checkpoints(self) -> Path:
-        return self.out_dir / "checkpoints"
+    def checkpoints(self) -> Path | str:
+        """``checkpoint.folder`` (a path or URL), else ``output_dir/checkpoints``."""
+        return self.cfg.checkpoint.folder or self.out_dir / "checkpoints"
 
 
 def with_model_layout(cfg: JobConfig) -> JobConfig:
@@ -181,7 +186,7 @@ def resume(trainer: Trainer, loader) -> None:
     found = None
     if cfg.checkpoint.resume:
         found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer, model_record(trainer),
-                                       trainable_only=cfg.peft is not None)
+                                       local=trainer.out_dir / "checkpoints", trainable_only=cfg.peft is not None)
     if found is not None:
         resume_from, state = found
         loader.load_state_dict(state["loader"])
@@ -238,11 +243,12 @@ def model_record(trainer: Trainer) -> dict:
 
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
-    path = checkpoint.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                           checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
-                           keep_last=trainer.cfg.checkpoint.keep_last,
-                           extra={"model_config": model_record(trainer), "first_loss": host_float(trainer.first_loss)},
-                           trainable_only=trainer.cfg.peft is not None)
+    path = trainer.saver.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
+                              checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
+                              keep_last=trainer.cfg.checkpoint.keep_last,
+                              extra={"model_config": model_record(trainer),
+                                     "first_loss": host_float(trainer.first_loss)},
+                              local=trainer.out_dir / "checkpoints", trainable_only=trainer.cfg.peft is not None)
     if trainer.cfg.peft is not None:
         print_on_rank0(lora.checkpoint_size_line(path, trainer.model, trainer.cfg))
 
@@ -279,6 +285,7 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
             print_on_rank0(f"data exhausted after step {trainer.step}")
             return
+        trainer.saver.raise_if_failed()  # a background save that failed stops the run at the next step
         trainer.step += 1
         with clock.step():
             stats = take_step(trainer, micro, profiler)
@@ -303,11 +310,14 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
 
 
 def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
-    """``checkpoint.save_final``: the last step's checkpoint, unless the interval already wrote it."""
+    """``checkpoint.save_final``: the last step's checkpoint, unless the interval already wrote it; returns once
+    every save is written."""
+    trainer.saver.wait(say=True)
     folder = trainer.checkpoints
     saved_already = checkpoint.latest(folder) == checkpoint.checkpoint_dir(folder, trainer.step)
     if trainer.cfg.checkpoint.save_final and trainer.step > 0 and not saved_already:
         save_checkpoint(trainer, batches)
+        trainer.saver.wait()
 
 
 EXPORT_MARK = "headrace_export.json"  # in hf/: the step and options it was exported with

@@ -146,6 +146,7 @@ def check_validation(workdir: Path, init: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from headrace.dataio import build_loader
+    from headrace.training.components.checkpoint import split_state
     from headrace.training.eval import evaluate_checkpoint, resolve_checkpoint
     from headrace.training.models.build import build_hf_config
     from headrace.training.speech.listening import with_mismatched_audio
@@ -163,9 +164,9 @@ def check_validation(workdir: Path, init: Path) -> None:
         got[name] = evaluate_checkpoint(cfg, str(ckpt))
     model = build_meta_salm(build_hf_config(cfg.model), cfg.model.speech)
     materialize_salm(model, torch.device("cpu"), None)
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    set_model_state_dict(model, state["model"])
+    tensors, _ = split_state(get_model_state_dict(model))  # the checkpoint's keys: model.<fqn>
+    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(ckpt)), no_dist=True)
+    set_model_state_dict(model, {k.removeprefix("model."): v for k, v in tensors.items()})
     solo, _ = dist.new_subgroups(group_size=1)
     loader = SpeechBatches(build_loader(val_data_config(cfg.data), 0, 1), model, cfg.model.speech,
                            cfg.model.tokenizer)

@@ -75,11 +75,8 @@ class ListLoader:
 
 
 def copy_checkpoint(src_step: Path, dest_step: Path) -> None:
-    """Copy checkpoint ``src_step`` (``.../checkpoints/step-N``) to ``dest_step`` with its run's seal key, which a
-    resume needs to accept it (headrace.training.components.checkpoint_seal)."""
+    """Copy checkpoint ``src_step`` (``.../checkpoints/step-N``) to ``dest_step``: another run of this user resumes
+    from it (the seal key is the user's, headrace.training.components.checkpoint_seal)."""
     import shutil
 
-    from headrace.training.components.checkpoint_seal import KEY_FILE
-
     shutil.copytree(src_step, dest_step)
-    shutil.copy(src_step.parent / KEY_FILE, dest_step.parent / KEY_FILE)

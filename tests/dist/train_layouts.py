@@ -7,7 +7,8 @@ checkpointing), DDP, TP+SP, FSDP2+TP+SP and FSDP2 with CPU offload each train ST
 same weights; losses, gradient norms and final weights (read back from the ``hf/`` export) must match an
 independent single-process reference computed on every rank; FSDP2 in bf16 must stay within bf16
 rounding of its losses. Then a run stopped at step 2 and resumed must reproduce the uninterrupted
-losses, and the exported model's logits must equal the checkpointed sharded model's.
+losses, also when resumed as HSDP and as dp=2 x tp=2, and the exported model's logits must equal the
+checkpointed sharded model's.
 
 ``torchrun --nproc-per-node 2 -m tests.dist.train_layouts WORKDIR reshard``: the 4-rank FSDP2 checkpoint
 at step 2 loads into 2 ranks (FSDP2 dp=2, then TP=2) and continues with the uninterrupted losses; float8
@@ -206,6 +207,13 @@ def run_layouts(workdir: Path, batches) -> None:
     check_close("resumed losses", [r["loss"] for r in history], [r["loss"] for r in results["fsdp2"][2:]], 1e-6)
     assert checkpoint.latest(resumed / "checkpoints").name == "step-00000004"
     print("OK resume reproduces the uninterrupted losses", flush=True)
+
+    # Resume across layouts on the same 4 ranks: the FSDP2 dp=4 run's step-2 checkpoint continues as HSDP
+    # (2 replicas x 2 shards) and as dp=2 x tp=2 (+SP) with the uninterrupted losses.
+    expected = [r["loss"] for r in results["fsdp2"]]
+    for name, layout in (("hsdp", "hsdp_ac"), ("dp2_tp2", "fsdp2_tp_sp")):
+        resume_step2(workdir, "fsdp2", f"from_fsdp2_{name}", *layouts[layout], batches, expected)
+        print(f"OK fsdp2 dp=4 checkpoint resumes as {name}", flush=True)
 
     # Export == trained model: reload the final checkpoint into a sharded model and compare logits.
     cfg = job(workdir, "fsdp2", dict(strategy="fsdp2"), 1)

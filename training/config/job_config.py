@@ -179,6 +179,9 @@ class TrainerConfig:
 class CheckpointConfig:
     """DCP checkpoints under ``output_dir/checkpoints`` and the consolidated HF export."""
 
+    # where checkpoints go: output_dir/checkpoints when unset; an fsspec URL (s3://bucket/run/checkpoints) for
+    # nodes without a shared file system (written under output_dir/checkpoints first, docs/checkpoints.md)
+    folder: str | None = None
     interval: int = 0  # save every N steps (0: only at the end)
     save_final: bool = True
     resume: bool = True  # continue from the newest complete checkpoint in output_dir when there is one
@@ -188,6 +191,16 @@ class CheckpointConfig:
     # MoE experts in hf/: per_expert = the keys save_pretrained and the hub use (vLLM, SGLang, transformers 4
     # read them); fused = transformers 5's in-memory 3D gate_up_proj / down_proj
     export_hf_experts: Literal["per_expert", "fused"] = "per_expert"
+    # disabled: the step waits for the write; async: the state is copied to host memory and written in the
+    # background; async_with_pinned_mem: copied into host buffers kept across saves (pinned with CUDA). docs/checkpoints.md
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    is_async: bool | None = None  # NeMo Automodel's switch: true means async_mode: async (unless pinned is asked)
+
+    def __post_init__(self):
+        if self.is_async is False and self.async_mode != "disabled":
+            raise ValueError(f"is_async: false contradicts async_mode: {self.async_mode} (set one of them)")
+        if self.is_async and self.async_mode == "disabled":
+            self.async_mode = "async"
 
 
 @dataclass(kw_only=True)

@@ -316,14 +316,16 @@ def base_reference(job) -> dict:
     return {"base": job.model.pretrained_path or f"initialized from trainer.seed {job.trainer.seed}", **settings}
 
 
-def checkpoint_size_line(path: Path, model: nn.Module, job) -> str:
-    """One line: the checkpoint's bytes on disk against the frozen base's it references (this rank's model)."""
-    stored = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+def checkpoint_size_line(path, model: nn.Module, job) -> str:
+    """One line: what checkpoint ``path`` stores of this rank's model (the trainable parameters and their two AdamW
+    moments) against the frozen base it references. Counted from the tensors, not the files: an asynchronous
+    save is still being written when this is said."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    stored = 3 * sum(p.numel() * p.element_size() for p in trainable)
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return (f"LoRA checkpoint {path.name}: {stored / 2**20:.2f} MiB ({trainable:,} trainable parameters + their "
-            f"AdamW state); the frozen base ({frozen / 2**20:.1f} MiB, "
-            f"{job.model.pretrained_path or 'seeded init'}) is referenced, not copied")
+    return (f"LoRA checkpoint {Path(str(path)).name}: {stored / 2**20:.2f} MiB on this rank "
+            f"({sum(p.numel() for p in trainable):,} trainable parameters + their AdamW state); the frozen base "
+            f"({frozen / 2**20:.1f} MiB, {job.model.pretrained_path or 'seeded init'}) is referenced, not copied")
 
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoRALinear", "adapter_hook", "adapter_placements", "apply_lora",
