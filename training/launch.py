@@ -201,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(script)
     else:
+        from headrace.training.components.run_lock import first_symlink
+
+        if (link := first_symlink(output_dir)) is not None:  # what the trainer would refuse: refuse it here first
+            print(f"error: trainer.output_dir: {link} is a symbolic link; the job writes only real files under its "
+                  "output_dir", file=sys.stderr)
+            return 2
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(script)
         path.chmod(0o755)
