@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from headrace.training.components.checkpoint_seal import Incomplete, NotSealed, check, seal, seal_key
+from headrace.training.dir_files import file_inside
 from headrace.training.errors import JobInputError
 from headrace.training.models.hf_experts import expert_converters, hub_names, per_expert_views
 from headrace.training.models.loss import unwrap_causal_lm
@@ -275,8 +276,8 @@ def _copy_tokenizer(tokenizer: str, dest: Path) -> None:
     if src.is_dir():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                      "chat_template.json"):
-            if (src / name).is_file():
-                shutil.copy(src / name, dest / name)
+            if (path := file_inside(src, name)) is not None:  # never a link's target from outside the folder
+                shutil.copyfile(path, dest / name)
     else:
         shutil.copy(src, dest / "tokenizer.json")
     if not (dest / "tokenizer_config.json").exists():  # lets AutoTokenizer.from_pretrained(hf/) find it
