@@ -21,7 +21,8 @@ from headrace.dataio.stream.audio_batch import decode_pending
 from headrace.dataio.stream.blend import BlendSchedule
 from headrace.dataio.stream.collate import Allocator, bookkeeping, collate
 from headrace.dataio.stream.dali import BatchAudio
-from headrace.dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
+from headrace.dataio.stream.decode import (TOKEN_ID_LIMIT, SampleDecodeError, check_token_document, decode_sample,
+                                          member_error)
 from headrace.dataio.stream.epochized import EpochizedSchedule
 from headrace.dataio.stream.gather import gather_tokens, tokens_only
 from headrace.dataio.stream.order import EpochOrder
@@ -184,7 +185,7 @@ class BatchMaker:
         end, local, positions = self._span(b)
         refs = self.refs(positions)
         batch = gather_tokens(self.sources, refs, end, alloc) if self.tokens_only and len(refs) else None
-        if batch is not None and self.reader.cfg.thd and _has_negative_id(batch):
+        if batch is not None and self.reader.cfg.thd and _has_refused_id(batch):
             batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (headrace.dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
@@ -216,7 +217,7 @@ class BatchMaker:
         local = np.concatenate([local for _, local, _ in spans])
         refs = self.refs(np.concatenate([positions for _, _, positions in spans]))
         union = gather_tokens(self.sources, refs, 0, alloc)
-        if union is None or (self.reader.cfg.thd and _has_negative_id(union)):
+        if union is None or (self.reader.cfg.thd and _has_refused_id(union)):
             return None
         ext = next(k for k in union if is_token_member(k))
         tokens, lengths = union[ext], union["__lengths__"].get(ext)
@@ -257,10 +258,15 @@ def _into(alloc: Allocator, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _has_negative_id(batch: dict) -> bool:
-    """Whether a gathered token batch holds a negative id (one reduction, signed dtypes only)."""
+def _has_refused_id(batch: dict) -> bool:
+    """Whether a gathered token batch holds an id packing refuses (``decode.check_token_document``): a negative one,
+    or a uint64 one that does not fit int64 (one reduction, signed and 64-bit unsigned dtypes only)."""
     tokens = next(v for k, v in batch.items() if is_token_member(k))
-    return tokens.dtype.is_signed and tokens.numel() > 0 and int(tokens.min()) < 0
+    if tokens.numel() == 0:
+        return False
+    if tokens.dtype == torch.uint64:  # torch has no max of uint64: numpy's, over the same memory
+        return int(tokens.numpy().max()) >= TOKEN_ID_LIMIT
+    return tokens.dtype.is_signed and int(tokens.min()) < 0
 
 
 __all__ = ["BatchMaker", "SampleReader", "token_ext"]
