@@ -205,7 +205,10 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
         loader = open_loader()
         if cfg.model.kind == "salm":
             loader = wrap_loader(loader, model, cfg, dims)
-        return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch)
+        # a rank whose share of the val set is empty (one document, two ranks) runs padding rows, counting nothing
+        empty = (None if cfg.model.kind == "salm" else
+                 lambda: next(iter(val_batches([loader.stage.padding_batch()], device, transform))))
+        return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch, empty=empty)
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())

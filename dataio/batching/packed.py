@@ -52,6 +52,10 @@ class PackedBatches:
             self.packed_batches += 1
             yield packed
 
+    def padding_batch(self) -> dict:
+        """One batch of padding rows only (``Packer.empty_batch``), for ``headrace.dataio.batching.even``'s ``empty``."""
+        return self.packer.empty_batch()
+
     def _pack(self, chunk: dict) -> Iterator[dict]:
         stream = self.stream
         refs, positions = chunk["__ref__"].tolist(), chunk["__pos__"].tolist()
