@@ -3,7 +3,7 @@
 One rule for both entry points (``dataio`` and ``python -m headrace.training``): an exception is the user's
 (a config value, a data file, a file-system path) when it is one of the project's input-error types
 (``ConfigError``, ``CommandError``, ``PrepareError``, ``OutputLocked``, the shard/sample/tar format
-errors, ``SampleError``, a loader ``StateError``) or an
+errors, ``SampleError``, a loader ``StateError``, a loader worker killed or hung: ``WorkerDied``) or an
 ``OSError`` that names a file (missing, not a directory, permission denied, disk full). Such an error
 is printed as one line and the process exits with status 2; everything else is a bug and is re-raised
 with its traceback. ``--debug`` or ``HEADRACE_DEBUG=1`` re-raises user errors too.
@@ -44,9 +44,10 @@ def _user_error_types() -> tuple[type, ...]:
     from headrace.dataio.shards.outdir import OutputLocked
     from headrace.dataio.shards.tarscan import TarFormatError
     from headrace.dataio.stream.decode import SampleDecodeError
+    from headrace.dataio.stream.pool import WorkerDied
 
     return (ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, StateError,
-            TarFormatError)
+            TarFormatError, WorkerDied)
 
 
 def is_user_error(e: BaseException) -> bool:
