@@ -68,12 +68,13 @@ class SampleReader:
         """Whether a batch may be made in the main process before it forks workers."""
         return self.batch_audio is None or self.batch_audio.fork_safe
 
-    def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None
+    def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None, padding: bool = False
              ) -> tuple[list[dict], list[str], np.ndarray, int]:
         """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
         bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
         arrays as ``NpyView`` for ``headrace.dataio.stream.collate`` to copy straight into the batch; ``alloc``:
-        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.audio_batch``)."""
+        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.audio_batch``; ``padding``:
+        a bad sample is dropped uncounted, as it is counted where it is read as itself)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
         pending = alloc is not None
         for i, item in enumerate(self._raw(refs)):
@@ -91,6 +92,8 @@ class SampleReader:
                     continue
                 except SampleDecodeError as e:
                     item = e
+            if padding:
+                continue
             self._skip(item)
             bad += 1
         failed = {}
@@ -99,9 +102,9 @@ class SampleReader:
         elif pending and samples:  # the audio decode_sample left pending, into one tensor per member
             failed = decode_pending(samples, keys, shards, self.cfg.decode, alloc)
         if failed:
-            for s in sorted(failed):
+            for s in sorted(failed) if not padding else ():
                 self._skip(failed[s])
-            bad += len(failed)
+            bad += len(failed) if not padding else 0
             good = [s for s in range(len(samples)) if s not in failed]
             samples, keys, kept = [samples[s] for s in good], [keys[s] for s in good], [kept[s] for s in good]
         return samples, keys, np.asarray(kept, dtype=np.int64), bad
@@ -194,7 +197,7 @@ class BatchMaker:
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
             refs = self.refs(np.array([self.layout.start]))
-            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc)
+            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc, padding=True)
             valid = torch.zeros(len(samples), dtype=torch.bool)
             local = np.full(len(samples), -1)
         batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=end, alloc=alloc)
@@ -259,9 +262,11 @@ def _into(alloc: Allocator, t: torch.Tensor) -> torch.Tensor:
 
 
 def _has_refused_id(batch: dict) -> bool:
-    """Whether a gathered token batch holds an id packing refuses (``decode.check_token_document``): a negative one,
-    or a uint64 one that does not fit int64 (one reduction, signed and 64-bit unsigned dtypes only)."""
+    """Whether a gathered token batch holds what packing refuses (``decode.check_token_document``): floats, a negative
+    id, or a uint64 one that does not fit int64 (one reduction, signed and 64-bit unsigned dtypes only)."""
     tokens = next(v for k, v in batch.items() if is_token_member(k))
+    if tokens.dtype.is_floating_point:  # not token ids at all
+        return True
     if tokens.numel() == 0:
         return False
     if tokens.dtype == torch.uint64:  # torch has no max of uint64: numpy's, over the same memory
