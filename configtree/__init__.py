@@ -65,7 +65,8 @@ def _parse_yaml(text, where: str):
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        said = " ".join(str(getattr(e, "problem", None) or e).split())  # a ReaderError's text has several lines
+        raise ConfigError(f"{where}: not valid YAML{at}: {said}") from None
     _check_expansion(data, where)
     return data
 

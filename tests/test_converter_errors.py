@@ -90,7 +90,7 @@ CASES = {  # name: (checkpoint, edit, what the one line says)
 @pytest.mark.parametrize("case", list(CASES))
 def test_broken_checkpoint_is_one_line_and_leaves_nothing(saved, tmp_path, capsys, monkeypatch, case):
     kind, edit, message = CASES[case]
-    monkeypatch.setattr(checkpoints, "TEMPLATE_CPU_SECONDS", 1.0)
+    monkeypatch.setattr(checkpoints, "TEMPLATE_SECONDS", 1.0)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved / kind, ckpt)
     edit(ckpt)

@@ -70,9 +70,9 @@ BASE_PROMPTS = {"qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>De
                 "voxtral": f"[INST][BEGIN_AUDIO]{AUDIO_PLACEHOLDER}[/INST]"}
 AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "voxtral": "[AUDIO]"}
 # A chat template is a program from the checkpoint's author (jinja2, sandboxed by transformers, but its loops are not
-# bounded: two nested range(100000) run for hours). A real one renders a turn in milliseconds; past this much CPU
-# time the template is refused.
-TEMPLATE_CPU_SECONDS = 5.0
+# bounded: two nested range(100000) run for hours). A real one renders a turn in milliseconds; past this many
+# seconds (wall clock: CPU time crawls on a loaded machine) the template is refused.
+TEMPLATE_SECONDS = 10.0
 
 
 def speech_llm_kind(path: str | Path | None) -> str | None:
@@ -137,22 +137,32 @@ class TemplateTooSlow(Exception):
 
 
 @contextmanager
-def cpu_limit(seconds: float):
-    """Raise ``TemplateTooSlow`` in the block once it has used ``seconds`` of this process's CPU time (a virtual
-    timer, SIGVTALRM: the wall-clock SIGALRM stays free for the caller). Main thread only: a signal cannot stop
-    another thread, so elsewhere the limit cannot be kept and the call is refused."""
+def time_limit(seconds: float):
+    """Raise ``TemplateTooSlow`` in the block once it has run ``seconds``: a timer thread sends SIGVTALRM to the
+    main thread, whose handler raises (SIGALRM, ``signal.alarm``, stays free for the caller). Main thread only: a
+    signal cannot stop another thread, so elsewhere the limit cannot be kept and the call is refused."""
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("a checkpoint's chat template is rendered only in the main thread (its CPU limit)")
+        raise RuntimeError("a checkpoint's chat template is rendered only in the main thread (its time limit)")
+    main = threading.get_ident()
+    fired = threading.Event()
 
     def fire(signum, frame):
-        raise TemplateTooSlow
+        if fired.is_set():
+            raise TemplateTooSlow
+
+    def send():
+        fired.set()
+        signal.pthread_kill(main, signal.SIGVTALRM)
 
     old = signal.signal(signal.SIGVTALRM, fire)
-    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    timer = threading.Timer(seconds, send)
+    timer.start()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        timer.cancel()
+        timer.join()
+        fired.clear()  # a signal still on its way after the block meets a handler that ignores it
         signal.signal(signal.SIGVTALRM, old)
 
 
@@ -181,12 +191,12 @@ def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
     if tokenizer.chat_template is None:
         return BASE_PROMPTS[kind]
     try:
-        with cpu_limit(TEMPLATE_CPU_SECONDS):
+        with time_limit(TEMPLATE_SECONDS):
             text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
                                                  add_generation_prompt=True, tokenize=False)
     except TemplateTooSlow:
-        raise JobInputError(f"{checkpoint}: its chat template ran past {TEMPLATE_CPU_SECONDS:g} s of CPU for one user "
-                            "turn (unbounded loops?); refused") from None
+        raise JobInputError(f"{checkpoint}: its chat template ran past {TEMPLATE_SECONDS:g} s for one user turn "
+                            "(unbounded loops?); refused") from None
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
         raise JobInputError(f"{checkpoint}: its chat template fails on one user turn with audio: "
                             f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
