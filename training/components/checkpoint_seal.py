@@ -71,9 +71,10 @@ def check(step_dir: Path, key: bytes | None, state_file: str) -> dict:
     """The trainer state of ``step_dir`` once its seal holds; ``Incomplete`` / ``NotSealed`` (module docstring)."""
     try:
         state = json.loads((step_dir / state_file).read_text())
-    except (OSError, ValueError) as e:
-        raise Incomplete(f"{state_file} does not read ({e})") from None
-    if not isinstance(state, dict) or "seal" not in state or "files" not in state:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's recursion limit
+        raise Incomplete(f"{state_file} does not read ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+    if not isinstance(state, dict) or "seal" not in state or not isinstance(state["files"] if "files" in state else None,
+                                                                            dict):
         raise NotSealed(f"{state_file} holds no seal (written by another job or an older headrace)")
     for name, size in state["files"].items():
         path = step_dir / name
