@@ -139,9 +139,9 @@ class Loader:
             self.stage.load_state_dict(old, self.dp_rank, self.dp_size)
         except StateError:
             raise
-        except (ValueError, KeyError) as e:
-            raise StateError(f"loader state: {type(e).__name__ if isinstance(e, KeyError) else ''}"
-                             f"{' ' if isinstance(e, KeyError) else ''}{e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # a hand-edited sub-state's shape
+            named = not isinstance(e, ValueError)  # their text alone ('str' object has no attribute ...) says little
+            raise StateError(f"loader state: {type(e).__name__ + ' ' if named else ''}{e}") from None
 
     def _check_stage_fields(self, states: list[dict]) -> None:
         """StateError unless every state was saved by a loader with this one's batching stage: the stage's fields

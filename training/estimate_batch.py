@@ -162,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the YAML table here (default: print it)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the job config")
     args = parser.parse_args(argv)
+    from headrace.dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
+
+    try:
+        return estimate(args)
+    except Exception as e:  # the trainer's rule: the user's errors in one line, exit 2; bugs keep their traceback
+        if not is_user_error(e) or debug_requested():
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def estimate(args: argparse.Namespace) -> int:
+    """``main`` once the arguments are parsed (its exit status)."""
     import yaml
 
     from headrace.dataio.batching.bucketing import estimate_2d_bins
@@ -171,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     from headrace.training.speech.checkpoints import with_speech_llm
     from headrace.training.speech.job import SpeechBatches
     from headrace.training.speech.model import build_meta_salm, materialize_salm
+    from headrace.training.components.data import open_data
+    from headrace.training.config.validate import check_data_paths
     from headrace.training.distributed.process_group import pick_device
 
     cfg = load_job_config(args.config, args.overrides)
@@ -182,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if bucketing.bucket_duration_bins:
         bins = np.asarray(bucketing.bucket_duration_bins, dtype=np.float64)
     else:
-        source = open_source(cfg.data.datasets[0])
+        check_data_paths(cfg.data)
+        source = open_data("data", lambda: open_source(cfg.data.datasets[0]))
         samples = source.index.samples
         bins = estimate_2d_bins(np.asarray(samples["duration"], np.float64), np.asarray(samples["tokens"], np.float64),
                                 bucketing.num_buckets, max(bucketing.num_token_buckets, 2))
