@@ -149,14 +149,18 @@ def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SAL
     ``headrace.training.speech.checkpoints``) as one plain module in eval mode (for decoding), with its config."""
     from headrace.training.config.job_config import ModelConfig
     from headrace.training.models.build import build_hf_config
+    from headrace.training.dir_files import read_json_object
+    from headrace.training.errors import JobInputError
     from headrace.training.speech.checkpoints import speech_from_checkpoint, speech_llm_kind
 
     path = Path(path)
     if speech_llm_kind(path):
         speech, llm_path = speech_from_checkpoint(path, SpeechConfig()), path
     else:
-        raw = json.loads((path / MANIFEST).read_text())
+        raw = read_json_object(path / MANIFEST)
         for part in ("encoder", "adapter"):
+            if not isinstance(raw.get(part), dict) or not isinstance(raw[part].get("pretrained_path"), str):
+                raise JobInputError(f"{path / MANIFEST}: {part}.pretrained_path is missing or not a string")
             raw[part]["pretrained_path"] = str(path / raw[part]["pretrained_path"])
         speech, llm_path = from_dict(SpeechConfig, raw, "salm.json"), path / "hf"
     llm_config = build_hf_config(ModelConfig(kind="salm", pretrained_path=str(llm_path), speech=speech))
