@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from tests.hostile import flac_bytes, make_tar
 
 CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
+RUN_CASE_SECONDS = 120  # a case that runs the trainer (and eval) end to end, on a machine shared by ~8 jobs
 MEMORY_CEILING = 6 << 30  # RLIMIT_DATA of a fuzz process (torch and numpy included)
 FAST_EXAMPLES = 60
 # the targets that build a loader or run a command per case (~0.5-2 s each): fewer cases in CI
@@ -686,14 +687,20 @@ def targets(tmp: Path) -> dict:
                             st.sampled_from([0, 2])),
                   guarded(lambda c: check_mixed(tmp, *c))),
     }
-    found.update(issue34_targets(tmp, guarded))
+    def guarded_run(fn):
+        def run(case):
+            with time_limit(RUN_CASE_SECONDS):
+                fn(case)
+        return run
+
+    found.update(issue34_targets(tmp, guarded, guarded_run))
     if disk is not None:
         found["diskfull"] = (st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),
                              guarded(lambda c: check_disk_full(disk, docs, *c)))
     return found
 
 
-def issue34_targets(tmp: Path, guarded) -> dict:
+def issue34_targets(tmp: Path, guarded, guarded_run) -> dict:
     """The checkpoint directory, pretrained directories, speech-LLM checkpoint directories (converter), the
     launcher's overrides and output-dir symlinks (issue 34), each with its base made once here."""
     import yaml
@@ -727,20 +734,20 @@ def issue34_targets(tmp: Path, guarded) -> dict:
     return {
         "ckptdir": (st.lists(st.tuples(st.sampled_from(CKPT_FILES), st.one_of(st.none(), json_texts, st.binary(max_size=64))),
                              min_size=1, max_size=2),
-                    guarded(lambda edits: check_checkpoint_dir(tmp, run, edits))),
+                    guarded_run(lambda edits: check_checkpoint_dir(tmp, run, edits))),
         "pretrained": (st.tuples(st.one_of(st.none(), json_texts, mutated(config_bytes)),
                                  st.one_of(st.none(), mutated(weights, hot=[(0, 256)])), st.booleans(),
                                  st.one_of(st.none(), st.sampled_from(["config.json", "model.safetensors"]))),
-                       guarded(lambda c: check_pretrained_dir(tmp, tmp / "pretrained", *c))),
+                       guarded_run(lambda c: check_pretrained_dir(tmp, tmp / "pretrained", *c))),
         "speechckpt": (st.tuples(st.lists(st.one_of(
             st.sampled_from(SPEECH_FILES).flatmap(lambda n: mutated(speech[n]).map(lambda b: (n, b))),
             st.tuples(st.sampled_from(["config.json", "tokenizer_config.json"]), json_texts),
             st.just(("chat_template.jinja", nested_loops))), max_size=2),
             st.one_of(st.none(), st.sampled_from(["merges.txt", "tokenizer.json", "config.json"]))),
-            guarded(lambda c: check_speech_checkpoint(tmp, tmp / "qwen2_audio", *c))),
+            guarded_run(lambda c: check_speech_checkpoint(tmp, tmp / "qwen2_audio", *c))),
         "launcher": (st.lists(shell_text, min_size=1, max_size=3), guarded(lambda v: check_launcher(tmp, job, v))),
         "links": (st.lists(st.tuples(st.sampled_from(OUTPUT_NAMES), st.booleans()), max_size=3),
-                  guarded(lambda links: check_output_links(tmp, links))),
+                  guarded_run(lambda links: check_output_links(tmp, links))),
     }
 
 
@@ -769,7 +776,10 @@ def run_long(tmp: Path, minutes: float) -> dict:
             examples = 200 if name not in SLOW_EXAMPLES else 20
             try:
                 _run(*test, max_examples=examples)
-            except Exception as e:  # hypothesis re-raises the (shrunk) failure: record it, keep fuzzing
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # hypothesis re-raises the (shrunk) failure: record it, keep fuzzing (torch's
+                # CheckpointException, which can carry a case's Hang, is a BaseException)
                 text = traceback.format_exception_only(type(e), e)[-1].strip()
                 found.setdefault(f"{name}: {text[:300]}", "".join(traceback.format_exception(e))[-3000:])
             cases += examples
