@@ -350,12 +350,13 @@ def export_model(trainer: Trainer) -> None:
         return
     print_on_rank0(f"exporting step {trainer.step} to {out} ...")
     start = time.perf_counter()
-    if cfg.model.kind == "salm":
-        export_salm(trainer.model, cfg, trainer.out_dir)
-    else:
-        checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
-                             shard_size_mb=cfg.checkpoint.export_shard_size_mb,
-                             experts_layout=cfg.checkpoint.export_hf_experts)
+    with checkpoint.export_errors(out):
+        if cfg.model.kind == "salm":
+            export_salm(trainer.model, cfg, trainer.out_dir)
+        else:
+            checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
+                                 shard_size_mb=cfg.checkpoint.export_shard_size_mb,
+                                 experts_layout=cfg.checkpoint.export_hf_experts)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")

@@ -24,6 +24,7 @@ per expert, as ``save_pretrained`` and the hub have them, by the ranks holding t
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -121,6 +122,25 @@ def write_error(where: Path, e: CheckpointException) -> Exception:
             continue
         return JobInputError(f"checkpoint: cannot write {where} (rank {rank}): {what}")
     return e
+
+
+@contextlib.contextmanager
+def export_errors(where: Path):
+    """The file system's refusals while exporting ``where`` (a full disk, a file-size limit, a permission) as one
+    ``JobInputError`` line naming it, as ``write_error`` does for a checkpoint save; other failures keep their
+    traceback. The checkpoint of the step was saved before the export, so nothing is lost."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except CheckpointException as e:
+        raise write_error(where, e) from e
+    except OSError as e:
+        raise JobInputError(f"checkpoint.export_hf: cannot write {e.filename or where}: {e.strerror or e}") from e
+    except SafetensorError as e:  # safetensors' own writer: "Error while serializing: IoError(Os { code: 28, ...
+        if "IoError" not in str(e):
+            raise
+        raise JobInputError(f"checkpoint.export_hf: cannot write {where}: {' '.join(str(e).split())[:200]}") from e
 
 
 def sealed_state(path: Path) -> dict:
@@ -316,5 +336,5 @@ def _prune(folder: Path, keep_last: int | None) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["STATE_FILE", "check_model_config", "checkpoint_dir", "export_hf", "gather_loader_states", "latest", "load",
+__all__ = ["STATE_FILE", "check_model_config", "checkpoint_dir", "export_errors", "export_hf", "gather_loader_states", "latest", "load",
            "load_newest", "model_config_record", "save", "sealed_state"]
