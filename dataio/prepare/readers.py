@@ -399,6 +399,8 @@ class LhotseCutsInput:
 
     def load(self, entry: Entry) -> Sample:
         cut = entry.locator
+        if not cut.has_recording:
+            raise SampleError(f"{self.path}:{entry.line}: cut {cut.id} has no recording (nothing to shard)")
         file_source = _whole_file_source(cut)
         try:
             ext = _audio_ext(file_source) if file_source else None

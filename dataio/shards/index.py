@@ -144,13 +144,24 @@ class DatasetIndex:
                 os.fsync(f.fileno())
 
 
+def _manifest_hint(path) -> str:
+    """For a file named like a Lhotse manifest: how to have it read as one."""
+    from headrace.dataio.stream.interop import LHOTSE_MANIFEST_SUFFIXES
+
+    name = Path(path).name
+    if not name.endswith(LHOTSE_MANIFEST_SUFFIXES):
+        return ""
+    return (f"; if it is a Lhotse CutSet manifest, its name must contain 'cuts' to be read as one (e.g. "
+            f"{name.split('.')[0]}_cuts.{name.split('.', 1)[1]})")
+
+
 def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     """Load the index of a local dataset directory (remote sources copy these small files first)."""
     d = Path(root) / INDEX_DIR
     manifest_path = d / "manifest.json"
     if not Path(root).is_dir():  # no index hint for a path that is not there: it is the wrong path
         raise FileNotFoundError(f"{root}: no such directory" if not Path(root).exists() else
-                                f"{root}: not a directory (expected a dataset directory)")
+                                f"{root}: not a directory (expected a dataset directory)" + _manifest_hint(root))
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"{root}: no headrace index ({INDEX_DIR}/manifest.json); run `dataio index {root}` first"
