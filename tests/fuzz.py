@@ -446,6 +446,35 @@ def check_disk_full(disk: Path, docs: Path, leave_kib: int, verb: str) -> None:
 
 # --- issue 34: the directories and words a user hands the trainer, the converter and the launcher ---------
 
+def in_child(fn):
+    """``fn(case)`` in a forked child under ``RUN_CASE_SECONDS``: a case that runs the trainer leaves what it
+    allocated, the process-group hooks torch installs and any thread behind when the child exits (in one process,
+    hundreds of in-process runs grew past the memory ceiling). The child's traceback comes back through a pipe and
+    fails the case here, where hypothesis shrinks it."""
+    def run(case):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running the parent's exit handlers
+            os.close(read)
+            code, text = 0, b""
+            try:
+                with time_limit(RUN_CASE_SECONDS):
+                    fn(case)
+            except BaseException as e:
+                code, text = 1, "".join(traceback.format_exception(e))[-4000:].encode()
+            os.write(write, text)
+            os._exit(code)
+        os.close(write)
+        chunks = []
+        while chunk := os.read(read, 1 << 16):
+            chunks.append(chunk)
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            raise AssertionError(b"".join(chunks).decode(errors="replace") or f"the case's child ended with {status}")
+    return run
+
+
 def _entry(main, argv: list[str]) -> tuple[int, str]:
     """``main(argv)`` of a CLI in this process: (exit code, what it printed to stderr)."""
     import contextlib
@@ -688,10 +717,7 @@ def targets(tmp: Path) -> dict:
                   guarded(lambda c: check_mixed(tmp, *c))),
     }
     def guarded_run(fn):
-        def run(case):
-            with time_limit(RUN_CASE_SECONDS):
-                fn(case)
-        return run
+        return in_child(fn)
 
     found.update(issue34_targets(tmp, guarded, guarded_run))
     if disk is not None:
