@@ -103,3 +103,19 @@ def test_good_pretrained_dir_still_trains(saved, tmp_path, capsys, one_rank):
                  "model.config=null", f"model.pretrained_path={saved / 'tiny'}"])
     assert code == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_hf_export_copies_no_tokenizer_file_linked_from_outside(saved, tmp_path, capsys, one_rank):
+    """The trainer's hf/ export copies the tokenizer folder's files; one linked from outside (``tokenizer_config.json
+    -> a secret``) is refused in one line, and its target never reaches hf/."""
+    from tests.test_speech_checkpoints import word_level_tokenizer
+
+    word_level_tokenizer({"[UNK]": 0, "a": 1, "</s>": 2}, "</s>", []).save_pretrained(tmp_path / "tok")
+    (tmp_path / "secret").write_text('{"secret": "from outside"}')
+    (tmp_path / "tok" / "tokenizer_config.json").unlink()
+    (tmp_path / "tok" / "tokenizer_config.json").symlink_to(tmp_path / "secret")
+    code = main([*BASE, "checkpoint.export_hf=true", f"model.tokenizer={tmp_path / 'tok'}",
+                 f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {saved / 'd'}}}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "tokenizer_config.json: a symbolic link to" in err, err
+    assert not any("from outside" in p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*.json"))
