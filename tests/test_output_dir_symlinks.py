@@ -34,14 +34,16 @@ def test_a_link_inside_output_dir_is_refused_and_its_target_untouched(tmp_path, 
     (out / name).symlink_to(victim)
     code = main([*BASE, f"trainer.output_dir={out}", f"data.datasets=[{{path: {tmp_path / 'd'}}}]"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith(f"error: trainer.output_dir: {out / name} is a symbolic link"), err
+    assert code == 2 and err.startswith(f"error: trainer.output_dir: {out / name} is a symbolic link out of it"), err
     assert err.count("\n") == 1 and victim.read_text() == "precious\n"
     assert sorted(os.listdir(out)) == sorted({name.split("/")[0]})  # nothing else written
 
 
-def test_output_dir_itself_may_be_a_link(tmp_path, capsys, one_rank):
+def test_output_dir_itself_may_be_a_link_and_links_inside_it_stay(tmp_path, capsys, one_rank):
+    """``output_dir`` a link to the storage; a link whose target stays inside (wandb's ``latest-run``) is kept."""
     make_text_dataset(tmp_path / "d", [20])
-    (tmp_path / "storage").mkdir()
+    (tmp_path / "storage" / "wandb" / "run-1").mkdir(parents=True)
+    (tmp_path / "storage" / "wandb" / "latest-run").symlink_to("run-1")
     (tmp_path / "out").symlink_to(tmp_path / "storage")
     code = main([*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {tmp_path / 'd'}}}]"])
     assert code == 0, capsys.readouterr().err

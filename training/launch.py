@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         from headrace.training.components.run_lock import first_symlink
 
         if (link := first_symlink(output_dir)) is not None:  # what the trainer would refuse: refuse it here first
-            print(f"error: trainer.output_dir: {link} is a symbolic link; the job writes only real files under its "
+            print(f"error: trainer.output_dir: {link} is a symbolic link out of it; the job writes only under its "
                   "output_dir", file=sys.stderr)
             return 2
         path.parent.mkdir(parents=True, exist_ok=True)
