@@ -48,7 +48,7 @@ FAST_EXAMPLES = 60
 # the targets that build a loader or run a command per case (~0.5-2 s each): fewer cases in CI
 SLOW_EXAMPLES = {"inplace": 6, "nonregular": 8, "mixed": 8, "diskfull": 8,
                  # issue 34: a trainer / eval / converter run per case
-                 "ckptdir": 2, "pretrained": 3, "speechckpt": 6, "links": 4}
+                 "ckptdir": 2, "pretrained": 3, "speechckpt": 6, "links": 4, "launcher": 20}
 
 
 class Hang(Exception):
