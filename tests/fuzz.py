@@ -535,8 +535,8 @@ def check_checkpoint_dir(tmp: Path, run: Path, edits: list[tuple[str, bytes | No
             else:
                 path.write_bytes(data)
     _one_line_or_ok(*_entry(train_main, _trainer_args(tmp, case / "out", "trainer.max_steps=3")))
-    _one_line_or_ok(*_entry(eval_main, _trainer_args(tmp, case / "out", f"data.val={{datasets: [{{path: {tmp / 'ds'}}}]}}",
-                                                     flags=("--checkpoint", str(newest)))))
+    val = f"data.val={{datasets: [{{path: {tmp / 'ds'}}}]}}"
+    _one_line_or_ok(*_entry(eval_main, _trainer_args(tmp, case / "out", val, flags=("--checkpoint", str(newest)))))
 
 
 def check_pretrained_dir(tmp: Path, base: Path, config_edit: bytes | None, weights_edit: bytes | None,
@@ -758,8 +758,8 @@ def issue34_targets(tmp: Path, guarded, guarded_run) -> dict:
                                    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")),
                          min_size=1, max_size=16)
     return {
-        "ckptdir": (st.lists(st.tuples(st.sampled_from(CKPT_FILES), st.one_of(st.none(), json_texts, st.binary(max_size=64))),
-                             min_size=1, max_size=2),
+        "ckptdir": (st.lists(st.tuples(st.sampled_from(CKPT_FILES),
+                                       st.one_of(st.none(), json_texts, st.binary(max_size=64))), min_size=1, max_size=2),
                     guarded_run(lambda edits: check_checkpoint_dir(tmp, run, edits))),
         "pretrained": (st.tuples(st.one_of(st.none(), json_texts, mutated(config_bytes)),
                                  st.one_of(st.none(), mutated(weights, hot=[(0, 256)])), st.booleans(),

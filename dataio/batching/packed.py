@@ -53,7 +53,7 @@ class PackedBatches:
             yield packed
 
     def padding_batch(self) -> dict:
-        """One batch of padding rows only (``Packer.empty_batch``), for ``headrace.dataio.batching.even``'s ``empty``."""
+        """One batch of padding rows only (``Packer.empty_batch``), for ``even_batches``'s ``empty``."""
         return self.packer.empty_batch()
 
     def _pack(self, chunk: dict) -> Iterator[dict]:

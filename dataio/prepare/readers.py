@@ -111,7 +111,8 @@ def make_key(name: str) -> str:
     if not name:
         raise ValueError(f"empty sample key from {name!r}")
     keep_slash = all(name.split("/"))
-    key = "".join(chr(b) if b in _KEY_SAFE or (b == 0x2F and keep_slash) else f"%{b:02X}" for b in name.encode("utf-8", "surrogatepass"))
+    key = "".join(chr(b) if b in _KEY_SAFE or (b == 0x2F and keep_slash) else f"%{b:02X}"
+                  for b in name.encode("utf-8", "surrogatepass"))
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"sample key longer than {MAX_KEY_BYTES} bytes: {key[:60]}...")
     return key

@@ -336,5 +336,5 @@ def _prune(folder: Path, keep_last: int | None) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["STATE_FILE", "check_model_config", "checkpoint_dir", "export_errors", "export_hf", "gather_loader_states", "latest", "load",
-           "load_newest", "model_config_record", "save", "sealed_state"]
+__all__ = ["STATE_FILE", "check_model_config", "checkpoint_dir", "export_errors", "export_hf", "gather_loader_states",
+           "latest", "load", "load_newest", "model_config_record", "save", "sealed_state"]
