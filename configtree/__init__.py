@@ -50,15 +50,55 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                               re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
+MAX_VALUES = 1_000_000  # values a config may expand to, aliases counted at every use (as to_dict writes them)
+
+
 def _parse_yaml(text, where: str):
     """``yaml.safe_load`` (plus ``1e-3`` as a float, ``_Loader``) whose syntax errors are one ConfigError
-    line: place and problem."""
+    line: place and problem. A document whose aliases expand past ``MAX_VALUES`` values (an alias bomb: ten
+    levels of ten aliases are 10**10 values in a few hundred bytes), refers to itself, or nests past Python's
+    recursion limit is a ConfigError too: saving or checking it would never end."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to read") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        said = " ".join(str(getattr(e, "problem", None) or e).split())  # a ReaderError's text has several lines
+        raise ConfigError(f"{where}: not valid YAML{at}: {said}") from None
+    _check_expansion(data, where)
+    return data
+
+
+def _check_expansion(data: Any, where: str) -> None:
+    """ConfigError unless ``data`` expands to at most ``MAX_VALUES`` values and holds no container inside itself.
+    One depth-first walk over the distinct containers (an alias is one object however often it is used), each
+    container's expanded size the sum of its children's: O(distinct values), however large the expansion."""
+    if not isinstance(data, (dict, list)):
+        return
+    sizes: dict[int, int] = {}
+    stack, on_path = [(data, iter(_children(data)))], {id(data)}
+    while stack:
+        node, children = stack[-1]
+        for child in children:
+            if isinstance(child, (dict, list)) and id(child) not in sizes:
+                if id(child) in on_path:
+                    raise ConfigError(f"{where}: a YAML alias inside itself (its value would be infinite)")
+                on_path.add(id(child))
+                stack.append((child, iter(_children(child))))
+                break
+        else:
+            stack.pop()
+            on_path.discard(id(node))
+            size = sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in _children(node))
+            if size > MAX_VALUES:
+                raise ConfigError(f"{where}: expands to more than {MAX_VALUES:,} values (YAML aliases repeated in "
+                                  "aliases); write the values out")
+
+
+def _children(value: dict | list) -> list:
+    return [*value.keys(), *value.values()] if isinstance(value, dict) else value
 
 
 def load_yaml(path: str) -> dict:

@@ -10,7 +10,8 @@ import argparse
 import importlib
 import sys
 
-from headrace.dataio.usererror import EXIT_USER_ERROR, CommandError, debug_requested, is_user_error, one_line
+from headrace.dataio.usererror import (EXIT_INTERRUPTED, EXIT_USER_ERROR, CommandError, debug_requested, is_user_error,
+                                       one_line)
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dataio inspect DIR --json | head`: the reader left; that is not an error
         _silence_stdout()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: what was written is resumed or redone by the next run
+        print(f"dataio {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:  # input errors: one line (headrace.dataio.usererror); bugs: the traceback
         if not is_user_error(e) or debug_requested(args.debug):
             raise

@@ -126,6 +126,7 @@ class Loader:
         if not states:
             raise ValueError("load_state_dict: no state given")
         check_states(states, self._fingerprint, self.cfg.max_bad_samples, self.stream.blend.end)
+        self._check_stage_fields(states)
         old_size = states[0]["dp_size"]
         by_rank = {s["dp_rank"]: s for s in states}
         same = old_size == self.dp_size and self.dp_rank in by_rank
@@ -138,9 +139,22 @@ class Loader:
             self.stage.load_state_dict(old, self.dp_rank, self.dp_size)
         except StateError:
             raise
-        except (ValueError, KeyError) as e:
-            raise StateError(f"loader state: {type(e).__name__ if isinstance(e, KeyError) else ''}"
-                             f"{' ' if isinstance(e, KeyError) else ''}{e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # a hand-edited sub-state's shape
+            named = not isinstance(e, ValueError)  # their text alone ('str' object has no attribute ...) says little
+            raise StateError(f"loader state: {type(e).__name__ + ' ' if named else ''}{e}") from None
+
+    def _check_stage_fields(self, states: list[dict]) -> None:
+        """StateError unless every state was saved by a loader with this one's batching stage: the stage's fields
+        (beside the stream's) must be exactly this stage's, or a packer's half-filled rows would be dropped by a
+        plain loader (and a plain state read as an empty packer)."""
+        own = set(self.stage.state_dict())
+        common = {"version", "fingerprint", "dp_rank", "dp_size", *self.stream.state_dict()}
+        for s in states:
+            theirs = set(s) - common
+            if theirs != own:
+                raise StateError(f"loader state of rank {s['dp_rank']}: saved by a loader with "
+                                 f"{_stage_name(theirs)}, this one has {_stage_name(own)}; data.seq_len / packing / "
+                                 "bucketing must be those of the run that saved it")
 
     def _make_fingerprint(self) -> str:
         sources = self.stream.sources
@@ -151,6 +165,12 @@ class Loader:
         if self.datasets.epochized:
             what["epochized"] = True
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _stage_name(fields: set[str]) -> str:
+    names = {frozenset(): "plain batches", frozenset({"packing", "packed_batches"}): "packed rows (data.seq_len)",
+             frozenset({"bucketing"}): "bucketed batches"}
+    return names.get(frozenset(fields), f"the state fields {sorted(fields)}")
 
 
 def _resolve_seed(seed: int | str, dp_size: int) -> int:

@@ -3,7 +3,7 @@
 One rule for both entry points (``dataio`` and ``python -m headrace.training``): an exception is the user's
 (a config value, a data file, a file-system path) when it is one of the project's input-error types
 (``ConfigError``, ``CommandError``, ``PrepareError``, ``OutputLocked``, the shard/sample/tar format
-errors, ``SampleError``, a loader ``StateError``) or an
+errors, ``SampleError``, a loader ``StateError``, a loader worker killed or hung: ``WorkerDied``) or an
 ``OSError`` that names a file (missing, not a directory, permission denied, disk full). Such an error
 is printed as one line and the process exits with status 2; everything else is a bug and is re-raised
 with its traceback. ``--debug`` or ``HEADRACE_DEBUG=1`` re-raises user errors too.
@@ -15,6 +15,16 @@ import os
 
 DEBUG_ENV = "HEADRACE_DEBUG"
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+def leave_interrupt_to_parent() -> None:
+    """In a worker process (a pool's initializer): Ctrl-C reaches every process of the terminal's group; the
+    parent says "interrupted" once, so a worker ends at once and silently (no traceback of its own). What it
+    left half-written is a temp file its command removes or redoes on the next run."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(EXIT_INTERRUPTED))
 
 
 class CommandError(Exception):
@@ -34,9 +44,10 @@ def _user_error_types() -> tuple[type, ...]:
     from headrace.dataio.shards.outdir import OutputLocked
     from headrace.dataio.shards.tarscan import TarFormatError
     from headrace.dataio.stream.decode import SampleDecodeError
+    from headrace.dataio.stream.pool import WorkerDied
 
     return (ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, StateError,
-            TarFormatError)
+            TarFormatError, WorkerDied)
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -61,4 +72,5 @@ def one_line(e: BaseException) -> str:
     return lines[0]
 
 
-__all__ = ["DEBUG_ENV", "EXIT_USER_ERROR", "CommandError", "debug_requested", "is_user_error", "one_line"]
+__all__ = ["DEBUG_ENV", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "CommandError", "debug_requested", "is_user_error",
+           "leave_interrupt_to_parent", "one_line"]

@@ -30,8 +30,10 @@ is freed, by reference counting, before the next one starts, so the peak is that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from time import perf_counter
@@ -39,6 +41,7 @@ from typing import Callable, Iterable
 
 from headrace.config import to_dict
 from headrace.dataio.config import DataConfig
+from headrace.dataio.stream.decode import SampleDecodeError
 
 AUTO = "auto"
 WORKERS = 2  # the count measured against one process
@@ -62,9 +65,12 @@ class WorkerChoice:
 
     def line(self) -> str:
         """One line for the log: the choice and the two rates behind it."""
-        if not self.rates:
+        if not self.rates and self.cores < 2:
             return (f"data.num_workers: auto -> {self.num_workers} ({self.cores} usable core for this rank: "
                     "no room for workers, not measured)")
+        if not self.rates:
+            return (f"data.num_workers: auto -> {self.num_workers} (not measured: the trial loaders, which re-read "
+                    "the data, met more bad samples than data.max_bad_samples)")
         return (f"data.num_workers: auto -> {self.num_workers} (one process {self.rates[0]:,.0f} samples/s, "
                 f"{WORKERS} workers {self.rates[WORKERS]:,.0f} samples/s; measured in {self.seconds:.1f} s)")
 
@@ -101,10 +107,27 @@ def _measure(cfg: DataConfig, open_loader: Callable[[DataConfig], Iterable]) -> 
     trial = dataclasses.replace(cfg, epochs=None, stop_on_first_exhausted=False, val=None,
                                 seed=0 if cfg.seed == "randomized" else cfg.seed)
     rates = {0: 0.0, WORKERS: 0.0}
-    for r in range(ROUNDS):
-        for n in (0, WORKERS) if r % 2 == 0 else (WORKERS, 0):
-            rates[n] = max(rates[n], _rate(open_loader(dataclasses.replace(trial, num_workers=n))))
+    with _quiet_skips():  # the throwaway loaders' skips are not the job's: neither said nor counted
+        try:
+            for r in range(ROUNDS):
+                for n in (0, WORKERS) if r % 2 == 0 else (WORKERS, 0):
+                    rates[n] = max(rates[n], _rate(open_loader(dataclasses.replace(trial, num_workers=n))))
+        except SampleDecodeError:  # an endless trial passed the job's budget re-reading the same bad samples: no
+            # measurement (one process); the job's own loader keeps its own count
+            return WorkerChoice(num_workers=0, rates={}, seconds=perf_counter() - start, cores=cores)
     return WorkerChoice(num_workers=pick(rates), rates=rates, seconds=perf_counter() - start, cores=cores)
+
+
+@contextlib.contextmanager
+def _quiet_skips():
+    """The loader's bad-sample warnings off while the trial loaders run (their workers, forked inside, inherit it)."""
+    logger = logging.getLogger("headrace.dataio.stream.batches")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _rate(loader) -> float:

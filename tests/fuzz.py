@@ -4,7 +4,11 @@ Targets: tar shards (header bytes, size fields, PAX records, names, truncation),
 FLAC/WAV headers, NeMo manifest lines, loader states and trainer configs; and (issue 25) shards
 rewritten in place under a running loader, manifests naming non-regular files (FIFO, directory,
 device), datasets mixing codecs and odd ``.npy`` token layouts, and ``dataio shard`` / ``dataio index``
-on a nearly full disk (a 1 MiB tmpfs; the target is left out where mounting one is not allowed). The property is the same
+on a nearly full disk (a 1 MiB tmpfs; the target is left out where mounting one is not allowed); and (issue 34) a
+finished run's checkpoint directory mutated then resumed and evaluated, pretrained directories (config, weights,
+a duplicate weights file, links out), Qwen2-Audio checkpoint directories through the converter (mutated files,
+looping chat templates, links out), the SLURM launcher's overrides with shell-active text (run through the
+per-node bash), and symbolic links at the names the trainer writes under output_dir. The property is the same
 for each: the code under test returns a correct result, or raises the input's own error type (a
 format/sample/state/config error whose message names the place), never anything else -- and never
 hangs (``CASE_SECONDS`` per case, enforced by SIGALRM) nor grows without bound (the whole run lives
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -37,10 +42,13 @@ from hypothesis import strategies as st
 from tests.hostile import flac_bytes, make_tar
 
 CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
+RUN_CASE_SECONDS = 120  # a case that runs the trainer (and eval) end to end, on a machine shared by ~8 jobs
 MEMORY_CEILING = 6 << 30  # RLIMIT_DATA of a fuzz process (torch and numpy included)
 FAST_EXAMPLES = 60
 # the targets that build a loader or run a command per case (~0.5-2 s each): fewer cases in CI
-SLOW_EXAMPLES = {"inplace": 6, "nonregular": 8, "mixed": 8, "diskfull": 8}
+SLOW_EXAMPLES = {"inplace": 6, "nonregular": 8, "mixed": 8, "diskfull": 8,
+                 # issue 34: a trainer / eval / converter run per case
+                 "ckptdir": 2, "pretrained": 3, "speechckpt": 6, "links": 4, "launcher": 20}
 
 
 class Hang(Exception):
@@ -439,6 +447,216 @@ def check_disk_full(disk: Path, docs: Path, leave_kib: int, verb: str) -> None:
     assert code == 0 or (code == 2 and text.count("\n") == 1 and str(disk) in text), text
 
 
+# --- issue 34: the directories and words a user hands the trainer, the converter and the launcher ---------
+
+def in_child(fn):
+    """``fn(case)`` in a forked child under ``RUN_CASE_SECONDS``: a case that runs the trainer leaves what it
+    allocated, the process-group hooks torch installs and any thread behind when the child exits (in one process,
+    hundreds of in-process runs grew past the memory ceiling). The child's traceback comes back through a pipe and
+    fails the case here, where hypothesis shrinks it."""
+    def run(case):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running the parent's exit handlers
+            os.close(read)
+            code, text = 0, b""
+            try:
+                with time_limit(RUN_CASE_SECONDS):
+                    fn(case)
+            except BaseException as e:
+                code, text = 1, "".join(traceback.format_exception(e))[-4000:].encode()
+            os.write(write, text)
+            os._exit(code)
+        os.close(write)
+        chunks = []
+        while chunk := os.read(read, 1 << 16):
+            chunks.append(chunk)
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            raise AssertionError(b"".join(chunks).decode(errors="replace") or f"the case's child ended with {status}")
+    return run
+
+
+def _entry(main, argv: list[str]) -> tuple[int, str]:
+    """``main(argv)`` of a CLI in this process: (exit code, what it printed to stderr)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def _one_line_or_ok(code: int, text: str) -> None:
+    assert code == 0 or (code == 2 and text.strip().count("\n") == 0 and text.startswith("error")), (code, text[-3000:])
+
+
+def _trainer_args(tmp: Path, out: Path, *extra: str, flags: tuple[str, ...] = ()) -> list[str]:
+    from tests.helpers import REPO
+
+    return ["--config", str(REPO / "configs" / "debug_llama.yaml"), *flags, "logging.console=false",
+            "logging.tensorboard=false",
+            "checkpoint.export_hf=false", "data.seq_len=64", "data.packing_buffer=8", f"trainer.output_dir={out}",
+            f"data.datasets=[{{path: {tmp / 'ds'}}}]", *extra]
+
+
+def _case_dir(tmp: Path, name: str) -> Path:
+    import shutil
+
+    case = tmp / "cases" / name
+    shutil.rmtree(case, ignore_errors=True)
+    case.mkdir(parents=True)
+    return case
+
+
+CKPT_FILES = ["trainer_state.json", ".metadata", "__0_0.distcp", "loader_state.json", "rng.json"]
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000
+
+
+def check_checkpoint_dir(tmp: Path, run: Path, edits: list[tuple[str, bytes | None]]) -> None:
+    """A finished run's newest checkpoint with files mutated (``None``: deleted; ``DEEP_JSON``: nested past any
+    recursion limit), then resumed by the trainer and validated by ``headrace.training.eval``: each ends with
+    exit 0 (a fallback to the previous checkpoint, or the edit changed nothing that matters) or one line, exit 2."""
+    import shutil
+
+    from headrace.training.__main__ import main as train_main
+    from headrace.training.eval import main as eval_main
+
+    case = _case_dir(tmp, "ckpt")
+    shutil.copytree(run, case / "out", symlinks=True)
+    newest = max((case / "out" / "checkpoints").glob("step-*"))
+    for name, data in edits:
+        files = sorted(p for p in newest.iterdir() if p.name == name or p.name.endswith(name))
+        for path in files[:1]:
+            if data is None:
+                path.unlink()
+            else:
+                path.write_bytes(data)
+    _one_line_or_ok(*_entry(train_main, _trainer_args(tmp, case / "out", "trainer.max_steps=3")))
+    val = f"data.val={{datasets: [{{path: {tmp / 'ds'}}}]}}"
+    _one_line_or_ok(*_entry(eval_main, _trainer_args(tmp, case / "out", val, flags=("--checkpoint", str(newest)))))
+
+
+def check_pretrained_dir(tmp: Path, base: Path, config_edit: bytes | None, weights_edit: bytes | None,
+                         extra_file: bool, link: str | None) -> None:
+    """A pretrained directory with its config.json / safetensors mutated, a second weights file, or a file linked
+    from outside: the trainer trains from it (exit 0) or says one line (exit 2)."""
+    import shutil
+
+    from headrace.training.__main__ import main as train_main
+
+    case = _case_dir(tmp, "pretrained")
+    shutil.copytree(base, case / "p")
+    if config_edit is not None:
+        (case / "p" / "config.json").write_bytes(config_edit)
+    if weights_edit is not None:
+        (case / "p" / "model.safetensors").write_bytes(weights_edit)
+    if extra_file:
+        shutil.copy(base / "model.safetensors", case / "p" / "model-00002.safetensors")
+    if link is not None:
+        (case / "outside").write_bytes((base / link).read_bytes())
+        (case / "p" / link).unlink()
+        (case / "p" / link).symlink_to(case / "outside")
+    _one_line_or_ok(*_entry(train_main, _trainer_args(tmp, case / "out", "trainer.max_steps=1", "model.config=null",
+                                                      f"model.pretrained_path={case / 'p'}")))
+
+
+SPEECH_FILES = ["config.json", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"]
+
+
+def check_speech_checkpoint(tmp: Path, base: Path, edits: list[tuple[str, bytes]], link: str | None) -> None:
+    """A Qwen2-Audio checkpoint directory with files mutated or linked from outside, converted: a SALM export
+    (exit 0) or one line (exit 2), and then no partial output directory; a link's target never in the export."""
+    import shutil
+
+    from headrace.training.speech.checkpoints import main as convert_main
+
+    case = _case_dir(tmp, "speech")
+    shutil.copytree(base, case / "ckpt")
+    for name, data in edits:
+        (case / "ckpt" / name).write_bytes(data)
+    if link is not None:
+        (case / "secret").write_text("SECRET-FROM-OUTSIDE")
+        (case / "ckpt" / link).unlink(missing_ok=True)
+        (case / "ckpt" / link).symlink_to(case / "secret")
+    code, text = _entry(convert_main, [str(case / "ckpt"), str(case / "out")])
+    _one_line_or_ok(code, text)
+    if code != 0:
+        assert not (case / "out").exists() and not list(case.glob(".out.tmp-*")), sorted(p.name for p in case.iterdir())
+    else:
+        assert link is None and all(b"SECRET-FROM-OUTSIDE" not in p.read_bytes()
+                                    for p in (case / "out").rglob("*") if p.is_file())
+
+
+def check_launcher(tmp: Path, job: Path, values: list[str]) -> None:
+    """Overrides with shell-active text, through ``launch --slurm --dry-run``: refused in one line (exit 2), or
+    the per-node bash of the script hands the trainer exactly the words given, and runs nothing of theirs."""
+    import shlex
+
+    from headrace.training.launch import main as launch_main
+
+    case = _case_dir(tmp, "launch")
+    overrides = [f"trainer.output_dir={case}/{v}" if i == 0 else f"model.config.note{i}={v}"
+                 for i, v in enumerate(values)]
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = launch_main(["--config", str(job), "--slurm", "--dry-run", "--", *overrides])
+        except SystemExit as e:
+            code = e.code
+    _one_line_or_ok(code, err.getvalue())
+    if code != 0:
+        return
+    script = out.getvalue().partition("\nsbatch ")[0]
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    per_node = shlex.split(srun)[-1].replace("exec ", "exec printf '%s\\0' ", 1)
+    env = {"PATH": "/usr/bin:/bin", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "RDZV_HOST": "h",
+           "SLURM_JOB_ID": "1", "DATA_SEED": "7"}
+    proc = subprocess.run(["bash", "-c", per_node], env=env, cwd=case, capture_output=True, check=True, timeout=10)
+    words = proc.stdout.decode("utf-8", "surrogateescape").split("\0")[:-1]
+    assert words[words.index("--config") + 2:] == [*overrides, "trainer.data_seed=7"], (words, overrides)
+    assert sorted(p.name for p in case.iterdir()) == [], "the script created files"
+
+
+OUTPUT_NAMES = [".headrace-train.lock", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints",
+                "checkpoints/step-00000001", "checkpoints/.seal-key", "hf", "hf/config.json", "tensorboard", "profile"]
+
+
+def check_output_links(tmp: Path, links: list[tuple[str, bool]]) -> None:
+    """Symbolic links (to a file, or to a folder, outside the run) at names the trainer writes under its
+    output_dir: the job refuses in one line (exit 2) and nothing outside changes; without links it trains."""
+    from headrace.training.__main__ import main as train_main
+
+    case = _case_dir(tmp, "links")
+    (case / "victim").write_text("precious")
+    (case / "victim_dir").mkdir()
+    out = case / "out"
+    out.mkdir()
+    made = 0
+    for name, to_dir in links:
+        path = out / name
+        if os.path.lexists(path) or any(os.path.islink(p) or (p.exists() and not p.is_dir())
+                                        for p in path.parents if out in p.parents):
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(case / ("victim_dir" if to_dir else "victim"))
+        made += 1
+    code, text = _entry(train_main, _trainer_args(tmp, out, "trainer.max_steps=1"))
+    assert (case / "victim").read_text() == "precious" and not list((case / "victim_dir").iterdir())
+    if made:
+        assert code == 2 and "is a symbolic link" in text and text.strip().count("\n") == 0, (code, text[-2000:])
+    else:
+        assert code == 0, text[-2000:]
+
+
 # --- the runner -------------------------------------------------------------------------------------
 
 def targets(tmp: Path) -> dict:
@@ -501,10 +719,65 @@ def targets(tmp: Path) -> dict:
                             st.sampled_from([0, 2])),
                   guarded(lambda c: check_mixed(tmp, *c))),
     }
+    def guarded_run(fn):
+        return in_child(fn)
+
+    found.update(issue34_targets(tmp, guarded, guarded_run))
     if disk is not None:
         found["diskfull"] = (st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),
                              guarded(lambda c: check_disk_full(disk, docs, *c)))
     return found
+
+
+def issue34_targets(tmp: Path, guarded, guarded_run) -> dict:
+    """The checkpoint directory, pretrained directories, speech-LLM checkpoint directories (converter), the
+    launcher's overrides and output-dir symlinks (issue 34), each with its base made once here."""
+    import yaml
+
+    from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
+    from tests.test_speech_checkpoints import save_qwen2_audio
+
+    from headrace.training.__main__ import main as train_main
+
+    run = tmp / "run"
+    code, text = _entry(train_main, _trainer_args(tmp, run, "trainer.max_steps=2", "checkpoint.interval=1"))
+    assert code == 0, text[-3000:]
+    save_pretrained_tiny(tmp / "pretrained", dict(TINY_LLAMA, vocab_size=2048))
+    config_bytes = (tmp / "pretrained" / "config.json").read_bytes()
+    weights = (tmp / "pretrained" / "model.safetensors").read_bytes()
+    save_qwen2_audio(tmp / "qwen2_audio")
+    if not (tmp / "qwen2_audio" / "chat_template.jinja").exists():
+        (tmp / "qwen2_audio" / "chat_template.jinja").write_text(
+            json.loads((tmp / "qwen2_audio" / "tokenizer_config.json").read_text()).pop("chat_template", ""))
+    speech = {name: (tmp / "qwen2_audio" / name).read_bytes() for name in SPEECH_FILES}
+    job = tmp / "launch.yaml"
+    job.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}},
+                                   "data": {"datasets": [{"path": "d"}], "seq_len": 64},
+                                   "trainer": {"output_dir": str(tmp / "launch-run")}}))
+    json_texts = st.sampled_from([b"{}", b"[]", b"null", b'{"step": -1}', b'{"step": 1e999}', b'"x"', DEEP_JSON,
+                                  b'{"model_type": "llama", "vocab_size": 0}', b'{"model_type": 3}'])
+    nested_loops = b"{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    shell_text = st.text(st.one_of(st.sampled_from(list("$`'\"\\;|&(){}[]*?!~#\n\t %=")),
+                                   st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")),
+                         min_size=1, max_size=16)
+    return {
+        "ckptdir": (st.lists(st.tuples(st.sampled_from(CKPT_FILES),
+                                       st.one_of(st.none(), json_texts, st.binary(max_size=64))), min_size=1, max_size=2),
+                    guarded_run(lambda edits: check_checkpoint_dir(tmp, run, edits))),
+        "pretrained": (st.tuples(st.one_of(st.none(), json_texts, mutated(config_bytes)),
+                                 st.one_of(st.none(), mutated(weights, hot=[(0, 256)])), st.booleans(),
+                                 st.one_of(st.none(), st.sampled_from(["config.json", "model.safetensors"]))),
+                       guarded_run(lambda c: check_pretrained_dir(tmp, tmp / "pretrained", *c))),
+        "speechckpt": (st.tuples(st.lists(st.one_of(
+            st.sampled_from(SPEECH_FILES).flatmap(lambda n: mutated(speech[n]).map(lambda b: (n, b))),
+            st.tuples(st.sampled_from(["config.json", "tokenizer_config.json"]), json_texts),
+            st.just(("chat_template.jinja", nested_loops))), max_size=2),
+            st.one_of(st.none(), st.sampled_from(["merges.txt", "tokenizer.json", "config.json"]))),
+            guarded_run(lambda c: check_speech_checkpoint(tmp, tmp / "qwen2_audio", *c))),
+        "launcher": (st.lists(shell_text, min_size=1, max_size=3), guarded(lambda v: check_launcher(tmp, job, v))),
+        "links": (st.lists(st.tuples(st.sampled_from(OUTPUT_NAMES), st.booleans()), max_size=3),
+                  guarded_run(lambda links: check_output_links(tmp, links))),
+    }
 
 
 def _run(strategy, fn, **options) -> None:
@@ -532,7 +805,10 @@ def run_long(tmp: Path, minutes: float) -> dict:
             examples = 200 if name not in SLOW_EXAMPLES else 20
             try:
                 _run(*test, max_examples=examples)
-            except Exception as e:  # hypothesis re-raises the (shrunk) failure: record it, keep fuzzing
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # hypothesis re-raises the (shrunk) failure: record it, keep fuzzing (torch's
+                # CheckpointException, which can carry a case's Hang, is a BaseException)
                 text = traceback.format_exception_only(type(e), e)[-1].strip()
                 found.setdefault(f"{name}: {text[:300]}", "".join(traceback.format_exception(e))[-3000:])
             cases += examples

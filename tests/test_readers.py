@@ -18,8 +18,9 @@ def scan(reader):
 
 
 def test_make_key_is_webdataset_and_path_safe():
-    assert make_key("a/b.c/d e") == "a/b_c/d_e"  # no dots: webdataset splits key and extension there
-    assert make_key("/abs/../x") == "abs/__/x"  # never escapes the shard's directory
+    assert make_key("a/b.c/d e") == "a/b%2Ec/d%20e"  # no dots: webdataset splits key and extension there
+    assert make_key("/abs/../x") == "%2Fabs%2F%2E%2E%2Fx"  # never escapes the shard's directory
+    assert make_key("abs/../x") == "abs/%2E%2E/x"
     with pytest.raises(ValueError, match="longer than"):
         make_key("k" * 300)
 

@@ -47,5 +47,6 @@ def test_uneven_val_and_finite_streams_output_dir_lock_and_tp_heads_on_two_ranks
     out = torchrun(2, "tests.dist.reliability_checks", tmp_path).stdout
     for check in ("uneven val stream and finite training stream finish on every rank",
                   "a held output_dir is refused on every rank",
-                  "tp_size not dividing the heads is a ConfigError on every rank"):
+                  "tp_size not dividing the heads is a ConfigError on every rank",
+                  "a one-document val set validates on every rank"):
         assert out.count(f"OK {check}") == 2, out[-3000:]

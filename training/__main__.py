@@ -13,7 +13,7 @@ import os
 import sys
 
 from headrace.config import ConfigError
-from headrace.dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
+from headrace.dataio.usererror import EXIT_INTERRUPTED, EXIT_USER_ERROR, debug_requested, is_user_error, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     with process_group_closed():
         try:
             train(load_job_config(args.config, args.overrides))
+        except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line; the next run resumes from the last checkpoint
+            if rank == 0:
+                print("interrupted", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
         except Exception as e:
             if not is_user_error(e) or debug_requested(args.debug):
                 raise

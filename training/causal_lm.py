@@ -71,6 +71,6 @@ def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConf
 CAUSAL_LM = ModelKind(
     name="causal_lm", llm_config=build_hf_config, prepare_job=same_job, build_model=build_causal_lm,
     build_pipeline=build_pipeline, step_forward=causal_lm_forward, wrap_loader=same_loader, validate=one_pass,
-    export=export_causal_lm)
+    export=export_causal_lm, empty_val_batch=lambda loader: loader.stage.padding_batch())
 
 __all__ = ["CAUSAL_LM", "build_causal_lm", "causal_lm_forward", "export_causal_lm"]

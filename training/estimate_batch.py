@@ -41,7 +41,10 @@ import yaml
 
 from headrace.dataio.batching.bucketing import estimate_2d_bins
 from headrace.dataio.loader import open_source
+from headrace.dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
+from headrace.training.components.data import open_data
 from headrace.training.config.load import load_job_config
+from headrace.training.config.validate import check_data_paths
 from headrace.training.distributed.process_group import pick_device
 from headrace.training.model_kinds import model_kind
 from headrace.training.speech.job import SALM_INPUTS
@@ -168,6 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the YAML table here (default: print it)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the job config")
     args = parser.parse_args(argv)
+    try:
+        return estimate(args)
+    except Exception as e:  # the trainer's rule: the user's errors in one line, exit 2; bugs keep their traceback
+        if not is_user_error(e) or debug_requested():
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def estimate(args: argparse.Namespace) -> int:
+    """``main`` once the arguments are parsed (its exit status)."""
     cfg = load_job_config(args.config, args.overrides)
     kind = model_kind(cfg)
     if kind.batch_probe is None:
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if bucketing.bucket_duration_bins:
         bins = np.asarray(bucketing.bucket_duration_bins, dtype=np.float64)
     else:
-        source = open_source(cfg.data.datasets[0])
+        check_data_paths(cfg.data)
+        source = open_data("data", lambda: open_source(cfg.data.datasets[0]))
         samples = source.index.samples
         bins = estimate_2d_bins(np.asarray(samples["duration"], np.float64), np.asarray(samples["tokens"], np.float64),
                                 bucketing.num_buckets, max(bucketing.num_token_buckets, 2))

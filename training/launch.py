@@ -65,18 +65,26 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
     """The sbatch script of one job of the chain; its first argument is the job's data seed."""
     directives = [f"--job-name={args.name}", f"--nodes={args.nodes}", "--ntasks-per-node=1",
-                  f"--output={output_dir / 'slurm'}/%x-%j.out", "--open-mode=append"]
+                  f"--output={str(output_dir / 'slurm').replace('%', '%%')}/%x-%j.out", "--open-mode=append"]
     if args.gpus_per_node:
         directives.append(f"--gpus-per-node={args.gpus_per_node}")
     if args.time:
         directives.append(f"--time={args.time}")
     directives += args.sbatch_arg
+    for d in directives:
+        if "\n" in d or "\r" in d:
+            raise ConfigError(f"#SBATCH line {d!r}: a line break in an sbatch directive would start a new "
+                              "script line; remove it")
+    # Only the launcher's own words expand on the node ($SLURM_*, $RDZV_HOST, $IS_HOST, $DATA_SEED), inside double
+    # quotes; every other word (the config path and overrides the user gave) is single-quoted, so it reaches the
+    # trainer exactly as given: no second expansion of `$1`, `$(cmd)` or backquotes.
+    expands = {"--nnodes=$SLURM_JOB_NUM_NODES", f"--rdzv-endpoint=$RDZV_HOST:{args.port}", "--rdzv-id=$SLURM_JOB_ID",
+               "--rdzv-conf=is_host=$IS_HOST"}
     node = [*TORCHRUN, "--nnodes=$SLURM_JOB_NUM_NODES", f"--nproc-per-node={args.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=$RDZV_HOST:{args.port}", "--rdzv-id=$SLURM_JOB_ID",
-            "--rdzv-conf=is_host=$IS_HOST", f"--max-restarts={args.max_restarts}",
-            *trainer_args(args.config, args.overrides), "trainer.data_seed=$DATA_SEED"]
-    # shlex.quote each word, then let the per-node bash expand the $VARS inside double quotes
-    words = " ".join(f'"{w}"' if "$" in w else shlex.quote(w) for w in node)
+            "--rdzv-conf=is_host=$IS_HOST", f"--max-restarts={args.max_restarts}"]
+    words = " ".join([*(f'"{w}"' if w in expands else shlex.quote(w) for w in node),
+                      *map(shlex.quote, trainer_args(args.config, args.overrides)), '"trainer.data_seed=$DATA_SEED"'])
     per_node = f'IS_HOST=false; [ "$SLURM_NODEID" = 0 ] && IS_HOST=true; exec {words}'
     return "\n".join([
         "#!/bin/bash",
@@ -158,6 +166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("nodes", "jobs", "nnodes", "nproc_per_node"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.name or "/" in args.name or args.name.startswith(".") or not args.name.isprintable():
+        p.error(f"--name {args.name!r}: a job name is one printable file name (no '/', not starting with '.'), "
+                "since the script is written as <output_dir>/slurm/<name>.sbatch")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} outside 0..{args.nnodes - 1}")
     return args
@@ -179,12 +190,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         os.execvpe(cmd[0], cmd, {**os.environ, **ENV})
     output_dir = Path(cfg.trainer.output_dir).resolve()
-    script = sbatch_script(args, output_dir)
+    try:
+        script = sbatch_script(args, output_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     seeds = [fresh_seed() for _ in range(args.jobs)]
     path = output_dir / "slurm" / f"{args.name}.sbatch"
     if args.dry_run:
         print(script)
     else:
+        from headrace.training.components.run_lock import first_symlink
+
+        if (link := first_symlink(output_dir)) is not None:  # what the trainer would refuse: refuse it here first
+            print(f"error: trainer.output_dir: {link} is a symbolic link out of it; the job writes only under its "
+                  "output_dir", file=sys.stderr)
+            return 2
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(script)
         path.chmod(0o755)

@@ -344,9 +344,11 @@ def export_model(trainer: Trainer) -> None:
         return
     print_on_rank0(f"exporting step {trainer.step} to {out} ...")
     start = time.perf_counter()
-    trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
-    if cfg.peft is not None and cfg.peft.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
-        lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora", cfg.model.pretrained_path)
+    with checkpoint.export_errors(out):
+        trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
+        if cfg.peft is not None and cfg.peft.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
+            lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora",
+                              cfg.model.pretrained_path)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")

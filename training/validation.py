@@ -197,8 +197,12 @@ def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None)
     kind = model_kind(cfg)
 
     def batches() -> Iterator[dict]:
-        loader = kind.wrap_loader(open_loader(), model, cfg, dims)
-        return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch)
+        raw = open_loader()
+        loader = kind.wrap_loader(raw, model, cfg, dims)
+        # a rank whose share of the val set is empty (one document, two ranks) runs padding rows, counting nothing
+        empty = (None if kind.empty_val_batch is None else
+                 lambda: next(iter(val_batches([kind.empty_val_batch(raw)], device, transform))))
+        return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch, empty=empty)
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())

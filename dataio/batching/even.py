@@ -45,10 +45,13 @@ def loss_free(batch: dict) -> dict:
     return out
 
 
-def even_batches(batches: Iterable[dict], group, *, pad: Callable[[dict], dict] = loss_free) -> Iterator[dict]:
+def even_batches(batches: Iterable[dict], group, *, pad: Callable[[dict], dict] = loss_free,
+                 empty: Callable[[], dict] | None = None) -> Iterator[dict]:
     """``batches``, then ``pad(last batch)`` until every rank of ``group`` has run out (module docstring).
-    Call ``next`` on every rank of ``group`` in the same thread that runs the steps. RuntimeError on every
-    rank (ConfigError: the data's, one line) when a rank had no batch at all while others had some."""
+    Call ``next`` on every rank of ``group`` in the same thread that runs the steps. A rank that had no batch at
+    all while others had some runs ``empty()`` (a batch that counts nothing: a val pass over a one-document
+    set on two ranks) and ``pad`` copies of it; without ``empty``, a ConfigError (the data's, one line) on
+    every rank."""
     source = iter(batches)
     last = None
     while True:
@@ -57,7 +60,10 @@ def even_batches(batches: Iterable[dict], group, *, pad: Callable[[dict], dict] 
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         if not flags[0]:
             return
-        if flags[1]:
+        if flags[1] and empty is not None:
+            if batch is None and last is None:  # this rank's stream had nothing: its first padding batch
+                batch = empty()
+        elif flags[1]:
             raise ConfigError("data: a DP rank got no batch at all while others did: too little data for "
                               f"{dist.get_world_size(group)} ranks (fewer ranks, or a smaller batch_size)")
         if batch is None:

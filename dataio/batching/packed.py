@@ -52,12 +52,17 @@ class PackedBatches:
             self.packed_batches += 1
             yield packed
 
+    def padding_batch(self) -> dict:
+        """One batch of padding rows only (``Packer.empty_batch``), for ``even_batches``'s ``empty``."""
+        return self.packer.empty_batch()
+
     def _pack(self, chunk: dict) -> Iterator[dict]:
         stream = self.stream
         refs, positions = chunk["__ref__"].tolist(), chunk["__pos__"].tolist()
         valid = chunk["__valid__"].tolist()
         docs: dict[str, list] = {}
-        for ext in set(self.token_exts):
+        # only the members the chunk holds: a chunk whose samples were all bad (skipped, counted) holds none
+        for ext in set(self.token_exts) & chunk.keys():
             lengths = chunk["__lengths__"].get(ext)
             tokens = chunk[ext].clone()  # the packer keeps documents for long: release the worker's ring bytes
             docs[ext] = list(torch.split(tokens, lengths.tolist())) if lengths is not None else list(tokens)

@@ -169,6 +169,14 @@ class Packer:
         rows = [self._ready.popleft() for _ in range(min(self.rows_per_batch, len(self._ready)))]
         return self._materialize(rows)
 
+    def empty_batch(self) -> dict:
+        """A batch of padding rows only (labels all ignored, no document), outside the totals: what a rank whose
+        share of a finite stream was empty runs while the others still have batches."""
+        totals = dataclasses.replace(self.totals)
+        batch = self._materialize([])
+        self.totals = totals
+        return batch
+
     # -- placement -----------------------------------------------------------------------------
     def _admit(self, ref: int, doc: np.ndarray, offset: int, length: int) -> None:
         """Cut ``doc[offset:offset+length]`` into full rows plus a remainder and place each piece."""

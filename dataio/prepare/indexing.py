@@ -27,6 +27,7 @@ from headrace.dataio.shards.index import INDEX_DIR, PARTS_DIR, ShardPart, merge_
 from headrace.dataio.shards.metadata import write_dataset_metadata
 from headrace.dataio.shards.outdir import lock_output, remove_temps
 from headrace.dataio.shards.tarscan import TarFormatError, scan_shard
+from headrace.dataio.usererror import leave_interrupt_to_parent
 
 
 def find_shards(root: Path) -> list[str]:
@@ -75,7 +76,7 @@ def build_index(root: Path, *, workers: int = 1, checksum: bool = False, progres
     try:
         with progress("indexing", total=len(todo), unit="shards") as advance:
             if workers > 1 and len(todo) > 1:
-                with ProcessPoolExecutor(min(workers, len(todo))) as pool:
+                with ProcessPoolExecutor(min(workers, len(todo)), initializer=leave_interrupt_to_parent) as pool:
                     futures = [pool.submit(_scan, root, n, split_of.get(n, "train"), checksum) for n in todo]
                     for future in as_completed(futures):
                         part = future.result()

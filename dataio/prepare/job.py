@@ -33,6 +33,7 @@ from headrace.dataio.shards.metadata import write_dataset_metadata
 from headrace.dataio.shards.outdir import lock_output
 from headrace.dataio.shards.tarwriter import write_atomically
 from headrace.dataio.sizes import parse_size
+from headrace.dataio.usererror import leave_interrupt_to_parent
 
 # progress(description, total=, unit=) -> a context yielding advance(n); the CLI passes its progress bar
 Progress = Callable[..., ContextManager[Callable[[int], None]]]
@@ -246,6 +247,7 @@ def write_shards(job: ShardJob, todo: list, workers: int, advance: Callable[[int
 
 def _writer(job: ShardJob, todo: list, claimed, done, results, parent: int) -> None:
     """A worker: claim the next shard of ``todo`` until none is left (or the parent is gone)."""
+    leave_interrupt_to_parent()
     def count(n: int) -> None:
         with done.get_lock():
             done.value += n

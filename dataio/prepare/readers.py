@@ -45,8 +45,7 @@ from headrace.dataio.shards.tarwriter import FilePayload
 
 # Planning estimate for audio that is cut or decoded at shard time (16 kHz 16-bit FLAC is ~30 kB/s).
 SEGMENT_BYTES_PER_SECOND = 32_000
-_UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_/-]")
-_REPEATED_SLASHES = re.compile(r"/+")
+_KEY_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 MAX_KEY_BYTES = 200  # leaves room for ".flac" etc. in one ustar header
 MAX_SECONDS = 1e7  # ~116 days: no recording is longer; larger times overflow the planning arithmetic
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a JSON string may hold a lone surrogate
@@ -114,11 +113,16 @@ class Input(Protocol):
 
 
 def make_key(name: str) -> str:
-    """A WebDataset-safe key: no dots (webdataset splits key and extension at the first dot), no
-    ``..`` or leading ``/`` (members never escape a directory), at most MAX_KEY_BYTES."""
-    key = _REPEATED_SLASHES.sub("/", _UNSAFE_KEY_CHARS.sub("_", name).strip("/"))
-    if not key:
+    """A WebDataset-safe key: no dots (webdataset splits key and extension at the first dot), no ``..`` or leading
+    ``/`` (members never escape a directory), at most MAX_KEY_BYTES. Escaped, never collapsed, so distinct names
+    stay distinct keys: every UTF-8 byte outside ``[A-Za-z0-9_-]`` becomes ``%XX`` (``a.b`` -> ``a%2Eb``, ``a_b``
+    stays; '文档' and '资料' differ), except ``/`` between two non-empty parts (``dir/name``, as a relative path
+    has it); a name with a leading, trailing or doubled ``/`` has every ``/`` escaped."""
+    if not name:
         raise ValueError(f"empty sample key from {name!r}")
+    keep_slash = all(name.split("/"))
+    key = "".join(chr(b) if b in _KEY_SAFE or (b == 0x2F and keep_slash) else f"%{b:02X}"
+                  for b in name.encode("utf-8", "surrogatepass"))
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"sample key longer than {MAX_KEY_BYTES} bytes: {key[:60]}...")
     return key
@@ -330,7 +334,10 @@ class NemoManifestInput(_LineInput):
                              f"(expected one of {', '.join(SHARD_AUDIO_EXTENSIONS)})")
 
     def _key(self, rec: dict) -> str:
-        """The audio path relative to the manifest's folder, normalised as pathlib does, without extension."""
+        """The record's ``id`` when it has one (as for text JSONL), else the audio path relative to the manifest's
+        folder, normalised as pathlib does, without extension (and the segment's offset in ms)."""
+        if "id" in rec:
+            return make_key(str(rec["id"]))
         path = PurePosixPath(rec["audio_filepath"])
         if path.is_absolute():
             try:
@@ -409,6 +416,8 @@ class LhotseCutsInput:
 
     def load(self, entry: Entry) -> Sample:
         cut = entry.locator
+        if not cut.has_recording:
+            raise SampleError(f"{self.path}:{entry.line}: cut {cut.id} has no recording (nothing to shard)")
         file_source = _whole_file_source(cut)
         try:
             ext = _audio_ext(file_source) if file_source else None

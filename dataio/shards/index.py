@@ -60,6 +60,27 @@ class ShardInfo:
     sha256: str | None = None
     max_token: int | None = None  # largest token id of the shard's token members (None: unknown / none)
 
+    def __post_init__(self):
+        # the name comes from a file the dataset's author wrote: it must stay inside the dataset directory
+        parts = self.name.split("/") if isinstance(self.name, str) else None
+        if not parts or self.name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in self.name:
+            raise ValueError(f"shard name {self.name!r} is not a relative path inside the dataset directory")
+
+
+def shards_of(manifest: dict, where: str) -> list[ShardInfo]:
+    """The ``ShardInfo`` list of a loaded ``manifest.json`` (``where`` names it); ValueError naming the file and the
+    entry for an entry that is not one (an unknown field, a name leaving the dataset)."""
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list):
+        raise ValueError(f"{where}: 'shards' is not a list of shard entries")
+    out = []
+    for i, entry in enumerate(shards):
+        try:
+            out.append(ShardInfo(**entry))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: shards[{i}]: {e}") from None
+    return out
+
 
 @dataclass(kw_only=True)
 class DatasetIndex:
@@ -123,13 +144,24 @@ class DatasetIndex:
                 os.fsync(f.fileno())
 
 
+def _manifest_hint(path) -> str:
+    """For a file named like a Lhotse manifest: how to have it read as one."""
+    from headrace.dataio.stream.interop import LHOTSE_MANIFEST_SUFFIXES
+
+    name = Path(path).name
+    if not name.endswith(LHOTSE_MANIFEST_SUFFIXES):
+        return ""
+    return (f"; if it is a Lhotse CutSet manifest, its name must contain 'cuts' to be read as one (e.g. "
+            f"{name.split('.')[0]}_cuts.{name.split('.', 1)[1]})")
+
+
 def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     """Load the index of a local dataset directory (remote sources copy these small files first)."""
     d = Path(root) / INDEX_DIR
     manifest_path = d / "manifest.json"
     if not Path(root).is_dir():  # no index hint for a path that is not there: it is the wrong path
         raise FileNotFoundError(f"{root}: no such directory" if not Path(root).exists() else
-                                f"{root}: not a directory (expected a dataset directory)")
+                                f"{root}: not a directory (expected a dataset directory)" + _manifest_hint(root))
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"{root}: no headrace index ({INDEX_DIR}/manifest.json); run `dataio index {root}` first"
@@ -141,7 +173,7 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
                          f"version {manifest.get('version')!r} (expected version {FORMAT_VERSION})")
     mode = "r" if mmap else None
     return DatasetIndex(
-        shards=[ShardInfo(**s) for s in manifest["shards"]],
+        shards=shards_of(manifest, str(manifest_path)),
         extensions=list(manifest["extensions"]),
         samples=np.load(d / "samples.npy", mmap_mode=mode, allow_pickle=False),
         members=np.load(d / "members.npy", mmap_mode=mode, allow_pickle=False),

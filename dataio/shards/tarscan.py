@@ -307,8 +307,16 @@ def decode_check(ext: str, payload) -> str | None:
     """Why a member does not decode (None when it does): audio decoded whole by libsndfile, every frame,
     to the length its header declares (``headrace.dataio.shards.audioheader.check_decodes``), ``.npy`` header without
     pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
+    # the loader's own decoders and token rule (imported here: they pull in torch), so that verify passes no member
+    # the loader refuses
+    import torch
+
+    from headrace.dataio.stream.decode import PICKLE_EXTENSIONS, check_token_document, decode_npy
+
     last = ext.rsplit(".", 1)[-1].lower()
     try:
+        if last in PICKLE_EXTENSIONS:
+            return "a pickle-based member: the loader never loads one (store tensors as .npy)"
         if last in AUDIO_EXTENSIONS:
             check_decodes(payload)  # raises for unreadable audio, audio without samples, a damaged frame
         elif last == "npy":
@@ -316,6 +324,9 @@ def decode_check(ext: str, payload) -> str | None:
             expected = header + math.prod(shape) * dtype.itemsize
             if expected != len(payload):
                 return f"npy header says {expected} bytes, member has {len(payload)}"
+            tensor = decode_npy(payload)
+            if tensor.ndim == 1 and not (tensor.dtype.is_floating_point or tensor.dtype == torch.bool):
+                check_token_document(tensor)  # a 1-D integer array is a document of token ids to packing
         elif last == "json":
             json.loads(bytes(payload))
         elif last == "txt":

@@ -28,6 +28,7 @@ import numpy as np
 from headrace.dataio.shards.index import META_DIR, DatasetIndex
 from headrace.dataio.shards.metadata import energon_spans
 from headrace.dataio.shards.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
+from headrace.dataio.usererror import leave_interrupt_to_parent
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def verify_dir(root: Path, index: DatasetIndex, *, workers: int,
     (a progress bar)."""
     expectations = _expectations(index)
     workers = min(workers, len(expectations))
-    with ProcessPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+    with (ProcessPoolExecutor(workers, initializer=leave_interrupt_to_parent) if workers > 1
+          else contextlib.nullcontext()) as pool:
         results = (pool.map if pool else map)(verify_shard, [root] * len(expectations), expectations)
         faults = [f for f in track(results, len(expectations)) if f is not None]
     meta_fault = verify_metadata(root, index, expectations)

@@ -21,7 +21,8 @@ from headrace.dataio.stream.audio_batch import decode_pending
 from headrace.dataio.stream.blend import BlendSchedule
 from headrace.dataio.stream.collate import Allocator, bookkeeping, collate
 from headrace.dataio.stream.dali import BatchAudio
-from headrace.dataio.stream.decode import SampleDecodeError, check_token_document, decode_sample, member_error
+from headrace.dataio.stream.decode import (TOKEN_ID_LIMIT, SampleDecodeError, check_token_document, decode_sample,
+                                          member_error)
 from headrace.dataio.stream.epochized import EpochizedSchedule
 from headrace.dataio.stream.gather import gather_tokens, tokens_only
 from headrace.dataio.stream.order import EpochOrder
@@ -67,12 +68,13 @@ class SampleReader:
         """Whether a batch may be made in the main process before it forks workers."""
         return self.batch_audio is None or self.batch_audio.fork_safe
 
-    def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None
+    def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None, padding: bool = False
              ) -> tuple[list[dict], list[str], np.ndarray, int]:
         """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
         bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
         arrays as ``NpyView`` for ``headrace.dataio.stream.collate`` to copy straight into the batch; ``alloc``:
-        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.audio_batch``)."""
+        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.audio_batch``; ``padding``:
+        a bad sample is dropped uncounted, as it is counted where it is read as itself)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
         pending = alloc is not None
         for i, item in enumerate(self._raw(refs)):
@@ -90,6 +92,8 @@ class SampleReader:
                     continue
                 except SampleDecodeError as e:
                     item = e
+            if padding:
+                continue
             self._skip(item)
             bad += 1
         failed = {}
@@ -98,9 +102,9 @@ class SampleReader:
         elif pending and samples:  # the audio decode_sample left pending, into one tensor per member
             failed = decode_pending(samples, keys, shards, self.cfg.decode, alloc)
         if failed:
-            for s in sorted(failed):
+            for s in sorted(failed) if not padding else ():
                 self._skip(failed[s])
-            bad += len(failed)
+            bad += len(failed) if not padding else 0
             good = [s for s in range(len(samples)) if s not in failed]
             samples, keys, kept = [samples[s] for s in good], [keys[s] for s in good], [kept[s] for s in good]
         return samples, keys, np.asarray(kept, dtype=np.int64), bad
@@ -184,7 +188,7 @@ class BatchMaker:
         end, local, positions = self._span(b)
         refs = self.refs(positions)
         batch = gather_tokens(self.sources, refs, end, alloc) if self.tokens_only and len(refs) else None
-        if batch is not None and self.reader.cfg.thd and _has_negative_id(batch):
+        if batch is not None and self.reader.cfg.thd and _has_refused_id(batch):
             batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (headrace.dataio.stream.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
@@ -193,7 +197,7 @@ class BatchMaker:
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
             refs = self.refs(np.array([self.layout.start]))
-            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc)
+            samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc, padding=True)
             valid = torch.zeros(len(samples), dtype=torch.bool)
             local = np.full(len(samples), -1)
         batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=end, alloc=alloc)
@@ -216,7 +220,7 @@ class BatchMaker:
         local = np.concatenate([local for _, local, _ in spans])
         refs = self.refs(np.concatenate([positions for _, _, positions in spans]))
         union = gather_tokens(self.sources, refs, 0, alloc)
-        if union is None or (self.reader.cfg.thd and _has_negative_id(union)):
+        if union is None or (self.reader.cfg.thd and _has_refused_id(union)):
             return None
         ext = next(k for k in union if is_token_member(k))
         tokens, lengths = union[ext], union["__lengths__"].get(ext)
@@ -257,10 +261,17 @@ def _into(alloc: Allocator, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _has_negative_id(batch: dict) -> bool:
-    """Whether a gathered token batch holds a negative id (one reduction, signed dtypes only)."""
+def _has_refused_id(batch: dict) -> bool:
+    """Whether a gathered token batch holds what packing refuses (``decode.check_token_document``): floats, a negative
+    id, or a uint64 one that does not fit int64 (one reduction, signed and 64-bit unsigned dtypes only)."""
     tokens = next(v for k, v in batch.items() if is_token_member(k))
-    return tokens.dtype.is_signed and tokens.numel() > 0 and int(tokens.min()) < 0
+    if tokens.dtype.is_floating_point:  # not token ids at all
+        return True
+    if tokens.numel() == 0:
+        return False
+    if tokens.dtype == torch.uint64:  # torch has no max of uint64: numpy's, over the same memory
+        return int(tokens.numpy().max()) >= TOKEN_ID_LIMIT
+    return tokens.dtype.is_signed and int(tokens.min()) < 0
 
 
 __all__ = ["BatchMaker", "SampleReader", "token_ext"]

@@ -331,18 +331,27 @@ def decode_sample(
     return out
 
 
+TOKEN_ID_LIMIT = 2**63  # batches hold int64 ids: a uint64 id at or past this would wrap to a negative one
+
+
 def check_token_document(value: NpyView | torch.Tensor) -> None:
     """ValueError unless a decoded ``.npy`` member can be a document of token ids for packing: 1-D,
-    integer, no negative id (read for signed dtypes only: O(tokens), the general path's cost)."""
+    integer, every id in ``[0, TOKEN_ID_LIMIT)`` (values read for signed and 64-bit unsigned dtypes only: O(tokens),
+    the general path's cost; uint8/16/32 ids fit by their type)."""
     if isinstance(value, NpyView):
         if value.dtype.kind not in "iu":
             raise ValueError(f"token ids must be integers, got {value.dtype}")
-        if value.dtype.kind == "u":
+        if value.dtype.kind == "u" and value.dtype.itemsize < 8:
             return
         value = value.tensor()
     if value.ndim != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
         raise ValueError(f"token ids must be a 1-D integer array, got {value.dtype} of shape {tuple(value.shape)}")
-    if value.dtype.is_signed and len(value) and int(value.min()) < 0:
+    if not len(value):
+        return
+    if value.dtype == torch.uint64:  # torch has no max of uint64: numpy's, over the same memory
+        if (largest := int(value.numpy().max())) >= TOKEN_ID_LIMIT:
+            raise ValueError(f"token id {largest} does not fit int64 (uint64 ids must stay below 2**63)")
+    elif value.dtype.is_signed and int(value.min()) < 0:
         raise ValueError(f"negative token id {int(value.min())}")
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from headrace.dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo, merge_parts
 from headrace.dataio.shards.tarscan import scan_shard
 from headrace.dataio.stream.cuts_index import CutsIndex
+from headrace.dataio.stream.decode import SampleDecodeError
 from headrace.dataio.stream.sources import ShardSource
 from headrace.dataio.stream.storage import retry
 
@@ -242,10 +243,21 @@ class LhotseCutSource:
         return len(self.cuts)
 
     def read(self, indices: np.ndarray) -> list[tuple[str, str, dict[str, bytes]]]:
-        return [(c.id, self.path, {"wav": _cut_audio_bytes(c),
+        return [(c.id, self.path, {"wav": self._audio(c),
                                    "json": transcript_json(c.id, _join_texts(s.text for s in c.supervisions),
                                                            c.duration)})
                 for c in (self.cuts.load(i) for i in indices)]
+
+    def _audio(self, cut) -> bytes:
+        """The cut's audio bytes; a ``SampleDecodeError`` naming the manifest and the cut when there are none (no
+        recording, a missing or unreadable file): the loader counts it against ``max_bad_samples``."""
+        if not cut.has_recording:
+            raise SampleDecodeError("the cut has no recording", shard=self.path, key=cut.id, member="wav")
+        try:
+            return _cut_audio_bytes(cut)
+        except Exception as e:  # lhotse and libsndfile raise many types for missing or unreadable audio
+            raise SampleDecodeError(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", shard=self.path,
+                                    key=cut.id, member="wav") from None
 
 
 def _cut_audio_bytes(cut) -> bytes:

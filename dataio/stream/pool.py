@@ -64,6 +64,11 @@ class WorkerError(RuntimeError):
     """A worker died, hung, or raised something that could not be sent back."""
 
 
+class WorkerDied(WorkerError):
+    """A worker exited or was killed (its exit code or signal named), or hung past ``worker_timeout``: an event of
+    the machine (the OOM killer, a kill), reported in one line by the entry points, not a bug's traceback."""
+
+
 class WorkerPool:
     """``num_workers`` forked workers (started here) and, through ``tasks()``, the payloads of tasks
     ``0 .. num_tasks-1`` (None: endless) in order: task ``t`` is made by worker ``t % num_workers`` as
@@ -146,13 +151,13 @@ class WorkerPool:
             if self.ready[w].poll(math.ceil(wait * 1000)):  # readable, or EOF (a hang-up): recv tells which
                 try:
                     message = conn.recv()
-                except EOFError:
-                    raise WorkerError(_exit_message(proc, w)) from None
+                except (EOFError, OSError):  # OSError: it died part-way through a message ("got end of file")
+                    raise WorkerDied(_exit_message(proc, w)) from None
                 break
             if not proc.is_alive():
-                raise WorkerError(_exit_message(proc, w))
+                raise WorkerDied(_exit_message(proc, w))
             if deadline is not None and time.monotonic() >= deadline:
-                raise WorkerError(f"worker {w} (pid {proc.pid}) timed out: no batch within {timeout:g} s "
+                raise WorkerDied(f"worker {w} (pid {proc.pid}) timed out: no batch within {timeout:g} s "
                                   f"(data.worker_timeout)")
         if message[0] == OK:
             return message[1]

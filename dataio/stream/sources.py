@@ -35,7 +35,7 @@ import numpy as np
 
 from headrace.dataio.stream.shardcache import ShardCache, local_name, unlock
 from headrace.dataio.stream.storage import ShardFormatError, retry
-from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
+from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, load_index, shards_of
 
 REMOTE_BLOCK = 8 << 20
 OPEN_REMOTE_SHARDS = 8
@@ -65,7 +65,8 @@ def load_remote_index(url: str, storage_options: dict | None = None) -> DatasetI
     manifest = json.loads(retry(lambda: fs.cat_file(f"{d}/manifest.json"), f"{url}: reading the index"))
     arrays = {name: np.load(io.BytesIO(retry(lambda n=name: fs.cat_file(f"{d}/{n}.npy"), url)), allow_pickle=False)
               for name in ("samples", "members", "keys")}
-    return DatasetIndex(shards=[ShardInfo(**s) for s in manifest["shards"]], extensions=list(manifest["extensions"]),
+    return DatasetIndex(shards=shards_of(manifest, f"{url}/{INDEX_DIR}/manifest.json"),
+                        extensions=list(manifest["extensions"]),
                         job=manifest.get("job", {}), **arrays)
 
 

@@ -287,7 +287,8 @@ def _to_wire(batch: dict, ring: SharedRing | None) -> tuple[dict, list, list]:
                         continue
                     v = v.contiguous()  # a strided view of the ring: a copy of its own goes, by value or handle
                 if v.nbytes <= SMALL_TENSOR_BYTES:
-                    raw = bytearray(v.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    # (an empty tensor may carry a stride that no byte view takes)
+                    raw = bytearray(v.contiguous().reshape(-1).view(torch.uint8).numpy()) if v.numel() else bytearray()
                     inline.append(((*path, k), raw, tuple(v.shape), DTYPE_CODE[v.dtype]))
                     continue
             elif isinstance(v, dict):

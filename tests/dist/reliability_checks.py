@@ -13,6 +13,7 @@ rank 1 two.
 2. A second job on the same ``trainer.output_dir`` while another process holds it: ``OutputDirInUse`` on both
    ranks, naming the directory and the holder's pid.
 3. ``distributed.tp_size: 2`` on a model with one KV head: a ConfigError on both ranks (no traceback).
+4. A val set of one document (issue 34 item 9): rank 1 runs padding rows, the validation counts it once.
 Prints ``OK <check>`` per passed check; any mismatch raises.
 """
 
@@ -81,6 +82,24 @@ def check_uneven_val_and_finite_stream(workdir: Path) -> None:
     print("OK uneven val stream and finite training stream finish on every rank", flush=True)
 
 
+def check_one_document_val_set(workdir: Path) -> None:
+    """Issue 34 item 9: a val set of one document gives rank 1 no batch at all; validation used to die ("a DP rank
+    got no batch at all") after the training work. Now rank 1 runs padding rows and the document counts once."""
+    if dist.get_rank() == 0:
+        (workdir / "one").mkdir()
+        with wds.TarWriter(str(workdir / "one" / "doc-000000.tar")) as w:
+            w.write({"__key__": "only", "tokens.npy": npy_bytes(np.arange(1, 11, dtype=np.int32))})
+        index_dir(workdir / "one")
+    dist.barrier()
+    cfg = job(workdir, "one_val", **{"data.val": f"{{datasets: [{{path: {workdir / 'one'}}}]}}", "trainer.max_steps": 2,
+                                     "trainer.eval_every": 2, "data.epochs": "null"})
+    train(cfg)
+    if dist.get_rank() == 0:
+        vals = [line for line in (workdir / "one_val" / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+        assert len(vals) == 1 and '"val_docs": 1' in vals[0] and '"val_tokens": 9' in vals[0], vals
+    print("OK a one-document val set validates on every rank", flush=True)
+
+
 def check_output_dir_lock(workdir: Path) -> None:
     out_dir = workdir / "locked"
     holder = None
@@ -126,6 +145,7 @@ def main(workdir: Path) -> None:
     check_uneven_val_and_finite_stream(workdir)
     check_output_dir_lock(workdir)
     check_tp_heads(workdir)
+    check_one_document_val_set(workdir)
     print(f"rank {dist.get_rank()} done in {time.perf_counter() - start:.1f} s", flush=True)
 
 

@@ -32,6 +32,7 @@ per expert, as ``save_pretrained`` and the hub have them, by the ranks holding t
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -66,6 +67,7 @@ from headrace.training.components.checkpoint_seal import (
     seal_key,
     verify_hashes,
 )
+from headrace.training.dir_files import file_inside
 from headrace.training.distributed.parallel_dims import gather_objects
 from headrace.training.errors import JobInputError
 from headrace.training.models.float8 import high_precision_weights
@@ -304,6 +306,25 @@ def seal_key_or_fail(*, create: bool) -> bytes | None:
         raise JobInputError(f"checkpoint: refused: {e}") from None
 
 
+@contextlib.contextmanager
+def export_errors(where: Path):
+    """The file system's refusals while exporting ``where`` (a full disk, a file-size limit, a permission) as one
+    ``JobInputError`` line naming it, as ``write_error`` does for a checkpoint save; other failures keep their
+    traceback. The checkpoint of the step was saved before the export, so nothing is lost."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except CheckpointException as e:
+        raise write_error(where, e) from e
+    except OSError as e:
+        raise JobInputError(f"checkpoint.export_hf: cannot write {e.filename or where}: {e.strerror or e}") from e
+    except SafetensorError as e:  # safetensors' own writer: "Error while serializing: IoError(Os { code: 28, ...
+        if "IoError" not in str(e):
+            raise
+        raise JobInputError(f"checkpoint.export_hf: cannot write {where}: {' '.join(str(e).split())[:200]}") from e
+
+
 def sealed_state(path: Path) -> dict:
     """The trainer state of checkpoint ``path`` once its seal holds (``checkpoint_seal.check``; the files'
     hashes are ``verified``'s)."""
@@ -511,8 +532,8 @@ def _copy_tokenizer(tokenizer: str, dest: Path) -> None:
     if src.is_dir():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                      "chat_template.json"):
-            if (src / name).is_file():
-                shutil.copy(src / name, dest / name)
+            if (path := file_inside(src, name)) is not None:  # never a link's target from outside the folder
+                shutil.copyfile(path, dest / name)
     else:
         shutil.copy(src, dest / "tokenizer.json")
     if not (dest / "tokenizer_config.json").exists():  # lets AutoTokenizer.from_pretrained(hf/) find it
@@ -551,6 +572,6 @@ def _prune(folder: Path, keep_last: int | None) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["ASYNC_MODES", "STATE_FILE", "Saver", "check_model_config", "checkpoint_dir", "damaged", "export_hf",
-           "gather_loader_states", "latest", "load", "load_model_weights", "load_newest", "model_config_record",
-           "read_tensors", "save", "sealed_state", "split_state", "stage", "write"]
+__all__ = ["ASYNC_MODES", "STATE_FILE", "Saver", "check_model_config", "checkpoint_dir", "damaged", "export_errors",
+           "export_hf", "gather_loader_states", "latest", "load", "load_model_weights", "load_newest",
+           "model_config_record", "read_tensors", "save", "sealed_state", "split_state", "stage", "write"]

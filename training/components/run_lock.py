@@ -24,18 +24,36 @@ LOCK_FILE = ".headrace-train.lock"
 
 
 class OutputDirInUse(JobInputError):
-    """``trainer.output_dir`` is held by another training job (the same on every rank: printed once)."""
+    """``trainer.output_dir`` is held by another training job, or holds a symbolic link (the same on every rank:
+    printed once)."""
+
+
+def first_symlink(out_dir: Path) -> Path | None:
+    """The first symbolic link inside ``out_dir`` (not following any) that leads out of it, else None. Every file
+    the job writes lives under ``out_dir`` (lock, config.yaml, metrics, checkpoints, hf/, profile/); a link planted
+    there would make the job truncate or overwrite the file it points to, wherever that is. A link whose target
+    stays inside ``out_dir`` (wandb's ``latest-run``) writes nowhere else, and is left alone."""
+    inside = os.path.realpath(out_dir)
+    for parent, dirs, files in os.walk(out_dir):  # os.walk does not descend into linked directories
+        for name in sorted(dirs + files):
+            path = os.path.join(parent, name)
+            if os.path.islink(path) and os.path.commonpath([inside, os.path.realpath(path)]) != inside:
+                return Path(path)
+    return None
 
 
 def lock_output_dir(out_dir: Path):
     """Rank 0: the open, locked lock file (keep it open for the job); other ranks: None. Collective: every rank
-    raises ``OutputDirInUse`` when another job holds the directory."""
+    raises ``OutputDirInUse`` when another job holds the directory, or when a file or folder
+    inside it is a symbolic link leading out of it (``out_dir`` itself may be one)."""
     held, refusal = None, None
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / LOCK_FILE
-        held = try_lock(path)
-        if held is None:
+        if (link := first_symlink(out_dir)) is not None:
+            refusal = (f"trainer.output_dir: {link} is a symbolic link out of it (to {os.readlink(link)}); the job "
+                       "writes only under its output_dir: remove the link, or point output_dir at the storage itself")
+        elif (held := try_lock(path)) is None:
             holder = path.read_text(errors="replace").strip() or "a process that wrote no name"
             refusal = (f"trainer.output_dir: {out_dir} is in use by another training job ({holder}); wait for it to "
                        "finish or choose another output_dir")

@@ -11,10 +11,10 @@ them: ``headrace.training.models.hf_experts``). Peak memory per rank is its shar
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from headrace.config import ConfigError
 
 from headrace.kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from headrace.training.config.job_config import JobConfig, ModelConfig
+from headrace.training.dir_files import file_inside, files_inside, read_json_object
 from headrace.training.errors import JobInputError
 from headrace.training.models.families import check_family, supports_packed_attention
 from headrace.training.models.hf_experts import per_expert_views, renamed
@@ -42,9 +43,14 @@ def build_hf_config(cfg: ModelConfig, *, text_model: bool = False) -> Pretrained
         config = config_or_error(lambda: AutoConfig.for_model(model_type, **fields), "model.config")
     else:
         path = cfg.config_path or cfg.pretrained_path
+        key = "model.config_path" if cfg.config_path else "model.pretrained_path"
+        file = path if os.path.isfile(path) else file_inside(path, "config.json") if os.path.isdir(path) else None
+        if file is None:
+            raise ConfigError(f"{key}: {path} is neither a config.json file nor a directory holding one")
+        fields = read_json_object(file)
+        if not isinstance(fields.get("model_type"), str):
+            raise ConfigError(f"{key}: {file} has no model_type (a string such as llama, qwen2, qwen3_moe)")
         if os.path.isfile(path):
-            with open(path) as f:
-                fields = json.load(f)
             config = config_or_error(lambda: AutoConfig.for_model(fields.pop("model_type"), **fields), path)
         else:
             config = config_or_error(lambda: AutoConfig.from_pretrained(path), path)
@@ -152,49 +158,69 @@ def load_safetensors(model: nn.Module, path: str, prefix: str = "", rename: Call
     if getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
     rename = rename or (lambda name: name)
-    stored_as = {rename(name[len(prefix):]): key for name, key in checkpoint_names(hf, path).items()
+    tensors = stored_tensors(path)
+    stored_as = {rename(name[len(prefix):]): key for name, key in checkpoint_names(hf, tensors).items()
                  if name.startswith(prefix)}
     stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
     # fused MoE experts stored per expert (the hub's layout) are read into per-expert views of the local experts
     reads = per_expert_views(hf, state, keep_fused=stored_as.keys() | stored)
-    dcp.load({k if k in stored else stored_as.get(k, k): v for k, v in reads.items()},
-             storage_reader=dcp.HuggingFaceStorageReader(path))
+    reads = {k if k in stored else stored_as.get(k, k): v for k, v in reads.items()}
+    check_stored(reads, tensors, path)
+    dcp.load(reads, storage_reader=dcp.HuggingFaceStorageReader(path))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # dcp.load filled these in place
 
 
-def checkpoint_names(hf: nn.Module, path: str) -> dict[str, str]:
-    """Model FQN -> the key a checkpoint in ``path`` stores it under, through transformers' own key renamings
-    for the family (GPT-NeoX checkpoints keep ``embed_out`` for the model's ``lm_head``); only headers are read."""
-    from pathlib import Path
+def stored_tensors(path: str) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor name in the ``*.safetensors`` files of ``path`` -> (its file, its shape), from the headers only.
+    JobInputError naming the file: none there (pickles are never read), an unreadable file, or a name stored in two
+    files (which one DCP would read is arbitrary: an all-zero copy could silently win)."""
+    from safetensors import SafetensorError, safe_open
 
-    from safetensors import SafetensorError
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    renames = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
-    names = {}
-    files = sorted(Path(path).glob("*.safetensors"))
+    files = files_inside(path, "*.safetensors")
     if not files:
         others = sorted(p.name for p in Path(path).glob("*.bin")) + sorted(p.name for p in Path(path).glob("*.pt*"))
         raise JobInputError(f"model.pretrained_path: {path} holds no *.safetensors file"
                             + (f" (only {', '.join(others[:3])}: re-save it with save_pretrained(..., "
                                "safe_serialization=True); .bin files are pickles and are not read)" if others else ""))
+    tensors: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
         try:
-            keys = safetensors_keys(file)
+            with safe_open(str(file), "pt") as f:
+                shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
         except SafetensorError as e:
             raise JobInputError(f"model.pretrained_path: {file} is not a readable safetensors file ({e})") from None
-        for key in keys:
-            names[renamed(key, renames)] = key
-    return names
+        for key, shape in shapes.items():
+            if key in tensors:
+                raise JobInputError(f"model.pretrained_path: {key} is stored in both {tensors[key][0].name} and "
+                                    f"{file.name} (in {path}); remove one")
+            tensors[key] = (file, shape)
+    return tensors
 
 
-def safetensors_keys(file) -> list[str]:
-    """The tensor names in a safetensors file's header (nothing else is read)."""
-    from safetensors import safe_open
+def checkpoint_names(hf: nn.Module, tensors: dict) -> dict[str, str]:
+    """Model FQN -> the key a checkpoint (its ``stored_tensors``) stores it under, through transformers' own key
+    renamings for the family (GPT-NeoX checkpoints keep ``embed_out`` for the model's ``lm_head``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
 
-    with safe_open(str(file), "pt") as f:
-        return list(f.keys())
+    renames = [t for t in get_model_conversion_mapping(hf) if isinstance(t, WeightRenaming)]
+    return {renamed(key, renames): key for key in tensors}
+
+
+def check_stored(reads: dict[str, torch.Tensor], tensors: dict, path: str) -> None:
+    """Every tensor the model reads (checkpoint key -> the model's tensor, global shape) is in the checkpoint with
+    that shape; else a JobInputError naming the tensor, not DCP's traceback from inside the load."""
+    missing = sorted(key for key in reads if key not in tensors)
+    if missing:
+        raise JobInputError(f"model.pretrained_path: {path} has no tensor {missing[0]}"
+                            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+                            + "; is it a checkpoint of this model?")
+    for key, tensor in reads.items():
+        file, shape = tensors[key]
+        if shape != tuple(tensor.shape):
+            raise JobInputError(f"model.pretrained_path: {file}: {key} has shape {list(shape)}, the model's is "
+                                f"{list(tensor.shape)} (its config disagrees with the checkpoint's: vocab_size, "
+                                "hidden_size, layers?)")
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:

@@ -54,6 +54,9 @@ class ModelKind:
     decode: Callable[[nn.Module, JobConfig, int], dict] | None = None
     # Why ``python -m headrace.training.eval`` cannot start from this kind's ``hf/`` export (None: it can).
     hf_export_refusal: str | None = None
+    # The batch a rank whose share of the val stream is empty runs (loss-free padding rows), from the loader
+    # ``build_loader`` made; None: such a rank cannot pad (the val set must give every rank a batch).
+    empty_val_batch: Callable[[Iterable], dict] | None = None
     # ``headrace.training.estimate_batch``: (model on ``device``, its step-batch maker); None: not a bucketed kind.
     batch_probe: Callable[[JobConfig, torch.device], tuple[nn.Module, object]] | None = None
 

@@ -41,14 +41,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from headrace.config import ConfigError, to_dict
+from headrace.dataio.usererror import one_line
 from headrace.training.config.speech import AUDIO_PLACEHOLDER, SpeechConfig
+from headrace.training.dir_files import file_inside, files_inside, read_json_object
+from headrace.training.errors import JobInputError
 
 MANIFEST = "salm.json"  # the speech config of a SALM export (job.load_salm reads it)
 SPEECH_LLMS = ("qwen2_audio", "voxtral")  # transformers model_types read as SALMs
@@ -63,14 +70,17 @@ BASE_PROMPTS = {"qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>De
                                "speech: <|en|>",
                 "voxtral": f"[INST][BEGIN_AUDIO]{AUDIO_PLACEHOLDER}[/INST]"}
 AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "voxtral": "[AUDIO]"}
+# A chat template is a program from the checkpoint's author (jinja2, sandboxed by transformers, but its loops are not
+# bounded: two nested range(100000) run for hours). A real one renders a turn in milliseconds; past this many
+# seconds (wall clock: CPU time crawls on a loaded machine) the template is refused.
+TEMPLATE_SECONDS = 10.0
 
 
 def speech_llm_kind(path: str | Path | None) -> str | None:
     """The ``model_type`` of the transformers speech LLM whose checkpoint directory ``path`` is, else None."""
-    config = Path(path) / "config.json" if path is not None else None
-    if config is None or not config.is_file():
+    if path is None or not Path(path).is_dir() or (config := file_inside(path, "config.json")) is None:
         return None
-    kind = json.loads(config.read_text()).get("model_type")
+    kind = read_json_object(config).get("model_type")
     return kind if kind in SPEECH_LLMS else None
 
 
@@ -87,26 +97,115 @@ def salm_name(part: str, name: str) -> str:
     return name
 
 
+def sub_configs(checkpoint: Path) -> tuple[dict, dict]:
+    """The checkpoint's ``audio_config`` and ``text_config`` (JobInputError naming config.json and the key when one
+    is missing or not an object)."""
+    path = file_inside(checkpoint, "config.json")
+    config = read_json_object(path)
+    found = [config.get(key) for key in ("audio_config", "text_config")]
+    for key, value in zip(("audio_config", "text_config"), found):
+        if not isinstance(value, dict):
+            raise JobInputError(f"{path}: {key} is {'missing' if value is None else 'not an object'}; a speech-LLM "
+                                "checkpoint's config.json has its encoder's audio_config and its LLM's text_config")
+    return found[0], found[1]
+
+
+def _positive_int(section: dict, key: str, where: str) -> int:
+    value = section.get(key)
+    if type(value) is not int or value < 1:
+        raise JobInputError(f"{where}: {key} is {value!r}; it must be a positive integer")
+    return value
+
+
 def adapter_fields(checkpoint: Path, kind: str) -> dict:
     """The ``speech.adapter`` settings that are the checkpoint's projector."""
-    config = json.loads((checkpoint / "config.json").read_text())
     if kind == "qwen2_audio":
         return {"kind": "linear", "subsampling": 1, "hidden_size": None, "bias": True}
-    audio = config["audio_config"]  # stacks intermediate_size / d_model frames (VoxtralModel.get_audio_features)
-    return {"kind": "mlp", "subsampling": audio["intermediate_size"] // audio["hidden_size"],
-            "hidden_size": config["text_config"]["hidden_size"], "bias": False}
+    audio, text = sub_configs(checkpoint)
+    where = f"{checkpoint / 'config.json'}: audio_config"
+    # stacks intermediate_size / d_model frames (VoxtralModel.get_audio_features)
+    stacked, width = _positive_int(audio, "intermediate_size", where), _positive_int(audio, "hidden_size", where)
+    if stacked % width:
+        raise JobInputError(f"{where}: intermediate_size {stacked} is not a multiple of hidden_size {width} (Voxtral's "
+                            "projector stacks intermediate_size / hidden_size encoder frames)")
+    return {"kind": "mlp", "subsampling": stacked // width,
+            "hidden_size": _positive_int(text, "hidden_size", f"{checkpoint / 'config.json'}: text_config"),
+            "bias": False}
+
+
+class TemplateTooSlow(Exception):
+    pass
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise ``TemplateTooSlow`` in the block once it has run ``seconds``: a timer thread sends SIGVTALRM to the
+    main thread, whose handler raises (SIGALRM, ``signal.alarm``, stays free for the caller). Main thread only: a
+    signal cannot stop another thread, so elsewhere the limit cannot be kept and the call is refused."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("a checkpoint's chat template is rendered only in the main thread (its time limit)")
+    main = threading.get_ident()
+    fired = threading.Event()
+
+    def fire(signum, frame):
+        if fired.is_set():
+            raise TemplateTooSlow
+
+    def send():
+        fired.set()
+        signal.pthread_kill(main, signal.SIGVTALRM)
+
+    old = signal.signal(signal.SIGVTALRM, fire)
+    timer = threading.Timer(seconds, send)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        fired.clear()  # a signal still on its way after the block meets a handler that ignores it
+        signal.signal(signal.SIGVTALRM, old)
+
+
+def load_tokenizer(checkpoint: Path):
+    """The checkpoint's tokenizer; JobInputError naming the directory when it has none or transformers cannot read
+    it (its own several-line message shortened to one)."""
+    from transformers import AutoTokenizer
+
+    for name in TOKENIZER_FILES:  # a link out of the directory is refused before transformers follows it
+        file_inside(checkpoint, name)
+    if not any(file_inside(checkpoint, name) for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise JobInputError(f"{checkpoint}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json); a speech-LLM "
+                            "checkpoint carries its own tokenizer and chat template")
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise JobInputError(f"{checkpoint}: transformers cannot read its tokenizer: "
+                            f"{' '.join(str(e).split())[:300]}") from None
 
 
 def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
     """The prompt the checkpoint's chat template gives one user turn of audio (``apply_chat_template`` with the
     audio and no text, its audio token as the placeholder), else ``BASE_PROMPTS[kind]``."""
+    from jinja2 import TemplateError
+
     if tokenizer.chat_template is None:
         return BASE_PROMPTS[kind]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
-                                         add_generation_prompt=True, tokenize=False)
+    try:
+        with time_limit(TEMPLATE_SECONDS):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
+                                                 add_generation_prompt=True, tokenize=False)
+    except TemplateTooSlow:
+        raise JobInputError(f"{checkpoint}: its chat template ran past {TEMPLATE_SECONDS:g} s for one user turn "
+                            "(unbounded loops?); refused") from None
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        raise JobInputError(f"{checkpoint}: its chat template fails on one user turn with audio: "
+                            f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(text, str):
+        raise JobInputError(f"{checkpoint}: its chat template gives no text for one user turn with audio")
     token = AUDIO_TOKENS[kind]
     if token not in text:
-        raise ValueError(f"{checkpoint}: its chat template puts no {token} token in a user turn with audio")
+        raise JobInputError(f"{checkpoint}: its chat template puts no {token} token in a user turn with audio")
     return text.replace(token, AUDIO_PLACEHOLDER, 1)
 
 
@@ -126,20 +225,19 @@ def _refuse_contradiction(section: str, given, theirs: dict, checkpoint: Path, k
 def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> SpeechConfig:
     """``speech`` with its unset encoder / adapter settings and prompt taken from the speech-LLM checkpoint; a
     ConfigError naming the key of a given one that contradicts it."""
-    from transformers import AutoTokenizer
-
     checkpoint = Path(checkpoint).resolve()
     kind = speech_llm_kind(checkpoint)
     theirs = {"encoder": {"kind": kind, "config": None, "config_path": None, "pretrained_path": str(checkpoint)},
               "adapter": {**adapter_fields(checkpoint, kind), "pretrained_path": str(checkpoint)}}
     for section, fields in theirs.items():
         _refuse_contradiction(section, getattr(speech, section), fields, checkpoint, kind)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
+    prompt = speech.prompt or chat_prompt(tokenizer, checkpoint, kind)
     try:
         return dataclasses.replace(
             speech, encoder=dataclasses.replace(speech.encoder, kind=kind, pretrained_path=str(checkpoint)),
             adapter=dataclasses.replace(speech.adapter, **theirs["adapter"]),
-            prompt=speech.prompt or chat_prompt(tokenizer, checkpoint, kind),
+            prompt=prompt,
             answer_end=speech.answer_end or tokenizer.eos_token)
     except ValueError as e:  # SpeechConfig's own rules (e.g. features with Whisper's encoder) against the result
         raise ConfigError(f"model.speech: {e}") from None
@@ -176,36 +274,68 @@ def write_manifest(speech: SpeechConfig, out_dir: Path) -> None:
     (out_dir / MANIFEST).write_text(json.dumps(raw, indent=1))
 
 
+def read_parts(checkpoint: Path, kind: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's weights split into the SALM's parts (``PARTS``); JobInputError naming the file for a file
+    safetensors cannot read, a weight of no part, a weight stored twice, or a part without weights."""
+    from safetensors import SafetensorError, safe_open
+
+    parts: dict[str, dict[str, torch.Tensor]] = {part: {} for part in PARTS.values()}
+    stored_in: dict[str, Path] = {}
+    for file in files_inside(checkpoint, "*.safetensors"):
+        try:
+            with safe_open(str(file), "pt") as f:
+                for key in f.keys():
+                    prefix = next((p for p in PARTS if key.startswith(p)), None)
+                    if prefix is None:
+                        raise JobInputError(f"{file}: {key} belongs to no part of {kind} ({', '.join(PARTS)})")
+                    if key in stored_in:
+                        raise JobInputError(f"{file}: {key} is also stored in {stored_in[key].name}; which one is "
+                                            "meant is unknown")
+                    stored_in[key] = file
+                    parts[PARTS[prefix]][salm_name(PARTS[prefix], key[len(prefix):])] = f.get_tensor(key)
+        except SafetensorError as e:
+            raise JobInputError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+    for prefix, part in PARTS.items():
+        if not parts[part]:
+            raise JobInputError(f"{checkpoint}: no {prefix}* weights in its *.safetensors files (the {part} of a "
+                                f"{kind} checkpoint)")
+    return parts
+
+
 def convert(checkpoint: str | Path, out: str | Path, prompt: str | None = None) -> Path:
-    """Write the SALM export of a speech-LLM checkpoint directory (module docstring); returns ``out``."""
-    from safetensors import safe_open
+    """Write the SALM export of a speech-LLM checkpoint directory (module docstring); returns ``out``. Everything that
+    can refuse the checkpoint is read before anything is written; the export is built in a temporary sibling of
+    ``out`` and renamed into place, so a refused or failed conversion leaves no partial ``out``."""
     from safetensors.torch import save_file
 
     checkpoint, out = Path(checkpoint), Path(out)
     kind = speech_llm_kind(checkpoint)
     if kind is None:
-        raise ValueError(f"{checkpoint}: not the checkpoint directory of a {' or '.join(SPEECH_LLMS)} model")
-    parts: dict[str, dict[str, torch.Tensor]] = {part: {} for part in PARTS.values()}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                prefix = next((p for p in PARTS if key.startswith(p)), None)
-                if prefix is None:
-                    raise ValueError(f"{file}: {key} belongs to no part of {kind} ({', '.join(PARTS)})")
-                parts[PARTS[prefix]][salm_name(PARTS[prefix], key[len(prefix):])] = f.get_tensor(key)
-    for part, state in parts.items():
-        (out / part).mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out / part / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((checkpoint / "config.json").read_text())
-    audio, text = dict(config["audio_config"]), dict(config["text_config"])
-    audio["model_type"] = f"{kind}_encoder"
-    (out / "encoder" / "config.json").write_text(json.dumps(audio, indent=1))
-    text.setdefault("model_type", "qwen2" if kind == "qwen2_audio" else "llama")
-    (out / "hf" / "config.json").write_text(json.dumps(text, indent=1))
-    for name in TOKENIZER_FILES:
-        if (checkpoint / name).exists():
-            shutil.copy(checkpoint / name, out / "hf" / name)
-    write_manifest(speech_from_checkpoint(checkpoint, SpeechConfig(prompt=prompt)), out)
+        raise JobInputError(f"{checkpoint}: not the checkpoint directory of a {' or '.join(SPEECH_LLMS)} model")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise JobInputError(f"{out}: already exists and is not an empty directory; choose a new output directory")
+    audio, text = (dict(c) for c in sub_configs(checkpoint))
+    speech = speech_from_checkpoint(checkpoint, SpeechConfig(prompt=prompt))
+    parts = read_parts(checkpoint, kind)
+    tokenizer_files = [path for name in TOKENIZER_FILES if (path := file_inside(checkpoint, name)) is not None]
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        for part, state in parts.items():
+            (tmp / part).mkdir(parents=True)
+            save_file(state, str(tmp / part / "model.safetensors"), metadata={"format": "pt"})
+        audio["model_type"] = f"{kind}_encoder"
+        (tmp / "encoder" / "config.json").write_text(json.dumps(audio, indent=1))
+        text.setdefault("model_type", "qwen2" if kind == "qwen2_audio" else "llama")
+        (tmp / "hf" / "config.json").write_text(json.dumps(text, indent=1))
+        for path in tokenizer_files:
+            shutil.copyfile(path, tmp / "hf" / path.name)
+        write_manifest(speech, tmp)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -218,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         convert(args.checkpoint, args.out, args.prompt)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # JobInputError is a ValueError; OSError: unreadable input, disk full
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"SALM export of {args.checkpoint} -> {args.out}")
     return 0

@@ -26,12 +26,16 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from headrace.dataio.loader import build_loader
+from headrace.dataio.usererror import EXIT_USER_ERROR, debug_requested, is_user_error, one_line
+from headrace.training.components.data import open_data
 from headrace.training.distributed.parallel_dims import gather_objects
 from headrace.training.distributed.process_group import init_distributed
+from headrace.training.errors import JobInputError
 from headrace.training.models.loss import unwrap_ddp
 from headrace.training.speech.checkpoints import speech_llm_kind
 from headrace.training.speech.job import SpeechBatches, load_salm
@@ -126,12 +130,38 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
             "loss": loss, "mismatched_loss": mismatched_loss, "listening_ratio": loss / max(mismatched_loss, 1e-12)}
 
 
+def check_window(model, loader) -> None:
+    """JobInputError naming the first utterance of the split (by its indexed duration) longer than the encoder's
+    fixed window: every rank refuses it alike, before decoding (a rank failing alone mid-split would leave the
+    others waiting in the gather)."""
+    from headrace.training.components.data import shard_sources
+    from headrace.training.errors import JobInputError
+
+    limit = model.front.max_seconds(model.encoder)
+    for source in shard_sources(loader) if limit is not None else ():
+        durations = np.asarray(source.index.samples["duration"], dtype=np.float64)
+        rows = np.concatenate([np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)]
+                              or [np.zeros(0, dtype=np.int64)])
+        long = rows[durations[rows] > limit]
+        if len(long):
+            raise JobInputError(f"--data: utterance {source.index.key(int(long[0]))!r} is "
+                                f"{durations[long[0]]:.2f} s, longer than the {model.cfg.encoder.kind} encoder's window "
+                                f"of {limit:g} s" + (f" ({len(long) - 1} more such)" if len(long) > 1 else "")
+                                + "; cut or drop such utterances from the split")
+
+
 def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
              max_new_tokens: int | None = None) -> dict:
     """Decode ``split`` of ``data`` with the SALM in ``model_dir`` (an export, or a Qwen2-Audio / Voxtral checkpoint
     directory: ``load_salm``), replicated on every rank."""
+    if not Path(model_dir).is_dir():
+        raise JobInputError(f"--model: {model_dir} is not a directory (a SALM export, or a Qwen2-Audio / Voxtral "
+                            "checkpoint directory)")
+    if "://" not in data and not Path(data).is_dir():
+        raise JobInputError(f"--data: {data} is not a directory")
     model, cfg = load_salm(model_dir)
-    loader = eval_loader(data, split, cfg.sample_rate, batch_duration)
+    loader = open_data("--data", lambda: eval_loader(data, split, cfg.sample_rate, batch_duration))
+    check_window(model, loader)
     tokenizer = model_dir if speech_llm_kind(model_dir) else Path(model_dir) / "hf"  # the checkpoint's, or the export's
     return decode_split(model, cfg, str(tokenizer), loader,
                         max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
@@ -184,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         if result:
             print(f"WER {result['wer']:.3f} over {result['utterances']} utterances ({result['words']} words), "
                   f"{listening_line(result)}; hypotheses in {out}", flush=True)
+    except Exception as e:  # the trainer's rule: the user's errors (found alike on every rank) in one line, exit 2
+        if not is_user_error(e) or debug_requested():
+            raise
+        if dist.get_rank() == 0:
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     finally:
         dist.destroy_process_group()
     return 0

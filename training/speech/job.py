@@ -17,7 +17,6 @@ hands it:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,7 +30,9 @@ from headrace.training.components.checkpoint import export_hf
 from headrace.training.config.job_config import ModelConfig
 from headrace.training.config.speech import SpeechConfig
 from headrace.training.distributed.dense import apply_ddp
+from headrace.training.dir_files import read_json_object
 from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.errors import JobInputError
 from headrace.training.models import lora
 from headrace.training.models.build import build_hf_config, param_dtype
 from headrace.training.models.loss import bf16_autocast, unwrap_ddp
@@ -149,8 +150,10 @@ def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SAL
     if speech_llm_kind(path):
         speech, llm_path = speech_from_checkpoint(path, SpeechConfig()), path
     else:
-        raw = json.loads((path / MANIFEST).read_text())
+        raw = read_json_object(path / MANIFEST)
         for part in ("encoder", "adapter"):
+            if not isinstance(raw.get(part), dict) or not isinstance(raw[part].get("pretrained_path"), str):
+                raise JobInputError(f"{path / MANIFEST}: {part}.pretrained_path is missing or not a string")
             raw[part]["pretrained_path"] = str(path / raw[part]["pretrained_path"])
         speech, llm_path = from_dict(SpeechConfig, raw, "salm.json"), path / "hf"
     llm_config = build_hf_config(ModelConfig(pretrained_path=str(llm_path)), text_model=True)
