@@ -174,9 +174,10 @@ def check(step_dir: Path, key: bytes | None, state_file: str) -> dict:
     if not isinstance(state, dict):
         raise NotSealed(f"{state_file} is not a sealed state")
     if state.get("format") != FORMAT:
-        raise OldLayout(f"written in headrace's former pickled DCP layout (.metadata + .distcp), which cannot be "
-                        "loaded without unpickling it; load it with the headrace that wrote it and export hf/ "
-                        "(then model.pretrained_path=.../hf), or move it away to start afresh")
+        raise OldLayout(f"{state_file} names no checkpoint format: written in headrace's former pickled DCP layout "
+                        "(.metadata + .distcp), which cannot be loaded without unpickling it; load it with the "
+                        "headrace that wrote it and export hf/ (then model.pretrained_path=.../hf), or move it away "
+                        "to start afresh")
     if key is None:
         raise NotSealed(f"this user has no seal key ({key_path()}): it was written by someone else's saves")
     if not isinstance(state.get("seal"), str) or not hmac.compare_digest(_mac(key, state), state["seal"]):
