@@ -221,7 +221,7 @@ class Saver:
         folder = folder if store.is_url(folder) else Path(folder)
         model_state, optim_state = get_state_dict(model, optimizer,
                                                   options=_TRAINABLE if trainable_only else _OPTIONS)
-        tensors, plain = split_state(model_state, optim_state)
+        tensors, plain = split_state(high_precision_weights(model_state), optim_state)
         state = {"step": step, "loader": loader_states, "rng": gather_objects(_rng_state()),
                  "optim_plain": {k: v for part in gather_objects(plain) for k, v in part.items()}, **(extra or {})}
         files = _file_index(tensors, _FILE_BYTES)
@@ -445,7 +445,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, t
     ``trainable_only``: as ``Saver.save``'s (the frozen parameters stay as built)."""
     path = Path(path)
     options = _TRAINABLE if trainable_only else _OPTIONS
-    tensors, plain = split_state(*get_state_dict(model, optimizer, options=options))
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    # float8 weights are read into the high-precision tensor they wrap (the one the float8 casts read)
+    tensors, plain = split_state(high_precision_weights(model_state), optim_state)
     read_tensors(path, tensors)
     model_state, optim_state = _joined(tensors, plain, trainer_state["optim_plain"], path)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
@@ -463,7 +465,7 @@ def load_model_weights(path: Path, model: nn.Module, trainer_state: dict, traina
     if bad := damaged(path, trainer_state):
         raise JobInputError(f"checkpoint {path}: refused: {bad}")
     options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
-    tensors, _ = split_state(get_model_state_dict(model, options=options))
+    tensors, _ = split_state(high_precision_weights(get_model_state_dict(model, options=options)))
     read_tensors(path, tensors)
     set_model_state_dict(model, _joined(tensors, {}, {}, path)[0], options=options)
 

@@ -105,7 +105,8 @@ def register_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer
 
 def high_precision_weights(state: dict) -> dict:
     """``state`` with every FSDP2 shard that torchao's float8 all-gather wrapped (a tensor subclass holding the
-    high-precision weight, which safetensors cannot write) replaced by that weight; other values as they are."""
+    high-precision weight, which safetensors cannot write) replaced by that weight, sharing its storage (so a
+    checkpoint load fills the weight in place); other values as they are. Checkpoints and the hf/ export use it."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
