@@ -4,12 +4,15 @@ for being the version first read, and the loader's state does not grow with the 
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import loader_util
@@ -104,3 +107,69 @@ def test_budget_and_a_shard_replaced_between_two_opens(many_shards, tmp_path):
         loader.stream.sources[0].array(0)
     with pytest.raises(ValueError, match="max_open_shards must be >= 1"):
         build_loader({**cfg, "max_open_shards": 0})
+
+
+def test_state_size_does_not_grow_with_the_dataset(many_shards, tmp_path):
+    """The loader's state after a few batches is the same size over 20 shards as over 300 holding the
+    same first samples (plain and packed): positions, seeds and the packing buffer's open rows, nothing
+    per sample or per shard (numbers count as one character: they have more digits in a larger dataset)."""
+    root, _ = many_shards
+    small = tmp_path / "small"
+    small.mkdir()
+    for shard in range(20):
+        os.link(root / f"doc-{shard:06d}.tar", small / f"doc-{shard:06d}.tar")
+    loader_util.index_dir(small)
+    for extra in ({}, {"packing": "greedy", "seq_len": 64, "packing_buffer": 4}):
+        sizes = []
+        for path in (small, root):
+            loader = build_loader({"datasets": [{"path": str(path)}], "batch_size": 2, "num_workers": 0,
+                                   "shuffle": False, **extra})
+            it = iter(loader)
+            next(it), next(it)
+            state = {**loader.state_dict(), "fingerprint": ""}  # a digest: its digits vary, not its size
+            sizes.append(len(re.sub(r"\d+", "0", json.dumps(state))))
+        assert sizes[0] == sizes[1], (extra, sizes)
+
+
+def test_get_reads_one_sample_by_key(many_shards, tmp_path, capsys):
+    """``dataio get`` and ``open_dataset`` find a key by binary search over the mapped index: the member
+    bytes as written; a missing key or member is a one-line error (exit 2); an old index without the key
+    table is searched linearly; a tar that no longer matches its index is an error, not other bytes."""
+    from headrace.dataio.cli import main
+    from headrace.dataio.shards.index import INDEX_DIR, load_index
+    from headrace.dataio.shards.lookup import SampleNotFound, open_dataset
+
+    root, keys = many_shards
+    index = load_index(root)
+    assert isinstance(index.keys, np.memmap) and isinstance(index.key_order, np.memmap)  # not in the heap
+    dataset = open_dataset(root)
+    for n in (0, 1, 457, len(keys) - 1):
+        sample = dataset[keys[n]]
+        assert sample["json"] == f'{{"n": {n}}}'.encode()
+        assert np.load(io.BytesIO(sample["tokens.npy"]))[0] == n
+    assert "doc9999999" not in dataset and keys[5] in dataset
+    with pytest.raises(SampleNotFound, match="no sample with key 'doc9999999'"):
+        dataset["doc9999999"]
+
+    out = tmp_path / "m.json"
+    assert main(["get", str(root), keys[457], "--member", "json", "--out", str(out)]) == 0
+    assert out.read_bytes() == b'{"n": 457}'
+    assert main(["get", str(root), keys[457]]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["shard"] == "doc-000152.tar" and set(info["members"]) == {"json", "tokens.npy"}
+    assert main(["get", str(root), "nokey"]) == 2
+    assert capsys.readouterr().err.strip() == f"dataio get: error: {root}: no sample with key 'nokey' ({len(keys)} samples)"
+    assert main(["get", str(root), keys[0], "--member", "flac"]) == 2
+    assert "has no member 'flac' (it has: json, tokens.npy)" in capsys.readouterr().err
+
+    old = tmp_path / "old"  # an index written before key_order.npy
+    old.mkdir()
+    for name in ("doc-000000.tar", "doc-000001.tar"):
+        os.link(root / name, old / name)
+    loader_util.index_dir(old)
+    (old / INDEX_DIR / "key_order.npy").unlink()
+    assert open_dataset(old)[keys[4]]["json"] == b'{"n": 4}'
+    (old / "doc-000001.tar").unlink()
+    (old / "doc-000001.tar").write_bytes((root / "doc-000002.tar").read_bytes())  # other samples, same offsets
+    assert main(["get", str(old), keys[4]]) == 2
+    assert "does not hold sample 'doc0000004'" in capsys.readouterr().err

@@ -11,7 +11,10 @@ per-shard ``.tar.idx`` files), so one directory serves webdataset, energon and h
   packing and bucketing plan without reading payloads.
 - ``members.npy``: one row per tar member (``MEMBER_DTYPE``); sample i owns rows
   ``member_start[i] : member_start[i] + member_count[i]``; ``offset`` is the absolute payload offset.
-- ``keys.npy``: the ``__key__`` of each sample (fixed-width bytes).
+- ``keys.npy``: the ``__key__`` of each sample (fixed-width bytes), memory-mapped like the rest.
+- ``key_order.npy``: the sample indices sorted by key (``uint32``, ``uint64`` past 2^32 samples):
+  ``DatasetIndex.find`` looks a key up by binary search over the two maps, O(log n) pages touched and
+  no key loaded into the heap (an index written before it existed is searched linearly).
 
 While a job runs, each finished shard leaves a ``ShardPart`` sidecar in ``DIR/.nv-meta/parts/`` (its
 own rows, offsets known at write time or from one header scan); ``merge_parts`` turns the parts of all
@@ -69,12 +72,33 @@ class DatasetIndex:
     members: np.ndarray  # MEMBER_DTYPE
     keys: np.ndarray  # bytes ("S<n>")
     job: dict = field(default_factory=dict)
+    key_order: np.ndarray | None = None  # sample indices sorted by key (None: not loaded; ``find`` scans)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def key(self, i: int) -> str:
         return self.keys[i].decode()
+
+    def find(self, key: str) -> int | None:
+        """The index of the sample named ``key`` (the first, were keys repeated), or None: a binary
+        search over ``key_order`` (about log2(n) key compares, each a page of the mapped files)."""
+        want = key.encode("utf-8", "surrogateescape")
+        if len(want) > self.keys.dtype.itemsize:
+            return None  # longer than every stored key
+        if self.key_order is None:
+            hits = np.flatnonzero(self.keys == want)
+            return int(hits[0]) if len(hits) else None
+        lo, hi = 0, len(self.key_order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.keys[self.key_order[mid]] < want:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self.key_order) and self.keys[self.key_order[lo]] == want:
+            return int(self.key_order[lo])
+        return None
 
     def sample_members(self, i: int) -> dict[str, tuple[int, int]]:
         """``{ext: (absolute payload offset, size)}`` of sample ``i``."""
@@ -108,7 +132,9 @@ class DatasetIndex:
         tmp.mkdir(parents=True, exist_ok=True)
         np.save(tmp / "samples.npy", np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE))
         np.save(tmp / "members.npy", np.ascontiguousarray(self.members, dtype=MEMBER_DTYPE))
-        np.save(tmp / "keys.npy", self.keys.astype(np.bytes_))
+        keys = self.keys.astype(np.bytes_)
+        np.save(tmp / "keys.npy", keys)
+        np.save(tmp / "key_order.npy", key_order(keys))
         manifest = {
             "format": "headrace-index",
             "version": FORMAT_VERSION,
@@ -140,14 +166,22 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
         raise ValueError(f"{manifest_path}: unsupported index format {manifest.get('format')!r} "
                          f"version {manifest.get('version')!r} (expected version {FORMAT_VERSION})")
     mode = "r" if mmap else None
+    order = d / "key_order.npy"
     return DatasetIndex(
         shards=[ShardInfo(**s) for s in manifest["shards"]],
         extensions=list(manifest["extensions"]),
         samples=np.load(d / "samples.npy", mmap_mode=mode, allow_pickle=False),
         members=np.load(d / "members.npy", mmap_mode=mode, allow_pickle=False),
-        keys=np.load(d / "keys.npy", allow_pickle=False),
+        keys=np.load(d / "keys.npy", mmap_mode=mode, allow_pickle=False),
         job=manifest.get("job", {}),
+        key_order=np.load(order, mmap_mode=mode, allow_pickle=False) if order.exists() else None,
     )
+
+
+def key_order(keys: np.ndarray) -> np.ndarray:
+    """Sample indices sorted by key (stable: repeated keys keep index order), 4 bytes a sample below 2^32."""
+    order = np.argsort(keys, kind="stable")
+    return order.astype(np.uint32 if len(keys) < 2**32 else np.uint64)
 
 
 @dataclass(kw_only=True)

@@ -56,6 +56,15 @@ def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
     return [(v, np.flatnonzero(values == v)) for v in sorted(set(values.tolist()))]
 
 
+def shard_counts(index: DatasetIndex) -> np.ndarray:
+    """Samples per shard from the shard table (O(shards)); counted over the per-sample rows (O(samples),
+    a temporary of 8 bytes a sample) only where the table's counts do not add up to the rows."""
+    counts = np.fromiter((s.samples for s in index.shards), dtype=np.int64, count=len(index.shards))
+    if counts.sum() != len(index.samples):
+        counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
+    return counts
+
+
 class SplitError(ValueError):
     """A dataset has no shards in the split asked for."""
 
@@ -102,7 +111,7 @@ class ShardSource:
         if not shard_ids:
             splits = sorted({s.split for s in index.shards})
             raise SplitError(f"{path}: no shards in split {split!r} (splits: {', '.join(splits) or 'none'})")
-        counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
+        counts = shard_counts(index)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self.shard_starts, self.shard_sizes = starts[shard_ids], counts[shard_ids]
         # bytes each shard must have for its indexed samples (0: none of this split; 8 bytes a shard, no dict)
