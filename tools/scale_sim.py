@@ -64,21 +64,21 @@ def npy_prefix() -> bytes:
     return buf.getvalue()[: -4 * TOKENS]
 
 
-def write_dataset(root: Path, shards: int, samples: int) -> None:
-    """``samples`` samples (keys ``s0000000000``..) spread evenly over ``shards`` tars."""
+def write_dataset(root: Path, shards: int, samples: int, first: int = 0, name: str = "shard-{:07d}.tar") -> None:
+    """``samples`` samples (keys ``s<first>``.. on 10 digits) spread evenly over ``shards`` tars."""
     root.mkdir(parents=True, exist_ok=True)
     prefix = npy_prefix()
     size = len(prefix) + 4 * TOKENS
     pad = b"\0" * (-size % BLOCK)
     tokens = np.arange(TOKENS, dtype=np.int32)
-    bounds = np.linspace(0, samples, shards + 1).astype(np.int64)
+    bounds = first + np.linspace(0, samples, shards + 1).astype(np.int64)
     for s in range(shards):
         parts = []
         for i in range(int(bounds[s]), int(bounds[s + 1])):
             tokens[0] = i % 50000
             parts += [ustar_header(b"s%010d.tokens.npy" % i, size), prefix, tokens.tobytes(), pad]
         parts.append(b"\0" * (2 * BLOCK))
-        (root / f"shard-{s:07d}.tar").write_bytes(b"".join(parts))
+        (root / name.format(s)).write_bytes(b"".join(parts))
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:
@@ -160,9 +160,7 @@ def measure(base: Path, shards: int, samples: int, batches: int, keep: bool) -> 
     row["index_bytes_per_sample"] = tree_bytes(meta / "headrace") / samples
     row["index_bytes_per_shard"] = (meta / "headrace" / "manifest.json").stat().st_size / shards
     row["metadata_bytes_per_sample"] = (tree_bytes(meta) + sum(p.stat().st_size for p in root.glob("*.tar.idx"))) / samples
-    write_dataset(root / "more", 1, max(1, samples // shards))  # one more shard: only it is scanned
-    (root / "more" / "shard-0000000.tar").rename(root / "shard-9999999.tar")
-    (root / "more").rmdir()
+    write_dataset(root, 1, max(1, samples // shards), first=samples, name="shard-more-{}.tar")  # only it is scanned
     row["reindex_one_more_shard_s"], _ = timed(dataio)
     one = ranks(root, 1, batches)[0]
     row.update(one)
