@@ -15,10 +15,10 @@ import textwrap
 import numpy as np
 import pytest
 
-import loader_util
-from helpers import REPO, child_env
 from headrace.dataio.loader import build_loader
 from headrace.dataio.stream.decode import SampleDecodeError
+from tests import loader_util
+from tests.helpers import REPO, child_env
 
 SHARDS, PER_SHARD, NOFILE = 300, 3, 240  # more shards than descriptors allowed
 

@@ -3,8 +3,12 @@
 Stored in ``DIR/.nv-meta/headrace/`` beside Megatron-Energon's own metadata (``.nv-meta/*`` and the
 per-shard ``.tar.idx`` files), so one directory serves webdataset, energon and headrace:
 
-- ``manifest.json``: format version, the shard list (name, split, bytes, sample count, sha256),
-  the member-extension vocabulary, and the job fingerprint of the ``dataio shard`` run that wrote it.
+- ``manifest.json``: format version, the shard count, the member-extension vocabulary, the split
+  names, the job fingerprint of the ``dataio shard`` run that wrote it and the index's content digest
+  (what a loader state's fingerprint names the data by, computed once here instead of by every rank).
+- ``shard_names.npy`` / ``shards.npy``: the per-shard table (name; split, bytes, sample count, largest
+  token id, sha256), binary and mapped (``headrace.dataio.shards.shardtable``). Version 1 indexes kept
+  it as a JSON list in the manifest; they are still read.
 - ``samples.npy``: one row per sample (``SAMPLE_DTYPE``), global order = shards in manifest order,
   samples in tar order. ``offset``/``size`` span the sample's tar headers and payloads, so one read
   fetches a whole sample; ``tokens`` (-1 when unknown) and ``duration`` (NaN when unknown) let
@@ -26,19 +30,23 @@ loader opens a 10M-sample dataset without parsing anything per sample.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from headrace.dataio.shards.shardtable import ShardTable, split_ids
 from headrace.dataio.shards.writes import writing
 
 META_DIR = ".nv-meta"
 INDEX_DIR = f"{META_DIR}/headrace"
 PARTS_DIR = f"{META_DIR}/parts"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: the shard table as JSON in manifest.json
 
 SAMPLE_DTYPE = np.dtype(
     [
@@ -66,13 +74,18 @@ class ShardInfo:
 
 @dataclass(kw_only=True)
 class DatasetIndex:
-    shards: list[ShardInfo]
+    shards: Sequence[ShardInfo]  # a list, or the mapped ShardTable of a loaded index
     extensions: list[str]
     samples: np.ndarray  # SAMPLE_DTYPE
     members: np.ndarray  # MEMBER_DTYPE
     keys: np.ndarray  # bytes ("S<n>")
     job: dict = field(default_factory=dict)
     key_order: np.ndarray | None = None  # sample indices sorted by key (None: not loaded; ``find`` scans)
+    digest: str | None = None  # ``content_digest`` as saved (None: not saved yet; computed when asked)
+
+    def content_digest(self) -> str:
+        """A digest of everything the index says (``content_digest``): the saved one where there is one."""
+        return self.digest or content_digest(self)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -109,8 +122,7 @@ class DatasetIndex:
 
     def split_indices(self, split: str) -> np.ndarray:
         """Global sample indices of one split (e.g. ``"train"``)."""
-        shard_ids = [i for i, s in enumerate(self.shards) if s.split == split]
-        return np.flatnonzero(np.isin(self.samples["shard"], shard_ids))
+        return np.flatnonzero(np.isin(self.samples["shard"], split_ids(self.shards, split)))
 
     def save(self, root: str | os.PathLike) -> None:
         """Write the index under ``root/.nv-meta/headrace`` atomically (temp dir, then rename)."""
@@ -135,12 +147,17 @@ class DatasetIndex:
         keys = self.keys.astype(np.bytes_)
         np.save(tmp / "keys.npy", keys)
         np.save(tmp / "key_order.npy", key_order(keys))
+        table = self.shards if isinstance(self.shards, ShardTable) else ShardTable.from_infos(self.shards)
+        np.save(tmp / "shard_names.npy", table.names.astype(np.bytes_))
+        np.save(tmp / "shards.npy", np.ascontiguousarray(table.rows))
         manifest = {
             "format": "headrace-index",
             "version": FORMAT_VERSION,
-            "shards": [asdict(s) for s in self.shards],
+            "shards": len(table),
+            "splits": table.splits,
             "extensions": self.extensions,
             "job": self.job,
+            "digest": content_digest(self),
         }
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=1)
@@ -162,20 +179,47 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
         )
     with open(manifest_path) as f:
         manifest = json.load(f)
-    if manifest.get("format") != "headrace-index" or manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{manifest_path}: unsupported index format {manifest.get('format')!r} "
-                         f"version {manifest.get('version')!r} (expected version {FORMAT_VERSION})")
     mode = "r" if mmap else None
-    order = d / "key_order.npy"
+    return index_from_files(manifest, str(manifest_path),
+                            lambda name: np.load(d / name, mmap_mode=mode, allow_pickle=False),
+                            lambda name: (d / name).exists())
+
+
+def index_from_files(manifest: dict, where: str, load: Callable[[str], np.ndarray],
+                     exists: Callable[[str], bool]) -> DatasetIndex:
+    """A ``DatasetIndex`` from its parsed ``manifest.json`` and a reader of its ``.npy`` files (mapped
+    from a local directory, or fetched from a URL); ``where`` names the manifest in errors."""
+    version = manifest.get("version")
+    if manifest.get("format") != "headrace-index" or version not in READABLE_VERSIONS:
+        raise ValueError(f"{where}: unsupported index format {manifest.get('format')!r} version {version!r} "
+                         f"(this headrace reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
+                         f"run `dataio index DIR` with it to rewrite the index)")
+    if version == 1:
+        shards: Sequence[ShardInfo] = [ShardInfo(**s) for s in manifest["shards"]]
+    else:
+        shards = ShardTable(load("shard_names.npy"), load("shards.npy"), manifest["splits"])
     return DatasetIndex(
-        shards=[ShardInfo(**s) for s in manifest["shards"]],
+        shards=shards,
         extensions=list(manifest["extensions"]),
-        samples=np.load(d / "samples.npy", mmap_mode=mode, allow_pickle=False),
-        members=np.load(d / "members.npy", mmap_mode=mode, allow_pickle=False),
-        keys=np.load(d / "keys.npy", mmap_mode=mode, allow_pickle=False),
+        samples=load("samples.npy"),
+        members=load("members.npy"),
+        keys=load("keys.npy"),
         job=manifest.get("job", {}),
-        key_order=np.load(order, mmap_mode=mode, allow_pickle=False) if order.exists() else None,
+        key_order=load("key_order.npy") if exists("key_order.npy") else None,
+        digest=manifest.get("digest"),
     )
+
+
+def content_digest(index: DatasetIndex) -> str:
+    """blake2b of the whole index -- every sample's shard, byte span, member rows, lengths and key, every
+    shard's name, split, size and checksum, the extensions and the ``dataio shard`` job id: one pass over
+    the index arrays (~1 s per 10M samples), made once when the index is saved and kept in its manifest."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([[s.name, s.split, s.bytes, s.samples, s.sha256] for s in index.shards]).encode())
+    h.update(json.dumps([index.extensions, index.job.get("id") if isinstance(index.job, dict) else None]).encode())
+    for array in (index.samples, index.members, index.keys):
+        h.update(np.ascontiguousarray(array).view(np.uint8))
+    return h.hexdigest()
 
 
 def key_order(keys: np.ndarray) -> np.ndarray:

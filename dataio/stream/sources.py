@@ -40,7 +40,8 @@ import numpy as np
 from headrace.dataio.stream.openshards import OpenShards, new_owner
 from headrace.dataio.stream.shardcache import ShardCache, local_name, unlock
 from headrace.dataio.stream.storage import ShardFormatError, retry
-from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, ShardInfo, load_index
+from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, index_from_files, load_index
+from headrace.dataio.shards.shardtable import shard_sample_counts, split_ids
 
 REMOTE_BLOCK = 8 << 20
 OPEN_CACHED_SHARDS = 4
@@ -59,7 +60,7 @@ def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
 def shard_counts(index: DatasetIndex) -> np.ndarray:
     """Samples per shard from the shard table (O(shards)); counted over the per-sample rows (O(samples),
     a temporary of 8 bytes a sample) only where the table's counts do not add up to the rows."""
-    counts = np.fromiter((s.samples for s in index.shards), dtype=np.int64, count=len(index.shards))
+    counts = shard_sample_counts(index.shards)
     if counts.sum() != len(index.samples):
         counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
     return counts
@@ -70,16 +71,16 @@ class SplitError(ValueError):
 
 
 def load_remote_index(url: str, storage_options: dict | None = None) -> DatasetIndex:
-    """The headrace index of a dataset behind an fsspec URL (a few small files, read whole)."""
+    """The headrace index of a dataset behind an fsspec URL (a few files, read whole)."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     d = f"{root.rstrip('/')}/{INDEX_DIR}"
     manifest = json.loads(retry(lambda: fs.cat_file(f"{d}/manifest.json"), f"{url}: reading the index"))
-    arrays = {name: np.load(io.BytesIO(retry(lambda n=name: fs.cat_file(f"{d}/{n}.npy"), url)), allow_pickle=False)
-              for name in ("samples", "members", "keys")}
-    return DatasetIndex(shards=[ShardInfo(**s) for s in manifest["shards"]], extensions=list(manifest["extensions"]),
-                        job=manifest.get("job", {}), **arrays)
+    return index_from_files(
+        manifest, f"{url}/{INDEX_DIR}/manifest.json",
+        lambda name: np.load(io.BytesIO(retry(lambda: fs.cat_file(f"{d}/{name}"), url)), allow_pickle=False),
+        lambda name: retry(lambda: fs.exists(f"{d}/{name}"), url))
 
 
 def open_remote(url: str, storage_options: dict | None = None):
@@ -107,8 +108,8 @@ class ShardSource:
         if index is None:
             index = load_remote_index(path, storage_options) if "://" in path else load_index(path)
         self.index = index
-        shard_ids = [i for i, s in enumerate(index.shards) if s.split == split]
-        if not shard_ids:
+        shard_ids = split_ids(index.shards, split)
+        if not len(shard_ids):
             splits = sorted({s.split for s in index.shards})
             raise SplitError(f"{path}: no shards in split {split!r} (splits: {', '.join(splits) or 'none'})")
         counts = shard_counts(index)
@@ -116,14 +117,13 @@ class ShardSource:
         self.shard_starts, self.shard_sizes = starts[shard_ids], counts[shard_ids]
         # bytes each shard must have for its indexed samples (0: none of this split; 8 bytes a shard, no dict)
         self._needed = np.zeros(len(index.shards), dtype=np.int64)
-        ids = np.asarray(shard_ids, dtype=np.int64)
-        ids = ids[counts[ids] > 0]
+        ids = shard_ids[counts[shard_ids] > 0]
         last = starts[ids] + counts[ids] - 1
         self._needed[ids] = index.samples["offset"][last].astype(np.int64) + index.samples["size"][last].astype(np.int64)
         self._ext_names = list(index.extensions)
         if self.cache is not None:
             self._cache_folder = self.cache.folder(path, index)
-            self.cache.check_fits(path, {index.shards[s].name: self._shard_bytes(s) for s in shard_ids})
+            self.cache.check_fits(path, {index.shards[s].name: self._shard_bytes(s) for s in shard_ids.tolist()})
         # (inode, mtime_ns) of each local shard as the first process to map it found it, in memory shared
         # with the workers forked later: every process then reads one version of each file (_check_stamp)
         self._stamp_memory = mmap.mmap(-1, 16 * max(1, len(index.shards)))
