@@ -141,7 +141,7 @@ def test_get_reads_one_sample_by_key(many_shards, tmp_path, capsys):
 
     root, keys = many_shards
     index = load_index(root)
-    assert isinstance(index.keys, np.memmap) and isinstance(index.key_order, np.memmap)  # not in the heap
+    assert isinstance(index.keys, np.memmap) and isinstance(index.key_order, np.memmap)  # mapped, not in the heap
     dataset = open_dataset(root)
     for n in (0, 1, 457, len(keys) - 1):
         sample = dataset[keys[n]]

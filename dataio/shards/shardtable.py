@@ -24,7 +24,8 @@ class ShardTable(Sequence):
     """The shards of an index as columns; indexing and iteration give ``ShardInfo`` objects."""
 
     def __init__(self, names: np.ndarray, rows: np.ndarray, splits: list[str]):
-        self.names, self.rows, self.splits = names, rows, list(splits)
+        # plain ndarray views of the maps: np.memmap's __getitem__ costs ~10x a row's own look-up
+        self.names, self.rows, self.splits = np.asarray(names), np.asarray(rows), list(splits)
 
     @classmethod
     def from_infos(cls, infos: Iterable) -> "ShardTable":
@@ -50,10 +51,14 @@ class ShardTable(Sequence):
 
         row = self.rows[i]
         max_token = int(row["max_token"])
-        return ShardInfo(name=self.names[i].decode("utf-8", "surrogateescape"), split=self.splits[int(row["split"])],
+        return ShardInfo(name=self.name(i), split=self.splits[int(row["split"])],
                          bytes=int(row["bytes"]), samples=int(row["samples"]),
                          sha256=bytes(row["sha256"]).hex() if row["has_sha256"] else None,
                          max_token=None if max_token == NO_MAX_TOKEN else max_token)
+
+    def name(self, i: int) -> str:
+        """Shard ``i``'s file name (without making its ``ShardInfo``)."""
+        return self.names[i].decode("utf-8", "surrogateescape")
 
     def __iter__(self) -> Iterator:
         return (self[i] for i in range(len(self)))
