@@ -17,6 +17,10 @@ webdataset and energon read), then measures
 - four ranks of one node at once (``dp_size=4``): each rank's RSS and PSS beyond the interpreter
   (PSS < RSS: the mapped index and shards are shared through the page cache).
 
+``--peers DIR`` instead runs headrace, webdataset and energon (``headrace.dataio.bench.peers``' adapters,
+0 workers, shuffled) on one indexed dataset, each in a fresh process: start-up + first batch, RSS
+beyond the imports, descriptors at peak (litdata needs its own copy of the data: not run here).
+
 Then fits ``figure = a * n^b`` (least squares in log-log) over the points, ``n`` = samples (and shards),
 and extrapolates to 10^9 samples / 10^6 shards. Prints a Markdown table; ``--json`` keeps the figures.
 Disk: ~1.1 KiB a sample plus ~10 KiB a shard of metadata; the datasets are removed unless ``--keep``.
@@ -94,15 +98,16 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def memory() -> tuple[int, int]:
-    """This process's ``(RSS, PSS)`` in bytes (``smaps_rollup``: PSS splits each shared page among its users)."""
+def memory(field: str = "") -> tuple[int, int]:
+    """This process's ``(RSS, PSS)`` in bytes (``smaps_rollup``: PSS splits each shared page among its users);
+    with ``field`` (e.g. ``Anonymous``), ``(that field, 0)``: the process's own heap, no mapped file pages."""
     fields = {}
     with open("/proc/self/smaps_rollup") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 3 and parts[0] in ("Rss:", "Pss:"):
-                fields[parts[0]] = int(parts[1]) * 1024
-    return fields["Rss:"], fields["Pss:"]
+            if len(parts) >= 3 and parts[1].isdigit():
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return (fields[field], 0) if field else (fields["Rss"], fields["Pss"])
 
 
 def rank(root: str, dp_rank: int, dp_size: int, batches: int) -> dict:
@@ -113,6 +118,7 @@ def rank(root: str, dp_rank: int, dp_size: int, batches: int) -> dict:
     from headrace.dataio.loader import build_loader
 
     rss0, pss0 = memory()
+    anon0, _ = memory("Anonymous")
     t0 = time.perf_counter()
     loader = build_loader({"datasets": [{"path": root}], "batch_size": 256, "num_workers": 0, "shuffle": True},
                           dp_rank=dp_rank, dp_size=dp_size)
@@ -129,9 +135,51 @@ def rank(root: str, dp_rank: int, dp_size: int, batches: int) -> dict:
                 maps = max(maps, sum(1 for _ in f))
     rate = batches * 256 / (time.perf_counter() - t1)
     rss, pss = memory()
+    anon, _ = memory("Anonymous")
     return {"startup_first_batch_s": first, "samples_per_s": rate, "rss_beyond_MB": (rss - rss0) / 2**20,
-            "pss_beyond_MB": (pss - pss0) / 2**20, "fds_peak": fds, "maps_peak": maps,
+            "pss_beyond_MB": (pss - pss0) / 2**20, "anon_beyond_MB": (anon - anon0) / 2**20, "fds_peak": fds, "maps_peak": maps,
             "state_bytes": len(json.dumps(loader.state_dict()))}
+
+
+def peer(root: str, name: str, batches: int) -> dict:
+    """One peer loader (``headrace.dataio.bench.peers``' adapter, 0 workers, shuffled, batch 256) in this
+    fresh process under ``ulimit -n 1024``: start-up + first batch, RSS beyond the imports, descriptors."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    import torch  # noqa: F401
+
+    from headrace.dataio.bench.data import describe
+    from headrace.dataio.bench.peers import PEERS
+    from headrace.dataio.config import DataConfig, DatasetSpec
+
+    adapter = PEERS[name]
+    __import__(adapter.module)
+    cfg = DataConfig(datasets=[DatasetSpec(path=root)], batch_size=256, num_workers=0)
+    rss0, _ = memory()
+    t0 = time.perf_counter()
+    data = describe(cfg, Path(root) / ".peers")
+    it = adapter.open(data, 0, True, None)
+    next(it)
+    first = time.perf_counter() - t0
+    fds = 0
+    for n in range(batches):
+        next(it)
+        if n % 8 == 0:
+            fds = max(fds, len(os.listdir("/proc/self/fd")))
+    rss, _ = memory()
+    return {"loader": name, "startup_first_batch_s": first, "rss_beyond_MB": (rss - rss0) / 2**20, "fds_peak": fds}
+
+
+def peers(root: Path, batches: int) -> list[dict]:
+    """headrace, webdataset and energon, each in a fresh process, on the indexed dataset ``root``."""
+    out = []
+    for name in ("headrace", "webdataset", "energon"):
+        run = subprocess.run([sys.executable, "-m", "tools.scale_sim", "--peer-child", str(root), name,
+                              "--batches", str(batches)], capture_output=True, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out.append(json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else
+                   {"loader": name, "error": run.stderr.strip().splitlines()[-1][:200]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def ranks(root: Path, dp_size: int, batches: int) -> list[dict]:
@@ -167,19 +215,20 @@ def measure(base: Path, shards: int, samples: int, batches: int, keep: bool) -> 
     four = ranks(root, 4, max(1, batches // 4))
     row["rss_beyond_MB_4ranks"] = max(r["rss_beyond_MB"] for r in four)
     row["pss_beyond_MB_4ranks"] = max(r["pss_beyond_MB"] for r in four)
+    row["anon_beyond_MB_4ranks"] = max(r.get("anon_beyond_MB", 0) for r in four)
     row["fds_peak_4ranks"] = max(r["fds_peak"] for r in four)
     if not keep:
         shutil.rmtree(root)
     return row
 
 
-FIGURES = ["index_s", "index_peak_rss", "startup_first_batch_s", "samples_per_s", "rss_beyond_MB",
+FIGURES = ["index_s", "index_peak_rss", "startup_first_batch_s", "samples_per_s", "rss_beyond_MB", "anon_beyond_MB",
            "pss_beyond_MB_4ranks", "fds_peak", "maps_peak", "index_bytes_per_sample", "state_bytes"]
 
 
 def fit(rows: list[dict], figure: str, by: str) -> tuple[float, float] | None:
     """``(a, b)`` of ``figure = a * by^b`` by least squares in log-log (None: fewer than 2 distinct ``by``)."""
-    pts = [(r[by], r[figure]) for r in rows if r[figure] > 0]
+    pts = [(r[by], r[figure]) for r in rows if r.get(figure, 0) > 0]
     if len({x for x, _ in pts}) < 2:
         return None
     x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
@@ -189,11 +238,11 @@ def fit(rows: list[dict], figure: str, by: str) -> tuple[float, float] | None:
 
 def table(rows: list[dict]) -> str:
     cols = ["shards", "samples", "index_s", "index_peak_rss", "reindex_one_more_shard_s", "startup_first_batch_s",
-            "samples_per_s", "rss_beyond_MB", "pss_beyond_MB", "rss_beyond_MB_4ranks", "pss_beyond_MB_4ranks",
+            "samples_per_s", "rss_beyond_MB", "pss_beyond_MB", "anon_beyond_MB", "rss_beyond_MB_4ranks", "pss_beyond_MB_4ranks",
             "fds_peak", "maps_peak", "index_bytes_per_sample", "metadata_bytes_per_sample", "state_bytes"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [f"{r[c] / 2**20:.0f} MB" if c == "index_peak_rss" else
+        cells = ["-" if c not in r else f"{r[c] / 2**20:.0f} MB" if c == "index_peak_rss" else
                  f"{r[c]:,}" if isinstance(r[c], int) else f"{r[c]:.3g}" for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| figure | fit in samples n | at 10^9 samples | fit in shards s | at 10^6 shards |", "|---|---|---|---|---|"]
@@ -214,12 +263,21 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200, help="steady-state batches of 256 timed per rank")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     parser.add_argument("--keep", action="store_true", help="keep the datasets")
+    parser.add_argument("--peers", type=Path, metavar="DIR",
+                        help="instead of the grid: headrace, webdataset and energon on this indexed dataset")
     parser.add_argument("--rank-child", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--peer-child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("rank", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_child:
         r, size = (int(x) for x in args.rank.split("/"))
         print(json.dumps(rank(args.rank_child, r, size, args.batches)))
+        return
+    if args.peer_child:
+        print(json.dumps(peer(args.peer_child, args.rank, args.batches)))
+        return
+    if args.peers:
+        peers(args.peers, args.batches)
         return
     rows = []
     for point in args.grid.split(","):
