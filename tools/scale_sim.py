@@ -206,7 +206,8 @@ def measure(base: Path, shards: int, samples: int, batches: int, keep: bool) -> 
     row["index_s"], row["index_peak_rss"] = timed(dataio)
     meta = root / ".nv-meta"
     row["index_bytes_per_sample"] = tree_bytes(meta / "headrace") / samples
-    row["index_bytes_per_shard"] = (meta / "headrace" / "manifest.json").stat().st_size / shards
+    row["index_bytes_per_shard"] = sum((meta / "headrace" / f).stat().st_size
+                                       for f in ("shards.npy", "shard_names.npy")) / shards
     row["metadata_bytes_per_sample"] = (tree_bytes(meta) + sum(p.stat().st_size for p in root.glob("*.tar.idx"))) / samples
     write_dataset(root, 1, max(1, samples // shards), first=samples, name="shard-more-{}.tar")  # only it is scanned
     row["reindex_one_more_shard_s"], _ = timed(dataio)
