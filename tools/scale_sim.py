@@ -228,8 +228,15 @@ FIGURES = ["index_s", "index_peak_rss", "startup_first_batch_s", "samples_per_s"
 
 
 def fit(rows: list[dict], figure: str, by: str) -> tuple[float, float] | None:
-    """``(a, b)`` of ``figure = a * by^b`` by least squares in log-log (None: fewer than 2 distinct ``by``)."""
-    pts = [(r[by], r[figure]) for r in rows if r.get(figure, 0) > 0]
+    """``(a, b)`` of ``figure = a * by^b`` by least squares in log-log, over the rows that hold the other
+    variable (shards for ``by="samples"``, and the reverse) at the value with most distinct ``by`` values;
+    None where no value has 2."""
+    other = "shards" if by == "samples" else "samples"
+    groups: dict[int, list] = {}
+    for r in rows:
+        if r.get(figure, 0) > 0:
+            groups.setdefault(r[other], []).append((r[by], r[figure]))
+    pts = max(groups.values(), key=lambda g: len({x for x, _ in g}), default=[])
     if len({x for x, _ in pts}) < 2:
         return None
     x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
@@ -246,7 +253,8 @@ def table(rows: list[dict]) -> str:
         cells = ["-" if c not in r else f"{r[c] / 2**20:.0f} MB" if c == "index_peak_rss" else
                  f"{r[c]:,}" if isinstance(r[c], int) else f"{r[c]:.3g}" for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| figure | fit in samples n | at 10^9 samples | fit in shards s | at 10^6 shards |", "|---|---|---|---|---|"]
+    lines += ["", "Fits (``tools.scale_sim.fit``: log-log least squares over the points that hold the other variable fixed):", "",
+              "| figure | fit in samples n | at 10^9 samples | fit in shards s | at 10^6 shards |", "|---|---|---|---|---|"]
     for figure in FIGURES:
         cells = []
         for by, target in (("samples", 1e9), ("shards", 1e6)):
@@ -254,6 +262,32 @@ def table(rows: list[dict]) -> str:
             cells += ["-", "-"] if f is None else [f"{f[0]:.3g} * {by[0]}^{f[1]:.2f}", f"{f[0] * target ** f[1]:.3g}"]
         lines.append(f"| {figure} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """Log-log panels of the main figures against samples, one line per shard count, with the fits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ["index_s", "startup_first_batch_s", "samples_per_s", "rss_beyond_MB", "anon_beyond_MB",
+              "index_bytes_per_sample"]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    for ax, figure in zip(axes.flat, panels):
+        for shards in sorted({r["shards"] for r in rows}):
+            pts = sorted((r["samples"], r[figure]) for r in rows if r["shards"] == shards and r.get(figure, 0) > 0)
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"{shards:,} shards")
+        f = fit(rows, figure, "samples")
+        if f is not None:
+            xs = np.logspace(5, 9, 20)
+            ax.plot(xs, f[0] * xs ** f[1], "k--", lw=0.8, label=f"fit n^{f[1]:.2f}")
+        ax.set(xscale="log", yscale="log", title=figure, xlabel="samples")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
 
 
 def main() -> None:
@@ -266,6 +300,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the datasets")
     parser.add_argument("--peers", type=Path, metavar="DIR",
                         help="instead of the grid: headrace, webdataset and energon on this indexed dataset")
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="also plot the figures (with --from, no run)")
+    parser.add_argument("--from", dest="from_json", type=Path, metavar="JSON",
+                        help="print the table (and --plot) of the rows of an earlier --json instead of running")
     parser.add_argument("--rank-child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--peer-child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("rank", nargs="?", help=argparse.SUPPRESS)
@@ -280,6 +317,12 @@ def main() -> None:
     if args.peers:
         peers(args.peers, args.batches)
         return
+    if args.from_json:
+        rows = json.loads(args.from_json.read_text())
+        print(table(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return
     rows = []
     for point in args.grid.split(","):
         shards, samples = (int(float(x)) for x in point.split(":"))
@@ -288,6 +331,8 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
     print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
