@@ -259,7 +259,8 @@ def table(rows: list[dict]) -> str:
         cells = []
         for by, target in (("samples", 1e9), ("shards", 1e6)):
             f = fit(rows, figure, by)
-            cells += ["-", "-"] if f is None else [f"{f[0]:.3g} * {by[0]}^{f[1]:.2f}", f"{f[0] * target ** f[1]:.3g}"]
+            var = "n" if by == "samples" else "s"
+            cells += ["-", "-"] if f is None else [f"{f[0]:.3g} * {var}^{f[1]:.2f}", f"{f[0] * target ** f[1]:.3g}"]
         lines.append(f"| {figure} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
