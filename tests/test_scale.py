@@ -108,6 +108,18 @@ def test_budget_and_a_shard_replaced_between_two_opens(many_shards, tmp_path):
     with pytest.raises(ValueError, match="max_open_shards must be >= 1"):
         build_loader({**cfg, "max_open_shards": 0})
 
+    # two datasets (as a blend or a metadataset's leaves would be): one budget across both
+    other = tmp_path / "e"
+    other.mkdir()
+    for name in ["doc-000010.tar", "doc-000011.tar", "doc-000012.tar"]:
+        os.link(root / name, other / name)
+    loader_util.index_dir(other)
+    loader = build_loader({**cfg, "datasets": [{"path": str(other)}, {"path": str(other), "split": "train"}],
+                           "shuffle": True, "max_open_shards": 3})
+    assert len(list(loader)) == 6 * PER_SHARD
+    a, b = loader.stream.sources
+    assert a.open_shards is b.open_shards and a.open_shards.peak == 3
+
 
 def test_state_size_does_not_grow_with_the_dataset(many_shards, tmp_path):
     """The loader's state after a few batches is the same size over 20 shards as over 300 holding the
