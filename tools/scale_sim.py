@@ -195,7 +195,7 @@ def ranks(root: Path, dp_size: int, batches: int) -> list[dict]:
     return out
 
 
-def measure(base: Path, shards: int, samples: int, batches: int, keep: bool) -> dict:
+def measure(base: Path, shards: int, samples: int, batches: int, keep: bool, reindex: bool = True) -> dict:
     root = base / f"s{shards}-n{samples}"
     shutil.rmtree(root, ignore_errors=True)
     t = time.perf_counter()
@@ -209,8 +209,9 @@ def measure(base: Path, shards: int, samples: int, batches: int, keep: bool) -> 
     row["index_bytes_per_shard"] = sum((meta / "headrace" / f).stat().st_size
                                        for f in ("shards.npy", "shard_names.npy")) / shards
     row["metadata_bytes_per_sample"] = (tree_bytes(meta) + sum(p.stat().st_size for p in root.glob("*.tar.idx"))) / samples
-    write_dataset(root, 1, max(1, samples // shards), first=samples, name="shard-more-{}.tar")  # only it is scanned
-    row["reindex_one_more_shard_s"], _ = timed(dataio)
+    if reindex:
+        write_dataset(root, 1, max(1, samples // shards), first=samples, name="shard-more-{}.tar")  # only it is scanned
+        row["reindex_one_more_shard_s"], _ = timed(dataio)
     one = ranks(root, 1, batches)[0]
     row.update(one)
     four = ranks(root, 4, max(1, batches // 4))
@@ -299,6 +300,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200, help="steady-state batches of 256 timed per rank")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     parser.add_argument("--keep", action="store_true", help="keep the datasets")
+    parser.add_argument("--skip-reindex", action="store_true", help="do not time the re-index after adding a shard")
     parser.add_argument("--peers", type=Path, metavar="DIR",
                         help="instead of the grid: headrace, webdataset and energon on this indexed dataset")
     parser.add_argument("--plot", type=Path, metavar="PNG", help="also plot the figures (with --from, no run)")
@@ -327,7 +329,7 @@ def main() -> None:
     rows = []
     for point in args.grid.split(","):
         shards, samples = (int(float(x)) for x in point.split(":"))
-        rows.append(measure(args.dir, shards, samples, args.batches, args.keep))
+        rows.append(measure(args.dir, shards, samples, args.batches, args.keep, not args.skip_reindex))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
