@@ -21,8 +21,9 @@ Every read checks that the tar header right before the sample's first payload na
 key instead of silently wrong data; a shard shorter than its index says is reported when it is opened. A
 local shard is one version for the loader's life: its (inode, mtime) when first mapped by any of the
 loader's processes is kept in memory shared with its workers, and every map (a reopen after eviction
-included) and every read (one ``stat``, which the size check needs anyway) compares against it, so a shard rewritten in place, even at the same
-size, is an error naming it rather than new bytes under the index's (and gather's checked) old keys.
+included) and every read (one ``stat``, which the size check needs anyway) compares against it, so a
+shard rewritten or replaced in place, even at the same size, is an error naming it rather than new bytes
+under the index's (and gather's checked) old keys.
 ``headrace.dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
 """
 
