@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "shard": ("headrace.dataio.commands.shard", "turn corpora into indexed WebDataset shards"),
     "index": ("headrace.dataio.commands.index", "write .nv-meta index/metadata for tar shards written elsewhere"),
     "inspect": ("headrace.dataio.commands.inspect", "summarise a shard directory"),
+    "get": ("headrace.dataio.commands.get", "read one sample by key (O(log n) from the mapped index)"),
     "verify": ("headrace.dataio.commands.verify", "re-read every shard and check index, counts and members"),
     "bench": ("headrace.dataio.commands.bench", "loader throughput benchmark against peer loaders"),
 }

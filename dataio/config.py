@@ -154,6 +154,9 @@ class DataConfig:
     # (headrace.dataio.stream.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
     cache_dir: str | None = None  # None: remote shards are read by ranged GETs on every epoch
     cache_limit: int | str | None = None  # bytes or a size ("50GB", "1.5TiB"); least recently used evicted; None: no limit
+    # Shards a process keeps open (mapped, or a remote file), across all datasets, least recently used
+    # closed first (headrace.dataio.stream.openshards); None: 1/8 of `ulimit -n`, 1/16 of vm.max_map_count, 8..4096
+    max_open_shards: int | None = None
     # The batching stage (headrace.dataio.batching.packing / headrace.dataio.batching.bucketing). Token batches come in one of two layouts:
     # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from headrace.dataio.batching.packing
     # (packing: none puts one document per row, padded: the trainer's unpacked baseline);
@@ -180,6 +183,9 @@ class DataConfig:
         if self.num_workers != "auto" and (isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int)
                                            or self.num_workers < 0):
             raise ValueError(f"num_workers must be an integer >= 0 or 'auto', got {self.num_workers!r}")
+        if self.max_open_shards is not None and self.max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1 or null (derived from the process's limits), "
+                             f"got {self.max_open_shards}")
         if self.max_bad_samples < 0:
             raise ValueError(f"max_bad_samples must be >= 0, got {self.max_bad_samples}")
         if isinstance(self.cache_limit, str):

@@ -66,7 +66,7 @@ def test_shard_rewritten_before_a_worker_maps_it_is_an_error(tmp_path):
     source = loader.stream.sources[0]
     source.array(0)  # the main process maps shard 0: its stamp is now the loader's
     os.utime(tmp_path / "d" / "doc-000000.tar", ns=(1, 1))  # another version (mtime) before anyone reads on
-    source._maps.clear()  # as a freshly forked worker: no map of its own yet
+    source.open_shards._pid = -1  # as a freshly forked worker: the parent's maps forgotten
     with pytest.raises(SampleDecodeError, match="shard changed since the loader first read it"):
         list(loader)
 

@@ -51,12 +51,12 @@ def test_dataio_help_lists_every_subcommand():
     proc = subprocess.run([sys.executable, "-m", "headrace.dataio", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env=child_env())
     assert proc.returncode == 0, proc.stderr
-    assert set(COMMANDS) == {"shard", "index", "inspect", "verify", "bench"}
+    assert set(COMMANDS) == {"shard", "index", "inspect", "get", "verify", "bench"}
     for name in COMMANDS:
         assert name in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["shard", "index", "inspect", "verify", "bench"])
+@pytest.mark.parametrize("command", ["shard", "index", "inspect", "get", "verify", "bench"])
 def test_each_subcommand_has_help(command, capsys):
     from headrace.dataio.cli import main
 
@@ -66,7 +66,7 @@ def test_each_subcommand_has_help(command, capsys):
     assert f"usage: dataio {command}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["shard", "index", "inspect", "verify", "bench"])
+@pytest.mark.parametrize("command", ["shard", "index", "inspect", "get", "verify", "bench"])
 def test_help_shows_each_default_once_and_never_none(command, capsys):
     from headrace.dataio.cli import main
 

@@ -3,15 +3,22 @@
 Stored in ``DIR/.nv-meta/headrace/`` beside Megatron-Energon's own metadata (``.nv-meta/*`` and the
 per-shard ``.tar.idx`` files), so one directory serves webdataset, energon and headrace:
 
-- ``manifest.json``: format version, the shard list (name, split, bytes, sample count, sha256),
-  the member-extension vocabulary, and the job fingerprint of the ``dataio shard`` run that wrote it.
+- ``manifest.json``: format version, the shard count, the member-extension vocabulary, the split
+  names, the job fingerprint of the ``dataio shard`` run that wrote it and the index's content digest
+  (what a loader state's fingerprint names the data by, computed once here instead of by every rank).
+- ``shard_names.npy`` / ``shards.npy``: the per-shard table (name; split, bytes, sample count, largest
+  token id, sha256), binary and mapped (``headrace.dataio.shards.shardtable``). Version 1 indexes kept
+  it as a JSON list in the manifest; they are still read.
 - ``samples.npy``: one row per sample (``SAMPLE_DTYPE``), global order = shards in manifest order,
   samples in tar order. ``offset``/``size`` span the sample's tar headers and payloads, so one read
   fetches a whole sample; ``tokens`` (-1 when unknown) and ``duration`` (NaN when unknown) let
   packing and bucketing plan without reading payloads.
 - ``members.npy``: one row per tar member (``MEMBER_DTYPE``); sample i owns rows
   ``member_start[i] : member_start[i] + member_count[i]``; ``offset`` is the absolute payload offset.
-- ``keys.npy``: the ``__key__`` of each sample (fixed-width bytes).
+- ``keys.npy``: the ``__key__`` of each sample (fixed-width bytes), memory-mapped like the rest.
+- ``key_order.npy``: the sample indices sorted by key (``uint32``, ``uint64`` past 2^32 samples):
+  ``DatasetIndex.find`` looks a key up by binary search over the two maps, O(log n) pages touched and
+  no key loaded into the heap (an index written before it existed is searched linearly).
 
 While a job runs, each finished shard leaves a ``ShardPart`` sidecar in ``DIR/.nv-meta/parts/`` (its
 own rows, offsets known at write time or from one header scan); ``merge_parts`` turns the parts of all
@@ -23,19 +30,23 @@ loader opens a 10M-sample dataset without parsing anything per sample.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from headrace.dataio.shards.shardtable import ShardTable, check_shard_name, split_ids
 from headrace.dataio.shards.writes import writing
 
 META_DIR = ".nv-meta"
 INDEX_DIR = f"{META_DIR}/headrace"
 PARTS_DIR = f"{META_DIR}/parts"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: the shard table as JSON in manifest.json
 
 SAMPLE_DTYPE = np.dtype(
     [
@@ -61,10 +72,7 @@ class ShardInfo:
     max_token: int | None = None  # largest token id of the shard's token members (None: unknown / none)
 
     def __post_init__(self):
-        # the name comes from a file the dataset's author wrote: it must stay inside the dataset directory
-        parts = self.name.split("/") if isinstance(self.name, str) else None
-        if not parts or self.name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in self.name:
-            raise ValueError(f"shard name {self.name!r} is not a relative path inside the dataset directory")
+        check_shard_name(self.name)
 
 
 def shards_of(manifest: dict, where: str) -> list[ShardInfo]:
@@ -84,18 +92,44 @@ def shards_of(manifest: dict, where: str) -> list[ShardInfo]:
 
 @dataclass(kw_only=True)
 class DatasetIndex:
-    shards: list[ShardInfo]
+    shards: Sequence[ShardInfo]  # a list, or the mapped ShardTable of a loaded index
     extensions: list[str]
     samples: np.ndarray  # SAMPLE_DTYPE
     members: np.ndarray  # MEMBER_DTYPE
     keys: np.ndarray  # bytes ("S<n>")
     job: dict = field(default_factory=dict)
+    key_order: np.ndarray | None = None  # sample indices sorted by key (None: not loaded; ``find`` scans)
+    digest: str | None = None  # ``content_digest`` as saved (None: not saved yet; computed when asked)
+
+    def content_digest(self) -> str:
+        """A digest of everything the index says (``content_digest``): the saved one where there is one."""
+        return self.digest or content_digest(self)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def key(self, i: int) -> str:
         return self.keys[i].decode()
+
+    def find(self, key: str) -> int | None:
+        """The index of the sample named ``key`` (the first, were keys repeated), or None: a binary
+        search over ``key_order`` (about log2(n) key compares, each a page of the mapped files)."""
+        want = key.encode("utf-8", "surrogateescape")
+        if len(want) > self.keys.dtype.itemsize:
+            return None  # longer than every stored key
+        if self.key_order is None:
+            hits = np.flatnonzero(self.keys == want)
+            return int(hits[0]) if len(hits) else None
+        lo, hi = 0, len(self.key_order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.keys[self.key_order[mid]] < want:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self.key_order) and self.keys[self.key_order[lo]] == want:
+            return int(self.key_order[lo])
+        return None
 
     def sample_members(self, i: int) -> dict[str, tuple[int, int]]:
         """``{ext: (absolute payload offset, size)}`` of sample ``i``."""
@@ -106,8 +140,7 @@ class DatasetIndex:
 
     def split_indices(self, split: str) -> np.ndarray:
         """Global sample indices of one split (e.g. ``"train"``)."""
-        shard_ids = [i for i, s in enumerate(self.shards) if s.split == split]
-        return np.flatnonzero(np.isin(self.samples["shard"], shard_ids))
+        return np.flatnonzero(np.isin(self.samples["shard"], split_ids(self.shards, split)))
 
     def save(self, root: str | os.PathLike) -> None:
         """Write the index under ``root/.nv-meta/headrace`` atomically (temp dir, then rename)."""
@@ -129,13 +162,20 @@ class DatasetIndex:
         tmp.mkdir(parents=True, exist_ok=True)
         np.save(tmp / "samples.npy", np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE))
         np.save(tmp / "members.npy", np.ascontiguousarray(self.members, dtype=MEMBER_DTYPE))
-        np.save(tmp / "keys.npy", self.keys.astype(np.bytes_))
+        keys = self.keys.astype(np.bytes_)
+        np.save(tmp / "keys.npy", keys)
+        np.save(tmp / "key_order.npy", key_order(keys))
+        table = self.shards if isinstance(self.shards, ShardTable) else ShardTable.from_infos(self.shards)
+        np.save(tmp / "shard_names.npy", table.names.astype(np.bytes_))
+        np.save(tmp / "shards.npy", np.ascontiguousarray(table.rows))
         manifest = {
             "format": "headrace-index",
             "version": FORMAT_VERSION,
-            "shards": [asdict(s) for s in self.shards],
+            "shards": len(table),
+            "splits": table.splits,
             "extensions": self.extensions,
             "job": self.job,
+            "digest": content_digest(self),
         }
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=1)
@@ -168,18 +208,53 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
         )
     with open(manifest_path) as f:
         manifest = json.load(f)
-    if manifest.get("format") != "headrace-index" or manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{manifest_path}: unsupported index format {manifest.get('format')!r} "
-                         f"version {manifest.get('version')!r} (expected version {FORMAT_VERSION})")
     mode = "r" if mmap else None
+    return index_from_files(manifest, str(manifest_path),
+                            lambda name: np.load(d / name, mmap_mode=mode, allow_pickle=False),
+                            lambda name: (d / name).exists())
+
+
+def index_from_files(manifest: dict, where: str, load: Callable[[str], np.ndarray],
+                     exists: Callable[[str], bool]) -> DatasetIndex:
+    """A ``DatasetIndex`` from its parsed ``manifest.json`` and a reader of its ``.npy`` files (mapped
+    from a local directory, or fetched from a URL); ``where`` names the manifest in errors."""
+    version = manifest.get("version")
+    if manifest.get("format") != "headrace-index" or version not in READABLE_VERSIONS:
+        raise ValueError(f"{where}: unsupported index format {manifest.get('format')!r} version {version!r} "
+                         f"(this headrace reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
+                         f"run `dataio index DIR` with it to rewrite the index)")
+    if version == 1:
+        shards: Sequence[ShardInfo] = shards_of(manifest, where)
+    else:
+        shards = ShardTable(load("shard_names.npy"), load("shards.npy"), manifest["splits"], where=where)
     return DatasetIndex(
-        shards=shards_of(manifest, str(manifest_path)),
+        shards=shards,
         extensions=list(manifest["extensions"]),
-        samples=np.load(d / "samples.npy", mmap_mode=mode, allow_pickle=False),
-        members=np.load(d / "members.npy", mmap_mode=mode, allow_pickle=False),
-        keys=np.load(d / "keys.npy", allow_pickle=False),
+        samples=load("samples.npy"),
+        members=load("members.npy"),
+        keys=load("keys.npy"),
         job=manifest.get("job", {}),
+        key_order=load("key_order.npy") if exists("key_order.npy") else None,
+        digest=manifest.get("digest"),
     )
+
+
+def content_digest(index: DatasetIndex) -> str:
+    """blake2b of the whole index -- every sample's shard, byte span, member rows, lengths and key, every
+    shard's name, split, size and checksum, the extensions and the ``dataio shard`` job id: one pass over
+    the index arrays (~1 s per 10M samples), made once when the index is saved and kept in its manifest."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([[s.name, s.split, s.bytes, s.samples, s.sha256] for s in index.shards]).encode())
+    h.update(json.dumps([index.extensions, index.job.get("id") if isinstance(index.job, dict) else None]).encode())
+    for array in (index.samples, index.members, index.keys):
+        h.update(np.ascontiguousarray(array).view(np.uint8))
+    return h.hexdigest()
+
+
+def key_order(keys: np.ndarray) -> np.ndarray:
+    """Sample indices sorted by key (stable: repeated keys keep index order), 4 bytes a sample below 2^32."""
+    order = np.argsort(keys, kind="stable")
+    return order.astype(np.uint32 if len(keys) < 2**32 else np.uint64)
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,8 @@ changes whenever the index does but re-running on the same shards writes identic
 Atomicity: every file is written under a temporary name, fsynced and renamed. ``.info.json`` is what
 makes energon treat a directory as prepared, so it is removed first and written last: a reader sees
 either no metadata set or a complete one. Cost: one ``executemany`` per table (~1 us per row) plus
-one small file per shard; no payload byte is touched.
+one small file per shard (left as it is when it already holds those bytes: re-indexing after
+shards were added writes only the new shards' files); no payload byte is touched.
 """
 
 from __future__ import annotations
@@ -199,6 +200,16 @@ def _energon_version() -> dict[str, str]:
         return {}
 
 
+def _holds(path: Path, content: bytes) -> bool:
+    """Whether ``path`` holds exactly ``content`` (a read is much cheaper than a write, fsync and rename)."""
+    try:
+        if path.stat().st_size != len(content):
+            return False
+        return path.read_bytes() == content
+    except FileNotFoundError:
+        return False
+
+
 def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, workers: int = 1) -> None:
     """Write energon's ``.nv-meta`` set, the per-shard ``.tar.idx`` files and the headrace index for
     the shards of ``index`` under ``root`` (``workers`` threads write the ``.tar.idx`` files)."""
@@ -220,10 +231,12 @@ def write_dataset_metadata(root: str | os.PathLike, index: DatasetIndex, *, work
     bounds = np.concatenate([[0], np.cumsum(counts)])
 
     def write_itar(i: int) -> None:
-        entries = np.append(offsets[bounds[i] : bounds[i + 1]], np.uint64(shard_end[i]))
+        entries = np.append(offsets[bounds[i] : bounds[i + 1]], np.uint64(shard_end[i])).astype("=u8").tobytes()
         shard_path = root / index.shards[i].name
-        write_atomically(shard_path.with_name(shard_path.name + ITAR_SUFFIX), entries.astype("=u8").tobytes(),
-                         what="energon's .tar.idx")
+        itar = shard_path.with_name(shard_path.name + ITAR_SUFFIX)
+        if _holds(itar, entries):  # a re-index after shards were added: the old shards' files stand
+            return
+        write_atomically(itar, entries, what="energon's .tar.idx")
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         list(pool.map(write_itar, range(len(index.shards))))

@@ -21,29 +21,34 @@ from headrace.dataio.shards.index import INDEX_DIR
 from headrace.dataio.stream import interop, metadataset
 from headrace.dataio.stream.blend import BlendSchedule
 from headrace.dataio.stream.epochized import EpochizedSchedule
+from headrace.dataio.stream.openshards import OpenShards
 from headrace.dataio.stream.shardcache import ShardCache
 from headrace.dataio.stream.sources import ShardSource, SplitError
 
 
-def open_source(spec: DatasetSpec, cache: ShardCache | None = None) -> ShardSource:
+def open_source(spec: DatasetSpec, cache: ShardCache | None = None, open_shards: OpenShards | None = None,
+                ) -> ShardSource:
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
     ``headrace.dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
-    Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given."""
+    Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given; every source's
+    maps and files through ``open_shards`` (the loader's one bounded set; None: the source's own)."""
     options = spec.storage_options
     if "://" in spec.path:
         index = None
         if not interop.Folder(spec.path, options).exists(f"{INDEX_DIR}/manifest.json") \
                 and interop.is_energon_dir(spec.path, options):
             index = interop.energon_index(spec.path, options)
-        return ShardSource(spec.path, split=spec.split, index=index, storage_options=options, cache=cache)
+        return ShardSource(spec.path, split=spec.split, index=index, storage_options=options, cache=cache,
+                           open_shards=open_shards)
     if (Path(spec.path) / INDEX_DIR).exists():
-        return ShardSource(spec.path, split=spec.split)
+        return ShardSource(spec.path, split=spec.split, open_shards=open_shards)
     if interop.is_lhotse_manifest(spec.path):
         return interop.LhotseCutSource(spec.path)
     if interop.is_energon_dir(spec.path):
-        return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path))
+        return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path),
+                           open_shards=open_shards)
     if interop.is_lhotse_shar(spec.path):
-        return interop.SharSource(spec.path, split=spec.split)
+        return interop.SharSource(spec.path, split=spec.split, open_shards=open_shards)
     return ShardSource(spec.path, split=spec.split)  # raises: no index, with the `dataio index` hint
 
 
@@ -65,6 +70,7 @@ class Datasets:
 def open_datasets(cfg: DataConfig) -> Datasets:
     leaves, epochized = [], False
     cache = ShardCache(cfg.cache_dir, cfg.cache_limit) if cfg.cache_dir else None  # one for all the datasets
+    open_shards = OpenShards(cfg.max_open_shards)  # likewise: the descriptor and map budget is per process
     for i, spec in enumerate(cfg.datasets):
         if not metadataset.is_metadataset(spec.path):
             leaves.append((spec, spec.weight, None))
@@ -83,7 +89,7 @@ def open_datasets(cfg: DataConfig) -> Datasets:
             leaves.append((leaf_spec, leaf.share if epochized else spec.weight * leaf.share, leaf))
     sources, subflavors = [], []
     for spec, _, leaf in leaves:
-        sources.append(_open_leaf(spec, leaf, cache))
+        sources.append(_open_leaf(spec, leaf, cache, open_shards))
         subflavors.append({} if leaf is None else {**interop.energon_subflavors(spec.path, spec.storage_options),
                                                    **leaf.subflavors})
     entries = [(spec.split, share) for spec, share, _ in leaves]
@@ -102,10 +108,11 @@ def open_datasets(cfg: DataConfig) -> Datasets:
     return Datasets(sources=sources, schedule=schedule, entries=entries, subflavors=subflavors if meta else None)
 
 
-def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None, cache: ShardCache | None) -> ShardSource:
+def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None, cache: ShardCache | None,
+               open_shards: OpenShards) -> ShardSource:
     """``open_source``; a leaf's failure names its metadataset entry (file and key) in one line."""
     try:
-        return open_source(spec, cache)
+        return open_source(spec, cache, open_shards)
     except (ValueError, FileNotFoundError) as e:
         if leaf is None:
             raise

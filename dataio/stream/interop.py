@@ -328,8 +328,8 @@ class SharSource(ShardSource):
     ``ShardSource``), each sample's ``json`` member replaced by its cut's ``transcript_json`` (Shar's
     own ``json`` member is the recording's metadata, which the loader has no use for)."""
 
-    def __init__(self, path: str, *, split: str = "train"):
-        super().__init__(path, split=split, index=shar_index(path))
+    def __init__(self, path: str, *, split: str = "train", open_shards=None):
+        super().__init__(path, split=split, index=shar_index(path), open_shards=open_shards)
         self._transcripts, self._transcript_offsets = shar_transcripts(path, self.index)
         if "json" not in self.index.extensions:  # appended: the members' extension ids stay valid
             self.index.extensions.append("json")

@@ -35,6 +35,12 @@ READ_BYTES = 1 << 20
 MAX_READ = 1024
 TASK_SAMPLES_HERE = 256  # samples per task made at once without workers (see plain)
 TASK_BYTES_HERE = 4 << 20  # ... and at most this many stored bytes
+MEAN_ROWS = 1 << 16  # rows a size estimate reads: start-up must not read a per-sample column whole
+
+
+def spread_rows(column: np.ndarray) -> np.ndarray:
+    """At most ``MEAN_ROWS`` rows spread evenly over a mapped per-sample column (all of a small one)."""
+    return column[:: max(1, len(column) // MEAN_ROWS)]
 
 
 class RankStream:
@@ -117,14 +123,15 @@ class RankStream:
                     source.check_sizes()
 
     def _mean_sample_bytes(self) -> float:
-        return max(float(np.mean(s.index.samples["size"])) if len(s) else 0.0 for s in self.sources)
+        return max(float(np.mean(spread_rows(s.index.samples["size"]))) if len(s) else 0.0 for s in self.sources)
 
     def _batch_bytes(self, batch_size: int) -> int:
         """Nominal bytes of a batch in a worker's shared ring: twice the mean stored bytes of a batch
         (decoded tokens take the bytes they are stored in), or 1.5x its decoded audio when that is more,
         1 MiB .. 256 MiB. A ring holds ``(prefetch + 3) * per_task`` of them; each batch takes the bytes it
         needs, and one that finds no room takes the slower default path."""
-        audio = max(mean_decoded_bytes(np.asarray(s.index.samples["duration"]), self.cfg.decode) for s in self.sources)
+        audio = max(mean_decoded_bytes(np.asarray(spread_rows(s.index.samples["duration"])), self.cfg.decode)
+                    for s in self.sources)
         return int(min(256 << 20, max(1 << 20, max(2 * self._mean_sample_bytes(), 1.5 * audio) * batch_size)))
 
     def _count_bad(self, bad: int) -> None:

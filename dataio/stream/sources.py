@@ -9,16 +9,21 @@ but the buffers are writable, so numpy/torch views need no read-only special cas
 an fsspec file with a block cache of ``REMOTE_BLOCK`` bytes, so nearby samples come from one ranged
 GET; transient storage errors (``OSError``, timeouts) are retried with exponential backoff before they
 count as failures. With a ``ShardCache`` (``data.cache_dir``) a remote shard is instead downloaded whole
-on first use (``headrace.dataio.stream.shardcache``) and mapped like a local one; a process keeps at most
+on first use (``headrace.dataio.stream.shardcache``) and mapped like a local one; a source keeps at most
 ``OPEN_CACHED_SHARDS`` such maps, each holding its shard in the cache until the map is closed.
+
+Maps and remote files are held in the loader's one ``OpenShards`` (``headrace.dataio.stream.openshards``):
+least recently used, at most ``data.max_open_shards`` per process across all the loader's sources, so a
+dataset of any number of shards runs within the process's descriptor and map limits.
 
 Every read checks that the tar header right before the sample's first payload names the sample's key
 (one short ``bytes`` compare), so an index that disagrees with its tar is an error naming the shard and
 key instead of silently wrong data; a shard shorter than its index says is reported when it is opened. A
 local shard is one version for the loader's life: its (inode, mtime) when first mapped by any of the
-loader's processes is kept in memory shared with its workers, and every map and every read (one ``fstat``,
-which the size check needs anyway) compares against it, so a shard rewritten in place, even at the same
-size, is an error naming it rather than new bytes under the index's (and gather's checked) old keys.
+loader's processes is kept in memory shared with its workers, and every map (a reopen after eviction
+included) and every read (one ``stat``, which the size check needs anyway) compares against it, so a
+shard rewritten or replaced in place, even at the same size, is an error naming it rather than new bytes
+under the index's (and gather's checked) old keys.
 ``headrace.dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
 """
 
@@ -29,16 +34,17 @@ import json
 import mmap
 import os
 import stat
-from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
+from headrace.dataio.stream.openshards import OpenShards, new_owner
 from headrace.dataio.stream.shardcache import ShardCache, local_name, unlock
 from headrace.dataio.stream.storage import ShardFormatError, retry
-from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, load_index, shards_of
+from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, index_from_files, load_index
+from headrace.dataio.shards.shardtable import shard_sample_counts, split_ids
 
 REMOTE_BLOCK = 8 << 20
-OPEN_REMOTE_SHARDS = 8
 OPEN_CACHED_SHARDS = 4
 TAR_NAME_FIELD = 100  # bytes of the ustar name field; longer keys live in a pax/GNU long-name record
 
@@ -52,22 +58,30 @@ def by_value(values: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
     return [(v, np.flatnonzero(values == v)) for v in sorted(set(values.tolist()))]
 
 
+def shard_counts(index: DatasetIndex) -> np.ndarray:
+    """Samples per shard from the shard table (O(shards)); counted over the per-sample rows (O(samples),
+    a temporary of 8 bytes a sample) only where the table's counts do not add up to the rows."""
+    counts = shard_sample_counts(index.shards)
+    if counts.sum() != len(index.samples):
+        counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
+    return counts
+
+
 class SplitError(ValueError):
     """A dataset has no shards in the split asked for."""
 
 
 def load_remote_index(url: str, storage_options: dict | None = None) -> DatasetIndex:
-    """The headrace index of a dataset behind an fsspec URL (a few small files, read whole)."""
+    """The headrace index of a dataset behind an fsspec URL (a few files, read whole)."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     d = f"{root.rstrip('/')}/{INDEX_DIR}"
     manifest = json.loads(retry(lambda: fs.cat_file(f"{d}/manifest.json"), f"{url}: reading the index"))
-    arrays = {name: np.load(io.BytesIO(retry(lambda n=name: fs.cat_file(f"{d}/{n}.npy"), url)), allow_pickle=False)
-              for name in ("samples", "members", "keys")}
-    return DatasetIndex(shards=shards_of(manifest, f"{url}/{INDEX_DIR}/manifest.json"),
-                        extensions=list(manifest["extensions"]),
-                        job=manifest.get("job", {}), **arrays)
+    return index_from_files(
+        manifest, f"{url}/{INDEX_DIR}/manifest.json",
+        lambda name: np.load(io.BytesIO(retry(lambda: fs.cat_file(f"{d}/{name}"), url)), allow_pickle=False),
+        lambda name: retry(lambda: fs.exists(f"{d}/{name}"), url))
 
 
 def open_remote(url: str, storage_options: dict | None = None):
@@ -83,38 +97,38 @@ class ShardSource:
     """One dataset (one split of an indexed directory or URL): sample indices -> raw member bytes."""
 
     def __init__(self, path: str, *, split: str = "train", index: DatasetIndex | None = None,
-                 storage_options: dict | None = None, cache: ShardCache | None = None):
+                 storage_options: dict | None = None, cache: ShardCache | None = None,
+                 open_shards: OpenShards | None = None):
         self.path, self.storage_options = path, storage_options
+        # the loader's one bounded set of open maps/files (its own when the source stands alone)
+        self.open_shards = open_shards if open_shards is not None else OpenShards()
+        self._owner = new_owner()
         self.remote = "://" in path and not path.startswith("file://")
         self.cache = cache if self.remote else None
         self.ranged = self.remote and self.cache is None  # read by ranged GETs, not through a map
         if index is None:
             index = load_remote_index(path, storage_options) if "://" in path else load_index(path)
         self.index = index
-        shard_ids = [i for i, s in enumerate(index.shards) if s.split == split]
-        if not shard_ids:
+        shard_ids = split_ids(index.shards, split)
+        if not len(shard_ids):
             splits = sorted({s.split for s in index.shards})
             raise SplitError(f"{path}: no shards in split {split!r} (splits: {', '.join(splits) or 'none'})")
-        counts = np.bincount(index.samples["shard"], minlength=len(index.shards)).astype(np.int64)
+        counts = shard_counts(index)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self.shard_starts, self.shard_sizes = starts[shard_ids], counts[shard_ids]
-        self._needed = {  # bytes each shard must have for its indexed samples
-            s: int(index.samples["offset"][starts[s] + counts[s] - 1] + index.samples["size"][starts[s] + counts[s] - 1])
-            for s in shard_ids if counts[s]
-        }
+        # bytes each shard must have for its indexed samples (0: none of this split; 8 bytes a shard, no dict)
+        self._needed = np.zeros(len(index.shards), dtype=np.int64)
+        ids = shard_ids[counts[shard_ids] > 0]
+        last = starts[ids] + counts[ids] - 1
+        self._needed[ids] = index.samples["offset"][last].astype(np.int64) + index.samples["size"][last].astype(np.int64)
         self._ext_names = list(index.extensions)
         if self.cache is not None:
             self._cache_folder = self.cache.folder(path, index)
-            self.cache.check_fits(path, {index.shards[s].name: self._shard_bytes(s) for s in shard_ids})
+            self.cache.check_fits(path, {index.shards[s].name: self._shard_bytes(s) for s in shard_ids.tolist()})
         # (inode, mtime_ns) of each local shard as the first process to map it found it, in memory shared
         # with the workers forked later: every process then reads one version of each file (_check_stamp)
         self._stamp_memory = mmap.mmap(-1, 16 * max(1, len(index.shards)))
         self._first_stamps = np.frombuffer(self._stamp_memory, dtype=np.int64).reshape(-1, 2)
-        self._maps: OrderedDict[int, tuple] = OrderedDict()  # shard -> (mmap, memoryview, cache lock fd, fd, stamp)
-        self._closing: list[tuple] = []  # (mmap, lock fd) of cached shards dropped while views of them were alive
-        self._arrays: dict[int, np.ndarray] = {}
-        self._remote_files: OrderedDict[int, object] = OrderedDict()
-        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return int(self.shard_sizes.sum())
@@ -133,16 +147,31 @@ class ShardSource:
         exts = [self._ext_names[e] for e in members["ext"].tolist()]
         offsets, sizes = members["offset"].tolist(), members["size"].tolist()
         keys = self.index.keys[idx].tolist()
-        out = []
-        m = 0
         shards = rows["shard"].tolist()
-        # local: each shard's map (and path) looked up once per call, not once per sample; a shard
-        # that shrank since it was mapped is an error here, before a page past its end is touched
-        maps = {} if self.ranged else {s: self._map(s, self._read_end(rows, s)) for s in set(shards)}
-        paths = {s: self.shard_path(s) for s in set(shards)}
-        for shard, start, key, n in zip(shards, rows["offset"].tolist(), keys, counts.tolist()):
+        mbase = (np.cumsum(counts) - counts).tolist()  # each sample's first row of ``members``
+        distinct = set(shards)
+        paths = {s: self.shard_path(s) for s in distinct}
+        # A read over more shards than half the open-shard budget (a packing buffer's worth of samples of
+        # a dataset with many small shards) copies the payloads out shard by shard instead of handing out
+        # views, which would keep every one of those maps (and descriptors) alive past the budget.
+        copy = not self.ranged and len(distinct) > self.open_shards.budget // 2
+        if copy:
+            order = np.argsort(rows["shard"], kind="stable").tolist()
+            ends = self._read_ends(rows)
+        else:
+            order = range(len(shards))
+            # local: each shard's map looked up once per call, not once per sample; a shard that shrank
+            # since it was mapped is an error here, before a page past its end is touched
+            maps = {} if self.ranged else {s: self._map(s, self._read_end(rows, s)) for s in distinct}
+        starts, out, current, buf = rows["offset"].tolist(), [None] * len(shards), None, None
+        for i in order:
+            shard, start, key, n, m = shards[i], starts[i], keys[i], int(counts[i]), mbase[i]
             if self.ranged:
                 buf, base = self._read_remote(shard, start, offsets[m + n - 1] + sizes[m + n - 1] - start), start
+            elif copy:
+                if shard != current:
+                    buf, current = self._map(shard, ends[shard]), shard
+                base = 0
             else:
                 buf, base = maps[shard], 0
             first_payload = offsets[m] - base
@@ -153,34 +182,33 @@ class ShardSource:
                     f"the tar at byte {start} does not hold this sample, which the index places there"
                     f"  (index out of date? run `dataio index {self.path}`)",
                     shard=paths[shard], key=key.decode(errors="replace"))
-            out.append((key.decode(errors="surrogateescape"), paths[shard],
-                        {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}))
-            m += n
+            payloads = {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}
+            if copy:
+                payloads = {ext: bytes(p) for ext, p in payloads.items()}
+            out[i] = (key.decode(errors="surrogateescape"), paths[shard], payloads)
         return out
 
     def array(self, shard: int, end: int = 0) -> np.ndarray:
-        """A local shard's map as a ``uint8`` array (made once per shard and process), after ``_map``'s check
-        that the file still holds byte ``end - 1`` (one ``fstat`` per call: call it once per batch and shard)."""
-        buf = self._map(shard, end)
-        arr = self._arrays.get(shard)
-        if arr is None:
-            arr = self._arrays[shard] = np.frombuffer(buf, dtype=np.uint8)
-        return arr
+        """A local shard's map as a ``uint8`` array (made once per shard while it is open), after ``_map``'s
+        check that the file still holds byte ``end - 1`` (one ``stat`` per call: call it once per batch and shard)."""
+        entry = self._entry(shard, end)
+        if entry.array is None:
+            entry.array = np.frombuffer(entry.view, dtype=np.uint8)
+        return entry.array
 
     def indexed_array(self, shard: int) -> np.ndarray:
         """``array`` after checking that the file still holds every byte the index places in the shard:
         one check a shard per batch, whichever of its samples the batch reads."""
-        return self.array(shard, self._needed.get(shard, 0))
+        return self.array(shard, int(self._needed[shard]))
 
-    def _reset_if_forked(self) -> None:
-        if self._pid != os.getpid():  # forked into a worker: maps and open files are per process
-            for fd in [e[2] for e in self._maps.values()] + [fd for _, fd in self._closing]:
-                if fd is not None:
-                    os.close(fd)  # the parent's lock: closed here, never unlocked (that would free the parent's)
-            for entry in self._maps.values():
-                os.close(entry[3])
-            self._maps, self._closing, self._arrays = OrderedDict(), [], {}
-            self._remote_files, self._pid = OrderedDict(), os.getpid()
+    @staticmethod
+    def _read_ends(rows: np.ndarray) -> dict[int, int]:
+        """``_read_end`` of every shard of ``rows`` at once (one sort, not a mask per shard)."""
+        order = np.argsort(rows["shard"], kind="stable")
+        shard = rows["shard"][order]
+        end = (rows["offset"] + rows["size"])[order]
+        first = np.flatnonzero(np.r_[True, shard[1:] != shard[:-1]])
+        return dict(zip(shard[first].tolist(), np.maximum.reduceat(end, first).tolist()))
 
     @staticmethod
     def _read_end(rows: np.ndarray, shard: int) -> int:
@@ -188,39 +216,44 @@ class ShardSource:
         mine = rows["shard"] == shard
         return int((rows["offset"][mine] + rows["size"][mine]).max())
 
-    def _map(self, shard: int, end: int = 0):
-        """The shard's map, after checking (one ``fstat`` of the mapped file's descriptor) that the file
-        still holds byte ``end - 1`` and is the version mapped: touching a mapped page past the end of a
-        file that was truncated under us is SIGBUS, which kills the process with no message (in a worker:
-        "killed by signal SIGBUS", see ``RankStream.explain_worker_crash``); a local shard rewritten in
-        place (its mtime changed: the map shows the new bytes where the index and the checks of
-        ``headrace.dataio.stream.gather`` describe the old) is an error naming it. A change between this check and
-        the batch's copy is not caught (microseconds; a signal handler cannot resume a faulting access)."""
-        self._reset_if_forked()
-        entry = self._maps.get(shard)
+    def _map(self, shard: int, end: int = 0) -> memoryview:
+        return self._entry(shard, end).view
+
+    def _entry(self, shard: int, end: int = 0) -> MappedShard:
+        """The shard's open map (from the loader's bounded ``OpenShards``, opened if it was closed), after
+        checking (one ``stat``) that the file still holds byte ``end - 1`` and is the version mapped:
+        touching a mapped page past the end of a file that was truncated under us is SIGBUS, which kills
+        the process with no message (in a worker: "killed by signal SIGBUS", see
+        ``RankStream.explain_worker_crash``); a local shard rewritten or replaced in place (its inode or
+        mtime changed: the map shows new bytes where the index and the checks of
+        ``headrace.dataio.stream.gather`` describe the old) is an error naming it. A change between this
+        check and the batch's copy is not caught (microseconds; a signal handler cannot resume a faulting access)."""
+        entry = self.open_shards.get(self._owner, shard)
         if entry is None:
             if self.cache is not None:  # before the download: what this frees may make room for it
-                self._close_cached(OPEN_CACHED_SHARDS - 1)
-            entry = self._maps[shard] = self._open_map(shard)
-        elif self.cache is not None:
-            self._maps.move_to_end(shard)
-        mapped, buf, _, fd, stamp = entry
-        st = os.fstat(fd)
-        size = st.st_size
-        if size < end:
-            raise ShardFormatError(f"shard shrank to {size} bytes while mapped (modified under the loader?); "
+                self.open_shards.trim(self._owner, OPEN_CACHED_SHARDS - 1)
+            self.open_shards.make_room()
+            entry = self._open_map(shard)
+            self.open_shards.add(self._owner, shard, entry)
+        try:
+            st = os.stat(entry.path)
+        except FileNotFoundError:
+            raise ShardFormatError("shard removed since it was mapped (deleted under the loader?)",
+                                   shard=self.shard_path(shard)) from None
+        if st.st_size < end:
+            raise ShardFormatError(f"shard shrank to {st.st_size} bytes while mapped (modified under the loader?); "
                                    f"this read needs bytes up to {end}", shard=self.shard_path(shard))
-        if self.cache is None and (st.st_ino, st.st_mtime_ns) != stamp:
+        if self.cache is None and (st.st_ino, st.st_mtime_ns) != entry.stamp:
             raise ShardFormatError("shard changed since it was mapped (rewritten under the loader?): its samples "
                                    "no longer match the index", shard=self.shard_path(shard))
-        return buf
+        return entry
 
-    def _open_map(self, shard: int) -> tuple:
-        """``(mmap or None when empty, its memoryview, lock fd or None)`` of a local or cached shard."""
-        fd = None
+    def _open_map(self, shard: int) -> MappedShard:
+        """A local or cached shard mapped, its version recorded; holds no descriptor but the map's own."""
+        lock_fd = None
         if self.cache is not None:
-            path, fd = self.cache.acquire(self._cache_folder, self.index.shards[shard].name, self.shard_path(shard),
-                                          self._shard_bytes(shard), self.storage_options)
+            path, lock_fd = self.cache.acquire(self._cache_folder, self.index.shards[shard].name,
+                                               self.shard_path(shard), self._shard_bytes(shard), self.storage_options)
         else:
             path = self._disk_path(shard)
         try:
@@ -235,14 +268,14 @@ class ShardSource:
                 if self.cache is None:
                     self._check_stamp(shard, stamp)
                 mapped = mmap.mmap(file, 0, access=mmap.ACCESS_COPY) if st.st_size else None
-            except BaseException:
-                os.close(file)
-                raise
+            finally:
+                os.close(file)  # the map holds its own duplicate
         except BaseException:
-            if fd is not None:
-                unlock(fd)
+            if lock_fd is not None:
+                unlock(lock_fd)
             raise
-        return mapped, memoryview(mapped) if mapped is not None else memoryview(b""), fd, file, stamp
+        return MappedShard(mapped=mapped, view=memoryview(mapped) if mapped is not None else memoryview(b""),
+                           path=str(path), stamp=stamp, lock_fd=lock_fd)
 
     def _check_stamp(self, shard: int, stamp: tuple[int, int]) -> None:
         """Record the first (inode, mtime) any process of this loader mapped the shard with; a later
@@ -254,35 +287,16 @@ class ShardSource:
             raise ShardFormatError("shard changed since the loader first read it (rewritten or replaced under the "
                                    "loader?): its samples no longer match the index", shard=self.shard_path(shard))
 
-    def _close_cached(self, keep: int) -> None:
-        """Close all but the ``keep`` most recently used maps of cached shards, each releasing its shard
-        to eviction once no view of it is alive (a map with live views is retried on the next call)."""
-        while len(self._maps) > keep:
-            shard, (mapped, _, fd, file, _) = self._maps.popitem(last=False)  # its memoryview: dropped, not released
-            os.close(file)  # the map holds its own descriptor
-            self._arrays.pop(shard, None)  # (a batch being read may still hold it)
-            self._closing.append((mapped, fd))
-        still = []
-        for mapped, fd in self._closing:
-            try:
-                if mapped is not None:
-                    mapped.close()
-            except BufferError:  # a sample's payload (or the batch being read) still views the map
-                still.append((mapped, fd))
-                continue
-            unlock(fd)
-        self._closing = still
-
     def _shard_bytes(self, shard: int) -> int:
         """The shard's size from the index (its last indexed byte when the index has no size)."""
-        return self.index.shards[shard].bytes or self._needed.get(shard, 0)
+        return self.index.shards[shard].bytes or int(self._needed[shard])
 
     def check_sizes(self) -> None:
         """ShardFormatError naming the first local (or cached) shard now shorter than its index needs (one
         ``stat`` a shard): how a worker's SIGBUS is traced back to the shard that shrank under it."""
         if self.ranged:
             return
-        for shard in self._needed:
+        for shard in np.flatnonzero(self._needed).tolist():
             path = self._disk_path(shard)
             if self.cache is not None and not os.path.exists(path):
                 continue
@@ -295,28 +309,29 @@ class ShardSource:
         return self.shard_path(shard).removeprefix("file://")
 
     def _check_size(self, shard: int, size: int) -> None:
-        needed = self._needed.get(shard, 0)
+        needed = int(self._needed[shard])
         if size < needed:
             raise ShardFormatError(f"truncated shard: {size} bytes, the index needs {needed}",
                                    shard=self.shard_path(shard))
 
     def _read_remote(self, shard: int, start: int, size: int) -> bytes:
-        self._reset_if_forked()
-
         def attempt():
-            f = self._remote_files.get(shard)
-            if f is None:
+            entry = self.open_shards.get(self._owner, shard)
+            if entry is None:
+                self.open_shards.make_room()
                 f = open_remote(self.shard_path(shard), self.storage_options)
-                self._check_size(shard, f.size)
-                self._remote_files[shard] = f
-                if len(self._remote_files) > OPEN_REMOTE_SHARDS:
-                    self._remote_files.popitem(last=False)[1].close()
-            self._remote_files.move_to_end(shard)
+                try:
+                    self._check_size(shard, f.size)
+                except BaseException:
+                    f.close()
+                    raise
+                entry = RemoteShard(file=f)
+                self.open_shards.add(self._owner, shard, entry)
             try:
-                f.seek(start)
-                data = f.read(size)
+                entry.file.seek(start)
+                data = entry.file.read(size)
             except Exception:
-                self._remote_files.pop(shard, None)  # reopen on the next attempt
+                self.open_shards.discard(self._owner, shard)  # reopen on the next attempt
                 raise
             if len(data) != size:
                 raise ShardFormatError(f"truncated shard: short read at byte {start}",
@@ -326,4 +341,50 @@ class ShardSource:
         return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")
 
 
-__all__ = ["ShardSource", "SplitError", "by_value", "load_remote_index", "open_remote"]
+@dataclass(kw_only=True, eq=False)
+class MappedShard:
+    """A mapped local (or cached) shard: an entry of ``OpenShards``."""
+
+    mapped: mmap.mmap | None  # None: an empty file
+    view: memoryview | None
+    path: str  # the file mapped (``stat``ed before each batch's reads)
+    stamp: tuple[int, int]  # its (inode, mtime_ns) when mapped
+    lock_fd: int | None  # a cached shard's shared cache lock, held while the map lives
+    array: np.ndarray | None = None
+
+    def close(self) -> bool:
+        # dropped, not released: a batch being read may hold this very view (or an array of it)
+        self.array = self.view = None
+        if self.mapped is not None:
+            try:
+                self.mapped.close()
+            except BufferError:  # a payload view is alive: a local map goes when the last view does
+                if self.lock_fd is not None:
+                    return False  # a cached one keeps its lock until it really is unmapped: retried
+        self.mapped = None
+        if self.lock_fd is not None:
+            unlock(self.lock_fd)
+            self.lock_fd = None
+        return True
+
+    def forget(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # the parent's lock: closed here, never unlocked (that would free the parent's)
+        self.mapped = self.view = self.array = None  # unmapped in this process when the last reference goes
+
+
+@dataclass(kw_only=True, eq=False)
+class RemoteShard:
+    """A block-cached fsspec file of a shard read by ranged GETs: an entry of ``OpenShards``."""
+
+    file: object
+
+    def close(self) -> bool:
+        self.file.close()
+        return True
+
+    def forget(self) -> None:
+        self.file = None
+
+
+__all__ = ["MappedShard", "RemoteShard", "ShardSource", "SplitError", "by_value", "load_remote_index", "open_remote"]
