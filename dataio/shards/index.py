@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headrace.dataio.shards.shardtable import ShardTable, check_shard_name, split_ids
+from headrace.dataio.shards.shardtable import ShardTable, check_shard_name, check_shard_names, split_ids
 from headrace.dataio.shards.writes import writing
 
 META_DIR = ".nv-meta"
@@ -226,7 +226,9 @@ def index_from_files(manifest: dict, where: str, load: Callable[[str], np.ndarra
     if version == 1:
         shards: Sequence[ShardInfo] = shards_of(manifest, where)
     else:
-        shards = ShardTable(load("shard_names.npy"), load("shards.npy"), manifest["splits"], where=where)
+        names = load("shard_names.npy")
+        check_shard_names(names, where)  # the loader opens dataset / name: never a path leaving the dataset
+        shards = ShardTable(names, load("shards.npy"), manifest["splits"])
     return DatasetIndex(
         shards=shards,
         extensions=list(manifest["extensions"]),

@@ -28,15 +28,27 @@ def check_shard_name(name) -> None:
         raise ValueError(f"shard name {name!r} is not a relative path inside the dataset directory")
 
 
-class ShardTable(Sequence):
-    """The shards of an index as columns; indexing and iteration give ``ShardInfo`` objects. ``where`` (the
-    index's manifest) is named in the error for a shard name that leaves the dataset (``check_shard_name``,
-    checked as each name is read: a microsecond, where checking every name at open would cost O(shards))."""
+def check_shard_names(names: np.ndarray, where: str) -> None:
+    """``check_shard_name`` over a whole ``shard_names.npy`` column at once (numpy over the bytes: ~10 ms for
+    10^5 names); ValueError naming ``where`` and the first bad entry."""
+    framed = np.char.add(np.char.add(b"/", names), b"/")
+    bad = ((np.char.str_len(names) == 0) | np.char.startswith(names, b"/") | (np.char.find(names, b"\0") >= 0)
+           | (np.char.find(framed, b"//") >= 0) | (np.char.find(framed, b"/./") >= 0)
+           | (np.char.find(framed, b"/../") >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        try:
+            check_shard_name(names[i].decode("utf-8", "surrogateescape"))
+        except ValueError as e:
+            raise ValueError(f"{where}: shards[{i}]: {e}") from None
 
-    def __init__(self, names: np.ndarray, rows: np.ndarray, splits: list[str], where: str = "index"):
+
+class ShardTable(Sequence):
+    """The shards of an index as columns; indexing and iteration give ``ShardInfo`` objects."""
+
+    def __init__(self, names: np.ndarray, rows: np.ndarray, splits: list[str]):
         # plain ndarray views of the maps: np.memmap's __getitem__ costs ~10x a row's own look-up
         self.names, self.rows, self.splits = np.asarray(names), np.asarray(rows), list(splits)
-        self.where = where
 
     @classmethod
     def from_infos(cls, infos: Iterable) -> "ShardTable":
@@ -69,12 +81,7 @@ class ShardTable(Sequence):
 
     def name(self, i: int) -> str:
         """Shard ``i``'s file name (without making its ``ShardInfo``)."""
-        name = self.names[i].decode("utf-8", "surrogateescape")
-        try:
-            check_shard_name(name)
-        except ValueError as e:
-            raise ValueError(f"{self.where}: shards[{i}]: {e}") from None
-        return name
+        return self.names[i].decode("utf-8", "surrogateescape")
 
     def __iter__(self) -> Iterator:
         return (self[i] for i in range(len(self)))
@@ -104,4 +111,4 @@ def shard_sample_counts(shards: Sequence) -> np.ndarray:
     return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
 
 
-__all__ = ["SHARD_DTYPE", "ShardTable", "check_shard_name", "shard_sample_counts", "split_ids"]
+__all__ = ["SHARD_DTYPE", "ShardTable", "check_shard_name", "check_shard_names", "shard_sample_counts", "split_ids"]
