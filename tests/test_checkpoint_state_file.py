@@ -21,7 +21,8 @@ def one_rank(monkeypatch):
 
 
 def _args(tmp_path, steps):
-    return ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
+    return ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",
+            "checkpoint.export_hf=false",
             f"trainer.max_steps={steps}", "checkpoint.interval=1", "data.seq_len=64", "data.packing_buffer=8",
             "trainer.log_every=1", f"trainer.output_dir={tmp_path / 'out'}",
             f"data.datasets=[{{path: {tmp_path / 'd'}}}]"]

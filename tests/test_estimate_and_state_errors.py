@@ -1,6 +1,6 @@
 """Issue 34 item 20: ``python -m headrace.training.estimate_batch`` with a data directory that does not exist (or no
-``data.bucketing``: any config error) is one line, exit 2 (was a FileNotFoundError traceback); a hand-edited packing sub-state in a
-loader state is the loader's ``StateError`` (was AttributeError / IndexError / TypeError)."""
+``data.bucketing``: any config error) is one line, exit 2 (was a FileNotFoundError traceback); a hand-edited
+packing sub-state in a loader state is the loader's ``StateError`` (was AttributeError / IndexError / TypeError)."""
 
 from __future__ import annotations
 

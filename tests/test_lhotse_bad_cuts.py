@@ -45,7 +45,8 @@ def test_loader_counts_cuts_without_audio_and_names_them(manifest, workers, capl
     loader = build_loader(config)
     keys = [k for b in loader for k in b["__key__"]]
     assert keys == ["rec0", "rec1"] and loader.state_dict()["bad_samples"] == 3
-    with pytest.raises(SampleDecodeError, match=rf"shard '{manifest}', key '(rec2|rec3|no-recording)'.*max_bad_samples=2"):
+    named = rf"shard '{manifest}', key '(rec2|rec3|no-recording)'.*max_bad_samples=2"
+    with pytest.raises(SampleDecodeError, match=named):
         list(build_loader({**config, "max_bad_samples": 2}))
 
 
