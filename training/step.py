@@ -34,6 +34,7 @@ from headrace.training.config.job_config import JobConfig
 from headrace.training.distributed.context_parallel import cp_attention_kwargs
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.distributed.pipeline import Pipeline
+from headrace.training.speech.ctc import ctc_loss_sum
 from headrace.training.speech.job import salm_loss_sum
 
 STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
@@ -130,6 +131,8 @@ def step_forward(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMes
     over the cp group when cp > 1, ``headrace.training.distributed.context_parallel``)."""
     if cfg.model.kind == "salm":
         return salm_loss_sum
+    if cfg.model.kind == "ctc":
+        return ctc_loss_sum
     if dims.cp > 1:
         return functools.partial(forward_loss_sum,
                                  attention_kwargs=cp_attention_kwargs(meshes["cp"], cfg.distributed.cp_comm))

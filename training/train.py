@@ -60,6 +60,7 @@ from headrace.training.models.build import build_hf_config, build_meta_model, ma
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.components.run_lock import lock_output_dir
 from headrace.training.speech.checkpoints import with_speech_llm
+from headrace.training.speech.ctc import build_ctc, export_ctc, wrap_ctc_loader
 from headrace.training.speech.eval import eval_in_training
 from headrace.training.speech.job import build_salm, export_salm, wrap_loader
 from headrace.training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
@@ -93,6 +94,8 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: dict[str, DeviceMesh
     Returns (model, hf_config)."""
     if cfg.model.kind == "salm":
         return build_salm(cfg, dims, meshes, device)
+    if cfg.model.kind == "ctc":
+        return build_ctc(cfg, dims, meshes, device)
     hf_config = build_hf_config(cfg.model)
     model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims, meshes, cfg.distributed,
                         param_dtype(cfg.trainer.precision))
@@ -194,6 +197,8 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     loader = open_data("data", lambda: make_loader(trainer.meshes["dp"].get_local_rank(), trainer.dims.dp))
     if line := worker_choice_line(loader):
         print_on_rank0(line)
+    if cfg.model.kind == "ctc":  # its units are not the shards' token ids
+        return wrap_ctc_loader(loader, cfg)
     check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     if cfg.model.kind == "salm":
         loader = wrap_loader(loader, trainer.model, cfg, trainer.dims)
@@ -269,11 +274,14 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     every ``eval_every`` (a SALM also decodes every ``model.speech.eval_every``), saves every
     ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
     cfg = trainer.cfg
-    flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
-    window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
-                              world=dist.get_world_size(),
-                              matmul_flops_per_token=matmul_flops_per_token(trainer.hf_config),
-                              flops_per_pair=attention_flops_per_pair(trainer.hf_config))
+    if cfg.model.kind == "ctc":  # no LLM to count FLOPs of: no MFU figures
+        flops = {"flops_per_token": 0.0}
+    else:  # a SALM's: the LLM's matmuls only
+        flops = {"flops_per_token": flops_per_token(trainer.hf_config, cfg.data.seq_len or 0),
+                 "matmul_flops_per_token": matmul_flops_per_token(trainer.hf_config),
+                 "flops_per_pair": attention_flops_per_pair(trainer.hf_config)}
+    window = ThroughputWindow(batches.waits, trainer.step, peak=peak_flops(trainer.device), world=dist.get_world_size(),
+                              **flops)
     clock = ComputeClock(trainer.device)
     records = DeferredRecords(trainer.device, logger.log)
     try:
@@ -289,7 +297,9 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
     cfg = trainer.cfg
     max_steps = cfg.trainer.max_steps
     inputs = even_if_finite(batches, cfg)
-    while trainer.step < max_steps:
+    out_of_time = time_budget(cfg.trainer.max_minutes, trainer.device)
+    last = False
+    while not last and trainer.step < max_steps:
         try:
             micro = next_micro_batches(inputs, cfg.trainer.grad_accum)
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
@@ -300,7 +310,10 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
             stats = take_step(trainer, micro, profiler)
         window.add(micro, trainer.dims.dp * trainer.dims.cp)
         step = trainer.step
-        if step % cfg.trainer.log_every == 0 or step == max_steps:
+        last = step == max_steps or out_of_time()
+        if last and step < max_steps:
+            print_on_rank0(f"trainer.max_minutes {cfg.trainer.max_minutes:g} spent: step {step} is the last")
+        if step % cfg.trainer.log_every == 0 or last:
             pairs = sum_over_dp(window.attention_pairs, trainer.dims.dp)
             records.push(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
             window.restart(step)
@@ -310,12 +323,27 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
             decoded = eval_in_training(trainer.model, cfg, step)  # rank 0: the WER, and the hypotheses' file
             if decoded:
                 logger.log_decoded(step, decoded)
-        if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
+        if validate is not None and (step % cfg.trainer.eval_every == 0 or last):
             with window.paused():  # validation time is not training throughput
                 logger.log_val({"step": step, **validate()})
-        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < max_steps:
+        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and not last:
             with window.paused():  # checkpoint time is not training throughput
                 save_checkpoint(trainer, batches)
+
+
+def time_budget(minutes: float | None, device: torch.device) -> Callable[[], bool]:
+    """``out_of_time()``: whether ``minutes`` of wall time have passed since this call, on rank 0's clock (one
+    broadcast per call, so every rank stops after the same step); always False without a budget."""
+    if minutes is None:
+        return lambda: False
+    start = time.perf_counter()
+
+    def out_of_time() -> bool:
+        spent = torch.tensor([float(time.perf_counter() - start >= minutes * 60)], device=device)
+        dist.broadcast(spent, src=0)
+        return bool(spent.item())
+
+    return out_of_time
 
 
 def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
@@ -352,6 +380,8 @@ def export_model(trainer: Trainer) -> None:
     start = time.perf_counter()
     if cfg.model.kind == "salm":
         export_salm(trainer.model, cfg, trainer.out_dir)
+    elif cfg.model.kind == "ctc":
+        export_ctc(trainer.model, cfg, trainer.out_dir)
     else:
         checkpoint.export_hf(trainer.model, trainer.hf_config, out, cfg.model.tokenizer,
                              shard_size_mb=cfg.checkpoint.export_shard_size_mb,

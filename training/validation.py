@@ -47,6 +47,7 @@ from headrace.training.components.labels import labelled_tokens, mask_invalid_ro
 from headrace.training.config.validate import check_data_paths, check_validation
 from headrace.training.distributed.context_parallel import rank_batch_transform
 from headrace.training.distributed.process_group import new_tail_group
+from headrace.training.speech.ctc import ctc_units, validate_ctc, wrap_ctc_loader
 from headrace.training.speech.job import wrap_loader
 from headrace.training.speech.listening import validate_listening
 from headrace.training.step import step_forward, uses_autocast
@@ -205,10 +206,15 @@ def make_validator(cfg, dims, meshes: dict, device: torch.device, model: nn.Modu
         loader = open_loader()
         if cfg.model.kind == "salm":
             loader = wrap_loader(loader, model, cfg, dims)
+        elif cfg.model.kind == "ctc":
+            loader = wrap_ctc_loader(loader, cfg)
         return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch)
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
+    if cfg.model.kind == "ctc":  # the loss, and the WER / CER of greedy decodes (headrace.training.speech.ctc)
+        units = ctc_units(cfg)
+        return lambda: validate_ctc(model, batches(), units, device, dp_group=dp.get_group())
     forward = step_forward(cfg, dims, meshes)
 
     def run(forward: Callable) -> dict:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from headrace.config import from_dict, to_dict
 from headrace.dataio.config import DataConfig
-from headrace.training.config.speech import SpeechConfig
+from headrace.training.config.speech import CTCConfig, SpeechConfig
 
 
 @dataclass(kw_only=True)
@@ -30,8 +30,11 @@ class ModelConfig:
     tokenizer: str | None = None  # tokenizer.json (or a directory) copied into the hf/ export
     attn_implementation: str = "sdpa"  # any name registered with transformers.AttentionInterface
     init_std: float | None = None  # overrides config.initializer_range for fresh models
-    kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (headrace.training.speech)
-    speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
+    # salm: speech encoder + adapter + this LLM (headrace.training.speech); ctc: model.speech's encoder alone with a
+    # CTC head (headrace.training.speech.ctc; no LLM: config / config_path / pretrained_path stay unset)
+    kind: Literal["causal_lm", "salm", "ctc"] = "causal_lm"
+    speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm, the encoder of kind: ctc
+    ctc: CTCConfig | None = None  # kind: ctc's units (default: characters)
 
 
 @dataclass(kw_only=True)
@@ -116,6 +119,10 @@ class TrainerConfig:
     """The loop. Global batch = data batch per rank x grad_accum x dp_size."""
 
     max_steps: int = 100
+    # a wall-clock budget (validation and decodes included): the first step that ends past it is the last one (it
+    # logs, validates, saves and exports as max_steps' would); rank 0's clock decides for every rank. The LR
+    # schedule still runs over max_steps: set max_steps near what the budget buys
+    max_minutes: float | None = None
     grad_accum: int = 1
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: FSDP2 MixedPrecisionPolicy / autocast, fp32 reduce
     seed: int = 0

@@ -139,5 +139,15 @@ class SpeechConfig:
                              f"{self.prompt!r}")
 
 
-__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "EncoderConfig",
-           "SpeechConfig"]
+@dataclass(kw_only=True)
+class CTCConfig:
+    """``model.ctc:`` of a ``model.kind: ctc`` job: the ``model.speech`` encoder trained alone with CTC
+    (``headrace.training.speech.ctc``); the adapter / prompt / LLM fields of ``model.speech`` are not used."""
+
+    # chars: a-z, 0-9, space and apostrophe of the normalized transcript (WER's normalization); tokens: the
+    # pieces of model.tokenizer. Chars need frames of <= 40 ms (4x subsampling) for espeak-ng's ~15 chars/s
+    units: Literal["chars", "tokens"] = "chars"
+
+
+__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "CTCConfig",
+           "EncoderConfig", "SpeechConfig"]

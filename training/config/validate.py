@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 # dotted key -> (rule text, predicate); None passes where the field is optional
 _RULES: dict[str, tuple[str, Callable]] = {
     "trainer.max_steps": (">= 1", lambda v: v >= 1),
+    "trainer.max_minutes": ("> 0 or null", lambda v: v is None or v > 0),
     "trainer.grad_accum": (">= 1", lambda v: v >= 1),
     "trainer.log_every": (">= 1", lambda v: v >= 1),
     "optim.lr": ("> 0", lambda v: v > 0),
@@ -67,7 +68,9 @@ def check_job(cfg, world_size: int | None = None) -> None:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}: must be {rule}, got {value!r}")
-    if cfg.model.config is not None:
+    if cfg.model.kind == "ctc":
+        pass  # no LLM (check_ctc_config)
+    elif cfg.model.config is not None:
         model_type = cfg.model.config.get("model_type")
         if not isinstance(model_type, str) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ConfigError(f"model.config.model_type: {model_type!r} is not a causal LM model type of "
@@ -83,15 +86,31 @@ def check_job(cfg, world_size: int | None = None) -> None:
         check_validation(cfg)
 
 
+def check_ctc_config(cfg, llm_given: list[str]) -> None:
+    """The rules of a ``model.kind: ctc`` job: an encoder, no LLM, bucketed audio."""
+    if llm_given:
+        raise ConfigError(f"model.kind: ctc trains model.speech's encoder alone: leave model.{llm_given[0]} unset "
+                          "(the LLM's)")
+    if cfg.model.speech is None or cfg.model.speech.encoder.from_checkpoint:
+        raise ConfigError("model.kind: ctc needs model.speech.encoder with one of config / config_path / "
+                          "pretrained_path")
+    if cfg.data.bucketing is None or cfg.data.seq_len is not None:
+        raise ConfigError("model.kind: ctc trains on bucketed audio: set data.bucketing and leave data.seq_len unset")
+
+
 def check_config(cfg) -> None:
     """The rules between the fields and sections of ``cfg`` (a ``JobConfig``) that need nothing but the config
     (module docstring)."""
     model = cfg.model
     given = [n for n in ("config", "config_path", "pretrained_path") if getattr(model, n) is not None]
-    if len(given) != 1:
+    if model.kind == "ctc":  # model.speech's encoder alone (headrace.training.speech.ctc): no LLM
+        check_ctc_config(cfg, given)
+    elif len(given) != 1:
         raise ConfigError(f"model: set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
-    if (model.kind == "salm") != (model.speech is not None):
-        raise ConfigError("model.speech is required with model.kind: salm, and only then")
+    if (model.kind in ("salm", "ctc")) != (model.speech is not None):
+        raise ConfigError("model.speech is required with model.kind: salm or ctc, and only then")
+    if model.ctc is not None and model.kind != "ctc":
+        raise ConfigError(f"model.ctc is for model.kind: ctc (this job's kind: {model.kind})")
     if model.kind == "salm":  # speech batches come from data.bucketing, not THD rows
         if model.speech.encoder.from_checkpoint and model.pretrained_path is None:
             raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
@@ -99,7 +118,7 @@ def check_config(cfg) -> None:
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
             raise ConfigError("model.kind: salm trains on bucketed audio: set data.bucketing and leave "
                               "data.seq_len unset")
-    elif cfg.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
+    elif model.kind == "causal_lm" and cfg.data.seq_len is None:  # the loop trains THD rows (seq_len: their length)
         raise ConfigError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
     pipeline = cfg.distributed.pipeline
     schedule_class_name(pipeline.pp_schedule)  # an unknown name: one line listing the accepted ones

@@ -116,24 +116,33 @@ def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor
 
 def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
-    from safetensors.torch import save_file
-
     from headrace.training.components.checkpoint import export_hf
 
     salm: SALM = getattr(model, "module", model)
     out_dir = Path(out_dir)
     export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer)
-    parts = {name: get_model_state_dict(getattr(salm, name), options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True)) for name in ("encoder", "adapter")}
-    if dist.get_rank() != 0:
+    if not save_parts(salm, ("encoder", "adapter"), out_dir):
         return None
+    write_manifest(salm.cfg, out_dir)
+    return out_dir
+
+
+def save_parts(model: nn.Module, names: tuple[str, ...], out_dir: Path) -> bool:
+    """``out_dir/<name>/model.safetensors`` for each named submodule of ``model`` (full state dicts gathered from
+    every rank), and ``encoder/config.json``: what ``model.speech.encoder.pretrained_path`` reads. Collective;
+    rank 0 writes and returns True."""
+    from safetensors.torch import save_file
+
+    parts = {name: get_model_state_dict(getattr(model, name), options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True)) for name in names}
+    if dist.get_rank() != 0:
+        return False
     for name, state in parts.items():
         (out_dir / name).mkdir(parents=True, exist_ok=True)
         state = {k.replace("._checkpoint_wrapped_module", ""): v.contiguous() for k, v in state.items()}
         save_file(state, str(out_dir / name / "model.safetensors"), metadata={"format": "pt"})
-    salm.encoder.config.save_pretrained(out_dir / "encoder")
-    write_manifest(salm.cfg, out_dir)
-    return out_dir
+    model.encoder.config.save_pretrained(out_dir / "encoder")
+    return True
 
 
 def write_manifest(speech: SpeechConfig, out_dir: Path) -> None:
@@ -172,4 +181,4 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
 
 
 __all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
-           "wrap_loader", "write_manifest"]
+           "save_parts", "wrap_loader", "write_manifest"]
