@@ -63,6 +63,7 @@ from headrace.training.speech.checkpoints import with_speech_llm
 from headrace.training.speech.ctc import build_ctc, export_ctc, wrap_ctc_loader
 from headrace.training.speech.eval import eval_in_training
 from headrace.training.speech.job import build_salm, export_salm, wrap_loader
+from headrace.training.speech.listening import not_listening_warning
 from headrace.training.step import next_micro_batches, pipeline_train_step, step_forward, train_step, uses_autocast
 from headrace.training.step_inputs import DeferredRecords, step_batch_transform
 from headrace.training.validation import make_validator
@@ -138,6 +139,7 @@ class Trainer:
     step: int = 0  # the last step trained (or resumed from)
     # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
     first_loss: float | torch.Tensor | None = None
+    warned_not_listening: bool = False  # a SALM's warning (headrace.training.speech.listening), said once a run
 
     @property
     def out_dir(self) -> Path:
@@ -325,7 +327,12 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
                 logger.log_decoded(step, decoded)
         if validate is not None and (step % cfg.trainer.eval_every == 0 or last):
             with window.paused():  # validation time is not training throughput
-                logger.log_val({"step": step, **validate()})
+                record = {"step": step, **validate()}
+            logger.log_val(record)
+            if cfg.model.kind == "salm" and not trainer.warned_not_listening:
+                if line := not_listening_warning(record, cfg.model.speech.warn_not_listening_after):
+                    print_on_rank0(line)
+                    trainer.warned_not_listening = True
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and not last:
             with window.paused():  # checkpoint time is not training throughput
                 save_checkpoint(trainer, batches)

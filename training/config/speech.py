@@ -115,6 +115,9 @@ class SpeechConfig:
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
     eval_every: int = 0  # decode the training dataset's eval_split every N steps, print the WER (0: never)
+    # the first validation at or past this step whose listening ratio is still >= 0.98 prints a warning, once
+    # (headrace.training.speech.listening.not_listening_warning)
+    warn_not_listening_after: int = 500
     eval_split: str = "val"
     eval_batch_duration: float = 60.0  # seconds of padded audio per eval batch
 
