@@ -14,7 +14,7 @@ beside their outputs (``DIR/<stage>/config.yaml``):
    greedy decodes (its WER is the summary's ``ctc_wer``);
 4. ``salm``: encoder from ``ctc/encoder``, LLM from ``llm/hf``; ``--llm frozen`` (default) freezes it and trains
    encoder + adapter, ``--llm trained`` fine-tunes all; validation gives the listening ratio every
-   ``eval_every`` steps and decodes every ``decode_every``;
+   ``eval_every`` steps, and the val split is decoded every second validation (its WER on the curve);
 5. eval: greedy transcripts of the val split with the SALM's export (``headrace.training.speech.eval``): the
    summary's ``wer`` and ``listening_ratio``.
 
@@ -40,7 +40,8 @@ VOCAB_SIZE = 512
 SHARES = {"llm": 0.2, "ctc": 0.4, "salm": 0.4}  # of --minutes
 PROMPT = "<|audio|> text:"
 
-# model sizes per preset: ``cpu`` (the measured one: a 2-core machine) and ``tiny`` (the smoke test's)
+# model sizes per preset: ``cpu`` (the measured one: a 2-core machine), ``gpu`` (one GPU, bf16: tools/gpu_check.sh's
+# speech_recipe part) and ``tiny`` (the smoke test's)
 SIZES = {
     "cpu": dict(
         llm=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -49,7 +50,15 @@ SIZES = {
                      subsampling_factor=4, subsampling_conv_channels=128, conv_kernel_size=15, dropout=0.1,
                      attention_dropout=0.0, activation_dropout=0.0),
         features=dict(kind="nemo", n_mels=80), batch_seconds=60.0, seq_len=256, text_batch=16, max_steps=3000,
-        eval_every=100, decode_every=200),
+        eval_every=100, decode=True, precision="fp32"),
+    "gpu": dict(
+        llm=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4),
+        encoder=dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=1024,
+                     subsampling_factor=4, subsampling_conv_channels=256, conv_kernel_size=15, dropout=0.1,
+                     attention_dropout=0.0, activation_dropout=0.0),
+        features=dict(kind="nemo", n_mels=80), batch_seconds=300.0, seq_len=512, text_batch=64, max_steps=3000,
+        eval_every=100, decode=True, precision="bf16"),
     "tiny": dict(
         llm=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2),
@@ -57,7 +66,8 @@ SIZES = {
                      subsampling_factor=4, subsampling_conv_channels=8, conv_kernel_size=3, dropout=0.0,
                      attention_dropout=0.0, activation_dropout=0.0),
         features=dict(kind="nemo", n_mels=16, n_fft=256, win_length=200), batch_seconds=8.0, seq_len=64,
-        text_batch=4, max_steps=2, eval_every=2, decode_every=0),
+        text_batch=4, max_steps=2, eval_every=2, decode=False,
+        precision="fp32"),
 }
 
 
@@ -70,6 +80,7 @@ class Recipe:
     size: str = "cpu"
     max_steps: int | None = None  # per stage; None: the preset's (the budget stops a stage first)
     llm: str = "frozen"  # frozen | trained
+    eval_every: int | None = None  # validation interval of the speech stages; None: the preset's
 
 
 def is_val(audio_path: str) -> bool:
@@ -135,8 +146,8 @@ def common(recipe: Recipe, stage: str, lr: float) -> dict:
         distributed=dict(strategy="fsdp2"),
         optim=dict(lr=lr, warmup_steps=min(50, recipe.max_steps or 50), weight_decay=0.01, max_grad_norm=1.0),
         trainer=dict(max_steps=recipe.max_steps or size["max_steps"], max_minutes=recipe.minutes * SHARES[stage],
-                     eval_every=size["eval_every"], log_every=min(10, recipe.max_steps or 10), seed=0,
-                     output_dir=str(recipe.out / stage)),
+                     eval_every=recipe.eval_every or size["eval_every"], log_every=min(10, recipe.max_steps or 10), seed=0,
+                     precision=size["precision"], output_dir=str(recipe.out / stage)),
         checkpoint=dict(interval=0, export_hf=True), logging=dict(console=True, tensorboard=False))
 
 
@@ -171,7 +182,8 @@ def salm_job(recipe: Recipe, paths: dict) -> dict:
                   adapter=dict(subsampling=2), features=size["features"], prompt=PROMPT,
                   freeze_llm=recipe.llm == "frozen",
                   spec_augment=dict(freq_masks=2, freq_width=15, time_masks=2, time_width=0.05),
-                  max_new_tokens=96, eval_every=size["decode_every"], eval_split="val",
+                  max_new_tokens=96, eval_split="val",
+                  eval_every=2 * (recipe.eval_every or size["eval_every"]) if size["decode"] else 0,
                   eval_batch_duration=120.0)
     return dict(common(recipe, "salm", 1e-3),
                 model=dict(kind="salm", pretrained_path=str(recipe.out / "llm" / "hf"),
@@ -200,11 +212,11 @@ def run(recipe: Recipe) -> dict:
     """Every stage (module docstring); returns the summary, also written to ``out/summary.json``."""
     import torch.distributed as dist
 
-    from headrace.training.distributed.process_group import init_distributed
+    from headrace.training.distributed.process_group import init_distributed, pick_device
     from headrace.training.speech.eval import evaluate
 
     paths = prepare(recipe)
-    init_distributed("cpu")
+    init_distributed(pick_device("auto").type)
     try:
         minutes = 0.0
         _, spent = run_stage(llm_job(recipe, paths))
@@ -239,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu", help="model sizes (tiny: the smoke test's)")
     parser.add_argument("--max-steps", type=int, default=None, help="per stage (default: the size's; the budget "
                                                                     "usually stops a stage first)")
+    parser.add_argument("--eval-every", type=int, default=None, help="validation interval of the CTC and SALM "
+                                                                     "stages in steps (default: the size's)")
     args = parser.parse_args(argv)
     for path in (args.manifest, args.text):
         if path is not None and not path.is_file():
             print(f"error: {path} does not exist", file=sys.stderr)
             return 2
     summary = run(Recipe(manifest=args.manifest, out=args.out, text=args.text, minutes=args.minutes, size=args.size,
-                         max_steps=args.max_steps, llm=args.llm))
+                         max_steps=args.max_steps, llm=args.llm, eval_every=args.eval_every))
     print(json.dumps(summary), flush=True)
     return 0
 
