@@ -133,7 +133,8 @@ def test_ctc_job_trains_validates_and_starts_a_salm_encoder(tmp_path, process_gr
 
     save_tokenizer(tmp_path / "tokenizer.json")
     salm = salm_job(tmp_path, "salm", data_path=str(data))
-    salm.model.speech.encoder.config, salm.model.speech.encoder.pretrained_path = None, str(tmp_path / "ctc" / "encoder")
+    encoder = salm.model.speech.encoder
+    encoder.config, encoder.pretrained_path = None, str(tmp_path / "ctc" / "encoder")
     dims, meshes = set_up_meshes(salm.distributed, torch.device("cpu"))
     model, _ = build_salm(salm, dims, meshes, torch.device("cpu"))
     saved = load_file(str(tmp_path / "ctc" / "encoder" / "model.safetensors"))

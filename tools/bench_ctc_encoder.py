@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 optims[name].step()
                 optims[name].zero_grad()
             if round_:
-                times[name].append(((time.perf_counter() - wall) / args.steps, (time.process_time() - cpu) / args.steps))
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                times[name].append((wall / args.steps, cpu / args.steps))
     out = {}
     for name, (model, _) in models.items():
         walls, cpus = zip(*times[name])

@@ -146,7 +146,8 @@ def common(recipe: Recipe, stage: str, lr: float) -> dict:
         distributed=dict(strategy="fsdp2"),
         optim=dict(lr=lr, warmup_steps=min(50, recipe.max_steps or 50), weight_decay=0.01, max_grad_norm=1.0),
         trainer=dict(max_steps=recipe.max_steps or size["max_steps"], max_minutes=recipe.minutes * SHARES[stage],
-                     eval_every=recipe.eval_every or size["eval_every"], log_every=min(10, recipe.max_steps or 10), seed=0,
+                     eval_every=recipe.eval_every or size["eval_every"], seed=0,
+                     log_every=min(10, recipe.max_steps or 10),
                      precision=size["precision"], output_dir=str(recipe.out / stage)),
         checkpoint=dict(interval=0, export_hf=True), logging=dict(console=True, tensorboard=False))
 

@@ -38,6 +38,7 @@ from headrace.training.config.speech import SpeechConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.speech.encoders import front_end
 from headrace.training.speech.eval import normalize, word_errors
+from headrace.training.speech.job import ConvertedBatches
 from headrace.training.speech.model import ctc_targets_loss_sum, encoder_frames
 
 CHARS = " abcdefghijklmnopqrstuvwxyz'0123456789"  # index = unit id; blank = len(CHARS)
@@ -108,7 +109,7 @@ class Units:
         return "".join(CHARS[u] for u in units)
 
 
-class CTCBatches:
+class CTCBatches(ConvertedBatches):
     """Loader audio batches (``audio``, ``audio_lens``, ``text``) -> CTC step batches (module docstring);
     ``state_dict`` / ``load_state_dict`` are the loader's."""
 
@@ -127,15 +128,6 @@ class CTCBatches:
         return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], "labels": labels,
                 **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch}}
 
-    def __iter__(self):
-        return map(self.convert, self.loader)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.loader.load_state_dict(state)
-
 
 def ctc_units(cfg) -> Units:
     return Units(cfg.model.ctc.units if cfg.model.ctc is not None else "chars", cfg.model.tokenizer)
@@ -148,7 +140,8 @@ def build_ctc(cfg, dims: ParallelDims, meshes: dict[str, DeviceMesh], device: to
     from headrace.training.models.build import load_safetensors, param_dtype
 
     if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
-        raise ValueError("model.kind: ctc trains data-parallel only (FSDP2 / HSDP / DDP): set tp / pp / cp / ep sizes to 1")
+        raise ValueError("model.kind: ctc trains data-parallel only (FSDP2 / HSDP / DDP): set tp / pp / cp / ep "
+                         "sizes to 1")
     speech = cfg.model.speech
     front = front_end(speech.encoder.kind, speech.features)
     enc_config = front.config(speech.encoder)

@@ -70,7 +70,26 @@ def check_audio_input(model: SALM, decode) -> None:
                          f"data.decode.max_duration <= {limit:g} (longer utterances become counted decode skips)")
 
 
-class SpeechBatches:
+class ConvertedBatches:
+    """``self.loader``'s batches through ``self.convert``; its state is the loader's (a SALM's and a CTC stage's step
+    batches: ``SpeechBatches``, ``headrace.training.speech.ctc.CTCBatches``)."""
+
+    loader: Iterable
+
+    def convert(self, batch: dict) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return map(self.convert, self.loader)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.loader.load_state_dict(state)
+
+
+class SpeechBatches(ConvertedBatches):
     """Loader audio batches (``audio``, ``audio_lens``, and the answer as ``text`` or ``tokens``) -> SALM
     step batches; ``state_dict`` / ``load_state_dict`` are the loader's."""
 
@@ -96,15 +115,6 @@ class SpeechBatches:
         out = build_batch(self.template, slots, self.answers(batch), multiple_of=self.multiple_of)
         return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], **out,
                 **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch}}
-
-    def __iter__(self):
-        return map(self.convert, self.loader)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.loader.load_state_dict(state)
 
 
 def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
@@ -180,5 +190,5 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
                          multiple_of=dims.tp if dims.sequence_parallel else 1)
 
 
-__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
+__all__ = ["SALM_INPUTS", "ConvertedBatches", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
            "save_parts", "wrap_loader", "write_manifest"]

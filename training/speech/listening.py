@@ -98,5 +98,5 @@ def validate_listening(run: Callable[[Callable], dict], forward: Callable) -> di
     return {**figures, **listening_figures(figures["val_loss"], mismatched["val_loss"])}
 
 
-__all__ = ["NOT_LISTENING_RATIO", "listening_figures", "not_listening_warning", "listening_sums", "mismatched_audio", "partner_rows", "validate_listening",
-           "with_mismatched_audio"]
+__all__ = ["NOT_LISTENING_RATIO", "listening_figures", "listening_sums", "mismatched_audio", "not_listening_warning",
+           "partner_rows", "validate_listening", "with_mismatched_audio"]
