@@ -57,6 +57,8 @@ def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
         assert (out / stage / "config.yaml").is_file()
     assert (out / "ctc" / "encoder" / "model.safetensors").is_file()
     assert len((out / "salm" / "eval-val.jsonl").read_text().splitlines()) == 2
+    decoded = [json.loads(line) for line in (out / "salm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_wer_utterances"] for r in decoded if "val_wer" in r] == [2]  # the in-training decode of val
 
 
 def test_recipe_refuses_a_missing_manifest(tmp_path, capsys):

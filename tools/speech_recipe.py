@@ -14,7 +14,7 @@ beside their outputs (``DIR/<stage>/config.yaml``):
    greedy decodes (its WER is the summary's ``ctc_wer``);
 4. ``salm``: encoder from ``ctc/encoder``, LLM from ``llm/hf``; ``--llm frozen`` (default) freezes it and trains
    encoder + adapter, ``--llm trained`` fine-tunes all; validation gives the listening ratio every
-   ``eval_every`` steps, and the val split is decoded every second validation (its WER on the curve);
+   ``eval_every`` steps, and the val split is decoded every ``decode_every`` validations (WER on the curve);
 5. eval: greedy transcripts of the val split with the SALM's export (``headrace.training.speech.eval``): the
    summary's ``wer`` and ``listening_ratio``.
 
@@ -50,7 +50,7 @@ SIZES = {
                      subsampling_factor=4, subsampling_conv_channels=128, conv_kernel_size=15, dropout=0.1,
                      attention_dropout=0.0, activation_dropout=0.0),
         features=dict(kind="nemo", n_mels=80), batch_seconds=60.0, seq_len=256, text_batch=16, max_steps=3000,
-        eval_every=100, decode=True, precision="fp32"),
+        eval_every=100, decode_every=2, precision="fp32"),
     "gpu": dict(
         llm=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4),
@@ -58,7 +58,7 @@ SIZES = {
                      subsampling_factor=4, subsampling_conv_channels=256, conv_kernel_size=15, dropout=0.1,
                      attention_dropout=0.0, activation_dropout=0.0),
         features=dict(kind="nemo", n_mels=80), batch_seconds=300.0, seq_len=512, text_batch=64, max_steps=3000,
-        eval_every=100, decode=True, precision="bf16"),
+        eval_every=100, decode_every=2, precision="bf16"),
     "tiny": dict(
         llm=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2),
@@ -66,7 +66,7 @@ SIZES = {
                      subsampling_factor=4, subsampling_conv_channels=8, conv_kernel_size=3, dropout=0.0,
                      attention_dropout=0.0, activation_dropout=0.0),
         features=dict(kind="nemo", n_mels=16, n_fft=256, win_length=200), batch_seconds=8.0, seq_len=64,
-        text_batch=4, max_steps=2, eval_every=2, decode=False,
+        text_batch=4, max_steps=2, eval_every=2, decode_every=1,
         precision="fp32"),
 }
 
@@ -183,8 +183,8 @@ def salm_job(recipe: Recipe, paths: dict) -> dict:
                   adapter=dict(subsampling=2), features=size["features"], prompt=PROMPT,
                   freeze_llm=recipe.llm == "frozen",
                   spec_augment=dict(freq_masks=2, freq_width=15, time_masks=2, time_width=0.05),
-                  max_new_tokens=96, eval_split="val",
-                  eval_every=2 * (recipe.eval_every or size["eval_every"]) if size["decode"] else 0,
+                  max_new_tokens=96, eval_split="val", eval_data=str(paths["val"]),
+                  eval_every=size["decode_every"] * (recipe.eval_every or size["eval_every"]),
                   eval_batch_duration=120.0)
     return dict(common(recipe, "salm", 1e-3),
                 model=dict(kind="salm", pretrained_path=str(recipe.out / "llm" / "hf"),

@@ -119,6 +119,7 @@ class SpeechConfig:
     # (headrace.training.speech.listening.not_listening_warning)
     warn_not_listening_after: int = 500
     eval_split: str = "val"
+    eval_data: str | None = None  # the dataset folder eval_every decodes; None: the first training dataset's
     eval_batch_duration: float = 60.0  # seconds of padded audio per eval batch
 
     @property
