@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ["versions", "shards", "train_headrace", "train_torchtitan", "train_plain", "train_float8",
          "train_float8_rowwise", "train_offload", "float8_loss", "train_eager", "gpu_tests", "kernels", "moe", "lora",
-         "train_webdataset", "smoke"]
+         "train_webdataset", "smoke", "speech_recipe"]
 
 
 def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
@@ -41,6 +41,7 @@ def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
         assert f"## {name}\n\n$ " in report
     assert "-m tools.bench_train --config configs/llama_1b.yaml --device cuda" in report
     assert "--sources plain" in report and "-m pytest" in report and " -m gpu " in report
+    assert "tools/speech_recipe.sh --manifest demo/corpus_asr_gpu/audio_manifest.jsonl" in report
     assert "distributed.compile=false" in report
     assert "-m tools.bench_torchtitan" in report and "quantize.linear.float8={recipe_name: tensorwise}" in report
     assert "distributed.offload_policy=cpu" in report and "-m tools.loss_gap" in report

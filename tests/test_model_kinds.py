@@ -50,7 +50,7 @@ def test_a_section_belongs_to_its_kind(tmp_path):
 
     raw = to_dict(salm_job(tmp_path, "x"))
     raw["model"]["kind"] = "causal_lm"
-    with pytest.raises(ConfigError, match="model.speech is required with model.kind: salm, and only then"):
+    with pytest.raises(ConfigError, match="model.speech is required with model.kind: salm or ctc, and only then"):
         load_job_config(None, base=raw)
     raw = to_dict(salm_job(tmp_path, "x"))
     raw["distributed"]["cp_size"] = 2

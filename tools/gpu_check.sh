@@ -21,7 +21,10 @@
 # tools.bench_kernels all), moe (45: tools.bench_moe experts), lora (150: tools.bench_lora, LoRA then full
 # fine-tuning of one 1.2B Llama in bf16, step time and peak memory each), train_webdataset (120), smoke (150: the
 # floor-torch smoke subset -- imports, the loader, CP attention both modes + CP/FSDP2 training on gloo, PP
-# schedules, the dependency checks -- under the machine's torch). Every box expiring: ~19 min, more than one
+# schedules, the dependency checks -- under the machine's torch), speech_recipe (300: tools/speech_recipe.sh --size
+# gpu, bf16 + FSDP2, 3 minutes of training over its three stages, on demo/corpus_asr_gpu: 300 espeak-ng
+# utterances, ~20 MB, built where espeak-ng is and carried, since the GPU machine may lack it; prints the summary
+# line). Every box expiring: ~24 min, more than one
 # device call allows, so --budget S (seconds from the start) skips, and reports, each part whose box no longer
 # fits. PYTHON picks the interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
@@ -29,7 +32,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 REPORT=runs/gpu_check/report.md
 PARTS="versions shards train_headrace train_torchtitan train_plain train_float8 train_float8_rowwise train_offload"
-PARTS+=" float8_loss train_eager gpu_tests kernels moe lora train_webdataset smoke"
+PARTS+=" float8_loss train_eager gpu_tests kernels moe lora train_webdataset smoke speech_recipe"
 DRY=0
 BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
@@ -45,7 +48,7 @@ done
 declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_headrace]=180 [train_webdataset]=120
                 [train_plain]=120 [train_eager]=120 [kernels]=120 [moe]=45 [train_torchtitan]=240
                 [train_float8]=180 [train_float8_rowwise]=180 [train_offload]=180 [float8_loss]=300
-                [lora]=150)
+                [lora]=150 [speech_recipe]=300)
 START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
@@ -184,6 +187,10 @@ part lora "" -- env PY="$PY" bash -c 'for mode in lora full; do "$PY" -m tools.b
 train train_webdataset webdataset "tokenizers webdataset"
 part smoke "pytest pytest_timeout webdataset soundfile" -- \
     env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${SMOKE[@]}"
+# the corpus: python -m tools.demo_corpus --out demo/corpus_asr_gpu --docs 3000 --utterances 300 --vocab-size 512
+part speech_recipe "tokenizers soundfile webdataset" -- env PYTHON="$PY" bash tools/speech_recipe.sh \
+    --manifest demo/corpus_asr_gpu/audio_manifest.jsonl --text demo/corpus_asr_gpu/text.jsonl \
+    --out runs/gpu_check/speech_recipe --minutes 3 --size gpu --eval-every 50
 
 {
     printf '# GPU check: %s\n\n' "$(date -u '+%Y-%m-%d %H:%M UTC')"

@@ -15,9 +15,10 @@ from headrace.training.config.job_config import JobConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.distributed.pipeline import Pipeline
 from headrace.training.protocols.model_kind import ModelKind
+from headrace.training.speech.ctc_kind import CTC_KIND
 from headrace.training.speech.kind import SALM_KIND
 
-MODEL_KINDS: dict[str, ModelKind] = {kind.name: kind for kind in (CAUSAL_LM, SALM_KIND)}
+MODEL_KINDS: dict[str, ModelKind] = {kind.name: kind for kind in (CAUSAL_LM, SALM_KIND, CTC_KIND)}
 
 
 def model_kind(cfg: JobConfig) -> ModelKind:

@@ -122,5 +122,16 @@ def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
     return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
 
 
-__all__ = ["STEP_INPUTS", "forward_loss_sum", "gradient_sync", "next_micro_batches", "pipeline_train_step",
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module):
+    """``module`` in eval mode inside the block (dropout, SpecAugment off), its mode restored after."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+__all__ = ["STEP_INPUTS", "eval_mode", "forward_loss_sum", "gradient_sync", "next_micro_batches", "pipeline_train_step",
            "train_step", "uses_autocast"]

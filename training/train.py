@@ -112,6 +112,7 @@ class Trainer:
     # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
     first_loss: float | torch.Tensor | None = None
     saver: checkpoint.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
+    warned: bool = False  # the kind's ``val_warning`` was said (once a run)
 
     def __post_init__(self):
         self.saver = checkpoint.Saver(self.cfg.checkpoint.async_mode)
@@ -174,7 +175,8 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     loader = open_data("data", lambda: make_loader(trainer.dims.get_mesh("dp").get_local_rank(), trainer.dims.dp))
     if line := worker_choice_line(loader):
         print_on_rank0(line)
-    check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
+    if trainer.kind.vocab_checked:
+        check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     return trainer.kind.wrap_loader(loader, trainer.model, cfg, trainer.dims)
 
 
@@ -259,11 +261,14 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
     every ``eval_every`` (the kind may also decode: a SALM every ``model.speech.eval_every``), saves every
     ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
     cfg = trainer.cfg
-    flops_tok = flops_per_token(trainer.hf_config, cfg.data.seq_len or 0)  # a SALM's: the LLM's matmuls only
-    window = ThroughputWindow(batches.waits, trainer.step, flops_per_token=flops_tok, peak=peak_flops(trainer.device),
-                              world=dist.get_world_size(),
-                              matmul_flops_per_token=matmul_flops_per_token(trainer.hf_config),
-                              flops_per_pair=attention_flops_per_pair(trainer.hf_config))
+    if trainer.kind.counts_flops:  # a SALM's: the LLM's matmuls only
+        flops = {"flops_per_token": flops_per_token(trainer.hf_config, cfg.data.seq_len or 0),
+                 "matmul_flops_per_token": matmul_flops_per_token(trainer.hf_config),
+                 "flops_per_pair": attention_flops_per_pair(trainer.hf_config)}
+    else:  # no LLM to count the FLOPs of (a CTC stage): no MFU figures
+        flops = {"flops_per_token": 0.0}
+    window = ThroughputWindow(batches.waits, trainer.step, peak=peak_flops(trainer.device), world=dist.get_world_size(),
+                              **flops)
     clock = ComputeClock(trainer.device)
     records = DeferredRecords(trainer.device, logger.log)
     try:
@@ -279,7 +284,9 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
     cfg = trainer.cfg
     max_steps = cfg.trainer.max_steps
     inputs = even_if_finite(batches, cfg)
-    while trainer.step < max_steps:
+    out_of_time = time_budget(cfg.trainer.max_minutes, trainer.device)
+    last = False
+    while not last and trainer.step < max_steps:
         try:
             micro = next_micro_batches(inputs, cfg.trainer.grad_accum)
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
@@ -291,7 +298,10 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
             stats = take_step(trainer, micro, profiler)
         window.add(micro, trainer.dims.dp * trainer.dims.cp)
         step = trainer.step
-        if step % cfg.trainer.log_every == 0 or step == max_steps:
+        last = step == max_steps or out_of_time()
+        if last and step < max_steps:
+            print_on_rank0(f"trainer.max_minutes {cfg.trainer.max_minutes:g} spent: step {step} is the last")
+        if step % cfg.trainer.log_every == 0 or last:
             pairs = sum_over_dp(window.attention_pairs, trainer.dims.dp)
             records.push(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
             window.restart(step)
@@ -301,12 +311,32 @@ def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogge
             decoded = trainer.kind.decode(trainer.model, cfg, step)  # rank 0: the WER, and the hypotheses' file
             if decoded:
                 logger.log_decoded(step, decoded)
-        if validate is not None and (step % cfg.trainer.eval_every == 0 or step == max_steps):
+        if validate is not None and (step % cfg.trainer.eval_every == 0 or last):
             with window.paused():  # validation time is not training throughput
-                logger.log_val({"step": step, **validate()})
-        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < max_steps:
+                record = {"step": step, **validate()}
+            logger.log_val(record)
+            if trainer.kind.val_warning is not None and not trainer.warned:
+                if line := trainer.kind.val_warning(record, cfg):  # said once a run (a SALM not listening)
+                    print_on_rank0(line)
+                    trainer.warned = True
+        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and not last:
             with window.paused():  # checkpoint time is not training throughput
                 save_checkpoint(trainer, batches)
+
+
+def time_budget(minutes: float | None, device: torch.device) -> Callable[[], bool]:
+    """``out_of_time()``: whether ``minutes`` of wall time have passed since this call, on rank 0's clock (one
+    broadcast per call, so every rank stops after the same step); always False without a budget."""
+    if minutes is None:
+        return lambda: False
+    start = time.perf_counter()
+
+    def out_of_time() -> bool:
+        spent = torch.tensor([float(time.perf_counter() - start >= minutes * 60)], device=device)
+        dist.broadcast(spent, src=0)
+        return bool(spent.item())
+
+    return out_of_time
 
 
 def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:

@@ -29,7 +29,6 @@ val set per ``eval_every`` steps (two for a SALM).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +49,7 @@ from headrace.training.distributed.context_parallel import rank_batch_transform
 from headrace.training.distributed.process_group import new_tail_group
 from headrace.training.distributed.pipeline import run_schedule
 from headrace.training.model_kinds import model_kind
-from headrace.training.step import uses_autocast
+from headrace.training.step import eval_mode, uses_autocast
 
 PIPELINE_INPUTS = ("input_ids", "labels", "position_ids")
 
@@ -63,15 +62,6 @@ def documents_started(batch: dict) -> int:
     valid = batch.get("__valid__")
     return len(batch["__key__"]) if valid is None else int(torch.as_tensor(valid).sum())
 
-
-@contextlib.contextmanager
-def eval_mode(module: nn.Module):
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
 
 
 def reduce_figures(loss_sum: torch.Tensor, tokens: int, docs: int, *, loss_group, dp_group, pp_group=None) -> dict:
@@ -206,6 +196,8 @@ def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None)
 
     if pipe is not None:
         return lambda: evaluate_pipeline(pipe, batches(), device, dp_group=dp.get_group())
+    if kind.own_validation is not None:
+        return lambda: kind.own_validation(model, batches(), cfg, device, dp.get_group())
     forward = kind.step_forward(cfg, dims)
 
     def run(forward: Callable) -> dict:

@@ -105,7 +105,8 @@ class ThroughputWindow:
 
     def add(self, micro_batches: list[dict], token_ranks: int) -> None:
         """One step over ``micro_batches`` on each of ``token_ranks`` ranks holding distinct tokens (dp x cp)."""
-        self.tokens += sum(mb["input_ids"].numel() for mb in micro_batches) * token_ranks
+        # labels: the rows' shape (input_ids' for text and SALM rows; a CTC batch's padded units)
+        self.tokens += sum(mb["labels"].numel() for mb in micro_batches) * token_ranks
         # this rank's batches' pairs (host ints, headrace.kernels.packed_layout); summed over dp ranks in ``figures``
         self.attention_pairs += sum(mb["attention_pairs"] for mb in micro_batches if "attention_pairs" in mb)
         self.fill += [float(mb["fill"]) for mb in micro_batches if "fill" in mb]  # packed rows only (not audio)
@@ -132,6 +133,9 @@ class ThroughputWindow:
         start = time.perf_counter()
         yield
         self.start += time.perf_counter() - start
+
+
+VAL_FIGURES = (("val_ppl", 2), ("val_listening_ratio", 3), ("val_wer", 3), ("val_cer", 3))  # console, beside the loss
 
 
 class MetricsLogger:
@@ -182,9 +186,11 @@ class MetricsLogger:
             return
         self._write(record, lambda key: f"val/{key.removeprefix('val_')}")
         if self.console is not None:
-            self.console.print(f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]  "
-                               f"ppl {record['val_ppl']:.2f}  ({record['val_tokens']:,} tokens, "
-                               f"{record['val_docs']:,} documents)", soft_wrap=True)
+            figures = "".join(f"  {key.removeprefix('val_')} {record[key]:.{digits}f}" for key, digits in VAL_FIGURES
+                              if key in record)  # a CTC stage has no perplexity; a SALM's ratio, a CTC's WER / CER
+            self.console.print(f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]"
+                               f"{figures}  ({record['val_tokens']:,} tokens, {record['val_docs']:,} documents)",
+                               soft_wrap=True)
 
     def log_decoded(self, step: int, result: dict) -> None:
         """A SALM's in-training decode (``headrace.training.speech.eval.decode_split``'s result) to metrics.jsonl and

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from headrace.config import from_dict, to_dict
 from headrace.dataio.config import DataConfig
 from headrace.training.config.peft import PeftConfig
-from headrace.training.config.speech import SpeechConfig
+from headrace.training.config.speech import CTCConfig, SpeechConfig
 
 
 @dataclass(kw_only=True)
@@ -31,8 +31,11 @@ class ModelConfig:
     tokenizer: str | None = None  # tokenizer.json (or a directory) copied into the hf/ export
     attn_implementation: str = "sdpa"  # any name registered with transformers.AttentionInterface
     init_std: float | None = None  # overrides config.initializer_range for fresh models
-    kind: Literal["causal_lm", "salm"] = "causal_lm"  # salm: speech encoder + adapter + this LLM (headrace.training.speech)
-    speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm
+    # salm: speech encoder + adapter + this LLM (headrace.training.speech); ctc: model.speech's encoder alone with a
+    # CTC head (headrace.training.speech.ctc; no LLM: config / config_path / pretrained_path stay unset)
+    kind: Literal["causal_lm", "salm", "ctc"] = "causal_lm"
+    speech: SpeechConfig | None = None  # the encoder / adapter / prompt of kind: salm, the encoder of kind: ctc
+    ctc: CTCConfig | None = None  # kind: ctc's units (default: characters)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,11 +47,14 @@ class KindConfig:
     # its build applies quantize.linear.float8 and distributed.offload_policy (else both are refused)
     float8_and_offload: bool = False
     peft_parts: tuple[str, ...] = ("llm",)  # the parts ``peft.parts`` may name (LoRA adapters on them)
+    has_llm: bool = True  # a transformers LLM from exactly one of config / config_path / pretrained_path
+    extra_section: str | None = None  # a ``ModelConfig`` field only this kind may set (optional)
 
 
 # model.kind -> its config facts; a new kind adds its name to ModelConfig.kind, its section, and a row here
 KIND_CONFIGS = {"causal_lm": KindConfig(section=None, bucketed=False, float8_and_offload=True),
-                "salm": KindConfig(section="speech", bucketed=True, peft_parts=("llm", "encoder"))}
+                "salm": KindConfig(section="speech", bucketed=True, peft_parts=("llm", "encoder")),
+                "ctc": KindConfig(section="speech", bucketed=True, peft_parts=(), has_llm=False, extra_section="ctc")}
 
 
 @dataclass(kw_only=True)
@@ -173,6 +179,10 @@ class TrainerConfig:
     profile: ProfileConfig | None = None  # torch.profiler trace of a few steps, one file per rank
     eval_every: int = 0  # validate over the whole data.val stream every N steps and at the end (0: never)
     data_seed: int | None = None  # this job's data seed: orders the epochs not yet begun (headrace.training.launch --jobs)
+    # a wall-clock budget (validation and decodes included): the first step that ends past it is the last one (it
+    # logs, validates, saves and exports as max_steps' would); rank 0's clock decides for every rank. The LR
+    # schedule still runs over max_steps: set max_steps near what the budget buys
+    max_minutes: float | None = None
 
 
 @dataclass(kw_only=True)

@@ -115,7 +115,11 @@ class SpeechConfig:
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
     eval_every: int = 0  # decode the training dataset's eval_split every N steps, print the WER (0: never)
+    # the first validation at or past this step whose listening ratio is still >= 0.98 prints a warning, once
+    # (headrace.training.speech.listening.not_listening_warning)
+    warn_not_listening_after: int = 500
     eval_split: str = "val"
+    eval_data: str | None = None  # the dataset folder eval_every decodes; None: the first training dataset's
     eval_batch_duration: float = 60.0  # seconds of padded audio per eval batch
 
     @property
@@ -139,5 +143,15 @@ class SpeechConfig:
                              f"{self.prompt!r}")
 
 
-__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "EncoderConfig",
-           "SpeechConfig"]
+@dataclass(kw_only=True)
+class CTCConfig:
+    """``model.ctc:`` of a ``model.kind: ctc`` job: the ``model.speech`` encoder trained alone with CTC
+    (``headrace.training.speech.ctc``); the adapter / prompt / LLM fields of ``model.speech`` are not used."""
+
+    # chars: a-z, 0-9, space and apostrophe of the normalized transcript (WER's normalization); tokens: the
+    # pieces of model.tokenizer. Chars need frames of <= 40 ms (4x subsampling) for espeak-ng's ~15 chars/s
+    units: Literal["chars", "tokens"] = "chars"
+
+
+__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "CTCConfig",
+           "EncoderConfig", "SpeechConfig"]

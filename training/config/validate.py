@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 _RULES: dict[str, tuple[str, Callable]] = {
     "trainer.max_steps": (">= 1", lambda v: v >= 1),
     "trainer.grad_accum": (">= 1", lambda v: v >= 1),
+    "trainer.max_minutes": ("> 0 or null", lambda v: v is None or v > 0),
     "trainer.log_every": (">= 1", lambda v: v >= 1),
     "optim.lr": ("> 0", lambda v: v > 0),
     "optim.eps": ("> 0", lambda v: v > 0),
@@ -87,12 +88,18 @@ def check_config(cfg) -> None:
     (module docstring)."""
     model = cfg.model
     given = [n for n in ("config", "config_path", "pretrained_path") if getattr(model, n) is not None]
-    if len(given) != 1:
-        raise ConfigError(f"model: set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
     kind = KIND_CONFIGS[model.kind]
-    for owner, section in ((name, k.section) for name, k in KIND_CONFIGS.items() if k.section is not None):
+    if not kind.has_llm and given:
+        raise ConfigError(f"model.kind: {model.kind} has no LLM: leave model.{given[0]} unset")
+    if kind.has_llm and len(given) != 1:
+        raise ConfigError(f"model: set exactly one of config / config_path / pretrained_path (got {given or 'none'})")
+    for section in {k.section for k in KIND_CONFIGS.values() if k.section is not None}:
         if (getattr(model, section) is not None) != (section == kind.section):
-            raise ConfigError(f"model.{section} is required with model.kind: {owner}, and only then")
+            owners = " or ".join(name for name, k in KIND_CONFIGS.items() if k.section == section)
+            raise ConfigError(f"model.{section} is required with model.kind: {owners}, and only then")
+    for name, other in KIND_CONFIGS.items():
+        if other.extra_section is not None and getattr(model, other.extra_section) is not None and other is not kind:
+            raise ConfigError(f"model.{other.extra_section} is for model.kind: {name} (this job's kind: {model.kind})")
     if model.speech is not None and model.speech.encoder.from_checkpoint and model.pretrained_path is None:
         raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
                           "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")

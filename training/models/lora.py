@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from headrace.config import ConfigError
 from headrace.training.config.peft import PeftConfig
 from headrace.training.errors import JobInputError
+from headrace.training.models.loss import unwrap_ddp
 
 PEFT_PREFIX = "base_model.model."  # peft's names of the base model's modules in an adapter file
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -303,7 +304,7 @@ def llm_of(model: nn.Module) -> nn.Module:
     """The causal LM whose adapters the ``lora/`` export holds: ``model`` itself, or a SALM's LLM."""
     from headrace.training.speech.model import SALM
 
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap_ddp(model)
     return model.llm if isinstance(model, SALM) else model
 
 

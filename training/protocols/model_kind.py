@@ -54,6 +54,16 @@ class ModelKind:
     decode: Callable[[nn.Module, JobConfig, int], dict] | None = None
     # Why ``python -m headrace.training.eval`` cannot start from this kind's ``hf/`` export (None: it can).
     hf_export_refusal: str | None = None
+    # The loader's token ids index this model's vocabulary (checked before training); False: the kind turns the
+    # transcripts into its own units (a CTC stage)
+    vocab_checked: bool = True
+    # FLOPs per token (MFU) are counted from ``llm_config``'s model; False: there is no LLM to count (a CTC stage)
+    counts_flops: bool = True
+    # The kind's own validation pass ``(model, val batches, cfg, device, dp_group)`` -> figures (a CTC stage: the
+    # loss and the greedy decodes' WER / CER), instead of ``validate``'s loss pass; None: ``validate``.
+    own_validation: Callable[..., dict] | None = None
+    # After a validation: a line to say once a run (a SALM still not listening), or None; None: nothing to say.
+    val_warning: Callable[[dict, JobConfig], str | None] | None = None
     # The batch a rank whose share of the val stream is empty runs (loss-free padding rows), from the loader
     # ``build_loader`` made; None: such a rank cannot pad (the val set must give every rank a batch).
     empty_val_batch: Callable[[Iterable], dict] | None = None

@@ -168,7 +168,7 @@ def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, ou
 
 
 def eval_in_training(model, cfg, step: int) -> dict:
-    """``model.speech.eval_every``: decode the training dataset's ``eval_split`` with the FSDP2-sharded model
+    """``model.speech.eval_every``: decode ``eval_split`` of ``eval_data`` (default: the training dataset) with the FSDP2-sharded model
     being trained (its root units unsharded for the duration; ranks decode in step, see
     ``greedy_transcripts``). Rank 0 prints the WER and returns ``decode_split``'s result (other ranks: ``{}``).
     Not under sequence parallel (one-token decoding steps cannot split over tp ranks)."""
@@ -177,7 +177,7 @@ def eval_in_training(model, cfg, step: int) -> dict:
     salm = unwrap_ddp(model)
     speech = cfg.model.speech
     roots = [m for m in (salm, salm.llm) if isinstance(m, FSDPModule)]
-    loader = eval_loader(cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate,
+    loader = eval_loader(speech.eval_data or cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate,
                          speech.eval_batch_duration)
     salm.eval()
     for m in roots:

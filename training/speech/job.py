@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from headrace.config import from_dict
@@ -76,7 +77,26 @@ def check_audio_input(model: SALM, decode) -> None:
                          f"data.decode.max_duration <= {limit:g} (longer utterances become counted decode skips)")
 
 
-class SpeechBatches:
+class ConvertedBatches:
+    """``self.loader``'s batches through ``self.convert``; its state is the loader's (a SALM's and a CTC stage's step
+    batches: ``SpeechBatches``, ``headrace.training.speech.ctc.CTCBatches``)."""
+
+    loader: Iterable
+
+    def convert(self, batch: dict) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return map(self.convert, self.loader)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.loader.load_state_dict(state)
+
+
+class SpeechBatches(ConvertedBatches):
     """Loader audio batches (``audio``, ``audio_lens``, and the answer as ``text`` or ``tokens``) -> SALM
     step batches; ``state_dict`` / ``load_state_dict`` are the loader's."""
 
@@ -103,15 +123,6 @@ class SpeechBatches:
         return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], **out,
                 **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch}}
 
-    def __iter__(self):
-        return map(self.convert, self.loader)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.loader.load_state_dict(state)
-
 
 def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
     """The step's forward for a SALM micro-batch (summed answer cross-entropy)."""
@@ -121,26 +132,38 @@ def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor
 
 def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
-    from safetensors.torch import save_file
-
     salm: SALM = unwrap_ddp(model)
     out_dir = Path(out_dir)
     peft = cfg.peft
     export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer,
               transform=lora.merger(peft) if peft is not None and "llm" in peft.parts else None)
-    parts = {name: get_model_state_dict(getattr(salm, name), options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True)) for name in ("encoder", "adapter")}
-    if peft is not None and "encoder" in peft.parts:  # encoder/ holds the merged weights (no adapter of its own)
-        parts["encoder"] = lora.merged_state(parts["encoder"], peft.scaling)
-    if dist.get_rank() != 0:
+    merge_encoder = peft is not None and "encoder" in peft.parts  # encoder/ holds the merged weights, no adapter
+
+    def merged(name: str, state: dict) -> dict:
+        return lora.merged_state(state, peft.scaling) if merge_encoder and name == "encoder" else state
+
+    if not save_parts(salm, ("encoder", "adapter"), out_dir, merged):
         return None
+    write_manifest(salm.cfg, out_dir)
+    return out_dir
+
+
+def save_parts(model: nn.Module, names: tuple[str, ...], out_dir: Path, transform=None) -> bool:
+    """``out_dir/<name>/model.safetensors`` for each named submodule of ``model`` (full state dicts gathered from
+    every rank; ``transform(name, state)`` the state written, when given), and ``encoder/config.json``: what
+    ``model.speech.encoder.pretrained_path`` reads. Collective; rank 0 writes and returns True."""
+    parts = {name: get_model_state_dict(getattr(model, name), options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True)) for name in names}
+    if transform is not None:
+        parts = {name: transform(name, state) for name, state in parts.items()}
+    if dist.get_rank() != 0:
+        return False
     for name, state in parts.items():
         (out_dir / name).mkdir(parents=True, exist_ok=True)
         state = {k.replace("._checkpoint_wrapped_module", ""): v.contiguous() for k, v in state.items()}
         save_file(state, str(out_dir / name / "model.safetensors"), metadata={"format": "pt"})
-    salm.encoder.config.save_pretrained(out_dir / "encoder")
-    write_manifest(salm.cfg, out_dir)
-    return out_dir
+    model.encoder.config.save_pretrained(out_dir / "encoder")
+    return True
 
 
 def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SALM, SpeechConfig]:
@@ -168,5 +191,5 @@ def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> 
                          multiple_of=dims.tp if dims.sequence_parallel else 1)
 
 
-__all__ = ["SALM_INPUTS", "SpeechBatches", "build_salm", "check_audio_input", "export_salm", "load_salm", "salm_loss_sum",
-           "wrap_loader"]
+__all__ = ["SALM_INPUTS", "ConvertedBatches", "SpeechBatches", "build_salm", "check_audio_input", "export_salm",
+           "load_salm", "salm_loss_sum", "save_parts", "wrap_loader"]

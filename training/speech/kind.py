@@ -24,7 +24,7 @@ from headrace.training.protocols.model_kind import Forward, ModelKind
 from headrace.training.speech.checkpoints import with_speech_llm
 from headrace.training.speech.eval import eval_in_training
 from headrace.training.speech.job import SpeechBatches, build_salm, export_salm, salm_loss_sum, wrap_loader
-from headrace.training.speech.listening import validate_listening
+from headrace.training.speech.listening import not_listening_warning, validate_listening
 from headrace.training.speech.model import SALM, build_meta_salm, materialize_salm
 
 
@@ -50,12 +50,17 @@ def batch_probe(cfg: JobConfig, device: torch.device) -> tuple[SALM, SpeechBatch
     return model, SpeechBatches([], model, cfg.model.speech, cfg.model.tokenizer)
 
 
+def not_listening(record: dict, cfg: JobConfig) -> str | None:
+    """The warning of a SALM whose validation still shows it ignores the audio (``not_listening_warning``)."""
+    return not_listening_warning(record, cfg.model.speech.warn_not_listening_after)
+
+
 SALM_KIND = ModelKind(
     name="salm", llm_config=functools.partial(build_hf_config, text_model=True), prepare_job=with_speech_llm,
     build_model=build_salm, build_pipeline=None, step_forward=salm_forward, wrap_loader=wrap_loader,
     validate=validate_listening, export=export, decode=decode_on_its_steps,
     hf_export_refusal="a SALM is evaluated from its DCP checkpoints (the hf/ export holds only its LLM); its "
                       "decoding WER: python -m headrace.training.speech.eval",
-    batch_probe=batch_probe)
+    batch_probe=batch_probe, val_warning=not_listening)
 
-__all__ = ["SALM_KIND", "batch_probe", "decode_on_its_steps", "salm_forward"]
+__all__ = ["SALM_KIND", "batch_probe", "decode_on_its_steps", "not_listening", "salm_forward"]

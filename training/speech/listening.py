@@ -63,6 +63,25 @@ def listening_sums(model, step_batch: dict, device: torch.device) -> torch.Tenso
     return torch.tensor([float(own), float(mismatched), labelled_tokens(batch)], dtype=torch.float64)
 
 
+NOT_LISTENING_RATIO = 0.98  # at or above: the answers barely depend on the audio
+
+
+def not_listening_warning(record: dict, after_step: int) -> str | None:
+    """The warning for a validation ``record`` (``step``, ``val_listening_ratio``) at or past ``after_step`` whose
+    ratio is still >= ``NOT_LISTENING_RATIO``, in plain words with what to try; None otherwise. The trainer
+    prints it once per run."""
+    ratio = record.get("val_listening_ratio")
+    if ratio is None or record["step"] < after_step or ratio < NOT_LISTENING_RATIO:
+        return None
+    return (f"warning: at step {record['step']} the model is still not listening to the audio: its validation "
+            f"loss with each utterance's own audio is {ratio:.3f} of the loss with another utterance's audio "
+            f"(1.0 = the audio is ignored), so it has learnt what transcripts look like, not what was said. "
+            f"Try: start the encoder from a CTC-trained one (a model.kind: ctc run, then "
+            f"model.speech.encoder.pretrained_path: RUN/encoder), add a CTC loss on the encoder "
+            f"(model.speech.ctc_weight: 0.3), freeze the LLM (model.speech.freeze_llm: true) so the encoder and "
+            f"adapter must carry the answer, or a higher learning rate; see docs/speech-recipe.md")
+
+
 def listening_figures(own_loss: float, mismatched_loss: float) -> dict:
     return {"val_mismatched_loss": mismatched_loss, "val_listening_ratio": own_loss / max(mismatched_loss, 1e-12)}
 
@@ -79,5 +98,5 @@ def validate_listening(run: Callable[[Callable], dict], forward: Callable) -> di
     return {**figures, **listening_figures(figures["val_loss"], mismatched["val_loss"])}
 
 
-__all__ = ["listening_figures", "listening_sums", "mismatched_audio", "partner_rows", "validate_listening",
-           "with_mismatched_audio"]
+__all__ = ["NOT_LISTENING_RATIO", "listening_figures", "listening_sums", "mismatched_audio", "not_listening_warning",
+           "partner_rows", "validate_listening", "with_mismatched_audio"]

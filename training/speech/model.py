@@ -111,6 +111,21 @@ class SpeechLMLoss(CausalLMLoss):
         return super().forward(None, labels, inputs_embeds=embeds, position_ids=position_ids, **kwargs)
 
 
+def encoder_frames(model: nn.Module, audio: torch.Tensor, audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frames ``[B, T, H]`` of ``model.encoder`` (a SALM's, or the CTC stage's: ``headrace.training.speech.ctc``)
+    on its front end's features, SpecAugmented in training, zero past each utterance's audio; and each
+    utterance's frame count. ``model`` has ``front``, ``encoder``, ``cfg`` (a ``SpeechConfig``), ``augment_generator``."""
+    feats, frames = model.front.features(model.encoder, audio, audio_lens)
+    if model.training and model.cfg.spec_augment.enabled:
+        feats = spec_augment(feats, frames, model.cfg.spec_augment, model.augment_generator)
+    hidden = model.front.hidden(model.encoder, feats, frames)
+    covered = model.front.output_frames(model.encoder, audio_lens).to(hidden.device)
+    # Frames past each utterance's audio are zeroed before the adapter stacks them, so its last slot does
+    # not depend on what else is in the batch; past the longest one (Whisper's window) they are skipped.
+    hidden = hidden[:, : int(covered.max())]
+    return hidden * masked_frames(covered, hidden.shape[1])[..., None], covered
+
+
 class SALM(nn.Module):
     """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
 
@@ -130,15 +145,7 @@ class SALM(nn.Module):
 
     def encoder_frames(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder's frames ``[B, T, H]`` (zero past each utterance's audio) and each utterance's count."""
-        feats, frames = self.front.features(self.encoder, audio, audio_lens)
-        if self.training and self.cfg.spec_augment.enabled:
-            feats = spec_augment(feats, frames, self.cfg.spec_augment, self.augment_generator)
-        hidden = self.front.hidden(self.encoder, feats, frames)
-        covered = self.front.output_frames(self.encoder, audio_lens).to(hidden.device)
-        # Frames past each utterance's audio are zeroed before the adapter stacks them, so its last slot does
-        # not depend on what else is in the batch; past the longest one (Whisper's window) they are skipped.
-        hidden = hidden[:, : int(covered.max())]
-        return hidden * masked_frames(covered, hidden.shape[1])[..., None], covered
+        return encoder_frames(self, audio, audio_lens)
 
     def adapt(self, hidden: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
         """The valid adapter frames of every utterance, concatenated in batch order: ``[sum(slots), H]``."""
@@ -173,7 +180,13 @@ def ctc_loss_sum(logits: torch.Tensor, frames: torch.Tensor, labels: torch.Tenso
     """Summed CTC loss of the transcripts over the encoder frames (``logits`` ``[B, T, V + 1]``, blank = ``V``).
     An utterance with more tokens than frames contributes 0 (``zero_infinity``). ``ctc_loss`` reads the lengths
     on the host: one sync per micro-batch on a GPU."""
-    targets, lengths = transcript_targets(labels)
+    return ctc_targets_loss_sum(logits, frames, *transcript_targets(labels))
+
+
+def ctc_targets_loss_sum(logits: torch.Tensor, frames: torch.Tensor, targets: torch.Tensor,
+                         lengths: torch.Tensor) -> torch.Tensor:
+    """Summed CTC loss of padded ``targets`` ``[B, L]`` (``lengths`` each) over ``frames`` frames of ``logits``
+    ``[B, T, V + 1]`` (blank = ``V``, the last class); see ``ctc_loss_sum``."""
     log_probs = logits.float().log_softmax(-1).transpose(0, 1)
     return nn.functional.ctc_loss(log_probs, targets, frames, lengths, blank=logits.shape[-1] - 1,
                                   reduction="sum", zero_infinity=True)
@@ -217,4 +230,4 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
 
 
 __all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "ctc_loss_sum",
-           "materialize_salm", "transcript_targets"]
+           "ctc_targets_loss_sum", "encoder_frames", "materialize_salm", "transcript_targets"]
