@@ -119,7 +119,8 @@ def test_ctc_job_trains_validates_and_starts_a_salm_encoder(tmp_path, process_gr
 
     from headrace.training.config.load import load_job_config
     from headrace.training.speech.job import build_salm
-    from headrace.training.train import set_up_meshes, train
+    from headrace.training.distributed.parallel_dims import ParallelDims
+    from headrace.training.train import train
 
     data = write_speech_dataset(tmp_path / "speech", ["alpha", "bravo charlie", "delta", "echo foxtrot golf"])
     history = train(load_job_config(None, base=ctc_job(tmp_path, data, log_every=1)))
@@ -135,8 +136,8 @@ def test_ctc_job_trains_validates_and_starts_a_salm_encoder(tmp_path, process_gr
     salm = salm_job(tmp_path, "salm", data_path=str(data))
     encoder = salm.model.speech.encoder
     encoder.config, encoder.pretrained_path = None, str(tmp_path / "ctc" / "encoder")
-    dims, meshes = set_up_meshes(salm.distributed, torch.device("cpu"))
-    model, _ = build_salm(salm, dims, meshes, torch.device("cpu"))
+    dims = ParallelDims.from_config(salm.distributed, 1).build_meshes("cpu")
+    model, _ = build_salm(salm, dims, torch.device("cpu"))
     saved = load_file(str(tmp_path / "ctc" / "encoder" / "model.safetensors"))
     for name, value in model.encoder.state_dict().items():
         assert torch.equal(value, saved[name]), name
@@ -149,8 +150,11 @@ def test_ctc_config_errors(tmp_path):
     job = ctc_job(tmp_path, tmp_path)
     with pytest.raises(ConfigError, match="leave model.config unset"):
         check_config(load_job_config(None, base={**job, "model": {**job["model"], "config": {"model_type": "llama"}}}))
-    with pytest.raises(ConfigError, match="model.kind: ctc needs model.speech.encoder"):
+    with pytest.raises(ConfigError, match="model.speech is required with model.kind: salm or ctc"):
         check_config(load_job_config(None, base={**job, "model": {"kind": "ctc"}}))
+    speech = {**job["model"]["speech"], "encoder": {}}
+    with pytest.raises(ConfigError, match="model.kind: ctc trains the encoder alone"):
+        check_config(load_job_config(None, base={**job, "model": {**job["model"], "speech": speech}}))
     with pytest.raises(ConfigError, match="model.ctc is for model.kind: ctc"):
         check_config(load_job_config(None, base={**job, "model": {"config": {"model_type": "llama"}, "ctc": {}}}))
     with pytest.raises(ValueError, match="units: tokens needs model.tokenizer"):

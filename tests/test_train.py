@@ -287,7 +287,7 @@ def test_automodel_distributed_block_loads_as_written(tmp_path):
     for override, message in (
             ("distributed.strategy=megatron_fsdp", "distributed.strategy: megatron_fsdp is not implemented"),
             ("distributed.zero_dp_strategy=3", "distributed.zero_dp_strategy: a MegatronFSDP option"),
-            ("distributed.offload_policy={pin_memory: true}", "distributed.offload_policy=.* CPU offload"),
+            ("distributed.offload_policy={pin_memory: true}", "distributed.offload_policy=.* is not supported: use cpu"),
             ("distributed.mp_policy={param_dtype: bfloat16}", "distributed.mp_policy=.* use trainer.precision"),
             ("distributed.activation_checkpointing=selective", "activation_checkpointing=selective is not supported"),
             ("distributed.enable_fsdp2_prefetch=true", "distributed.enable_fsdp2_prefetch=True is not supported"),

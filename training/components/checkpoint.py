@@ -121,6 +121,19 @@ def split_state(model_state: dict, optim_state: dict | None = None) -> tuple[dic
     return tensors, plain
 
 
+def unshared(tensors: dict) -> dict:
+    """``tensors`` with every entry whose storage an earlier entry already holds (tied embeddings: ``lm_head`` and
+    ``embed_tokens`` are one parameter) replaced by a copy: safetensors refuses two entries over one storage. The
+    load reads both into the one parameter, with the same values."""
+    seen, out = set(), {}
+    for key, value in tensors.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        storage = local.untyped_storage().data_ptr() if local.numel() else None
+        out[key] = value.clone() if storage in seen else value
+        seen.add(storage)
+    return out
+
+
 def _joined(tensors: dict, plain: dict, saved_plain: dict, path: Path) -> tuple[dict, dict]:
     """``split_state`` undone: (model state, optimizer state) with ``plain``'s keys taken from ``saved_plain``
     (a tuple stays a tuple: JSON made it a list)."""
@@ -222,6 +235,7 @@ class Saver:
         model_state, optim_state = get_state_dict(model, optimizer,
                                                   options=_TRAINABLE if trainable_only else _OPTIONS)
         tensors, plain = split_state(high_precision_weights(model_state), optim_state)
+        tensors = unshared(tensors)
         state = {"step": step, "loader": loader_states, "rng": gather_objects(_rng_state()),
                  "optim_plain": {k: v for part in gather_objects(plain) for k, v in part.items()}, **(extra or {})}
         files = _file_index(tensors, _FILE_BYTES)

@@ -69,7 +69,9 @@ def check_job(cfg) -> None:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}: must be {rule}, got {value!r}")
-    if cfg.model.config is not None:
+    if not KIND_CONFIGS[cfg.model.kind].has_llm:
+        pass  # no LLM to find (the kind's encoder is checked where it is built)
+    elif cfg.model.config is not None:
         model_type = cfg.model.config.get("model_type")
         if not isinstance(model_type, str) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             raise ConfigError(f"model.config.model_type: {model_type!r} is not a causal LM model type of "
@@ -101,8 +103,9 @@ def check_config(cfg) -> None:
         if other.extra_section is not None and getattr(model, other.extra_section) is not None and other is not kind:
             raise ConfigError(f"model.{other.extra_section} is for model.kind: {name} (this job's kind: {model.kind})")
     if model.speech is not None and model.speech.encoder.from_checkpoint and model.pretrained_path is None:
-        raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path, or start from "
-                          "a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path")
+        raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path"
+                          + (", or start from a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path"
+                             if kind.has_llm else f" (model.kind: {model.kind} trains the encoder alone)"))
     if kind.bucketed:  # its batches come from data.bucketing, not THD rows
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
             raise ConfigError(f"model.kind: {model.kind} trains on bucketed audio: set data.bucketing and leave "
