@@ -286,7 +286,8 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
                                                                             monkeypatch, straight):
     """``checkpoint.folder: s3://...``: saves upload each rank's files then the state file (the commit marker);
     keep_last prunes; a save cut off mid-upload leaves a step folder without the marker, which the rerun ignores
-    (resuming from the previous one, with the losses of an uninterrupted run) and overwrites."""
+    (resuming from the previous one, with the losses of an uninterrupted run) and overwrites; the hf/ export is
+    uploaded to URL/hf/."""
     from headrace.training.components import checkpoint_store
 
     data, expected = straight
@@ -311,12 +312,16 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
     assert str(checkpoint_store.step_folders(url, "trainer_state.json", complete_only=True)) == \
         str([f"{url}/step-00000002"])
 
-    assert main(args(tmp_path, *common, data=data)) == 0
+    assert main(args(tmp_path, *common, "checkpoint.export_hf=true", data=data)) == 0
     got = losses(tmp_path / "out")
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
     complete = [k for k in keys() if k.endswith("trainer_state.json")]
     assert complete == ["run/checkpoints/step-00000006/trainer_state.json"], keys()  # keep_last: 1
-    assert {k.split("/")[2] for k in keys()} == {"step-00000006"}
+    assert {k.split("/")[2] for k in keys()} == {"step-00000006", "hf"}
+    exported = {k.split("/", 3)[3] for k in keys() if k.split("/")[2] == "hf"}
+    assert exported == {p.relative_to(tmp_path / "out" / "hf").as_posix()
+                        for p in (tmp_path / "out" / "hf").rglob("*") if p.is_file()}
+    assert {"config.json", "headrace_export.json"} <= exported and any(n.endswith(".safetensors") for n in exported)
     assert not list((tmp_path / "out" / "checkpoints").glob("step-*"))  # local copies removed after the upload
 
 

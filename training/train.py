@@ -41,7 +41,7 @@ from headrace.config import to_dict
 from headrace.dataio.batching.even import even_batches
 from headrace.dataio.batching.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
-from headrace.training.components import checkpoint
+from headrace.training.components import checkpoint, checkpoint_store
 from headrace.training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
                                          build_metrics_logger, flops_per_token, matmul_flops_per_token,
                                          max_memory_gib, peak_flops)
@@ -381,6 +381,8 @@ def export_model(trainer: Trainer) -> None:
                               cfg.model.pretrained_path)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
+        if checkpoint_store.is_url(trainer.checkpoints):  # checkpoint.folder on object storage: hf/ goes there too
+            checkpoint_store.upload_tree(out, checkpoint_store.join(str(trainer.checkpoints), "hf"), last=EXPORT_MARK)
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")
 
 

@@ -5,7 +5,7 @@ Object stores have no rename, so completeness is a commit marker: a checkpoint i
 (``step-N.tmp`` under the job's ``output_dir/checkpoints``, hashed while written), then every rank uploads the
 files it wrote to ``URL/step-N/``, and after a barrier rank 0 uploads ``trainer_state.json`` last. A step
 folder without that object (a save cut off mid-way) is never listed as complete and is deleted before the
-same step is saved again. ``keep_last`` prunes complete and partial step folders alike. Resume downloads the
+same step is saved again. The ``hf/`` export is uploaded to ``URL/hf/``, its mark last. ``keep_last`` prunes complete and partial step folders alike. Resume downloads the
 newest complete step into ``output_dir/checkpoints/.fetched-<host>/`` (once per host, by its lowest rank) and
 loads it with the same checks as a local one: the seal, the exact file set, the hashes.
 
@@ -72,6 +72,15 @@ def upload(local_dir: Path, names: list[str], url: str) -> None:
                                 f"{e.strerror or e}") from None
 
 
+def upload_tree(local_dir: Path, url: str, *, last: str) -> None:
+    """Every file under ``local_dir`` to ``url`` (whatever was there removed first), ``last`` after all others: a
+    reader that finds ``last`` finds the rest (the ``hf/`` export, whose mark is written last)."""
+    remove(url)
+    names = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+    upload(local_dir, [n for n in names if n != last], url)
+    upload(local_dir, [last], url)
+
+
 def download(url: str, local_dir: Path) -> Path:
     """Every file of step folder ``url`` into ``local_dir`` (emptied first); returns ``local_dir``."""
     import shutil
@@ -99,4 +108,4 @@ def prune(url: str, keep_last: int | None, state_file: str) -> None:
             remove(old)
 
 
-__all__ = ["download", "filesystem", "is_url", "join", "prune", "remove", "step_folders", "upload"]
+__all__ = ["download", "filesystem", "is_url", "join", "prune", "remove", "step_folders", "upload", "upload_tree"]
