@@ -76,12 +76,14 @@ def _check_expansion(data: Any, where: str) -> None:
     One depth-first walk over the distinct containers (an alias is one object however often it is used), each
     container's expanded size the sum of its children's: O(distinct values), however large the expansion."""
     if not isinstance(data, (dict, list)):
+        _check_text(data, where)
         return
     sizes: dict[int, int] = {}
     stack, on_path = [(data, iter(_children(data)))], {id(data)}
     while stack:
         node, children = stack[-1]
         for child in children:
+            _check_text(child, where)
             if isinstance(child, (dict, list)) and id(child) not in sizes:
                 if id(child) in on_path:
                     raise ConfigError(f"{where}: a YAML alias inside itself (its value would be infinite)")
@@ -95,6 +97,17 @@ def _check_expansion(data: Any, where: str) -> None:
             if size > MAX_VALUES:
                 raise ConfigError(f"{where}: expands to more than {MAX_VALUES:,} values (YAML aliases repeated in "
                                   "aliases); write the values out")
+
+
+def _check_text(value: Any, where: str) -> None:
+    """ConfigError for a string that is not text: YAML's ``"\\ud800"`` escapes give lone surrogates, which no file
+    name, script or log line can hold (writing one would be a UnicodeEncodeError traceback)."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: a string holds an unpaired surrogate ({value!r:.60}); write the character "
+                              "itself, not its \\u escapes") from None
 
 
 def _children(value: dict | list) -> list:

@@ -593,16 +593,18 @@ def check_speech_checkpoint(tmp: Path, base: Path, edits: list[tuple[str, bytes]
                                     for p in (case / "out").rglob("*") if p.is_file())
 
 
-def check_launcher(tmp: Path, job: Path, values: list[str]) -> None:
-    """Overrides with shell-active text, through ``launch --slurm --dry-run``: refused in one line (exit 2), or
-    the per-node bash of the script hands the trainer exactly the words given, and runs nothing of theirs."""
+def check_launcher(tmp: Path, job: Path, values: list[tuple[str, bool]]) -> None:
+    """Overrides with shell-active text (raw, or as a YAML double-quoted string so that most reach the script),
+    through ``launch --slurm --dry-run``: refused in one line (exit 2), or the per-node bash of the script hands
+    the trainer exactly the words given, and runs nothing of theirs."""
     import shlex
 
     from headrace.training.launch import main as launch_main
 
     case = _case_dir(tmp, "launch")
-    overrides = [f"trainer.output_dir={case}/{v}" if i == 0 else f"model.config.note{i}={v}"
-                 for i, v in enumerate(values)]
+    raw = [f"{case}/{v}" if i == 0 else v for i, (v, _) in enumerate(values)]
+    texts = [json.dumps(r, ensure_ascii=False) if quoted else r for r, (_, quoted) in zip(raw, values)]
+    overrides = [f"trainer.output_dir={t}" if i == 0 else f"model.config.note{i}={t}" for i, t in enumerate(texts)]
     import contextlib
     import io
 
@@ -774,7 +776,8 @@ def issue34_targets(tmp: Path, guarded, guarded_run) -> dict:
             st.just(("chat_template.jinja", nested_loops))), max_size=2),
             st.one_of(st.none(), st.sampled_from(["merges.txt", "tokenizer.json", "config.json"]))),
             guarded_run(lambda c: check_speech_checkpoint(tmp, tmp / "qwen2_audio", *c))),
-        "launcher": (st.lists(shell_text, min_size=1, max_size=3), guarded(lambda v: check_launcher(tmp, job, v))),
+        "launcher": (st.lists(st.tuples(shell_text, st.booleans()), min_size=1, max_size=3),
+                     guarded(lambda v: check_launcher(tmp, job, v))),
         "links": (st.lists(st.tuples(st.sampled_from(OUTPUT_NAMES), st.booleans()), max_size=3),
                   guarded_run(lambda links: check_output_links(tmp, links))),
     }

@@ -42,3 +42,13 @@ def test_alias_bomb_in_an_override_is_one_line(tmp_path, capsys, monkeypatch):
                        f"model.config.extra={value}"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "expands to more than" in err, err
+
+
+def test_a_lone_surrogate_escape_is_one_line(tmp_path, capsys):
+    """Found by the launcher fuzz target: ``"\\ud800"`` in a YAML value is a lone surrogate, which the launcher's
+    script (and any file name) cannot hold: it was a UnicodeEncodeError traceback."""
+    job = tmp_path / "job.yaml"
+    job.write_text((REPO / "configs" / "debug_llama.yaml").read_text())
+    code = launch_main(["--config", str(job), "--slurm", "--dry-run", 'trainer.output_dir="runs/\\ud800"'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "unpaired surrogate" in err, err
