@@ -52,3 +52,10 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nERROR: modules imported under their bare names besides headrace.*: {', '.join(bare)}",
               file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A trainer CLI run in this process as one rank: no launcher variables, no debug tracebacks."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
+        monkeypatch.delenv(key, raising=False)

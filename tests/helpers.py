@@ -20,6 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+# ``python -m headrace.training``'s arguments for a quick run of the tiny debug Llama (no console, no hf/ export)
+DEBUG_LLAMA_CLI = ("--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",
+                   "checkpoint.export_hf=false", "data.seq_len=64", "data.packing_buffer=8")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket() as s:

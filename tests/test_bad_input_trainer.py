@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import webdataset as wds
 
-from tests.helpers import REPO
+from tests.helpers import DEBUG_LLAMA_CLI, REPO
 from tests.loader_util import index_dir, make_text_dataset
 
 from headrace.training.__main__ import main
 from headrace.training.config.load import load_job_config
 
-BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
-        "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8"]
+BASE = [*DEBUG_LLAMA_CLI, "trainer.max_steps=1"]
 
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
 
 
 def run(tmp_path, capsys, *overrides) -> tuple[int, str]:

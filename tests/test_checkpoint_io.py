@@ -30,11 +30,6 @@ BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console
         "data.seq_len=64", "data.packing_buffer=8", "trainer.log_every=1", "optim.decay_steps=6"]
 
 
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
-
 
 def args(tmp_path, *overrides, data: Path | None = None) -> list[str]:
     return [*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {data or tmp_path / 'd'}}}]",

@@ -14,11 +14,6 @@ from tests.loader_util import make_text_dataset
 from headrace.training.__main__ import main
 
 
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
-
 
 def _args(tmp_path, steps):
     return ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",

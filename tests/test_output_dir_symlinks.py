@@ -8,19 +8,13 @@ import os
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import DEBUG_LLAMA_CLI
 from tests.loader_util import make_text_dataset
 
 from headrace.training.__main__ import main
 
-BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
-        "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8"]
+BASE = [*DEBUG_LLAMA_CLI, "trainer.max_steps=1"]
 
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
 
 
 @pytest.mark.parametrize("name", [".headrace-train.lock", "config.yaml", "metrics.jsonl", "checkpoints",

@@ -14,13 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
-from tests.helpers import REPO
+from tests.helpers import DEBUG_LLAMA_CLI
 from tests.loader_util import make_text_dataset
 
 from headrace.training.__main__ import main
 
-BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
-        "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8"]
+BASE = [*DEBUG_LLAMA_CLI, "trainer.max_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +29,6 @@ def saved(tmp_path_factory):
     make_text_dataset(root / "d", [20])
     return root
 
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
 
 
 def _split_with_zero_copy(d):
