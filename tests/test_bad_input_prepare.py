@@ -514,7 +514,8 @@ def test_bench_prints_a_line_per_measured_config(tmp_path, capsys):
     bench(tmp_path, {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8},
           "--compare", "", "--num-workers", "0,1", "--batches", "2", "--repeats", "2")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dataio bench: [")]
-    assert [line.split("]")[0] for line in lines] == [f"dataio bench: [{i}/4" for i in range(1, 5)]
+    # headrace and headrace-full (its full batch layout) x 2 worker counts x 2 repeats
+    assert [line.split("]")[0] for line in lines] == [f"dataio bench: [{i}/8" for i in range(1, 9)]
     assert all("headrace" in line and "samples" in line for line in lines)
 
 
