@@ -1,7 +1,7 @@
 """Ctrl-C (SIGINT) during training, ``dataio shard`` and ``dataio verify`` ends with one line, "interrupted", and
 exit status 130, never a ``KeyboardInterrupt`` traceback (issue 34 item 11). The trainer is run as a real process
 group with two loader workers and interrupted as a terminal does (SIGINT to the whole group); the ``dataio`` verbs
-in-process, the signal sent from inside their work."""
+in-process, the signal sent from inside their work (in a child process, so the test process's signal handling is untouched)."""
 
 from __future__ import annotations
 
@@ -14,31 +14,40 @@ import sys
 from tests.helpers import REPO, child_env
 from tests.loader_util import make_text_dataset
 
-from headrace.dataio.cli import main as dataio
 
 
-def _interrupt_inside(monkeypatch, module, name):
-    original = getattr(module, name)
+# The verb in a child process whose ``module.name`` sends SIGINT to its own process first (the signal arrives from
+# inside the verb's work): the test process's own signal handling is never touched.
+INTERRUPTED_VERB = """
+import os, signal, sys, importlib
+module, name = sys.argv[1:3]
+module = importlib.import_module(module)
+original = getattr(module, name)
 
-    def interrupted(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return original(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, interrupted)
+setattr(module, name, interrupted)
+from headrace.dataio.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
 
 
-def test_dataio_verify_and_shard_say_interrupted(tmp_path, capsys, monkeypatch):
-    import headrace.dataio.prepare.job as job
-    import headrace.dataio.shards.verify as verify
+def interrupted_verb(module: str, name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", INTERRUPTED_VERB, module, name, *args], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
 
+
+def test_dataio_verify_and_shard_say_interrupted(tmp_path):
     make_text_dataset(tmp_path / "d", [4, 4])
-    _interrupt_inside(monkeypatch, verify, "verify_shard")
-    assert dataio(["verify", str(tmp_path / "d"), "--quiet", "--workers", "1"]) == 130
-    assert capsys.readouterr().err == "dataio verify: interrupted\n"
+    proc = interrupted_verb("headrace.dataio.shards.verify", "verify_shard", "verify", str(tmp_path / "d"), "--quiet",
+                            "--workers", "1")
+    assert (proc.returncode, proc.stderr) == (130, "dataio verify: interrupted\n"), proc.stderr[-2000:]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(20)))
-    _interrupt_inside(monkeypatch, job, "write_shard")
-    assert dataio(["shard", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out"), "--quiet"]) == 130
-    assert capsys.readouterr().err == "dataio shard: interrupted\n"
+    proc = interrupted_verb("headrace.dataio.prepare.job", "write_shard", "shard", str(tmp_path / "in.jsonl"), "-o",
+                            str(tmp_path / "out"), "--quiet")
+    assert (proc.returncode, proc.stderr) == (130, "dataio shard: interrupted\n"), proc.stderr[-2000:]
 
 
 def test_trainer_with_loader_workers_says_interrupted(tmp_path):
