@@ -629,7 +629,7 @@ def check_launcher(tmp: Path, job: Path, values: list[tuple[str, bool]]) -> None
     if code != 0:
         return
     script = out.getvalue().partition("\nsbatch ")[0]
-    srun = next(line for line in script.split("\n") if line.startswith("srun "))  # bash's lines: \n only
+    srun = script[script.index("\nsrun ") + 1:].rstrip("\n")  # the last command; a quoted word may span lines
     per_node = shlex.split(srun)[-1].replace("exec ", "exec printf '%s\\0' ", 1)
     env = {"PATH": "/usr/bin:/bin", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "RDZV_HOST": "h",
            "SLURM_JOB_ID": "1", "DATA_SEED": "7"}
