@@ -179,7 +179,21 @@ def check_member(ext: str, data: bytes) -> None:
         assert verdict is None or "no samples" in verdict or "header" in verdict, verdict
     else:
         assert out.numel() * out.element_size() <= len(data)
+        from headrace.dataio.stream.decode import check_token_document
+
+        try:  # a 1-D integer array is a document of token ids to the packing loader, and verify holds it to that
+            if out.ndim == 1 and not (out.dtype.is_floating_point or out.dtype == torch_bool()):
+                check_token_document(out)
+        except ValueError:
+            assert verdict is not None  # the packing loader refuses it: verify must too
+            return
         assert verdict is None, verdict  # decodes in the loader <=> verify says OK
+
+
+def torch_bool():
+    import torch
+
+    return torch.bool
 
 
 def _wav() -> bytes:
@@ -618,7 +632,7 @@ def check_launcher(tmp: Path, job: Path, values: list[tuple[str, bool]]) -> None
     if code != 0:
         return
     script = out.getvalue().partition("\nsbatch ")[0]
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = script[script.index("\nsrun ") + 1:].rstrip("\n")  # the last command; a quoted word may span lines
     per_node = shlex.split(srun)[-1].replace("exec ", "exec printf '%s\\0' ", 1)
     env = {"PATH": "/usr/bin:/bin", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "RDZV_HOST": "h",
            "SLURM_JOB_ID": "1", "DATA_SEED": "7"}
