@@ -35,13 +35,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from headrace.config import ConfigError
+from headrace.config import ConfigError, to_dict
 from headrace.training.config.peft import PeftConfig
+from headrace.training.distributed.parallel_dims import gather_objects
 from headrace.training.errors import JobInputError
+from headrace.training.models.build import stored_tensors
 from headrace.training.models.loss import unwrap_ddp
 
 PEFT_PREFIX = "base_model.model."  # peft's names of the base model's modules in an adapter file
@@ -221,19 +226,12 @@ def read_adapter_config(path: str | Path) -> dict:
 def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
     """Fill the adapters of ``model`` (any layout) from peft adapter directory ``path``: its ``r`` /
     ``lora_alpha`` must be ``cfg``'s and it must adapt exactly the modules ``cfg`` selects. Collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
-
-    from headrace.training.distributed.parallel_dims import gather_objects
-    from headrace.training.models.build import safetensors_keys
-
     config = read_adapter_config(path)
     if (config.get("r"), config.get("lora_alpha")) != (cfg.dim, cfg.alpha):
         raise JobInputError(f"peft.pretrained_path: {path} has r={config.get('r')}, lora_alpha="
                             f"{config.get('lora_alpha')}; this job's peft has dim={cfg.dim}, alpha={cfg.alpha:g}")
     state = {k: v for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}
-    stored = set(safetensors_keys(Path(path) / ADAPTER_WEIGHTS))
+    stored = set(stored_tensors(str(path)))
     everyone = {k for keys in gather_objects(sorted(state)) for k in keys}  # pipeline stages hold parts
     wanted = {PEFT_PREFIX + k for k in everyone}
     if wanted != stored:
@@ -248,8 +246,6 @@ def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
 
 def full_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every adapter weight of this rank's ``model`` (part), whole, on the CPU. Collective over its meshes."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
             for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}
 
@@ -258,10 +254,7 @@ def save_adapter(model: nn.Module, cfg: PeftConfig, out_dir: str | Path, base: s
     """``out_dir`` as a peft adapter directory that ``peft.PeftModel.from_pretrained(base_model, out_dir)``
     loads: ``adapter_config.json`` (peft's ``LoraConfig``, ``target_modules`` the exact module names) and
     ``adapter_model.safetensors``. Collective (pipeline stages' adapters are gathered); rank 0 writes."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    from headrace.training.distributed.parallel_dims import gather_objects
+    from peft import LoraConfig  # peft pulls in accelerate (~1 s): only a run that exports an adapter pays
 
     tensors = {}
     for part in gather_objects(full_adapter_tensors(model)):  # small: r (in + out) per layer
@@ -302,7 +295,7 @@ def merger(cfg: PeftConfig) -> Callable[[dict], dict]:
 
 def llm_of(model: nn.Module) -> nn.Module:
     """The causal LM whose adapters the ``lora/`` export holds: ``model`` itself, or a SALM's LLM."""
-    from headrace.training.speech.model import SALM
+    from headrace.training.speech.model import SALM  # the speech room sits above models/: no import arrow up
 
     model = unwrap_ddp(model)
     return model.llm if isinstance(model, SALM) else model
@@ -311,8 +304,6 @@ def llm_of(model: nn.Module) -> nn.Module:
 def base_reference(job) -> dict:
     """What a LoRA checkpoint records instead of the frozen base (a resume compares it): where the base comes
     from (``model.pretrained_path``, or the seeded init) and the adapter settings."""
-    from headrace.config import to_dict
-
     settings = {k: v for k, v in to_dict(job.peft).items() if k != "export_adapter"}
     return {"base": job.model.pretrained_path or f"initialized from trainer.seed {job.trainer.seed}", **settings}
 
