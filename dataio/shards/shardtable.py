@@ -18,6 +18,9 @@ import numpy as np
 SHARD_DTYPE = np.dtype([("split", "<u2"), ("bytes", "<u8"), ("samples", "<u8"), ("max_token", "<i8"),
                         ("has_sha256", "u1"), ("sha256", "V32")])
 NO_MAX_TOKEN = -1  # token ids are >= 0: -1 stands for ShardInfo.max_token None
+# uint64 ids past int64 (a corrupt or foreign shard) are recorded as this: still outside every vocabulary, so the
+# trainer's vocabulary check names the shard all the same
+MAX_TOKEN_STORED = np.iinfo(np.int64).max
 
 
 def check_shard_name(name) -> None:
@@ -58,7 +61,8 @@ class ShardTable(Sequence):
         rows = np.zeros(len(infos), SHARD_DTYPE)
         for i, s in enumerate(infos):
             sha = bytes.fromhex(s.sha256) if s.sha256 else b"\0" * 32
-            rows[i] = (split_id[s.split], s.bytes, s.samples, NO_MAX_TOKEN if s.max_token is None else s.max_token,
+            rows[i] = (split_id[s.split], s.bytes, s.samples,
+                       NO_MAX_TOKEN if s.max_token is None else min(s.max_token, MAX_TOKEN_STORED),
                        s.sha256 is not None, sha)
         names = np.array([s.name.encode("utf-8", "surrogateescape") for s in infos], dtype=np.bytes_) \
             if infos else np.zeros(0, "S1")
