@@ -24,3 +24,10 @@ def test_ruff_check_catches_an_unused_import_and_an_undefined_name(tmp_path):
     bad.write_text("import os\n\n\ndef f():\n    return undefined_name\n")
     proc = ruff("check", "--no-cache", "--config", str(REPO / "pyproject.toml"), str(bad))
     assert proc.returncode == 1 and "F401" in proc.stdout and "F821" in proc.stdout, proc.stdout
+
+
+def test_tree_is_formatted():
+    """``ruff format --check``: fails until tools/format.sh has formatted the tree once (run by whoever merges,
+    after the branches that edit Python files are in); from then on it keeps the tree formatted."""
+    proc = ruff("format", "--check", "--no-cache", ".")
+    assert proc.returncode == 0, "run `bash tools/format.sh`:\n" + proc.stdout[-4000:]
