@@ -46,8 +46,9 @@ class _Loader(yaml.SafeLoader):
     Python read it as a float). Nothing else changes: no tags beyond the safe ones."""
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 MAX_VALUES = 1_000_000  # values a config may expand to, aliases counted at every use (as to_dict writes them)
@@ -95,8 +96,10 @@ def _check_expansion(data: Any, where: str) -> None:
             on_path.discard(id(node))
             size = sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in _children(node))
             if size > MAX_VALUES:
-                raise ConfigError(f"{where}: expands to more than {MAX_VALUES:,} values (YAML aliases repeated in "
-                                  "aliases); write the values out")
+                raise ConfigError(
+                    f"{where}: expands to more than {MAX_VALUES:,} values (YAML aliases repeated in "
+                    "aliases); write the values out"
+                )
 
 
 def _check_text(value: Any, where: str) -> None:
@@ -106,8 +109,10 @@ def _check_text(value: Any, where: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ConfigError(f"{where}: a string holds an unpaired surrogate ({value!r:.60}); write the character "
-                              "itself, not its \\u escapes") from None
+            raise ConfigError(
+                f"{where}: a string holds an unpaired surrogate ({value!r:.60}); write the character "
+                "itself, not its \\u escapes"
+            ) from None
 
 
 def _children(value: dict | list) -> list:
@@ -186,8 +191,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if unknown:
             raise ConfigError(f"{path}.{unknown[0]}: unknown key (valid: {', '.join(sorted(fields))})")
         kwargs = {k: _convert(hints[k], v, f"{path}.{k}") for k, v in value.items()}
-        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
+        missing = [
+            n
+            for n, f in fields.items()
+            if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         if missing:
             raise ConfigError(f"{path}.{missing[0]}: required key is missing")
         try:

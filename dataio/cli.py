@@ -10,8 +10,14 @@ import argparse
 import importlib
 import sys
 
-from headrace.dataio.usererror import (EXIT_INTERRUPTED, EXIT_USER_ERROR, CommandError, debug_requested, is_user_error,
-                                       one_line)
+from headrace.dataio.usererror import (
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    CommandError,
+    debug_requested,
+    is_user_error,
+    one_line,
+)
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -37,12 +43,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dataio", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of input errors too (also: HEADRACE_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of input errors too (also: HEADRACE_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=HelpFormatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
         # Argument definitions are cheap to import; the heavy work is imported inside run().
         importlib.import_module(module).add_arguments(p)

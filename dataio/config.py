@@ -96,23 +96,29 @@ class BucketingConfig:
         if self.max_duration is not None and not self.max_duration > 0:
             raise ValueError(f"max_duration must be > 0 seconds, got {self.max_duration}")
         if self.num_buckets < 1 or self.num_token_buckets < 1:
-            raise ValueError(f"num_buckets and num_token_buckets must be >= 1, got {self.num_buckets}, "
-                             f"{self.num_token_buckets}")
+            raise ValueError(
+                f"num_buckets and num_token_buckets must be >= 1, got {self.num_buckets}, {self.num_token_buckets}"
+            )
         if self.bucket_duration_bins is not None:
             bins = self.bucket_duration_bins
             if not bins or any(len(b) != 2 or not (b[0] > 0 and b[1] > 0) for b in bins):
-                raise ValueError(f"bucket_duration_bins must be [[max_seconds, max_tokens], ...] with positive "
-                                 f"values, got {bins}")
+                raise ValueError(
+                    f"bucket_duration_bins must be [[max_seconds, max_tokens], ...] with positive values, got {bins}"
+                )
             if [tuple(b) for b in bins] != sorted(tuple(b) for b in bins):
                 raise ValueError("bucket_duration_bins must be sorted by (seconds, tokens)")
         if self.bucket_batch_size is not None:
-            want = len(self.bucket_duration_bins) if self.bucket_duration_bins else (
-                self.num_buckets * self.num_token_buckets if self.two_d else None)
+            want = (
+                len(self.bucket_duration_bins)
+                if self.bucket_duration_bins
+                else (self.num_buckets * self.num_token_buckets if self.two_d else None)
+            )
             if want is None:
                 raise ValueError("bucket_batch_size needs 2D bins (bucket_duration_bins or num_token_buckets > 1)")
             if len(self.bucket_batch_size) != want or min(self.bucket_batch_size) < 1:
-                raise ValueError(f"bucket_batch_size needs {want} sizes >= 1 (one per bin), got "
-                                 f"{self.bucket_batch_size}")
+                raise ValueError(
+                    f"bucket_batch_size needs {want} sizes >= 1 (one per bin), got {self.bucket_batch_size}"
+                )
 
     @property
     def two_d(self) -> bool:
@@ -153,7 +159,9 @@ class DataConfig:
     # Local disk cache of remote (URL) shards, shared by the workers and ranks of a node
     # (headrace.dataio.stream.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
     cache_dir: str | None = None  # None: remote shards are read by ranged GETs on every epoch
-    cache_limit: int | str | None = None  # bytes or a size ("50GB", "1.5TiB"); least recently used evicted; None: no limit
+    cache_limit: int | str | None = (
+        None  # bytes or a size ("50GB", "1.5TiB"); least recently used evicted; None: no limit
+    )
     # Shards a process keeps open (mapped, or a remote file), across all datasets, least recently used
     # closed first (headrace.dataio.stream.openshards); None: 1/8 of `ulimit -n`, 1/16 of vm.max_map_count, 8..4096
     max_open_shards: int | None = None
@@ -180,12 +188,14 @@ class DataConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.thd:
             self.packing_config()  # PackingConfig checks seq_len and packing_buffer
-        if self.num_workers != "auto" and (isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int)
-                                           or self.num_workers < 0):
+        if self.num_workers != "auto" and (
+            isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0
+        ):
             raise ValueError(f"num_workers must be an integer >= 0 or 'auto', got {self.num_workers!r}")
         if self.max_open_shards is not None and self.max_open_shards < 1:
-            raise ValueError(f"max_open_shards must be >= 1 or null (derived from the process's limits), "
-                             f"got {self.max_open_shards}")
+            raise ValueError(
+                f"max_open_shards must be >= 1 or null (derived from the process's limits), got {self.max_open_shards}"
+            )
         if self.max_bad_samples < 0:
             raise ValueError(f"max_bad_samples must be >= 0, got {self.max_bad_samples}")
         if isinstance(self.cache_limit, str):
@@ -200,8 +210,9 @@ class DataConfig:
 
     def packing_config(self) -> PackingConfig:
         """The packing fields as ``headrace.dataio.batching.packing``'s own config (only with ``seq_len`` set)."""
-        return PackingConfig(seq_len=self.seq_len, packing=self.packing, pad_id=self.pad_id,
-                             packing_buffer=self.packing_buffer)
+        return PackingConfig(
+            seq_len=self.seq_len, packing=self.packing, pad_id=self.pad_id, packing_buffer=self.packing_buffer
+        )
 
     @property
     def thd(self) -> bool:

@@ -44,12 +44,20 @@ def version(handle) -> tuple[int, ...]:
 def system_paths() -> list[str]:
     """Full paths of the libsndfile builds in the dynamic linker's cache."""
     try:
-        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30,
-                                 env=dict(os.environ, PATH=os.environ.get("PATH", "") + ":/sbin:/usr/sbin")).stdout
+        listing = subprocess.run(
+            ["ldconfig", "-p"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(os.environ, PATH=os.environ.get("PATH", "") + ":/sbin:/usr/sbin"),
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [line.rsplit("=>", 1)[1].strip() for line in listing.splitlines()
-            if line.strip().startswith("libsndfile.so") and "=>" in line]
+    return [
+        line.rsplit("=>", 1)[1].strip()
+        for line in listing.splitlines()
+        if line.strip().startswith("libsndfile.so") and "=>" in line
+    ]
 
 
 def _system():

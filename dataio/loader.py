@@ -72,15 +72,22 @@ class Loader:
             raise ValueError(f"dp_rank {dp_rank} outside 0..{dp_size - 1}")
         self.worker_choice: WorkerChoice | None = None
         if cfg.num_workers == AUTO:
-            self.worker_choice = choose(cfg, functools.partial(Loader, dp_rank=dp_rank, dp_size=dp_size),
-                                        dp_rank=dp_rank, dp_size=dp_size)
+            self.worker_choice = choose(
+                cfg, functools.partial(Loader, dp_rank=dp_rank, dp_size=dp_size), dp_rank=dp_rank, dp_size=dp_size
+            )
             log.info(self.worker_choice.line())
             cfg = dataclasses.replace(cfg, num_workers=self.worker_choice.num_workers)
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.datasets = open_datasets(cfg)  # sources (metadatasets flattened) and their schedule
-        self.stream = RankStream(cfg, self.datasets.sources, self.datasets.schedule,
-                                 seed=_resolve_seed(cfg.seed, dp_size), dp_rank=dp_rank, dp_size=dp_size,
-                                 subflavors=self.datasets.subflavors)
+        self.stream = RankStream(
+            cfg,
+            self.datasets.sources,
+            self.datasets.schedule,
+            seed=_resolve_seed(cfg.seed, dp_size),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            subflavors=self.datasets.subflavors,
+        )
         self.stage = batching_stage(self.stream)
         self._fingerprint = self._make_fingerprint()
 
@@ -117,8 +124,14 @@ class Loader:
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Positions and counters (JSON-serialisable, a few hundred bytes plus the stage's own state)."""
-        return {"version": STATE_VERSION, "fingerprint": self._fingerprint, "dp_rank": self.dp_rank,
-                "dp_size": self.dp_size, **self.stream.state_dict(), **self.stage.state_dict()}
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self._fingerprint,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            **self.stream.state_dict(),
+            **self.stage.state_dict(),
+        }
 
     def load_state_dict(self, states: dict | list[dict]) -> None:
         """Restore from every old rank's ``state_dict()`` (or just this rank's, same layout)."""
@@ -131,8 +144,10 @@ class Loader:
         by_rank = {s["dp_rank"]: s for s in states}
         same = old_size == self.dp_size and self.dp_rank in by_rank
         if not same and sorted(by_rank) != list(range(old_size)):
-            raise ValueError(f"changing dp_size {old_size} -> {self.dp_size} needs the state of every old rank, "
-                             f"got ranks {sorted(by_rank)}")
+            raise ValueError(
+                f"changing dp_size {old_size} -> {self.dp_size} needs the state of every old rank, "
+                f"got ranks {sorted(by_rank)}"
+            )
         old = [by_rank.get(r) for r in range(old_size)]
         self.stream.load_state_dict(old, self.dp_rank, self.dp_size)
         try:  # the stage's own sub-state (packing, bucketing): its complaints are about the state
@@ -152,24 +167,33 @@ class Loader:
         for s in states:
             theirs = set(s) - common
             if theirs != own:
-                raise StateError(f"loader state of rank {s['dp_rank']}: saved by a loader with "
-                                 f"{_stage_name(theirs)}, this one has {_stage_name(own)}; data.seq_len / packing / "
-                                 "bucketing must be those of the run that saved it")
+                raise StateError(
+                    f"loader state of rank {s['dp_rank']}: saved by a loader with "
+                    f"{_stage_name(theirs)}, this one has {_stage_name(own)}; data.seq_len / packing / "
+                    "bucketing must be those of the run that saved it"
+                )
 
     def _make_fingerprint(self) -> str:
         sources = self.stream.sources
         entries = zip(self.datasets.entries, sources)
-        what = {"data": [(split, weight, data_identity(s)) for (split, weight), s in entries],
-                "shuffle": self.cfg.shuffle, "window": self.cfg.shuffle_window, "epochs": self.cfg.epochs,
-                "stop_on_first_exhausted": self.cfg.stop_on_first_exhausted}
+        what = {
+            "data": [(split, weight, data_identity(s)) for (split, weight), s in entries],
+            "shuffle": self.cfg.shuffle,
+            "window": self.cfg.shuffle_window,
+            "epochs": self.cfg.epochs,
+            "stop_on_first_exhausted": self.cfg.stop_on_first_exhausted,
+        }
         if self.datasets.epochized:
             what["epochized"] = True
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _stage_name(fields: set[str]) -> str:
-    names = {frozenset(): "plain batches", frozenset({"packing", "packed_batches"}): "packed rows (data.seq_len)",
-             frozenset({"bucketing"}): "bucketed batches"}
+    names = {
+        frozenset(): "plain batches",
+        frozenset({"packing", "packed_batches"}): "packed rows (data.seq_len)",
+        frozenset({"bucketing"}): "bucketed batches",
+    }
     return names.get(frozenset(fields), f"the state fields {sorted(fields)}")
 
 

@@ -47,9 +47,16 @@ def _count(value) -> bool:
 
 def _skip_ok(skip) -> bool:
     """One ``ConsumedLayout`` of ``headrace.dataio.stream.split``: start, dp_size >= 1, one count per old rank."""
-    return (isinstance(skip, dict) and set(skip) == _SKIP_KEYS and _count(skip["start"]) and _count(skip["dp_size"])
-            and skip["dp_size"] >= 1 and isinstance(skip["consumed"], list)
-            and len(skip["consumed"]) == skip["dp_size"] and all(map(_count, skip["consumed"])))
+    return (
+        isinstance(skip, dict)
+        and set(skip) == _SKIP_KEYS
+        and _count(skip["start"])
+        and _count(skip["dp_size"])
+        and skip["dp_size"] >= 1
+        and isinstance(skip["consumed"], list)
+        and len(skip["consumed"]) == skip["dp_size"]
+        and all(map(_count, skip["consumed"]))
+    )
 
 
 def check_states(states: list, fingerprint: str, max_bad_samples: int, end: int | None) -> None:
@@ -64,16 +71,20 @@ def check_states(states: list, fingerprint: str, max_bad_samples: int, end: int 
         where = f"loader state {n}"
         for name in ("dp_size", "layout"):
             if s[name] != first[name]:
-                raise StateError(f"{where}: {name!r} {s[name]!r} differs from loader state 0's {first[name]!r}: "
-                                 "states of different runs (or saves) mixed"[:300])
+                raise StateError(
+                    f"{where}: {name!r} {s[name]!r} differs from loader state 0's {first[name]!r}: "
+                    "states of different runs (or saves) mixed"[:300]
+                )
         if s["dp_rank"] in ranks:
             raise StateError(f"{where}: 'dp_rank' {s['dp_rank']} appears twice: states of different runs mixed")
         ranks.add(s["dp_rank"])
         reached = _consumed_end(s)
         if end is not None and reached > end:
-            raise StateError(f"{where}: 'consumed' {s['consumed']} (with 'layout' start {s['layout']['start']}) "
-                             f"reaches position {reached}, past the end of this data's {end} positions "
-                             "(a state of a longer stream: more epochs, other weights)")
+            raise StateError(
+                f"{where}: 'consumed' {s['consumed']} (with 'layout' start {s['layout']['start']}) "
+                f"reaches position {reached}, past the end of this data's {end} positions "
+                "(a state of a longer stream: more epochs, other weights)"
+            )
 
 
 def _consumed_end(state: dict) -> int:
@@ -82,8 +93,11 @@ def _consumed_end(state: dict) -> int:
     layout = state["layout"]
     start, size, consumed = layout["start"], layout["dp_size"], state["consumed"]
     own = start + state["dp_rank"] + size * (consumed - 1) + 1 if consumed else start
-    skips = [k["start"] + r + k["dp_size"] * (c - 1) + 1 for k in layout.get("skips", [])
-             for r, c in enumerate(k["consumed"])]
+    skips = [
+        k["start"] + r + k["dp_size"] * (c - 1) + 1
+        for k in layout.get("skips", [])
+        for r, c in enumerate(k["consumed"])
+    ]
     return max([own, *skips])
 
 
@@ -95,8 +109,10 @@ def _check_fields(states: list, fingerprint: str, max_bad_samples: int) -> None:
         if s.get("version") != STATE_VERSION:
             raise StateError(f"{where}: version {s.get('version')!r}, expected {STATE_VERSION}")
         if s.get("fingerprint") != fingerprint:
-            raise StateError(f"{where} comes from other data (the datasets' contents, weights, shuffle, "
-                             "shuffle_window or epochs differ); positions would mean other samples")
+            raise StateError(
+                f"{where} comes from other data (the datasets' contents, weights, shuffle, "
+                "shuffle_window or epochs differ); positions would mean other samples"
+            )
         for name in _COUNTERS:
             if not _count(s.get(name)):
                 bound = " below 2**62" if isinstance(s.get(name), int) and s[name] >= MAX_COUNT else ""
@@ -105,20 +121,39 @@ def _check_fields(states: list, fingerprint: str, max_bad_samples: int) -> None:
         if not _count(size) or s["dp_rank"] >= size:
             raise StateError(f"{where}: 'dp_size' must be an integer above dp_rank {s['dp_rank']}, got {size!r}")
         if s["bad_samples"] > max_bad_samples:  # found by tests/fuzz.py: was "see the warnings above"
-            raise StateError(f"{where}: already counts {s['bad_samples']} bad samples, over max_bad_samples="
-                             f"{max_bad_samples}; raise max_bad_samples to resume")
+            raise StateError(
+                f"{where}: already counts {s['bad_samples']} bad samples, over max_bad_samples="
+                f"{max_bad_samples}; raise max_bad_samples to resume"
+            )
         reseeds = s.get("reseeds", [])
-        if not (isinstance(reseeds, list) and all(
-                isinstance(r, (list, tuple)) and len(r) == 2 and _count(r[0]) and isinstance(r[1], (list, tuple))
-                and all(map(_count, r[1])) for r in reseeds)):
-            raise StateError(f"{where}: 'reseeds' must be a list of [seed, [first position per dataset]] of "
-                             f"non-negative integers below 2**62, got {reseeds!r}"[:300])
+        if not (
+            isinstance(reseeds, list)
+            and all(
+                isinstance(r, (list, tuple))
+                and len(r) == 2
+                and _count(r[0])
+                and isinstance(r[1], (list, tuple))
+                and all(map(_count, r[1]))
+                for r in reseeds
+            )
+        ):
+            raise StateError(
+                f"{where}: 'reseeds' must be a list of [seed, [first position per dataset]] of "
+                f"non-negative integers below 2**62, got {reseeds!r}"[:300]
+            )
         layout = s.get("layout")
-        if not (isinstance(layout, dict) and set(layout) <= {"start", "dp_size", "skips"}
-                and _count(layout.get("start")) and layout.get("dp_size") == size
-                and isinstance(layout.get("skips", []), list) and all(map(_skip_ok, layout.get("skips", [])))):
-            raise StateError(f"{where}: 'layout' must be a mapping of start >= 0, dp_size {size} and skips "
-                             f"(start, dp_size, one consumed count per old rank), got {layout!r}"[:300])
+        if not (
+            isinstance(layout, dict)
+            and set(layout) <= {"start", "dp_size", "skips"}
+            and _count(layout.get("start"))
+            and layout.get("dp_size") == size
+            and isinstance(layout.get("skips", []), list)
+            and all(map(_skip_ok, layout.get("skips", [])))
+        ):
+            raise StateError(
+                f"{where}: 'layout' must be a mapping of start >= 0, dp_size {size} and skips "
+                f"(start, dp_size, one consumed count per old rank), got {layout!r}"[:300]
+            )
 
 
 __all__ = ["MAX_COUNT", "STATE_VERSION", "StateError", "check_states", "data_identity"]

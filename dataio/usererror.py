@@ -46,8 +46,17 @@ def _user_error_types() -> tuple[type, ...]:
     from headrace.dataio.stream.decode import SampleDecodeError
     from headrace.dataio.stream.pool import WorkerDied
 
-    return (ConfigError, CommandError, OutputLocked, PrepareError, SampleDecodeError, SampleError, StateError,
-            TarFormatError, WorkerDied)
+    return (
+        ConfigError,
+        CommandError,
+        OutputLocked,
+        PrepareError,
+        SampleDecodeError,
+        SampleError,
+        StateError,
+        TarFormatError,
+        WorkerDied,
+    )
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -72,5 +81,13 @@ def one_line(e: BaseException) -> str:
     return lines[0]
 
 
-__all__ = ["DEBUG_ENV", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "CommandError", "debug_requested", "is_user_error",
-           "leave_interrupt_to_parent", "one_line"]
+__all__ = [
+    "DEBUG_ENV",
+    "EXIT_INTERRUPTED",
+    "EXIT_USER_ERROR",
+    "CommandError",
+    "debug_requested",
+    "is_user_error",
+    "leave_interrupt_to_parent",
+    "one_line",
+]

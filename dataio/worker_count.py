@@ -66,17 +66,28 @@ class WorkerChoice:
     def line(self) -> str:
         """One line for the log: the choice and the two rates behind it."""
         if not self.rates and self.cores < 2:
-            return (f"data.num_workers: auto -> {self.num_workers} ({self.cores} usable core for this rank: "
-                    "no room for workers, not measured)")
+            return (
+                f"data.num_workers: auto -> {self.num_workers} ({self.cores} usable core for this rank: "
+                "no room for workers, not measured)"
+            )
         if not self.rates:
-            return (f"data.num_workers: auto -> {self.num_workers} (not measured: the trial loaders, which re-read "
-                    "the data, met more bad samples than data.max_bad_samples)")
-        return (f"data.num_workers: auto -> {self.num_workers} (one process {self.rates[0]:,.0f} samples/s, "
-                f"{WORKERS} workers {self.rates[WORKERS]:,.0f} samples/s; measured in {self.seconds:.1f} s)")
+            return (
+                f"data.num_workers: auto -> {self.num_workers} (not measured: the trial loaders, which re-read "
+                "the data, met more bad samples than data.max_bad_samples)"
+            )
+        return (
+            f"data.num_workers: auto -> {self.num_workers} (one process {self.rates[0]:,.0f} samples/s, "
+            f"{WORKERS} workers {self.rates[WORKERS]:,.0f} samples/s; measured in {self.seconds:.1f} s)"
+        )
 
     def to_dict(self) -> dict:
-        return {"num_workers": self.num_workers, "rates": {str(n): r for n, r in self.rates.items()},
-                "seconds": self.seconds, "cores": self.cores, "line": self.line()}
+        return {
+            "num_workers": self.num_workers,
+            "rates": {str(n): r for n, r in self.rates.items()},
+            "seconds": self.seconds,
+            "cores": self.cores,
+            "line": self.line(),
+        }
 
 
 def usable_cores() -> int:
@@ -89,8 +100,9 @@ def pick(rates: dict[int, float]) -> int:
     return WORKERS if rates[WORKERS] >= MARGIN * rates[0] else 0
 
 
-def choose(cfg: DataConfig, open_loader: Callable[[DataConfig], Iterable], *, dp_rank: int,
-           dp_size: int) -> WorkerChoice:
+def choose(
+    cfg: DataConfig, open_loader: Callable[[DataConfig], Iterable], *, dp_rank: int, dp_size: int
+) -> WorkerChoice:
     """The worker count for ``cfg`` (``num_workers: auto``) on this rank; ``open_loader(cfg)`` builds a loader
     of this rank (a ``headrace.dataio.loader.Loader``: its ``stream.consumed`` counts the samples)."""
     key = (json.dumps(to_dict(cfg), sort_keys=True), dp_rank, dp_size)
@@ -104,8 +116,9 @@ def _measure(cfg: DataConfig, open_loader: Callable[[DataConfig], Iterable]) -> 
     if cores < 2:
         return WorkerChoice(num_workers=0, rates={}, seconds=0.0, cores=cores)
     start = perf_counter()
-    trial = dataclasses.replace(cfg, epochs=None, stop_on_first_exhausted=False, val=None,
-                                seed=0 if cfg.seed == "randomized" else cfg.seed)
+    trial = dataclasses.replace(
+        cfg, epochs=None, stop_on_first_exhausted=False, val=None, seed=0 if cfg.seed == "randomized" else cfg.seed
+    )
     rates = {0: 0.0, WORKERS: 0.0}
     with _quiet_skips():  # the throwaway loaders' skips are not the job's: neither said nor counted
         try:

@@ -33,25 +33,44 @@ import torch
 from headrace.kernels.varlen_attention import cached_per_batch, plan_buckets
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (T, H, D_v) in q's dtype, lse (T, H) fp32)`` of one block (see the module docstring)."""
     if q.is_cuda:
         return _cuda_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale)
     return _cpu_forward(q, k, v, cu_seqlens, causal, scale)
 
 
-def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block given the final merged ``out`` and ``lse`` of its queries."""
     if q.is_cuda:
         return _cuda_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale)
     return _cpu_backward(dout, q, k, v, out, lse, cu_seqlens, causal, scale)
 
 
-def merge_into(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
-               lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_into(
+    acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one block's ``(out, lse)`` into the running fp32 ``acc`` (None before the first block)."""
     if acc is None:
         return out.float(), lse
@@ -97,8 +116,14 @@ def _cpu_forward(q, k, v, cu_seqlens, causal, scale):
     outs, lses = [], []
     for b in plan.buckets:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _to_bucket(q, b), _to_bucket(k, b), _to_bucket(v, b), 0.0, causal,
-            attn_mask=_key_mask(b, causal, q.dtype), scale=scale)
+            _to_bucket(q, b),
+            _to_bucket(k, b),
+            _to_bucket(v, b),
+            0.0,
+            causal,
+            attn_mask=_key_mask(b, causal, q.dtype),
+            scale=scale,
+        )
         outs.append(o)
         lses.append(lse.float()[..., None])
     return _from_buckets(outs, plan), _from_buckets(lses, plan)[..., 0]
@@ -112,8 +137,17 @@ def _cpu_backward(dout, q, k, v, out, lse, cu_seqlens, causal, scale):
         do = _to_bucket(dout, b).masked_fill(pad[..., None], 0)
         lse_b = _to_bucket(lse[..., None], b)[..., 0].masked_fill(pad, float("inf"))
         parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.contiguous(), _to_bucket(q, b), _to_bucket(k, b), _to_bucket(v, b), _to_bucket(out, b), lse_b,
-            0.0, causal, attn_mask=_key_mask(b, causal, q.dtype), scale=scale)
+            do.contiguous(),
+            _to_bucket(q, b),
+            _to_bucket(k, b),
+            _to_bucket(v, b),
+            _to_bucket(out, b),
+            lse_b,
+            0.0,
+            causal,
+            attn_mask=_key_mask(b, causal, q.dtype),
+            scale=scale,
+        )
         for acc, g in zip(grads, parts):
             acc.append(g)
     return tuple(_from_buckets(g, plan) for g in grads)
@@ -124,15 +158,18 @@ def _cpu_backward(dout, q, k, v, out, lse, cu_seqlens, causal, scale):
 
 def _check_cuda_dtype(q: torch.Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
-        raise RuntimeError(f"context-parallel attention on CUDA runs flash-attention kernels: it needs bf16/fp16 "
-                           f"activations, got {q.dtype} (set trainer.precision=bf16)")
+        raise RuntimeError(
+            f"context-parallel attention on CUDA runs flash-attention kernels: it needs bf16/fp16 "
+            f"activations, got {q.dtype} (set trainer.precision=bf16)"
+        )
 
 
 def _cuda_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale):
     _check_cuda_dtype(q)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, causal, False, scale=scale)
+        q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, causal, False, scale=scale
+    )
     return out, lse.transpose(0, 1).float()  # varlen lse is (H, T)
 
 
@@ -142,8 +179,22 @@ def _cuda_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scal
     unused = torch.empty(0, device=q.device)
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: the seed is never read
     return torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q, k, v, out.to(q.dtype), lse.transpose(0, 1).contiguous(), cu, cu, max_seqlen,
-        max_seqlen, 0.0, causal, rng_state, unused, scale=scale)
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out.to(q.dtype),
+        lse.transpose(0, 1).contiguous(),
+        cu,
+        cu,
+        max_seqlen,
+        max_seqlen,
+        0.0,
+        causal,
+        rng_state,
+        unused,
+        scale=scale,
+    )
 
 
 __all__ = ["block_backward", "block_forward", "merge_into"]

@@ -70,8 +70,10 @@ def half_layout(cu_seqlens: torch.Tensor, total_tokens: int) -> HalfLayout:
     cu = cu_seqlens.long()
     seg = cu[1:] - cu[:-1]
     if bool((seg % 2).any()):
-        raise ValueError("context-parallel cu_seqlens must have even segments (two chunks each; see "
-                         "headrace.dataio.batching.cp_split)")
+        raise ValueError(
+            "context-parallel cu_seqlens must have even segments (two chunks each; see "
+            "headrace.dataio.batching.cp_split)"
+        )
     chunk = seg // 2
     starts = torch.repeat_interleave(cu[:-1], chunk)
     within = torch.arange(int(chunk.sum()), device=cu.device) - torch.repeat_interleave(cu[:-1] // 2, chunk)
@@ -91,8 +93,16 @@ def blocks(rank: int, src: int) -> list[tuple[int, int, bool]]:
     return [(1, 0, False), (0, 0, False) if src < rank else (1, 1, False)]
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 group: dist.ProcessGroup, *, mode: str = "allgather", scale: float | None = None) -> torch.Tensor:
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    mode: str = "allgather",
+    scale: float | None = None,
+) -> torch.Tensor:
     """Causal document-masked attention of this rank's queries against the keys of the whole CP group.
 
     ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``headrace.dataio.batching.cp_split`` order,
@@ -138,8 +148,10 @@ class _Ring:
     def start(self, tensor: torch.Tensor, tag: int):
         """``tag`` keeps K/V and dK/dV messages apart (both may be in flight between the same two ranks)."""
         recv = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
         _sent[0] += tensor.numel() * tensor.element_size()
         return recv, dist.batch_isend_irecv(ops)
 
@@ -169,8 +181,18 @@ def _grad_blocks(saved, k, v, layout, rank, src, dq_halves, dkv):
     for qa, kb, causal in blocks(rank, src):
         idx = layout.halves[kb]
         ks, vs = k.index_select(0, idx), v.index_select(0, idx)
-        dq, dk, dv = block_backward(dout_halves[qa], q_halves[qa], ks, vs, out_halves[qa], lse_halves[qa], layout.cu,
-                                    layout.max_chunk, causal=causal, scale=scale)
+        dq, dk, dv = block_backward(
+            dout_halves[qa],
+            q_halves[qa],
+            ks,
+            vs,
+            out_halves[qa],
+            lse_halves[qa],
+            layout.cu,
+            layout.max_chunk,
+            causal=causal,
+            scale=scale,
+        )
         dq_halves[qa] += dq.float()
         dkv[0].index_add_(0, idx, dk.float())
         dkv[1].index_add_(0, idx, dv.float())
@@ -204,8 +226,13 @@ class _CPAttention(torch.autograd.Function):
         layout, group, scale = ctx.layout, ctx.group, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         n = layout.halves[0].numel()
-        saved = ([q.index_select(0, h) for h in layout.halves], [out.index_select(0, h) for h in layout.halves],
-                 [lse[:n], lse[n:]], [dout.index_select(0, h) for h in layout.halves], scale)
+        saved = (
+            [q.index_select(0, h) for h in layout.halves],
+            [out.index_select(0, h) for h in layout.halves],
+            [lse[:n], lse[n:]],
+            [dout.index_select(0, h) for h in layout.halves],
+            scale,
+        )
         dq_halves = [torch.zeros(n, *q.shape[1:], dtype=torch.float32, device=q.device) for _ in range(2)]
 
         def zeros_kv():

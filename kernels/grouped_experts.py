@@ -42,8 +42,9 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(x) if x.requires_grad else x
 
 
-def grouped_experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-                         act_fn) -> torch.Tensor:
+def grouped_experts_loop(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, act_fn
+) -> torch.Tensor:
     """Reference: one gate_up / down matmul pair per expert over its contiguous rows."""
     outs = []
     for e, rows in enumerate(torch.split(x, counts.tolist())):
@@ -52,8 +53,9 @@ def grouped_experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
-def grouped_experts_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-                       act_fn) -> torch.Tensor:
+def grouped_experts_mm(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, act_fn
+) -> torch.Tensor:
     """Fast path: ``torch._grouped_mm`` over all experts with offsets (see the module docstring)."""
     offs = counts.cumsum(0).to(torch.int32)
     if x.dtype != gate_up.dtype:  # autocast does not cover _grouped_mm
@@ -68,8 +70,9 @@ def _aligned(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     return all(dim * gate_up.element_size() % 16 == 0 for dim in (down.shape[1], down.shape[2]))
 
 
-def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, act_fn,
-                    impl: str = "grouped_mm") -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, act_fn, impl: str = "grouped_mm"
+) -> torch.Tensor:
     """Dispatch to ``impl`` (one of ``IMPLEMENTATIONS``). With no rows at all the output still depends on
     ``x`` and the weights, so backward reaches them (zero gradients, not None): under expert parallelism
     every rank must take part in the backward exchanges and FSDP2's reduce-scatter."""

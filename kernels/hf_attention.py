@@ -154,15 +154,19 @@ def hf_varlen_attention(
         if position_ids is None:
             raise ValueError(f"{ATTENTION_NAME} needs cu_seq_lens_q or position_ids; see headrace.kernels.hf_attention")
         cu = cached_per_batch(
-            "cu_from_position_ids", position_ids, batch * seq,
+            "cu_from_position_ids",
+            position_ids,
+            batch * seq,
             lambda: cu_seqlens_from_position_ids(position_ids.expand(batch, -1)),
         )
     if sliding_window is not None:
         longest = max_length_q if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
         # A window at least as long as every document masks nothing the document mask does not already.
         if sliding_window < longest:
-            raise NotImplementedError(f"{ATTENTION_NAME}: sliding window {sliding_window} is shorter than the longest "
-                                      f"document ({longest} tokens); sliding-window attention is not supported")
+            raise NotImplementedError(
+                f"{ATTENTION_NAME}: sliding window {sliding_window} is shorter than the longest "
+                f"document ({longest} tokens); sliding-window attention is not supported"
+            )
     if not query.dtype == key.dtype == value.dtype:
         # Under autocast, HF's rotary step hands over fp32 q/k beside bf16 v; flash-attn takes one dtype.
         query, key = query.to(value.dtype), key.to(value.dtype)

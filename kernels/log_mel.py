@@ -87,9 +87,15 @@ def _mel_matrix(sample_rate: int, n_mels: int, n_fft: int, device: str) -> torch
     """Slaney mel bank with Slaney area normalisation, ``[n_mels, n_fft // 2 + 1]`` (DALI's and Whisper's)."""
     from transformers.audio_utils import mel_filter_bank
 
-    mel = mel_filter_bank(num_frequency_bins=n_fft // 2 + 1, num_mel_filters=n_mels, min_frequency=0.0,
-                          max_frequency=sample_rate / 2, sampling_rate=sample_rate, norm="slaney",
-                          mel_scale="slaney")
+    mel = mel_filter_bank(
+        num_frequency_bins=n_fft // 2 + 1,
+        num_mel_filters=n_mels,
+        min_frequency=0.0,
+        max_frequency=sample_rate / 2,
+        sampling_rate=sample_rate,
+        norm="slaney",
+        mel_scale="slaney",
+    )
     return torch.from_numpy(mel.T).float().to(device)
 
 
@@ -125,8 +131,9 @@ def log_mel(audio: torch.Tensor, lengths: torch.Tensor, cfg: LogMelConfig) -> tu
     idx = torch.where(idx > last, 2 * last - idx, idx).clamp(min=0)
     idx = torch.minimum(idx, last)  # utterances shorter than n_fft / 2 (DALI would reflect again)
     padded = torch.gather(audio, 1, idx)
-    spec = torch.stft(padded, n_fft=cfg.n_fft, hop_length=cfg.hop_length, window=window, center=False,
-                      return_complex=True)[..., :longest]
+    spec = torch.stft(
+        padded, n_fft=cfg.n_fft, hop_length=cfg.hop_length, window=window, center=False, return_complex=True
+    )[..., :longest]
     power = spec.real.square() + spec.imag.square()  # [B, freq, F]
     mels = torch.matmul(mel, power)  # [B, n_mels, F]
     valid = torch.arange(longest, device=audio.device)[None, :] < frames[:, None]
@@ -159,11 +166,20 @@ def nemo_log_mel(audio: torch.Tensor, lengths: torch.Tensor, cfg: LogMelConfig) 
         audio = torch.cat([audio[:, :1], audio[:, 1:] - cfg.preemphasis * audio[:, :-1]], dim=1)
     audio = audio * inside
     window = torch.hann_window(cfg.win_length, periodic=False, device=audio.device)
-    spec = torch.stft(audio, cfg.n_fft, hop_length=cfg.hop_length, win_length=cfg.win_length, window=window,
-                      center=True, pad_mode="constant", return_complex=True)
+    spec = torch.stft(
+        audio,
+        cfg.n_fft,
+        hop_length=cfg.hop_length,
+        win_length=cfg.win_length,
+        window=window,
+        center=True,
+        pad_mode="constant",
+        return_complex=True,
+    )
     power = spec.real.square() + spec.imag.square()
-    logs = torch.log(torch.matmul(_mel_matrix(cfg.sample_rate, cfg.n_mels, cfg.n_fft, str(audio.device)), power)
-                     + NEMO_LOG_GUARD)
+    logs = torch.log(
+        torch.matmul(_mel_matrix(cfg.sample_rate, cfg.n_mels, cfg.n_fft, str(audio.device)), power) + NEMO_LOG_GUARD
+    )
     frames = feature_frames(lengths, cfg)
     valid = (torch.arange(logs.shape[-1], device=audio.device)[None, :] < frames[:, None])[:, None, :]
     count = frames[:, None, None].to(logs.dtype)
@@ -183,23 +199,33 @@ def whisper_num_frames(lengths: torch.Tensor) -> torch.Tensor:
 
 @torch.autocast("cuda", enabled=False)
 @torch.autocast("cpu", enabled=False)
-def whisper_log_mel(audio: torch.Tensor, lengths: torch.Tensor, n_mels: int,
-                    window_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+def whisper_log_mel(
+    audio: torch.Tensor, lengths: torch.Tensor, n_mels: int, window_frames: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``audio [B, T]`` (16 kHz) with valid ``lengths [B]`` -> (Whisper features ``[B, n_mels, window_frames]``,
     frames of real audio ``[B]``); see the module docstring. Raises if an utterance is longer than the window."""
     window_samples = window_frames * WHISPER_HOP
     lengths = lengths.to(audio.device)
     # lengths never exceed the padded width: only a batch wider than the window needs the (syncing) check
     if audio.shape[1] > window_samples and int(lengths.max()) > window_samples:
-        raise ValueError(f"audio of {int(lengths.max()) / WHISPER_SAMPLE_RATE:.2f} s is longer than the Whisper "
-                         f"encoder's window of {window_samples / WHISPER_SAMPLE_RATE:g} s")
+        raise ValueError(
+            f"audio of {int(lengths.max()) / WHISPER_SAMPLE_RATE:.2f} s is longer than the Whisper "
+            f"encoder's window of {window_samples / WHISPER_SAMPLE_RATE:g} s"
+        )
     audio = audio[:, :window_samples].float()
     # zeros after each utterance's end, up to the window (the extractor pads every utterance with silence)
     audio = audio * (torch.arange(audio.shape[1], device=audio.device)[None, :] < lengths[:, None])
     audio = torch.nn.functional.pad(audio, (0, window_samples - audio.shape[1]))
     window = torch.hann_window(WHISPER_N_FFT, device=audio.device)
-    spec = torch.stft(audio, n_fft=WHISPER_N_FFT, hop_length=WHISPER_HOP, window=window, center=True,
-                      pad_mode="reflect", return_complex=True)[..., :-1]
+    spec = torch.stft(
+        audio,
+        n_fft=WHISPER_N_FFT,
+        hop_length=WHISPER_HOP,
+        window=window,
+        center=True,
+        pad_mode="reflect",
+        return_complex=True,
+    )[..., :-1]
     power = spec.real.square() + spec.imag.square()
     mels = torch.matmul(_mel_matrix(WHISPER_SAMPLE_RATE, n_mels, WHISPER_N_FFT, str(audio.device)), power)
     logs = torch.clamp(mels, min=1e-10).log10()
@@ -221,8 +247,13 @@ class SpecAugmentConfig:
         return self.freq_masks > 0 or self.time_masks > 0
 
 
-def spec_augment(features: torch.Tensor, frames: torch.Tensor, cfg: SpecAugmentConfig,
-                 generator: torch.Generator | None = None, fill: float = 0.0) -> torch.Tensor:
+def spec_augment(
+    features: torch.Tensor,
+    frames: torch.Tensor,
+    cfg: SpecAugmentConfig,
+    generator: torch.Generator | None = None,
+    fill: float = 0.0,
+) -> torch.Tensor:
     """``features [B, n_mels, F]`` with ``cfg.freq_masks`` bands of up to ``freq_width`` bins and
     ``cfg.time_masks`` spans of up to ``time_width * frames`` frames set to ``fill`` (new tensor)."""
     batch, n_mels, longest = features.shape
@@ -236,8 +267,11 @@ def spec_augment(features: torch.Tensor, frames: torch.Tensor, cfg: SpecAugmentC
 
     mask = torch.zeros_like(features, dtype=torch.bool)
     if cfg.freq_masks:
-        lo, hi = draw(cfg.freq_masks, torch.full((batch,), cfg.freq_width, device=device),
-                      torch.full((batch,), n_mels, device=device))
+        lo, hi = draw(
+            cfg.freq_masks,
+            torch.full((batch,), cfg.freq_width, device=device),
+            torch.full((batch,), n_mels, device=device),
+        )
         f = torch.arange(n_mels, device=device)[None, None, :]
         mask |= ((f >= lo[..., None]) & (f < hi[..., None])).any(1)[:, :, None]
     if cfg.time_masks:
@@ -247,6 +281,18 @@ def spec_augment(features: torch.Tensor, frames: torch.Tensor, cfg: SpecAugmentC
     return features.masked_fill(mask, fill)
 
 
-__all__ = ["CUTOFF_DB", "WHISPER_HOP", "WHISPER_N_FFT", "WHISPER_SAMPLE_RATE", "LogMelConfig", "SpecAugmentConfig",
-           "feature_frames", "log_mel", "nemo_log_mel", "num_frames", "spec_augment", "whisper_log_mel",
-           "whisper_num_frames"]
+__all__ = [
+    "CUTOFF_DB",
+    "WHISPER_HOP",
+    "WHISPER_N_FFT",
+    "WHISPER_SAMPLE_RATE",
+    "LogMelConfig",
+    "SpecAugmentConfig",
+    "feature_frames",
+    "log_mel",
+    "nemo_log_mel",
+    "num_frames",
+    "spec_augment",
+    "whisper_log_mel",
+    "whisper_num_frames",
+]

@@ -99,8 +99,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _chunked_loss_and_grads(hidden, weight, labels, chunk_size, ignore_index, compute_dtype, need_hidden_grad,
-                            need_weight_grad):
+def _chunked_loss_and_grads(
+    hidden, weight, labels, chunk_size, ignore_index, compute_dtype, need_hidden_grad, need_weight_grad
+):
     """Summed loss and, where needed, the gradients w.r.t. hidden and (fp32) weight; one chunk of logits at a time."""
     w = weight.to(compute_dtype)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)

@@ -67,16 +67,25 @@ def document_block_tables(cu_seqlens: torch.Tensor, total_tokens: int, block: in
 
     kv_num, kv_idx = tables(partial)
     full_num, full_idx = tables(full)
-    return {"kv_num_blocks": kv_num, "kv_indices": kv_idx, "full_kv_num_blocks": full_num,
-            "full_kv_indices": full_idx, "doc": torch.from_numpy(doc)}
+    return {
+        "kv_num_blocks": kv_num,
+        "kv_indices": kv_idx,
+        "full_kv_num_blocks": full_num,
+        "full_kv_indices": full_idx,
+        "doc": torch.from_numpy(doc),
+    }
 
 
 def bucket_plan_tree(cu_seqlens: torch.Tensor, total_tokens: int) -> dict:
     """``plan_buckets`` of a host ``cu_seqlens`` as a dict of tensors and ints (what the prefetcher copies)."""
     plan = plan_buckets(cu_seqlens, total_tokens)
-    return {"gather": tuple(b.gather for b in plan.buckets), "docs": tuple(b.docs for b in plan.buckets),
-            "length": tuple(b.length for b in plan.buckets), "lengths": tuple(b.lengths for b in plan.buckets),
-            "token_slot": plan.token_slot}
+    return {
+        "gather": tuple(b.gather for b in plan.buckets),
+        "docs": tuple(b.docs for b in plan.buckets),
+        "length": tuple(b.length for b in plan.buckets),
+        "lengths": tuple(b.lengths for b in plan.buckets),
+        "token_slot": plan.token_slot,
+    }
 
 
 def attention_plan(cu_seqlens: torch.Tensor, total_tokens: int, device_type: str) -> dict:
@@ -104,5 +113,12 @@ def with_attention_plan(batch: dict, device_type: str) -> dict:
     return batch | {"attention_plan": attention_plan(cu, total, device_type), "attention_pairs": causal_pairs(cu)}
 
 
-__all__ = ["FLEX_BLOCK", "attention_plan", "bucket_plan_tree", "causal_pairs", "document_block_tables",
-           "segment_lengths", "with_attention_plan"]
+__all__ = [
+    "FLEX_BLOCK",
+    "attention_plan",
+    "bucket_plan_tree",
+    "causal_pairs",
+    "document_block_tables",
+    "segment_lengths",
+    "with_attention_plan",
+]

@@ -220,7 +220,11 @@ def _dense_mask(q, k, v, cu_seqlens, scale):
     mask = cached_per_batch("dense_mask", cu_seqlens, q.shape[0], lambda: document_causal_mask(cu_seqlens, q.shape[0]))
     # 4-D inputs: with 3-D ones CPU SDPA falls back to the unfused math kernel.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
@@ -280,9 +284,14 @@ def block_mask_from_tables(tables: dict, total_tokens: int):
     def same_document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
 
-    return BlockMask.from_kv_blocks(tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"],
-                                    tables["full_kv_indices"], mask_mod=same_document_causal,
-                                    seq_lengths=(total_tokens, total_tokens))
+    return BlockMask.from_kv_blocks(
+        tables["kv_num_blocks"],
+        tables["kv_indices"],
+        tables["full_kv_num_blocks"],
+        tables["full_kv_indices"],
+        mask_mod=same_document_causal,
+        seq_lengths=(total_tokens, total_tokens),
+    )
 
 
 def _flex(q, k, v, cu_seqlens, scale, flex_fn=None):
@@ -295,8 +304,12 @@ def _flex(q, k, v, cu_seqlens, scale, flex_fn=None):
         "flex", cu_seqlens, q.shape[0], lambda: _document_block_mask(cu_seqlens, q.shape[0], q.device)
     )
     out = flex_fn(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
 
@@ -334,7 +347,17 @@ def cached_per_batch(kind: str, key: torch.Tensor, total_tokens: int, build):
 
 
 __all__ = [
-    "BACKENDS", "block_mask_from_tables", "bucket_length", "bucket_plan_from_tree", "cached_per_batch",
-    "cu_seqlens_from_position_ids", "document_causal_mask", "document_ids", "plan_buckets", "provide_plan",
-    "validate_cu_seqlens", "varlen_attention", "varlen_attention_reference",
+    "BACKENDS",
+    "block_mask_from_tables",
+    "bucket_length",
+    "bucket_plan_from_tree",
+    "cached_per_batch",
+    "cu_seqlens_from_position_ids",
+    "document_causal_mask",
+    "document_ids",
+    "plan_buckets",
+    "provide_plan",
+    "validate_cu_seqlens",
+    "varlen_attention",
+    "varlen_attention_reference",
 ]

@@ -46,11 +46,16 @@ def pytest_sessionfinish(session, exitstatus):
 
     from tools.package_dirs import RUNTIME_FOLDERS
 
-    bare = sorted(m for m in sys.modules if m.split(".")[0] in set(RUNTIME_FOLDERS) - {"kernels"}
-                  or (m.startswith("kernels.") and "site-packages" not in str(getattr(sys.modules[m], "__file__", ""))))
+    bare = sorted(
+        m
+        for m in sys.modules
+        if m.split(".")[0] in set(RUNTIME_FOLDERS) - {"kernels"}
+        or (m.startswith("kernels.") and "site-packages" not in str(getattr(sys.modules[m], "__file__", "")))
+    )
     if bare:
-        print(f"\nERROR: modules imported under their bare names besides headrace.*: {', '.join(bare)}",
-              file=sys.stderr)
+        print(
+            f"\nERROR: modules imported under their bare names besides headrace.*: {', '.join(bare)}", file=sys.stderr
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

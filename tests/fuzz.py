@@ -46,9 +46,18 @@ RUN_CASE_SECONDS = 120  # a case that runs the trainer (and eval) end to end, on
 MEMORY_CEILING = 6 << 30  # RLIMIT_DATA of a fuzz process (torch and numpy included)
 FAST_EXAMPLES = 60
 # the targets that build a loader or run a command per case (~0.5-2 s each): fewer cases in CI
-SLOW_EXAMPLES = {"inplace": 6, "nonregular": 8, "mixed": 8, "diskfull": 8,
-                 # issue 34: a trainer / eval / converter run per case
-                 "ckptdir": 2, "pretrained": 3, "speechckpt": 6, "links": 4, "launcher": 20}
+SLOW_EXAMPLES = {
+    "inplace": 6,
+    "nonregular": 8,
+    "mixed": 8,
+    "diskfull": 8,
+    # issue 34: a trainer / eval / converter run per case
+    "ckptdir": 2,
+    "pretrained": 3,
+    "speechckpt": 6,
+    "links": 4,
+    "launcher": 20,
+}
 
 
 class Hang(Exception):
@@ -71,11 +80,11 @@ def time_limit(seconds: int = CASE_SECONDS):
 
 def limit_memory(ceiling: int = MEMORY_CEILING) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (min(ceiling, hard) if hard != resource.RLIM_INFINITY else ceiling,
-                                              hard))
+    resource.setrlimit(resource.RLIMIT_DATA, (min(ceiling, hard) if hard != resource.RLIM_INFINITY else ceiling, hard))
 
 
 # --- mutations ---------------------------------------------------------------------------------------
+
 
 @st.composite
 def mutated(draw, base: bytes, *, hot: list[tuple[int, int]] | None = None):
@@ -84,7 +93,7 @@ def mutated(draw, base: bytes, *, hot: list[tuple[int, int]] | None = None):
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(["byte", "field", "cut", "insert"]))
         if kind == "cut":
-            del data[draw(st.integers(0, len(data))):]
+            del data[draw(st.integers(0, len(data))) :]
             continue
         if not data:
             break
@@ -127,7 +136,7 @@ def _tar_base() -> bytes:
     extra = io.BytesIO()
     with tarfile.open(fileobj=extra, mode="w", format=tarfile.GNU_FORMAT) as tar:
         tar.addfile(info, io.BytesIO(npy.getvalue()))
-    return out[: -1024] + extra.getvalue()  # one archive: drop the first end-of-archive blocks
+    return out[:-1024] + extra.getvalue()  # one archive: drop the first end-of-archive blocks
 
 
 TAR = _tar_base()
@@ -148,6 +157,7 @@ def check_tar(data: bytes) -> None:
 
 
 # --- npy / audio ------------------------------------------------------------------------------------
+
 
 def _npy(array) -> bytes:
     import io
@@ -208,8 +218,9 @@ def _wav() -> bytes:
 
 # --- manifests --------------------------------------------------------------------------------------
 
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                         st.text(max_size=20))
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=20)
+)
 
 
 def check_manifest(lines: list[dict], root: Path) -> None:
@@ -219,8 +230,13 @@ def check_manifest(lines: list[dict], root: Path) -> None:
     path = root / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     try:
-        plan = plan_job([open_input(str(path), ReadOptions(kind="audio"))], splits=[("train", 1.0)],
-                        shard_bytes=1 << 20, samples_per_shard=None, skip_errors=len(lines))
+        plan = plan_job(
+            [open_input(str(path), ReadOptions(kind="audio"))],
+            splits=[("train", 1.0)],
+            shard_bytes=1 << 20,
+            samples_per_shard=None,
+            skip_errors=len(lines),
+        )
     except PlanError as e:  # only beyond the budget, which is every line here
         raise AssertionError(f"plan failed within the budget: {e}") from None
     assert plan.samples + len(plan.bad) == len(lines)
@@ -231,21 +247,34 @@ def check_manifest(lines: list[dict], root: Path) -> None:
 
 
 def manifest_line():
-    return st.fixed_dictionaries({"audio_filepath": st.sampled_from(["a.flac", "b.wav", "missing.flac", "x.mp4", 7]),
-                                  "text": st.one_of(st.text(max_size=10), JSON_SCALARS)},
-                                 optional={"duration": JSON_SCALARS, "offset": JSON_SCALARS})
+    return st.fixed_dictionaries(
+        {
+            "audio_filepath": st.sampled_from(["a.flac", "b.wav", "missing.flac", "x.mp4", 7]),
+            "text": st.one_of(st.text(max_size=10), JSON_SCALARS),
+        },
+        optional={"duration": JSON_SCALARS, "offset": JSON_SCALARS},
+    )
 
 
 # --- loader states ----------------------------------------------------------------------------------
 
-STATE_FIELDS = ["version", "fingerprint", "seed", "dp_rank", "dp_size", "consumed", "bad_samples", "layout",
-                "reseeds"]
-STATE_VALUES = st.one_of(JSON_SCALARS, st.lists(st.integers(-3, 5), max_size=3),
-                         st.fixed_dictionaries({"start": st.integers(-5, 50), "dp_size": st.integers(-1, 3)},
-                                               optional={"skips": st.lists(st.dictionaries(
-                                                   st.sampled_from(["start", "dp_size", "consumed"]),
-                                                   st.one_of(st.integers(-2, 4), st.lists(st.integers(-2, 4),
-                                                                                          max_size=3))), max_size=2)}))
+STATE_FIELDS = ["version", "fingerprint", "seed", "dp_rank", "dp_size", "consumed", "bad_samples", "layout", "reseeds"]
+STATE_VALUES = st.one_of(
+    JSON_SCALARS,
+    st.lists(st.integers(-3, 5), max_size=3),
+    st.fixed_dictionaries(
+        {"start": st.integers(-5, 50), "dp_size": st.integers(-1, 3)},
+        optional={
+            "skips": st.lists(
+                st.dictionaries(
+                    st.sampled_from(["start", "dp_size", "consumed"]),
+                    st.one_of(st.integers(-2, 4), st.lists(st.integers(-2, 4), max_size=3)),
+                ),
+                max_size=2,
+            )
+        },
+    ),
+)
 
 
 def check_state(loader_factory, state: dict) -> None:
@@ -262,14 +291,54 @@ def check_state(loader_factory, state: dict) -> None:
 
 # --- trainer configs --------------------------------------------------------------------------------
 
-CONFIG_KEYS = ["trainer.max_steps", "trainer.grad_accum", "trainer.log_every", "optim.lr", "optim.eps",
-               "optim.betas", "optim.warmup_steps", "optim.decay_steps", "optim.min_lr_ratio", "optim.max_grad_norm",
-               "checkpoint.interval", "checkpoint.keep_last", "distributed.tp_size", "distributed.dp_size",
-               "distributed.cp_size", "distributed.strategy", "data.batch_size", "data.seq_len",
-               "data.datasets", "model.config.model_type", "model.config", "trainer", "nope.key"]
-YAML_TEXT = st.one_of(st.sampled_from([".inf", "-.inf", ".nan", "-1", "0", "1e-3", "[1, 2", "{a: 1}", "null",
-                                       "'x'", "[]", "[{path: p, weight: .inf}]", "- a\n- b", ":", "2", "ddp"]),
-                      st.text(max_size=12))
+CONFIG_KEYS = [
+    "trainer.max_steps",
+    "trainer.grad_accum",
+    "trainer.log_every",
+    "optim.lr",
+    "optim.eps",
+    "optim.betas",
+    "optim.warmup_steps",
+    "optim.decay_steps",
+    "optim.min_lr_ratio",
+    "optim.max_grad_norm",
+    "checkpoint.interval",
+    "checkpoint.keep_last",
+    "distributed.tp_size",
+    "distributed.dp_size",
+    "distributed.cp_size",
+    "distributed.strategy",
+    "data.batch_size",
+    "data.seq_len",
+    "data.datasets",
+    "model.config.model_type",
+    "model.config",
+    "trainer",
+    "nope.key",
+]
+YAML_TEXT = st.one_of(
+    st.sampled_from(
+        [
+            ".inf",
+            "-.inf",
+            ".nan",
+            "-1",
+            "0",
+            "1e-3",
+            "[1, 2",
+            "{a: 1}",
+            "null",
+            "'x'",
+            "[]",
+            "[{path: p, weight: .inf}]",
+            "- a\n- b",
+            ":",
+            "2",
+            "ddp",
+        ]
+    ),
+    st.text(max_size=12),
+)
 
 
 def check_config(overrides: list[str], base: dict) -> None:
@@ -288,8 +357,10 @@ def check_config(overrides: list[str], base: dict) -> None:
 
 # --- shards rewritten in place under a running loader -------------------------------------------------
 
-def check_inplace(root: Path, reference: dict[str, list[int]], edits: list[tuple[int, int]], workers: int,
-                  packed: bool) -> None:
+
+def check_inplace(
+    root: Path, reference: dict[str, list[int]], edits: list[tuple[int, int]], workers: int, packed: bool
+) -> None:
     """A loader reads ``root`` (a copy of the reference data); after its first batch a shard gets
     ``edits`` (position fraction, byte value) in place, same size. Every token it serves must be the
     reference's for the key it names, or the read ends in a ``SampleDecodeError`` naming the shard."""
@@ -301,8 +372,15 @@ def check_inplace(root: Path, reference: dict[str, list[int]], edits: list[tuple
     data = root / "live"
     shutil.rmtree(data, ignore_errors=True)
     shutil.copytree(root / "reference", data)
-    cfg = {"datasets": [{"path": str(data)}], "batch_size": 4, "epochs": 1, "num_workers": workers,
-           "shuffle": False, "max_bad_samples": 0, "prefetch": 1}
+    cfg = {
+        "datasets": [{"path": str(data)}],
+        "batch_size": 4,
+        "epochs": 1,
+        "num_workers": workers,
+        "shuffle": False,
+        "max_bad_samples": 0,
+        "prefetch": 1,
+    }
     if packed:
         cfg.update(seq_len=32, packing="greedy")
     loader = build_loader(cfg)
@@ -381,10 +459,16 @@ MEMBER_KINDS = ["flac", "wav", "uint16", "int32", "int64", "fortran", "2d", "neg
 def _member(kind: str) -> tuple[str, bytes]:
     if kind in ("flac", "wav"):
         return kind, flac_bytes(800, 8000) if kind == "flac" else WAV
-    arrays = {"uint16": np.arange(1, 6, dtype=np.uint16), "int32": np.array([1, 70000, 3], dtype=np.int32),
-              "int64": np.arange(4, dtype=np.int64), "fortran": np.asfortranarray(np.ones((2, 3), np.uint16)),
-              "2d": np.ones((2, 3), np.uint16), "negative": np.array([2, -1], dtype=np.int16),
-              "float": np.ones(3, np.float32), "empty": np.zeros(0, np.uint16)}
+    arrays = {
+        "uint16": np.arange(1, 6, dtype=np.uint16),
+        "int32": np.array([1, 70000, 3], dtype=np.int32),
+        "int64": np.arange(4, dtype=np.int64),
+        "fortran": np.asfortranarray(np.ones((2, 3), np.uint16)),
+        "2d": np.ones((2, 3), np.uint16),
+        "negative": np.array([2, -1], dtype=np.int16),
+        "float": np.ones(3, np.float32),
+        "empty": np.zeros(0, np.uint16),
+    }
     return "tokens.npy", _npy(arrays[kind])
 
 
@@ -407,8 +491,15 @@ def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> Non
             ext, payload = _member(kind)
             w.write({"__key__": f"k{i}", ext: payload, "json": b'{"text": "t"}'})
     index_dir(data)
-    cfg = {"datasets": [{"path": str(data)}], "batch_size": 2, "epochs": 1, "num_workers": workers,
-           "shuffle": False, "max_bad_samples": len(kinds) // 2, "decode": {"sample_rate": None}}
+    cfg = {
+        "datasets": [{"path": str(data)}],
+        "batch_size": 2,
+        "epochs": 1,
+        "num_workers": workers,
+        "shuffle": False,
+        "max_bad_samples": len(kinds) // 2,
+        "decode": {"sample_rate": None},
+    }
     if packed:
         cfg.update(seq_len=8, packing="greedy")
     try:
@@ -421,6 +512,7 @@ def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> Non
 
 
 # --- a nearly full disk ----------------------------------------------------------------------------------
+
 
 def small_disk(root: Path) -> Path | None:
     """A 1 MiB tmpfs under ``root`` (None where mounting is not allowed: not root, no tmpfs)."""
@@ -463,11 +555,13 @@ def check_disk_full(disk: Path, docs: Path, leave_kib: int, verb: str) -> None:
 
 # --- issue 34: the directories and words a user hands the trainer, the converter and the launcher ---------
 
+
 def in_child(fn):
     """``fn(case)`` in a forked child under ``RUN_CASE_SECONDS``: a case that runs the trainer leaves what it
     allocated, the process-group hooks torch installs and any thread behind when the child exits (in one process,
     hundreds of in-process runs grew past the memory ceiling). The child's traceback comes back through a pipe and
     fails the case here, where hypothesis shrinks it."""
+
     def run(case):
         read, write = os.pipe()
         pid = os.fork()
@@ -489,6 +583,7 @@ def in_child(fn):
         _, status = os.waitpid(pid, 0)
         if status:
             raise AssertionError(b"".join(chunks).decode(errors="replace") or f"the case's child ended with {status}")
+
     return run
 
 
@@ -513,10 +608,19 @@ def _one_line_or_ok(code: int, text: str) -> None:
 def _trainer_args(tmp: Path, out: Path, *extra: str, flags: tuple[str, ...] = ()) -> list[str]:
     from tests.helpers import REPO
 
-    return ["--config", str(REPO / "configs" / "debug_llama.yaml"), *flags, "logging.console=false",
-            "logging.tensorboard=false",
-            "checkpoint.export_hf=false", "data.seq_len=64", "data.packing_buffer=8", f"trainer.output_dir={out}",
-            f"data.datasets=[{{path: {tmp / 'ds'}}}]", *extra]
+    return [
+        "--config",
+        str(REPO / "configs" / "debug_llama.yaml"),
+        *flags,
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "checkpoint.export_hf=false",
+        "data.seq_len=64",
+        "data.packing_buffer=8",
+        f"trainer.output_dir={out}",
+        f"data.datasets=[{{path: {tmp / 'ds'}}}]",
+        *extra,
+    ]
 
 
 def _case_dir(tmp: Path, name: str) -> Path:
@@ -556,8 +660,9 @@ def check_checkpoint_dir(tmp: Path, run: Path, edits: list[tuple[str, bytes | No
     _one_line_or_ok(*_entry(eval_main, _trainer_args(tmp, case / "out", val, flags=("--checkpoint", str(newest)))))
 
 
-def check_pretrained_dir(tmp: Path, base: Path, config_edit: bytes | None, weights_edit: bytes | None,
-                         extra_file: bool, link: str | None) -> None:
+def check_pretrained_dir(
+    tmp: Path, base: Path, config_edit: bytes | None, weights_edit: bytes | None, extra_file: bool, link: str | None
+) -> None:
     """A pretrained directory with its config.json / safetensors mutated, a second weights file, or a file linked
     from outside: the trainer trains from it (exit 0) or says one line (exit 2)."""
     import shutil
@@ -576,8 +681,14 @@ def check_pretrained_dir(tmp: Path, base: Path, config_edit: bytes | None, weigh
         (case / "outside").write_bytes((base / link).read_bytes())
         (case / "p" / link).unlink()
         (case / "p" / link).symlink_to(case / "outside")
-    _one_line_or_ok(*_entry(train_main, _trainer_args(tmp, case / "out", "trainer.max_steps=1", "model.config=null",
-                                                      f"model.pretrained_path={case / 'p'}")))
+    _one_line_or_ok(
+        *_entry(
+            train_main,
+            _trainer_args(
+                tmp, case / "out", "trainer.max_steps=1", "model.config=null", f"model.pretrained_path={case / 'p'}"
+            ),
+        )
+    )
 
 
 SPEECH_FILES = ["config.json", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"]
@@ -603,8 +714,9 @@ def check_speech_checkpoint(tmp: Path, base: Path, edits: list[tuple[str, bytes]
     if code != 0:
         assert not (case / "out").exists() and not list(case.glob(".out.tmp-*")), sorted(p.name for p in case.iterdir())
     else:
-        assert link is None and all(b"SECRET-FROM-OUTSIDE" not in p.read_bytes()
-                                    for p in (case / "out").rglob("*") if p.is_file())
+        assert link is None and all(
+            b"SECRET-FROM-OUTSIDE" not in p.read_bytes() for p in (case / "out").rglob("*") if p.is_file()
+        )
 
 
 def check_launcher(tmp: Path, job: Path, values: list[tuple[str, bool]]) -> None:
@@ -632,18 +744,35 @@ def check_launcher(tmp: Path, job: Path, values: list[tuple[str, bool]]) -> None
     if code != 0:
         return
     script = out.getvalue().partition("\nsbatch ")[0]
-    srun = script[script.index("\nsrun ") + 1:].rstrip("\n")  # the last command; a quoted word may span lines
+    srun = script[script.index("\nsrun ") + 1 :].rstrip("\n")  # the last command; a quoted word may span lines
     per_node = shlex.split(srun)[-1].replace("exec ", "exec printf '%s\\0' ", 1)
-    env = {"PATH": "/usr/bin:/bin", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "RDZV_HOST": "h",
-           "SLURM_JOB_ID": "1", "DATA_SEED": "7"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NUM_NODES": "1",
+        "RDZV_HOST": "h",
+        "SLURM_JOB_ID": "1",
+        "DATA_SEED": "7",
+    }
     proc = subprocess.run(["bash", "-c", per_node], env=env, cwd=case, capture_output=True, check=True, timeout=10)
     words = proc.stdout.decode("utf-8", "surrogateescape").split("\0")[:-1]
-    assert words[words.index("--config") + 2:] == [*overrides, "trainer.data_seed=7"], (words, overrides)
+    assert words[words.index("--config") + 2 :] == [*overrides, "trainer.data_seed=7"], (words, overrides)
     assert sorted(p.name for p in case.iterdir()) == [], "the script created files"
 
 
-OUTPUT_NAMES = [".headrace-train.lock", "config.yaml", "metrics.jsonl", "summary.json", "checkpoints",
-                "checkpoints/step-00000001", "checkpoints/.seal-key", "hf", "hf/config.json", "tensorboard", "profile"]
+OUTPUT_NAMES = [
+    ".headrace-train.lock",
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoints",
+    "checkpoints/step-00000001",
+    "checkpoints/.seal-key",
+    "hf",
+    "hf/config.json",
+    "tensorboard",
+    "profile",
+]
 
 
 def check_output_links(tmp: Path, links: list[tuple[str, bool]]) -> None:
@@ -659,8 +788,9 @@ def check_output_links(tmp: Path, links: list[tuple[str, bool]]) -> None:
     made = 0
     for name, to_dir in links:
         path = out / name
-        if os.path.lexists(path) or any(os.path.islink(p) or (p.exists() and not p.is_dir())
-                                        for p in path.parents if out in p.parents):
+        if os.path.lexists(path) or any(
+            os.path.islink(p) or (p.exists() and not p.is_dir()) for p in path.parents if out in p.parents
+        ):
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.symlink_to(case / ("victim_dir" if to_dir else "victim"))
@@ -674,6 +804,7 @@ def check_output_links(tmp: Path, links: list[tuple[str, bool]]) -> None:
 
 
 # --- the runner -------------------------------------------------------------------------------------
+
 
 def targets(tmp: Path) -> dict:
     """name -> (hypothesis strategy of that target's mutations, the property checked on each case)."""
@@ -698,8 +829,15 @@ def targets(tmp: Path) -> dict:
     from headrace.dataio.shards.index import load_index
 
     reference = {}
-    ref_loader = build_loader({"datasets": [{"path": str(tmp / "inplace" / "reference")}], "batch_size": 48,
-                               "epochs": 1, "num_workers": 0, "shuffle": False})
+    ref_loader = build_loader(
+        {
+            "datasets": [{"path": str(tmp / "inplace" / "reference")}],
+            "batch_size": 48,
+            "epochs": 1,
+            "num_workers": 0,
+            "shuffle": False,
+        }
+    )
     for batch in ref_loader:
         docs = batch["tokens.npy"].split(batch["__lengths__"]["tokens.npy"].tolist())
         reference.update({k: d.tolist() for k, d in zip(batch["__key__"], docs)})
@@ -712,6 +850,7 @@ def targets(tmp: Path) -> dict:
         def run(case):
             with time_limit():
                 fn(case)
+
         return run
 
     found = {
@@ -720,28 +859,47 @@ def targets(tmp: Path) -> dict:
         "npy": (mutated(NPY, hot=[(0, 128)]), guarded(lambda d: check_member("tokens.npy", d))),
         "flac": (mutated(flac, hot=[(0, 64)]), guarded(lambda d: check_member("flac", d))),
         "wav": (mutated(WAV, hot=[(0, 48)]), guarded(lambda d: check_member("wav", d))),
-        "manifest": (st.lists(manifest_line(), min_size=1, max_size=4),
-                     guarded(lambda lines: check_manifest(lines, tmp))),
-        "state": (st.dictionaries(st.sampled_from(STATE_FIELDS), STATE_VALUES, max_size=2),
-                  guarded(lambda edits: check_state(lambda: build_loader(state_cfg), {**good_state, **edits}))),
-        "config": (st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), YAML_TEXT), min_size=1, max_size=3),
-                   guarded(lambda kv: check_config([f"{k}={v}" for k, v in kv], config_base))),
-        "inplace": (st.tuples(st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=8),
-                              st.sampled_from([0, 2]), st.booleans()),
-                    guarded(lambda c: check_inplace(tmp / "inplace", reference, *c))),
-        "nonregular": (st.lists(st.sampled_from(NON_REGULAR), min_size=1, max_size=4),
-                       guarded(lambda kinds: check_nonregular(tmp, kinds))),
-        "mixed": (st.tuples(st.lists(st.sampled_from(MEMBER_KINDS), min_size=1, max_size=6), st.booleans(),
-                            st.sampled_from([0, 2])),
-                  guarded(lambda c: check_mixed(tmp, *c))),
+        "manifest": (
+            st.lists(manifest_line(), min_size=1, max_size=4),
+            guarded(lambda lines: check_manifest(lines, tmp)),
+        ),
+        "state": (
+            st.dictionaries(st.sampled_from(STATE_FIELDS), STATE_VALUES, max_size=2),
+            guarded(lambda edits: check_state(lambda: build_loader(state_cfg), {**good_state, **edits})),
+        ),
+        "config": (
+            st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), YAML_TEXT), min_size=1, max_size=3),
+            guarded(lambda kv: check_config([f"{k}={v}" for k, v in kv], config_base)),
+        ),
+        "inplace": (
+            st.tuples(
+                st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=8),
+                st.sampled_from([0, 2]),
+                st.booleans(),
+            ),
+            guarded(lambda c: check_inplace(tmp / "inplace", reference, *c)),
+        ),
+        "nonregular": (
+            st.lists(st.sampled_from(NON_REGULAR), min_size=1, max_size=4),
+            guarded(lambda kinds: check_nonregular(tmp, kinds)),
+        ),
+        "mixed": (
+            st.tuples(
+                st.lists(st.sampled_from(MEMBER_KINDS), min_size=1, max_size=6), st.booleans(), st.sampled_from([0, 2])
+            ),
+            guarded(lambda c: check_mixed(tmp, *c)),
+        ),
     }
+
     def guarded_run(fn):
         return in_child(fn)
 
     found.update(issue34_targets(tmp, guarded, guarded_run))
     if disk is not None:
-        found["diskfull"] = (st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),
-                             guarded(lambda c: check_disk_full(disk, docs, *c)))
+        found["diskfull"] = (
+            st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),
+            guarded(lambda c: check_disk_full(disk, docs, *c)),
+        )
     return found
 
 
@@ -764,36 +922,81 @@ def issue34_targets(tmp: Path, guarded, guarded_run) -> dict:
     save_qwen2_audio(tmp / "qwen2_audio")
     if not (tmp / "qwen2_audio" / "chat_template.jinja").exists():
         (tmp / "qwen2_audio" / "chat_template.jinja").write_text(
-            json.loads((tmp / "qwen2_audio" / "tokenizer_config.json").read_text()).pop("chat_template", ""))
+            json.loads((tmp / "qwen2_audio" / "tokenizer_config.json").read_text()).pop("chat_template", "")
+        )
     speech = {name: (tmp / "qwen2_audio" / name).read_bytes() for name in SPEECH_FILES}
     job = tmp / "launch.yaml"
-    job.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}},
-                                   "data": {"datasets": [{"path": "d"}], "seq_len": 64},
-                                   "trainer": {"output_dir": str(tmp / "launch-run")}}))
-    json_texts = st.sampled_from([b"{}", b"[]", b"null", b'{"step": -1}', b'{"step": 1e999}', b'"x"', DEEP_JSON,
-                                  b'{"model_type": "llama", "vocab_size": 0}', b'{"model_type": 3}'])
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"config": {"model_type": "llama"}},
+                "data": {"datasets": [{"path": "d"}], "seq_len": 64},
+                "trainer": {"output_dir": str(tmp / "launch-run")},
+            }
+        )
+    )
+    json_texts = st.sampled_from(
+        [
+            b"{}",
+            b"[]",
+            b"null",
+            b'{"step": -1}',
+            b'{"step": 1e999}',
+            b'"x"',
+            DEEP_JSON,
+            b'{"model_type": "llama", "vocab_size": 0}',
+            b'{"model_type": 3}',
+        ]
+    )
     nested_loops = b"{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
-    shell_text = st.text(st.one_of(st.sampled_from(list("$`'\"\\;|&(){}[]*?!~#\n\t %=")),
-                                   st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")),
-                         min_size=1, max_size=16)
+    shell_text = st.text(
+        st.one_of(
+            st.sampled_from(list("$`'\"\\;|&(){}[]*?!~#\n\t %=")),
+            st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+        ),
+        min_size=1,
+        max_size=16,
+    )
     return {
-        "ckptdir": (st.lists(st.tuples(st.sampled_from(CKPT_FILES),
-                                       st.one_of(st.none(), json_texts, st.binary(max_size=64))), min_size=1, max_size=2),
-                    guarded_run(lambda edits: check_checkpoint_dir(tmp, run, edits))),
-        "pretrained": (st.tuples(st.one_of(st.none(), json_texts, mutated(config_bytes)),
-                                 st.one_of(st.none(), mutated(weights, hot=[(0, 256)])), st.booleans(),
-                                 st.one_of(st.none(), st.sampled_from(["config.json", "model.safetensors"]))),
-                       guarded_run(lambda c: check_pretrained_dir(tmp, tmp / "pretrained", *c))),
-        "speechckpt": (st.tuples(st.lists(st.one_of(
-            st.sampled_from(SPEECH_FILES).flatmap(lambda n: mutated(speech[n]).map(lambda b: (n, b))),
-            st.tuples(st.sampled_from(["config.json", "tokenizer_config.json"]), json_texts),
-            st.just(("chat_template.jinja", nested_loops))), max_size=2),
-            st.one_of(st.none(), st.sampled_from(["merges.txt", "tokenizer.json", "config.json"]))),
-            guarded_run(lambda c: check_speech_checkpoint(tmp, tmp / "qwen2_audio", *c))),
-        "launcher": (st.lists(st.tuples(shell_text, st.booleans()), min_size=1, max_size=3),
-                     guarded(lambda v: check_launcher(tmp, job, v))),
-        "links": (st.lists(st.tuples(st.sampled_from(OUTPUT_NAMES), st.booleans()), max_size=3),
-                  guarded_run(lambda links: check_output_links(tmp, links))),
+        "ckptdir": (
+            st.lists(
+                st.tuples(st.sampled_from(CKPT_FILES), st.one_of(st.none(), json_texts, st.binary(max_size=64))),
+                min_size=1,
+                max_size=2,
+            ),
+            guarded_run(lambda edits: check_checkpoint_dir(tmp, run, edits)),
+        ),
+        "pretrained": (
+            st.tuples(
+                st.one_of(st.none(), json_texts, mutated(config_bytes)),
+                st.one_of(st.none(), mutated(weights, hot=[(0, 256)])),
+                st.booleans(),
+                st.one_of(st.none(), st.sampled_from(["config.json", "model.safetensors"])),
+            ),
+            guarded_run(lambda c: check_pretrained_dir(tmp, tmp / "pretrained", *c)),
+        ),
+        "speechckpt": (
+            st.tuples(
+                st.lists(
+                    st.one_of(
+                        st.sampled_from(SPEECH_FILES).flatmap(lambda n: mutated(speech[n]).map(lambda b: (n, b))),
+                        st.tuples(st.sampled_from(["config.json", "tokenizer_config.json"]), json_texts),
+                        st.just(("chat_template.jinja", nested_loops)),
+                    ),
+                    max_size=2,
+                ),
+                st.one_of(st.none(), st.sampled_from(["merges.txt", "tokenizer.json", "config.json"])),
+            ),
+            guarded_run(lambda c: check_speech_checkpoint(tmp, tmp / "qwen2_audio", *c)),
+        ),
+        "launcher": (
+            st.lists(st.tuples(shell_text, st.booleans()), min_size=1, max_size=3),
+            guarded(lambda v: check_launcher(tmp, job, v)),
+        ),
+        "links": (
+            st.lists(st.tuples(st.sampled_from(OUTPUT_NAMES), st.booleans()), max_size=3),
+            guarded_run(lambda links: check_output_links(tmp, links)),
+        ),
     }
 
 
@@ -831,8 +1034,13 @@ def run_long(tmp: Path, minutes: float) -> dict:
             cases += examples
             per_target[name] = per_target.get(name, 0) + examples
         rounds += 1
-    return {"seconds": round(time.monotonic() - start), "rounds": rounds, "cases": cases, "failures": found,
-            "per_target": per_target}
+    return {
+        "seconds": round(time.monotonic() - start),
+        "rounds": rounds,
+        "cases": cases,
+        "failures": found,
+        "per_target": per_target,
+    }
 
 
 def main() -> int:
@@ -852,8 +1060,10 @@ def main() -> int:
         finally:
             if (Path(d) / "disk").is_mount():
                 subprocess.run(["umount", "-l", str(Path(d) / "disk")], check=False)
-    print(f"fuzz --long: {report['seconds']} s, {report['rounds']} rounds, ~{report['cases']} cases, "
-          f"{len(report['failures'])} distinct failures; cases per target: {report['per_target']}")
+    print(
+        f"fuzz --long: {report['seconds']} s, {report['rounds']} rounds, ~{report['cases']} cases, "
+        f"{len(report['failures'])} distinct failures; cases per target: {report['per_target']}"
+    )
     for head, detail in report["failures"].items():
         print(f"--- {head}\n{detail}")
     return 1 if report["failures"] else 0

@@ -21,8 +21,14 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 # ``python -m headrace.training``'s arguments for a quick run of the tiny debug Llama (no console, no hf/ export)
-DEBUG_LLAMA_CLI = ("--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",
-                   "checkpoint.export_hf=false", "data.seq_len=64", "data.packing_buffer=8")
+DEBUG_LLAMA_CLI = (
+    "--config",
+    str(REPO / "configs" / "debug_llama.yaml"),
+    "logging.console=false",
+    "checkpoint.export_hf=false",
+    "data.seq_len=64",
+    "data.packing_buffer=8",
+)
 
 
 def free_port() -> int:
@@ -48,13 +54,34 @@ def child_env(**extra: str | None) -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, module: str, *args, launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-             timeout: float = 400, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int,
+    module: str,
+    *args,
+    launcher_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 400,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node NPROC [launcher_args] -m MODULE ARGS`` from the checkout's root."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           *launcher_args, "-m", module, *map(str, args)],
-                          cwd=REPO, env=child_env() if env is None else env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *launcher_args,
+            "-m",
+            module,
+            *map(str, args),
+        ],
+        cwd=REPO,
+        env=child_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check:
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc

@@ -19,8 +19,9 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def make_text_dataset(root: Path, shard_sizes: list[int], *, prefix: str = "doc", seed: int = 0,
-                      extra: dict | None = None) -> list[str]:
+def make_text_dataset(
+    root: Path, shard_sizes: list[int], *, prefix: str = "doc", seed: int = 0, extra: dict | None = None
+) -> list[str]:
     """Shards of ``{key}.tokens.npy`` (int32, length 1..40, first token = sample number) plus
     ``{key}.json``; returns the keys in index order."""
     root.mkdir(parents=True, exist_ok=True)
@@ -42,8 +43,15 @@ def make_text_dataset(root: Path, shard_sizes: list[int], *, prefix: str = "doc"
     return keys
 
 
-def energon_prepared(root: Path, shard_sizes: list[int], *, keep_index: bool = False, subflavors: dict | None = None,
-                     prefix: str = "doc", **split) -> list[str]:
+def energon_prepared(
+    root: Path,
+    shard_sizes: list[int],
+    *,
+    keep_index: bool = False,
+    subflavors: dict | None = None,
+    prefix: str = "doc",
+    **split,
+) -> list[str]:
     """Text shards (``make_text_dataset``) prepared by energon's own ``WebdatasetPreparator`` with ``split``
     (``split_parts_ratio`` / ``split_parts_patterns``) and a CrudeWebdataset ``dataset.yaml`` (with
     ``subflavors``), so ``megatron.energon`` loads it; without ``keep_index`` the headrace index is removed
@@ -58,8 +66,9 @@ def energon_prepared(root: Path, shard_sizes: list[int], *, keep_index: bool = F
         shutil.rmtree(root / INDEX_DIR)
     WebdatasetPreparator.prepare_dataset(root, sorted(p.name for p in root.glob("*.tar")), workers=1, **split)
     dataset = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
-    (root / META_DIR / "dataset.yaml").write_text(yaml.safe_dump({**dataset, **({"subflavors": subflavors}
-                                                                                 if subflavors else {})}))
+    (root / META_DIR / "dataset.yaml").write_text(
+        yaml.safe_dump({**dataset, **({"subflavors": subflavors} if subflavors else {})})
+    )
     return keys
 
 

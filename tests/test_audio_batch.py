@@ -29,14 +29,24 @@ def encode(rate: int, seconds: float, channels: int, fmt: str, subtype: str, see
 
 
 # (format, subtype, rate, channels): the WAV fast paths, libsndfile's direct read, downmix, resampling
-CASES = [("WAV", "PCM_16", 16000, 1), ("WAV", "FLOAT", 16000, 1), ("FLAC", "PCM_16", 16000, 1),
-         ("FLAC", "PCM_24", 16000, 1), ("WAV", "PCM_24", 16000, 1), ("WAV", "PCM_16", 16000, 2),
-         ("FLAC", "PCM_16", 22050, 1), ("WAV", "PCM_16", 24000, 2), ("FLAC", "PCM_16", 8000, 2)]
+CASES = [
+    ("WAV", "PCM_16", 16000, 1),
+    ("WAV", "FLOAT", 16000, 1),
+    ("FLAC", "PCM_16", 16000, 1),
+    ("FLAC", "PCM_24", 16000, 1),
+    ("WAV", "PCM_24", 16000, 1),
+    ("WAV", "PCM_16", 16000, 2),
+    ("FLAC", "PCM_16", 22050, 1),
+    ("WAV", "PCM_16", 24000, 2),
+    ("FLAC", "PCM_16", 8000, 2),
+]
 
 
 def batch_of(payloads: list[bytes], cfg: DecodeConfig, alloc=plain_memory):
-    samples = [decode_sample({"audio.wav" if p[:4] == b"RIFF" else "flac": p}, cfg, key=f"k{i}", defer_audio=True)
-               for i, p in enumerate(payloads)]
+    samples = [
+        decode_sample({"audio.wav" if p[:4] == b"RIFF" else "flac": p}, cfg, key=f"k{i}", defer_audio=True)
+        for i, p in enumerate(payloads)
+    ]
     keys = [f"k{i}" for i in range(len(samples))]
     failed = decode_pending(samples, keys, ["s.tar"] * len(samples), cfg, alloc)
     return samples, failed
@@ -60,8 +70,13 @@ def test_batch_decode_equals_per_sample_decode_and_is_collated_in_place(dtype):
         assert torch.equal(value.waveform, expected.waveform)  # bit for bit, resampled ones included
     # Same-extension members lie end to end in one buffer: the batch tensor is that buffer, not a copy.
     flac = [s for s in samples if "flac" in s]
-    batch = collate(flac, [str(i) for i in range(len(flac))], torch.zeros(len(flac), dtype=torch.int64),
-                    torch.ones(len(flac), dtype=torch.bool), end=0)
+    batch = collate(
+        flac,
+        [str(i) for i in range(len(flac))],
+        torch.zeros(len(flac), dtype=torch.int64),
+        torch.ones(len(flac), dtype=torch.bool),
+        end=0,
+    )
     assert batch["flac"].data_ptr() == flac[0]["flac"].waveform.data_ptr()
     assert batch["__lengths__"]["flac"].tolist() == [len(s["flac"].waveform) for s in flac]
     assert torch.equal(batch["flac"], torch.cat([s["flac"].waveform for s in flac]))
@@ -78,8 +93,12 @@ def test_mono_16_bit_and_float_wavs_are_read_in_place_past_metadata_chunks(monke
     metadata = [(b"fact", (1601).to_bytes(4, "little")), peak_chunk(1), list_info(), (b"JUNK", bytes(7))]
     fmt, data = wav_chunks(wave, 16000)
     pcm_fmt, pcm_data = wav_chunks(pcm, 16000)
-    payloads = [riff(fmt, data), riff(fmt, *metadata, data), encode(16000, 0.2, 1, "WAV", "FLOAT", seed=6),
-                riff(pcm_fmt, list_info(), pcm_data)]
+    payloads = [
+        riff(fmt, data),
+        riff(fmt, *metadata, data),
+        encode(16000, 0.2, 1, "WAV", "FLOAT", seed=6),
+        riff(pcm_fmt, list_info(), pcm_data),
+    ]
     cfg = DecodeConfig()
     expected = [soundfile.read(io.BytesIO(p), dtype="float32")[0] for p in payloads]
     per_sample = [decode_audio(p, cfg).waveform for p in payloads]
@@ -138,8 +157,11 @@ def test_loader_serves_the_per_sample_values_with_and_without_workers(audio):  #
     utterance skipped and counted, every other one equal to ``decode_audio`` of its payload."""
     import webdataset as wds
 
-    payloads = {s["__key__"]: s["flac"] for tar in sorted(audio.glob("*.tar"))
-                for s in wds.WebDataset(str(tar), shardshuffle=False)}
+    payloads = {
+        s["__key__"]: s["flac"]
+        for tar in sorted(audio.glob("*.tar"))
+        for s in wds.WebDataset(str(tar), shardshuffle=False)
+    }
     for workers in (0, 2):
         decoded = waveforms(audio, "soundfile", workers=workers)
         assert sorted(decoded) == [f"u{i:03d}" for i in range(10) if i != 5]

@@ -18,19 +18,31 @@ from tests.helpers import child_env, torchrun
 
 
 def job(tmp_path) -> dict:
-    return dict(model=dict(config=dict(TINY_LLAMA)), data=dict(datasets=[dict(path=str(tmp_path))], seq_len=32),
-                trainer=dict(output_dir=str(tmp_path / "run")))
+    return dict(
+        model=dict(config=dict(TINY_LLAMA)),
+        data=dict(datasets=[dict(path=str(tmp_path))], seq_len=32),
+        trainer=dict(output_dir=str(tmp_path / "run")),
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.grad_accum=0", r"trainer\.grad_accum: must be >= 1, got 0"),  # was an AttributeError
-    ("trainer.max_steps=-5", r"trainer\.max_steps: must be >= 1, got -5"),  # trained nothing, exit 0
-    ("optim.lr=-1", r"optim\.lr: must be > 0, got -1"),  # was a long torch traceback
-    ("optim.betas=[0.9, 1.5]", r"optim\.betas: must be two numbers in \[0, 1\)"),
-    ("model.config.model_type=gpt9", r"model\.config\.model_type: 'gpt9' is not a causal LM model type"),  # was transformers' long traceback
-    ("model.config.model_type={a: 1}", r"model\.config\.model_type: \{'a': 1\} is not a causal LM model type"),  # fuzz: was TypeError
-    ("distributed.tp_size=3", r"world size 1 is not divisible by tp_size \* pp_size \* cp_size = 3"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.grad_accum=0", r"trainer\.grad_accum: must be >= 1, got 0"),  # was an AttributeError
+        ("trainer.max_steps=-5", r"trainer\.max_steps: must be >= 1, got -5"),  # trained nothing, exit 0
+        ("optim.lr=-1", r"optim\.lr: must be > 0, got -1"),  # was a long torch traceback
+        ("optim.betas=[0.9, 1.5]", r"optim\.betas: must be two numbers in \[0, 1\)"),
+        (
+            "model.config.model_type=gpt9",
+            r"model\.config\.model_type: 'gpt9' is not a causal LM model type",
+        ),  # was transformers' long traceback
+        (
+            "model.config.model_type={a: 1}",
+            r"model\.config\.model_type: \{'a': 1\} is not a causal LM model type",
+        ),  # fuzz: was TypeError
+        ("distributed.tp_size=3", r"world size 1 is not divisible by tp_size \* pp_size \* cp_size = 3"),
+    ],
+)
 def test_bad_values_fail_at_start_up_naming_key_and_rule(tmp_path, override, message):
     cfg = load_job_config(None, [override], base=job(tmp_path))
     with pytest.raises(ConfigError, match=message):
@@ -44,11 +56,14 @@ def test_good_job_passes(tmp_path):
     ParallelDims.from_config(cfg.distributed, 1)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("data.datasets=[{path: x, weight: .inf}]", r"data\.datasets\[0\]\.weight: expected a finite number, got inf"),
-    ("optim.lr=.nan", r"optim\.lr: expected a finite number, got nan"),
-    ("optim.lr=[1, 2", r"override 'optim\.lr=\[1, 2': not valid YAML"),  # was a 50-line parser traceback
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.datasets=[{path: x, weight: .inf}]", r"data\.datasets\[0\]\.weight: expected a finite number, got inf"),
+        ("optim.lr=.nan", r"optim\.lr: expected a finite number, got nan"),
+        ("optim.lr=[1, 2", r"override 'optim\.lr=\[1, 2': not valid YAML"),  # was a 50-line parser traceback
+    ],
+)
 def test_non_finite_numbers_and_bad_overrides_are_config_errors(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         load_job_config(None, [override], base=job(tmp_path))
@@ -67,8 +82,11 @@ def test_tokenizer_larger_than_the_model_is_refused(tmp_path):
 
     path = tmp_path / "tok.json"
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB + 10)}, unk_token="w0")).save(str(path))
-    with pytest.raises(ConfigError, match=rf"model\.tokenizer: .*tok\.json has {VOCAB + 10} tokens, more than "
-                                          rf"the model's vocab_size {VOCAB}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"model\.tokenizer: .*tok\.json has {VOCAB + 10} tokens, more than "
+        rf"the model's vocab_size {VOCAB}",
+    ):
         check_vocab(VOCAB, str(path), [])
     check_vocab(VOCAB + 10, str(path), [])
 
@@ -83,8 +101,11 @@ def test_shard_token_ids_beyond_the_vocab_are_refused_from_the_index(tmp_path):
     source = ShardSource(str(tmp_path / "d"))
     recorded = [s.max_token for s in source.index.shards]
     assert all(m is not None and 500 < m < 1000 for m in recorded)
-    with pytest.raises(ConfigError, match=rf"d/doc-00000\d\.tar holds token id {max(recorded)}, outside the "
-                                          r"model's vocab_size 256"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"d/doc-00000\d\.tar holds token id {max(recorded)}, outside the "
+        r"model's vocab_size 256",
+    ):
         check_vocab(VOCAB, None, [source])
     check_vocab(1000, None, [source])
 
@@ -117,8 +138,9 @@ def run_torchrun(nproc: int, *args) -> subprocess.CompletedProcess:
 def test_torchrun_parallel_dims_error_is_one_line_from_rank_0(tmp_path):
     """Was ~68 lines for 2 processes (every rank's traceback); now one line from our processes, then
     torchrun's own summary of the non-zero exits."""
-    proc = run_torchrun(2, "--config", "configs/debug_llama.yaml", "distributed.tp_size=3",
-                        f"trainer.output_dir={tmp_path}")
+    proc = run_torchrun(
+        2, "--config", "configs/debug_llama.yaml", "distributed.tp_size=3", f"trainer.output_dir={tmp_path}"
+    )
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert ours == ["error: distributed: world size 2 is not divisible by tp_size * pp_size * cp_size = 3"]

@@ -25,6 +25,7 @@ from tests.hostile import flac_bytes
 
 # --- silent wrong data: a shard rewritten in place ---------------------------------------------------
 
+
 def _rewrite_in_place(tmp_path, sizes: list[int], shard: str = "doc-000000.tar") -> None:
     """Overwrite ``shard`` in place (same inode, same size) with a shard of other keys and tokens."""
     loader_util.make_text_dataset(tmp_path / "other", sizes, prefix="dod", seed=1)
@@ -42,8 +43,15 @@ def test_shard_rewritten_in_place_at_the_same_size_is_an_error(tmp_path, workers
     version first mapped, in every worker."""
     sizes = [3000, 100] if packed else [400, 400]  # packing reads 256 samples a chunk, workers 2 chunks ahead
     loader_util.make_text_dataset(tmp_path / "d", sizes, seed=0)
-    cfg = {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8, "epochs": 1, "num_workers": workers,
-           "shuffle": False, "max_bad_samples": 0, "prefetch": 1}
+    cfg = {
+        "datasets": [{"path": str(tmp_path / "d")}],
+        "batch_size": 8,
+        "epochs": 1,
+        "num_workers": workers,
+        "shuffle": False,
+        "max_bad_samples": 0,
+        "prefetch": 1,
+    }
     if packed:
         cfg.update(seq_len=64, packing="greedy")
     loader = build_loader(cfg)
@@ -60,8 +68,14 @@ def test_shard_rewritten_before_a_worker_maps_it_is_an_error(tmp_path):
     """A worker that maps the shard only after the rewrite must not read the new version under checks
     the main process made on the old one: the first version's stamp is shared with the workers."""
     loader_util.make_text_dataset(tmp_path / "d", [400, 400], seed=0)
-    cfg = {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8, "epochs": 1, "num_workers": 0,
-           "shuffle": False, "max_bad_samples": 0}
+    cfg = {
+        "datasets": [{"path": str(tmp_path / "d")}],
+        "batch_size": 8,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle": False,
+        "max_bad_samples": 0,
+    }
     loader = build_loader(cfg)
     source = loader.stream.sources[0]
     source.array(0)  # the main process maps shard 0: its stamp is now the loader's
@@ -73,20 +87,23 @@ def test_shard_rewritten_before_a_worker_maps_it_is_an_error(tmp_path):
 
 # --- loader states -----------------------------------------------------------------------------------
 
+
 def _state_cfg(root, **kw):
-    return {"datasets": [{"path": str(root)}], "batch_size": 2, "epochs": 1, "num_workers": 0, "shuffle": False,
-            **kw}
+    return {"datasets": [{"path": str(root)}], "batch_size": 2, "epochs": 1, "num_workers": 0, "shuffle": False, **kw}
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.update(consumed=50), r"'consumed' 50 .*reaches position 50, past the end of this data's 20"),
-    (lambda s: s["layout"].update(start=50), r"'consumed' 0 \(with 'layout' start 50\) reaches position 50, past"),
-    (lambda s: s.update(consumed=10**30), r"'consumed' must be a non-negative integer below 2\*\*62"),
-    (lambda s: s.update(seed=2**64), r"'seed' must be a non-negative integer below 2\*\*62"),
-    (lambda s: s["layout"].update(start=10**30), r"'layout' must be a mapping"),
-    (lambda s: s.update(reseeds=[[1, [10**30]]]), r"'reseeds' must be a list of \[seed, "),  # was accepted
-    (lambda s: s.update(reseeds="zz"), r"'reseeds' must be a list of \[seed, "),  # was a bare ValueError
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update(consumed=50), r"'consumed' 50 .*reaches position 50, past the end of this data's 20"),
+        (lambda s: s["layout"].update(start=50), r"'consumed' 0 \(with 'layout' start 50\) reaches position 50, past"),
+        (lambda s: s.update(consumed=10**30), r"'consumed' must be a non-negative integer below 2\*\*62"),
+        (lambda s: s.update(seed=2**64), r"'seed' must be a non-negative integer below 2\*\*62"),
+        (lambda s: s["layout"].update(start=10**30), r"'layout' must be a mapping"),
+        (lambda s: s.update(reseeds=[[1, [10**30]]]), r"'reseeds' must be a list of \[seed, "),  # was accepted
+        (lambda s: s.update(reseeds="zz"), r"'reseeds' must be a list of \[seed, "),  # was a bare ValueError
+    ],
+)
 def test_loader_state_past_the_end_or_huge_is_refused_naming_the_field(tmp_path, edit, message):
     """Used to be accepted and yield 0 samples (past the end), or OverflowError (huge integers)."""
     loader_util.make_text_dataset(tmp_path, [10, 10])
@@ -125,8 +142,13 @@ def test_packing_and_bucketing_sub_states_name_their_field(tmp_path):
 
     audio = tmp_path / "audio"
     _mixed_codec_dataset(audio)
-    bucketed = {"datasets": [{"path": str(audio)}], "batch_size": 2, "epochs": 1, "num_workers": 0,
-                "bucketing": {"max_duration": 1.0, "num_buckets": 2}}
+    bucketed = {
+        "datasets": [{"path": str(audio)}],
+        "batch_size": 2,
+        "epochs": 1,
+        "num_workers": 0,
+        "bucketing": {"max_duration": 1.0, "num_buckets": 2},
+    }
     state = build_loader(bucketed).state_dict()
     for field, value in (("step", -3), ("epoch", 10**30), ("history", [[10**30, 5]])):  # IndexError, 0 samples
         bad = copy.deepcopy(state)
@@ -143,10 +165,10 @@ def test_packing_and_bucketing_sub_states_name_their_field(tmp_path):
 
 # --- mixed codecs ------------------------------------------------------------------------------------
 
+
 def _wav_bytes(frames: int, rate: int = 16000) -> bytes:
     out = io.BytesIO()
-    soundfile.write(out, np.sin(np.arange(frames) / 5.0).astype(np.float32) * 0.2, rate, format="WAV",
-                    subtype="PCM_16")
+    soundfile.write(out, np.sin(np.arange(frames) / 5.0).astype(np.float32) * 0.2, rate, format="WAV", subtype="PCM_16")
     return out.getvalue()
 
 
@@ -163,8 +185,14 @@ def _mixed_codec_dataset(root, n: int = 8) -> None:
 def test_mixed_flac_and_wav_members_are_served(tmp_path, workers):
     """Used to die of AttributeError ('NoneType' ... 'sample_rate') in collate; with bucketing KeyError 'flac'."""
     _mixed_codec_dataset(tmp_path)
-    cfg = {"datasets": [{"path": str(tmp_path)}], "batch_size": 4, "epochs": 1, "num_workers": workers,
-           "shuffle": False, "decode": {"sample_rate": None}}
+    cfg = {
+        "datasets": [{"path": str(tmp_path)}],
+        "batch_size": 4,
+        "epochs": 1,
+        "num_workers": workers,
+        "shuffle": False,
+        "decode": {"sample_rate": None},
+    }
     batches = list(build_loader(cfg))
     frames = {}
     for b in batches:
@@ -179,6 +207,7 @@ def test_mixed_flac_and_wav_members_are_served(tmp_path, workers):
 
 
 # --- .npy token members ------------------------------------------------------------------------------
+
 
 def _npy_dataset(root, odd: np.ndarray, n: int = 8, at: int = 3) -> None:
     root.mkdir(parents=True, exist_ok=True)
@@ -202,8 +231,16 @@ def test_odd_npy_token_members_are_counted_bad_samples_when_packing(tmp_path, na
     """Used to be AttributeError ('list' ... 'clone') or a torch promotion error, uncounted, unnamed."""
     array, message = ODD_NPY[name]
     _npy_dataset(tmp_path, array)
-    cfg = {"datasets": [{"path": str(tmp_path)}], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle": False,
-           "seq_len": 16, "packing": "greedy", "max_bad_samples": 0}
+    cfg = {
+        "datasets": [{"path": str(tmp_path)}],
+        "batch_size": 4,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle": False,
+        "seq_len": 16,
+        "packing": "greedy",
+        "max_bad_samples": 0,
+    }
     with pytest.raises(SampleDecodeError, match=rf"d-000000\.tar', key 'k3', member 'tokens\.npy': .*{message}"):
         list(build_loader(cfg))
     batches = list(build_loader({**cfg, "max_bad_samples": 1}))
@@ -226,12 +263,23 @@ def test_sample_without_the_token_member_is_a_counted_bad_sample_when_packing(tm
     tmp_path.mkdir(exist_ok=True)
     with wds.TarWriter(str(tmp_path / "d-000000.tar")) as w:
         for i in range(6):
-            member = {"flac": flac_bytes(800, 8000)} if i == 2 else {"tokens.npy": loader_util.npy_bytes(
-                np.arange(1, 5, dtype=np.uint16))}
+            member = (
+                {"flac": flac_bytes(800, 8000)}
+                if i == 2
+                else {"tokens.npy": loader_util.npy_bytes(np.arange(1, 5, dtype=np.uint16))}
+            )
             w.write({"__key__": f"k{i}", **member})
     loader_util.index_dir(tmp_path)
-    cfg = {"datasets": [{"path": str(tmp_path)}], "batch_size": 2, "epochs": 1, "num_workers": 0, "shuffle": False,
-           "seq_len": 8, "packing": "greedy", "max_bad_samples": 0}
+    cfg = {
+        "datasets": [{"path": str(tmp_path)}],
+        "batch_size": 2,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle": False,
+        "seq_len": 8,
+        "packing": "greedy",
+        "max_bad_samples": 0,
+    }
     with pytest.raises(SampleDecodeError, match=r"key 'k2', member 'tokens\.npy': no tokens\.npy member"):
         list(build_loader(cfg))
     assert sum(b["num_docs"] for b in build_loader({**cfg, "max_bad_samples": 1})) == 5
@@ -239,9 +287,17 @@ def test_sample_without_the_token_member_is_a_counted_bad_sample_when_packing(tm
 
 # --- issue 16: shards that shrink under a running loader, loader states for other data --------------------
 
+
 def _loader_cfg(root, **kw):
-    return {"datasets": [{"path": str(root)}], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle": False,
-            "max_bad_samples": 0, **kw}
+    return {
+        "datasets": [{"path": str(root)}],
+        "batch_size": 4,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle": False,
+        "max_bad_samples": 0,
+        **kw,
+    }
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -283,17 +339,23 @@ def test_state_of_a_dataset_rebuilt_in_place_with_the_same_count_is_refused(tmp_
         build_loader(_loader_cfg(tmp_path / "d")).load_state_dict(state)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("consumed", -50, "'consumed' must be a non-negative integer, got -50"),  # was numpy's message
-    ("consumed", "12", "'consumed' must be a non-negative integer, got '12'"),
-    ("bad_samples", 1.5, "'bad_samples' must be a non-negative integer"),
-    ("dp_size", 0, "'dp_size' must be an integer above dp_rank 0, got 0"),
-    ("layout", None, "'layout' must be a mapping"),
-    ("seed", -1, "'seed' must be a non-negative integer, got -1"),  # found by the fuzzer: numpy's message
-    ("bad_samples", 1, "already counts 1 bad samples, over max_bad_samples=0"),  # fuzzer: "see the warnings"
-    ("layout", {"start": 0, "dp_size": 1, "skips": [{"start": 0, "dp_size": 2, "consumed": [1]}]},
-     "'layout' must be a mapping of start"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("consumed", -50, "'consumed' must be a non-negative integer, got -50"),  # was numpy's message
+        ("consumed", "12", "'consumed' must be a non-negative integer, got '12'"),
+        ("bad_samples", 1.5, "'bad_samples' must be a non-negative integer"),
+        ("dp_size", 0, "'dp_size' must be an integer above dp_rank 0, got 0"),
+        ("layout", None, "'layout' must be a mapping"),
+        ("seed", -1, "'seed' must be a non-negative integer, got -1"),  # found by the fuzzer: numpy's message
+        ("bad_samples", 1, "already counts 1 bad samples, over max_bad_samples=0"),  # fuzzer: "see the warnings"
+        (
+            "layout",
+            {"start": 0, "dp_size": 1, "skips": [{"start": 0, "dp_size": 2, "consumed": [1]}]},
+            "'layout' must be a mapping of start",
+        ),
+    ],
+)
 def test_hand_edited_loader_state_names_the_field(tmp_path, field, value, message):
     from tests import loader_util
     from headrace.dataio import build_loader
@@ -332,4 +394,3 @@ def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatc
     loader = build_loader(_loader_cfg(tmp_path, num_workers=2, prefetch=1))
     with pytest.raises(ShardFormatError, match=r"doc-000001\.tar.*truncated shard: 4096 bytes"):
         list(loader)
-

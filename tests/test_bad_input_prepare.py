@@ -40,14 +40,17 @@ def _scan(data: bytes):
 TWO = make_tar([("a.txt", b"x" * 700), ("b.txt", b"y" * 10)])
 
 
-@pytest.mark.parametrize("size_field, message", [
-    (base256(-1), "size is negative"),  # GNU base-256 negative: used to stop advancing and loop forever
-    (base256(-(1 << 40)), "size is negative"),
-    (b"-0000001\0", "not an octal number"),  # negative octal text: used to be a misleading checksum error
-    (b"12x45\0", "not an octal number"),  # garbage text: used to be a bare ValueError naming no shard
-    (b"99999\0", "not an octal number"),
-    (base256(1 << 60), "truncated tar"),
-])
+@pytest.mark.parametrize(
+    "size_field, message",
+    [
+        (base256(-1), "size is negative"),  # GNU base-256 negative: used to stop advancing and loop forever
+        (base256(-(1 << 40)), "size is negative"),
+        (b"-0000001\0", "not an octal number"),  # negative octal text: used to be a misleading checksum error
+        (b"12x45\0", "not an octal number"),  # garbage text: used to be a bare ValueError naming no shard
+        (b"99999\0", "not an octal number"),
+        (base256(1 << 60), "truncated tar"),
+    ],
+)
 def test_bad_size_fields_are_format_errors_at_the_header(size_field, message):
     bad = set_field(TWO, 0, SIZE, size_field)
     with pytest.raises(TarFormatError, match=message) as e:
@@ -56,11 +59,14 @@ def test_bad_size_fields_are_format_errors_at_the_header(size_field, message):
     assert str(e.value).startswith("s.tar: byte 0: ")
 
 
-@pytest.mark.parametrize("records, message", [
-    ({"size": "-5"}, "PAX size '-5'"),  # used to hang `dataio index` with memory growing
-    ({"size": "garbage"}, "PAX size 'garbage'"),
-    ({"size": str(1 << 50)}, "truncated tar"),
-])
+@pytest.mark.parametrize(
+    "records, message",
+    [
+        ({"size": "-5"}, "PAX size '-5'"),  # used to hang `dataio index` with memory growing
+        ({"size": "garbage"}, "PAX size 'garbage'"),
+        ({"size": str(1 << 50)}, "truncated tar"),
+    ],
+)
 def test_pax_size_is_validated(records, message):
     with pytest.raises(TarFormatError, match=message) as e:
         _scan(pax_tar(records))
@@ -70,8 +76,8 @@ def test_pax_size_is_validated(records, message):
 def test_malformed_pax_records_end_instead_of_looping():
     data = bytearray(pax_tar({"comment": "abc"}))
     start = 512  # the PAX payload follows its header: "15 comment=abc\n"; its length becomes "00"
-    assert data[start:start + 2] == b"15"
-    data[start:start + 2] = b"00"  # a zero length never advanced the old record loop
+    assert data[start : start + 2] == b"15"
+    data[start : start + 2] = b"00"  # a zero length never advanced the old record loop
     with pytest.raises(TarFormatError, match="malformed PAX header record"):
         _scan(bytes(data))
 
@@ -105,6 +111,7 @@ def test_index_command_reports_a_negative_size_as_one_line(tmp_path, capsys):
 
 # --- 2. audio headers ------------------------------------------------------------------------------
 
+
 def test_lying_flac_is_refused_by_every_reader():
     bad = lying_flac((1 << 36) - 1)
     with pytest.raises(ValueError, match="more than any codec stores"):
@@ -123,8 +130,11 @@ def test_memory_error_for_a_declared_size_is_the_samples_fault(monkeypatch):
         raise MemoryError
 
     monkeypatch.setattr(soundfile.SoundFile, "read", no_memory)
-    with pytest.raises(SampleDecodeError, match=r"key 'k', member 'flac': ValueError: cannot allocate the 0\.0 GiB its header "
-                                                r"declares \(1600 frames x 1 channels\)"):
+    with pytest.raises(
+        SampleDecodeError,
+        match=r"key 'k', member 'flac': ValueError: cannot allocate the 0\.0 GiB its header "
+        r"declares \(1600 frames x 1 channels\)",
+    ):
         decode_sample({"flac": flac_bytes()}, DecodeConfig(), key="k")
 
 
@@ -155,30 +165,44 @@ def test_shard_refuses_a_lying_flac_and_skips_it_under_budget(tmp_path):
     assert len(index) == 3 and float(np.nansum(index.samples["duration"])) == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("duration, message", [
-    (0, "'duration' must be positive for a segment"),  # used to write a 0-byte audio member
-    (float("inf"), "'duration' must be a finite non-negative number, got inf"),  # used to be an OverflowError
-    (float("nan"), "'duration' must be a finite non-negative number, got nan"),  # "cannot convert float NaN"
-])
+@pytest.mark.parametrize(
+    "duration, message",
+    [
+        (0, "'duration' must be positive for a segment"),  # used to write a 0-byte audio member
+        (float("inf"), "'duration' must be a finite non-negative number, got inf"),  # used to be an OverflowError
+        (float("nan"), "'duration' must be a finite non-negative number, got nan"),  # "cannot convert float NaN"
+    ],
+)
 def test_manifest_segment_numbers_are_checked_at_planning(tmp_path, duration, message):
-    manifest = _manifest(tmp_path, [{"audio_filepath": "a.flac", "duration": duration, "offset": 0.01, "text": "x"}],
-                         {"a.flac": flac_bytes()})
+    manifest = _manifest(
+        tmp_path,
+        [{"audio_filepath": "a.flac", "duration": duration, "offset": 0.01, "text": "x"}],
+        {"a.flac": flac_bytes()},
+    )
     with pytest.raises(CommandError, match=rf"m\.jsonl:1: field {message}"):
         _shard_cmd(manifest, "--output", tmp_path / "out")
 
 
 # --- 5. concurrency: the output-directory lock, temps of a killed index ------------------------------
 
+
 def _hold_lock(root, node):
     """A separate process holding the lock of ``root`` (POSIX locks never conflict within one process)."""
     import subprocess
     import sys
 
-    code = ("import sys, time; from pathlib import Path; from headrace.dataio.shards.outdir import lock_output; "
-            f"f = lock_output(Path({str(root)!r}), node={node!r}, command='test'); print('locked', flush=True); "
-            "sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, time; from pathlib import Path; from headrace.dataio.shards.outdir import lock_output; "
+        f"f = lock_output(Path({str(root)!r}), node={node!r}, command='test'); print('locked', flush=True); "
+        "sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -216,9 +240,13 @@ def test_index_removes_every_temp_a_killed_run_left(tmp_path):
     write_shards(tmp_path, make_samples(n=4, seed=5), per_shard=2)
     assert run_verb("index", str(tmp_path), "--quiet", "--workers", "1") == 0
     meta = tmp_path / ".nv-meta"
-    stale = [meta / ".index.sqlite.tmp-4242", meta / "parts" / ".shard-000000.tar.npz.tmp-4242",
-             tmp_path / "shard-000001.tar.idx.tmp-host-4242", meta / "headrace.tmp-4242" / "samples.npy",
-             meta / "headrace.old-4242" / "keys.npy"]
+    stale = [
+        meta / ".index.sqlite.tmp-4242",
+        meta / "parts" / ".shard-000000.tar.npz.tmp-4242",
+        tmp_path / "shard-000001.tar.idx.tmp-host-4242",
+        meta / "headrace.tmp-4242" / "samples.npy",
+        meta / "headrace.old-4242" / "keys.npy",
+    ]
     for p in stale:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"left by kill -9")
@@ -227,6 +255,7 @@ def test_index_removes_every_temp_a_killed_run_left(tmp_path):
 
 
 # --- 8. the dataio CLI: input errors are one line, bugs keep their traceback --------------------------
+
 
 def test_cli_output_errors_are_one_line(tmp_path, capsys, monkeypatch):
     from headrace.dataio.cli import main
@@ -263,6 +292,7 @@ def test_cli_bug_keeps_its_traceback(tmp_path, monkeypatch):
 
 
 # --- 6. tokenizing a huge document: bounded memory, the same ids ------------------------------------
+
 
 def test_long_texts_are_encoded_in_bounded_pieces_with_the_same_ids(tmp_path):
     from tokenizers import Tokenizer
@@ -308,8 +338,13 @@ base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ids = encode_texts(tok, [text], np.dtype("<u2"))[0]
 print(len(ids), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     tokens, growth_mb = map(int, out.stdout.split())
     assert tokens > 800_000 and growth_mb < 250, (tokens, growth_mb, out.stderr[-2000:])
 
@@ -322,6 +357,7 @@ def test_manifest_audio_path_must_be_a_string(tmp_path):
 
 
 # --- the CLI in-process, and the input files of issue 25 ------------------------------------------------
+
 
 def _cli(capsys, *argv) -> tuple[int, str]:
     """``dataio ARGV`` in-process: (exit status, stderr)."""
@@ -364,8 +400,10 @@ def test_fifo_in_a_shards_place_is_an_error_not_a_hang(tmp_path, capsys):
 def test_fifo_in_a_manifest_is_refused_not_waited_on(tmp_path, capsys):
     """Used to hang `dataio shard` forever (with --skip-errors too): the FIFO was opened for its header."""
     os.mkfifo(tmp_path / "pipe.flac")
-    records = [{"audio_filepath": "pipe.flac", "duration": 0.1, "text": "x"},
-               {"audio_filepath": "a.flac", "duration": 0.1, "text": "y"}]
+    records = [
+        {"audio_filepath": "pipe.flac", "duration": 0.1, "text": "x"},
+        {"audio_filepath": "a.flac", "duration": 0.1, "text": "y"},
+    ]
     manifest = _manifest(tmp_path, records, {"a.flac": flac_bytes()})
     code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet")
     _one_line_error(code, err, "m.jsonl:1", "pipe.flac", "not a regular file")
@@ -381,10 +419,13 @@ def test_fifo_as_an_input_file_is_refused(tmp_path, capsys):
     _one_line_error(code, err, "docs.jsonl", "not a regular file")
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),  # RecursionError
-    ('{"text": "a \\ud800 b"}', "lone surrogate"),  # UnicodeEncodeError when written
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),  # RecursionError
+        ('{"text": "a \\ud800 b"}', "lone surrogate"),  # UnicodeEncodeError when written
+    ],
+)
 def test_bad_json_lines_are_bad_records(tmp_path, capsys, line, reason):
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
@@ -401,11 +442,16 @@ def test_paired_surrogates_are_text(tmp_path, capsys):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("data, reason", [
-    (gzip.compress("".join(json.dumps({"text": str(i * 7919)}) + "\n" for i in range(5000)).encode())[:3000],
-     "broken gzip stream (EOFError"),
-    (b"not gzip at all\n", "broken gzip stream (BadGzipFile"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (
+            gzip.compress("".join(json.dumps({"text": str(i * 7919)}) + "\n" for i in range(5000)).encode())[:3000],
+            "broken gzip stream (EOFError",
+        ),
+        (b"not gzip at all\n", "broken gzip stream (BadGzipFile"),
+    ],
+)
 def test_truncated_or_fake_gzip_names_the_file(tmp_path, capsys, data, reason):
     path = tmp_path / "docs.jsonl.gz"
     path.write_bytes(data)
@@ -415,8 +461,11 @@ def test_truncated_or_fake_gzip_names_the_file(tmp_path, capsys, data, reason):
 
 def test_huge_duration_with_an_offset_is_a_bad_record(tmp_path, capsys):
     """duration 1e308 with an offset used to be an OverflowError traceback."""
-    manifest = _manifest(tmp_path, [{"audio_filepath": "a.flac", "duration": 1e308, "offset": 0.5, "text": "x"}],
-                         {"a.flac": flac_bytes()})
+    manifest = _manifest(
+        tmp_path,
+        [{"audio_filepath": "a.flac", "duration": 1e308, "offset": 0.5, "text": "x"}],
+        {"a.flac": flac_bytes()},
+    )
     code, err = _cli(capsys, "shard", manifest, "--output", tmp_path / "out", "--quiet")
     _one_line_error(code, err, "m.jsonl:1", "'duration' must be at most 1e+07 seconds")
 
@@ -447,8 +496,19 @@ def test_flac_of_unknown_length_is_accepted_everywhere(tmp_path, capsys):
     assert float(load_index(tmp_path / "out").samples["duration"][0]) == pytest.approx(0.1)
     code, err = _cli(capsys, "verify", tmp_path / "out", "--quiet")
     assert code == 0, err
-    batch = next(iter(build_loader({"datasets": [{"path": str(tmp_path / "out")}], "batch_size": 1,
-                                    "num_workers": 0, "epochs": 1, "decode": {"sample_rate": None}})))
+    batch = next(
+        iter(
+            build_loader(
+                {
+                    "datasets": [{"path": str(tmp_path / "out")}],
+                    "batch_size": 1,
+                    "num_workers": 0,
+                    "epochs": 1,
+                    "decode": {"sample_rate": None},
+                }
+            )
+        )
+    )
     assert batch["flac"].shape[-1] == 1600
 
 
@@ -490,8 +550,13 @@ def test_inspect_json_into_a_closed_pipe_is_quiet(tmp_path):
 
     loader_util.make_text_dataset(tmp_path, [30, 30])
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "headrace.dataio", "inspect", str(tmp_path), "--json"], cwd=repo,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "headrace.dataio", "inspect", str(tmp_path), "--json"],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+    )
     proc.stdout.close()  # the reader is gone before the command writes (its imports take far longer)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
@@ -511,8 +576,18 @@ def test_bench_prints_a_line_per_measured_config(tmp_path, capsys):
 
     loader_util.make_text_dataset(tmp_path / "d", [20, 20])
     capsys.readouterr()
-    bench(tmp_path, {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8},
-          "--compare", "", "--num-workers", "0,1", "--batches", "2", "--repeats", "2")
+    bench(
+        tmp_path,
+        {"datasets": [{"path": str(tmp_path / "d")}], "batch_size": 8},
+        "--compare",
+        "",
+        "--num-workers",
+        "0,1",
+        "--batches",
+        "2",
+        "--repeats",
+        "2",
+    )
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dataio bench: [")]
     # headrace and headrace-full (its full batch layout) x 2 worker counts x 2 repeats
     assert [line.split("]")[0] for line in lines] == [f"dataio bench: [{i}/8" for i in range(1, 9)]
@@ -568,4 +643,3 @@ def test_disk_full_while_indexing_names_the_file_and_what(small_disk, capsys):
         _one_line_error(code, err, str(small_disk / "d"), " (writing ")
         seen.add(err.split(" (writing ")[1])
     assert len(seen) >= 2, seen  # several writers reached, each naming itself
-

@@ -19,7 +19,6 @@ from headrace.training.config.load import load_job_config
 BASE = [*DEBUG_LLAMA_CLI, "trainer.max_steps=1"]
 
 
-
 def run(tmp_path, capsys, *overrides) -> tuple[int, str]:
     code = main([*BASE, f"trainer.output_dir={tmp_path / 'out'}", *overrides])
     return code, capsys.readouterr().err
@@ -67,19 +66,27 @@ def test_damaged_or_pickle_only_pretrained_path_is_one_line(tmp_path, capsys, on
     (tmp_path / "damaged" / "model.safetensors").write_bytes(b"12")
     (tmp_path / "bin_only" / "model.safetensors").rename(tmp_path / "bin_only" / "pytorch_model.bin")
     capsys.readouterr()  # save_pretrained's progress bars
-    for name, message in (("damaged", f"{tmp_path / 'damaged' / 'model.safetensors'} is not a readable safetensors"),
-                          ("bin_only", f"{tmp_path / 'bin_only'} holds no *.safetensors file (only "
-                                       "pytorch_model.bin")):
-        code, err = run(tmp_path, capsys, datasets(tmp_path / "d"), "model.config=null",
-                        f"model.pretrained_path={tmp_path / name}")
+    for name, message in (
+        ("damaged", f"{tmp_path / 'damaged' / 'model.safetensors'} is not a readable safetensors"),
+        ("bin_only", f"{tmp_path / 'bin_only'} holds no *.safetensors file (only pytorch_model.bin"),
+    ):
+        code, err = run(
+            tmp_path, capsys, datasets(tmp_path / "d"), "model.config=null", f"model.pretrained_path={tmp_path / name}"
+        )
         assert code == 2 and err.startswith(f"error: model.pretrained_path: {message}"), err
 
 
 def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_and_refuses_a_tampered_one(
-        tmp_path, capsys, one_rank):
+    tmp_path, capsys, one_rank
+):
     make_text_dataset(tmp_path / "d", [60])
-    steps = lambda n: ("trainer.log_every=1", f"trainer.max_steps={n}", "optim.decay_steps=6",  # noqa: E731
-                       "checkpoint.interval=2", datasets(tmp_path / "d"))
+    steps = lambda n: (
+        "trainer.log_every=1",
+        f"trainer.max_steps={n}",
+        "optim.decay_steps=6",  # noqa: E731
+        "checkpoint.interval=2",
+        datasets(tmp_path / "d"),
+    )
     assert run(tmp_path, capsys, *steps(4))[0] == 0
     out = tmp_path / "out"
     first_loss = json.loads((out / "summary.json").read_text())["first_loss"]
@@ -87,11 +94,12 @@ def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_a
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002", "step-00000004"]  # the key is the user's
 
     # another model whose shapes may match: refused, naming every key that differs
-    code, err = run(tmp_path, capsys, *steps(6), "model.config.tie_word_embeddings=true",
-                    "model.config.hidden_size=32")
+    code, err = run(tmp_path, capsys, *steps(6), "model.config.tie_word_embeddings=true", "model.config.hidden_size=32")
     assert code == 2 and err.count("\n") == 1, err
-    assert "holds another model than this job's model config: head_dim 8 -> 4; hidden_size 64 -> 32; " \
-           "tie_word_embeddings False -> True" in err, err
+    assert (
+        "holds another model than this job's model config: head_dim 8 -> 4; hidden_size 64 -> 32; "
+        "tie_word_embeddings False -> True" in err
+    ), err
 
     # step 4 cut short (a safetensors file truncated): the run says so and resumes from step 2
     data_file = next((ckpts / "step-00000004").glob("*.safetensors"))
@@ -123,21 +131,32 @@ def test_resume_refuses_another_model_falls_back_past_an_incomplete_checkpoint_a
 
 def test_incomplete_checkpoint_fallback_is_said(tmp_path, capfd, one_rank):
     make_text_dataset(tmp_path / "d", [40])
-    args = [*BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d"), "trainer.max_steps=2",
-            "checkpoint.interval=1"]
+    args = [
+        *BASE,
+        f"trainer.output_dir={tmp_path / 'out'}",
+        datasets(tmp_path / "d"),
+        "trainer.max_steps=2",
+        "checkpoint.interval=1",
+    ]
     assert main(args) == 0
     (tmp_path / "out" / "checkpoints" / "step-00000002" / "trainer_state.json").write_text('{"step": 2, "lo')
     assert main([*args[:-2], "trainer.max_steps=3", "checkpoint.interval=1"]) == 0
     out = capfd.readouterr().out
-    assert f"checkpoint {tmp_path / 'out' / 'checkpoints' / 'step-00000002'} is incomplete (trainer_state.json " \
-           "does not read" in out and "falling back to the previous one" in out, out
+    assert (
+        f"checkpoint {tmp_path / 'out' / 'checkpoints' / 'step-00000002'} is incomplete (trainer_state.json "
+        "does not read"
+        in out
+        and "falling back to the previous one" in out
+    ), out
     assert "resumed from" in out and "step-00000001 at step 1" in out, out
 
 
 def test_yaml_reads_exponent_numbers_as_floats(tmp_path):
     """``1e-3`` was the string '1e-3' (YAML 1.1) and died in transformers' config validation on every rank."""
-    (tmp_path / "job.yaml").write_text("model: {config: {model_type: llama, rms_norm_eps: 1e-5}}\n"
-                                       "data: {datasets: [{path: x}], seq_len: 8}\noptim: {lr: 3E-4}\n")
+    (tmp_path / "job.yaml").write_text(
+        "model: {config: {model_type: llama, rms_norm_eps: 1e-5}}\n"
+        "data: {datasets: [{path: x}], seq_len: 8}\noptim: {lr: 3E-4}\n"
+    )
     cfg = load_job_config(str(tmp_path / "job.yaml"), ["model.config.initializer_range=2e-2"])
     assert cfg.model.config["rms_norm_eps"] == 1e-5 and cfg.optim.lr == 3e-4
     assert cfg.model.config["initializer_range"] == 0.02

@@ -41,13 +41,24 @@ def shards(tmp_path_factory):
         for i in range(61):
             buf = io.BytesIO()
             np.save(buf, rng.integers(0, 4000, int(rng.integers(5, 300)), dtype=np.uint16))
-            w.write({"__key__": f"doc{i:04d}", "npy": buf.getvalue(), "txt": f"document {i}".encode(),
-                     "json": json.dumps({"i": i}).encode()})
+            w.write(
+                {
+                    "__key__": f"doc{i:04d}",
+                    "npy": buf.getvalue(),
+                    "txt": f"document {i}".encode(),
+                    "json": json.dumps({"i": i}).encode(),
+                }
+            )
     with wds.ShardWriter(str(audio / "train-%06d.tar"), maxcount=7, verbose=0) as w:
         for i in range(17):
             buf = io.BytesIO()
-            soundfile.write(buf, 0.1 * rng.standard_normal(int(rng.integers(1600, 8000))).astype(np.float32), 16000,
-                            format="FLAC", subtype="PCM_16")
+            soundfile.write(
+                buf,
+                0.1 * rng.standard_normal(int(rng.integers(1600, 8000))).astype(np.float32),
+                16000,
+                format="FLAC",
+                subtype="PCM_16",
+            )
             w.write({"__key__": f"utt{i:04d}", "flac": buf.getvalue(), "json": json.dumps({"i": i}).encode()})
     _index(text)
     _index(audio)
@@ -69,9 +80,17 @@ def bench(tmp_path: Path, data: dict, *argv: str) -> dict:
 
 
 def test_text_every_peer_reads_the_same_samples(shards, tmp_path):
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8, "shuffle": False,
-                              "seq_len": 64}, "--num-workers", "0,1", "--trainer", "--step-time", "5",
-                   "--batches", "4")
+    result = bench(
+        tmp_path,
+        {"datasets": [{"path": str(shards / "text")}], "batch_size": 8, "shuffle": False, "seq_len": 64},
+        "--num-workers",
+        "0,1",
+        "--trainer",
+        "--step-time",
+        "5",
+        "--batches",
+        "4",
+    )
     # --batches caps every run at 4 batches of 8; a one-epoch run is the next test
     assert result["data"]["samples"] == 61 and result["data"]["kind"] == "text"
     ran = {r["loader"] for r in result["runs"]}
@@ -97,8 +116,7 @@ def test_text_every_peer_reads_the_same_samples(shards, tmp_path):
 
 def test_one_epoch_like_for_like(shards, tmp_path):
     """In one process every loader serves exactly the epoch: the same samples and the same tokens."""
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
-                   "--num-workers", "0")
+    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8}, "--num-workers", "0")
     runs = {r["loader"]: r for r in result["runs"]}
     assert "headrace" in runs and len(runs) >= 4  # webdataset, energon, torch are dependencies
     for name, run in runs.items():
@@ -106,8 +124,14 @@ def test_one_epoch_like_for_like(shards, tmp_path):
 
 
 def test_audio_peers_decode_the_same_seconds(shards, tmp_path):
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "audio")}], "batch_size": 4, "shuffle": False},
-                   "--num-workers", "0", "--compare", "webdataset,energon,lhotse,torch,dali")
+    result = bench(
+        tmp_path,
+        {"datasets": [{"path": str(shards / "audio")}], "batch_size": 4, "shuffle": False},
+        "--num-workers",
+        "0",
+        "--compare",
+        "webdataset,energon,lhotse,torch,dali",
+    )
     runs = {r["loader"]: r for r in result["runs"]}
     skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
     dali = {"dali", "headrace-dali"}  # DALI's reader, and headrace with decode.audio: dali beside it
@@ -131,8 +155,15 @@ def _audio_bytes(root: Path) -> int:
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_audio_bytes_every_loader_hands_over_the_same_bytes(shards, tmp_path, workers):
     """--audio-bytes: no loader decodes; each hands over exactly the source's encoded audio bytes."""
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "audio")}], "batch_size": 4, "shuffle": False},
-                   "--num-workers", workers, "--audio-bytes", "--compare", "webdataset,energon,lhotse,torch,dali")
+    result = bench(
+        tmp_path,
+        {"datasets": [{"path": str(shards / "audio")}], "batch_size": 4, "shuffle": False},
+        "--num-workers",
+        workers,
+        "--audio-bytes",
+        "--compare",
+        "webdataset,energon,lhotse,torch,dali",
+    )
     assert result["data"]["audio"] == "bytes"
     runs = {r["loader"]: r for r in result["runs"]}
     skipped = {s["loader"]: s["reason"] for s in result["skipped"]}
@@ -181,8 +212,10 @@ def test_page_cache_limit_reads_every_byte(tmp_path):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys, headrace.dataio.commands.bench as b, argparse; b.add_arguments(argparse.ArgumentParser()); " \
-           "assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, headrace.dataio.commands.bench as b, argparse; b.add_arguments(argparse.ArgumentParser()); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env={"PYTHONPATH": str(REPO)})
 
 
@@ -192,8 +225,18 @@ def test_cold_cache_refused_without_root_says_so(shards, tmp_path, monkeypatch):
 
     monkeypatch.setattr(pagecache.os, "geteuid", lambda: 1000)
     assert "not root" in pagecache.drop_page_cache()
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
-                   "--compare", "", "--num-workers", "0", "--cache", "cold", "--batches", "2")
+    result = bench(
+        tmp_path,
+        {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+        "--compare",
+        "",
+        "--num-workers",
+        "0",
+        "--cache",
+        "cold",
+        "--batches",
+        "2",
+    )
     assert result["cache"].startswith("warm (cold refused: not root")
     assert [r["loader"] for r in result["runs"]] == ["headrace", "headrace-full"]
 
@@ -209,10 +252,19 @@ def test_fixed_cost_fit_recovers_the_line():
 def test_batch_sizes_report_the_fixed_cost_per_batch(shards, tmp_path):
     """``--batch-sizes`` runs every loader at each size and reports, per loader and worker count, the time
     per batch at each size and the fitted fixed cost per batch and cost per sample (shape, not timing)."""
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
-                   "--num-workers", "0", "--compare", "torch", "--batch-sizes", "1,4,16")
+    result = bench(
+        tmp_path,
+        {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+        "--num-workers",
+        "0",
+        "--compare",
+        "torch",
+        "--batch-sizes",
+        "1,4,16",
+    )
     assert {(r["loader"], r["batch_size"]) for r in result["runs"]} == {
-        (name, b) for name in ("headrace", "headrace-full", "torch") for b in (1, 4, 16)}
+        (name, b) for name in ("headrace", "headrace-full", "torch") for b in (1, 4, 16)
+    }
     assert all(r["samples"] == 61 for r in result["runs"])  # each size: the whole epoch
     costs = {c["loader"]: c for c in result["fixed_cost"]}
     assert set(costs) == {"headrace", "headrace-full", "torch"}
@@ -231,10 +283,23 @@ def test_auto_workers_runs_headrace_with_its_choice_beside_the_counts(shards, tm
     (a real one: this machine's rates) in the row and the table; the peers have no ``auto`` and run their counts."""
     from headrace.dataio.worker_count import pick
 
-    result = bench(tmp_path, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
-                   "--num-workers", "0,auto", "--compare", "torch", "--batches", "4")
+    result = bench(
+        tmp_path,
+        {"datasets": [{"path": str(shards / "text")}], "batch_size": 8},
+        "--num-workers",
+        "0,auto",
+        "--compare",
+        "torch",
+        "--batches",
+        "4",
+    )
     assert sorted((r["loader"], str(r["workers"])) for r in result["runs"]) == [
-        ("headrace", "0"), ("headrace", "auto"), ("headrace-full", "0"), ("headrace-full", "auto"), ("torch", "0")]
+        ("headrace", "0"),
+        ("headrace", "auto"),
+        ("headrace-full", "0"),
+        ("headrace-full", "auto"),
+        ("torch", "0"),
+    ]
     auto = next(r for r in result["runs"] if r["workers"] == "auto" and r["loader"] == "headrace")
     assert auto["samples"] == 32
     choice = auto["auto"]
@@ -272,8 +337,11 @@ def test_every_loader_returns_exactly_the_contract(shards, tmp_path):
     assert {"headrace", "webdataset", "energon", "torch"} <= set(documents)
     for name, docs in documents.items():
         assert len(docs) == 61 and docs == documents["headrace"], name
-    full = [tuple(d.tolist()) for b in PEERS["headrace-full"].open(data, 0, False, None)
-            for d in torch.split(b["npy"], b["__lengths__"]["npy"].tolist())]
+    full = [
+        tuple(d.tolist())
+        for b in PEERS["headrace-full"].open(data, 0, False, None)
+        for d in torch.split(b["npy"], b["__lengths__"]["npy"].tolist())
+    ]
     assert sorted(full) == documents["headrace"]
 
 

@@ -42,9 +42,18 @@ def test_integer_weights_are_exact_for_simple_ratios():
     assert integer_weights([2, 2, 4]).tolist() == [1, 1, 2]
 
 
-@pytest.mark.parametrize("counts,exact_path", [([3, 5, 2], False), ([100, 1, 37, 8], False), ([1], False),
-                                               ([2_000, 3, 500, 7, 7, 90, 1, 64], False), ([200_000, 3, 50_000], False),
-                                               ([100, 1, 37, 8], True), ([2_000, 3, 500, 7, 7, 90, 1, 64], True)])
+@pytest.mark.parametrize(
+    "counts,exact_path",
+    [
+        ([3, 5, 2], False),
+        ([100, 1, 37, 8], False),
+        ([1], False),
+        ([2_000, 3, 500, 7, 7, 90, 1, 64], False),
+        ([200_000, 3, 50_000], False),
+        ([100, 1, 37, 8], True),
+        ([2_000, 3, 500, 7, 7, 90, 1, 64], True),
+    ],
+)
 def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, exact_path, counts):
     """Each epoch has exactly counts[d] draws of d, numbered on across epochs, within 1 + log2(datasets)
     of the even share at every prefix, and draws_before agrees with locate (``exact_path``: the Python

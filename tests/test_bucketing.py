@@ -52,8 +52,9 @@ def test_plan_covers_each_sample_once_with_equal_steps(dp_size, n):
 
 def test_oversized_sample_is_kept_alone_and_tiny_sets_fail_clearly():
     dur = np.array([1.0, 2.0, 50.0, 1.5])
-    plan = plan_epoch(np.arange(4), dur, seed=0, epoch=0, dp_size=1,
-                      cfg=BucketingConfig(max_duration=10.0, num_buckets=2))
+    plan = plan_epoch(
+        np.arange(4), dur, seed=0, epoch=0, dp_size=1, cfg=BucketingConfig(max_duration=10.0, num_buckets=2)
+    )
     assert plan.oversized == 1 and any(list(b) == [2] for s in plan.steps for b in s)
     with pytest.raises(ValueError, match="dp_size=8"):
         plan_epoch(np.arange(4), dur, seed=0, epoch=0, dp_size=8, cfg=BucketingConfig(max_duration=10.0))
@@ -81,8 +82,10 @@ def test_elastic_resume_plans_the_rest():
 
 
 def test_collate_audio_pads_and_keeps_lengths():
-    samples = [{"__key__": f"u{i}", "audio": np.full(n, i + 1, np.float32), "tokens": np.arange(m) + 1}
-               for i, (n, m) in enumerate([(5, 3), (2, 4), (7, 1)])]
+    samples = [
+        {"__key__": f"u{i}", "audio": np.full(n, i + 1, np.float32), "tokens": np.arange(m) + 1}
+        for i, (n, m) in enumerate([(5, 3), (2, 4), (7, 1)])
+    ]
     batch = collate_audio(samples, pad_id=0)
     assert batch["audio"].shape == (3, 7) and batch["audio"].dtype == torch.float32
     assert batch["audio_lens"].tolist() == [5, 2, 7] and batch["token_lens"].tolist() == [3, 4, 1]

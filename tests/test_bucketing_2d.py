@@ -45,8 +45,9 @@ def test_2d_bins_exactly_once_equal_steps_within_limits_and_resume_on_other_dp_s
     # resume after 7 steps onto 3 ranks: the rest of the epoch, planned again over the same bins
     done = consumed_indices(plan, 7)
     rest = np.setdiff1d(indices, done)
-    replanned = plan_epoch(rest, durations[rest], tokens=tokens[rest], seed=3, epoch=0, dp_size=3, cfg=cfg,
-                           edges=plan.edges)
+    replanned = plan_epoch(
+        rest, durations[rest], tokens=tokens[rest], seed=3, epoch=0, dp_size=3, cfg=cfg, edges=plan.edges
+    )
     served = np.concatenate([done, *[b for step in replanned.steps for b in step]])
     assert sorted(served.tolist()) == indices.tolist()
     _check_plan(replanned, rest, durations, tokens, bins, sizes, 3)
@@ -71,5 +72,12 @@ def test_2d_config_errors():
     with pytest.raises(ValueError, match="max_duration .* or bucket_batch_size"):
         BucketingConfig()
     with pytest.raises(ValueError, match="token count"):
-        plan_epoch(np.arange(4), np.ones(4), seed=0, epoch=0, dp_size=1,
-                   cfg=BucketingConfig(max_duration=10, num_token_buckets=2), tokens=np.array([1, 2, -1, 3]))
+        plan_epoch(
+            np.arange(4),
+            np.ones(4),
+            seed=0,
+            epoch=0,
+            dp_size=1,
+            cfg=BucketingConfig(max_duration=10, num_token_buckets=2),
+            tokens=np.array([1, 2, -1, 3]),
+        )

@@ -12,8 +12,12 @@ from tests.test_bad_input_trainer import BASE, datasets
 
 
 def test_latest_ignores_partial_checkpoints(tmp_path):
-    for name, complete in (("step-00000002", True), ("step-00000004", True), ("step-00000006.tmp", True),
-                           ("step-00000008", False)):
+    for name, complete in (
+        ("step-00000002", True),
+        ("step-00000004", True),
+        ("step-00000006.tmp", True),
+        ("step-00000008", False),
+    ):
         (tmp_path / name).mkdir()
         if complete:
             (tmp_path / name / checkpoint.STATE_FILE).write_text("{}")
@@ -29,12 +33,25 @@ def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):
 
     make_text_dataset(tmp_path / "d", [20])
     proc = subprocess.run(
-        [sys.executable, "-m", "headrace.training", *BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d")],
-        cwd=REPO, env=child_env(HEADRACE_DEBUG=None), capture_output=True, text=True,
-        timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)))
+        [
+            sys.executable,
+            "-m",
+            "headrace.training",
+            *BASE,
+            f"trainer.output_dir={tmp_path / 'out'}",
+            datasets(tmp_path / "d"),
+        ],
+        cwd=REPO,
+        env=child_env(HEADRACE_DEBUG=None),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)),
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert ours == [f"error: checkpoint: cannot write {tmp_path / 'out' / 'checkpoints' / 'step-00000001.tmp'} "
-                    "(rank 0): File too large"], proc.stderr[-2000:]
+    assert ours == [
+        f"error: checkpoint: cannot write {tmp_path / 'out' / 'checkpoints' / 'step-00000001.tmp'} "
+        "(rank 0): File too large"
+    ], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-

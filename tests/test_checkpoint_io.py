@@ -26,20 +26,32 @@ from tests.loader_util import make_text_dataset
 from headrace.training.__main__ import main
 from headrace.training.eval import main as eval_main
 
-BASE = ["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false", "checkpoint.export_hf=false",
-        "data.seq_len=64", "data.packing_buffer=8", "trainer.log_every=1", "optim.decay_steps=6"]
-
+BASE = [
+    "--config",
+    str(REPO / "configs" / "debug_llama.yaml"),
+    "logging.console=false",
+    "checkpoint.export_hf=false",
+    "data.seq_len=64",
+    "data.packing_buffer=8",
+    "trainer.log_every=1",
+    "optim.decay_steps=6",
+]
 
 
 def args(tmp_path, *overrides, data: Path | None = None) -> list[str]:
-    return [*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {data or tmp_path / 'd'}}}]",
-            *overrides]
+    return [
+        *BASE,
+        f"trainer.output_dir={tmp_path / 'out'}",
+        f"data.datasets=[{{path: {data or tmp_path / 'd'}}}]",
+        *overrides,
+    ]
 
 
 def losses(out: Path) -> dict[int, float]:
     """step -> loss of the metrics log (a step logged twice, before a kill and after the resume: the later)."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
+    return {
+        r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +77,9 @@ class _Payload:
         return (open, (str(self.marker), "w"))
 
 
-def test_a_pickle_payload_in_any_checkpoint_file_never_runs_through_resume_or_eval(tmp_path, capsys, one_rank,
-                                                                                  monkeypatch):
+def test_a_pickle_payload_in_any_checkpoint_file_never_runs_through_resume_or_eval(
+    tmp_path, capsys, one_rank, monkeypatch
+):
     make_text_dataset(tmp_path / "d", [60])
     assert main(args(tmp_path, "trainer.max_steps=2", "checkpoint.interval=1")) == 0
     ckpts = tmp_path / "out" / "checkpoints"
@@ -88,8 +101,9 @@ def test_a_pickle_payload_in_any_checkpoint_file_never_runs_through_resume_or_ev
         code = main(args(tmp_path, "trainer.max_steps=3", "checkpoint.interval=1"))
         err = capsys.readouterr().err
         assert not marker.exists(), name
-        assert code == 2 and err.startswith(f"error: checkpoint {step2}: refused: holds files its save did not "
-                                            "write: .metadata, __0_0.distcp"), (name, err)
+        assert code == 2 and err.startswith(
+            f"error: checkpoint {step2}: refused: holds files its save did not write: .metadata, __0_0.distcp"
+        ), (name, err)
         assert eval_main(["--config", cfg, "--checkpoint", str(step2), val, "data.seq_len=64"]) == 2
         assert not marker.exists(), name
         assert capsys.readouterr().err.startswith(f"error: --checkpoint {step2}: refused: ")
@@ -135,12 +149,14 @@ def test_no_unpickling_is_reachable_from_a_checkpoint_load():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 owner = ast.unparse(node.func.value)
                 if node.func.attr == "load" and owner == "torch":
-                    assert any(k.arg == "weights_only" and ast.unparse(k.value) == "True" for k in node.keywords), \
+                    assert any(k.arg == "weights_only" and ast.unparse(k.value) == "True" for k in node.keywords), (
                         f"{rel}:{node.lineno} torch.load without weights_only=True"
+                    )
                 if node.func.attr == "load" and owner == "dcp":
                     reader = [k for k in node.keywords if k.arg == "storage_reader"]
-                    assert reader and "HuggingFaceStorageReader" in ast.unparse(reader[0].value), \
+                    assert reader and "HuggingFaceStorageReader" in ast.unparse(reader[0].value), (
                         f"{rel}:{node.lineno} dcp.load without the safetensors reader"
+                    )
     for method in ("read_metadata", "read_data"):
         assert method in vars(HuggingFaceStorageReader), method
         assert getattr(HuggingFaceStorageReader, method) is not getattr(FileSystemReader, method)
@@ -203,8 +219,9 @@ def test_a_failed_background_save_stops_the_next_step_naming_the_checkpoint(tmp_
     assert main(args(tmp_path, "trainer.max_steps=6", "checkpoint.interval=2", "checkpoint.async_mode=async")) == 2
     err = capsys.readouterr().err
     ckpts = tmp_path / "out" / "checkpoints"
-    assert err.count("\n") == 1 and err.startswith(f"error: checkpoint {ckpts / 'step-00000002'}: the background save "
-                                                   "failed: "), err
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: checkpoint {ckpts / 'step-00000002'}: the background save failed: "
+    ), err
     assert "No space left on device" in err
     assert not (ckpts / "step-00000002").exists()
     assert max(losses(tmp_path / "out")) < 6  # stopped at the first step after the failure was known, not at the end
@@ -228,12 +245,22 @@ sys.exit(main(sys.argv[2:]))
 
 def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint_exactly(tmp_path, one_rank, straight):
     data, expected = straight
-    run_args = args(tmp_path, "trainer.max_steps=6", "checkpoint.interval=2",
-                    "checkpoint.async_mode=async_with_pinned_mem", data=data)
+    run_args = args(
+        tmp_path,
+        "trainer.max_steps=6",
+        "checkpoint.interval=2",
+        "checkpoint.async_mode=async_with_pinned_mem",
+        data=data,
+    )
 
     marker = tmp_path / "writing"
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCK_AT_STEP_4, str(marker), *run_args], cwd=REPO,
-                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BLOCK_AT_STEP_4, str(marker), *run_args],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -264,8 +291,12 @@ def s3_bucket(monkeypatch):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(name, value)
     s3fs.S3FileSystem.clear_instance_cache()
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
@@ -277,8 +308,9 @@ def s3_bucket(monkeypatch):
         server.stop()
 
 
-def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tmp_path, one_rank, s3_bucket,
-                                                                            monkeypatch, straight):
+def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(
+    tmp_path, one_rank, s3_bucket, monkeypatch, straight
+):
     """``checkpoint.folder: s3://...``: saves upload each rank's files then the state file (the commit marker);
     keep_last prunes; a save cut off mid-upload leaves a step folder without the marker, which the rerun ignores
     (resuming from the previous one, with the losses of an uninterrupted run) and overwrites; the hf/ export is
@@ -302,10 +334,13 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
         main(args(tmp_path, *common, data=data))
     monkeypatch.setattr(checkpoint_store, "upload", real_upload)
     keys = lambda: sorted(o["Key"] for o in s3_bucket.list_objects_v2(Bucket="ckpts").get("Contents", []))  # noqa: E731
-    assert [k for k in keys() if k.endswith("trainer_state.json")] == ["run/checkpoints/step-00000002/trainer_state.json"]
+    assert [k for k in keys() if k.endswith("trainer_state.json")] == [
+        "run/checkpoints/step-00000002/trainer_state.json"
+    ]
     assert any(k.startswith("run/checkpoints/step-00000004/") for k in keys())  # the partial one
-    assert str(checkpoint_store.step_folders(url, "trainer_state.json", complete_only=True)) == \
-        str([f"{url}/step-00000002"])
+    assert str(checkpoint_store.step_folders(url, "trainer_state.json", complete_only=True)) == str(
+        [f"{url}/step-00000002"]
+    )
 
     assert main(args(tmp_path, *common, "checkpoint.export_hf=true", data=data)) == 0
     got = losses(tmp_path / "out")
@@ -314,8 +349,9 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(tm
     assert complete == ["run/checkpoints/step-00000006/trainer_state.json"], keys()  # keep_last: 1
     assert {k.split("/")[2] for k in keys()} == {"step-00000006", "hf"}
     exported = {k.split("/", 3)[3] for k in keys() if k.split("/")[2] == "hf"}
-    assert exported == {p.relative_to(tmp_path / "out" / "hf").as_posix()
-                        for p in (tmp_path / "out" / "hf").rglob("*") if p.is_file()}
+    assert exported == {
+        p.relative_to(tmp_path / "out" / "hf").as_posix() for p in (tmp_path / "out" / "hf").rglob("*") if p.is_file()
+    }
     assert {"config.json", "headrace_export.json"} <= exported and any(n.endswith(".safetensors") for n in exported)
     assert not list((tmp_path / "out" / "checkpoints").glob("step-*"))  # local copies removed after the upload
 
@@ -327,9 +363,15 @@ def test_async_mode_names_and_automodels_is_async():
     cfg = str(REPO / "configs" / "debug_llama.yaml")
     assert load_job_config(cfg).checkpoint.async_mode == "disabled"
     assert load_job_config(cfg, ["checkpoint.is_async=true"]).checkpoint.async_mode == "async"
-    assert load_job_config(cfg, ["checkpoint.is_async=true", "checkpoint.async_mode=async_with_pinned_mem"]
-                           ).checkpoint.async_mode == "async_with_pinned_mem"
-    for bad, says in ((["checkpoint.is_async=false", "checkpoint.async_mode=async"], "contradicts"),
-                      (["checkpoint.async_mode=sometimes"], "checkpoint.async_mode")):
+    assert (
+        load_job_config(
+            cfg, ["checkpoint.is_async=true", "checkpoint.async_mode=async_with_pinned_mem"]
+        ).checkpoint.async_mode
+        == "async_with_pinned_mem"
+    )
+    for bad, says in (
+        (["checkpoint.is_async=false", "checkpoint.async_mode=async"], "contradicts"),
+        (["checkpoint.async_mode=sometimes"], "checkpoint.async_mode"),
+    ):
         with pytest.raises(ConfigError, match=says):
             load_job_config(cfg, bad)

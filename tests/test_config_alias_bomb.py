@@ -28,7 +28,8 @@ def test_alias_bomb_under_model_config_is_one_line(tmp_path, capsys, monkeypatch
     code = train_main(args) if entry == "trainer" else launch_main(["--dry-run", *args])
     err = capsys.readouterr().err
     said = {BOMB: "expands to more than 1,000,000 values", SELF: "a YAML alias inside itself"}.get(
-        body, "nested too deeply to read")
+        body, "nested too deeply to read"
+    )
     assert code == 2 and err.count("\n") == 1 and f"{job}: {said}" in err, err
     assert not (tmp_path / "out").exists()
 
@@ -36,10 +37,19 @@ def test_alias_bomb_under_model_config_is_one_line(tmp_path, capsys, monkeypatch
 def test_alias_bomb_in_an_override_is_one_line(tmp_path, capsys, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
         monkeypatch.delenv(key, raising=False)
-    value = "{a: &a [1,1,1,1,1,1,1,1,1,1], " + ", ".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(6)) + "}"
-    code = train_main(["--config", str(REPO / "configs" / "debug_llama.yaml"), f"trainer.output_dir={tmp_path / 'o'}",
-                       f"model.config.extra={value}"])
+    value = (
+        "{a: &a [1,1,1,1,1,1,1,1,1,1], "
+        + ", ".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(6))
+        + "}"
+    )
+    code = train_main(
+        [
+            "--config",
+            str(REPO / "configs" / "debug_llama.yaml"),
+            f"trainer.output_dir={tmp_path / 'o'}",
+            f"model.config.extra={value}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "expands to more than" in err, err
 

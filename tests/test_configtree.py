@@ -37,7 +37,10 @@ def test_round_trip_and_defaults():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"data": {"datasets": [{"path": "a"}, {"path": "b", "weight": "heavy"}]}}, "Root.data.datasets[1].weight: expected float"),
+        (
+            {"data": {"datasets": [{"path": "a"}, {"path": "b", "weight": "heavy"}]}},
+            "Root.data.datasets[1].weight: expected float",
+        ),
         ({"data": {"wokers": 2}}, "Root.data.wokers: unknown key"),
         ({"data": {"packing": "tight"}}, "Root.data.packing: expected one of"),
         ({"data": {"workers": True}}, "Root.data.workers: expected int"),
@@ -51,8 +54,10 @@ def test_errors_name_the_dotted_path(raw, message):
 
 
 def test_overrides_parse_yaml_scalars():
-    raw = apply_overrides({"data": {"workers": 0}},
-                          ["data.workers=4", "data.packing=best_fit", "name=run1", "data.datasets=[{path: a, weight: 1e-3}]"])
+    raw = apply_overrides(
+        {"data": {"workers": 0}},
+        ["data.workers=4", "data.packing=best_fit", "name=run1", "data.datasets=[{path: a, weight: 1e-3}]"],
+    )
     cfg = from_dict(Root, raw)
     assert (cfg.data.workers, cfg.data.packing, cfg.name) == (4, "best_fit", "run1")
     assert cfg.data.datasets[0].weight == 0.001  # YAML 1.1 reads 1e-3 as a string

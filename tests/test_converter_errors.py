@@ -71,20 +71,35 @@ CASES = {  # name: (checkpoint, edit, what the one line says)
     "link_out": ("qwen2_audio", _merges_link, "merges.txt: a symbolic link to"),
     "nested_loops": ("qwen2_audio", lambda c: _set_template(c, NESTED_LOOPS), "chat template ran past"),
     "template_syntax": ("qwen2_audio", lambda c: _set_template(c, "{% for %}"), "chat template fails"),
-    "template_undefined_call": ("qwen2_audio", lambda c: _set_template(c, "{{ nothing.here() }}"),
-                                "chat template fails"),
+    "template_undefined_call": (
+        "qwen2_audio",
+        lambda c: _set_template(c, "{{ nothing.here() }}"),
+        "chat template fails",
+    ),
     "header_too_large": ("qwen2_audio", _header_too_large, "not a readable safetensors file"),
     "truncated": ("qwen2_audio", _truncated, "not a readable safetensors file"),
     "duplicate_tensor": ("qwen2_audio", _duplicate_tensor, "is also stored in"),
-    "config_list": ("qwen2_audio", lambda c: (c / "config.json").write_text("[1, 2]"),
-                    "config.json: holds a JSON list"),
-    "config_not_json": ("qwen2_audio", lambda c: (c / "config.json").write_text("{model_type: qwen2_audio"),
-                        "config.json: not a JSON file"),
+    "config_list": (
+        "qwen2_audio",
+        lambda c: (c / "config.json").write_text("[1, 2]"),
+        "config.json: holds a JSON list",
+    ),
+    "config_not_json": (
+        "qwen2_audio",
+        lambda c: (c / "config.json").write_text("{model_type: qwen2_audio"),
+        "config.json: not a JSON file",
+    ),
     "no_tokenizer": ("qwen2_audio", _no_tokenizer, "no tokenizer"),
-    "voxtral_hidden_0": ("voxtral", lambda c: _edit_config(c, lambda d: {**d, "audio_config": {
-        **d["audio_config"], "hidden_size": 0}}), "audio_config: hidden_size is 0"),
-    "voxtral_no_audio_config": ("voxtral", lambda c: _edit_config(c, lambda d: {
-        k: v for k, v in d.items() if k != "audio_config"}), "config.json: audio_config is missing"),
+    "voxtral_hidden_0": (
+        "voxtral",
+        lambda c: _edit_config(c, lambda d: {**d, "audio_config": {**d["audio_config"], "hidden_size": 0}}),
+        "audio_config: hidden_size is 0",
+    ),
+    "voxtral_no_audio_config": (
+        "voxtral",
+        lambda c: _edit_config(c, lambda d: {k: v for k, v in d.items() if k != "audio_config"}),
+        "config.json: audio_config is missing",
+    ),
 }
 
 

@@ -34,12 +34,13 @@ def _random(shape, seed, dtype=torch.float32, device="cpu"):
 def test_block_matches_reference(lengths, heads, kv_heads, causal):
     """One block (out, lse, and the backward given them) against an explicit fp64 per-document softmax."""
     cu, total, dim = _cu(lengths), sum(lengths), 8
-    q, k, v = (_random((total, h, dim), s, torch.float64).requires_grad_() for s, h in enumerate((heads, kv_heads,
-                                                                                                    kv_heads)))
+    q, k, v = (
+        _random((total, h, dim), s, torch.float64).requires_grad_() for s, h in enumerate((heads, kv_heads, kv_heads))
+    )
     outs, lses = [], []
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qd, kd, vd = (x[s:e].transpose(0, 1).repeat_interleave(heads // x.shape[1], 0) for x in (q, k, v))
-        scores = qd @ kd.transpose(1, 2) * dim ** -0.5
+        scores = qd @ kd.transpose(1, 2) * dim**-0.5
         if causal:
             scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
         outs.append((scores.softmax(-1) @ vd).transpose(0, 1))
@@ -48,10 +49,10 @@ def test_block_matches_reference(lengths, heads, kv_heads, causal):
     dout = _random(ref.shape, 9, torch.float64)
     ref.backward(dout)
     q32, k32, v32 = (x.detach().float() for x in (q, k, v))
-    out, lse = block_forward(q32, k32, v32, cu, max(lengths), causal=causal, scale=dim ** -0.5)
+    out, lse = block_forward(q32, k32, v32, cu, max(lengths), causal=causal, scale=dim**-0.5)
     torch.testing.assert_close(out, ref.float(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, torch.cat(lses).float(), atol=2e-6, rtol=1e-5)
-    grads = block_backward(dout.float(), q32, k32, v32, out, lse, cu, max(lengths), causal=causal, scale=dim ** -0.5)
+    grads = block_backward(dout.float(), q32, k32, v32, out, lse, cu, max(lengths), causal=causal, scale=dim**-0.5)
     for name, got, want in zip("qkv", grads, (q, k, v)):
         torch.testing.assert_close(got, want.grad.float(), atol=5e-6, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
 
@@ -115,8 +116,11 @@ def simulate_cp(q, k, v, cu, size, dout):
 
 
 @settings(max_examples=30, deadline=None)
-@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(lambda ls: sum(ls) > 0),
-       size=st.integers(1, 4), kv_heads=st.sampled_from([1, 2, 4]))
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(lambda ls: sum(ls) > 0),
+    size=st.integers(1, 4),
+    kv_heads=st.sampled_from([1, 2, 4]),
+)
 def test_simulated_cp_matches_reference_random_layouts(lengths, size, kv_heads):
     """Forward and backward of the head-tail CP decomposition = per-document attention on the unsplit row."""
     cu = _cu(lengths)
@@ -143,16 +147,22 @@ def test_half_layout_rejects_odd_segments():
 def _job(**distributed_and_data):
     data = dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2, packing="greedy")
     data.update(distributed_and_data.pop("data", {}))
-    return dict(model=dict(config=dict(model_type="llama"), attn_implementation="headrace_varlen"), data=data,
-                distributed=distributed_and_data)
+    return dict(
+        model=dict(config=dict(model_type="llama"), attn_implementation="headrace_varlen"),
+        data=data,
+        distributed=distributed_and_data,
+    )
 
 
-@pytest.mark.parametrize("raw, rule", [
-    (_job(cp_size=4, data=dict(seq_len=36)), r"data.seq_len=36 must be divisible by 2 x distributed.cp_size = 8"),
-    (_job(cp_size=2, data=dict(packing="none")), r"cp_size=2 needs packed THD rows: set data.packing"),
-    (dict(_job(cp_size=2), model=dict(config=dict(model_type="llama"))), r"set model.attn_implementation=headrace"),
-    (_job(cp_size=2, cp_comm="p2p"), r"distributed.cp_comm: expected one of \['allgather', 'ring'\]"),
-])
+@pytest.mark.parametrize(
+    "raw, rule",
+    [
+        (_job(cp_size=4, data=dict(seq_len=36)), r"data.seq_len=36 must be divisible by 2 x distributed.cp_size = 8"),
+        (_job(cp_size=2, data=dict(packing="none")), r"cp_size=2 needs packed THD rows: set data.packing"),
+        (dict(_job(cp_size=2), model=dict(config=dict(model_type="llama"))), r"set model.attn_implementation=headrace"),
+        (_job(cp_size=2, cp_comm="p2p"), r"distributed.cp_comm: expected one of \['allgather', 'ring'\]"),
+    ],
+)
 def test_bad_cp_config_is_one_clear_line(raw, rule):
     from headrace.config import ConfigError
 
@@ -204,9 +214,17 @@ def test_cp_training_matches_single_process(tmp_path):
     against the single-process reference, resume cp2 -> cp1 and cp4 (see tests/dist/cp_checks.py)."""
     save_pretrained_tiny(tmp_path / "pretrained")
     out = torchrun(4, "tests.dist.cp_checks", tmp_path).stdout
-    for check in ("cp2 attention matches", "cp4 attention matches", "cp4_allgather matches", "cp4_ring matches",
-                  "cp2_dp2_allgather matches", "cp2_dp2_ring matches", "cp2_tp2_sp_ac matches",
-                  "cp2 checkpoint resumes as resume_cp1", "cp2 checkpoint resumes as resume_cp4"):
+    for check in (
+        "cp2 attention matches",
+        "cp4 attention matches",
+        "cp4_allgather matches",
+        "cp4_ring matches",
+        "cp2_dp2_allgather matches",
+        "cp2_dp2_ring matches",
+        "cp2_tp2_sp_ac matches",
+        "cp2 checkpoint resumes as resume_cp1",
+        "cp2 checkpoint resumes as resume_cp4",
+    ):
         assert out.count(f"OK {check}") == 4, out[-3000:]
 
 

@@ -12,8 +12,9 @@ from headrace.dataio.config import PackingConfig
 def packed_batches(seed, seq_len=64, rows=2):
     rng = np.random.default_rng(seed)
     docs = [(i, rng.integers(0, 1000, int(rng.integers(1, 3 * seq_len)))) for i in range(30)]
-    return list(pack(docs, Packer(PackingConfig(seq_len=seq_len, packing="best_fit", packing_buffer=8),
-                                  rows_per_batch=rows)))
+    return list(
+        pack(docs, Packer(PackingConfig(seq_len=seq_len, packing="best_fit", packing_buffer=8), rows_per_batch=rows))
+    )
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
@@ -39,12 +40,21 @@ def test_round_trip_and_layout(cp_size):
                 c = int(padded[i]) // (2 * cp_size)
                 seg = pos[int(local[i]) : int(local[i + 1])]
                 start = int(flat_pos[int(cu[i])])
-                expect = torch.cat([torch.arange(r * c, (r + 1) * c),
-                                    torch.arange((2 * cp_size - 1 - r) * c, (2 * cp_size - r) * c)]) + start
+                expect = (
+                    torch.cat(
+                        [
+                            torch.arange(r * c, (r + 1) * c),
+                            torch.arange((2 * cp_size - 1 - r) * c, (2 * cp_size - r) * c),
+                        ]
+                    )
+                    + start
+                )
                 assert torch.equal(seg, expect)
             # padding never carries a label
-            real_tokens = sum(int(((lengths - k * c_).clamp(min=0)).minimum(c_).sum())
-                              for k, c_ in ((r, padded // (2 * cp_size)), (2 * cp_size - 1 - r, padded // (2 * cp_size))))
+            real_tokens = sum(
+                int(((lengths - k * c_).clamp(min=0)).minimum(c_).sum())
+                for k, c_ in ((r, padded // (2 * cp_size)), (2 * cp_size - 1 - r, padded // (2 * cp_size)))
+            )
             assert int((s["labels"] != IGNORE_INDEX).sum()) <= real_tokens
 
 

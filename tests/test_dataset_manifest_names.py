@@ -14,9 +14,11 @@ from tests.loader_util import make_text_dataset
 from headrace.dataio.cli import main as dataio
 from headrace.dataio.shards.index import INDEX_DIR
 
-BAD = {"../../../../etc/passwd": "not a relative path inside the dataset directory",
-       "/etc/passwd": "not a relative path inside the dataset directory",
-       "a/./b.tar": "not a relative path inside the dataset directory"}
+BAD = {
+    "../../../../etc/passwd": "not a relative path inside the dataset directory",
+    "/etc/passwd": "not a relative path inside the dataset directory",
+    "a/./b.tar": "not a relative path inside the dataset directory",
+}
 
 
 def _plant(root, name):
@@ -43,8 +45,18 @@ def test_trainer_refuses_a_shard_name_leaving_the_dataset(tmp_path, capsys, monk
         monkeypatch.delenv(key, raising=False)
     make_text_dataset(tmp_path / "d", [20])
     manifest = _plant(tmp_path / "d", "../../../../etc/passwd")
-    code = main(["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",
-                 "checkpoint.export_hf=false", "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8",
-                 f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {tmp_path / 'd'}}}]"])
+    code = main(
+        [
+            "--config",
+            str(REPO / "configs" / "debug_llama.yaml"),
+            "logging.console=false",
+            "checkpoint.export_hf=false",
+            "trainer.max_steps=1",
+            "data.seq_len=64",
+            "data.packing_buffer=8",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {tmp_path / 'd'}}}]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and f"{manifest}: shards[0]: " in err, err

@@ -91,8 +91,9 @@ def test_npy_non_canonical_header_goes_through_numpys_safe_reader():
 @pytest.mark.parametrize("defer_npy", [False, True])
 def test_npy_corrupt_payloads_raise_with_key(payload, message, defer_npy):
     with pytest.raises(SampleDecodeError, match=message) as info:
-        decode_sample({"tokens.npy": payload}, DecodeConfig(), key="doc-17", shard="text-000003.tar",
-                      defer_npy=defer_npy)
+        decode_sample(
+            {"tokens.npy": payload}, DecodeConfig(), key="doc-17", shard="text-000003.tar", defer_npy=defer_npy
+        )
     assert (info.value.shard, info.value.key, info.value.member) == ("text-000003.tar", "doc-17", "tokens.npy")
     assert "doc-17" in str(info.value) and "text-000003.tar" in str(info.value)
 
@@ -115,9 +116,13 @@ def test_deferred_npy_collates_like_decoded_tensors():
         deferred = [decode_sample(m, DecodeConfig(), defer_npy=True)["tokens.npy"] for m in members]
         decoded = [decode_sample(m, DecodeConfig())["tokens.npy"] for m in members]
         kinds = {type(v) for v in deferred}
-        assert kinds == ({NpyView} if all(a.ndim == 1 and a.dtype.isnative for a in arrays) else
-                         {NpyView, torch.Tensor} if any(a.ndim == 1 and a.dtype.isnative for a in arrays) else
-                         {torch.Tensor})
+        assert kinds == (
+            {NpyView}
+            if all(a.ndim == 1 and a.dtype.isnative for a in arrays)
+            else {NpyView, torch.Tensor}
+            if any(a.ndim == 1 and a.dtype.isnative for a in arrays)
+            else {torch.Tensor}
+        )
         (got, got_lengths), (want, want_lengths) = collate_field(deferred), collate_field(decoded)
         assert got.dtype == want.dtype and torch.equal(got, want)
         assert (got_lengths is None and want_lengths is None) or torch.equal(got_lengths, want_lengths)
@@ -272,4 +277,3 @@ def test_config_rejects_nonsense():
         DecodeConfig(sample_rate=0)
     with pytest.raises(ValueError, match="max_duration"):
         DecodeConfig(max_duration=-1.0)
-

@@ -36,8 +36,7 @@ def test_two_builds_are_byte_identical(builds):
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
     assert files_a == files_b
-    assert {"text.jsonl", "audio_manifest.jsonl", "tokenizer.json", "corpus_info.json"} <= {
-        str(p) for p in files_a}
+    assert {"text.jsonl", "audio_manifest.jsonl", "tokenizer.json", "corpus_info.json"} <= {str(p) for p in files_a}
     for rel in files_a:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
     # Built in a hidden sibling and renamed into place: nothing half-built is left beside it.
@@ -117,8 +116,13 @@ def test_synthetic_fallback_is_labelled_and_consistent(tmp_path):
 
 
 def test_sentence_picker_keeps_plain_prose_only():
-    docs = [demo_corpus.Document("s", "Return the value. >>> x = 1\n\nThe path e.g. foo is used. "
-                                      "Open the file_name now. This one is plain and fine!")]
+    docs = [
+        demo_corpus.Document(
+            "s",
+            "Return the value. >>> x = 1\n\nThe path e.g. foo is used. "
+            "Open the file_name now. This one is plain and fine!",
+        )
+    ]
     picked = [s for s, _ in demo_corpus.pick_sentences(docs, 10)]
     assert sorted(picked) == ["This one is plain and fine!"]
 

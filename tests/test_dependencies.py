@@ -33,7 +33,8 @@ def test_every_declared_dependency_is_locked_inside_its_range():
         name = lockfile.canonical(req.name)
         assert name in lock, f"{req} is declared but constraints.txt pins no {name}: run bash tools/update_lock.sh"
         assert req.specifier.contains(Version(lock[name]), prereleases=True), (
-            f"constraints.txt pins {name}=={lock[name]}, outside the declared {req}: run bash tools/update_lock.sh")
+            f"constraints.txt pins {name}=={lock[name]}, outside the declared {req}: run bash tools/update_lock.sh"
+        )
 
 
 def test_torch_and_transformers_are_ranges_from_the_floor_to_the_tested_top():
@@ -83,11 +84,20 @@ def _third_party_imports(roots: tuple[str, ...], skip: str = "dataio/bench") -> 
             if rel.startswith(skip):
                 continue
             tree = ast.parse(path.read_text())
-            lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    for n in ast.walk(f)}
+            lazy = {
+                id(n)
+                for f in ast.walk(tree)
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f)
+            }
             for node in ast.walk(tree):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0
+                    else []
+                )
                 for name in names:
                     top = name.split(".")[0]
                     if top not in std:
@@ -116,8 +126,11 @@ def test_bench_extra_packages_are_imported_lazily():
     bench = {lockfile.canonical(r.name) for r in _requirements("bench")}
     dists = packages_distributions()
     imports = _third_party_imports(("dataio/bench",), skip="-")
-    eager = {mod: files for mod, files in imports.items()
-             if {lockfile.canonical(d) for d in dists.get(mod, [])} & bench and any(files.values())}
+    eager = {
+        mod: files
+        for mod, files in imports.items()
+        if {lockfile.canonical(d) for d in dists.get(mod, [])} & bench and any(files.values())
+    }
     assert not eager, f"bench-extra packages imported at module level: {eager}"
 
 
@@ -134,14 +147,22 @@ def test_bench_import_names_the_extra():
 
 
 def test_uses_resolves_import_aliases():
-    tree = ast.parse("import torch\nimport torch.distributed as dist\nfrom torch.nn import functional as F\n"
-                     "from torch.distributed.tensor import Replicate\nimport numpy as np\n"
-                     "dist.all_gather_single(a, b)\nF.pad(x).sum\ntorch.cuda.get_device_properties(0).total_memory\n"
-                     "np.zeros(1)\n")
+    tree = ast.parse(
+        "import torch\nimport torch.distributed as dist\nfrom torch.nn import functional as F\n"
+        "from torch.distributed.tensor import Replicate\nimport numpy as np\n"
+        "dist.all_gather_single(a, b)\nF.pad(x).sum\ntorch.cuda.get_device_properties(0).total_memory\n"
+        "np.zeros(1)\n"
+    )
     assert torch_api.file_uses(tree) == {
-        "torch", "torch.distributed", "torch.distributed.all_gather_single", "torch.nn.functional",
-        "torch.nn.functional.pad", "torch.distributed.tensor.Replicate", "torch.cuda",
-        "torch.cuda.get_device_properties"}
+        "torch",
+        "torch.distributed",
+        "torch.distributed.all_gather_single",
+        "torch.nn.functional",
+        "torch.nn.functional.pad",
+        "torch.distributed.tensor.Replicate",
+        "torch.cuda",
+        "torch.cuda.get_device_properties",
+    }
     assert torch_api.resolves("torch.distributed.all_gather_into_tensor")
     assert torch_api.resolves("torch.distributed.tensor.parallel.ColwiseParallel")  # a submodule, imported
     assert not torch_api.resolves("torch.distributed.no_such_collective")
@@ -150,12 +171,14 @@ def test_uses_resolves_import_aliases():
 def test_every_torch_path_the_code_uses_exists_in_the_floor_torch():
     """tools/torch_floor_api.txt was recorded under torch 2.11 (pyproject's floor) by tools/torch_floor.sh."""
     version, present, missing = torch_api.read_record(torch_api.RECORD.read_text())
-    floor = next(s.version for r in _requirements("runtime") if r.name == "torch" for s in r.specifier
-                 if s.operator == ">=")
+    floor = next(
+        s.version for r in _requirements("runtime") if r.name == "torch" for s in r.specifier if s.operator == ">="
+    )
     assert Version(version).release[:2] == Version(floor).release[:2] == (2, 11)
     used = torch_api.uses()
     lacking = {p: files[:3] for p, files in used.items() if p in missing}
     assert not lacking, f"torch {version} (the floor) lacks: {lacking}"
     unrecorded = {p: files[:3] for p, files in used.items() if p not in present | missing}
-    assert not unrecorded, f"torch paths not in {torch_api.RECORD.name} (re-record: bash tools/torch_floor.sh): " \
-                           f"{unrecorded}"
+    assert not unrecorded, (
+        f"torch paths not in {torch_api.RECORD.name} (re-record: bash tools/torch_floor.sh): {unrecorded}"
+    )

@@ -27,8 +27,13 @@ NAMED_PATH = re.compile(r"`((?:dataio|training|kernels|configtree|tools|tests|co
 
 def build(root: Path, site: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # Material's banner about its successor
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(root / "mkdocs.yml"),
-                           "-d", str(site)], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(root / "mkdocs.yml"), "-d", str(site)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def copy_site(dest: Path) -> Path:
@@ -46,13 +51,21 @@ def test_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "BENCHMARKS" / "index.html").is_file()  # the hook's copy of the figures
 
 
-@pytest.mark.parametrize("fault, message", [
-    (lambda root: _append(root / "docs" / "security.md", "\nSee [the missing page](no-such-page.md).\n"),
-     "no-such-page.md"),
-    (lambda root: (root / "docs" / "orphan.md").write_text("# Not in the nav\n"), "orphan.md"),
-    (lambda root: _append(root / "docs" / "gpu.md", "\n[Gone](../BENCHMARKS.md#no-such-section)\n"),
-     "no-such-section"),
-], ids=["broken-link", "page-missing-from-nav", "broken-benchmarks-anchor"])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        (
+            lambda root: _append(root / "docs" / "security.md", "\nSee [the missing page](no-such-page.md).\n"),
+            "no-such-page.md",
+        ),
+        (lambda root: (root / "docs" / "orphan.md").write_text("# Not in the nav\n"), "orphan.md"),
+        (
+            lambda root: _append(root / "docs" / "gpu.md", "\n[Gone](../BENCHMARKS.md#no-such-section)\n"),
+            "no-such-section",
+        ),
+    ],
+    ids=["broken-link", "page-missing-from-nav", "broken-benchmarks-anchor"],
+)
 def test_strict_build_fails_on_a_planted_fault(tmp_path, fault, message):
     root = copy_site(tmp_path / "copy")
     fault(root)
@@ -70,7 +83,10 @@ def named_paths(text: str) -> set[str]:
 
 def test_named_paths_finds_files_and_globs():
     assert named_paths("see `tests/test_x.py::test_y`, `tools/bench_*.py` and `configs/debug_{a,b}.yaml`.") == {
-        "tests/test_x.py", "tools/bench_*.py", "configs/debug_"}
+        "tests/test_x.py",
+        "tools/bench_*.py",
+        "configs/debug_",
+    }
 
 
 def test_every_file_the_pages_name_exists():

@@ -47,13 +47,19 @@ def make_samples(n: int = 11, seed: int = 0) -> list[dict]:
         np.save(npy, tokens)
         frames = int(rng.integers(800, 4000))
         wav = io.BytesIO()
-        soundfile.write(wav, rng.standard_normal(frames).astype(np.float32) * 0.1, 8000, format="WAV",
-                        subtype="PCM_16")
+        soundfile.write(wav, rng.standard_normal(frames).astype(np.float32) * 0.1, 8000, format="WAV", subtype="PCM_16")
         key = f"utt{i:05d}" + ("-" + "x" * 120 if i == 3 else "")
-        samples.append({"__key__": key, "txt": f"sentence number {i} " * int(rng.integers(1, 5)),
-                        "tokens.npy": npy.getvalue(), "wav": wav.getvalue(),
-                        "json": json.dumps({"i": i, "duration": frames / 8000}).encode(),
-                        "_tokens": len(tokens), "_duration": frames / 8000})
+        samples.append(
+            {
+                "__key__": key,
+                "txt": f"sentence number {i} " * int(rng.integers(1, 5)),
+                "tokens.npy": npy.getvalue(),
+                "wav": wav.getvalue(),
+                "json": json.dumps({"i": i, "duration": frames / 8000}).encode(),
+                "_tokens": len(tokens),
+                "_duration": frames / 8000,
+            }
+        )
     return samples
 
 
@@ -74,9 +80,23 @@ def datasets(tmp_path_factory):
     shutil.copytree(ours, oracle)
     assert run_verb("index", str(ours), "--workers", "2", "--quiet") == 0
     energon = Path(sys.executable).with_name("energon")
-    subprocess.run([str(energon), "prepare", "--non-interactive", "--sample-type", "CrudeWebdataset",
-                    "--split-ratio", "1,0,0", "--num-workers", "1", "--no-progress", str(oracle)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            str(energon),
+            "prepare",
+            "--non-interactive",
+            "--sample-type",
+            "CrudeWebdataset",
+            "--split-ratio",
+            "1,0,0",
+            "--num-workers",
+            "1",
+            "--no-progress",
+            str(oracle),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return ours, oracle, samples
 
 
@@ -119,9 +139,15 @@ def _encoder():
 
     @stateless
     def cook(crude: dict) -> Utterance:
-        return Utterance(__key__=crude["__key__"], __restore_key__=crude["__restore_key__"],
-                         __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"),
-                         text=crude["txt"], tokens=crude["tokens.npy"], audio=crude["wav"])
+        return Utterance(
+            __key__=crude["__key__"],
+            __restore_key__=crude["__restore_key__"],
+            __subflavors__=crude.get("__subflavors__"),
+            __sources__=crude.get("__sources__"),
+            text=crude["txt"],
+            tokens=crude["tokens.npy"],
+            audio=crude["wav"],
+        )
 
     class Encoder(DefaultTaskEncoder):
         decoder = None  # raw bytes: compare exactly what the shards hold
@@ -152,8 +178,15 @@ def test_energon_train_loader_one_epoch(datasets):
 
     ours, _, samples = datasets
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    ds = get_train_dataset(ours, worker_config=wc, batch_size=1, shuffle_buffer_size=None,
-                           max_samples_per_sequence=None, repeat=False, task_encoder=_encoder())
+    ds = get_train_dataset(
+        ours,
+        worker_config=wc,
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=False,
+        task_encoder=_encoder(),
+    )
     got = [(u.__key__, u.text, u.tokens, u.audio) for batch in get_loader(ds) for u in batch]
     assert sorted(got) == sorted(_expected(samples))
 
@@ -203,6 +236,11 @@ def test_sharding_without_energon_installed_writes_metadata_energon_reads(tmp_pa
     assert main(["index", str(tmp_path), "--quiet"]) == 0
     info = json.loads((tmp_path / ".nv-meta" / ".info.json").read_text())
     assert "energon_version" not in info and sum(info["shard_counts"].values()) == 6
-    ds = get_val_dataset(tmp_path, split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-                         batch_size=1, task_encoder=_encoder())
+    ds = get_val_dataset(
+        tmp_path,
+        split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        batch_size=1,
+        task_encoder=_encoder(),
+    )
     assert [(u.__key__, u.text, u.tokens, u.audio) for b in get_loader(ds) for u in b] == _expected(samples)

@@ -22,11 +22,27 @@ def _limit():
 def test_export_on_a_full_disk_is_one_line(tmp_path):
     make_text_dataset(tmp_path / "d", [20])
     proc = subprocess.run(
-        [sys.executable, "-m", "headrace.training", "--config", str(REPO / "configs" / "debug_llama.yaml"),
-         "logging.console=false", "trainer.max_steps=1", "data.seq_len=64", "data.packing_buffer=8",
-         "checkpoint.save_final=false", f"trainer.output_dir={tmp_path / 'out'}",
-         f"data.datasets=[{{path: {tmp_path / 'd'}}}]"],
-        cwd=REPO, env=child_env(HEADRACE_DEBUG=None), capture_output=True, text=True, timeout=300, preexec_fn=_limit)
+        [
+            sys.executable,
+            "-m",
+            "headrace.training",
+            "--config",
+            str(REPO / "configs" / "debug_llama.yaml"),
+            "logging.console=false",
+            "trainer.max_steps=1",
+            "data.seq_len=64",
+            "data.packing_buffer=8",
+            "checkpoint.save_final=false",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {tmp_path / 'd'}}}]",
+        ],
+        cwd=REPO,
+        env=child_env(HEADRACE_DEBUG=None),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limit,
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(ours) == 1 and ours[0].startswith("error: checkpoint") and "cannot write" in ours[0], ours

@@ -38,17 +38,24 @@ def built(cfg):
 
 
 # The CLI closes the process group it ran in: these run before the tests that share the module's group.
-@pytest.mark.parametrize("overrides, message", [
-    (["quantize.linear.float8.recipe_name=rowwise", "quantize.linear.float8.enable_fsdp_float8_all_gather=true"],
-     "enable_fsdp_float8_all_gather needs recipe_name: tensorwise"),
-    (["quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp=true"],
-     "precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather"),
-    (["quantize.linear.float8.recipe_name=tensorwise", "distributed.tp_size=2"], "with distributed.tp_size=2"),
-    (["quantize.linear.float8.recipe=rowwise"], "float8.recipe: unknown key"),
-    (["fp8.enabled=true", "fp8.use_te=true"], "fp8.use_te: unknown key"),
-    (["distributed.offload_policy=cpu", "distributed.strategy=ddp"], "needs strategy: fsdp2"),
-    (["distributed.offload_policy=disk"], "offload_policy='disk' is not supported"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["quantize.linear.float8.recipe_name=rowwise", "quantize.linear.float8.enable_fsdp_float8_all_gather=true"],
+            "enable_fsdp_float8_all_gather needs recipe_name: tensorwise",
+        ),
+        (
+            ["quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp=true"],
+            "precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather",
+        ),
+        (["quantize.linear.float8.recipe_name=tensorwise", "distributed.tp_size=2"], "with distributed.tp_size=2"),
+        (["quantize.linear.float8.recipe=rowwise"], "float8.recipe: unknown key"),
+        (["fp8.enabled=true", "fp8.use_te=true"], "fp8.use_te: unknown key"),
+        (["distributed.offload_policy=cpu", "distributed.strategy=ddp"], "needs strategy: fsdp2"),
+        (["distributed.offload_policy=disk"], "offload_policy='disk' is not supported"),
+    ],
+)
 def test_refused_float8_and_offload_settings_are_one_line_from_the_cli(tmp_path, capsys, overrides, message):
     from headrace.training.__main__ import main
 
@@ -78,8 +85,7 @@ def test_trainer_float8_model_equals_torchao_conversion_of_the_same_weights(tmp_
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation=register_varlen_attention())
     plain = CausalLMLoss(copy.deepcopy(hf))
     config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
-    torchao_float8.convert_to_float8_training(hf, config=config,
-                                              module_filter_fn=lambda m, name: "self_attn" in name)
+    torchao_float8.convert_to_float8_training(hf, config=config, module_filter_fn=lambda m, name: "self_attn" in name)
     reference = CausalLMLoss(hf)
     got = forward_loss_sum(model, batch, autocast=False)
     want = forward_loss_sum(reference, batch, autocast=False)
@@ -101,9 +107,12 @@ def test_float8_training_stays_within_float8_rounding_of_fp32(tmp_path, process_
     save_pretrained_tiny(tmp_path / "m", dict(TINY_LLAMA, vocab_size=1024))  # the dataset's ids reach ~1000
     runs = {}
     for name, float8 in (("fp32", None), ("float8", dict(recipe_name="rowwise"))):
-        job = base_job(tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m")),
-                       trainer=dict(max_steps=4, output_dir=str(tmp_path / name)),
-                       checkpoint=dict(interval=0, export_hf=False))
+        job = base_job(
+            tmp_path,
+            model=dict(config=None, pretrained_path=str(tmp_path / "m")),
+            trainer=dict(max_steps=4, output_dir=str(tmp_path / name)),
+            checkpoint=dict(interval=0, export_hf=False),
+        )
         job["quantize"] = dict(linear=dict(float8=float8))
         runs[name] = [r["loss"] for r in train(load_job_config(None, base=job))]
     relative = [f / b - 1 for f, b in zip(runs["float8"], runs["fp32"])]
@@ -111,14 +120,25 @@ def test_float8_training_stays_within_float8_rounding_of_fp32(tmp_path, process_
 
 
 def test_automodel_fp8_block_and_offload_policy_load_as_written(tmp_path):
-    job = base_job(tmp_path, distributed=dict(offload_policy=dict(_target_="torch.distributed.fsdp.CPUOffloadPolicy",
-                                                                  pin_memory=False)))
-    job["fp8"] = dict(enabled=True, recipe_name="tensorwise", enable_fsdp_float8_all_gather=True,
-                      precompute_float8_dynamic_scale_for_fsdp=True, filter_fqns=["lm_head"], emulate=False)
+    job = base_job(
+        tmp_path,
+        distributed=dict(offload_policy=dict(_target_="torch.distributed.fsdp.CPUOffloadPolicy", pin_memory=False)),
+    )
+    job["fp8"] = dict(
+        enabled=True,
+        recipe_name="tensorwise",
+        enable_fsdp_float8_all_gather=True,
+        precompute_float8_dynamic_scale_for_fsdp=True,
+        filter_fqns=["lm_head"],
+        emulate=False,
+    )
     cfg = load_job_config(None, base=job)
     float8 = cfg.quantize.linear.float8
-    assert (float8.recipe_name, float8.enable_fsdp_float8_all_gather, float8.filter_fqns) == ("tensorwise", True,
-                                                                                            ["lm_head"])
+    assert (float8.recipe_name, float8.enable_fsdp_float8_all_gather, float8.filter_fqns) == (
+        "tensorwise",
+        True,
+        ["lm_head"],
+    )
     assert (cfg.distributed.offload_policy, cfg.distributed.offload_pin_memory) == ("cpu", False)
     job["fp8"]["enabled"] = False
     assert load_job_config(None, base=job).quantize.linear.float8 is None

@@ -34,8 +34,9 @@ class StandInLigerLoss(torch.nn.Module):
     def forward(self, lin_weight, _input, target, bias=None):
         StandInLigerLoss.calls += 1
         assert lin_weight.dtype == _input.dtype and _input.ndim == 2 and target.ndim == 1
-        return F.cross_entropy((_input @ lin_weight.T).float(), target, ignore_index=self.ignore_index,
-                               reduction=self.reduction)
+        return F.cross_entropy(
+            (_input @ lin_weight.T).float(), target, ignore_index=self.ignore_index, reduction=self.reduction
+        )
 
 
 @pytest.fixture
@@ -93,8 +94,9 @@ def test_cuda_with_liger_selects_it_and_the_wrapper_gives_the_summed_loss(fresh_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or fused_loss.liger_loss_class() is None,
-                    reason="needs CUDA and liger-kernel")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or fused_loss.liger_loss_class() is None, reason="needs CUDA and liger-kernel"
+)
 def test_liger_on_cuda_matches_the_reference(fresh_choice):
     fn = fused_loss.linear_cross_entropy_kernel("cuda")
     assert fn is not None

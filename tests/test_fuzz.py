@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_fuzz_seed_set():
-    proc = subprocess.run([sys.executable, "-m", "tests.fuzz"], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz"], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "derandomized cases per target passed" in proc.stdout

@@ -38,8 +38,9 @@ def general(sources, refs):
     cfg = from_dict(DataConfig, {"datasets": [{"path": s.path} for s in sources]}, "data")
     samples, keys, kept, bad = SampleReader(cfg, sources, bad_so_far=0).read(refs, defer_npy=True)
     assert bad == 0 and len(kept) == len(refs)
-    return collate(samples, keys, torch.from_numpy(refs), torch.ones(len(refs), dtype=torch.bool), end=7,
-                   alloc=plain_memory)
+    return collate(
+        samples, keys, torch.from_numpy(refs), torch.ones(len(refs), dtype=torch.bool), end=7, alloc=plain_memory
+    )
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -60,11 +61,13 @@ def test_same_batch_as_the_general_path(tmp_path):
     token_tars(tmp_path / "c", [[4, 9, 1000000]], dtype=np.int64, prefix="w")  # 7-digit count, other dtype
     a, b, c = (ShardSource(str(tmp_path / n)) for n in "abc")
     assert tokens_only([a, b])
-    cases = [([a], make_ref(0, np.arange(65))),  # across both shards
-             ([a], make_ref(0, rng.permutation(65)[:32])),  # shuffled
-             ([a, b], make_ref(rng.integers(0, 2, 40), rng.integers(0, 25, 40))),  # blended, interleaved
-             ([b], make_ref(0, np.arange(8))),
-             ([c], make_ref(0, np.arange(3)))]
+    cases = [
+        ([a], make_ref(0, np.arange(65))),  # across both shards
+        ([a], make_ref(0, rng.permutation(65)[:32])),  # shuffled
+        ([a, b], make_ref(rng.integers(0, 2, 40), rng.integers(0, 25, 40))),  # blended, interleaved
+        ([b], make_ref(0, np.arange(8))),
+        ([c], make_ref(0, np.arange(3))),
+    ]
     for sources, refs in cases:
         batch = gather_tokens(sources, refs, 7, plain_memory)
         assert batch is not None
@@ -81,9 +84,9 @@ def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
     data = bytearray(tar.read_bytes())
     at = data.index(b"\x93NUMPY", data.index(b"t00001."))  # the second sample's member
     if damage == "pickle dtype":
-        data[at:at + 30] = data[at:at + 30].replace(b"'<i4'", b"'|O4'")
+        data[at : at + 30] = data[at : at + 30].replace(b"'<i4'", b"'|O4'")
     elif damage == "shape":
-        data[at:at + 90] = data[at:at + 90].replace(b"(4,)", b"(2,)")
+        data[at : at + 90] = data[at : at + 90].replace(b"(4,)", b"(2,)")
     elif damage == "magic":
         data[at + 1] = ord("X")
     elif damage == "padding":  # the header's last padding byte (before its newline): the end of a word compare
@@ -181,11 +184,24 @@ def test_a_task_made_at_once_is_batch_by_batch_what_make_batch_gives(tmp_path):
     rng = np.random.default_rng(1)
     token_tars(tmp_path / "a", [rng.integers(1, 60, 70).tolist()])
     token_tars(tmp_path / "b", [[6] * 50], prefix="u")  # batches drawn only from here are (B, 6)
-    cfg = {"datasets": [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b"), "weight": 4.0}], "batch_size": 3,
-           "epochs": 1, "shuffle": True, "shuffle_window": 16, "num_workers": 0}
+    cfg = {
+        "datasets": [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b"), "weight": 4.0}],
+        "batch_size": 3,
+        "epochs": 1,
+        "shuffle": True,
+        "shuffle_window": 16,
+        "num_workers": 0,
+    }
     stream = build_loader(cfg, dp_rank=0, dp_size=1).stream
-    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
-                       first_local=0, batch_size=3)
+    maker = BatchMaker(
+        reader=stream.reader(),
+        blend=stream.blend,
+        seed=stream.seeds,
+        layout=stream.layout,
+        dp_rank=0,
+        first_local=0,
+        batch_size=3,
+    )
     last = stream.num_batches(3)
     shapes = set()
     for first in range(0, last, 3):
@@ -207,7 +223,14 @@ def test_a_task_made_at_once_is_batch_by_batch_what_make_batch_gives(tmp_path):
     data[data.index(b"\x93NUMPY", data.index(b"t00005.")) + 1] = ord("X")  # sample 5's magic
     tar.write_bytes(bytes(data))
     stream = build_loader({**cfg, "datasets": cfg["datasets"][:1], "shuffle": False}, dp_rank=0, dp_size=1).stream
-    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
-                       first_local=0, batch_size=3)
+    maker = BatchMaker(
+        reader=stream.reader(),
+        blend=stream.blend,
+        seed=stream.seeds,
+        layout=stream.layout,
+        dp_rank=0,
+        first_local=0,
+        batch_size=3,
+    )
     assert maker.task(0, 2, plain_memory) is None  # batch 1 holds sample 5: the general path names it
     assert maker.task(2, 2, plain_memory) is not None

@@ -9,16 +9,37 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ["versions", "shards", "train_headrace", "train_torchtitan", "train_plain", "train_float8",
-         "train_float8_rowwise", "train_offload", "float8_loss", "train_eager", "gpu_tests", "kernels", "moe", "lora",
-         "train_webdataset", "smoke", "speech_recipe"]
+PARTS = [
+    "versions",
+    "shards",
+    "train_headrace",
+    "train_torchtitan",
+    "train_plain",
+    "train_float8",
+    "train_float8_rowwise",
+    "train_offload",
+    "float8_loss",
+    "train_eager",
+    "gpu_tests",
+    "kernels",
+    "moe",
+    "lora",
+    "train_webdataset",
+    "smoke",
+    "speech_recipe",
+]
 
 
 def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
     report = tmp_path / "report.md"
-    proc = subprocess.run(["bash", str(REPO / "tools/gpu_check.sh"), "--report", str(report), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHON=sys.executable, GPU_CHECK_TIMEOUT_VERSIONS="300", **env))
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools/gpu_check.sh"), "--report", str(report), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHON=sys.executable, GPU_CHECK_TIMEOUT_VERSIONS="300", **env),
+    )
     return proc, report.read_text()
 
 
@@ -34,7 +55,7 @@ def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
     import torch
     import transformers
 
-    versions = report[report.index("## versions"):report.index("## shards")]
+    versions = report[report.index("## versions") : report.index("## shards")]
     assert f"torch {torch.__version__}" in versions and f"transformers {transformers.__version__}" in versions
     assert "device: " in versions and "nvidia-smi" in versions and "flash_attn " in versions
     for name in PARTS:
@@ -58,16 +79,24 @@ def test_a_part_whose_box_no_longer_fits_the_budget_is_skipped_and_reported(tmp_
 def test_a_part_past_its_box_is_reported_and_the_others_still_run(tmp_path):
     proc, report = _run(tmp_path, "--parts", "kernels,versions", GPU_CHECK_TIMEOUT_KERNELS="1")
     assert proc.returncode == 1
-    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ")
-            and not line.startswith("| ---")}
+    rows = {
+        line.split(" | ")[0][2:]: line
+        for line in report.splitlines()
+        if line.startswith("| ") and not line.startswith("| ---")
+    }
     assert set(rows) == {"part", "versions", "kernels"}
     assert " | ok | " in rows["versions"] and " | timed out after 1s | " in rows["kernels"]
     assert "## kernels\n\n$ " in report and "status: timed out after 1s" in report
 
 
 def test_unknown_part_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run(["bash", str(REPO / "tools/gpu_check.sh"), "--parts", "versions,nope"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools/gpu_check.sh"), "--parts", "versions,nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("gpu_check: unknown part 'nope'")
 
 
@@ -78,11 +107,23 @@ def test_loss_gap_passes_within_its_limit_and_fails_past_it(tmp_path):
     import sys
 
     for name, loss in (("bf16", 4.00), ("close", 4.05), ("far", 4.20)):
-        (tmp_path / f"{name}.json").write_text(json.dumps({"headrace": {
-            "last_loss": loss, "tokens_per_s": 100.0, "max_mem_gib": 10.0}}))
-    run = lambda other: subprocess.run([sys.executable, "-m", "tools.loss_gap", str(tmp_path / "bf16.json"),  # noqa: E731
-                                        str(tmp_path / f"{other}.json"), "--max", "0.02"], cwd=REPO,
-                                       capture_output=True, text=True)
+        (tmp_path / f"{name}.json").write_text(
+            json.dumps({"headrace": {"last_loss": loss, "tokens_per_s": 100.0, "max_mem_gib": 10.0}})
+        )
+    run = lambda other: subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.loss_gap",
+            str(tmp_path / "bf16.json"),  # noqa: E731
+            str(tmp_path / f"{other}.json"),
+            "--max",
+            "0.02",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     close, far = run("close"), run("far")
     assert close.returncode == 0 and "+1.25%" in close.stdout, close.stdout + close.stderr
     assert far.returncode == 1 and "+5.00%" in far.stdout

@@ -11,8 +11,15 @@ from transformers.masking_utils import create_causal_mask
 from headrace.kernels.hf_attention import ATTENTION_NAME, packed_attention_kwargs, register_varlen_attention
 from headrace.kernels.loss import linear_cross_entropy
 
-TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
@@ -108,9 +115,7 @@ def test_hidden_states_with_chunked_loss_match_documents_one_by_one():
     batch, docs = _packed_batch(seed=1)
     hidden = packed.model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch)).last_hidden_state
     loss_sum, num_tokens = linear_cross_entropy(hidden, packed.lm_head.weight, batch["labels"], chunk_size=5)
-    want = sum(
-        F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs
-    )
+    want = sum(F.cross_entropy(stock(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)
     assert num_tokens.item() == sum(len(d) - 1 for d in docs)
     torch.testing.assert_close(loss_sum, want, atol=1e-4, rtol=1e-5)
     loss_sum.backward()
@@ -148,8 +153,9 @@ def test_mixed_dtypes_under_autocast_are_unified():
     v = torch.randn(1, 2, 8, 16).to(torch.bfloat16)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     out, _ = hf_varlen_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, max_length_q=5)
-    same, _ = hf_varlen_attention(torch.nn.Module(), q.bfloat16(), k.bfloat16(), v, None, cu_seq_lens_q=cu,
-                                  max_length_q=5)
+    same, _ = hf_varlen_attention(
+        torch.nn.Module(), q.bfloat16(), k.bfloat16(), v, None, cu_seq_lens_q=cu, max_length_q=5
+    )
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, same)
 

@@ -58,8 +58,9 @@ def test_index_agrees_with_dataio_shard(tmp_path, capsys):
     rng = np.random.default_rng(7)
     words = "the quick brown fox jumps over a lazy dog while rivers run to the sea".split()
     manifest = tmp_path / "text.jsonl"
-    manifest.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(3, 60))))}) + "\n"
-                                for _ in range(40)))
+    manifest.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(3, 60))))}) + "\n" for _ in range(40))
+    )
     out = tmp_path / "out"
     assert run_verb("shard", str(manifest), "--output", str(out), "--samples-per-shard", "7", "--quiet") == 0
     written = _energon_files(out)
@@ -75,8 +76,9 @@ def test_index_agrees_with_dataio_shard(tmp_path, capsys):
     scanned = load_index(out, mmap=False)
     assert scanned.keys.tolist() == shard_index.keys.tolist()
     assert scanned.samples["offset"].tolist() == shard_index.samples["offset"].tolist()
-    assert [scanned.sample_members(i) for i in range(len(scanned))] == \
-        [shard_index.sample_members(i) for i in range(len(shard_index))]
+    assert [scanned.sample_members(i) for i in range(len(scanned))] == [
+        shard_index.sample_members(i) for i in range(len(shard_index))
+    ]
     capsys.readouterr()
     assert run_verb("verify", str(out), "--quiet") == 0
 

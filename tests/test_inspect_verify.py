@@ -45,11 +45,20 @@ def test_inspect_json_fields(clean, capsys):
     assert got["tokens"] == sum(s["_tokens"] for s in samples)
     assert got["audio_hours"] == pytest.approx(sum(s["_duration"] for s in samples) / 3600, rel=1e-5)
     assert got["samples_with_tokens"] == got["samples_with_duration"] == len(samples)
-    assert got["splits"] == {"train": {"shards": 3, "samples": len(samples), "bytes": got["bytes"],
-                                       "audio_hours": pytest.approx(got["audio_hours"]), "tokens": got["tokens"]}}
+    assert got["splits"] == {
+        "train": {
+            "shards": 3,
+            "samples": len(samples),
+            "bytes": got["bytes"],
+            "audio_hours": pytest.approx(got["audio_hours"]),
+            "tokens": got["tokens"],
+        }
+    }
     assert sorted(got["extensions"]) == ["json", "tokens.npy", "txt", "wav"]
-    for name, values in (("tokens", [s["_tokens"] for s in samples]),
-                         ("duration_s", [s["_duration"] for s in samples])):
+    for name, values in (
+        ("tokens", [s["_tokens"] for s in samples]),
+        ("duration_s", [s["_duration"] for s in samples]),
+    ):
         h = got["histograms"][name]
         assert sum(h["counts"]) == len(samples)
         assert h["edges"][0] <= min(values) and max(values) < h["edges"][-1]

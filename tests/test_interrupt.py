@@ -15,7 +15,6 @@ from tests.helpers import REPO, child_env
 from tests.loader_util import make_text_dataset
 
 
-
 # The verb in a child process whose ``module.name`` sends SIGINT to its own process first (the signal arrives from
 # inside the verb's work): the test process's own signal handling is never touched.
 INTERRUPTED_VERB = """
@@ -35,29 +34,61 @@ sys.exit(main(sys.argv[3:]))
 
 
 def interrupted_verb(module: str, name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", INTERRUPTED_VERB, module, name, *args], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_VERB, module, name, *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_dataio_verify_and_shard_say_interrupted(tmp_path):
     make_text_dataset(tmp_path / "d", [4, 4])
-    proc = interrupted_verb("headrace.dataio.shards.verify", "verify_shard", "verify", str(tmp_path / "d"), "--quiet",
-                            "--workers", "1")
+    proc = interrupted_verb(
+        "headrace.dataio.shards.verify", "verify_shard", "verify", str(tmp_path / "d"), "--quiet", "--workers", "1"
+    )
     assert (proc.returncode, proc.stderr) == (130, "dataio verify: interrupted\n"), proc.stderr[-2000:]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(20)))
-    proc = interrupted_verb("headrace.dataio.prepare.job", "write_shard", "shard", str(tmp_path / "in.jsonl"), "-o",
-                            str(tmp_path / "out"), "--quiet")
+    proc = interrupted_verb(
+        "headrace.dataio.prepare.job",
+        "write_shard",
+        "shard",
+        str(tmp_path / "in.jsonl"),
+        "-o",
+        str(tmp_path / "out"),
+        "--quiet",
+    )
     assert (proc.returncode, proc.stderr) == (130, "dataio shard: interrupted\n"), proc.stderr[-2000:]
 
 
 def test_trainer_with_loader_workers_says_interrupted(tmp_path):
     make_text_dataset(tmp_path / "d", [200])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "headrace.training", "--config", str(REPO / "configs" / "debug_llama.yaml"),
-         f"data.datasets=[{{path: {tmp_path / 'd'}}}]", "data.num_workers=2", "data.seq_len=64",
-         "data.packing_buffer=8", "trainer.max_steps=100000", "trainer.log_every=1", "checkpoint.export_hf=false",
-         "logging.tensorboard=false", f"trainer.output_dir={tmp_path / 'out'}"],
-        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "headrace.training",
+            "--config",
+            str(REPO / "configs" / "debug_llama.yaml"),
+            f"data.datasets=[{{path: {tmp_path / 'd'}}}]",
+            "data.num_workers=2",
+            "data.seq_len=64",
+            "data.packing_buffer=8",
+            "trainer.max_steps=100000",
+            "trainer.log_every=1",
+            "checkpoint.export_hf=false",
+            "logging.tensorboard=false",
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         seen = []
         for line in proc.stderr:  # the console's step lines: training (and the loader's workers) are running

@@ -34,31 +34,66 @@ def launch(capsys, monkeypatch):
 @pytest.fixture
 def job(tmp_path) -> Path:
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}},
-                                    "data": {"datasets": [{"path": "d"}], "seq_len": 64},
-                                    "trainer": {"output_dir": str(tmp_path / "run")}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"config": {"model_type": "llama"}},
+                "data": {"datasets": [{"path": "d"}], "seq_len": 64},
+                "trainer": {"output_dir": str(tmp_path / "run")},
+            }
+        )
+    )
     return path
 
 
 def test_sbatch_script_and_chain(job, tmp_path, launch):
     """--dry-run prints the script (valid bash) and K sbatch commands chained with afterany, one fresh seed
     each; a real submission writes the script and slurm/jobs.jsonl with the ids that sbatch returned."""
-    args = ["--config", str(job), "--slurm", "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
-            "--jobs", "3", "--max-restarts", "2", "--sbatch-arg=--partition=gpu", "optim.lr=1e-4",
-            "data.datasets=[{path: /data/a b}]"]
+    args = [
+        "--config",
+        str(job),
+        "--slurm",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "04:00:00",
+        "--jobs",
+        "3",
+        "--max-restarts",
+        "2",
+        "--sbatch-arg=--partition=gpu",
+        "optim.lr=1e-4",
+        "data.datasets=[{path: /data/a b}]",
+    ]
     code, out, err = launch(*args, "--dry-run")
     assert code == 0, err
     script, _, submits = out.partition("\nsbatch ")
     submits = ("sbatch " + submits).strip().splitlines()
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --time=04:00:00", "#SBATCH --partition=gpu", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --partition=gpu",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+    ):
         assert line in script.splitlines(), line
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     per_node = shlex.split(srun)[-1]  # what bash -c runs on every node
-    for word in ('"--nnodes=$SLURM_JOB_NUM_NODES"', "--nproc-per-node=8", "--rdzv-backend=c10d",
-                 '"--rdzv-endpoint=$RDZV_HOST:29500"', '"--rdzv-id=$SLURM_JOB_ID"', "--max-restarts=2",
-                 "optim.lr=1e-4", "'data.datasets=[{path: /data/a b}]'", '"trainer.data_seed=$DATA_SEED"'):
+    for word in (
+        '"--nnodes=$SLURM_JOB_NUM_NODES"',
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        '"--rdzv-endpoint=$RDZV_HOST:29500"',
+        '"--rdzv-id=$SLURM_JOB_ID"',
+        "--max-restarts=2",
+        "optim.lr=1e-4",
+        "'data.datasets=[{path: /data/a b}]'",
+        '"trainer.data_seed=$DATA_SEED"',
+    ):
         assert word in per_node, word
     assert '[ "$SLURM_NODEID" = 0 ] && IS_HOST=true' in per_node
 
@@ -70,8 +105,9 @@ def test_sbatch_script_and_chain(job, tmp_path, launch):
 
     bin_dir = tmp_path / "bin"  # an sbatch that answers like SLURM's --parsable and records its arguments
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/bash\necho "$@" >> "$SBATCH_LOG"\necho $((1000 + $(wc -l < "$SBATCH_LOG")))'
-                                    '";cluster"\n')
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/bash\necho "$@" >> "$SBATCH_LOG"\necho $((1000 + $(wc -l < "$SBATCH_LOG")))";cluster"\n'
+    )
     (bin_dir / "sbatch").chmod(0o755)
     log = tmp_path / "sbatch.log"
     code, _, err = launch(*args, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_LOG": str(log)})
@@ -87,13 +123,31 @@ def test_sbatch_script_and_chain(job, tmp_path, launch):
 
 def test_torchrun_commands_by_hand(job, launch):
     """The command of each node: c10d with node 0 hosting the store, or static ranks."""
-    common = ["--config", str(job), "--nnodes", "2", "--nproc-per-node", "4", "--master", "10.0.0.1:29400",
-              "--dry-run", "--max-restarts", "1"]
+    common = [
+        "--config",
+        str(job),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--master",
+        "10.0.0.1:29400",
+        "--dry-run",
+        "--max-restarts",
+        "1",
+    ]
     node0 = shlex.split(launch(*common, "--node-rank", "0")[1])
     node1 = shlex.split(launch(*common, "--node-rank", "1", "--local-addr", "10.0.0.2")[1])
     assert node0[0] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-    for word in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
-                 "--max-restarts=1", "-m", "headrace.training"):
+    for word in (
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29400",
+        "--max-restarts=1",
+        "-m",
+        "headrace.training",
+    ):
         assert word in node0 and word in node1
     assert "--rdzv-conf=is_host=true" in node0 and "--rdzv-conf=is_host=false" in node1
     assert "--local-addr=10.0.0.2" in node1
@@ -113,10 +167,19 @@ def test_failing_sbatch_says_its_own_message(job, tmp_path, launch):
     """Was a CalledProcessError traceback hiding sbatch's message (issue 25)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/bash\necho "sbatch: error: invalid partition specified: gpux" >&2\n'
-                                    'exit 1\n')
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/bash\necho "sbatch: error: invalid partition specified: gpux" >&2\nexit 1\n'
+    )
     (bin_dir / "sbatch").chmod(0o755)
-    code, _, err = launch("--config", str(job), "--slurm", "--nodes", "1", "--gpus-per-node", "8",
-                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    code, _, err = launch(
+        "--config",
+        str(job),
+        "--slurm",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        env={"PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
     assert code == 2
     assert err == "error: sbatch exited with status 1: sbatch: error: invalid partition specified: gpux\n"

@@ -26,12 +26,19 @@ def manifest(tmp_path):
         soundfile.write(path, np.full(1600 * (i + 1), 0.1, np.float32), 16000)
         rec = Recording.from_file(path, recording_id=f"rec{i}")
         cut = rec.to_cut()
-        cut.supervisions = [SupervisionSegment(id=f"s{i}", recording_id=rec.id, start=0, duration=rec.duration,
-                                               text=f"words {i}")]
+        cut.supervisions = [
+            SupervisionSegment(id=f"s{i}", recording_id=rec.id, start=0, duration=rec.duration, text=f"words {i}")
+        ]
         cuts.append(cut.truncate(duration=0.05) if i == 3 else cut)
-    cuts.append(MonoCut(id="no-recording", start=0, duration=1.0, channel=0,
-                        supervisions=[SupervisionSegment(id="s", recording_id="none", start=0, duration=1.0,
-                                                         text="hi")]))
+    cuts.append(
+        MonoCut(
+            id="no-recording",
+            start=0,
+            duration=1.0,
+            channel=0,
+            supervisions=[SupervisionSegment(id="s", recording_id="none", start=0, duration=1.0, text="hi")],
+        )
+    )
     (tmp_path / "a2.flac").unlink()
     (tmp_path / "a3.flac").unlink()
     CutSet.from_cuts(cuts).to_file(tmp_path / "cuts.jsonl.gz")
@@ -40,8 +47,14 @@ def manifest(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_counts_cuts_without_audio_and_names_them(manifest, workers, caplog):
-    config = {"datasets": [{"path": str(manifest)}], "batch_size": 5, "epochs": 1, "shuffle": False,
-              "num_workers": workers, "max_bad_samples": 3}
+    config = {
+        "datasets": [{"path": str(manifest)}],
+        "batch_size": 5,
+        "epochs": 1,
+        "shuffle": False,
+        "num_workers": workers,
+        "max_bad_samples": 3,
+    }
     loader = build_loader(config)
     keys = [k for b in loader for k in b["__key__"]]
     assert keys == ["rec0", "rec1"] and loader.state_dict()["bad_samples"] == 3

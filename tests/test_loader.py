@@ -28,8 +28,14 @@ def text(tmp_path_factory):
 
 
 def cfg(root, **kw):
-    base = {"datasets": [{"path": str(root)}], "batch_size": 3, "epochs": 1, "num_workers": 0,
-            "shuffle_window": 4, "seed": 7}
+    base = {
+        "datasets": [{"path": str(root)}],
+        "batch_size": 3,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle_window": 4,
+        "seed": 7,
+    }
     base.update(kw)
     return base
 
@@ -57,8 +63,10 @@ def test_every_sample_once_and_equal_batch_counts(text, dp_size):
     root, all_keys = text
     reference = None
     for num_workers in (0, 1, 2):
-        per_rank = [keys_of(build_loader(cfg(root, num_workers=num_workers), dp_rank=r, dp_size=dp_size))
-                    for r in range(dp_size)]
+        per_rank = [
+            keys_of(build_loader(cfg(root, num_workers=num_workers), dp_rank=r, dp_size=dp_size))
+            for r in range(dp_size)
+        ]
         assert len({len(b) for b in per_rank}) == 1, "every rank must yield the same number of batches"
         served = [k for rank in per_rank for batch in rank for k in batch]
         assert sorted(served) == sorted(all_keys)
@@ -119,8 +127,9 @@ def resume_in_new_process(config, dp_ranks, dp_size, states, n=None):
     """Per new rank, its batches' keys after restoring ``states`` in a fresh Python process."""
     env = child_env()
     args = json.dumps([config, list(dp_ranks), dp_size, states, n])
-    out = subprocess.run([sys.executable, "-c", RESUME_SCRIPT, args], cwd=REPO, env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT, args], cwd=REPO, env=env, check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out)
 
 
@@ -137,8 +146,9 @@ def test_resume_in_a_new_process_continues_exactly(text):
     assert first + rest == keys_of(straight)
 
 
-@pytest.mark.parametrize("old,new,new_process", [((4, 2), (2, 3), True), ((2, 0), (3, 1), False),
-                                                  ((3, 1), (1, 0), False)])
+@pytest.mark.parametrize(
+    "old,new,new_process", [((4, 2), (2, 3), True), ((2, 0), (3, 1), False), ((3, 1), (1, 0), False)]
+)
 def test_elastic_resume_changes_dp_size_and_workers(text, old, new, new_process):
     root, all_keys = text
     (old_dp, old_workers), (new_dp, new_workers) = old, new
@@ -183,9 +193,16 @@ def test_state_from_other_data_is_refused(text, tmp_path):
 def test_blended_datasets_keep_proportions_and_resume(tmp_path):
     big = make_text_dataset(tmp_path / "big", [40, 40], prefix="big")
     small = make_text_dataset(tmp_path / "small", [6], prefix="small", seed=1)
-    config = {"datasets": [{"path": str(tmp_path / "big"), "weight": 0.75},
-                           {"path": str(tmp_path / "small"), "weight": 0.25}],
-              "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle_window": 8}
+    config = {
+        "datasets": [
+            {"path": str(tmp_path / "big"), "weight": 0.75},
+            {"path": str(tmp_path / "small"), "weight": 0.25},
+        ],
+        "batch_size": 4,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle_window": 8,
+    }
     batches = keys_of(build_loader(config))
     flat = [k for b in batches for k in b]
     assert sorted(k for k in flat if k.startswith("big")) == sorted(big)  # one pass, no restart
@@ -206,8 +223,13 @@ def test_blended_datasets_with_different_member_names_keep_every_member(tmp_path
             for i in range(4):
                 sink.write({"__key__": f"{name}{i}", member: npy_bytes(np.full(i + 1, i, dtype=np.int32))})
         index_dir(tmp_path / name)
-    config = {"datasets": [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b")}], "batch_size": 8,
-              "epochs": 1, "shuffle": False, "num_workers": 0}
+    config = {
+        "datasets": [{"path": str(tmp_path / "a")}, {"path": str(tmp_path / "b")}],
+        "batch_size": 8,
+        "epochs": 1,
+        "shuffle": False,
+        "num_workers": 0,
+    }
     (batch,) = list(build_loader(config))
     for member, prefix in (("tokens.npy", "a"), ("npy", "b")):
         values = batch[member]
@@ -219,11 +241,19 @@ def test_shardwriter_tars(tmp_path):
     pattern = str(tmp_path / "sw-%06d.tar")
     with wds.ShardWriter(pattern, maxcount=4, verbose=0) as sink:
         for i in range(10):
-            sink.write({"__key__": f"s{i:03d}", "tokens.npy": npy_bytes(np.arange(i + 1, dtype=np.int64)),
-                        "txt": f"sample {i}"})
+            sink.write(
+                {
+                    "__key__": f"s{i:03d}",
+                    "tokens.npy": npy_bytes(np.arange(i + 1, dtype=np.int64)),
+                    "txt": f"sample {i}",
+                }
+            )
     index_dir(tmp_path)
-    batches = list(build_loader({"datasets": [{"path": str(tmp_path)}], "batch_size": 10, "epochs": 1,
-                                 "shuffle": False, "num_workers": 0}))
+    batches = list(
+        build_loader(
+            {"datasets": [{"path": str(tmp_path)}], "batch_size": 10, "epochs": 1, "shuffle": False, "num_workers": 0}
+        )
+    )
     assert batches[0]["__key__"] == [f"s{i:03d}" for i in range(10)]
     assert batches[0]["txt"][3] == "sample 3"
     assert batches[0]["__lengths__"]["tokens.npy"].tolist() == list(range(1, 11))
@@ -271,8 +301,7 @@ def test_undecodable_member_names_shard_and_key_or_is_skipped_within_budget(tmp_
     samples[2]["tokens.npy"] = b"\x93NUMPY garbage"
     write_tar(tmp_path, "bad-000000.tar", samples)
     index_dir(tmp_path)
-    config = {"datasets": [{"path": str(tmp_path)}], "batch_size": 2, "epochs": 1, "shuffle": False,
-              "num_workers": 0}
+    config = {"datasets": [{"path": str(tmp_path)}], "batch_size": 2, "epochs": 1, "shuffle": False, "num_workers": 0}
     with pytest.raises(SampleDecodeError, match=r"bad-000000.tar.*k002|k002.*bad-000000.tar"):
         list(build_loader(config))
     for workers in (0, 2):
@@ -302,8 +331,7 @@ def test_index_that_disagrees_with_its_tar(tmp_path):
     index_dir(tmp_path)
     write_tar(tmp_path, "x-000000.tar", [good(i + 10) for i in range(4)])  # rewritten, index stale
     with pytest.raises(ShardFormatError, match=r"k000.*does not hold|does not hold.*index out of date"):
-        list(build_loader({"datasets": [{"path": str(tmp_path)}], "epochs": 1, "num_workers": 0,
-                           "shuffle": False}))
+        list(build_loader({"datasets": [{"path": str(tmp_path)}], "epochs": 1, "num_workers": 0, "shuffle": False}))
 
 
 def test_config_errors_name_the_key(text):

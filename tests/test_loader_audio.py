@@ -20,8 +20,7 @@ from tests.test_dali import EDGE  # the tolerance argument lives with it
 def flac(rate: int, seconds: float, freq: float) -> bytes:
     t = np.arange(int(rate * seconds)) / rate
     buf = io.BytesIO()
-    soundfile.write(buf, (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="FLAC",
-                    subtype="PCM_16")
+    soundfile.write(buf, (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="FLAC", subtype="PCM_16")
     return buf.getvalue()
 
 
@@ -40,8 +39,16 @@ def audio(tmp_path_factory):
 
 
 def waveforms(root, audio_backend, *, workers=0, **kw):
-    config = {"datasets": [{"path": str(root)}], "batch_size": 4, "epochs": 1, "shuffle": False,
-              "num_workers": workers, "max_bad_samples": 1, "decode": {"audio": audio_backend}, **kw}
+    config = {
+        "datasets": [{"path": str(root)}],
+        "batch_size": 4,
+        "epochs": 1,
+        "shuffle": False,
+        "num_workers": workers,
+        "max_bad_samples": 1,
+        "decode": {"audio": audio_backend},
+        **kw,
+    }
     loader = build_loader(config)
     out = {}
     for batch in loader:
@@ -70,4 +77,3 @@ def test_bad_audio_past_the_budget_is_an_error_naming_it(audio):
     pytest.importorskip("nvidia.dali")
     with pytest.raises(SampleDecodeError, match=r"a-000001\.tar.*u005.*flac.*DALI"):
         waveforms(audio, "dali", max_bad_samples=0)
-

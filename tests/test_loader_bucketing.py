@@ -27,9 +27,14 @@ def audio(tmp_path_factory):
                 wave = (rng.standard_normal(int(rng.uniform(0.1, 1.0) * 8000)) * 0.1).astype(np.float32)
                 buf = io.BytesIO()
                 soundfile.write(buf, wave, 8000, format="FLAC")
-                w.write({"__key__": f"u{n:04d}", "flac": buf.getvalue(),
-                         "tokens.npy": npy_bytes(np.arange(n % 5 + 1, dtype=np.int32)),
-                         "json": json.dumps({"text": f"utterance {n}"}).encode()})
+                w.write(
+                    {
+                        "__key__": f"u{n:04d}",
+                        "flac": buf.getvalue(),
+                        "tokens.npy": npy_bytes(np.arange(n % 5 + 1, dtype=np.int32)),
+                        "json": json.dumps({"text": f"utterance {n}"}).encode(),
+                    }
+                )
                 keys.append(f"u{n:04d}")
     index_dir(root)
     return root, keys
@@ -37,8 +42,13 @@ def audio(tmp_path_factory):
 
 def test_bucketed_epoch_covers_once_rank_synced_and_resumes_on_another_dp_size(audio):
     root, keys = audio
-    cfg = {"datasets": [{"path": str(root)}], "epochs": 1, "num_workers": 0,
-           "bucketing": {"max_duration": 2.0, "num_buckets": 3}, "decode": {"sample_rate": 8000}}
+    cfg = {
+        "datasets": [{"path": str(root)}],
+        "epochs": 1,
+        "num_workers": 0,
+        "bucketing": {"max_duration": 2.0, "num_buckets": 3},
+        "decode": {"sample_rate": 8000},
+    }
     ranks = [list(build_loader(cfg, dp_rank=r, dp_size=2)) for r in range(2)]
     assert len(ranks[0]) == len(ranks[1])
     served = [k for rank in ranks for b in rank for k in b["__key__"]]
@@ -63,8 +73,16 @@ def test_raw_audio_bytes_cross_workers_as_one_flat_tensor(audio):
     import soundfile as sf
 
     root, keys = audio
-    (batch,) = build_loader({"datasets": [{"path": str(root)}], "epochs": 1, "num_workers": 2, "batch_size": 27,
-                             "shuffle": False, "decode": {"audio": "raw"}})
+    (batch,) = build_loader(
+        {
+            "datasets": [{"path": str(root)}],
+            "epochs": 1,
+            "num_workers": 2,
+            "batch_size": 27,
+            "shuffle": False,
+            "decode": {"audio": "raw"},
+        }
+    )
     lengths = batch["__lengths__"]["flac"]
     assert batch["__key__"] == keys and batch["flac"].dtype == torch.uint8
     first = bytes(batch["flac"][: lengths[0]].numpy())

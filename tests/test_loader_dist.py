@@ -18,8 +18,19 @@ def test_gloo_ranks_disjoint_exact_coverage_and_elastic_resume(tmp_path):
     expected.write_text(json.dumps(keys))
     result = tmp_path / "result.json"
     world = 4
-    mp.start_processes(main, args=(world, free_port(), str(tmp_path / "data"), str(expected), str(result)),
-                       nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(
+        main,
+        args=(world, free_port(), str(tmp_path / "data"), str(expected), str(result)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     checks = json.loads(result.read_text())
-    assert checks == {"exactly_once": True, "equal_batches": True, "same_seed": True,
-                      "elastic_exactly_once": True, "elastic_equal_batches": True, "packed_equal_batches": True}
+    assert checks == {
+        "exactly_once": True,
+        "equal_batches": True,
+        "same_seed": True,
+        "elastic_exactly_once": True,
+        "elastic_equal_batches": True,
+        "packed_equal_batches": True,
+    }

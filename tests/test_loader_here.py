@@ -16,12 +16,25 @@ from tests.test_gather import assert_same, token_tars
 def test_one_process_tasks_are_make_batch_one_by_one_and_resume_inside_a_task(tmp_path):
     rng = np.random.default_rng(2)
     token_tars(tmp_path / "a", [rng.integers(1, 40, 45).tolist(), rng.integers(1, 40, 38).tolist()])
-    cfg = {"datasets": [{"path": str(tmp_path / "a")}], "batch_size": 4, "epochs": 1, "shuffle": True,
-           "shuffle_window": 16, "num_workers": 0}
+    cfg = {
+        "datasets": [{"path": str(tmp_path / "a")}],
+        "batch_size": 4,
+        "epochs": 1,
+        "shuffle": True,
+        "shuffle_window": 16,
+        "num_workers": 0,
+    }
     loader = build_loader(cfg, dp_rank=0, dp_size=1)
     stream = loader.stream
-    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
-                       first_local=0, batch_size=4)
+    maker = BatchMaker(
+        reader=stream.reader(),
+        blend=stream.blend,
+        seed=stream.seeds,
+        layout=stream.layout,
+        dp_rank=0,
+        first_local=0,
+        batch_size=4,
+    )
     batches = list(loader)
     assert len(batches) == 21 and len(batches[-1]["__key__"]) == 3  # 83 samples: a short last batch
     storage = {b["tokens.npy"].untyped_storage().data_ptr() for b in batches}
@@ -55,8 +68,15 @@ def test_recycled_memory_reuses_only_dropped_batches(tmp_path, monkeypatch):
     token_tars(tmp_path / "a", [rng.integers(1, 40, 60).tolist()])
     cfg = {"datasets": [{"path": str(tmp_path / "a")}], "batch_size": 64, "epochs": 1, "num_workers": 0}
     stream = build_loader(cfg, dp_rank=0, dp_size=1).stream
-    maker = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout, dp_rank=0,
-                       first_local=0, batch_size=8)
+    maker = BatchMaker(
+        reader=stream.reader(),
+        blend=stream.blend,
+        seed=stream.seeds,
+        layout=stream.layout,
+        dp_rank=0,
+        first_local=0,
+        batch_size=8,
+    )
     cfg["batch_size"] = 8  # 8 batches, every one kept
     kept = list(build_loader(cfg, dp_rank=0, dp_size=1))
     assert len({b["tokens.npy"].untyped_storage().data_ptr() for b in kept}) == 8  # none reused while held
@@ -64,8 +84,15 @@ def test_recycled_memory_reuses_only_dropped_batches(tmp_path, monkeypatch):
         expected = maker(b, plain_memory)
         assert torch.equal(batch["tokens.npy"], expected["tokens.npy"]), b
     cfg["batch_size"] = 4
-    maker4 = BatchMaker(reader=stream.reader(), blend=stream.blend, seed=stream.seeds, layout=stream.layout,
-                        dp_rank=0, first_local=0, batch_size=4)
+    maker4 = BatchMaker(
+        reader=stream.reader(),
+        blend=stream.blend,
+        seed=stream.seeds,
+        layout=stream.layout,
+        dp_rank=0,
+        first_local=0,
+        batch_size=4,
+    )
     pointers = set()
     for b, batch in enumerate(build_loader(cfg, dp_rank=0, dp_size=1)):
         tokens = batch["tokens.npy"]

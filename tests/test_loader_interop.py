@@ -19,14 +19,28 @@ from tests.loader_util import energon_prepared
 
 
 def stream_keys(path: Path, **entry) -> list[str]:
-    return [k for b in build_loader({"datasets": [{"path": str(path), **entry}], "batch_size": 4, "epochs": 1,
-                                     "shuffle": False, "num_workers": 0}) for k in b["__key__"]]
+    return [
+        k
+        for b in build_loader(
+            {
+                "datasets": [{"path": str(path), **entry}],
+                "batch_size": 4,
+                "epochs": 1,
+                "shuffle": False,
+                "num_workers": 0,
+            }
+        )
+        for k in b["__key__"]
+    ]
 
 
 def test_energon_prepared_directory(tmp_path):
     keys = energon_prepared(tmp_path, [5, 3], split_parts_ratio=[("train", 1.0)])
-    batches = list(build_loader({"datasets": [{"path": str(tmp_path)}], "batch_size": 8, "epochs": 1,
-                                 "shuffle": False, "num_workers": 0}))
+    batches = list(
+        build_loader(
+            {"datasets": [{"path": str(tmp_path)}], "batch_size": 8, "epochs": 1, "shuffle": False, "num_workers": 0}
+        )
+    )
     assert batches[0]["__key__"] == keys
     assert [j["n"] for j in batches[0]["json"]] == list(range(8))
     assert batches[0]["__lengths__"]["tokens.npy"].sum() == batches[0]["tokens.npy"].numel()
@@ -34,8 +48,9 @@ def test_energon_prepared_directory(tmp_path):
 
 def test_energon_split_yaml_selects_the_split(tmp_path):
     sizes = [3, 2, 4, 1, 2]
-    keys = energon_prepared(tmp_path, sizes, split_parts_patterns=[("train", r"doc-00000[0-2]\.tar"),
-                                                                  ("val", r"doc-00000[34]\.tar")])
+    keys = energon_prepared(
+        tmp_path, sizes, split_parts_patterns=[("train", r"doc-00000[0-2]\.tar"), ("val", r"doc-00000[34]\.tar")]
+    )
     split_file = tmp_path / ".nv-meta" / "split.yaml"
     assert "{" in split_file.read_text()  # energon wrote brace patterns (doc-{000000..000002}.tar)
     # Exclude one whole shard and one sample, the two forms energon's `exclude` takes.
@@ -43,8 +58,9 @@ def test_energon_split_yaml_selects_the_split(tmp_path):
     config["exclude"] = ["doc-000001.tar", f"doc-000002.tar/{keys[6]}"]
     split_file.write_text(yaml.safe_dump(config))
 
-    shard_keys = dict(zip([f"doc-{i:06d}.tar" for i in range(len(sizes))],
-                          np.split(np.array(keys), np.cumsum(sizes)[:-1])))
+    shard_keys = dict(
+        zip([f"doc-{i:06d}.tar" for i in range(len(sizes))], np.split(np.array(keys), np.cumsum(sizes)[:-1]))
+    )
     for split in ("train", "val"):  # energon's own reading of the split is the oracle
         meta = WebdatasetMeta.from_config(EPath(tmp_path), split_part=split)
         expected = [k for s in meta.shards for k in shard_keys[s.name] if f"{s.name}/{k}" not in meta.sample_excludes]
@@ -58,8 +74,9 @@ def test_energon_split_yaml_selects_the_split(tmp_path):
 def test_energon_split_yaml_errors(tmp_path):
     energon_prepared(tmp_path, [2, 2], split_parts_ratio=[("train", 1.0)])
     split_file = tmp_path / ".nv-meta" / "split.yaml"
-    split_file.write_text(yaml.safe_dump({"split_parts": {"train": ["doc-{000000..000001}.tar"],
-                                                          "val": ["doc-000001.tar"]}}))
+    split_file.write_text(
+        yaml.safe_dump({"split_parts": {"train": ["doc-{000000..000001}.tar"], "val": ["doc-000001.tar"]}})
+    )
     with pytest.raises(ValueError, match=r"split.yaml: shard doc-000001.tar is in split 'train' and in 'val'"):
         build_loader({"datasets": [{"path": str(tmp_path)}], "num_workers": 0})
     split_file.write_text("split_parts: [doc-000000.tar]\n")
@@ -78,8 +95,9 @@ def cutset(tmp_path):
         soundfile.write(path, (np.sin(np.arange(1600 * (i + 1)) / 5) * 0.3).astype(np.float32), 16000)
         rec = Recording.from_file(path, recording_id=f"rec{i}")
         cut = rec.to_cut()
-        cut.supervisions = [SupervisionSegment(id=f"s{i}", recording_id=rec.id, start=0, duration=rec.duration,
-                                               text=f"words {i}")]
+        cut.supervisions = [
+            SupervisionSegment(id=f"s{i}", recording_id=rec.id, start=0, duration=rec.duration, text=f"words {i}")
+        ]
         cuts.append(cut)
     return CutSet.from_cuts(cuts)
 
@@ -94,16 +112,18 @@ def test_lhotse_cut_manifest(tmp_path, cutset):
 
     manifest = tmp_path / "cuts.jsonl.gz"
     cutset.to_file(manifest)
-    (batch,) = build_loader({"datasets": [{"path": str(manifest)}], "batch_size": 5, "epochs": 1,
-                             "shuffle": False, "num_workers": 0})
+    (batch,) = build_loader(
+        {"datasets": [{"path": str(manifest)}], "batch_size": 5, "epochs": 1, "shuffle": False, "num_workers": 0}
+    )
     assert batch["__key__"] == [c.id for c in cutset]
     assert batch["json"] == [transcript(c) for c in cutset]
     assert batch["__lengths__"]["wav"].tolist() == [1600 * (i + 1) for i in range(5)]
 
     trimmed = tmp_path / "trimmed_cuts.jsonl.gz"
     CutSet.from_cuts([c.truncate(duration=0.05) for c in cutset]).to_file(trimmed)
-    (short,) = build_loader({"datasets": [{"path": str(trimmed)}], "batch_size": 5, "epochs": 1,
-                             "shuffle": False, "num_workers": 0})
+    (short,) = build_loader(
+        {"datasets": [{"path": str(trimmed)}], "batch_size": 5, "epochs": 1, "shuffle": False, "num_workers": 0}
+    )
     assert short["wav"].shape == (5, 800)  # lhotse loaded the trimmed cuts (equal lengths: stacked)
     assert [j["duration"] for j in short["json"]] == [0.05] * 5
 
@@ -114,12 +134,21 @@ def test_lhotse_shar_carries_transcripts(tmp_path, cutset):
     cutset.to_shar(shar, fields={"recording": "flac"}, shard_size=2)
     expected = {c.id: transcript(c) for c in cutset}
     for workers in (0, 2):
-        batches = list(build_loader({"datasets": [{"path": str(shar)}], "batch_size": 2, "epochs": 1,
-                                     "num_workers": workers}))
+        batches = list(
+            build_loader({"datasets": [{"path": str(shar)}], "batch_size": 2, "epochs": 1, "num_workers": workers})
+        )
         got = {k: j for b in batches for k, j in zip(b["__key__"], b["json"])}
         assert got == expected
-    bucketed = list(build_loader({"datasets": [{"path": str(shar)}], "epochs": 1, "num_workers": 0,
-                                  "bucketing": {"max_duration": 0.6, "num_buckets": 2}}))
+    bucketed = list(
+        build_loader(
+            {
+                "datasets": [{"path": str(shar)}],
+                "epochs": 1,
+                "num_workers": 0,
+                "bucketing": {"max_duration": 0.6, "num_buckets": 2},
+            }
+        )
+    )
     texts = {k: t for b in bucketed for k, t in zip(b["__key__"], b["text"])}
     assert texts == {c.id: f"words {i}" for i, c in enumerate(cutset)}
 
@@ -133,8 +162,11 @@ def test_lhotse_shar_mismatched_cuts_file(tmp_path, cutset):
     cuts_file = shar / "cuts.000001.jsonl.gz"
     lines = gzip.decompress(cuts_file.read_bytes()).splitlines(keepends=True)
     cuts_file.write_bytes(gzip.compress(b"".join(lines[::-1])))  # cuts out of their tar's order
-    with pytest.raises(ValueError, match=r"cuts.000001.jsonl.gz:1: cut 'rec3', but recording.000001.tar holds "
-                                         r"'rec2' at that place"):
+    with pytest.raises(
+        ValueError,
+        match=r"cuts.000001.jsonl.gz:1: cut 'rec3', but recording.000001.tar holds "
+        r"'rec2' at that place",
+    ):
         build_loader({"datasets": [{"path": str(shar)}], "num_workers": 0})
 
 
@@ -150,8 +182,7 @@ def test_lhotse_manifest_is_indexed_once_and_read_lazily(tmp_path, cutset):
     many = cutset.repeat(times=30, preserve_id=False)  # 150 cuts: three compressed blocks
     many.to_file(manifest)
     assert len(many) > 2 * BLOCK_LINES
-    config = {"datasets": [{"path": str(manifest)}], "batch_size": 7, "epochs": 1, "shuffle": True,
-              "num_workers": 0}
+    config = {"datasets": [{"path": str(manifest)}], "batch_size": 7, "epochs": 1, "shuffle": True, "num_workers": 0}
     first = [(b["__key__"], b["json"]) for b in build_loader(config)]
     assert sorted(k for keys, _ in first for k in keys) == sorted(c.id for c in many)
     index = CutsIndex(str(manifest))

@@ -30,8 +30,16 @@ def doc_tokens(batches):
 
 
 def test_packed_stream_covers_every_token_once_and_resumes_elastically(text):
-    cfg = {"datasets": [{"path": str(text)}], "batch_size": 2, "epochs": 1, "num_workers": 0,
-           "packing": "best_fit", "seq_len": 16, "packing_buffer": 4, "shuffle_window": 5}
+    cfg = {
+        "datasets": [{"path": str(text)}],
+        "batch_size": 2,
+        "epochs": 1,
+        "num_workers": 0,
+        "packing": "best_fit",
+        "seq_len": 16,
+        "packing_buffer": 4,
+        "shuffle_window": 5,
+    }
     loader = build_loader(cfg)
     full = list(loader)
     lengths = doc_tokens(full)
@@ -76,11 +84,13 @@ def test_packing_none_with_seq_len_gives_one_padded_document_per_row(text):
         for r in range(3):
             assert len(batch["__docs__"][r]) <= 1  # one piece per row (an empty row ends the stream)
             if batch["__docs__"][r]:
-                (ref, offset, length), = batch["__docs__"][r]
+                ((ref, offset, length),) = batch["__docs__"][r]
                 rows.append((ref, offset, length))
                 assert batch["input_ids"][r, length:].eq(7).all() and batch["labels"][r, length:].eq(-100).all()
                 assert batch["position_ids"][r, :length].tolist() == list(range(length))
-                assert torch.equal(batch["input_ids"][r, :length], documents[split_ref(ref)[1]][offset:offset + length])
+                assert torch.equal(
+                    batch["input_ids"][r, :length], documents[split_ref(ref)[1]][offset : offset + length]
+                )
     # every document whole and in order: pieces of a document are consecutive and cover it
     served = Counter()
     for ref, offset, length in rows:

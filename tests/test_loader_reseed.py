@@ -20,8 +20,14 @@ DP = 2
 def blend(tmp_path_factory):
     root = tmp_path_factory.mktemp("reseed")
     keys = {name: make_text_dataset(root / name, shards, prefix=name) for name, shards in SIZES.items()}
-    config = {"datasets": [{"path": str(root / "a"), "weight": 2.0}, {"path": str(root / "b"), "weight": 1.0}],
-              "batch_size": 3, "epochs": 3, "num_workers": 0, "shuffle_window": 4, "seed": 7}
+    config = {
+        "datasets": [{"path": str(root / "a"), "weight": 2.0}, {"path": str(root / "b"), "weight": 1.0}],
+        "batch_size": 3,
+        "epochs": 3,
+        "num_workers": 0,
+        "shuffle_window": 4,
+        "seed": 7,
+    }
     return config, keys
 
 
@@ -71,10 +77,16 @@ def test_reseed_keeps_the_current_epoch_and_reorders_later_ones(blend):
         if len(served) == len(keys[name]):
             assert sorted(served) == sorted(keys[name]), f"{name} epoch {epoch} skips a sample"
     for d, name in enumerate(names):  # epochs before the switch: exactly the uninterrupted order
-        same = [s == t for s, t, dd, k in zip(stream, straight, dataset, draw)
-                if dd == d and k // len(keys[name]) < firsts[0][d]]
-        later = [s == t for s, t, dd, k in zip(stream, straight, dataset, draw)
-                 if dd == d and k // len(keys[name]) >= firsts[0][d]]
+        same = [
+            s == t
+            for s, t, dd, k in zip(stream, straight, dataset, draw)
+            if dd == d and k // len(keys[name]) < firsts[0][d]
+        ]
+        later = [
+            s == t
+            for s, t, dd, k in zip(stream, straight, dataset, draw)
+            if dd == d and k // len(keys[name]) >= firsts[0][d]
+        ]
         assert all(same) and len(same) >= len(keys[name])
         assert not all(later), f"{name}: the new seed must reorder the epochs it owns"
     assert resumed[0]["reseeds"] == [[99, [1, 2]]]

@@ -42,8 +42,13 @@ def s3(tmp_path_factory):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     client.create_bucket(Bucket=BUCKET)
     upload(endpoint, root, "text")
     try:
@@ -56,8 +61,13 @@ def upload(endpoint: str, root: Path, prefix: str) -> None:
     """Every file under ``root`` to ``s3://BUCKET/prefix/``."""
     import boto3
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     for path in sorted(root.rglob("*")):
         if path.is_file():
             client.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(root).as_posix()}")
@@ -70,8 +80,12 @@ def aws_env(monkeypatch):
     import s3fs
 
     def point(endpoint: str) -> None:
-        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for name, value in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(name, value)
         s3fs.S3FileSystem.clear_instance_cache()
 
@@ -82,11 +96,11 @@ def aws_env(monkeypatch):
 def epoch(path, options=None, **kw):
     """Every batch of one epoch as ``(keys, tokens, json)`` (``options``: the dataset's storage_options)."""
     dataset = {"path": str(path), **({"storage_options": options} if options else {})}
-    config = {"datasets": [dataset], "batch_size": 4, "epochs": 1, "num_workers": 0,
-              "shuffle_window": 4, "seed": 3}
+    config = {"datasets": [dataset], "batch_size": 4, "epochs": 1, "num_workers": 0, "shuffle_window": 4, "seed": 3}
     config.update(kw)
-    return [(list(b["__key__"]), b["tokens.npy"].numpy().copy(), [j["n"] for j in b["json"]])
-            for b in build_loader(config)]
+    return [
+        (list(b["__key__"]), b["tokens.npy"].numpy().copy(), [j["n"] for j in b["json"]]) for b in build_loader(config)
+    ]
 
 
 def assert_same_epoch(got, want, keys):
@@ -113,8 +127,14 @@ def test_endpoint_and_keys_from_storage_options(s3, aws_env, monkeypatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)
     options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    config = {"datasets": [{"path": f"s3://{BUCKET}/text", "storage_options": options}], "batch_size": 4,
-              "epochs": 1, "num_workers": 0, "shuffle_window": 4, "seed": 3}
+    config = {
+        "datasets": [{"path": f"s3://{BUCKET}/text", "storage_options": options}],
+        "batch_size": 4,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle_window": 4,
+        "seed": 3,
+    }
     got = [k for b in build_loader(config) for k in b["__key__"]]
     assert got == [k for b in epoch(root) for k in b[0]]
 
@@ -125,8 +145,10 @@ def test_energon_dir_and_metadataset_take_storage_options(s3, aws_env, monkeypat
     endpoint, _, keys = s3
     local = tmp_path / "energon"
     assert energon_prepared(local, SHARDS, split_parts_ratio=[("train", 1.0)]) == keys
-    (tmp_path / "meta.yaml").write_text("__module__: megatron.energon\n__class__: MetadatasetV2\n"
-                                        "splits: {train: {blend_epochized: [{repetitions: 2, path: energon}]}}\n")
+    (tmp_path / "meta.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\n"
+        "splits: {train: {blend_epochized: [{repetitions: 2, path: energon}]}}\n"
+    )
     upload(endpoint, tmp_path, "mds")
     aws_env("http://127.0.0.1:9")  # discard port: only the options find the server
     options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
@@ -189,8 +211,11 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             return
         if fault in ("500", "503"):
             code = int(fault)
-            error = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"
-                     + (b"InternalError" if code == 500 else b"SlowDown") + b"</Code><Message>injected</Message></Error>")
+            error = (
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"
+                + (b"InternalError" if code == 500 else b"SlowDown")
+                + b"</Code><Message>injected</Message></Error>"
+            )
             self.send_response(code)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(error)))
@@ -212,7 +237,9 @@ class FaultHandler(http.server.BaseHTTPRequestHandler):
             if k.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
                 self.send_header(k, v)
         # a HEAD answers with the object's length and no body
-        self.send_header("Content-Length", resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data)))
+        self.send_header(
+            "Content-Length", resp.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+        )
         self.end_headers()
         if fault == "truncate" and len(data) > 1:  # headers promise the whole body; half of it arrives
             self.wfile.write(data[: len(data) // 2])
@@ -279,10 +306,14 @@ def test_read_timeout_is_retried(s3, aws_env, fault_proxy, monkeypatch):
 
 # -- the local disk cache of remote shards (data.cache_dir / data.cache_limit) ----------------------------
 
+
 def cached_files(cache_dir: Path) -> dict[str, int]:
     """Complete cached shards (name -> bytes) and, under ``.parts/``, downloads in progress."""
-    return {p.relative_to(cache_dir).as_posix(): p.stat().st_size for p in cache_dir.rglob("*")
-            if p.is_file() and ".locks" not in p.parts and p.name != ".lock"}
+    return {
+        p.relative_to(cache_dir).as_posix(): p.stat().st_size
+        for p in cache_dir.rglob("*")
+        if p.is_file() and ".locks" not in p.parts and p.name != ".lock"
+    }
 
 
 def local_epochs(root, epochs, **kw):
@@ -325,8 +356,16 @@ def test_cache_limit_evicts_least_recently_used(s3, aws_env, fault_proxy, tmp_pa
     limit = max(sum(sizes[s] for s in {shard_of[k] for k in b[0]}) for b in epoch(root, epochs=2))
     assert limit < sum(sizes)
     cache = tmp_path / "cache"
-    config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 4, "epochs": 2, "num_workers": 0,
-              "shuffle_window": 4, "seed": 3, "cache_dir": str(cache), "cache_limit": f"{limit}B"}
+    config = {
+        "datasets": [{"path": f"s3://{BUCKET}/text"}],
+        "batch_size": 4,
+        "epochs": 2,
+        "num_workers": 0,
+        "shuffle_window": 4,
+        "seed": 3,
+        "cache_dir": str(cache),
+        "cache_limit": f"{limit}B",
+    }
     got, peak = [], 0
     for batch in build_loader(config):
         got += batch["__key__"]
@@ -363,10 +402,18 @@ def test_cache_shared_by_ranks_and_workers(s3, aws_env, fault_proxy, tmp_path):
     endpoint, root, keys = s3
     proxy = fault_proxy(["slow"], every=1, where=".tar")
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
-    config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 2, "epochs": 1, "num_workers": 2,
-              "shuffle_window": 4, "seed": 3, "cache_dir": str(tmp_path / "cache")}
-    other = subprocess.Popen([sys.executable, "-c", RANK, json.dumps(config)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    config = {
+        "datasets": [{"path": f"s3://{BUCKET}/text"}],
+        "batch_size": 2,
+        "epochs": 1,
+        "num_workers": 2,
+        "shuffle_window": 4,
+        "seed": 3,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    other = subprocess.Popen(
+        [sys.executable, "-c", RANK, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert other.stdout.readline() == "ready\n"
         other.stdin.write("go\n")
@@ -404,8 +451,16 @@ def test_killed_download_leaves_no_complete_file(s3, aws_env, fault_proxy, tmp_p
     stalling = fault_proxy(["stall"], every=1, stall_s=60, where=".tar")
     aws_env(f"http://127.0.0.1:{stalling.server_address[1]}")
     cache = tmp_path / "cache"
-    config = {"datasets": [{"path": f"s3://{BUCKET}/text"}], "batch_size": 4, "num_workers": 0, "epochs": 1,
-              "shuffle_window": 4, "seed": 3, "cache_dir": str(cache), "cache_limit": "1MB"}
+    config = {
+        "datasets": [{"path": f"s3://{BUCKET}/text"}],
+        "batch_size": 4,
+        "num_workers": 0,
+        "epochs": 1,
+        "shuffle_window": 4,
+        "seed": 3,
+        "cache_dir": str(cache),
+        "cache_limit": "1MB",
+    }
     proc = subprocess.Popen([sys.executable, "-c", KILLED, json.dumps(config)])
     try:
         deadline = time.monotonic() + 60

@@ -28,10 +28,20 @@ def test_killed_worker_is_one_line_naming_it_and_the_signal(tmp_path, capsys, mo
             os.kill(self.procs[1].pid, signal.SIGKILL)
 
     monkeypatch.setattr(pool.WorkerPool, "__init__", start_then_kill)
-    code = main(["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",
-                 "checkpoint.export_hf=false", "trainer.max_steps=100000", "data.seq_len=64", "data.packing_buffer=8",
-                 "data.num_workers=2", f"trainer.output_dir={tmp_path / 'out'}",
-                 f"data.datasets=[{{path: {tmp_path / 'd'}}}]"])
+    code = main(
+        [
+            "--config",
+            str(REPO / "configs" / "debug_llama.yaml"),
+            "logging.console=false",
+            "checkpoint.export_hf=false",
+            "trainer.max_steps=100000",
+            "data.seq_len=64",
+            "data.packing_buffer=8",
+            "data.num_workers=2",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {tmp_path / 'd'}}}]",
+        ]
+    )
     err = capsys.readouterr().err
     assert killed and code == 2 and err.count("\n") == 1, err
     assert f"(pid {killed[0]}) exited unexpectedly (killed by signal SIGKILL: Killed)" in err, err

@@ -63,8 +63,7 @@ def ring_batch(b, alloc):
 @pytest.mark.parametrize("prefetch,last", [(1, 40), (3, 37)])
 def test_ring_bytes_are_reused_without_overwriting_unread_batches(prefetch, last):
     batches = RankBatches(ring_batch, first=0, last=last, seed=0, dp_rank=0, epoch=0)
-    out = list(iterate(batches, num_workers=2, prefetch=prefetch, pin_memory=False, timeout=30,
-                       batch_bytes=8_000))
+    out = list(iterate(batches, num_workers=2, prefetch=prefetch, pin_memory=False, timeout=30, batch_bytes=8_000))
     assert batches.ring.per_task == 8  # tasks of 8 batches (the last one short with last=37), in order
     assert [b["b"] for b in out] == list(range(last))
     for b in out:  # checked after all were made, so the ring's bytes were reused many times meanwhile

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from headrace.kernels.log_mel import (LogMelConfig, SpecAugmentConfig, log_mel, nemo_log_mel, spec_augment,
-                                      whisper_log_mel)
+from headrace.kernels.log_mel import (
+    LogMelConfig,
+    SpecAugmentConfig,
+    log_mel,
+    nemo_log_mel,
+    spec_augment,
+    whisper_log_mel,
+)
 
 TOLERANCE_DB = 1e-3  # the stated tolerance (README "Speech LLMs"): float32 FFT rounding only
 
@@ -82,12 +88,13 @@ def _compare_with_whisper_extractor(device: str, n_mels: int, window_frames: int
 
     waves = _utterances()
     extractor = WhisperFeatureExtractor(feature_size=n_mels)
-    want = extractor(waves, sampling_rate=16000, max_length=window_frames * 160, return_attention_mask=True,
-                     return_tensors="pt")
+    want = extractor(
+        waves, sampling_rate=16000, max_length=window_frames * 160, return_attention_mask=True, return_tensors="pt"
+    )
     audio = torch.zeros(len(waves), max(len(w) for w in waves))
     for row, w in zip(audio, waves):
         row[: len(w)] = torch.from_numpy(w)
-    audio[1, len(waves[1]):] = 1.0  # whatever the batch padding holds, each utterance sees silence after its end
+    audio[1, len(waves[1]) :] = 1.0  # whatever the batch padding holds, each utterance sees silence after its end
     audio, lengths = audio.to(device), torch.tensor([len(w) for w in waves], device=device)
     with torch.autocast(audio.device.type, dtype=torch.bfloat16):  # a bf16 step computes its features in fp32
         ours, frames = whisper_log_mel(audio, lengths, n_mels, window_frames)
@@ -116,15 +123,17 @@ def test_nemo_log_mel_matches_parakeet_feature_extractor(n_mels):
     from transformers import ParakeetFeatureExtractor
 
     waves = _utterances()
-    want = ParakeetFeatureExtractor(feature_size=n_mels)(waves, sampling_rate=16000, return_attention_mask=True,
-                                                         return_tensors="pt")
+    want = ParakeetFeatureExtractor(feature_size=n_mels)(
+        waves, sampling_rate=16000, return_attention_mask=True, return_tensors="pt"
+    )
     audio = torch.zeros(len(waves), max(len(w) for w in waves))
     for row, w in zip(audio, waves):
         row[: len(w)] = torch.from_numpy(w)
-    audio[1, len(waves[1]):] = 1.0
+    audio[1, len(waves[1]) :] = 1.0
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 step computes its features in fp32
-        ours, frames = nemo_log_mel(audio, torch.tensor([len(w) for w in waves]), LogMelConfig(kind="nemo",
-                                                                                               n_mels=n_mels))
+        ours, frames = nemo_log_mel(
+            audio, torch.tensor([len(w) for w in waves]), LogMelConfig(kind="nemo", n_mels=n_mels)
+        )
     assert ours.dtype == torch.float32 and frames.tolist() == want["attention_mask"].sum(1).tolist()
     assert ours.transpose(1, 2).shape == want["input_features"].shape
     torch.testing.assert_close(ours.transpose(1, 2), want["input_features"], rtol=0, atol=NEMO_ATOL)

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from tests.dist.lora_checks import lora_job, make_base_and_adapter
-from tests.dist.train_common import (TINY_LLAMA, ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches,
-                                    save_pretrained_tiny)
+from tests.dist.train_common import (
+    TINY_LLAMA,
+    ListLoader,
+    copy_checkpoint,
+    full_logits_loss_sum,
+    packed_batches,
+    save_pretrained_tiny,
+)
 from tests.helpers import REPO
 
 from headrace.config import ConfigError  # noqa: E402
@@ -81,7 +87,8 @@ def test_lora_matches_peft_trains_only_adapters_exports_and_resumes(tmp_path, pr
     stored = {k.split(".", 1)[1] for k in stored_keys if k.startswith("model.")}
     assert stored == {n for n in trainable}  # the adapters alone: no copy of the base
     assert {k for k in stored_keys if k.startswith("optim.state.")} and all(
-        ".lora_" in k for k in stored_keys if k.startswith("optim.state."))
+        ".lora_" in k for k in stored_keys if k.startswith("optim.state.")
+    )
     state = json.loads((out / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert state["model_config"]["peft"]["base"] == str(tmp_path / "pretrained")
 
@@ -139,16 +146,22 @@ def test_fresh_adapters_start_at_the_base_and_a_changed_base_is_refused(tmp_path
         train(cfg, lambda r, n: ListLoader(batches, r, n, 1))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("peft.use_triton=true", r"peft.use_triton=True is not supported: the Triton LoRA kernel"),
-    ("peft.lora_dtype=bf16", r"peft.lora_dtype='bf16' is not supported"),
-    ("peft.use_dora=true", r"peft.use_dora=True is not supported"),
-    ("peft.rank_stabilized=true", r"JobConfig.peft.rank_stabilized: unknown key"),
-    ("peft.dim=0", r"peft.dim \(r\) must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("peft.use_triton=true", r"peft.use_triton=True is not supported: the Triton LoRA kernel"),
+        ("peft.lora_dtype=bf16", r"peft.lora_dtype='bf16' is not supported"),
+        ("peft.use_dora=true", r"peft.use_dora=True is not supported"),
+        ("peft.rank_stabilized=true", r"JobConfig.peft.rank_stabilized: unknown key"),
+        ("peft.dim=0", r"peft.dim \(r\) must be >= 1"),
+    ],
+)
 def test_peft_keys_this_trainer_does_not_implement_are_refused(tmp_path, override, message):
-    job = dict(model=dict(config=dict(TINY_LLAMA)), data=dict(datasets=[dict(path="x")], seq_len=32),
-               peft=dict(_target_="nemo_automodel.components._peft.lora.PeftConfig", dim=8, alpha=32))
+    job = dict(
+        model=dict(config=dict(TINY_LLAMA)),
+        data=dict(datasets=[dict(path="x")], seq_len=32),
+        peft=dict(_target_="nemo_automodel.components._peft.lora.PeftConfig", dim=8, alpha=32),
+    )
     assert load_job_config(None, [], base=job).peft.scaling == 4.0  # Automodel's block as written
     with pytest.raises(ConfigError, match=message):
         load_job_config(None, [override], base=job)
@@ -159,16 +172,19 @@ def test_hf_names_translate_and_refusals_are_one_line_through_the_cli(tmp_path, 
     entry point an unimplemented key, and LoRA on MoE experts, are one line and exit 2."""
     from headrace.training.__main__ import main
 
-    cfg = load_job_config(str(REPO / "configs" / "debug_llama.yaml"),
-                          ["peft={r: 16, lora_alpha: 32, lora_dropout: 0.1, target_modules: q_proj}"])
+    cfg = load_job_config(
+        str(REPO / "configs" / "debug_llama.yaml"),
+        ["peft={r: 16, lora_alpha: 32, lora_dropout: 0.1, target_modules: q_proj}"],
+    )
     assert (cfg.peft.dim, cfg.peft.alpha, cfg.peft.dropout, cfg.peft.dropout_position) == (16, 32, 0.1, "pre")
     assert cfg.peft.target_modules == ["q_proj"]
     out = f"trainer.output_dir={tmp_path / 'out'}"
     recipe = load_job_config(str(REPO / "configs" / "debug_lora.yaml"))  # Automodel's block, as written
     assert (recipe.peft.dim, recipe.peft.scaling, recipe.peft.target_modules) == (8, 2.0, ["*_proj"])
     for recipe, override, message in [
-            ("debug_lora", "peft.use_triton=true", "peft.use_triton=True is not supported"),
-            ("debug_qwen3_moe", "peft={target_modules: ['*.experts']}", "LoRA on experts is not supported")]:
+        ("debug_lora", "peft.use_triton=true", "peft.use_triton=True is not supported"),
+        ("debug_qwen3_moe", "peft={target_modules: ['*.experts']}", "LoRA on experts is not supported"),
+    ]:
         assert main(["--config", f"configs/{recipe}.yaml", out, override]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
@@ -181,11 +197,15 @@ def test_module_selection_follows_automodel_and_peft_and_refuses_what_lora_canno
     from headrace.training.models.build import build_hf_config, build_meta_model
     from headrace.training.models.lora import selected_modules
 
-    job = load_job_config(None, base=dict(model=dict(config=dict(TINY_LLAMA)),
-                                          data=dict(datasets=[dict(path="x")], seq_len=32)))
+    job = load_job_config(
+        None, base=dict(model=dict(config=dict(TINY_LLAMA)), data=dict(datasets=[dict(path="x")], seq_len=32))
+    )
     model = build_meta_model(build_hf_config(job.model))
     assert selected_modules(model, PeftConfig(target_modules=["*.layers.0.*.q_proj", "v_proj"])) == [
-        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj"]
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
     assert len(selected_modules(model, PeftConfig())) == 14  # *_proj: 7 per block
     assert len(selected_modules(model, PeftConfig(match_all_linear=True, exclude_modules=["*.mlp.*"]))) == 8
     with pytest.raises(ConfigError, match="model.layers.0.mlp is a LlamaMLP, not an nn.Linear"):
@@ -228,16 +248,18 @@ def test_salm_lora_on_its_llm_and_encoder(tmp_path, process_group):
 
     save_tokenizer(tmp_path / "tokenizer.json")
     raw = to_dict(salm_job(tmp_path, "salm", max_steps=2))
-    raw["peft"] = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
-                       parts=["llm", "encoder"])
+    raw["peft"] = dict(
+        r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], parts=["llm", "encoder"]
+    )
     batches = audio_batches(2)
     history = train(load_job_config(None, base=raw), lambda r, n: ListLoader(batches, r, n, 1))
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
     out = tmp_path / "salm"
     stored_keys = checkpoint_keys(out / "checkpoints" / "step-00000002")
     stored = {k.split(".", 1)[1] for k in stored_keys if k.startswith("model.")}
-    assert {k for k in stored if ".lora_" in k and k.startswith("llm.")} and \
-        {k for k in stored if ".lora_" in k and k.startswith("encoder.")}
+    assert {k for k in stored if ".lora_" in k and k.startswith("llm.")} and {
+        k for k in stored if ".lora_" in k and k.startswith("encoder.")
+    }
     buffers = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's statistics move in training
     assert all(".lora_" in k or k.startswith("adapter.") or k.endswith(buffers) for k in stored), stored
     AutoModelForCausalLM.from_pretrained(out / "hf")
@@ -255,9 +277,15 @@ def test_eval_of_a_lora_checkpoint_equals_eval_of_its_merged_export(tmp_path, pr
 
     make_base_and_adapter(tmp_path, TINY_LLAMA | {"vocab_size": 1024})  # the dataset's ids reach ~1000
     make_text_dataset(tmp_path / "data", [30])
-    cfg = load_job_config(None, [f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.num_workers=0",
-                                 f"data.val={{datasets: [{{path: {tmp_path / 'data'}}}]}}"],
-                          base=to_dict_of(lora_job(tmp_path, "eval", 2)))
+    cfg = load_job_config(
+        None,
+        [
+            f"data.datasets=[{{path: {tmp_path / 'data'}}}]",
+            "data.num_workers=0",
+            f"data.val={{datasets: [{{path: {tmp_path / 'data'}}}]}}",
+        ],
+        base=to_dict_of(lora_job(tmp_path, "eval", 2)),
+    )
     train(cfg)
     step = evaluate_checkpoint(cfg, str(tmp_path / "eval" / "checkpoints" / "step-00000002"))
     merged = evaluate_checkpoint(cfg, str(tmp_path / "eval" / "hf"))
@@ -276,10 +304,19 @@ def test_a_moe_model_trains_lora_on_its_attention(tmp_path, process_group):
 
     from headrace.training.train import train
 
-    cfg = load_job_config(str(REPO / "configs" / "debug_qwen3_moe.yaml"), [
-        f"trainer.output_dir={tmp_path / 'moe'}", "trainer.max_steps=2", "data.seq_len=32", "checkpoint.interval=0",
-        "logging.tensorboard=false", "logging.console=false", "peft={r: 4, lora_alpha: 8}",
-        f"model.config.vocab_size={TINY_LLAMA['vocab_size']}"])
+    cfg = load_job_config(
+        str(REPO / "configs" / "debug_qwen3_moe.yaml"),
+        [
+            f"trainer.output_dir={tmp_path / 'moe'}",
+            "trainer.max_steps=2",
+            "data.seq_len=32",
+            "checkpoint.interval=0",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "peft={r: 4, lora_alpha: 8}",
+            f"model.config.vocab_size={TINY_LLAMA['vocab_size']}",
+        ],
+    )
     history = train(cfg, lambda r, n: ListLoader(packed_batches(4), r, n, 1))
     assert len(history) == 2
     stored_keys = checkpoint_keys(tmp_path / "moe" / "checkpoints" / "step-00000002")

@@ -24,8 +24,10 @@ def test_lora_layouts_match_one_process(tmp_path, process_group):
     make_base_and_adapter(tmp_path)
     out = torchrun(2, "tests.dist.lora_checks", tmp_path).stdout
     assert all(f"OK {name}" in out for name in LAYOUTS), out[-3000:]
-    train(lora_job(tmp_path, "one", STEPS, grad_accum=GLOBAL_MICRO),
-          loaders(packed_batches(STEPS * GLOBAL_MICRO), GLOBAL_MICRO))
+    train(
+        lora_job(tmp_path, "one", STEPS, grad_accum=GLOBAL_MICRO),
+        loaders(packed_batches(STEPS * GLOBAL_MICRO), GLOBAL_MICRO),
+    )
     want = losses(tmp_path / "one")
     adapter = load_file(tmp_path / "one" / "lora" / "adapter_model.safetensors")
     initial = load_file(tmp_path / "adapter" / "adapter_model.safetensors")

@@ -31,8 +31,15 @@ def _tar(fmt: int, names: list[str]) -> bytes:
     return out.getvalue()
 
 
-NAMES = ["a/b/k1.txt", "a/b/k1.json", "p" * 150 + "/key2.wav", "key3." + "e" * 120, "ü-ключ.txt",
-         "__meta__/x.json", "noext"]
+NAMES = [
+    "a/b/k1.txt",
+    "a/b/k1.json",
+    "p" * 150 + "/key2.wav",
+    "key3." + "e" * 120,
+    "ü-ключ.txt",
+    "__meta__/x.json",
+    "noext",
+]
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
@@ -71,9 +78,14 @@ def test_scan_rejects_bad_checksum_and_truncation():
 def test_collapse_matches_energon():
     from megatron.energon.bracecollapse import collapse
 
-    cases = [[], ["a-000.tar"], [f"s-{i:06d}.tar" for i in range(12)],
-             ["a-000.tar", "a-001.tar", "a-003.tar", "b/x-1.tar", "b/x-2.tar", "p0/s-09.tar", "p0/s-10.tar"],
-             ["a8.tar", "a9.tar", "a10.tar"], ["n0/s-00.tar", "n0/s-01.tar", "n1/s-00.tar", "n1/s-01.tar"]]
+    cases = [
+        [],
+        ["a-000.tar"],
+        [f"s-{i:06d}.tar" for i in range(12)],
+        ["a-000.tar", "a-001.tar", "a-003.tar", "b/x-1.tar", "b/x-2.tar", "p0/s-09.tar", "p0/s-10.tar"],
+        ["a8.tar", "a9.tar", "a10.tar"],
+        ["n0/s-00.tar", "n0/s-01.tar", "n1/s-00.tar", "n1/s-01.tar"],
+    ]
     for names in cases:
         assert collapse_names(names) == collapse(names, keep_order=True)
 
@@ -91,12 +103,19 @@ def test_splits_from_shard_info_and_energon_reads_val(tmp_path):
     write_shards(tmp_path, samples, per_shard=3)
     write_dataset_metadata(tmp_path, _index(tmp_path, ["train", "val", "train"]), workers=2)
     split = yaml.safe_load((tmp_path / ".nv-meta" / "split.yaml").read_text())
-    assert split == {"split_parts": {"train": ["shard-000000.tar", "shard-000002.tar"],
-                                     "val": ["shard-000001.tar"], "test": []}, "exclude": []}
+    assert split == {
+        "split_parts": {"train": ["shard-000000.tar", "shard-000002.tar"], "val": ["shard-000001.tar"], "test": []},
+        "exclude": [],
+    }
     from tests.test_energon_interop import _encoder
 
-    ds = get_val_dataset(tmp_path, split_part="val", batch_size=1, task_encoder=_encoder(),
-                         worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    ds = get_val_dataset(
+        tmp_path,
+        split_part="val",
+        batch_size=1,
+        task_encoder=_encoder(),
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+    )
     assert [u.__key__ for b in get_loader(ds) for u in b] == [s["__key__"] for s in samples[3:6]]
 
 

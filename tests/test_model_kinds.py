@@ -19,8 +19,10 @@ from headrace.training.model_kinds import MODEL_KINDS, build_model_or_pipeline  
 TRAINING = Path(__file__).resolve().parent.parent / "training"
 # a test of the job's kind (`cfg.model.kind == ...`, `model.kind in (...)`) or of any name against a registered
 # kind's name (`kind != "causal_lm"`): a new kind's name is covered as soon as it is registered
-KIND_BRANCH = re.compile(r"""\bmodel\.kind\s*(==|!=|\bin\b|\bnot\s+in\b)|(==|!=|\bin\b)\s*[(\[{]?\s*["'](%s)["']"""
-                         % "|".join(map(re.escape, MODEL_KINDS)))
+KIND_BRANCH = re.compile(
+    r"""\bmodel\.kind\s*(==|!=|\bin\b|\bnot\s+in\b)|(==|!=|\bin\b)\s*[(\[{]?\s*["'](%s)["']"""
+    % "|".join(map(re.escape, MODEL_KINDS))
+)
 
 
 def test_the_config_knows_exactly_the_registered_kinds():
@@ -30,11 +32,14 @@ def test_the_config_knows_exactly_the_registered_kinds():
 
 
 def test_no_branch_on_the_kind_outside_the_specs():
-    found = [f"{path.relative_to(TRAINING)}:{n}: {line.strip()}"
-             for path in TRAINING.rglob("*.py") for n, line in enumerate(path.read_text().splitlines(), 1)
-             if KIND_BRANCH.search(line)]
+    found = [
+        f"{path.relative_to(TRAINING)}:{n}: {line.strip()}"
+        for path in TRAINING.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if KIND_BRANCH.search(line)
+    ]
     assert found == []
-    for branch in ('if cfg.model.kind == "salm":', 'elif kind != "causal_lm"', 'if model.kind in KINDS:'):
+    for branch in ('if cfg.model.kind == "salm":', 'elif kind != "causal_lm"', "if model.kind in KINDS:"):
         assert KIND_BRANCH.search(branch), branch  # the pattern is not blind
 
 

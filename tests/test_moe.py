@@ -38,12 +38,16 @@ def save_fused(path: Path, fields: dict, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     path.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config.save_pretrained(path)
 
 
 # -- kernel ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mm_equals_the_per_expert_loop(dtype):
@@ -70,8 +74,12 @@ def test_unaligned_widths_fall_back_to_the_loop():
     counts = torch.tensor([3, 4])
     x, gate_up, down = torch.randn(7, 8, dtype=torch.bfloat16), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
     gate_up, down = gate_up.bfloat16(), down.bfloat16()  # 6 bf16 = 12 bytes per row: _grouped_mm refuses
-    torch.testing.assert_close(grouped_experts(x, gate_up, down, counts, F.silu, "grouped_mm"),
-                               grouped_experts(x, gate_up, down, counts, F.silu, "loop"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        grouped_experts(x, gate_up, down, counts, F.silu, "grouped_mm"),
+        grouped_experts(x, gate_up, down, counts, F.silu, "loop"),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_no_rows_still_reaches_inputs_and_weights():
@@ -82,6 +90,7 @@ def test_no_rows_still_reaches_inputs_and_weights():
 
 
 # -- capacity factor (token dropping) -------------------------------------------------------------------
+
 
 def dropping_oracle(experts, x, index, weights, capacity):
     """Loop reference of Megatron's token dropping: per expert, its (token, slot) assignments in token order
@@ -108,8 +117,9 @@ def experts_case(seed: int = 0):
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = AutoConfig.for_model("qwen3_moe", hidden_size=16, moe_intermediate_size=8, num_experts=6,
-                                  num_experts_per_tok=2)
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=16, moe_intermediate_size=8, num_experts=6, num_experts_per_tok=2
+    )
     torch.manual_seed(seed)
     experts = Qwen3MoeExperts(config)
     for p in experts.parameters():
@@ -125,8 +135,14 @@ def run_experts(experts, x, index, weights, forward):
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     out, *extra = forward(experts, x, index, weights)
     (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-    return [out.detach(), x.grad, weights.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone(),
-            *extra]
+    return [
+        out.detach(),
+        x.grad,
+        weights.grad,
+        experts.gate_up_proj.grad.clone(),
+        experts.down_proj.grad.clone(),
+        *extra,
+    ]
 
 
 def ours(capacity, impl="grouped_mm"):
@@ -134,9 +150,21 @@ def ours(capacity, impl="grouped_mm"):
 
     def forward(experts, x, index, weights):
         stats = MoEStats()
-        out = routed_experts_forward(experts, x, index, weights, layer=0, num_experts=6, ep_group=None, ep=1,
-                                     impl=impl, stats=stats, capacity=capacity)
+        out = routed_experts_forward(
+            experts,
+            x,
+            index,
+            weights,
+            layer=0,
+            num_experts=6,
+            ep_group=None,
+            ep=1,
+            impl=impl,
+            stats=stats,
+            capacity=capacity,
+        )
         return out, stats.dropped
+
     return forward
 
 
@@ -189,6 +217,7 @@ def test_padded_routes_have_static_shapes():
 
 # -- models ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_group, recipe):
     """The trainer's model (meta build, fused weights loaded by DCP, chunked loss, our experts forward) equals
@@ -210,10 +239,14 @@ def test_moe_families_give_transformers_loss_and_gradients(tmp_path, process_gro
     want.backward()
     want_grads = dict(hf.named_parameters())
     for impl in ("grouped_mm", "loop", "hf"):
-        cfg = load_job_config(None, base=dict(
-            model=dict(pretrained_path=str(tmp_path / "m"), attn_implementation="headrace_varlen"),
-            data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2),
-            distributed=dict(moe=dict(experts_implementation=impl))))
+        cfg = load_job_config(
+            None,
+            base=dict(
+                model=dict(pretrained_path=str(tmp_path / "m"), attn_implementation="headrace_varlen"),
+                data=dict(datasets=[dict(path="unused")], seq_len=32, batch_size=2),
+                distributed=dict(moe=dict(experts_implementation=impl)),
+            ),
+        )
         dims = ParallelDims.from_config(cfg.distributed, 1)
         model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
         loss = forward_loss_sum(model, batch, autocast=False)
@@ -234,18 +267,30 @@ def test_moe_recipes_train_on_the_real_loader(tmp_path, process_group, recipe):
     from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [40])
-    cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
-        f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "trainer.max_steps=6",
-        f"trainer.output_dir={tmp_path / 'out'}", "optim.lr=0.01", "logging.console=false",
-        "checkpoint.interval=0", "data.packing_buffer=8"])
+    cfg = load_job_config(
+        str(REPO / "configs" / f"{recipe}.yaml"),
+        [
+            f"data.datasets=[{{path: {tmp_path / 'data'}}}]",
+            "data.seq_len=64",
+            "trainer.max_steps=6",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            "optim.lr=0.01",
+            "logging.console=false",
+            "checkpoint.interval=0",
+            "data.packing_buffer=8",
+        ],
+    )
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]
-    assert all(r["moe_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 and r["a2a_bytes"] == 0 and r["moe_dropped"] == 0
-               for r in history)
+    assert all(
+        r["moe_imbalance"] >= 1.0 and r["moe_aux_loss"] > 0 and r["a2a_bytes"] == 0 and r["moe_dropped"] == 0
+        for r in history
+    )
     assert (tmp_path / "out" / "hf" / "model.safetensors.index.json").is_file()
 
 
 # -- hf/ export layout -------------------------------------------------------------------------------------
+
 
 def safetensors_dir(path: Path) -> dict:
     from safetensors.torch import load_file
@@ -272,8 +317,13 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     want = safetensors_dir(tmp_path / "save_pretrained")
     assert any(".experts.0." in k for k in want) and not any("gate_up_proj" in k for k in want)
 
-    cfg = load_job_config(None, base=dict(model=dict(pretrained_path=str(tmp_path / "save_pretrained")),
-                                          data=dict(datasets=[dict(path="unused")], seq_len=32)))
+    cfg = load_job_config(
+        None,
+        base=dict(
+            model=dict(pretrained_path=str(tmp_path / "save_pretrained")),
+            data=dict(datasets=[dict(path="unused")], seq_len=32),
+        ),
+    )
     dims = ParallelDims.from_config(cfg.distributed, 1)
     model, hf_config = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     export_hf(model, hf_config, tmp_path / "per_expert")
@@ -294,14 +344,23 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
 
 # -- configuration --------------------------------------------------------------------------------------
 
+
 def test_automodel_moe_section_loads_as_written(tmp_path):
     """NeMo Automodel's MoE example (its seed), pasted as is."""
-    job = dict(model=dict(config=recipe_fields("debug_qwen3_moe")),
-               data=dict(datasets=[dict(path="x")], seq_len=32),
-               distributed=dict(strategy="fsdp2", tp_size=1, cp_size=1, pp_size=1, ep_size=8, sequence_parallel=False,
-                                activation_checkpointing=True,
-                                moe=dict(reshard_after_forward=False, ignore_router_for_ac=False,
-                                         wrap_outer_model=True)))
+    job = dict(
+        model=dict(config=recipe_fields("debug_qwen3_moe")),
+        data=dict(datasets=[dict(path="x")], seq_len=32),
+        distributed=dict(
+            strategy="fsdp2",
+            tp_size=1,
+            cp_size=1,
+            pp_size=1,
+            ep_size=8,
+            sequence_parallel=False,
+            activation_checkpointing=True,
+            moe=dict(reshard_after_forward=False, ignore_router_for_ac=False, wrap_outer_model=True),
+        ),
+    )
     cfg = load_job_config(None, base=job)
     assert cfg.distributed.ep_size == 8 and cfg.distributed.moe.wrap_outer_model is True
 
@@ -314,29 +373,45 @@ def bad_layout(model_type_fields: dict, world: int, **distributed):
 
     fields = dict(model_type_fields)
     hf = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    cfg = load_job_config(None, base=dict(model=dict(config=dict(model_type_fields)),
-                                          data=dict(datasets=[dict(path="x")], seq_len=32),
-                                          distributed=distributed)).distributed
+    cfg = load_job_config(
+        None,
+        base=dict(
+            model=dict(config=dict(model_type_fields)),
+            data=dict(datasets=[dict(path="x")], seq_len=32),
+            distributed=distributed,
+        ),
+    ).distributed
     dims = ParallelDims.from_config(cfg, world)
     check_supported(dims, hf)
     check_moe(dims, cfg, hf)
 
 
-@pytest.mark.parametrize("world, distributed, message", [
-    (4, dict(ep_size=3), r"ep_size 3 must divide dp_size \* cp_size = 4"),
-    (8, dict(ep_size=8, tp_size=2), r"ep_size 8 must divide dp_size \* cp_size = 4"),
-    (2, dict(ep_size=2, strategy="ddp"), r"strategy ddp replicates the whole model: it cannot combine with "
-                                         r"\{'ep_size': 2\}"),
-    (6, dict(ep_size=3), r"ep_size=3 must divide the model's num_experts=8"),
-    (2, dict(ep_size=2, moe=dict(experts_implementation="hf")), r"experts_implementation=hf keeps transformers'"),
-    (2, dict(moe=dict(experts_implementation="fast")), r"experts_implementation='fast': one of grouped_mm, loop, hf"),
-    (2, dict(moe=dict(wrap_outer_model=False)), r"moe.wrap_outer_model=false is not supported"),
-    (2, dict(moe=dict(lm_head_precision="float32")), r"moe.lm_head_precision='float32' is not supported"),
-    (2, dict(moe=dict(ignore_router_for_ac=True)), r"ignore_router_for_ac=true only matters with"),
-    (1, dict(moe=dict(capacity_factor=0.0)), r"moe.capacity_factor=0.0 must be > 0 \(null: dropless\)"),
-    (1, dict(moe=dict(capacity_factor=1.0, experts_implementation="hf")), r"capacity_factor needs experts_impl"),
-    (1, dict(moe=dict(pad_to_capacity=True)), r"pad_to_capacity=true needs distributed.moe.capacity_factor"),
-])
+@pytest.mark.parametrize(
+    "world, distributed, message",
+    [
+        (4, dict(ep_size=3), r"ep_size 3 must divide dp_size \* cp_size = 4"),
+        (8, dict(ep_size=8, tp_size=2), r"ep_size 8 must divide dp_size \* cp_size = 4"),
+        (
+            2,
+            dict(ep_size=2, strategy="ddp"),
+            r"strategy ddp replicates the whole model: it cannot combine with "
+            r"\{'ep_size': 2\}",
+        ),
+        (6, dict(ep_size=3), r"ep_size=3 must divide the model's num_experts=8"),
+        (2, dict(ep_size=2, moe=dict(experts_implementation="hf")), r"experts_implementation=hf keeps transformers'"),
+        (
+            2,
+            dict(moe=dict(experts_implementation="fast")),
+            r"experts_implementation='fast': one of grouped_mm, loop, hf",
+        ),
+        (2, dict(moe=dict(wrap_outer_model=False)), r"moe.wrap_outer_model=false is not supported"),
+        (2, dict(moe=dict(lm_head_precision="float32")), r"moe.lm_head_precision='float32' is not supported"),
+        (2, dict(moe=dict(ignore_router_for_ac=True)), r"ignore_router_for_ac=true only matters with"),
+        (1, dict(moe=dict(capacity_factor=0.0)), r"moe.capacity_factor=0.0 must be > 0 \(null: dropless\)"),
+        (1, dict(moe=dict(capacity_factor=1.0, experts_implementation="hf")), r"capacity_factor needs experts_impl"),
+        (1, dict(moe=dict(pad_to_capacity=True)), r"pad_to_capacity=true needs distributed.moe.capacity_factor"),
+    ],
+)
 def test_bad_moe_layouts_fail_with_one_line(world, distributed, message):
     with pytest.raises(ValueError, match=message) as err:
         bad_layout(recipe_fields("debug_qwen3_moe"), world, **distributed)
@@ -350,10 +425,13 @@ def test_ep_needs_experts_and_olmoe_refuses_tp():
         bad_layout(recipe_fields("debug_olmoe"), 2, tp_size=2)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("distributed.moe.wrap_outer_model=false", "distributed.moe.wrap_outer_model=false is not supported"),
-    ("distributed.ep_size=2", "ep_size 2 must divide dp_size * cp_size = 1"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("distributed.moe.wrap_outer_model=false", "distributed.moe.wrap_outer_model=false is not supported"),
+        ("distributed.ep_size=2", "ep_size 2 must divide dp_size * cp_size = 1"),
+    ],
+)
 def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group, override, message):
     import torch.distributed as dist
 
@@ -362,8 +440,15 @@ def test_cli_prints_the_moe_error_in_one_line(tmp_path, capsys, process_group, o
 
     saved = dict(os.environ)
     try:
-        code = main(["--config", str(REPO / "configs" / "debug_qwen3_moe.yaml"), "model.config.vocab_size=256",
-                     override, f"trainer.output_dir={tmp_path}"])
+        code = main(
+            [
+                "--config",
+                str(REPO / "configs" / "debug_qwen3_moe.yaml"),
+                "model.config.vocab_size=256",
+                override,
+                f"trainer.output_dir={tmp_path}",
+            ]
+        )
     finally:  # main() ends the process group it ran in; the module's fixture expects one to end itself
         os.environ.clear()
         os.environ.update({k: v for k, v in saved.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")})

@@ -19,10 +19,22 @@ def test_expert_parallel_layouts_match_one_process(tmp_path):
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).save_pretrained(
-        tmp_path / "pretrained")
+        tmp_path / "pretrained"
+    )
     out = torchrun(4, "tests.dist.moe_checks", tmp_path).stdout
-    for check in ("ep experts forward/backward equal", "ep2 first-step", "ep4_loop first-step", "ep2_tp2 first-step",
-                  "ep2_cap first-step", "ep4_cap_pad first-step", "ep2 matches", "ep4_loop matches",
-                  "ep2_tp2 matches", "ep2_cap matches", "ep4_cap_pad matches", "ep2 checkpoint resumes at ep4",
-                  "per-expert and fused hf exports reload"):
+    for check in (
+        "ep experts forward/backward equal",
+        "ep2 first-step",
+        "ep4_loop first-step",
+        "ep2_tp2 first-step",
+        "ep2_cap first-step",
+        "ep4_cap_pad first-step",
+        "ep2 matches",
+        "ep4_loop matches",
+        "ep2_tp2 matches",
+        "ep2_cap matches",
+        "ep4_cap_pad matches",
+        "ep2 checkpoint resumes at ep4",
+        "per-expert and fused hf exports reload",
+    ):
         assert out.count(f"OK {check}") == 4, out[-3000:]

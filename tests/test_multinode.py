@@ -35,12 +35,21 @@ def work(tmp_path_factory):
     make_text_dataset(root / "train", [60, 60])
     make_text_dataset(root / "val", [13, 8], prefix="val", seed=1)
     save_pretrained_tiny(root / "pretrained", {**TINY_LLAMA, "vocab_size": 1024})  # the datasets' token ids < 1000
-    job = dict(model=dict(pretrained_path=str(root / "pretrained"), attn_implementation="headrace_varlen"),
-               data=dict(datasets=[dict(path=str(root / "train"))], seq_len=64, batch_size=ROWS, num_workers=0,
-                         packing="none", val=dict(datasets=[dict(path=str(root / "val"))], batch_size=3)),
-               optim=dict(lr=3e-3, warmup_steps=1, max_grad_norm=1.0),
-               trainer=dict(max_steps=8, eval_every=4, device="cpu"),
-               checkpoint=dict(interval=2, export_hf=False), logging=dict(console=False, tensorboard=False))
+    job = dict(
+        model=dict(pretrained_path=str(root / "pretrained"), attn_implementation="headrace_varlen"),
+        data=dict(
+            datasets=[dict(path=str(root / "train"))],
+            seq_len=64,
+            batch_size=ROWS,
+            num_workers=0,
+            packing="none",
+            val=dict(datasets=[dict(path=str(root / "val"))], batch_size=3),
+        ),
+        optim=dict(lr=3e-3, warmup_steps=1, max_grad_norm=1.0),
+        trainer=dict(max_steps=8, eval_every=4, device="cpu"),
+        checkpoint=dict(interval=2, export_hf=False),
+        logging=dict(console=False, tensorboard=False),
+    )
     (root / "job.yaml").write_text(yaml.safe_dump(job))
     return root
 
@@ -83,8 +92,17 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
     from headrace.training.eval import evaluate_checkpoint
 
     out = work / "killed"
-    proc = torchrun(3, "tests.dist.train_killed", "1", "8", work / "job.yaml", f"trainer.output_dir={out}",
-                    launcher_args=("--max-restarts=1",), env=child_env(**ENV), timeout=300)
+    proc = torchrun(
+        3,
+        "tests.dist.train_killed",
+        "1",
+        "8",
+        work / "job.yaml",
+        f"trainer.output_dir={out}",
+        launcher_args=("--max-restarts=1",),
+        env=child_env(**ENV),
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert "rank 1: SIGKILL at batch 8" in log, log[-3000:]
     resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
@@ -100,8 +118,16 @@ def test_killed_rank_restarts_and_resumes_and_validation_at_dp_1_2_3(work, proce
     single = evaluate_checkpoint(cfg, str(out / "checkpoints"))
     assert single["checkpoint"].endswith("step-00000008") and single["val_docs"] == VAL_DOCS
     assert single["val_loss"] == pytest.approx(got[1][8]["val_loss"], rel=1e-6)  # dp=3 in training == dp=1
-    proc = torchrun(2, "headrace.training.eval", "--config", work / "job.yaml", "--checkpoint", out / "checkpoints",
-                    f"trainer.output_dir={out}", timeout=200)
+    proc = torchrun(
+        2,
+        "headrace.training.eval",
+        "--config",
+        work / "job.yaml",
+        "--checkpoint",
+        out / "checkpoints",
+        f"trainer.output_dir={out}",
+        timeout=200,
+    )
     two = json.loads(proc.stdout.strip().splitlines()[-1])
     assert two["val_docs"] == VAL_DOCS and two["val_tokens"] == single["val_tokens"]
     assert two["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
@@ -113,14 +139,38 @@ def launch_nodes(work: Path, out: Path, nodes: list[dict], *, port: int, timeout
     command, ``master``, ``local_addr``, ``env``), run together; returns their outputs."""
     procs = []
     for node in nodes:
-        cmd = [*node.get("prefix", []), sys.executable, "-m", "headrace.training.launch", "--nnodes", str(len(nodes)),
-               "--node-rank", str(node["node_rank"]), "--master", f"{node.get('master', '127.0.0.1')}:{port}",
-               "--nproc-per-node", "2", "--rdzv-id", out.name, "--config", str(work / "job.yaml"),
-               f"trainer.output_dir={out}", "distributed.dp_replicate_size=2"]
+        cmd = [
+            *node.get("prefix", []),
+            sys.executable,
+            "-m",
+            "headrace.training.launch",
+            "--nnodes",
+            str(len(nodes)),
+            "--node-rank",
+            str(node["node_rank"]),
+            "--master",
+            f"{node.get('master', '127.0.0.1')}:{port}",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-id",
+            out.name,
+            "--config",
+            str(work / "job.yaml"),
+            f"trainer.output_dir={out}",
+            "distributed.dp_replicate_size=2",
+        ]
         if node.get("local_addr"):
-            cmd[cmd.index("--config"):cmd.index("--config")] = ["--local-addr", node["local_addr"]]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=child_env(**node.get("env", {})), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+            cmd[cmd.index("--config") : cmd.index("--config")] = ["--local-addr", node["local_addr"]]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=child_env(**node.get("env", {})),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     try:
         for p in procs:
@@ -162,11 +212,18 @@ def make_namespaces() -> str | None:
     if hasattr(os, "geteuid") and os.geteuid() != 0:
         return "creating network namespaces needs root"
     remove_namespaces()
-    steps = [["ip", "netns", "add", NETNS[0]], ["ip", "netns", "add", NETNS[1]],
-             ["ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1]]]
+    steps = [
+        ["ip", "netns", "add", NETNS[0]],
+        ["ip", "netns", "add", NETNS[1]],
+        ["ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1]],
+    ]
     for ns, veth, addr in zip(NETNS, VETH, ADDRS):
-        steps += [["ip", "link", "set", veth, "netns", ns], ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth],
-                  ["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "-n", ns, "link", "set", veth, "up"]]
+        steps += [
+            ["ip", "link", "set", veth, "netns", ns],
+            ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ["ip", "-n", ns, "link", "set", veth, "up"],
+        ]
     for step in steps:
         proc = subprocess.run(step, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -188,8 +245,16 @@ def test_two_nodes_in_two_network_namespaces(work, hsdp_reference):
         pytest.skip(f"network namespaces unavailable: {why}")
     out = work / "netns"
     try:
-        nodes = [{"node_rank": r, "prefix": ["ip", "netns", "exec", NETNS[r]], "master": ADDRS[0],
-                  "local_addr": ADDRS[r], "env": {"GLOO_SOCKET_IFNAME": VETH[r]}} for r in range(2)]
+        nodes = [
+            {
+                "node_rank": r,
+                "prefix": ["ip", "netns", "exec", NETNS[r]],
+                "master": ADDRS[0],
+                "local_addr": ADDRS[r],
+                "env": {"GLOO_SOCKET_IFNAME": VETH[r]},
+            }
+            for r in range(2)
+        ]
         launch_nodes(work, out, nodes, port=29640)
     finally:
         remove_namespaces()
@@ -204,11 +269,14 @@ def slurm():
     if shutil.which("bash") is None or (hasattr(os, "geteuid") and os.geteuid() != 0):
         pytest.skip("a local SLURM needs root (munged, slurmd)")
     install = ["--install"] if os.environ.get("HEADRACE_SLURM_INSTALL") == "1" else []
-    proc = subprocess.run(["bash", str(REPO / "tools" / "slurm_local.sh"), "start", *install], capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools" / "slurm_local.sh"), "start", *install], capture_output=True, text=True, timeout=900
+    )
     if proc.returncode != 0:
-        pytest.skip(f"no local SLURM: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]} "
-                    "(HEADRACE_SLURM_INSTALL=1 installs slurm-wlm from apt)")
+        pytest.skip(
+            f"no local SLURM: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]} "
+            "(HEADRACE_SLURM_INSTALL=1 installs slurm-wlm from apt)"
+        )
     yield
     subprocess.run(["bash", str(REPO / "tools" / "slurm_local.sh"), "stop"], capture_output=True, timeout=60)
 
@@ -229,10 +297,30 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     from headrace.training.components import checkpoint
 
     out = work / "slurm_run"
-    proc = subprocess.run([sys.executable, "-m", "headrace.training.launch", "--slurm", "--nodes", "1", "--nproc-per-node",
-                           "2", "--jobs", "2", "--config", str(work / "job.yaml"), f"trainer.output_dir={out}",
-                           "trainer.max_steps=40", "trainer.eval_every=0"],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "headrace.training.launch",
+            "--slurm",
+            "--nodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--jobs",
+            "2",
+            "--config",
+            str(work / "job.yaml"),
+            f"trainer.output_dir={out}",
+            "trainer.max_steps=40",
+            "trainer.eval_every=0",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [json.loads(line) for line in (out / "slurm" / "jobs.jsonl").read_text().splitlines()]
     assert len(jobs) == 2 and jobs[1]["after"] == jobs[0]["job_id"] and jobs[0]["data_seed"] != jobs[1]["data_seed"]

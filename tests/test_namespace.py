@@ -46,9 +46,11 @@ def _run(argv: list, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_installed_names_work_from_any_directory(tmp_path):
-    code = ("import json, sys, headrace.dataio, headrace.training, headrace.kernels, headrace.config; "
-            "print(json.dumps({m: sys.modules[m].__file__ for m in ('headrace.dataio', 'headrace.training', "
-            "'headrace.kernels', 'headrace.config')}))")
+    code = (
+        "import json, sys, headrace.dataio, headrace.training, headrace.kernels, headrace.config; "
+        "print(json.dumps({m: sys.modules[m].__file__ for m in ('headrace.dataio', 'headrace.training', "
+        "'headrace.kernels', 'headrace.config')}))"
+    )
     proc = _run([sys.executable, "-c", code], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = json.loads(proc.stdout)
@@ -69,12 +71,26 @@ def hf_kernels_venv(request) -> Path:
     if marker.is_file() and marker.read_text() == str(REPO):
         return python
     subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True, timeout=120)
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     ours = [p for p in sys.path if p.endswith("site-packages")]
     Path(site, "outer.pth").write_text("".join(p + "\n" for p in ours))
     # --ignore-installed: never touch the outer environment's own headrace (seen through the .pth line)
-    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", "--ignore-installed"]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--ignore-installed",
+    ]
     subprocess.run([*pip, HF_KERNELS], check=True, timeout=300)
     subprocess.run([*pip, "--no-build-isolation", "-e", str(REPO)], check=True, timeout=300, cwd=venv)
     marker.write_text(str(REPO))

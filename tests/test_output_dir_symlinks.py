@@ -16,9 +16,9 @@ from headrace.training.__main__ import main
 BASE = [*DEBUG_LLAMA_CLI, "trainer.max_steps=1"]
 
 
-
-@pytest.mark.parametrize("name", [".headrace-train.lock", "config.yaml", "metrics.jsonl", "checkpoints",
-                                  "checkpoints/step-1/.metadata"])
+@pytest.mark.parametrize(
+    "name", [".headrace-train.lock", "config.yaml", "metrics.jsonl", "checkpoints", "checkpoints/step-1/.metadata"]
+)
 def test_a_link_inside_output_dir_is_refused_and_its_target_untouched(tmp_path, capsys, one_rank, name):
     make_text_dataset(tmp_path / "d", [20])
     victim = tmp_path / "victim"
@@ -51,9 +51,15 @@ def test_the_launcher_refuses_a_link_in_its_slurm_folder(tmp_path, capsys, monke
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: the refusal must come before any submission
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}},
-                                   "data": {"datasets": [{"path": "d"}], "seq_len": 64},
-                                   "trainer": {"output_dir": str(tmp_path / "run")}}))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"config": {"model_type": "llama"}},
+                "data": {"datasets": [{"path": "d"}], "seq_len": 64},
+                "trainer": {"output_dir": str(tmp_path / "run")},
+            }
+        )
+    )
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     (tmp_path / "run" / "slurm").mkdir(parents=True)

@@ -25,8 +25,14 @@ def _python(code: str, extra_path: list[Path] = (), timeout: float = 120) -> dic
     """Run ``code`` in a fresh interpreter with the repo on sys.path; return the JSON it prints last."""
     path = [*map(str, extra_path), str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in path if p))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -48,8 +54,14 @@ def test_imports_are_cheap():
 def test_dataio_help_lists_every_subcommand():
     from headrace.dataio.cli import COMMANDS
 
-    proc = subprocess.run([sys.executable, "-m", "headrace.dataio", "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "headrace.dataio", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     assert set(COMMANDS) == {"shard", "index", "inspect", "get", "verify", "bench"}
     for name in COMMANDS:
@@ -98,14 +110,25 @@ def test_pyproject_declares_ranges_entry_points_and_extras():
 
 def test_readme_commands_match_the_scripts_and_ci():
     readme = (REPO / "README.md").read_text()
-    setup = readme[readme.index("## Set-up"):]
-    block = setup[setup.index("```bash"):setup.index("```", setup.index("```bash") + 3)]
+    setup = readme[readme.index("## Set-up") :]
+    block = setup[setup.index("```bash") : setup.index("```", setup.index("```bash") + 3)]
     commands = [line.split("#")[0].strip() for line in block.splitlines()[1:] if line.strip()]
     assert commands == ["bash tools/demo.sh", "bash tools/test.sh"]
-    ci = [line.strip() for line in (REPO / ".ci/run").read_text().splitlines()
-          if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
+    ci = [
+        line.strip()
+        for line in (REPO / ".ci/run").read_text().splitlines()
+        if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))
+    ]
     assert ci == ["bash tools/test.sh"]
-    for script in ("tools/demo.sh", "tools/test.sh", "tools/setup.sh", ".ci/run", "tools/update_lock.sh",
-                   "tools/gpu_check.sh", "tools/torch_floor.sh", "tools/transformers_floor.sh"):
+    for script in (
+        "tools/demo.sh",
+        "tools/test.sh",
+        "tools/setup.sh",
+        ".ci/run",
+        "tools/update_lock.sh",
+        "tools/gpu_check.sh",
+        "tools/torch_floor.sh",
+        "tools/transformers_floor.sh",
+    ):
         assert subprocess.run(["bash", "-n", str(REPO / script)]).returncode == 0, script
         assert os.access(REPO / script, os.X_OK), f"{script} is not executable"

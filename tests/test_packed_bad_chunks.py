@@ -31,9 +31,21 @@ def _dataset(root):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_chunks_of_only_bad_samples_are_skipped_and_counted(tmp_path, workers):
     _dataset(tmp_path / "d")
-    loader = build_loader({"datasets": [{"path": str(tmp_path / "d")}], "seq_len": 16, "packing": "best_fit",
-                           "packing_buffer": 4, "batch_size": 1, "shuffle": False, "epochs": 1,
-                           "num_workers": workers, "max_bad_samples": BAD}, 0, 1)
+    loader = build_loader(
+        {
+            "datasets": [{"path": str(tmp_path / "d")}],
+            "seq_len": 16,
+            "packing": "best_fit",
+            "packing_buffer": 4,
+            "batch_size": 1,
+            "shuffle": False,
+            "epochs": 1,
+            "num_workers": workers,
+            "max_bad_samples": BAD,
+        },
+        0,
+        1,
+    )
     docs = sum(int(b["num_docs"]) for b in loader)
     assert docs == GOOD and loader.state_dict()["bad_samples"] == BAD
 
@@ -44,9 +56,20 @@ def test_trainer_counts_them_then_stops_at_the_budget(tmp_path, capsys, monkeypa
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HEADRACE_DEBUG"):
         monkeypatch.delenv(key, raising=False)
     _dataset(tmp_path / "d")
-    code = main(["--config", str(REPO / "configs" / "debug_llama.yaml"), "logging.console=false",
-                 "checkpoint.export_hf=false", "trainer.max_steps=3", "data.seq_len=16", "data.packing_buffer=4",
-                 "data.shuffle=false", f"data.max_bad_samples={BAD - 1}", f"trainer.output_dir={tmp_path / 'out'}",
-                 f"data.datasets=[{{path: {tmp_path / 'd'}}}]"])
+    code = main(
+        [
+            "--config",
+            str(REPO / "configs" / "debug_llama.yaml"),
+            "logging.console=false",
+            "checkpoint.export_hf=false",
+            "trainer.max_steps=3",
+            "data.seq_len=16",
+            "data.packing_buffer=4",
+            "data.shuffle=false",
+            f"data.max_bad_samples={BAD - 1}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {tmp_path / 'd'}}}]",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error") and f"more than max_bad_samples={BAD - 1}" in err[-1], err[-3:]

@@ -41,14 +41,16 @@ def test_block_tables_equal_create_block_mask(lengths):
     cu = _cu(lengths)
     total = int(cu[-1])
     doc = document_ids(cu, total)
-    ref = create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q), None, None, total, total,
-                            device="cpu")
+    ref = create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q), None, None, total, total, device="cpu")
     mine = document_block_tables(cu, total)
     n = -(-total // FLEX_BLOCK)
-    assert torch.equal(_dense(mine["kv_num_blocks"], mine["kv_indices"], n),
-                       _dense(ref.kv_num_blocks, ref.kv_indices, n))
-    assert torch.equal(_dense(mine["full_kv_num_blocks"], mine["full_kv_indices"], n),
-                       _dense(ref.full_kv_num_blocks, ref.full_kv_indices, n))
+    assert torch.equal(
+        _dense(mine["kv_num_blocks"], mine["kv_indices"], n), _dense(ref.kv_num_blocks, ref.kv_indices, n)
+    )
+    assert torch.equal(
+        _dense(mine["full_kv_num_blocks"], mine["full_kv_indices"], n),
+        _dense(ref.full_kv_num_blocks, ref.full_kv_indices, n),
+    )
 
 
 def test_flex_with_host_tables_matches_reference():
@@ -59,8 +61,9 @@ def test_flex_with_host_tables_matches_reference():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total, h, 16, generator=g) for h in (4, 2, 2))
     mask = block_mask_from_tables(document_block_tables(cu, total), total)
-    out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask,
-                         enable_gqa=True)[0].transpose(0, 1)
+    out = flex_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask, enable_gqa=True
+    )[0].transpose(0, 1)
     torch.testing.assert_close(out, varlen_attention_reference(q, k, v, cu), atol=2e-5, rtol=2e-5)
 
 
@@ -71,15 +74,19 @@ def test_host_plan_is_what_the_kernel_uses_and_it_reads_no_device_value(monkeypa
     total = int(cu[-1])
     plan = attention_plan(cu, total, "cpu")
     assert plan["max_seqlen"] == 61
-    batch = {"position_ids": torch.cat([torch.arange(n) for n in lengths])[None], "cu_seqlens": cu,
-             "attention_plan": plan}
+    batch = {
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "cu_seqlens": cu,
+        "attention_plan": plan,
+    }
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total, h, 8, generator=g) for h in (4, 2, 2))
     reads = []
     for name in ("item", "tolist", "cpu", "__bool__", "__int__", "numpy"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **kw: (reads.append(_n),
-                                                                                              _o(self, *a, **kw))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name, **kw: (reads.append(_n), _o(self, *a, **kw))[1]
+        )
     kwargs = packed_attention_kwargs(batch)
     out = varlen_attention(q, k, v, kwargs["cu_seq_lens_q"], kwargs["max_length_q"])
     monkeypatch.undo()
@@ -91,8 +98,9 @@ def test_without_a_plan_the_kernel_still_plans_from_cu_seqlens():
     cu = _cu([3, 9])
     cached_per_batch("bucketed", torch.zeros(1), 1, lambda: None)  # an unrelated entry
     q, k, v = (torch.randn(12, 2, 8) for _ in range(3))
-    torch.testing.assert_close(varlen_attention(q, k, v, cu), varlen_attention_reference(q, k, v, cu),
-                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        varlen_attention(q, k, v, cu), varlen_attention_reference(q, k, v, cu), atol=2e-5, rtol=2e-5
+    )
 
 
 def test_flex_path_uses_provided_tables(monkeypatch):
@@ -104,12 +112,17 @@ def test_flex_path_uses_provided_tables(monkeypatch):
     total = int(cu[-1])
     plan = attention_plan(cu, total, "cuda")  # the CUDA plan: flex tables
     assert "flex" in plan and "bucketed" not in plan
-    packed_attention_kwargs({"position_ids": torch.zeros(1, total, dtype=torch.long), "cu_seqlens": cu,
-                             "attention_plan": plan})
+    packed_attention_kwargs(
+        {"position_ids": torch.zeros(1, total, dtype=torch.long), "cu_seqlens": cu, "attention_plan": plan}
+    )
     monkeypatch.setattr(va, "_document_block_mask", lambda *a: pytest.fail("planned from device values"))
     q, k, v = (torch.randn(total, 2, 8) for _ in range(3))
-    torch.testing.assert_close(_flex(q, k, v, cu, 8 ** -0.5, flex_fn=flex_attention),
-                               varlen_attention_reference(q, k, v, cu), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        _flex(q, k, v, cu, 8**-0.5, flex_fn=flex_attention),
+        varlen_attention_reference(q, k, v, cu),
+        atol=2e-5,
+        rtol=2e-5,
+    )
 
 
 def test_malformed_cu_seqlens_fail_on_the_host():
@@ -133,8 +146,13 @@ def test_compiled_flex_on_cuda_with_host_tables_matches_reference():
     plan = attention_plan(cu, total, "cuda")
     device_plan = {k: v.cuda() for k, v in plan["flex"].items()}
     cu_dev = cu.cuda()
-    packed_attention_kwargs({"position_ids": torch.zeros(1, total, dtype=torch.long, device="cuda"),
-                             "cu_seqlens": cu_dev, "attention_plan": {**plan, "flex": device_plan}})
+    packed_attention_kwargs(
+        {
+            "position_ids": torch.zeros(1, total, dtype=torch.long, device="cuda"),
+            "cu_seqlens": cu_dev,
+            "attention_plan": {**plan, "flex": device_plan},
+        }
+    )
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total, h, 64, generator=g).cuda().requires_grad_() for h in (8, 2, 2))
     out = varlen_attention(q, k, v, cu_dev, backend="flex")

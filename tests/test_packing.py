@@ -20,8 +20,9 @@ def make_docs(lengths):
 
 
 def run(docs, algo, seq_len, rows, buffer=4):
-    packer = Packer(PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=buffer, open_rows=3),
-                    rows_per_batch=rows)
+    packer = Packer(
+        PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=buffer, open_rows=3), rows_per_batch=rows
+    )
     return list(pack(docs.items(), packer)), packer
 
 
@@ -61,8 +62,13 @@ def check_batch(batch, seq_len, rows):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(0, 70), min_size=1, max_size=30), algo=st.sampled_from(ALGOS),
-       seq_len=st.integers(2, 24), rows=st.integers(1, 3), buffer=st.integers(1, 6))
+@given(
+    lengths=st.lists(st.integers(0, 70), min_size=1, max_size=30),
+    algo=st.sampled_from(ALGOS),
+    seq_len=st.integers(2, 24),
+    rows=st.integers(1, 3),
+    buffer=st.integers(1, 6),
+)
 def test_every_token_once_and_batch_invariants(lengths, algo, seq_len, rows, buffer):
     docs = make_docs(lengths)
     batches, packer = run(docs, algo, seq_len, rows, buffer)
@@ -73,8 +79,13 @@ def test_every_token_once_and_batch_invariants(lengths, algo, seq_len, rows, buf
         for r, row in enumerate(batch["__docs__"]):
             at = r * seq_len
             for ref, offset, length in row:
-                seen[ref].append((offset, batch["input_ids"].reshape(-1)[at : at + length].numpy(),
-                                  batch["labels"].reshape(-1)[at : at + length].numpy()))
+                seen[ref].append(
+                    (
+                        offset,
+                        batch["input_ids"].reshape(-1)[at : at + length].numpy(),
+                        batch["labels"].reshape(-1)[at : at + length].numpy(),
+                    )
+                )
                 at += length
     for ref, doc in docs.items():
         pieces = sorted(seen[ref], key=lambda p: p[0])
@@ -117,8 +128,12 @@ def test_best_fit_closes_gaps():
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 60), min_size=2, max_size=40), algo=st.sampled_from(ALGOS),
-       cut=st.integers(0, 40), rows=st.integers(1, 3))
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=2, max_size=40),
+    algo=st.sampled_from(ALGOS),
+    cut=st.integers(0, 40),
+    rows=st.integers(1, 3),
+)
 def test_state_round_trip_mid_stream(lengths, algo, cut, rows):
     docs = make_docs(lengths)
     cfg = PackingConfig(seq_len=16, packing=algo, packing_buffer=5, open_rows=2)
@@ -192,8 +207,17 @@ def test_reshard_same_layout_is_identity_and_config_errors():
 
 
 def loader_cfg(root, algo, workers=0):
-    return {"datasets": [{"path": str(root)}], "seed": 3, "shuffle_window": 16, "epochs": 1, "batch_size": 2,
-            "num_workers": workers, "packing": algo, "seq_len": 24, "packing_buffer": 8}
+    return {
+        "datasets": [{"path": str(root)}],
+        "seed": 3,
+        "shuffle_window": 16,
+        "epochs": 1,
+        "batch_size": 2,
+        "num_workers": workers,
+        "packing": algo,
+        "seq_len": 24,
+        "packing_buffer": 8,
+    }
 
 
 def served_pieces(batches):
@@ -307,19 +331,29 @@ def reference_batch(docs, rows, seq_len, rows_per_batch, pad_id):
         if pad:
             cu.append(cu[-1] + pad)
     shape = (rows_per_batch, seq_len)
-    return {"input_ids": torch.tensor(ids).view(shape), "labels": torch.tensor(labels).view(shape),
-            "position_ids": torch.tensor(pos).view(shape), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    return {
+        "input_ids": torch.tensor(ids).view(shape),
+        "labels": torch.tensor(labels).view(shape),
+        "position_ids": torch.tensor(pos).view(shape),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+    }
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=60), seq_len=st.integers(2, 20),
-       buffer=st.integers(1, 12), rows=st.integers(1, 3), pad_id=st.integers(0, 5))
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=60),
+    seq_len=st.integers(2, 20),
+    buffer=st.integers(1, 12),
+    rows=st.integers(1, 3),
+    pad_id=st.integers(0, 5),
+)
 def test_best_fit_rows_state_and_tensors_match_references(lengths, seq_len, buffer, rows, pad_id):
     # short lengths make many ties, so the oldest-first order among equal lengths is exercised
     docs = make_docs(lengths)
     want_rows, want_buffers = reference_best_fit_rows(lengths, seq_len, buffer)
-    packer = Packer(PackingConfig(seq_len=seq_len, packing="best_fit", packing_buffer=buffer, pad_id=pad_id),
-                    rows_per_batch=rows)
+    packer = Packer(
+        PackingConfig(seq_len=seq_len, packing="best_fit", packing_buffer=buffer, pad_id=pad_id), rows_per_batch=rows
+    )
     got_rows = []
     for ref, tokens in docs.items():
         packer.push(ref, tokens)
@@ -340,13 +374,19 @@ def test_best_fit_rows_state_and_tensors_match_references(lengths, seq_len, buff
 
 
 @settings(max_examples=30, deadline=None)
-@given(lengths=st.lists(st.integers(0, 50), min_size=1, max_size=30), algo=st.sampled_from(ALGOS),
-       seq_len=st.integers(2, 16), rows=st.integers(1, 3), pad_id=st.integers(0, 5),
-       dtype=st.sampled_from([np.int32, np.uint16, np.int64]))
+@given(
+    lengths=st.lists(st.integers(0, 50), min_size=1, max_size=30),
+    algo=st.sampled_from(ALGOS),
+    seq_len=st.integers(2, 16),
+    rows=st.integers(1, 3),
+    pad_id=st.integers(0, 5),
+    dtype=st.sampled_from([np.int32, np.uint16, np.int64]),
+)
 def test_batches_match_token_by_token_reference(lengths, algo, seq_len, rows, pad_id, dtype):
     docs = {ref: d.astype(dtype) for ref, d in make_docs([min(n, 60) for n in lengths]).items()}
-    packer = Packer(PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=3, open_rows=2, pad_id=pad_id),
-                    rows_per_batch=rows)
+    packer = Packer(
+        PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=3, open_rows=2, pad_id=pad_id), rows_per_batch=rows
+    )
     for batch in pack(docs.items(), packer):
         want = reference_batch(docs, batch["__docs__"], seq_len, rows, pad_id)
         for k, v in want.items():

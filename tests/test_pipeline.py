@@ -41,22 +41,29 @@ def test_automodel_pipeline_block_loads_as_written():
     cfg = load_job_config(None, base=yaml.safe_load(AUTOMODEL_BLOCK))
     assert cfg.distributed.dp_size is None and cfg.distributed.pp_size == 2
     pipeline = cfg.distributed.pipeline
-    assert (pipeline.pp_schedule, pipeline.pp_microbatch_size, pipeline.scale_grads_in_schedule) == \
-        ("interleaved1f1b", 4, False)
+    assert (pipeline.pp_schedule, pipeline.pp_microbatch_size, pipeline.scale_grads_in_schedule) == (
+        "interleaved1f1b",
+        4,
+        False,
+    )
     with pytest.raises(ConfigError, match=r"pp_schedule: unknown schedule 'interleaved2f2b' \(accepted: .*1f1b"):
-        load_job_config(None, ["distributed.pipeline.pp_schedule=interleaved2f2b"],
-                        base=yaml.safe_load(AUTOMODEL_BLOCK))
+        load_job_config(
+            None, ["distributed.pipeline.pp_schedule=interleaved2f2b"], base=yaml.safe_load(AUTOMODEL_BLOCK)
+        )
 
 
-@pytest.mark.parametrize("names, cls", [
-    (("1f1b", "1F1B", "Schedule1F1B"), "Schedule1F1B"),
-    (("gpipe", "GPipe"), "ScheduleGPipe"),
-    (("interleaved1f1b", "interleaved_1f1b", "Interleaved1F1B", "dfs"), "ScheduleInterleaved1F1B"),
-    (("looped_bfs", "LoopedBFS"), "ScheduleLoopedBFS"),
-    (("zero_bubble", "InterleavedZeroBubble"), "ScheduleInterleavedZeroBubble"),
-    (("v_schedule", "ZBVZeroBubble", "zbv"), "ScheduleZBVZeroBubble"),
-    (("DualPipeV", "dual_pipe_v"), "ScheduleDualPipeV"),
-])
+@pytest.mark.parametrize(
+    "names, cls",
+    [
+        (("1f1b", "1F1B", "Schedule1F1B"), "Schedule1F1B"),
+        (("gpipe", "GPipe"), "ScheduleGPipe"),
+        (("interleaved1f1b", "interleaved_1f1b", "Interleaved1F1B", "dfs"), "ScheduleInterleaved1F1B"),
+        (("looped_bfs", "LoopedBFS"), "ScheduleLoopedBFS"),
+        (("zero_bubble", "InterleavedZeroBubble"), "ScheduleInterleavedZeroBubble"),
+        (("v_schedule", "ZBVZeroBubble", "zbv"), "ScheduleZBVZeroBubble"),
+        (("DualPipeV", "dual_pipe_v"), "ScheduleDualPipeV"),
+    ],
+)
 def test_schedule_spellings(names, cls):
     import torch.distributed.pipelining.schedules as torch_schedules
 
@@ -72,8 +79,11 @@ def test_split_balances_parameters_exactly():
 
         def load(bounds):
             ranges = list(zip((0,) + bounds, bounds + (len(blocks),)))
-            return max(sum(blocks[lo:hi]) + (heads[0] if s == 0 else 0) + (heads[1] if s == stages - 1 else 0)
-                       for s, (lo, hi) in enumerate(ranges))
+            return max(
+                sum(blocks[lo:hi]) + (heads[0] if s == 0 else 0) + (heads[1] if s == stages - 1 else 0)
+                for s, (lo, hi) in enumerate(ranges)
+            )
+
         best = min(load(c) for c in itertools.combinations(range(1, len(blocks)), stages - 1))
         assert load(tuple(r.start for r in got[1:])) == best
     # the embedding stage gets one block; the rest spread evenly (stage loads 10/15/12, not 5/5/27)
@@ -87,8 +97,9 @@ def test_stage_counts_placement_and_errors():
     assert stage_count(P(), "ScheduleInterleaved1F1B", 2, 8) == 4
     assert stage_count(P(layers_per_stage=1), "ScheduleLoopedBFS", 4, 8) == 8
     assert stage_count(P(layers_per_stage=2, round_virtual_stages_to_pp_multiple="up"), "ScheduleLoopedBFS", 4, 10) == 8
-    assert stage_count(P(layers_per_stage=2, round_virtual_stages_to_pp_multiple="down"), "ScheduleLoopedBFS", 4, 10) \
-        == 4
+    assert (
+        stage_count(P(layers_per_stage=2, round_virtual_stages_to_pp_multiple="down"), "ScheduleLoopedBFS", 4, 10) == 4
+    )
     with pytest.raises(ValueError, match="layers_per_stage 3 does not divide num_hidden_layers 8"):
         stage_count(P(layers_per_stage=3), "Schedule1F1B", 2, 8)
     with pytest.raises(ValueError, match="ScheduleZBVZeroBubble runs two stages per rank .* 4 stages at pp_size 2"):
@@ -133,11 +144,19 @@ def test_pipeline_schedules_and_compositions_match_one_process(tmp_path):
     out = torchrun(2, "tests.dist.pp_checks", tmp_path, "pp2", timeout=500).stdout
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "v_schedule", "DualPipeV"):
         assert out.count(f"OK pp2 {schedule} matches") == 2, out[-3000:]
-    for check in ("scale_grads_in_schedule trains the same model", "bf16 with activation checkpointing within",
-                  "hf export logits equal",
-                  "checkpoint resumes as resume_pp1"):
+    for check in (
+        "scale_grads_in_schedule trains the same model",
+        "bf16 with activation checkpointing within",
+        "hf export logits equal",
+        "checkpoint resumes as resume_pp1",
+    ):
         assert out.count(f"OK pp2 {check}") == 2, out[-3000:]
     out = torchrun(4, "tests.dist.pp_checks", tmp_path, "pp4", timeout=500).stdout
-    for check in ("pp4_1f1b matches", "pp4_interleaved matches", "pp2_dp2_fsdp2 matches", "pp2_tp2_sp matches",
-                  "pp2 checkpoint resumes as resume_pp4"):
+    for check in (
+        "pp4_1f1b matches",
+        "pp4_interleaved matches",
+        "pp2_dp2_fsdp2 matches",
+        "pp2_tp2_sp matches",
+        "pp2 checkpoint resumes as resume_pp4",
+    ):
         assert out.count(f"OK {check}") == 4, out[-3000:]

@@ -15,8 +15,12 @@ def batches(n, sleep=0.0):
     for i in range(n):
         if sleep:
             time.sleep(sleep)
-        yield {"input_ids": torch.arange(i, i + 64).view(2, 32), "cu_seqlens": torch.tensor([0, 32, 64], dtype=torch.int32),
-               "meta": {"fill": 0.5 + i / 100, "__key__": [f"k{i}"]}, "pair": (torch.full((3,), float(i)), i)}
+        yield {
+            "input_ids": torch.arange(i, i + 64).view(2, 32),
+            "cu_seqlens": torch.tensor([0, 32, 64], dtype=torch.int32),
+            "meta": {"fill": 0.5 + i / 100, "__key__": [f"k{i}"]},
+            "pair": (torch.full((3,), float(i)), i),
+        }
 
 
 def assert_same(a, b):

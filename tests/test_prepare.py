@@ -42,8 +42,10 @@ def test_tar_header_limits():
         tar_header("a.bin", 8**11)
 
 
-@pytest.mark.parametrize("text, value", [("512MB", 512_000_000), ("1GiB", 1 << 30), ("100k", 100_000),
-                                         ("4096", 4096), ("1.5 GB", 1_500_000_000)])
+@pytest.mark.parametrize(
+    "text, value",
+    [("512MB", 512_000_000), ("1GiB", 1 << 30), ("100k", 100_000), ("4096", 4096), ("1.5 GB", 1_500_000_000)],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -95,8 +97,9 @@ def test_plan_cuts_by_size_and_count_and_assigns_nodes_round_robin():
 def test_resolve_node_from_flags_and_slurm():
     assert resolve_node(None, None, env={}) == (1, 0)
     assert resolve_node(4, 3, env={"SLURM_ARRAY_TASK_COUNT": "9", "SLURM_ARRAY_TASK_ID": "1"}) == (4, 3)
-    assert resolve_node(None, None, env={"SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_ID": "3",
-                                         "SLURM_ARRAY_TASK_MIN": "1"}) == (4, 2)
+    assert resolve_node(
+        None, None, env={"SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1"}
+    ) == (4, 2)
     assert resolve_node(None, None, env={"SLURM_NTASKS": "8", "SLURM_PROCID": "5"}) == (8, 5)
     with pytest.raises(ValueError, match="outside"):
         resolve_node(2, 2, env={})
@@ -111,11 +114,18 @@ def _encoded(fmt: str, subtype: str, channels: int, rate: int, frames: int) -> b
     return out.getvalue()
 
 
-AUDIO_VARIANTS = [("FLAC", "PCM_16", 1, 16000, 8000), ("FLAC", "PCM_24", 2, 44100, 5000),
-                  ("FLAC", "PCM_S8", 1, 8000, 3000), ("WAV", "PCM_16", 1, 16000, 7001),
-                  ("WAV", "PCM_24", 2, 22050, 3000), ("WAV", "FLOAT", 1, 48000, 4000),
-                  ("WAV", "DOUBLE", 2, 16000, 1000), ("WAV", "PCM_U8", 1, 8000, 999),
-                  ("WAVEX", "PCM_16", 3, 16000, 2000), ("WAV", "ULAW", 1, 8000, 800)]
+AUDIO_VARIANTS = [
+    ("FLAC", "PCM_16", 1, 16000, 8000),
+    ("FLAC", "PCM_24", 2, 44100, 5000),
+    ("FLAC", "PCM_S8", 1, 8000, 3000),
+    ("WAV", "PCM_16", 1, 16000, 7001),
+    ("WAV", "PCM_24", 2, 22050, 3000),
+    ("WAV", "FLOAT", 1, 48000, 4000),
+    ("WAV", "DOUBLE", 2, 16000, 1000),
+    ("WAV", "PCM_U8", 1, 8000, 999),
+    ("WAVEX", "PCM_16", 3, 16000, 2000),
+    ("WAV", "ULAW", 1, 8000, 800),
+]
 
 
 @pytest.mark.parametrize("fmt, subtype, channels, rate, frames", AUDIO_VARIANTS)
@@ -147,8 +157,9 @@ def _wav_with_list() -> bytes:
     return riff(fmt, list_info(), (b"JUNK", bytes(6)), data)
 
 
-@pytest.mark.parametrize("fmt, subtype", [("FLAC", "PCM_16"), ("FLAC", "PCM_24"), ("WAV", "PCM_16"),
-                                          ("WAV", "FLOAT"), ("WAV", "LIST")])
+@pytest.mark.parametrize(
+    "fmt, subtype", [("FLAC", "PCM_16"), ("FLAC", "PCM_24"), ("WAV", "PCM_16"), ("WAV", "FLOAT"), ("WAV", "LIST")]
+)
 def test_header_probe_on_damaged_headers_never_disagrees_with_libsndfile(fmt, subtype):
     """Random damage to the first 200 bytes (float WAV: fmt, fact, PEAK; the LIST case: fmt, LIST, JUNK):
     where the parser answers, libsndfile reads the same rate and length and, for a WAV, the same
@@ -194,14 +205,23 @@ def test_wav_chunks_before_data_are_skipped_only_where_libsndfile_goes_past_them
 
     fmt, data = wav_chunks(np.zeros((1000, 2), np.float32), 8000)
     isft = list_info()[1][4:]  # the LIST's ISFT sub-chunk
-    skipped = {"fact": [(b"fact", bytes(4))], "PEAK": [peak_chunk(2)], "LIST INFO": [list_info()],
-               "LIST adtl": [(b"LIST", b"adtl" + b"labl" + (6).to_bytes(4, "little") + bytes(6))],
-               "short LIST": [(b"LIST", b"INFO")], "LIST under 4 bytes": [(b"LIST", b"IN")],
-               "JUNK": [(b"JUNK", bytes(9))], "bext": [(b"bext", bytes(602))]}
-    refused = {"short fact": [fmt, (b"fact", bytes(2))], "PEAK for 1 channel": [fmt, peak_chunk(1)],
-               "PEAK before fmt": [peak_chunk(2), fmt],
-               "data inside LIST": [fmt, (b"LIST", b"INFO" + b"data" + (8).to_bytes(4, "little") + bytes(8))],
-               "LIST overrun": [fmt, (b"LIST", b"INFO" + isft + bytes(3))]}
+    skipped = {
+        "fact": [(b"fact", bytes(4))],
+        "PEAK": [peak_chunk(2)],
+        "LIST INFO": [list_info()],
+        "LIST adtl": [(b"LIST", b"adtl" + b"labl" + (6).to_bytes(4, "little") + bytes(6))],
+        "short LIST": [(b"LIST", b"INFO")],
+        "LIST under 4 bytes": [(b"LIST", b"IN")],
+        "JUNK": [(b"JUNK", bytes(9))],
+        "bext": [(b"bext", bytes(602))],
+    }
+    refused = {
+        "short fact": [fmt, (b"fact", bytes(2))],
+        "PEAK for 1 channel": [fmt, peak_chunk(1)],
+        "PEAK before fmt": [peak_chunk(2), fmt],
+        "data inside LIST": [fmt, (b"LIST", b"INFO" + b"data" + (8).to_bytes(4, "little") + bytes(8))],
+        "LIST overrun": [fmt, (b"LIST", b"INFO" + isft + bytes(3))],
+    }
     unvouched = {"LIST of another type": [(b"LIST", b"wavl" + isft)], "cue": [(b"cue ", bytes(4))]}
     for name, chunks in skipped.items():
         payload = riff(fmt, *chunks, data)
@@ -276,8 +296,16 @@ def test_a_file_payload_that_shrank_is_an_error(tmp_path):
             TarWriter(f).add("a.flac", FilePayload(path=str(path), size=2000))
 
 
-@pytest.mark.parametrize("array", [np.arange(10, dtype="<u2"), np.arange(70_000, dtype="<i4"), np.zeros(0, "<u2"),
-                                   np.zeros((3, 4), "<f4"), np.asfortranarray(np.ones((2, 3), ">i8"))])
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(10, dtype="<u2"),
+        np.arange(70_000, dtype="<i4"),
+        np.zeros(0, "<u2"),
+        np.zeros((3, 4), "<f4"),
+        np.asfortranarray(np.ones((2, 3), ">i8")),
+    ],
+)
 def test_npy_writer_matches_np_save_and_header_parser_matches_numpy(array):
     from numpy.lib import format as npy_format
 

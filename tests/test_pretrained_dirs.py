@@ -30,7 +30,6 @@ def saved(tmp_path_factory):
     return root
 
 
-
 def _split_with_zero_copy(d):
     """The lm_head stored again, all zeros, in a second file (the last file used to win)."""
     weights = load_file(d / "model.safetensors")
@@ -75,26 +74,49 @@ def test_broken_pretrained_dir_is_one_line(saved, tmp_path, capsys, one_rank, ca
     else:
         CASES[case][0](pretrained)
         message = CASES[case][1]
-    code = main([*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {saved / 'd'}}}]",
-                 "model.config=null", f"model.pretrained_path={pretrained}"])
+    code = main(
+        [
+            *BASE,
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {saved / 'd'}}}]",
+            "model.config=null",
+            f"model.pretrained_path={pretrained}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("content,message", [("[1]", "holds a JSON list"), ("{oops", "not a JSON file"),
-                                             ('{"vocab_size": 8}', "has no model_type")])
+@pytest.mark.parametrize(
+    "content,message",
+    [("[1]", "holds a JSON list"), ("{oops", "not a JSON file"), ('{"vocab_size": 8}', "has no model_type")],
+)
 def test_broken_config_path_is_one_line(saved, tmp_path, capsys, one_rank, content, message):
     (tmp_path / "c.json").write_text(content)
-    code = main([*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {saved / 'd'}}}]",
-                 "model.config=null", f"model.config_path={tmp_path / 'c.json'}"])
+    code = main(
+        [
+            *BASE,
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {saved / 'd'}}}]",
+            "model.config=null",
+            f"model.config_path={tmp_path / 'c.json'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and f"{tmp_path / 'c.json'}" in err and message in err, err
 
 
 def test_good_pretrained_dir_still_trains(saved, tmp_path, capsys, one_rank):
-    code = main([*BASE, f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {saved / 'd'}}}]",
-                 "model.config=null", f"model.pretrained_path={saved / 'tiny'}"])
+    code = main(
+        [
+            *BASE,
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {saved / 'd'}}}]",
+            "model.config=null",
+            f"model.pretrained_path={saved / 'tiny'}",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
 
@@ -108,8 +130,15 @@ def test_hf_export_copies_no_tokenizer_file_linked_from_outside(saved, tmp_path,
     (tmp_path / "secret").write_text('{"secret": "from outside"}')
     (tmp_path / "tok" / "tokenizer_config.json").unlink()
     (tmp_path / "tok" / "tokenizer_config.json").symlink_to(tmp_path / "secret")
-    code = main([*BASE, "checkpoint.export_hf=true", f"model.tokenizer={tmp_path / 'tok'}",
-                 f"trainer.output_dir={tmp_path / 'out'}", f"data.datasets=[{{path: {saved / 'd'}}}]"])
+    code = main(
+        [
+            *BASE,
+            "checkpoint.export_hf=true",
+            f"model.tokenizer={tmp_path / 'tok'}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            f"data.datasets=[{{path: {saved / 'd'}}}]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "tokenizer_config.json: a symbolic link to" in err, err
     assert not any("from outside" in p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*.json"))

@@ -37,7 +37,9 @@ def test_terminal_gets_a_bar_with_counts_and_rate(monkeypatch):
 
 
 def test_scripted_runs_do_not_import_rich():
-    code = ("import sys; from headrace.dataio.commands.progress import track; list(track(range(3), total=3, description='x')); "
-            "sys.exit('rich' in sys.modules)")
+    code = (
+        "import sys; from headrace.dataio.commands.progress import track; list(track(range(3), total=3, description='x')); "
+        "sys.exit('rich' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.DEVNULL)
     assert result.returncode == 0

@@ -8,8 +8,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from headrace.dataio.prepare.readers import (BadRecord, LhotseCutsInput, NemoManifestInput, ParquetInput, ReadOptions, SampleError,
-                            TextJsonlInput, TxtInput, make_key, open_input)
+from headrace.dataio.prepare.readers import (
+    BadRecord,
+    LhotseCutsInput,
+    NemoManifestInput,
+    ParquetInput,
+    ReadOptions,
+    SampleError,
+    TextJsonlInput,
+    TxtInput,
+    make_key,
+    open_input,
+)
 
 
 def scan(reader):
@@ -72,8 +82,10 @@ def test_nemo_scan_errors_and_load_errors_name_file_and_line(tmp_path):
     reader = open_input(str(path), ReadOptions())
     entries, bad = scan(reader)
     assert [(b.line, b.reason.split(":")[0]) for b in bad] == [
-        (2, "audio file not found"), (3, "unsupported audio extension 'mp4' (expected one of flac, wav, opus, mp3, ogg)"),
-        (4, "field 'duration' must be a finite non-negative number, got 'long'")]
+        (2, "audio file not found"),
+        (3, "unsupported audio extension 'mp4' (expected one of flac, wav, opus, mp3, ogg)"),
+        (4, "field 'duration' must be a finite non-negative number, got 'long'"),
+    ]
     assert [e.line for e in entries] == [1, 5, 6]
     assert reader.load(entries[0]).duration == pytest.approx(0.1)
     with pytest.raises(SampleError, match=r"m\.jsonl:5: .*broken\.flac: unreadable audio"):
@@ -92,4 +104,6 @@ def test_parquet_audio_bytes_must_be_recognisable(tmp_path):
     entries, bad = scan(reader)
     assert not entries
     assert [str(b).split(str(tmp_path))[-1] for b in bad] == [
-        "/a.parquet:1: audio bytes in an unrecognised format", "/a.parquet:2: empty audio bytes in column 'audio'"]
+        "/a.parquet:1: audio bytes in an unrecognised format",
+        "/a.parquet:2: empty audio bytes in column 'audio'",
+    ]

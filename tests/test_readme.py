@@ -35,8 +35,11 @@ def quick_start_commands(readme: str) -> dict[str, list[str]]:
         title = part.splitlines()[0].strip()
         blocks = re.findall(r"^```bash\n(.*?)^```", part, re.S | re.M)
         text = "\n".join(blocks).replace("\\\n", " ")
-        jobs[title] = [line.split("  #")[0].strip() for line in text.splitlines()
-                       if line.strip() and not line.lstrip().startswith("#")]
+        jobs[title] = [
+            line.split("  #")[0].strip()
+            for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
     return jobs
 
 
@@ -48,8 +51,10 @@ def with_tiny_overrides(command: str) -> str:
 
 
 def test_the_parser_finds_the_commands():
-    readme = "intro\n## Quick start\n### 1. A\n```bash\nfoo --a \\\n    --b  # note\n# comment\n```\n### 2. B\n" \
-             "```bash\nbar\n```\n## Next\n```bash\nnot this\n```\n"
+    readme = (
+        "intro\n## Quick start\n### 1. A\n```bash\nfoo --a \\\n    --b  # note\n# comment\n```\n### 2. B\n"
+        "```bash\nbar\n```\n## Next\n```bash\nnot this\n```\n"
+    )
     assert quick_start_commands(readme) == {"1. A": ["foo --a      --b"], "2. B": ["bar"]}
 
 
@@ -68,8 +73,14 @@ def test_every_quick_start_command_runs_on_a_tiny_corpus(tmp_path):
     outputs = {}
     for title, commands in jobs.items():
         for command in commands:
-            proc = subprocess.run(["bash", "-c", with_tiny_overrides(command)], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(
+                ["bash", "-c", with_tiny_overrides(command)],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert proc.returncode == 0, f"{title}: {command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
             outputs[command] = proc.stdout
     # 1. the shards: verified, split into train and val

@@ -62,8 +62,14 @@ def test_more_shards_than_descriptors_stream_every_sample_once(many_shards):
     """300 shards under ``ulimit -n 240``: with 0 and 2 workers, packed and unpacked, a shuffled epoch
     serves every sample exactly once, and the main process never holds over a quarter of the limit."""
     root, keys = many_shards
-    run = subprocess.run([sys.executable, "-c", CHILD, str(root), str(NOFILE)], capture_output=True, text=True,
-                         cwd=REPO, env=child_env(), timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), str(NOFILE)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     lengths = {}
@@ -82,12 +88,24 @@ def test_budget_and_a_shard_replaced_between_two_opens(many_shards, tmp_path):
     root, keys = many_shards
     src = tmp_path / "d"
     src.mkdir()
-    for name in ["doc-000000.tar", "doc-000001.tar", "doc-000002.tar", "doc-000003.tar", "doc-000004.tar",
-                 "doc-000005.tar"]:
+    for name in [
+        "doc-000000.tar",
+        "doc-000001.tar",
+        "doc-000002.tar",
+        "doc-000003.tar",
+        "doc-000004.tar",
+        "doc-000005.tar",
+    ]:
         os.link(root / name, src / name)
     loader_util.index_dir(src)
-    cfg = {"datasets": [{"path": str(src)}], "batch_size": 1, "epochs": 1, "num_workers": 0, "shuffle": False,
-           "max_open_shards": 4}
+    cfg = {
+        "datasets": [{"path": str(src)}],
+        "batch_size": 1,
+        "epochs": 1,
+        "num_workers": 0,
+        "shuffle": False,
+        "max_open_shards": 4,
+    }
     loader = build_loader(cfg)
     source = loader.stream.sources[0]
     assert [b["__key__"] for b in loader] == [[k] for k in keys[: 6 * PER_SHARD]]
@@ -114,8 +132,14 @@ def test_budget_and_a_shard_replaced_between_two_opens(many_shards, tmp_path):
     for name in ["doc-000010.tar", "doc-000011.tar", "doc-000012.tar"]:
         os.link(root / name, other / name)
     loader_util.index_dir(other)
-    loader = build_loader({**cfg, "datasets": [{"path": str(other)}, {"path": str(other), "split": "train"}],
-                           "shuffle": True, "max_open_shards": 3})
+    loader = build_loader(
+        {
+            **cfg,
+            "datasets": [{"path": str(other)}, {"path": str(other), "split": "train"}],
+            "shuffle": True,
+            "max_open_shards": 3,
+        }
+    )
     assert len(list(loader)) == 6 * PER_SHARD
     a, b = loader.stream.sources
     assert a.open_shards is b.open_shards and a.open_shards.peak == 3
@@ -134,8 +158,9 @@ def test_state_size_does_not_grow_with_the_dataset(many_shards, tmp_path):
     for extra in ({}, {"packing": "greedy", "seq_len": 64, "packing_buffer": 4}):
         sizes = []
         for path in (small, root):
-            loader = build_loader({"datasets": [{"path": str(path)}], "batch_size": 2, "num_workers": 0,
-                                   "shuffle": False, **extra})
+            loader = build_loader(
+                {"datasets": [{"path": str(path)}], "batch_size": 2, "num_workers": 0, "shuffle": False, **extra}
+            )
             it = iter(loader)
             next(it), next(it)
             state = {**loader.state_dict(), "fingerprint": ""}  # a digest: its digits vary, not its size
@@ -170,7 +195,10 @@ def test_get_reads_one_sample_by_key(many_shards, tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["shard"] == "doc-000152.tar" and set(info["members"]) == {"json", "tokens.npy"}
     assert main(["get", str(root), "nokey"]) == 2
-    assert capsys.readouterr().err.strip() == f"dataio get: error: {root}: no sample with key 'nokey' ({len(keys)} samples)"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"dataio get: error: {root}: no sample with key 'nokey' ({len(keys)} samples)"
+    )
     assert main(["get", str(root), keys[0], "--member", "flac"]) == 2
     assert "has no member 'flac' (it has: json, tokens.npy)" in capsys.readouterr().err
 

@@ -60,8 +60,14 @@ def write_audio_corpus(d: Path, n: int = 6) -> Path:
     for i in range(n):
         ext = "wav" if i % 3 == 2 else "flac"
         sf.write(d / "wav" / f"utt{i}.{ext}", tone(0.5 + 0.1 * i, seed=i), 16000, subtype="PCM_16")
-        lines.append({"audio_filepath": f"wav/utt{i}.{ext}", "duration": 0.5 + 0.1 * i, "text": sentence(i, 5),
-                      "speaker": f"spk{i % 2}"})
+        lines.append(
+            {
+                "audio_filepath": f"wav/utt{i}.{ext}",
+                "duration": 0.5 + 0.1 * i,
+                "text": sentence(i, 5),
+                "speaker": f"spk{i % 2}",
+            }
+        )
     lines.append({"audio_filepath": "wav/utt0.flac", "offset": 0.1, "duration": 0.3, "text": "a segment"})
     path = d / "manifest.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -73,8 +79,9 @@ def write_tokenizer(d: Path) -> Path:
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([sentence(i, 30) for i in range(50)],
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    tok.train_from_iterator(
+        [sentence(i, 30) for i in range(50)], trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"])
+    )
     path = d / "tokenizer.json"
     tok.save(str(path))
     return path
@@ -92,11 +99,15 @@ def read_wds(out: Path) -> dict[str, dict]:
 
 def tree_digest(out: Path) -> dict[str, str]:
     """sha256 of every file under ``out`` (shards, idx, index, metadata)."""
-    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
 
 
 # --- round trips ----------------------------------------------------------------------------------
+
 
 def test_text_round_trip_with_tokenizer(tmp_path):
     src = write_text_corpus(tmp_path, 40)
@@ -120,7 +131,9 @@ def test_text_round_trip_with_tokenizer(tmp_path):
         assert json.loads(s["json"])["url"] == r["url"]
     index = load_index(out)
     assert [sh.name for sh in index.shards] == ["train-000000.tar", "train-000001.tar", "train-000002.tar"]
-    assert index.samples["tokens"].sum() == sum(len(tok.encode(r["text"], add_special_tokens=False).ids) for r in records)
+    assert index.samples["tokens"].sum() == sum(
+        len(tok.encode(r["text"], add_special_tokens=False).ids) for r in records
+    )
     # index offsets point at the payloads, found at write time
     first = index.sample_members(0)
     offset, size = first["txt"]
@@ -148,7 +161,7 @@ def test_audio_manifest_round_trip(tmp_path):
     segment = got["wav/utt0_100"]
     audio, sr = sf.read(io.BytesIO(segment["flac"]), dtype="int16")
     source, _ = sf.read(tmp_path / "wav" / "utt0.flac", dtype="int16")
-    np.testing.assert_array_equal(audio, source[1600:1600 + 4800])  # cut at shard time, lossless
+    np.testing.assert_array_equal(audio, source[1600 : 1600 + 4800])  # cut at shard time, lossless
     assert json.loads(segment["json"])["source_offset"] == 0.1
     index = load_index(out)
     assert len(index.shards) > 1
@@ -176,11 +189,21 @@ def test_lhotse_cuts_round_trip(tmp_path):
         sf.write(path, tone(1.0, seed=i), 16000)
         rec = Recording.from_file(path, recording_id=f"rec{i}")
         sup = SupervisionSegment(id=f"sup{i}", recording_id=rec.id, start=0, duration=rec.duration, text=sentence(i, 4))
-        cuts.append(MonoCut(id=f"cut-{i}", start=0, duration=rec.duration, channel=0, recording=rec, supervisions=[sup]))
+        cuts.append(
+            MonoCut(id=f"cut-{i}", start=0, duration=rec.duration, channel=0, recording=rec, supervisions=[sup])
+        )
     # a cut that is a window of a recording: decoded and re-encoded at shard time
     rec0 = cuts[0].recording
-    cuts.append(MonoCut(id="cut-window", start=0.25, duration=0.5, channel=0, recording=rec0,
-                        supervisions=[SupervisionSegment(id="w", recording_id=rec0.id, start=0, duration=0.5, text="window")]))
+    cuts.append(
+        MonoCut(
+            id="cut-window",
+            start=0.25,
+            duration=0.5,
+            channel=0,
+            recording=rec0,
+            supervisions=[SupervisionSegment(id="w", recording_id=rec0.id, start=0, duration=0.5, text="window")],
+        )
+    )
     manifest = tmp_path / "cuts.jsonl.gz"
     CutSet.from_cuts(cuts).to_file(manifest)
 
@@ -199,16 +222,26 @@ def test_parquet_text_and_audio_round_trip(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": [sentence(i, 8) for i in range(10)], "score": list(range(10))}),
-                   tmp_path / "text.parquet", row_group_size=4)
+    pq.write_table(
+        pa.table({"text": [sentence(i, 8) for i in range(10)], "score": list(range(10))}),
+        tmp_path / "text.parquet",
+        row_group_size=4,
+    )
     blobs = []
     for i in range(5):
         buf = io.BytesIO()
         sf.write(buf, tone(0.3, seed=i), 16000, format="FLAC")
         blobs.append(buf.getvalue())
-    pq.write_table(pa.table({"id": [f"a{i}" for i in range(5)],
-                             "audio": [{"bytes": b, "path": None} for b in blobs],
-                             "text": [sentence(i, 3) for i in range(5)]}), tmp_path / "audio.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"a{i}" for i in range(5)],
+                "audio": [{"bytes": b, "path": None} for b in blobs],
+                "text": [sentence(i, 3) for i in range(5)],
+            }
+        ),
+        tmp_path / "audio.parquet",
+    )
     out = tmp_path / "out"
     assert shard(tmp_path / "text.parquet", tmp_path / "audio.parquet", "--output", out) == 0
     got = read_wds(out)
@@ -228,10 +261,14 @@ def test_plain_txt_one_document_per_line(tmp_path):
     shard(src, "--output", out)
     got = read_wds(out)
     assert {k: v["txt"] for k, v in got.items()} == {
-        "book-000000001": b"first line", "book-000000003": b"second line", "book-000000004": b"third"}
+        "book-000000001": b"first line",
+        "book-000000003": b"second line",
+        "book-000000004": b"third",
+    }
 
 
 # --- determinism, splits, resume -------------------------------------------------------------------
+
 
 def test_workers_do_not_change_the_bytes(tmp_path):
     src = write_text_corpus(tmp_path, 120)
@@ -262,14 +299,32 @@ def test_splits_are_deterministic_and_disjoint(tmp_path):
 def test_resume_after_kill_9_is_byte_identical(tmp_path):
     src = write_text_corpus(tmp_path, 4000, words=40)
     tok = write_tokenizer(tmp_path)
-    argv = [sys.executable, "-m", "headrace.dataio", "shard", str(src), "--tokenizer", str(tok), "--samples-per-shard", "60",
-            "--workers", "2", "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "headrace.dataio",
+        "shard",
+        str(src),
+        "--tokenizer",
+        str(tok),
+        "--samples-per-shard",
+        "60",
+        "--workers",
+        "2",
+        "--quiet",
+    ]
     env = child_env()
     subprocess.run(argv + ["--output", str(tmp_path / "clean")], cwd=REPO, env=env, check=True, capture_output=True)
 
     out = tmp_path / "crashed"
-    proc = subprocess.Popen(argv + ["--output", str(out)], cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv + ["--output", str(out)],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while len(list(out.glob(".nv-meta/parts/*.npz"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -279,7 +334,9 @@ def test_resume_after_kill_9_is_byte_identical(tmp_path):
     assert 0 < finished < total, "the job should have been killed mid-run"
     assert not (out / ".nv-meta" / ".info.json").exists()  # an interrupted job never looks complete
 
-    result = subprocess.run(argv + ["--output", str(out)], cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    result = subprocess.run(
+        argv + ["--output", str(out)], cwd=REPO, env=env, check=True, capture_output=True, text=True
+    )
     assert "already complete" in result.stdout
     assert tree_digest(out) == tree_digest(tmp_path / "clean")
     assert not list(out.glob("*.tmp-*"))
@@ -294,8 +351,11 @@ def test_resume_removes_the_temp_files_of_unfinished_shards(tmp_path):
     (out / "train-000001.tar").unlink()
     (out / ".nv-meta" / "parts" / "train-000001.tar.npz").unlink()
     (out / ".nv-meta" / ".info.json").unlink()
-    stale = [out / "train-000001.tar.tmp-host-1", out / ".nv-meta" / "parts" / ".train-000001.tar.npz.tmp-1",
-             out / ".nv-meta" / "headrace-shard" / "skipped" / "train-000001.tar.jsonl.tmp-host-1"]
+    stale = [
+        out / "train-000001.tar.tmp-host-1",
+        out / ".nv-meta" / "parts" / ".train-000001.tar.npz.tmp-1",
+        out / ".nv-meta" / "headrace-shard" / "skipped" / "train-000001.tar.jsonl.tmp-host-1",
+    ]
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"partial")
@@ -332,19 +392,25 @@ def test_multi_node_parts_then_last_node_merges(tmp_path, monkeypatch):
 
 # --- bad input ------------------------------------------------------------------------------------
 
+
 def bad_text_lines(tmp_path: Path, lines: list[str]) -> Path:
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(line + "\n" for line in lines))
     return path
 
 
-@pytest.mark.parametrize("lines, message", [
-    (['{"text": "fine"}', '{"text": "also fine"', '{"text": "x"}'], r"bad\.jsonl:2: not valid JSON"),
-    (['{"text": "fine"}', '{"body": "no text field"}'], r"bad\.jsonl:2: missing required field 'text'"),
-    (['{"text": "fine"}', '{"text": "  "}'], r"bad\.jsonl:2: empty text"),
-    (['{"id": "a", "text": "one"}', '{"id": "b", "text": "two"}', '{"id": "a", "text": "three"}'],
-     r"bad\.jsonl:3: duplicate key 'a' \(first at .*bad\.jsonl:1\)"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"text": "fine"}', '{"text": "also fine"', '{"text": "x"}'], r"bad\.jsonl:2: not valid JSON"),
+        (['{"text": "fine"}', '{"body": "no text field"}'], r"bad\.jsonl:2: missing required field 'text'"),
+        (['{"text": "fine"}', '{"text": "  "}'], r"bad\.jsonl:2: empty text"),
+        (
+            ['{"id": "a", "text": "one"}', '{"id": "b", "text": "two"}', '{"id": "a", "text": "three"}'],
+            r"bad\.jsonl:3: duplicate key 'a' \(first at .*bad\.jsonl:1\)",
+        ),
+    ],
+)
 def test_bad_manifest_lines_fail_with_file_and_line(tmp_path, lines, message):
     out = tmp_path / "out"
     with pytest.raises(CommandError, match=message):
@@ -415,8 +481,13 @@ def test_missing_tokenizer(tmp_path):
 
 def test_cli_exit_status_and_one_line_error(tmp_path):
     src = bad_text_lines(tmp_path, ['{"text": "fine"}', "{oops"])
-    result = subprocess.run([sys.executable, "-m", "headrace.dataio", "shard", str(src), "--output", str(tmp_path / "out")],
-                            cwd=REPO, env=child_env(), capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "headrace.dataio", "shard", str(src), "--output", str(tmp_path / "out")],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0
     assert "bad.jsonl:2: not valid JSON" in result.stderr
@@ -429,8 +500,9 @@ def planned_text_job(tmp_path, docs: int, per_shard: int):
     from headrace.dataio.prepare.writer import ShardJob
 
     src = write_text_corpus(tmp_path, docs)
-    plan = plan_job([open_input(str(src), ReadOptions())], splits=[("train", 1.0)], shard_bytes=None,
-                    samples_per_shard=per_shard)
+    plan = plan_job(
+        [open_input(str(src), ReadOptions())], splits=[("train", 1.0)], shard_bytes=None, samples_per_shard=per_shard
+    )
     (tmp_path / "out").mkdir()
     return ShardJob(root=tmp_path / "out", inputs=[open_input(str(src), ReadOptions())]), plan
 

@@ -77,7 +77,11 @@ def test_folder_names(data, tmp_path):
     index.shards = list(index.shards)  # the loaded table's rows, as objects that can be edited
     index.shards[0].bytes += 1  # re-indexed data: another folder
     assert cache.folder("s3://a/b", index) != ShardCache(str(tmp_path)).folder("s3://a/b", load_index(str(root)))
-    assert local_name("sub/../x.tar") == "sub%2F..%2Fx.tar" and local_name("..") == "%2E." and os.sep not in local_name("a/b")
+    assert (
+        local_name("sub/../x.tar") == "sub%2F..%2Fx.tar"
+        and local_name("..") == "%2E."
+        and os.sep not in local_name("a/b")
+    )
 
 
 def test_a_short_object_is_an_error_and_leaves_nothing(data, tmp_path):

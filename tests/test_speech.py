@@ -9,8 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist.speech_common import (SPEECH, TINY_ENCODER, TINY_LLM, TINY_WHISPER, audio_batches, save_tokenizer,
-                           salm_job)
+from tests.dist.speech_common import (
+    SPEECH,
+    TINY_ENCODER,
+    TINY_LLM,
+    TINY_WHISPER,
+    audio_batches,
+    save_tokenizer,
+    salm_job,
+)
 
 from headrace.config import ConfigError  # noqa: E402
 from headrace.training.speech.eval import corpus_wer, word_errors  # noqa: E402
@@ -29,7 +36,14 @@ def test_prompt_layout_answers_and_labels():
     assert labels[0].tolist() == [-100] * 5 + [20, 21, 1] + [-100] * 4
     assert labels[1].tolist() == [-100] * 3 + [22, 23, 24, 25, 1] + [-100] * 4
     gen = build_batch(t, torch.tensor([3, 1]), left_pad=True)
-    assert gen["input_ids"][1].tolist() == [0, 0, 10, 11, 0, 12] and gen["attention_mask"][1].tolist() == [0, 0, 1, 1, 1, 1]
+    assert gen["input_ids"][1].tolist() == [0, 0, 10, 11, 0, 12] and gen["attention_mask"][1].tolist() == [
+        0,
+        0,
+        1,
+        1,
+        1,
+        1,
+    ]
     assert gen["audio_mask"][1].tolist() == [False] * 4 + [True, False]
 
 
@@ -64,8 +78,7 @@ def test_placeholder_replaced_by_frames_and_loss_on_answers_only(tmp_path):
         start += n
         assert torch.equal(embeds[b, ~batch["audio_mask"][b]], tokens[b, ~batch["audio_mask"][b]])
     # the loss is the cross-entropy of the answer positions only: full logits, labels -100 elsewhere
-    loss = model(**{k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask",
-                                          "position_ids")})
+    loss = model(**{k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")})
     logits = model.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
     want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
@@ -100,8 +113,17 @@ def test_ctc_weight_adds_the_transcripts_ctc_loss_in_training_only(tmp_path):
     answers = speech.answers(raw)
     hidden, frames = model.encoder_frames(batch["audio"], batch["audio_lens"])
     log_probs = head(hidden).log_softmax(-1)
-    by_hand = sum(F.ctc_loss(log_probs[b, : frames[b]], torch.tensor(a), frames[b : b + 1], torch.tensor([len(a)]),
-                             blank=TINY_LLM["vocab_size"], reduction="sum") for b, a in enumerate(answers))
+    by_hand = sum(
+        F.ctc_loss(
+            log_probs[b, : frames[b]],
+            torch.tensor(a),
+            frames[b : b + 1],
+            torch.tensor([len(a)]),
+            blank=TINY_LLM["vocab_size"],
+            reduction="sum",
+        )
+        for b, a in enumerate(answers)
+    )
     assert by_hand > 0 and all(len(a) <= int(f) for a, f in zip(answers, frames))
     torch.testing.assert_close(loss, without_ctc() + 0.5 * by_hand, rtol=1e-5, atol=1e-4)
     loss.backward()  # the encoder gets the CTC gradient
@@ -140,9 +162,20 @@ def _whisper_checkpoint(path: Path):
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(1)
-    whisper = WhisperForConditionalGeneration(WhisperConfig(
-        **TINY_WHISPER, vocab_size=64, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
-        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=1)).eval()
+    whisper = WhisperForConditionalGeneration(
+        WhisperConfig(
+            **TINY_WHISPER,
+            vocab_size=64,
+            decoder_layers=1,
+            decoder_attention_heads=4,
+            decoder_ffn_dim=64,
+            max_target_positions=32,
+            decoder_start_token_id=1,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+    ).eval()
     whisper.to(torch.float16).save_pretrained(path)
     return whisper.float()
 
@@ -158,8 +191,11 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
     from headrace.training.speech.job import export_salm, load_salm
 
     whisper = _whisper_checkpoint(tmp_path / "whisper")
-    model, speech = _tiny_salm(tmp_path, encoder="whisper", speech_extra=dict(
-        encoder=dict(kind="whisper", pretrained_path=str(tmp_path / "whisper"))))
+    model, speech = _tiny_salm(
+        tmp_path,
+        encoder="whisper",
+        speech_extra=dict(encoder=dict(kind="whisper", pretrained_path=str(tmp_path / "whisper"))),
+    )
     ours = dict(model.encoder.named_parameters())
     for name, value in whisper.model.encoder.named_parameters():
         assert torch.equal(ours[name], value), name
@@ -167,8 +203,13 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
     batch = speech.convert(raw)
     extractor = WhisperFeatureExtractor(feature_size=TINY_WHISPER["num_mel_bins"])
     waves = [w[:n].numpy() for w, n in zip(raw["audio"], raw["audio_lens"])]
-    feats = extractor(waves, sampling_rate=16000, max_length=2 * TINY_WHISPER["max_source_positions"] * 160,
-                      return_attention_mask=True, return_tensors="pt")
+    feats = extractor(
+        waves,
+        sampling_rate=16000,
+        max_length=2 * TINY_WHISPER["max_source_positions"] * 160,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     mel_frames = feats["attention_mask"].sum(1)
     encoder_frames = (mel_frames + 1) // 2  # conv2: kernel 3, stride 2, padding 1
     slots = (encoder_frames + 1) // 2  # adapter.subsampling 2
@@ -177,19 +218,22 @@ def test_whisper_encoder_from_a_checkpoint_slots_forward_backward(tmp_path, proc
         hidden = whisper.model.encoder(feats["input_features"]).last_hidden_state
         want = torch.cat([model.adapter(h[None, :n])[0, :s] for h, n, s in zip(hidden, encoder_frames, slots)])
         torch.testing.assert_close(model.encode(batch["audio"], batch["audio_lens"]), want, rtol=1e-4, atol=1e-5)
-    loss = model(**{k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask",
-                                          "position_ids")})
+    loss = model(**{k: batch[k] for k in ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "position_ids")})
     loss.backward()
     assert torch.isfinite(loss) and model.encoder.embed_positions.weight.grad is None
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.encoder.named_parameters()
-               if n != "embed_positions.weight")
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in model.encoder.named_parameters()
+        if n != "embed_positions.weight"
+    )
     cfg = salm_job(tmp_path, "unit", encoder="whisper")
     export_salm(model, cfg, tmp_path / "export")
     loaded, loaded_cfg = load_salm(tmp_path / "export")
     assert loaded_cfg.encoder.kind == "whisper" and loaded_cfg.features is None
     with torch.no_grad():
-        torch.testing.assert_close(loaded.encode(batch["audio"], batch["audio_lens"]),
-                                   model.eval().encode(batch["audio"], batch["audio_lens"]))
+        torch.testing.assert_close(
+            loaded.encode(batch["audio"], batch["audio_lens"]), model.eval().encode(batch["audio"], batch["audio_lens"])
+        )
 
 
 def test_parakeet_encoder_from_a_parakeet_ctc_checkpoint_matches_transformers_and_trains(tmp_path):
@@ -202,13 +246,18 @@ def test_parakeet_encoder_from_a_parakeet_ctc_checkpoint_matches_transformers_an
 
     n_mels = 16
     torch.manual_seed(2)
-    ctc = ParakeetForCTC(ParakeetCTCConfig(encoder_config=dict(TINY_ENCODER, num_mel_bins=n_mels), vocab_size=32,
-                                           pad_token_id=31)).eval()
+    ctc = ParakeetForCTC(
+        ParakeetCTCConfig(encoder_config=dict(TINY_ENCODER, num_mel_bins=n_mels), vocab_size=32, pad_token_id=31)
+    ).eval()
     ctc.save_pretrained(tmp_path / "parakeet-ctc")
     assert ctc.config.encoder_config.layerdrop == 0.1
-    model, speech = _tiny_salm(tmp_path, speech_extra=dict(
-        encoder=dict(kind="parakeet", pretrained_path=str(tmp_path / "parakeet-ctc")),
-        features=dict(kind="nemo", n_mels=n_mels)))
+    model, speech = _tiny_salm(
+        tmp_path,
+        speech_extra=dict(
+            encoder=dict(kind="parakeet", pretrained_path=str(tmp_path / "parakeet-ctc")),
+            features=dict(kind="nemo", n_mels=n_mels),
+        ),
+    )
     assert model.encoder.config.layerdrop == 0.0
     ours = dict(model.encoder.named_parameters())
     assert ours.keys() == dict(ctc.encoder.named_parameters()).keys()
@@ -217,8 +266,9 @@ def test_parakeet_encoder_from_a_parakeet_ctc_checkpoint_matches_transformers_an
     raw = audio_batches(1, rows=3, seed=4)[0]
     batch = speech.convert(raw)
     waves = [w[:n].numpy() for w, n in zip(raw["audio"], raw["audio_lens"])]
-    theirs = ParakeetFeatureExtractor(feature_size=n_mels)(waves, sampling_rate=16000, return_attention_mask=True,
-                                                           return_tensors="pt")
+    theirs = ParakeetFeatureExtractor(feature_size=n_mels)(
+        waves, sampling_rate=16000, return_attention_mask=True, return_tensors="pt"
+    )
     model.eval()
     with torch.no_grad():
         feats, frames = model.front.features(model.encoder, batch["audio"], batch["audio_lens"])
@@ -249,8 +299,10 @@ def test_whisper_job_refuses_audio_it_cannot_take(tmp_path):
 
     save_tokenizer(tmp_path / "tokenizer.json")
     raw = to_dict(salm_job(tmp_path, "x", encoder="whisper"))
-    for decode, error in ((dict(max_duration=1.0), r"takes at most 0.8 s of audio: set data.decode.max_duration <= 0.8"),
-                          (dict(sample_rate=8000), r"data.decode.sample_rate 8000 != 16000 Hz, the rate the whisper")):
+    for decode, error in (
+        (dict(max_duration=1.0), r"takes at most 0.8 s of audio: set data.decode.max_duration <= 0.8"),
+        (dict(sample_rate=8000), r"data.decode.sample_rate 8000 != 16000 Hz, the rate the whisper"),
+    ):
         raw["data"]["decode"].update(decode)
         cfg = load_job_config(None, base=raw)
         with pytest.raises(ValueError, match=error):
@@ -293,9 +345,11 @@ def test_salm_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"model.speech: features: a whisper encoder takes Whisper's own"):
         load_job_config(None, base=raw)
     raw["model"]["speech"]["encoder"]["kind"] = "wav2vec"
-    with pytest.raises(ConfigError,
-                       match=r"model.speech.encoder.kind: expected one of "
-                             r"\['parakeet', 'whisper', 'qwen2_audio', 'voxtral'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.speech.encoder.kind: expected one of "
+        r"\['parakeet', 'whisper', 'qwen2_audio', 'voxtral'\]",
+    ):
         load_job_config(None, base=raw)
     (tmp_path / "parakeet").mkdir()
     (tmp_path / "parakeet" / "config.json").write_text('{"model_type": "parakeet_encoder"}')

@@ -19,10 +19,12 @@ import yaml
 from tests.dist.speech_common import WORDS, audio_batches, salm_job, write_audio_dataset
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
-                 "{% if c['type'] == 'audio' %}Audio: <|audio_bos|><|AUDIO|><|audio_eos|>{% else %}{{ c['text'] }}"
-                 "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+    "{% if c['type'] == 'audio' %}Audio: <|audio_bos|><|AUDIO|><|audio_eos|>{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
 WINDOW_POSITIONS = 40  # 80 mel frames = 0.8 s (the test audio is 0.2..0.7 s)
 
 
@@ -33,8 +35,9 @@ def word_level_tokenizer(vocab: dict[str, int], eos: str, specials: list[str]):
 
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos,
-                                   additional_special_tokens=specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, pad_token=eos, additional_special_tokens=specials
+    )
 
 
 def save_qwen2_audio(path: Path):
@@ -45,13 +48,30 @@ def save_qwen2_audio(path: Path):
     tokenizer = word_level_tokenizer(vocab, "<|im_end|>", SPECIAL[1:])  # a chat checkpoint: answers end its turn
     tokenizer.chat_template = CHAT_TEMPLATE
     config = Qwen2AudioConfig(
-        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=80,
-                          max_source_positions=WINDOW_POSITIONS, dropout=0.0, attention_dropout=0.0,
-                          activation_dropout=0.0),
-        text_config=dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False),
-        audio_token_id=vocab["<|AUDIO|>"])
+        audio_config=dict(
+            d_model=32,
+            encoder_layers=2,
+            encoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            num_mel_bins=80,
+            max_source_positions=WINDOW_POSITIONS,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        audio_token_id=vocab["<|AUDIO|>"],
+    )
     torch.manual_seed(3)
     model = Qwen2AudioForConditionalGeneration(config).eval()
     model.save_pretrained(path)
@@ -65,13 +85,22 @@ def transformers_inputs(raw: dict, batch: dict, audio_token_id: int) -> dict:
     from transformers import WhisperFeatureExtractor
 
     waves = [w[:n].numpy() for w, n in zip(raw["audio"], raw["audio_lens"])]
-    feats = WhisperFeatureExtractor(feature_size=80)(waves, sampling_rate=16000, max_length=2 * WINDOW_POSITIONS * 160,
-                                                     return_attention_mask=True, return_tensors="pt")
+    feats = WhisperFeatureExtractor(feature_size=80)(
+        waves,
+        sampling_rate=16000,
+        max_length=2 * WINDOW_POSITIONS * 160,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     ids = batch["input_ids"].masked_fill(batch["audio_mask"], audio_token_id)
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]
-    return {"input_ids": ids, "input_features": feats["input_features"],
-            "feature_attention_mask": feats["attention_mask"], "labels": labels}
+    return {
+        "input_ids": ids,
+        "input_features": feats["input_features"],
+        "feature_attention_mask": feats["attention_mask"],
+        "labels": labels,
+    }
 
 
 def assert_sgd_steps_match(model, reference, inputs: dict, hf_inputs: dict, tokens) -> None:
@@ -102,14 +131,16 @@ def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss
     assert main([str(tmp_path / "qwen2-audio"), str(tmp_path / "salm")]) == 0
     model, speech = load_salm(tmp_path / "salm")
     # the prompt is the checkpoint's chat template around its audio markers
-    assert speech.prompt == ("<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n"
-                             "<|im_start|>assistant\n")
+    assert speech.prompt == (
+        "<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert speech.encoder.kind == "qwen2_audio" and speech.adapter.kind == "linear"
     raw = audio_batches(1, rows=3, seed=4)[0]
     assert len(set(raw["audio_lens"].tolist())) == 3
     batch = SpeechBatches([], model, speech, str(tmp_path / "salm" / "hf")).convert(raw)
-    assert batch["input_ids"][0, :5].tolist() == [vocab[t] for t in ("<|im_start|>", "user", "Audio", ":",
-                                                                      "<|audio_bos|>")]
+    assert batch["input_ids"][0, :5].tolist() == [
+        vocab[t] for t in ("<|im_start|>", "user", "Audio", ":", "<|audio_bos|>")
+    ]
     # each answer ends the assistant turn with the tokenizer's eos_token, as the chat template closes a turn
     assert speech.answer_end == "<|im_end|>"
     assert [row[row != -100][-1] for row in batch["labels"]] == [vocab["<|im_end|>"]] * 3
@@ -119,8 +150,9 @@ def test_qwen2_audio_checkpoint_loads_with_transformers_logits_and_one_step_loss
     assert batch["audio_mask"].sum(1).tolist() == (((mel - 1) // 2 + 1 - 2) // 2 + 1).tolist()
 
     def ours():
-        embeds = model.llm.embed(batch["input_ids"], model.encode(batch["audio"], batch["audio_lens"]),
-                                 batch["audio_mask"])
+        embeds = model.llm.embed(
+            batch["input_ids"], model.encode(batch["audio"], batch["audio_lens"]), batch["audio_mask"]
+        )
         return model.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
 
     tokens = int((batch["labels"] != -100).sum())
@@ -141,13 +173,29 @@ def save_voxtral(path: Path):
     vocab = {w: i for i, w in enumerate(["[UNK]", *VOXTRAL_SPECIAL, *WORDS])}
     tokenizer = word_level_tokenizer(vocab, "</s>", VOXTRAL_SPECIAL[1:])
     config = VoxtralConfig(
-        audio_config=dict(hidden_size=32, encoder_layers=2, encoder_attention_heads=4, intermediate_size=128,
-                          num_mel_bins=80, max_source_positions=WINDOW_POSITIONS, dropout=0.0, attention_dropout=0.0,
-                          activation_dropout=0.0),
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False),
-        audio_token_id=vocab["[AUDIO]"])
+        audio_config=dict(
+            hidden_size=32,
+            encoder_layers=2,
+            encoder_attention_heads=4,
+            intermediate_size=128,
+            num_mel_bins=80,
+            max_source_positions=WINDOW_POSITIONS,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        text_config=dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        audio_token_id=vocab["[AUDIO]"],
+    )
     torch.manual_seed(5)
     model = VoxtralForConditionalGeneration(config).eval()
     model.save_pretrained(path)
@@ -173,20 +221,25 @@ def test_voxtral_checkpoint_loads_with_transformers_logits_and_one_step_loss(tmp
     batch = SpeechBatches([], model, speech, str(tmp_path / "salm" / "hf")).convert(raw)
     assert batch["audio_mask"].sum(1).tolist() == [WINDOW_POSITIONS // 4] * 3
     waves = [w[:n].numpy() for w, n in zip(raw["audio"], raw["audio_lens"])]
-    feats = WhisperFeatureExtractor(feature_size=80)(waves, sampling_rate=16000, max_length=2 * WINDOW_POSITIONS * 160,
-                                                     return_tensors="pt")["input_features"]
+    feats = WhisperFeatureExtractor(feature_size=80)(
+        waves, sampling_rate=16000, max_length=2 * WINDOW_POSITIONS * 160, return_tensors="pt"
+    )["input_features"]
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]
-    hf_inputs = {"input_ids": batch["input_ids"].masked_fill(batch["audio_mask"], vocab["[AUDIO]"]),
-                 "input_features": feats, "labels": labels}
+    hf_inputs = {
+        "input_ids": batch["input_ids"].masked_fill(batch["audio_mask"], vocab["[AUDIO]"]),
+        "input_features": feats,
+        "labels": labels,
+    }
     tokens = int((batch["labels"] != -100).sum())
     in_place, in_place_speech = load_salm(tmp_path / "voxtral")  # the same mapping, read from the checkpoint itself
     assert in_place_speech.adapter == dataclasses.replace(speech.adapter, pretrained_path=str(tmp_path / "voxtral"))
     model.eval()
     with torch.no_grad():
         for salm in (model, in_place):
-            embeds = salm.llm.embed(batch["input_ids"], salm.encode(batch["audio"], batch["audio_lens"]),
-                                    batch["audio_mask"])
+            embeds = salm.llm.embed(
+                batch["input_ids"], salm.encode(batch["audio"], batch["audio_lens"]), batch["audio_mask"]
+            )
             ours = salm.llm.causal_lm(inputs_embeds=embeds, position_ids=batch["position_ids"]).logits
             torch.testing.assert_close(ours, reference(**hf_inputs).logits, rtol=1e-4, atol=1e-5)
     assert_sgd_steps_match(model, reference, {k: batch[k] for k in SALM_INPUTS}, hf_inputs, tokens)
@@ -197,8 +250,9 @@ def qwen2_audio_job(tmp_path: Path, speech: dict | None = None, **model) -> dict
     Qwen2-Audio checkpoint directory ``tmp_path/qwen2-audio`` in place, with ``speech`` as its speech section."""
     from headrace.config import to_dict
 
-    raw = to_dict(salm_job(tmp_path, "in-place", encoder="whisper", data_path=str(tmp_path / "utterances"),
-                           precision="fp32"))
+    raw = to_dict(
+        salm_job(tmp_path, "in-place", encoder="whisper", data_path=str(tmp_path / "utterances"), precision="fp32")
+    )
     raw["model"] = dict(kind="salm", pretrained_path=str(tmp_path / "qwen2-audio"), speech=speech or {}, **model)
     return raw
 
@@ -235,15 +289,19 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
     assert figures["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-6) and figures["val_docs"] == 8
 
     model, speech = load_salm(tmp_path / "qwen2-audio")  # the same mapping, read in place for decoding
-    assert speech.prompt == ("<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n"
-                             "<|im_start|>assistant\n")
+    assert speech.prompt == (
+        "<|im_start|>user\nAudio: <|audio_bos|><|audio|><|audio_eos|><|im_end|>\n<|im_start|>assistant\n"
+    )
     to_steps = SpeechBatches([], model, speech, str(tmp_path / "qwen2-audio"))
     raws = [raw for raw, _ in zip(build_loader(cfg.data, 0, 1), range(2))]  # what the trainer's loader gave it
     batches = [to_steps.convert(raw) for raw in raws]
     hf_inputs = [transformers_inputs(raw, batch, vocab["<|AUDIO|>"]) for raw, batch in zip(raws, batches)]
     with torch.no_grad():
-        embeds = model.llm.embed(batches[0]["input_ids"], model.encode(batches[0]["audio"], batches[0]["audio_lens"]),
-                                 batches[0]["audio_mask"])
+        embeds = model.llm.embed(
+            batches[0]["input_ids"],
+            model.encode(batches[0]["audio"], batches[0]["audio_lens"]),
+            batches[0]["audio_mask"],
+        )
         ours = model.llm.causal_lm(inputs_embeds=embeds, position_ids=batches[0]["position_ids"]).logits
         torch.testing.assert_close(ours, reference(**hf_inputs[0]).logits, rtol=1e-4, atol=1e-5)
     optimizer = build_optimizer(reference, cfg.optim, announce=False)  # step 1's lr is optim.lr (one warmup step)
@@ -267,8 +325,14 @@ def test_qwen2_audio_checkpoint_trains_in_place_with_transformers_losses(tmp_pat
 
     # the eval CLI's evaluate() on the checkpoint as it is (a zero-shot baseline): over every utterance of the
     # shards, its answer loss is transformers' (losses are per utterance, so the batching does not matter)
-    result = evaluate(str(tmp_path / "qwen2-audio"), str(tmp_path / "utterances"), split="train",
-                      batch_duration=60.0, out=None, max_new_tokens=2)
+    result = evaluate(
+        str(tmp_path / "qwen2-audio"),
+        str(tmp_path / "utterances"),
+        split="train",
+        batch_duration=60.0,
+        out=None,
+        max_new_tokens=2,
+    )
     sums = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
         for raw in eval_loader(str(tmp_path / "utterances"), "train", 16000, 60.0):
@@ -290,19 +354,25 @@ def test_qwen2_audio_checkpoint_refuses_contradicting_settings(tmp_path):
     (tmp_path / "llm").mkdir()  # a plain LLM's directory: no encoder to take
     (tmp_path / "llm" / "config.json").write_text('{"model_type": "llama"}')
     for model, error in (
-            (dict(speech=dict(encoder=dict(kind="whisper"))),
-             r"^model.speech.encoder.kind: 'whisper' contradicts model.pretrained_path .*qwen2-audio, a qwen2_audio "
-             r"checkpoint whose encoder has kind 'qwen2_audio'; leave it unset$"),
-            (dict(speech=dict(adapter=dict(subsampling=2))), r"^model.speech.adapter.subsampling: 2 contradicts"),
-            (dict(speech=dict(adapter=dict(kind="mlp"))), r"^model.speech.adapter.kind: 'mlp' contradicts"),
-            (dict(speech=dict(encoder=dict(kind="qwen2_audio", pretrained_path=str(tmp_path)))),
-             r"^model.speech.encoder.pretrained_path: .* contradicts"),
-            (dict(speech=dict(features=dict(n_mels=80))),
-             r"^model.speech: features: a whisper encoder takes Whisper's"),
-            (dict(tokenizer=str(tmp_path / "tokenizer.json")), r"^model.tokenizer: .* contradicts model.pretrained_path"),
-            (dict(pretrained_path=str(tmp_path / "llm")),
-             r"^model.speech.encoder: set one of config / config_path / pretrained_path \(model.pretrained_path .* "
-             r"is not the checkpoint")):
+        (
+            dict(speech=dict(encoder=dict(kind="whisper"))),
+            r"^model.speech.encoder.kind: 'whisper' contradicts model.pretrained_path .*qwen2-audio, a qwen2_audio "
+            r"checkpoint whose encoder has kind 'qwen2_audio'; leave it unset$",
+        ),
+        (dict(speech=dict(adapter=dict(subsampling=2))), r"^model.speech.adapter.subsampling: 2 contradicts"),
+        (dict(speech=dict(adapter=dict(kind="mlp"))), r"^model.speech.adapter.kind: 'mlp' contradicts"),
+        (
+            dict(speech=dict(encoder=dict(kind="qwen2_audio", pretrained_path=str(tmp_path)))),
+            r"^model.speech.encoder.pretrained_path: .* contradicts",
+        ),
+        (dict(speech=dict(features=dict(n_mels=80))), r"^model.speech: features: a whisper encoder takes Whisper's"),
+        (dict(tokenizer=str(tmp_path / "tokenizer.json")), r"^model.tokenizer: .* contradicts model.pretrained_path"),
+        (
+            dict(pretrained_path=str(tmp_path / "llm")),
+            r"^model.speech.encoder: set one of config / config_path / pretrained_path \(model.pretrained_path .* "
+            r"is not the checkpoint",
+        ),
+    ):
         raw = qwen2_audio_job(tmp_path)
         raw["model"].update(model, speech=model.get("speech", {}))
         with pytest.raises(ConfigError, match=error):

@@ -43,8 +43,10 @@ def test_ctc_loss_sum_equals_the_sum_over_alignments_by_hand():
     log_probs = logits.log_softmax(-1)
     by_hand = brute_force_ctc(log_probs[0, :5], [0, 0], 2) + brute_force_ctc(log_probs[1, :4], [1], 2)
     assert float(got) == pytest.approx(by_hand, rel=1e-6)
-    per_row = sum(F.ctc_loss(log_probs[b, : frames[b]], torch.tensor(t), [int(frames[b])], [len(t)], blank=2,
-                             reduction="sum") for b, t in enumerate(([0, 0], [1])))
+    per_row = sum(
+        F.ctc_loss(log_probs[b, : frames[b]], torch.tensor(t), [int(frames[b])], [len(t)], blank=2, reduction="sum")
+        for b, t in enumerate(([0, 0], [1]))
+    )
     assert float(got) == pytest.approx(float(per_row), rel=1e-6)  # (the loss runs in fp32)
 
 
@@ -56,7 +58,7 @@ def test_greedy_decode_of_a_planted_alignment():
     logits = torch.full((2, len(path) + 3, blank + 1), -5.0)
     for t, unit in enumerate(path):
         logits[0, t, unit] = 5.0
-    logits[0, len(path):, CHARS.index("x")] = 5.0  # past the first row's frames
+    logits[0, len(path) :, CHARS.index("x")] = 5.0  # past the first row's frames
     logits[1, :, blank] = 5.0
     logits[1, 2, CHARS.index("a")] = 9.0
     units = Units("chars", None)
@@ -83,13 +85,23 @@ def test_ctc_batches_units_and_token_counts(tmp_path):
 
 def ctc_job(workdir: Path, data: Path, **over) -> dict:
     speech = {k: v for k, v in SPEECH.items() if k != "adapter"}
-    return dict(model=dict(kind="ctc", speech=dict(speech, encoder=dict(kind="parakeet", config=TINY_ENCODER),
-                                                   spec_augment=dict(freq_masks=1, time_masks=1))),
-                data=dict(datasets=[dict(path=str(data))], val=dict(datasets=[dict(path=str(data))]),
-                          bucketing=dict(max_duration=4.0)),
-                optim=dict(lr=3e-3, warmup_steps=1),
-                trainer=dict(max_steps=3, eval_every=3, output_dir=str(workdir / "ctc"), **over),
-                checkpoint=dict(interval=0), logging=dict(console=False, tensorboard=False))
+    return dict(
+        model=dict(
+            kind="ctc",
+            speech=dict(
+                speech,
+                encoder=dict(kind="parakeet", config=TINY_ENCODER),
+                spec_augment=dict(freq_masks=1, time_masks=1),
+            ),
+        ),
+        data=dict(
+            datasets=[dict(path=str(data))], val=dict(datasets=[dict(path=str(data))]), bucketing=dict(max_duration=4.0)
+        ),
+        optim=dict(lr=3e-3, warmup_steps=1),
+        trainer=dict(max_steps=3, eval_every=3, output_dir=str(workdir / "ctc"), **over),
+        checkpoint=dict(interval=0),
+        logging=dict(console=False, tensorboard=False),
+    )
 
 
 def write_speech_dataset(root: Path, texts: list[str], same_audio: bool = False) -> Path:
@@ -178,8 +190,9 @@ def test_a_salm_that_ignores_the_audio_is_warned_once(tmp_path, process_group, c
 
     save_tokenizer(tmp_path / "tokenizer.json")
     data = write_speech_dataset(tmp_path / "same", ["alpha", "bravo", "charlie"], same_audio=True)
-    raw = to_dict(salm_job(tmp_path, "deaf", data_path=str(data), max_steps=3,
-                           speech_extra=dict(warn_not_listening_after=2)))
+    raw = to_dict(
+        salm_job(tmp_path, "deaf", data_path=str(data), max_steps=3, speech_extra=dict(warn_not_listening_after=2))
+    )
     raw["trainer"]["eval_every"] = 1
     raw["data"]["val"] = dict(datasets=[dict(path=str(data))])
     raw["data"]["bucketing"]["max_duration"] = 4.0

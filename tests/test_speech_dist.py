@@ -13,7 +13,15 @@ from tests.helpers import torchrun
 @pytest.mark.slow
 def test_salm_layouts_match_single_process_and_resume(tmp_path):
     out = torchrun(4, "tests.dist.speech_layouts", tmp_path).stdout
-    for check in ("fsdp2 matches", "fsdp2_tp_sp matches", "salm validation at dp4 and dp2 x tp2 equals",
-                  "whisper from scratch under fsdp2", "whisper_fsdp2_tp_ac matches", "whisper bf16 with a frozen encoder",
-                  "eval during training equals", "qwen2_audio checkpoint in place", "resume reproduces"):
+    for check in (
+        "fsdp2 matches",
+        "fsdp2_tp_sp matches",
+        "salm validation at dp4 and dp2 x tp2 equals",
+        "whisper from scratch under fsdp2",
+        "whisper_fsdp2_tp_ac matches",
+        "whisper bf16 with a frozen encoder",
+        "eval during training equals",
+        "qwen2_audio checkpoint in place",
+        "resume reproduces",
+    ):
         assert out.count(f"OK {check}") == 4, out[-3000:]

@@ -43,9 +43,10 @@ CASES = {
     "no_data": (lambda root, tmp: (root / "ckpt", tmp / "nope"), "error: --data: "),
     "no_model": (lambda root, tmp: (tmp / "nomodel", root / "long"), "error: --model: "),
     "broken_weights": (_broken_weights, "is not a readable safetensors file"),
-    "too_long": (lambda root, tmp: (root / "ckpt", root / "long"),
-                 "error: --data: utterance 'too-long' is 3.00 s, longer than the qwen2_audio encoder's window of "
-                 "0.8 s"),
+    "too_long": (
+        lambda root, tmp: (root / "ckpt", root / "long"),
+        "error: --data: utterance 'too-long' is 3.00 s, longer than the qwen2_audio encoder's window of 0.8 s",
+    ),
 }
 
 

@@ -87,8 +87,15 @@ def train_on_tones(tmp_path: Path, name: str, steps: int, lr: float, decode: boo
     from headrace.training.config.load import load_job_config
     from headrace.training.train import train
 
-    raw = to_dict(salm_job(tmp_path, name, data_path=str(tmp_path / "tones"), max_steps=steps,
-                           optim=dict(lr=lr, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0)))
+    raw = to_dict(
+        salm_job(
+            tmp_path,
+            name,
+            data_path=str(tmp_path / "tones"),
+            max_steps=steps,
+            optim=dict(lr=lr, warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0),
+        )
+    )
     raw["data"]["val"] = dict(datasets=[dict(path=str(tmp_path / "tones"))])
     raw["data"]["bucketing"]["max_duration"] = 8.0  # one batch of all 12
     raw["checkpoint"]["interval"] = 1000  # the export only
@@ -125,9 +132,24 @@ def test_validation_listening_ratio_is_one_untrained_and_falls_when_the_model_li
     assert point["val_wer"] is not None and point["val_wer"] < 0.5, point
 
     # python -m headrace.training.speech.eval on the export prints the same figures over the same utterances
-    out = subprocess.run([sys.executable, "-m", "headrace.training.speech.eval", "--model", str(tone_workdir / "trained"),
-                          "--data", str(tone_workdir / "tones"), "--split", "train"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600, env=child_env())
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "headrace.training.speech.eval",
+            "--model",
+            str(tone_workdir / "trained"),
+            "--data",
+            str(tone_workdir / "tones"),
+            "--split",
+            "train",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert "over 12 utterances" in line, line

@@ -42,10 +42,27 @@ def write_manifest(root: Path, train: int = 5, val: int = 2) -> Path:
 def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
     manifest = write_manifest(tmp_path / "corpus")
     text = tmp_path / "text.jsonl"
-    text.write_text("".join(json.dumps({"text": " ".join(WORDS[i:i + 6])}) + "\n" for i in range(12)))
+    text.write_text("".join(json.dumps({"text": " ".join(WORDS[i : i + 6])}) + "\n" for i in range(12)))
     out = tmp_path / "run"
-    assert main(["--manifest", str(manifest), "--out", str(out), "--text", str(text), "--minutes", "5",
-                 "--size", "tiny", "--max-steps", "2"]) == 0
+    assert (
+        main(
+            [
+                "--manifest",
+                str(manifest),
+                "--out",
+                str(out),
+                "--text",
+                str(text),
+                "--minutes",
+                "5",
+                "--size",
+                "tiny",
+                "--max-steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = json.loads((out / "summary.json").read_text())
     assert printed == summary

@@ -21,8 +21,9 @@ def test_packed_loss_equals_documents_run_one_by_one(tmp_path):
     from headrace.training.step import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
-    packed = CausalLMLoss(AutoModelForCausalLM.from_pretrained(tmp_path / "m",
-                                                               attn_implementation=register_varlen_attention()))
+    packed = CausalLMLoss(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation=register_varlen_attention())
+    )
     alone = AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="sdpa")
     batch = packed_batches(1, seq_len=64, rows=2)[0]
     with torch.no_grad():
@@ -46,8 +47,10 @@ def test_chunked_loss_gives_the_full_logits_loss_and_gradients(tmp_path):
     from headrace.training.step import forward_loss_sum
 
     save_pretrained_tiny(tmp_path / "m")
-    load = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "m",  # noqa: E731
-                                                        attn_implementation=register_varlen_attention())
+    load = lambda: AutoModelForCausalLM.from_pretrained(
+        tmp_path / "m",  # noqa: E731
+        attn_implementation=register_varlen_attention(),
+    )
     reference, hf = load(), load()
     model = CausalLMLoss(hf, chunk_size=13)
     assert unwrap_causal_lm(model) is hf and model.model is hf.model
@@ -63,8 +66,9 @@ def test_chunked_loss_gives_the_full_logits_loss_and_gradients(tmp_path):
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-5, msg=name)
     with torch.no_grad():  # labels=None: the logits, as HF's forward gives them
         logits = model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))
-        torch.testing.assert_close(logits, reference(input_ids=batch["input_ids"],
-                                                     **packed_attention_kwargs(batch)).logits)
+        torch.testing.assert_close(
+            logits, reference(input_ids=batch["input_ids"], **packed_attention_kwargs(batch)).logits
+        )
 
 
 def concat(batches: list[dict]) -> dict:
@@ -93,8 +97,14 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path, process_group):
     for batches in ([micro[:4], micro[4:]], [[concat(micro[:4])], [concat(micro[4:])]]):
         model, _ = build_model(cfg, dims, torch.device("cpu"))
         opt = build_optimizer(model, cfg.optim)
-        losses = [float(train_step(model, opt, step, dims.get_mesh("dp_cp"), max_grad_norm=1.0, defer_grad_sync=True,
-                                   autocast=False)["loss"]) for step in batches]
+        losses = [
+            float(
+                train_step(
+                    model, opt, step, dims.get_mesh("dp_cp"), max_grad_norm=1.0, defer_grad_sync=True, autocast=False
+                )["loss"]
+            )
+            for step in batches
+        ]
         results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (acc_losses, acc_params), (big_losses, big_params) = results
     assert acc_losses == pytest.approx(big_losses, rel=1e-6)
@@ -126,4 +136,3 @@ def test_bf16_on_one_rank_keeps_attention_inputs_bf16(tmp_path, process_group, m
     forward_loss_sum(model, packed_batches(1)[0], autocast=False).backward()
     assert seen == [(torch.bfloat16,) * 3] * TINY_LLAMA["num_hidden_layers"]
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-

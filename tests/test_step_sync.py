@@ -26,12 +26,18 @@ WINDOW_BUDGET = 3  # read_step_stats + rank_spread + sum_over_dp, once per log w
 
 
 def job(tmp_path, steps: int, log_every: int, device: str = "cpu", **trainer):
-    return load_job_config(None, base=dict(
-        model=dict(config=dict(TINY_LLAMA), attn_implementation="headrace_varlen"),
-        data=dict(datasets=[dict(path=str(tmp_path))], seq_len=32, batch_size=2, num_workers=0),
-        trainer=dict(max_steps=steps, log_every=log_every, device=device, output_dir=str(tmp_path / "run"), **trainer),
-        checkpoint=dict(interval=0, save_final=False, export_hf=False, resume=False),
-        logging=dict(console=False, tensorboard=False)))
+    return load_job_config(
+        None,
+        base=dict(
+            model=dict(config=dict(TINY_LLAMA), attn_implementation="headrace_varlen"),
+            data=dict(datasets=[dict(path=str(tmp_path))], seq_len=32, batch_size=2, num_workers=0),
+            trainer=dict(
+                max_steps=steps, log_every=log_every, device=device, output_dir=str(tmp_path / "run"), **trainer
+            ),
+            checkpoint=dict(interval=0, save_final=False, export_hf=False, resume=False),
+            logging=dict(console=False, tensorboard=False),
+        ),
+    )
 
 
 def count_host_reads(monkeypatch) -> tuple[Counter, Counter]:
@@ -52,10 +58,12 @@ def count_host_reads(monkeypatch) -> tuple[Counter, Counter]:
                     if state["step"]:
                         in_step[site] += 1
             return original(self, *args, **kwargs)
+
         return read
 
     for name in READS:
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+
     def watched(name, flag):
         original = getattr(train_mod, name)
 
@@ -102,7 +110,8 @@ def test_steps_read_nothing_from_the_device_and_log_windows_stay_in_budget(tmp_p
             pairs += sum((e - s) * (e - s + 1) // 2 for s, e in zip(cu, cu[1:]))
         doc = tokens * matmul_flops_per_token(hf) + pairs * attention_flops_per_pair(hf)
         assert record["flops_per_s"] / record["flops_per_s_full_row"] == pytest.approx(
-            doc / (tokens * flops_per_token(hf, 32)), rel=1e-9)
+            doc / (tokens * flops_per_token(hf, 32)), rel=1e-9
+        )
         assert record["flops_per_s"] < record["flops_per_s_full_row"]
 
 

@@ -15,10 +15,12 @@ from headrace.dataio import build_loader
 from headrace.dataio.cli import main as dataio
 from headrace.dataio.config import DataConfig, DatasetSpec
 
-BAD = {"pickle": ("pkl", b"\x80\x04K\x01.", "pickle-based member"),
-       "uint64_past_int64": ("tokens.npy", npy_bytes(np.array([5, 2**63], dtype=np.uint64)), "does not fit int64"),
-       "uint64_max": ("tokens.npy", npy_bytes(np.array([2**64 - 1], dtype=np.uint64)), "does not fit int64"),
-       "negative": ("tokens.npy", npy_bytes(np.array([3, -1], dtype=np.int32)), "negative token id")}
+BAD = {
+    "pickle": ("pkl", b"\x80\x04K\x01.", "pickle-based member"),
+    "uint64_past_int64": ("tokens.npy", npy_bytes(np.array([5, 2**63], dtype=np.uint64)), "does not fit int64"),
+    "uint64_max": ("tokens.npy", npy_bytes(np.array([2**64 - 1], dtype=np.uint64)), "does not fit int64"),
+    "negative": ("tokens.npy", npy_bytes(np.array([3, -1], dtype=np.int32)), "negative token id"),
+}
 
 
 def _dataset(root, member: str, payload: bytes, *, dtype=np.uint64):
@@ -28,8 +30,11 @@ def _dataset(root, member: str, payload: bytes, *, dtype=np.uint64):
         for i in range(6):
             w.write({"__key__": f"k{i}", "tokens.npy": npy_bytes(np.arange(1, 7, dtype=dtype))})
             if i == 2:
-                w.write({"__key__": "bad", "tokens.npy": npy_bytes(np.arange(1, 7, dtype=dtype)), member: payload}
-                        if member != "tokens.npy" else {"__key__": "bad", member: payload})
+                w.write(
+                    {"__key__": "bad", "tokens.npy": npy_bytes(np.arange(1, 7, dtype=dtype)), member: payload}
+                    if member != "tokens.npy"
+                    else {"__key__": "bad", member: payload}
+                )
     index_dir(root)
 
 
@@ -47,8 +52,15 @@ def test_verify_fails_what_the_loader_refuses(tmp_path, capsys, case):
 def test_loader_counts_the_bad_sample_and_batches_hold_no_negative_id(tmp_path, case, packing):
     member, payload, _ = BAD[case]
     _dataset(tmp_path / "d", member, payload)
-    cfg = DataConfig(datasets=[DatasetSpec(path=str(tmp_path / "d"))], seq_len=16, packing=packing, batch_size=1,
-                     num_workers=0, max_bad_samples=1, epochs=1)
+    cfg = DataConfig(
+        datasets=[DatasetSpec(path=str(tmp_path / "d"))],
+        seq_len=16,
+        packing=packing,
+        batch_size=1,
+        num_workers=0,
+        max_bad_samples=1,
+        epochs=1,
+    )
     loader = build_loader(cfg, dp_rank=0, dp_size=1)
     ids = [int(v) for batch in loader for v in batch["input_ids"].reshape(-1)]
     assert loader.state_dict()["bad_samples"] == 1

@@ -26,15 +26,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def base_job(tmp_path, **sections) -> dict:
-    job = dict(model=dict(config=dict(TINY_LLAMA), attn_implementation="headrace_varlen"),
-               data=dict(datasets=[dict(path=str(tmp_path / "data"))], seq_len=32, batch_size=2, num_workers=0),
-               logging=dict(console=False, tensorboard=False))
+    job = dict(
+        model=dict(config=dict(TINY_LLAMA), attn_implementation="headrace_varlen"),
+        data=dict(datasets=[dict(path=str(tmp_path / "data"))], seq_len=32, batch_size=2, num_workers=0),
+        logging=dict(console=False, tensorboard=False),
+    )
     for key, value in sections.items():
         job.setdefault(key, {}).update(value)
     return job
 
 
 # -- config --------------------------------------------------------------------------------------------
+
 
 def test_config_errors_name_the_dotted_path(tmp_path):
     job = base_job(tmp_path)
@@ -88,8 +91,11 @@ def test_unsupported_layouts_fail_before_building():
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), stablelm)
     # a style the trainer does not translate (EXAONE 4's per-head q/k norms) is refused naming module and style
     exaone4 = AutoConfig.for_model("exaone4", **fields)
-    with pytest.raises(ValueError, match=r"'exaone4' uses TP styles \{'layers\.\*\.self_attn\.q_norm': "
-                                         r"'replicated_with_grad_allreduce'.* that the trainer does not translate"):
+    with pytest.raises(
+        ValueError,
+        match=r"'exaone4' uses TP styles \{'layers\.\*\.self_attn\.q_norm': "
+        r"'replicated_with_grad_allreduce'.* that the trainer does not translate",
+    ):
         check_supported(ParallelDims.from_config(DistributedConfig(tp_size=2), 2), exaone4)
 
 
@@ -113,11 +119,14 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
     now = [0.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     waits = [7.0]  # a batch handed out before the window
-    window = metrics.ThroughputWindow(waits, 4, flops_per_token=10.0, peak=160.0, world=2,
-                                      matmul_flops_per_token=4.0, flops_per_pair=0.5)
+    window = metrics.ThroughputWindow(
+        waits, 4, flops_per_token=10.0, peak=160.0, world=2, matmul_flops_per_token=4.0, flops_per_pair=0.5
+    )
     waits.append(1.0)
-    window.add([{"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 8), "fill": 0.75, "attention_pairs": 40}],
-               token_ranks=2)
+    window.add(
+        [{"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 8), "fill": 0.75, "attention_pairs": 40}],
+        token_ranks=2,
+    )
     now[0] = 3.0
     with window.paused():
         now[0] = 103.0
@@ -128,23 +137,43 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
     assert window.attention_pairs == 64
     figures, step_time = window.figures(6, attention_pairs=128)  # both dp ranks' pairs
     # document-masked: (64 tokens x 4 + 128 pairs x 0.5) / 4 s / 2 devices = 40; full row: 16 tok/s x 10 / 2 = 80
-    assert figures == {"tokens_per_s": 16.0, "tokens_per_s_per_device": 8.0, "flops_per_s": 40.0, "mfu": 0.25,
-                       "flops_per_s_full_row": 80.0, "mfu_full_row": 0.5, "data_wait_frac": 0.5, "pack_fill": 0.75}
+    assert figures == {
+        "tokens_per_s": 16.0,
+        "tokens_per_s_per_device": 8.0,
+        "flops_per_s": 40.0,
+        "mfu": 0.25,
+        "flops_per_s_full_row": 80.0,
+        "mfu_full_row": 0.5,
+        "data_wait_frac": 0.5,
+        "pack_fill": 0.75,
+    }
     assert step_time == 1.0  # (4 s - 2 s of data wait) / 2 steps
     window.restart(6)
     waits.append(2.0)
     window.add([{"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8)}], token_ranks=1)
     now[0] = 108.0
     figures, step_time = window.figures(7)
-    assert (figures["tokens_per_s"], figures["data_wait_frac"], figures["pack_fill"], step_time) == (2.0, 0.5, None, 2.0)
+    assert (figures["tokens_per_s"], figures["data_wait_frac"], figures["pack_fill"], step_time) == (
+        2.0,
+        0.5,
+        None,
+        2.0,
+    )
 
 
 # -- end to end, with a one-rank process group ----------------------------------------------------------------
 
+
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = child_env()
-    return subprocess.run([sys.executable, "-m", "headrace.training", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "headrace.training", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def losses(out_dir: Path) -> dict[int, float]:
@@ -160,8 +189,15 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
     from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [60, 60])
-    overrides = [f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "data.packing_buffer=16",
-                 "trainer.max_steps=6", "optim.decay_steps=6", "checkpoint.interval=3", "logging.console=false"]
+    overrides = [
+        f"data.datasets=[{{path: {tmp_path / 'data'}}}]",
+        "data.seq_len=64",
+        "data.packing_buffer=16",
+        "trainer.max_steps=6",
+        "optim.decay_steps=6",
+        "checkpoint.interval=3",
+        "logging.console=false",
+    ]
     straight = tmp_path / "straight"
     proc = run_cli("--config", "configs/debug_llama.yaml", f"trainer.output_dir={straight}", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -176,8 +212,10 @@ def test_cli_trains_exports_and_resumes_exactly_on_the_real_loader(tmp_path, pro
 
     resumed = tmp_path / "resumed"
     copy_checkpoint(straight / "checkpoints" / "step-00000003", resumed / "checkpoints" / "step-00000003")
-    cfg = load_job_config(str(REPO / "configs" / "debug_llama.yaml"),
-                          [f"trainer.output_dir={resumed}", *overrides, "data.num_workers=auto"])
+    cfg = load_job_config(
+        str(REPO / "configs" / "debug_llama.yaml"),
+        [f"trainer.output_dir={resumed}", *overrides, "data.num_workers=auto"],
+    )
     capsys.readouterr()
     history = train(cfg)
     assert capsys.readouterr().out.count("data.num_workers: auto -> ") == 1  # rank 0's one line
@@ -193,11 +231,20 @@ def test_qwen_recipes_train(tmp_path, process_group, recipe, precision):
     from headrace.training.train import train
 
     make_text_dataset(tmp_path / "data", [40])
-    cfg = load_job_config(str(REPO / "configs" / f"{recipe}.yaml"), [
-        f"data.datasets=[{{path: {tmp_path / 'data'}}}]", "data.seq_len=64", "trainer.max_steps=8",
-        f"trainer.precision={precision}",
-        f"trainer.output_dir={tmp_path / 'out'}", "optim.lr=0.01", "logging.console=false",
-        "checkpoint.interval=0", "data.packing_buffer=8"])
+    cfg = load_job_config(
+        str(REPO / "configs" / f"{recipe}.yaml"),
+        [
+            f"data.datasets=[{{path: {tmp_path / 'data'}}}]",
+            "data.seq_len=64",
+            "trainer.max_steps=8",
+            f"trainer.precision={precision}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            "optim.lr=0.01",
+            "logging.console=false",
+            "checkpoint.interval=0",
+            "data.packing_buffer=8",
+        ],
+    )
     history = train(cfg)
     assert history[-1]["loss"] < history[0]["loss"]
     assert (tmp_path / "out" / "hf" / "model-00001-of-00001.safetensors").is_file()
@@ -211,11 +258,34 @@ def test_bench_train_reports_mfu_on_cuda(tmp_path):
     is a fraction. The figures themselves are for BENCHMARKS.md, not asserted."""
     make_text_dataset(tmp_path / "data", [400, 400])
     env = child_env()
-    proc = subprocess.run([sys.executable, "-m", "tools.bench_train", "--config", "configs/llama_1b.yaml", "--device",
-                           "cuda", "--sources", "headrace", "--steps", "6", "--warmup", "2", "--data",
-                           str(tmp_path / "data"), "--out", str(tmp_path / "out"), "data.seq_len=2048",
-                           "data.packing_buffer=64"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench_train",
+            "--config",
+            "configs/llama_1b.yaml",
+            "--device",
+            "cuda",
+            "--sources",
+            "headrace",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(tmp_path / "out"),
+            "data.seq_len=2048",
+            "data.packing_buffer=64",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])["headrace"]
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and 0 <= result["data_wait_frac"] < 1
@@ -231,10 +301,17 @@ def test_model_without_attention_interface_trains_one_document_per_row(tmp_path,
 
     make_text_dataset(tmp_path / "data", [24])
     save_pretrained_tiny(tmp_path / "m", {**TINY_LLAMA, "model_type": "stablelm", "vocab_size": 1024})
-    cfg = load_job_config(None, base=base_job(
-        tmp_path, model=dict(config=None, pretrained_path=str(tmp_path / "m")), data=dict(packing="best_fit"),
-        trainer=dict(max_steps=2, output_dir=str(tmp_path / "out")), optim=dict(max_grad_norm=None),
-        checkpoint=dict(interval=0, save_final=False, export_hf=False)))
+    cfg = load_job_config(
+        None,
+        base=base_job(
+            tmp_path,
+            model=dict(config=None, pretrained_path=str(tmp_path / "m")),
+            data=dict(packing="best_fit"),
+            trainer=dict(max_steps=2, output_dir=str(tmp_path / "out")),
+            optim=dict(max_grad_norm=None),
+            checkpoint=dict(interval=0, save_final=False, export_hf=False),
+        ),
+    )
     rows = one_document_per_row(cfg)
     assert (rows.model.attn_implementation, rows.data.packing) == ("sdpa", "none")
     batch = next(iter(build_loader(rows.data, 0, 1)))
@@ -282,16 +359,22 @@ def test_automodel_distributed_block_loads_as_written(tmp_path):
 
     job = base_job(tmp_path) | yaml.safe_load(AUTOMODEL_DISTRIBUTED)
     d = load_job_config(None, base=job).distributed
-    assert (d.dp_size, d.dp_replicate_size, d.activation_checkpointing, d.compile, d.reshard_after_forward) == \
-        (None, None, True, False, True)
+    assert (d.dp_size, d.dp_replicate_size, d.activation_checkpointing, d.compile, d.reshard_after_forward) == (
+        None,
+        None,
+        True,
+        False,
+        True,
+    )
     for override, message in (
-            ("distributed.strategy=megatron_fsdp", "distributed.strategy: megatron_fsdp is not implemented"),
-            ("distributed.zero_dp_strategy=3", "distributed.zero_dp_strategy: a MegatronFSDP option"),
-            ("distributed.offload_policy={pin_memory: true}", "distributed.offload_policy=.* is not supported: use cpu"),
-            ("distributed.mp_policy={param_dtype: bfloat16}", "distributed.mp_policy=.* use trainer.precision"),
-            ("distributed.activation_checkpointing=selective", "activation_checkpointing=selective is not supported"),
-            ("distributed.enable_fsdp2_prefetch=true", "distributed.enable_fsdp2_prefetch=True is not supported"),
-            ("distributed.tp_plan={a: b}", "distributed.tp_plan=.* custom TP plans are not loaded")):
+        ("distributed.strategy=megatron_fsdp", "distributed.strategy: megatron_fsdp is not implemented"),
+        ("distributed.zero_dp_strategy=3", "distributed.zero_dp_strategy: a MegatronFSDP option"),
+        ("distributed.offload_policy={pin_memory: true}", "distributed.offload_policy=.* is not supported: use cpu"),
+        ("distributed.mp_policy={param_dtype: bfloat16}", "distributed.mp_policy=.* use trainer.precision"),
+        ("distributed.activation_checkpointing=selective", "activation_checkpointing=selective is not supported"),
+        ("distributed.enable_fsdp2_prefetch=true", "distributed.enable_fsdp2_prefetch=True is not supported"),
+        ("distributed.tp_plan={a: b}", "distributed.tp_plan=.* custom TP plans are not loaded"),
+    ):
         with pytest.raises(ConfigError, match=message) as err:
             load_job_config(None, [override], base=copy.deepcopy(job))
         assert "\n" not in str(err.value)
@@ -305,11 +388,16 @@ def test_wandb_offline_and_profiler_trace(tmp_path, process_group, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     make_text_dataset(tmp_path / "data", [40])
-    cfg = load_job_config(None, base=base_job(
-        tmp_path, model=dict(config=dict(TINY_LLAMA, vocab_size=1024)),
-        trainer=dict(max_steps=4, output_dir=str(tmp_path / "out"), profile=dict(start=2, steps=2)),
-        logging=dict(wandb=dict(project="headrace-test", mode="offline")),
-        checkpoint=dict(interval=0, save_final=False, export_hf=False)))
+    cfg = load_job_config(
+        None,
+        base=base_job(
+            tmp_path,
+            model=dict(config=dict(TINY_LLAMA, vocab_size=1024)),
+            trainer=dict(max_steps=4, output_dir=str(tmp_path / "out"), profile=dict(start=2, steps=2)),
+            logging=dict(wandb=dict(project="headrace-test", mode="offline")),
+            checkpoint=dict(interval=0, save_final=False, export_hf=False),
+        ),
+    )
     history = train(cfg)
     (run_file,) = (tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb")
     data = run_file.read_bytes()

@@ -15,10 +15,20 @@ from tests.helpers import torchrun
 def test_layouts_resume_and_reshard(tmp_path):
     save_pretrained_tiny(tmp_path / "pretrained")
     out = torchrun(4, "tests.dist.train_layouts", tmp_path, "layouts").stdout
-    for check in ("chunked loss under fsdp2", "fsdp2_bf16 losses", "fsdp2 matches", "hsdp_ac matches",
-                  "ddp matches", "tp_sp matches", "fsdp2_tp_sp matches", "fsdp2_offload matches", "resume reproduces",
-                  "hf export logits equal", "fsdp2 dp=4 checkpoint resumes as hsdp",
-                  "fsdp2 dp=4 checkpoint resumes as dp2_tp2"):
+    for check in (
+        "chunked loss under fsdp2",
+        "fsdp2_bf16 losses",
+        "fsdp2 matches",
+        "hsdp_ac matches",
+        "ddp matches",
+        "tp_sp matches",
+        "fsdp2_tp_sp matches",
+        "fsdp2_offload matches",
+        "resume reproduces",
+        "hf export logits equal",
+        "fsdp2 dp=4 checkpoint resumes as hsdp",
+        "fsdp2 dp=4 checkpoint resumes as dp2_tp2",
+    ):
         assert out.count(f"OK {check}") == 4, out[-3000:]
     out = torchrun(2, "tests.dist.train_layouts", tmp_path, "reshard").stdout
     for check in ("as reshard_dp2", "as reshard_tp2", "OK float8 under fsdp2", "OK per-block compile"):

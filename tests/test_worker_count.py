@@ -91,12 +91,15 @@ def test_one_usable_core_is_one_process_without_measuring(text, monkeypatch, cor
     assert sorted(k for b in keys_of(loader) for k in b) == sorted(all_keys)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("two", r"data\.num_workers: expected int \| 'auto', got 'two'"),
-    (-1, r"num_workers must be an integer >= 0 or 'auto', got -1"),
-    (1.5, r"data\.num_workers: expected int \| 'auto', got 1\.5"),
-    (True, r"data\.num_workers: expected int \| 'auto', got True"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("two", r"data\.num_workers: expected int \| 'auto', got 'two'"),
+        (-1, r"num_workers must be an integer >= 0 or 'auto', got -1"),
+        (1.5, r"data\.num_workers: expected int \| 'auto', got 1\.5"),
+        (True, r"data\.num_workers: expected int \| 'auto', got True"),
+    ],
+)
 def test_bad_num_workers_is_a_config_error(text, value, message):
     root, _ = text
     with pytest.raises(ConfigError, match=message):

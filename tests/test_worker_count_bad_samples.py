@@ -35,9 +35,20 @@ def data(tmp_path, monkeypatch):
 @pytest.mark.parametrize("budget", [100, BAD])  # BAD: the trial loaders alone would pass it, re-reading the data
 def test_auto_workers_count_and_say_each_bad_sample_once(data, caplog, budget):
     caplog.set_level(logging.WARNING, logger="headrace.dataio.stream.batches")
-    loader = build_loader({"datasets": [{"path": str(data)}], "num_workers": "auto", "seq_len": 16,
-                           "packing": "best_fit", "packing_buffer": 4, "batch_size": 1, "epochs": 1,
-                           "max_bad_samples": budget}, 0, 1)
+    loader = build_loader(
+        {
+            "datasets": [{"path": str(data)}],
+            "num_workers": "auto",
+            "seq_len": 16,
+            "packing": "best_fit",
+            "packing_buffer": 4,
+            "batch_size": 1,
+            "epochs": 1,
+            "max_bad_samples": budget,
+        },
+        0,
+        1,
+    )
     assert loader.worker_choice is not None
     said = [r.getMessage() for r in caplog.records if "skipping bad sample" in r.getMessage()]
     assert said == [], said  # the measurement said nothing

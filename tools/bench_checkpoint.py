@@ -65,10 +65,13 @@ def run_mode(mode: str, model, optimizer, batch, out: Path, steps: int, save_at:
     final_wait = time.perf_counter() - start
     quiet = [t for s, t in enumerate(times, 1) if s not in save_at and not in_flight[s - 1]]
     median = statistics.median(quiet)
-    return {"mode": mode, "median_step_s": median,
-            "stall_s": [times[s - 1] - median for s in sorted(save_at)],
-            "after_s": sum(t - median for s, t in enumerate(times, 1) if in_flight[s - 1] and s not in save_at),
-            "final_wait_s": final_wait}
+    return {
+        "mode": mode,
+        "median_step_s": median,
+        "stall_s": [times[s - 1] - median for s in sorted(save_at)],
+        "after_s": sum(t - median for s, t in enumerate(times, 1) if in_flight[s - 1] and s not in save_at),
+        "final_wait_s": final_wait,
+    }
 
 
 def save_load_times(model, optimizer, out: Path) -> dict:
@@ -94,8 +97,13 @@ def save_load_times(model, optimizer, out: Path) -> dict:
     size = sum(f.stat().st_size for f in path.iterdir())
     shutil.rmtree(ours.parent / "layout-ours", ignore_errors=True)
     shutil.rmtree(theirs, ignore_errors=True)
-    return {"gb": size / 1e9, "ours_save_s": ours_save, "dcp_save_s": dcp_save, "ours_load_s": ours_load,
-            "dcp_load_s": dcp_load}
+    return {
+        "gb": size / 1e9,
+        "ours_save_s": ours_save,
+        "dcp_save_s": dcp_save,
+        "ours_load_s": ours_load,
+        "dcp_load_s": dcp_load,
+    }
 
 
 def staging_times(model, optimizer, rounds: int) -> list[dict]:
@@ -109,8 +117,7 @@ def staging_times(model, optimizer, rounds: int) -> list[dict]:
         for mode, buffers in (("async", None), ("async_with_pinned_mem", kept)):
             start = time.perf_counter()
             staged = checkpoint.stage(tensors, buffers, pin=mode == "async_with_pinned_mem")
-            rows.append({"round": r, "mode": mode, "stage_s": time.perf_counter() - start,
-                         "load": os.getloadavg()[0]})
+            rows.append({"round": r, "mode": mode, "stage_s": time.perf_counter() - start, "load": os.getloadavg()[0]})
             del staged
     return rows
 
@@ -143,11 +150,21 @@ def main() -> None:
     save_at = {int(s) for s in args.save_at.split(",")}
     for r in range(args.rounds):
         for mode in args.modes.split(","):
-            print(json.dumps({"round": r, **run_mode(mode, model, optimizer, batch, args.out, args.steps, save_at),
-                              "load": os.getloadavg()[0]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "round": r,
+                        **run_mode(mode, model, optimizer, batch, args.out, args.steps, save_at),
+                        "load": os.getloadavg()[0],
+                    }
+                ),
+                flush=True,
+            )
         if not args.no_layout_times:
-            print(json.dumps({"round": r, **save_load_times(model, optimizer, args.out),
-                              "load": os.getloadavg()[0]}), flush=True)
+            print(
+                json.dumps({"round": r, **save_load_times(model, optimizer, args.out), "load": os.getloadavg()[0]}),
+                flush=True,
+            )
     shutil.rmtree(args.out, ignore_errors=True)
     dist.destroy_process_group()
 

@@ -53,8 +53,10 @@ def run_imbalance(seq_lens: list[int]) -> None:
             reports = [attention_work(r["cu_seqlens"], cp) for r in rows]
             ht = [r["causal"]["imbalance"] for r in reports]
             cont = [r["causal_contiguous"]["imbalance"] for r in reports]
-            print(f"| {seq_len} | {cp} | {len(rows)} | {sum(ht) / len(ht):.4f} | {max(ht):.4f} | "
-                  f"{sum(cont) / len(cont):.3f} | {max(cont):.3f} |")
+            print(
+                f"| {seq_len} | {cp} | {len(rows)} | {sum(ht) / len(ht):.4f} | {max(ht):.4f} | "
+                f"{sum(cont) / len(cont):.3f} | {max(cont):.3f} |"
+            )
 
 
 def saved_bytes(fn, params: set[int]) -> tuple[object, int]:
@@ -85,24 +87,36 @@ def run_train(seq_lens: list[int], steps: int, hidden: int) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=max(seq_lens), tie_word_embeddings=False)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(seq_lens),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = CausalLMLoss(AutoModelForCausalLM.from_config(config, attn_implementation=register_varlen_attention()))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     groups = {cp: dist.new_group(list(range(cp))) for cp in (1, 2, 4) if cp <= world}
     if rank == 0:
-        print(f"tiny llama hidden {hidden}, 2 layers, 4/2 heads; {world} ranks on {torch.get_num_threads()} "
-              f"thread(s) each")
-        print("| seq_len | cp | mode | saved MiB/rank | x (cp1 / cp) | tokens/s | step s | rank-0 CPU s | "
-              "MiB sent/rank/step |")
+        print(
+            f"tiny llama hidden {hidden}, 2 layers, 4/2 heads; {world} ranks on {torch.get_num_threads()} "
+            f"thread(s) each"
+        )
+        print(
+            "| seq_len | cp | mode | saved MiB/rank | x (cp1 / cp) | tokens/s | step s | rank-0 CPU s | "
+            "MiB sent/rank/step |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
     for seq_len in seq_lens:
         batch = packed_rows(seq_len, 1)[0]
         base = None
         for cp, group in groups.items():
-            for mode in (("allgather", "ring") if cp > 1 else ("-",)):
+            for mode in ("allgather", "ring") if cp > 1 else ("-",):
                 if rank < cp:
                     shard = cp_shard(batch, cp, rank) if cp > 1 else batch
 
@@ -125,8 +139,11 @@ def run_train(seq_lens: list[int], steps: int, hidden: int) -> None:
                     if rank == 0:
                         base = saved if cp == 1 else base
                         best = min(times)
-                        print(f"| {seq_len} | {cp} | {mode} | {saved / 2**20:.1f} | {saved * cp / base:.3f} | "
-                              f"{seq_len / best:,.0f} | {best:.2f} | {min(cpu):.2f} | {sent / 2**20:.1f} |", flush=True)
+                        print(
+                            f"| {seq_len} | {cp} | {mode} | {saved / 2**20:.1f} | {saved * cp / base:.3f} | "
+                            f"{seq_len / best:,.0f} | {best:.2f} | {min(cpu):.2f} | {sent / 2**20:.1f} |",
+                            flush=True,
+                        )
                 dist.barrier()
     dist.destroy_process_group()
 

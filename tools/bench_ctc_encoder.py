@@ -28,8 +28,9 @@ class ConvBiGRU(nn.Module):
 
     def __init__(self, n_mels: int, units: int, channels: int = 32, hidden: int = 224):
         super().__init__()
-        self.conv = nn.Sequential(nn.Conv2d(1, channels, 3, 2, 1), nn.GELU(), nn.Conv2d(channels, channels, 3, 2, 1),
-                                  nn.GELU())
+        self.conv = nn.Sequential(
+            nn.Conv2d(1, channels, 3, 2, 1), nn.GELU(), nn.Conv2d(channels, channels, 3, 2, 1), nn.GELU()
+        )
         self.gru = nn.GRU(channels * ((n_mels + 3) // 4), hidden, num_layers=3, bidirectional=True, batch_first=True)
         self.head = nn.Linear(2 * hidden, units + 1)
 
@@ -59,8 +60,11 @@ def fastconformer(config: str) -> CTCModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_ctc_encoder", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench_ctc_encoder",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--config", default="configs/speech_ctc.yaml")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="steps per model per round")
@@ -98,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for name, (model, _) in models.items():
         walls, cpus = zip(*times[name])
-        out[name] = {"params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-                     "wall_s_per_step": round(sorted(walls)[len(walls) // 2], 2),
-                     "cpu_s_per_step": round(sorted(cpus)[len(cpus) // 2], 2)}
-    out["cpu_ratio_fastconformer_over_bigru"] = round(out["fastconformer"]["cpu_s_per_step"]
-                                                      / out["conv_bigru"]["cpu_s_per_step"], 2)
+        out[name] = {
+            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+            "wall_s_per_step": round(sorted(walls)[len(walls) // 2], 2),
+            "cpu_s_per_step": round(sorted(cpus)[len(cpus) // 2], 2),
+        }
+    out["cpu_ratio_fastconformer_over_bigru"] = round(
+        out["fastconformer"]["cpu_s_per_step"] / out["conv_bigru"]["cpu_s_per_step"], 2
+    )
     print(json.dumps(out))
     return 0
 

@@ -64,11 +64,18 @@ def main() -> None:
         p.unlink(missing_ok=True)
     write_manifest(manifest, args.cuts)
     for name, mode in (("headrace first open", "index"), ("headrace cached", "index"), ("lhotse eager", "lhotse")):
-        out = subprocess.run([sys.executable, "-c", MEASURE.format(mode=mode, path=str(manifest))],
-                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", MEASURE.format(mode=mode, path=str(manifest))],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        print(f"{name:20s} {r['cuts']:>8,} cuts: first cut after {r['seconds']:6.2f} s, peak RSS +{r['rss_mib']:7.1f} MiB",
-              flush=True)
+        print(
+            f"{name:20s} {r['cuts']:>8,} cuts: first cut after {r['seconds']:6.2f} s, peak RSS +{r['rss_mib']:7.1f} MiB",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

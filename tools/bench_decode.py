@@ -66,8 +66,14 @@ def headrace_batches(shards: Path, workers: int, batch_size: int, count: int, ep
     from headrace.dataio import build_loader
 
     ext = audio_ext(shards)
-    cfg = {"datasets": [{"path": str(shards)}], "batch_size": batch_size, "shuffle": False, "epochs": epochs,
-           "num_workers": workers, "decode": {"sample_rate": TARGET_RATE}}
+    cfg = {
+        "datasets": [{"path": str(shards)}],
+        "batch_size": batch_size,
+        "shuffle": False,
+        "epochs": epochs,
+        "num_workers": workers,
+        "decode": {"sample_rate": TARGET_RATE},
+    }
     for batch in build_loader(cfg, dp_rank=0, dp_size=1):
         yield batch[ext], batch["__lengths__"][ext]
 
@@ -124,8 +130,13 @@ def run_epoch(path: str, shards: Path, batch_size: int, epochs: int) -> dict:
     cpu = cpu_seconds() - cpu
     if seen + timed != count * epochs:
         raise AssertionError(f"{path} delivered {seen + timed} of {count * epochs} samples")
-    return {"wall_s": wall, "samples_after_first": timed, "samples": count, "cpu_s": cpu,
-            "libsndfile": soundfile._ffi.string(soundfile._snd.sf_version_string()).decode()}
+    return {
+        "wall_s": wall,
+        "samples_after_first": timed,
+        "samples": count,
+        "cpu_s": cpu,
+        "libsndfile": soundfile._ffi.string(soundfile._snd.sf_version_string()).decode(),
+    }
 
 
 def build_cases(data: Path, hours: float) -> dict[str, Path]:
@@ -143,8 +154,18 @@ def build_cases(data: Path, hours: float) -> dict[str, Path]:
 def measure(path: str, shards: Path, batch_size: int, epochs: int, repo: Path | None) -> dict:
     """One ``--epoch`` process of this script (against ``repo``'s dataio when given)."""
     env = dict(os.environ, PYTHONPATH=str(repo or Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--epoch", path, "--shards", str(shards),
-           "--batch-size", str(batch_size), "--epochs", str(epochs)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--epoch",
+        path,
+        "--shards",
+        str(shards),
+        "--batch-size",
+        str(batch_size),
+        "--epochs",
+        str(epochs),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(f"{path} on {shards} failed:\n{done.stderr[-3000:]}")
@@ -152,8 +173,9 @@ def measure(path: str, shards: Path, batch_size: int, epochs: int, repo: Path | 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--data", type=Path, default=Path("/tmp/headrace-bench-decode"), help="cases are built here once")
     p.add_argument("--hours", type=float, default=1.0, help="hours of speech per case")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated, from " + ",".join(CASES))
@@ -174,8 +196,12 @@ def main() -> int:
     w = args.workers
     paths = {"headrace w0": ("headrace:0", None), f"headrace w{w}": (f"headrace:{w}", None)}
     if args.baseline:
-        paths.update({"baseline w0": ("headrace:0", args.baseline.resolve()),
-                      f"baseline w{w}": (f"headrace:{w}", args.baseline.resolve())})
+        paths.update(
+            {
+                "baseline w0": ("headrace:0", args.baseline.resolve()),
+                f"baseline w{w}": (f"headrace:{w}", args.baseline.resolve()),
+            }
+        )
     paths[f"dali t{w}"] = (f"dali:{w}", None)
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
@@ -185,19 +211,24 @@ def main() -> int:
         print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps({f"{c}|{n}": v for (c, n), v in runs.items()}, indent=1))
-    print(f"\n{args.rounds} rounds, batch {args.batch_size}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f} at the end\n")
+    print(
+        f"\n{args.rounds} rounds, batch {args.batch_size}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f} at the end\n"
+    )
     print("| case | path | libsndfile | samples/s | CPU ms / sample | x dali (samples/s) | x dali (CPU) |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for case in args.cases.split(","):
         rate = {n: statistics.median(x["samples_after_first"] / x["wall_s"] for x in runs[(case, n)]) for n in paths}
-        cpu = {n: statistics.median(x["cpu_s"] / x["samples_after_first"] * 1e3 for x in runs[(case, n)])
-               for n in paths}
+        cpu = {
+            n: statistics.median(x["cpu_s"] / x["samples_after_first"] * 1e3 for x in runs[(case, n)]) for n in paths
+        }
         dali = f"dali t{w}"
         for n in paths:
             lib = runs[(case, n)][0]["libsndfile"].removeprefix("libsndfile-") if not n.startswith("dali") else "-"
-            print(f"| {case} | {n} | {lib} | {rate[n]:,.0f} | {cpu[n]:.3f} | {rate[n] / rate[dali]:.2f} | "
-                  f"{cpu[dali] / cpu[n]:.2f} |")
+            print(
+                f"| {case} | {n} | {lib} | {rate[n]:,.0f} | {cpu[n]:.3f} | {rate[n] / rate[dali]:.2f} | "
+                f"{cpu[dali] / cpu[n]:.2f} |"
+            )
     return 0
 
 

@@ -42,9 +42,11 @@ def main() -> None:
         agreed = time.perf_counter() - start
         extra.append((agreed - plain) / args.batches * 1e6)
     if dist.get_rank() == 0:
-        print(f"{dist.get_world_size()} ranks, {args.batches} batches x {args.rounds} rounds: even_batches adds "
-              f"{statistics.median(extra):.1f} us per batch (median; rounds {', '.join(f'{e:.1f}' for e in extra)})",
-              flush=True)
+        print(
+            f"{dist.get_world_size()} ranks, {args.batches} batches x {args.rounds} rounds: even_batches adds "
+            f"{statistics.median(extra):.1f} us per batch (median; rounds {', '.join(f'{e:.1f}' for e in extra)})",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def rss_mib(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -72,27 +71,38 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    fields = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
-                  intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                  num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
-                  tie_word_embeddings=False)
+    fields = dict(
+        model_type="llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        tie_word_embeddings=False,
+    )
     hf_config = build_hf_config(ModelConfig(config=fields))
     dims = ParallelDims.from_config(DistributedConfig(), dist.get_world_size())
-    model = parallelize(CausalLMLoss(build_meta_model(hf_config)), dims.build_meshes("cpu"), DistributedConfig(),
-                        torch.float32)
+    model = parallelize(
+        CausalLMLoss(build_meta_model(hf_config)), dims.build_meshes("cpu"), DistributedConfig(), torch.float32
+    )
     materialize(model, torch.device("cpu"))
     total_mib = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-    rows = [("dcp_hf_writer", lambda: export_hf(model, hf_config, args.out / "dcp",
-                                                 shard_size_mb=args.shard_size_mb)),
-            ("gather_rank0", lambda: gather_on_rank0(model, args.out / "gather"))]
+    rows = [
+        ("dcp_hf_writer", lambda: export_hf(model, hf_config, args.out / "dcp", shard_size_mb=args.shard_size_mb)),
+        ("gather_rank0", lambda: gather_on_rank0(model, args.out / "gather")),
+    ]
     for name, fn in rows:
         mib, seconds = peak_during(fn)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mib)
         if dist.get_rank() == 0:
             per_rank = " ".join(f"{m:7.0f}" for m in everyone)
-            print(f"{name:14s} model {total_mib:6.0f} MiB fp32, {dist.get_world_size()} ranks: peak RSS growth "
-                  f"per rank (MiB) {per_rank}; {seconds:.1f} s", flush=True)
+            print(
+                f"{name:14s} model {total_mib:6.0f} MiB fp32, {dist.get_world_size()} ranks: peak RSS growth "
+                f"per rank (MiB) {per_rank}; {seconds:.1f} s",
+                flush=True,
+            )
     if dist.get_rank() == 0:
         shutil.rmtree(args.out, ignore_errors=True)
     dist.destroy_process_group()

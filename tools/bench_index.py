@@ -35,8 +35,14 @@ def main() -> None:
         with wds.ShardWriter(str(ours / "shard-%06d.tar"), maxcount=args.samples, verbose=0) as w:
             for i in range(args.shards * args.samples):
                 tokens = rng.integers(0, 30000, int(rng.integers(10, 400)), dtype=np.uint16)
-                w.write({"__key__": f"s{i:09d}", "txt": b"x" * int(rng.integers(50, 2000)),
-                         "tokens.npy": npy_bytes(tokens), "json": b'{"a": 1}'})
+                w.write(
+                    {
+                        "__key__": f"s{i:09d}",
+                        "txt": b"x" * int(rng.integers(50, 2000)),
+                        "tokens.npy": npy_bytes(tokens),
+                        "json": b'{"a": 1}',
+                    }
+                )
         shutil.copytree(ours, theirs)
         n = args.shards * args.samples
 
@@ -54,8 +60,10 @@ def main() -> None:
         print(f"energon prepare: {energon_s:6.2f} s  {n / energon_s:10.0f} samples/s (process start included)")
         if args.baseline:
             print(f"baseline index : {baseline_s:6.2f} s  {n / baseline_s:10.0f} samples/s ({args.baseline})")
-        print(f"speed-up       : {energon_s / ours_s:.2f}x over energon prepare"
-              + (f", {baseline_s / ours_s:.2f}x over the baseline" if args.baseline else ""))
+        print(
+            f"speed-up       : {energon_s / ours_s:.2f}x over energon prepare"
+            + (f", {baseline_s / ours_s:.2f}x over the baseline" if args.baseline else "")
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,13 @@ def document_layout(kind: str, tokens: int, seed: int = 0) -> list[int]:
         return [tokens]
     rng = np.random.default_rng(seed)
     # 4 rows of ``tokens`` take at most 4 * tokens documents of >= 1 token.
-    lengths = iter((rng.integers(1, 129, 4 * tokens) if kind == "short"
-                    else longtail_lengths(rng, 4 * tokens, median=700, sigma=1.2)).tolist())
+    lengths = iter(
+        (
+            rng.integers(1, 129, 4 * tokens)
+            if kind == "short"
+            else longtail_lengths(rng, 4 * tokens, median=700, sigma=1.2)
+        ).tolist()
+    )
     rows, row, pending = [], [], 0
     while len(rows) < 4:
         pending = pending or next(lengths)
@@ -115,6 +120,7 @@ def _loss_case(threads, device, tokens, hidden, vocab, dtype, impl, chunk_tokens
     h = torch.randn(tokens, hidden, device=device, dtype=dt, requires_grad=True)
     w = (torch.randn(vocab, hidden, device=device, dtype=dt) * 0.02).requires_grad_()
     y = torch.randint(0, vocab, (tokens,), device=device)
+
     def step():
         if impl == "chunked":
             loss, _ = linear_cross_entropy(h, w, y, chunk_size=chunk_tokens)
@@ -141,12 +147,26 @@ def bench_loss(args) -> list[dict]:
     rows = []
     ctx = mp.get_context("spawn")
     for vocab in args.vocab:
-        row = {"tokens": args.tokens_loss, "hidden": args.hidden, "vocab": vocab, "dtype": args.dtype,
-               "chunk": args.chunk_tokens, "logits_fp32_mib": args.tokens_loss * vocab * 4 / 2**20}
+        row = {
+            "tokens": args.tokens_loss,
+            "hidden": args.hidden,
+            "vocab": vocab,
+            "dtype": args.dtype,
+            "chunk": args.chunk_tokens,
+            "logits_fp32_mib": args.tokens_loss * vocab * 4 / 2**20,
+        }
         for impl in ("reference", "chunked"):
             out = ctx.Queue()
-            case = (args.threads, args.device, args.tokens_loss, args.hidden, vocab, args.dtype, impl,
-                    args.chunk_tokens)
+            case = (
+                args.threads,
+                args.device,
+                args.tokens_loss,
+                args.hidden,
+                vocab,
+                args.dtype,
+                impl,
+                args.chunk_tokens,
+            )
             p = ctx.Process(target=_loss_case, args=(*case, args.repeats, out))
             p.start()
             res = out.get()
@@ -182,8 +202,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"# torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"dtype {args.dtype}", flush=True)
+    print(
+        f"# torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, dtype {args.dtype}",
+        flush=True,
+    )
     if args.part in ("attention", "all"):
         bench_attention(args)
     if args.part in ("loss", "all"):

@@ -136,8 +136,16 @@ def headrace_bytes_epoch(root: Path, *, workers: int) -> tuple[float, int, float
     from headrace.dataio import build_loader
 
     t = time.perf_counter()
-    loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 32, "epochs": 1, "num_workers": workers,
-                           "shuffle": False, "decode": {"audio": "raw"}})
+    loader = build_loader(
+        {
+            "datasets": [{"path": str(root)}],
+            "batch_size": 32,
+            "epochs": 1,
+            "num_workers": workers,
+            "shuffle": False,
+            "decode": {"audio": "raw"},
+        }
+    )
     n, first, first_n = 0, None, 0
     for batch in loader:
         n += len(batch["__key__"])
@@ -154,8 +162,16 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
 
     cpu0 = cpu_seconds()
     t = time.perf_counter()
-    loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 256, "epochs": 1,
-                           "num_workers": workers, "shuffle": shuffle, "prefetch": 4})
+    loader = build_loader(
+        {
+            "datasets": [{"path": str(root)}],
+            "batch_size": 256,
+            "epochs": 1,
+            "num_workers": workers,
+            "shuffle": shuffle,
+            "prefetch": 4,
+        }
+    )
     n, first, first_n, rss = 0, None, 0, []
     for i, batch in enumerate(loader):
         n += len(batch["__key__"])
@@ -168,10 +184,17 @@ def headrace_epoch(root: Path, *, workers: int, shuffle: bool) -> dict:
     del loader
     gc.collect()  # the DataLoader iterator is gone: its workers are joined, their CPU time counted
     workers_cpu = cpu_seconds()[1]
-    return {"seconds": seconds, "samples": n, "first_batch_s": first, "rss_mb": rss,
-            "steady_samples_per_s": round((n - first_n) / (seconds - first)),
-            "cpu_us_per_sample": {"main": round((main_cpu - cpu0[0]) / n * 1e6, 2),
-                                  "workers": round((workers_cpu - cpu0[1]) / n * 1e6, 2)}}
+    return {
+        "seconds": seconds,
+        "samples": n,
+        "first_batch_s": first,
+        "rss_mb": rss,
+        "steady_samples_per_s": round((n - first_n) / (seconds - first)),
+        "cpu_us_per_sample": {
+            "main": round((main_cpu - cpu0[0]) / n * 1e6, 2),
+            "workers": round((workers_cpu - cpu0[1]) / n * 1e6, 2),
+        },
+    }
 
 
 def shuffle_quality(source_order: np.ndarray) -> dict:
@@ -187,8 +210,16 @@ def shuffle_quality(source_order: np.ndarray) -> dict:
 def headrace_shuffle_order(root: Path, window: int) -> np.ndarray:
     from headrace.dataio import build_loader
 
-    loader = build_loader({"datasets": [{"path": str(root)}], "batch_size": 1024, "epochs": 1, "num_workers": 0,
-                           "shuffle": True, "shuffle_window": window})
+    loader = build_loader(
+        {
+            "datasets": [{"path": str(root)}],
+            "batch_size": 1024,
+            "epochs": 1,
+            "num_workers": 0,
+            "shuffle": True,
+            "shuffle_window": window,
+        }
+    )
     return np.concatenate([b["__ref__"].numpy() for b in loader])
 
 
@@ -209,8 +240,20 @@ def worker_round_trip(batches: int = 2000) -> tuple[float, float, float]:
 
     keys = [f"d{i:08d}" for i in range(256)]
     main0, kids0 = cpu_seconds()
-    stream = iterate(RankBatches(lambda b, alloc: {"__key__": keys, "__ref__": torch.arange(256)}, first=0, last=batches,
-                                 seed=0, dp_rank=0, epoch=0), num_workers=2, prefetch=4, pin_memory=False, timeout=60)
+    stream = iterate(
+        RankBatches(
+            lambda b, alloc: {"__key__": keys, "__ref__": torch.arange(256)},
+            first=0,
+            last=batches,
+            seed=0,
+            dp_rank=0,
+            epoch=0,
+        ),
+        num_workers=2,
+        prefetch=4,
+        pin_memory=False,
+        timeout=60,
+    )
     next(stream)
     t = time.perf_counter()
     n = sum(1 for _ in stream)
@@ -224,7 +267,9 @@ def main() -> None:
     ap.add_argument("--data-dir", default="/tmp/headrace-bench/text")
     ap.add_argument("--docs", type=int, default=50000)
     ap.add_argument("--per-shard", type=int, default=2000)
-    ap.add_argument("--min-chars", type=int, default=0, help="join texts into documents of at least this many characters")
+    ap.add_argument(
+        "--min-chars", type=int, default=0, help="join texts into documents of at least this many characters"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--audio-dir", default="/tmp/headrace-bench/audio")
     ap.add_argument("--utterances", type=int, default=3000)
@@ -239,27 +284,37 @@ def main() -> None:
 
     n = len(load_index(root))
     page_cache(tars)  # warm the page cache
-    results = {"samples": n, "mean_sample_kb": total_bytes / n / 1024,
-               "page cache": statistics.median(n / page_cache(tars) for _ in range(args.repeats))}
+    results = {
+        "samples": n,
+        "mean_sample_kb": total_bytes / n / 1024,
+        "page cache": statistics.median(n / page_cache(tars) for _ in range(args.repeats)),
+    }
     results["webdataset"] = statistics.median(n / webdataset_epoch(tars)[0] for _ in range(args.repeats))
     details = {}
-    for name, workers, shuffle in [("headrace, 1 process", 0, False), ("headrace, 2 workers", 2, False),
-                                   ("headrace, shuffled, 1 process", 0, True),
-                                   ("headrace, shuffled, 2 workers", 2, True)]:
+    for name, workers, shuffle in [
+        ("headrace, 1 process", 0, False),
+        ("headrace, 2 workers", 2, False),
+        ("headrace, shuffled, 1 process", 0, True),
+        ("headrace, shuffled, 2 workers", 2, True),
+    ]:
         runs = [headrace_epoch(root, workers=workers, shuffle=shuffle) for _ in range(args.repeats)]
         assert all(r["samples"] == n for r in runs), "an epoch must serve every sample once"
         results[name] = statistics.median(r["samples"] / r["seconds"] for r in runs)
-        details[name] = {"first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
-                         "steady_samples_per_s": statistics.median(r["steady_samples_per_s"] for r in runs),
-                         "cpu_us_per_sample": runs[-1]["cpu_us_per_sample"],
-                         "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)]}
+        details[name] = {
+            "first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
+            "steady_samples_per_s": statistics.median(r["steady_samples_per_s"] for r in runs),
+            "cpu_us_per_sample": runs[-1]["cpu_us_per_sample"],
+            "main_rss_mb_over_epoch": runs[-1]["rss_mb"][:: max(1, len(runs[-1]["rss_mb"]) // 5)],
+        }
     wall, main_cpu, worker_cpu = worker_round_trip()
     details["worker round trip, no payload, ms/batch"] = round(wall, 3)
     details["worker round trip, no payload, CPU us/batch (main, workers)"] = [round(main_cpu), round(worker_cpu)]
     details["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     for window in (1000, 8192):
         details[f"shuffle quality, headrace window {window}"] = shuffle_quality(headrace_shuffle_order(root, window))
-        details[f"shuffle quality, webdataset buffer {window}"] = shuffle_quality(webdataset_shuffle_order(tars, window))
+        details[f"shuffle quality, webdataset buffer {window}"] = shuffle_quality(
+            webdataset_shuffle_order(tars, window)
+        )
     audio_root = Path(args.audio_dir)
     if not (audio_root / ".nv-meta/headrace/manifest.json").exists():
         build_audio_corpus(audio_root, args.utterances, 500)
@@ -268,9 +323,11 @@ def main() -> None:
     page_cache(audio_tars)
     audio_kb = sum(p.stat().st_size for p in audio_tars) / n_audio / 1024
     results[f"audio page cache ({audio_kb:.0f} KB/sample)"] = statistics.median(
-        n_audio / page_cache(audio_tars) for _ in range(args.repeats))
+        n_audio / page_cache(audio_tars) for _ in range(args.repeats)
+    )
     results["audio bytes, webdataset, 1 process"] = statistics.median(
-        n_audio / webdataset_bytes_epoch(audio_tars) for _ in range(args.repeats))
+        n_audio / webdataset_bytes_epoch(audio_tars) for _ in range(args.repeats)
+    )
     for workers in (0, 2):
         runs = [headrace_bytes_epoch(audio_root, workers=workers) for _ in range(args.repeats)]
         assert all(n == n_audio for _, n, _ in runs)

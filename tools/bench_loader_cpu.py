@@ -53,16 +53,41 @@ def one(data: str, batch: int, workers: int, epochs: int) -> dict:
         end = time.perf_counter()
         main, kids = (now - then for now, then in zip(cpu_seconds(), (main0, kids0)))
         if epoch:  # the first one warms imports and the page cache
-            runs.append({"samples": n, "main_cpu_s": main, "worker_cpu_s": kids, "first_batch_s": first_at - t0,
-                         "samples_per_s": (n - first_n) / (end - first_at), "samples_per_cpu_s": n / (main + kids)})
+            runs.append(
+                {
+                    "samples": n,
+                    "main_cpu_s": main,
+                    "worker_cpu_s": kids,
+                    "first_batch_s": first_at - t0,
+                    "samples_per_s": (n - first_n) / (end - first_at),
+                    "samples_per_cpu_s": n / (main + kids),
+                }
+            )
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def measure(tree: Path, data: str, batch: int, workers: int, epochs: int) -> dict:
     # this file by path (the baseline may not have it), run in ``tree`` with only ``tree`` on the path for ``dataio``
-    out = subprocess.run([sys.executable, __file__, "--one", "--data", data, "--batch-sizes", str(batch),
-                          "--workers", str(workers), "--epochs", str(epochs)], cwd=tree, check=True, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--one",
+            "--data",
+            data,
+            "--batch-sizes",
+            str(batch),
+            "--workers",
+            str(workers),
+            "--epochs",
+            str(epochs),
+        ],
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -78,7 +103,14 @@ def main() -> None:
     args = ap.parse_args()
     sizes, counts = [int(x) for x in args.batch_sizes.split(",")], [int(x) for x in args.workers.split(",")]
     if args.one:
-        print(json.dumps({"dataio": importlib.import_module("headrace.dataio").__file__, **one(args.data, sizes[0], counts[0], args.epochs)}))
+        print(
+            json.dumps(
+                {
+                    "dataio": importlib.import_module("headrace.dataio").__file__,
+                    **one(args.data, sizes[0], counts[0], args.epochs),
+                }
+            )
+        )
         return
     trees = {"after": REPO, **({"before": args.baseline.resolve()} if args.baseline else {})}
     results: dict[tuple, list[dict]] = {}
@@ -86,30 +118,49 @@ def main() -> None:
         for batch in sizes:
             for workers in counts:
                 for name, tree in trees.items():
-                    results.setdefault((name, batch, workers), []).append(measure(tree, args.data, batch, workers, args.epochs))
+                    results.setdefault((name, batch, workers), []).append(
+                        measure(tree, args.data, batch, workers, args.epochs)
+                    )
 
     def med(name: str, batch: int, workers: int, key: str) -> float:
         return statistics.median(r[key] for r in results[(name, batch, workers)])
 
-    head = ["batch", "workers", *(f"{n} samples/CPU-s" for n in trees), *(["after/before"] if args.baseline else []),
-            *(f"{n} main CPU us/sample" for n in trees), *(f"{n} first batch s" for n in trees),
-            *(f"{n} samples/s" for n in trees)]
+    head = [
+        "batch",
+        "workers",
+        *(f"{n} samples/CPU-s" for n in trees),
+        *(["after/before"] if args.baseline else []),
+        *(f"{n} main CPU us/sample" for n in trees),
+        *(f"{n} first batch s" for n in trees),
+        *(f"{n} samples/s" for n in trees),
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + " ---: |" * len(head))
     for batch in sizes:
         for workers in counts:
             row = [f"{med(n, batch, workers, 'samples_per_cpu_s'):,.0f}" for n in trees]
             if args.baseline:
-                row.append(f"{med('after', batch, workers, 'samples_per_cpu_s') / med('before', batch, workers, 'samples_per_cpu_s'):.2f}x")
-            row += [f"{med(n, batch, workers, 'main_cpu_s') / med(n, batch, workers, 'samples') * 1e6:.1f}" for n in trees]
+                row.append(
+                    f"{med('after', batch, workers, 'samples_per_cpu_s') / med('before', batch, workers, 'samples_per_cpu_s'):.2f}x"
+                )
+            row += [
+                f"{med(n, batch, workers, 'main_cpu_s') / med(n, batch, workers, 'samples') * 1e6:.1f}" for n in trees
+            ]
             row += [f"{med(n, batch, workers, 'first_batch_s'):.3f}" for n in trees]
             row += [f"{med(n, batch, workers, 'samples_per_s'):,.0f}" for n in trees]
             print(f"| {batch} | {workers} | " + " | ".join(row) + " |")
     if 0 in counts:
         for workers in (w for w in counts if w):
-            cost = {n: [med(n, b, 0, "samples_per_cpu_s") / med(n, b, workers, "samples_per_cpu_s") for b in sizes] for n in trees}
-            print(f"\nCPU per sample, {workers} workers / 1 process: " +
-                  "; ".join(f"{n}: " + ", ".join(f"batch {b} {c:.2f}" for b, c in zip(sizes, cs)) for n, cs in cost.items()))
+            cost = {
+                n: [med(n, b, 0, "samples_per_cpu_s") / med(n, b, workers, "samples_per_cpu_s") for b in sizes]
+                for n in trees
+            }
+            print(
+                f"\nCPU per sample, {workers} workers / 1 process: "
+                + "; ".join(
+                    f"{n}: " + ", ".join(f"batch {b} {c:.2f}" for b, c in zip(sizes, cs)) for n, cs in cost.items()
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,15 @@ def synthetic_batches(count: int, seq_len: int, rows: int, vocab: int, seed: int
         ids = torch.randint(1, vocab, (rows, seq_len + 1), generator=g)
         positions = torch.arange(seq_len).remainder(doc).expand(rows, seq_len).contiguous()
         starts = torch.arange(0, rows * seq_len + 1, doc, dtype=torch.int32)
-        out.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
-                    "position_ids": positions, "cu_seqlens": starts, "max_seqlen": doc})
+        out.append(
+            {
+                "input_ids": ids[:, :-1].contiguous(),
+                "labels": ids[:, 1:].contiguous(),
+                "position_ids": positions,
+                "cu_seqlens": starts,
+                "max_seqlen": doc,
+            }
+        )
     return out
 
 
@@ -57,8 +64,9 @@ class Repeat:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--mode", choices=("lora", "full"), required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hidden", type=int, default=1024)
@@ -78,27 +86,49 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as out:
         job = dict(
-            model=dict(config=dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
-                                   intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
-                                   num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
-                                   max_position_embeddings=max(args.seq_len, 512), tie_word_embeddings=False),
-                       attn_implementation="headrace_varlen"),
+            model=dict(
+                config=dict(
+                    model_type="llama",
+                    vocab_size=args.vocab,
+                    hidden_size=args.hidden,
+                    intermediate_size=args.hidden * 11 // 4,
+                    num_hidden_layers=args.layers,
+                    num_attention_heads=args.hidden // 64,
+                    num_key_value_heads=args.hidden // 64,
+                    max_position_embeddings=max(args.seq_len, 512),
+                    tie_word_embeddings=False,
+                ),
+                attn_implementation="headrace_varlen",
+            ),
             data=dict(datasets=[dict(path="unused")], seq_len=args.seq_len, batch_size=args.batch),
-            optim=dict(lr=1e-4), checkpoint=dict(interval=0, save_final=True, export_hf=False),
+            optim=dict(lr=1e-4),
+            checkpoint=dict(interval=0, save_final=True, export_hf=False),
             trainer=dict(max_steps=args.steps, output_dir=out, device=args.device, precision=args.precision),
-            logging=dict(console=False, tensorboard=False))
+            logging=dict(console=False, tensorboard=False),
+        )
         if args.mode == "lora":
             job["peft"] = dict(dim=args.rank, alpha=2 * args.rank, target_modules=["*_proj"])
         batches = synthetic_batches(2, args.seq_len, args.batch, args.vocab)
         with process_group_closed():
             history = train(load_job_config(None, base=job), lambda rank, size: Repeat(batches))
         tokens = args.seq_len * args.batch
-        seconds = [tokens / r["tokens_per_s"] for r in history[args.warmup:]]
+        seconds = [tokens / r["tokens_per_s"] for r in history[args.warmup :]]
         stored = sum(f.stat().st_size for f in (Path(out) / "checkpoints").rglob("*") if f.is_file())
-    print(json.dumps({"mode": args.mode, "device": args.device, "steps": len(seconds),
-                      "step_s_median": statistics.median(seconds), "tokens_per_s": tokens / statistics.median(seconds),
-                      "peak_mem_gib": history[-1]["max_mem"], "checkpoint_mib": stored / 2**20,
-                      "torch_threads": torch.get_num_threads()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "device": args.device,
+                "steps": len(seconds),
+                "step_s_median": statistics.median(seconds),
+                "tokens_per_s": tokens / statistics.median(seconds),
+                "peak_mem_gib": history[-1]["max_mem"],
+                "checkpoint_mib": stored / 2**20,
+                "torch_threads": torch.get_num_threads(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,15 @@ def fill(docs: list[np.ndarray], seq_len: int, algo: str, buffer: int) -> dict:
             pieces[ref] = pieces.get(ref, 0) + 1
     fitting_split = sum(1 for ref, n in pieces.items() if n > 1 and len(docs[ref]) <= seq_len)
     t = packer.totals
-    return {"seq_len": seq_len, "packing": algo, "buffer": buffer if algo == "best_fit" else None,
-            "fill": t.fill, "rows": t.rows, "split_docs": t.split_docs, "fitting_docs_split": fitting_split}
+    return {
+        "seq_len": seq_len,
+        "packing": algo,
+        "buffer": buffer if algo == "best_fit" else None,
+        "fill": t.fill,
+        "rows": t.rows,
+        "split_docs": t.split_docs,
+        "fitting_docs_split": fitting_split,
+    }
 
 
 def load_baseline(rev: str):
@@ -84,8 +91,9 @@ def load_baseline(rev: str):
     Revisions before the subpackage layout keep it at ``dataio/packing.py``."""
     for module_path in ("dataio/batching/packing.py", "dataio/packing.py"):
         try:
-            source = subprocess.run(["git", "show", f"{rev}:{module_path}"], cwd=ROOT, check=True,
-                                    capture_output=True, text=True).stdout
+            source = subprocess.run(
+                ["git", "show", f"{rev}:{module_path}"], cwd=ROOT, check=True, capture_output=True, text=True
+            ).stdout
             break
         except (OSError, subprocess.CalledProcessError) as e:
             error = e
@@ -101,8 +109,7 @@ def load_baseline(rev: str):
 
 
 def speed_once(impl, docs: list[np.ndarray], seq_len: int, rows: int, algo: str, buffer: int) -> dict:
-    packer = impl.Packer(impl.PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=buffer),
-                         rows_per_batch=rows)
+    packer = impl.Packer(impl.PackingConfig(seq_len=seq_len, packing=algo, packing_buffer=buffer), rows_per_batch=rows)
     clock = time.perf_counter
     push_s = pop_s = state_s = 0.0
     batches = 0
@@ -130,9 +137,13 @@ def speed_once(impl, docs: list[np.ndarray], seq_len: int, rows: int, algo: str,
     push_s += clock() - t0
     drain()
     tokens = sum(len(d) for d in docs)
-    return {"tokens_per_s": tokens / (push_s + pop_s), "push_us_per_doc": 1e6 * push_s / len(docs),
-            "pop_us_per_batch": 1e6 * pop_s / batches, "state_dict_us": 1e6 * state_s / batches,
-            "batches": batches}
+    return {
+        "tokens_per_s": tokens / (push_s + pop_s),
+        "push_us_per_doc": 1e6 * push_s / len(docs),
+        "pop_us_per_batch": 1e6 * pop_s / batches,
+        "state_dict_us": 1e6 * state_s / batches,
+        "batches": batches,
+    }
 
 
 def speed(impls: dict, workloads: dict, repeats: int) -> list[dict]:
@@ -141,9 +152,17 @@ def speed(impls: dict, workloads: dict, repeats: int) -> list[dict]:
         for algo, buffer in SPEED_SETTINGS:
             for impl_name, impl in impls.items():
                 runs = [speed_once(impl, docs, seq_len, rows, algo, buffer) for _ in range(repeats)]
-                out.append({"workload": name, "seq_len": seq_len, "rows": rows, "packing": algo,
-                            "buffer": buffer if algo == "best_fit" else None, "impl": impl_name,
-                            **median_run(runs, "tokens_per_s")})
+                out.append(
+                    {
+                        "workload": name,
+                        "seq_len": seq_len,
+                        "rows": rows,
+                        "packing": algo,
+                        "buffer": buffer if algo == "best_fit" else None,
+                        "impl": impl_name,
+                        **median_run(runs, "tokens_per_s"),
+                    }
+                )
     return out
 
 
@@ -153,15 +172,20 @@ def cp_balance(docs: list[np.ndarray], seq_len: int = 32768, batches: int = 20) 
     out = []
     for cp in (2, 4, 8):
         reports = [attention_work(cu, cp) for cu in cus]
-        out.append({"cp_size": cp,
-                    "head_tail_imbalance_max": max(r["causal"]["imbalance"] for r in reports),
-                    "contiguous_imbalance_mean": statistics.mean(r["causal_contiguous"]["imbalance"] for r in reports)})
+        out.append(
+            {
+                "cp_size": cp,
+                "head_tail_imbalance_max": max(r["causal"]["imbalance"] for r in reports),
+                "contiguous_imbalance_mean": statistics.mean(r["causal_contiguous"]["imbalance"] for r in reports),
+            }
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--sim-docs", type=int, default=50_000, help="simulated long-tailed documents")
     p.add_argument("--repeats", type=int, default=3, help="speed runs (median)")
     p.add_argument("--speed-docs", type=int, default=30_000, help="documents per speed workload")
@@ -179,8 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     if (baseline := load_baseline(args.baseline)) is not None:
         impls = {f"baseline {args.baseline}": baseline, **impls}
     result = {
-        "corpora": {name: {"docs": len(v), "tokens": int(v.sum()), "median": float(np.median(v)),
-                           "p99": float(np.percentile(v, 99)), "max": int(v.max())} for name, v in lens.items()},
+        "corpora": {
+            name: {
+                "docs": len(v),
+                "tokens": int(v.sum()),
+                "median": float(np.median(v)),
+                "p99": float(np.percentile(v, 99)),
+                "max": int(v.max()),
+            }
+            for name, v in lens.items()
+        },
         "speed": speed(impls, workloads, args.repeats),
     }
     if not args.speed_only:
@@ -191,24 +223,56 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     for name, c in result["corpora"].items():
-        print(f"{name}: {c['docs']} docs, {c['tokens']} tokens, median {c['median']:.0f}, p99 {c['p99']:.0f}, max {c['max']}")
-    print("\nspeed (one process; push includes the flush; state_dict after every batch, not in tokens/s)\n"
-          "| workload | seq_len | packing | buffer | impl | tokens/s | push us/doc | pop us/batch | state_dict us |")
+        print(
+            f"{name}: {c['docs']} docs, {c['tokens']} tokens, median {c['median']:.0f}, p99 {c['p99']:.0f}, max {c['max']}"
+        )
+    print(
+        "\nspeed (one process; push includes the flush; state_dict after every batch, not in tokens/s)\n"
+        "| workload | seq_len | packing | buffer | impl | tokens/s | push us/doc | pop us/batch | state_dict us |"
+    )
     for r in result["speed"]:
-        print(markdown_row([r["workload"], r["seq_len"], r["packing"], cell(r["buffer"]), r["impl"],
-                            f"{r['tokens_per_s'] / 1e6:.1f}M", cell(r["push_us_per_doc"], ".2f"),
-                            cell(r["pop_us_per_batch"], ".0f"), cell(r["state_dict_us"], ".0f")]))
+        print(
+            markdown_row(
+                [
+                    r["workload"],
+                    r["seq_len"],
+                    r["packing"],
+                    cell(r["buffer"]),
+                    r["impl"],
+                    f"{r['tokens_per_s'] / 1e6:.1f}M",
+                    cell(r["push_us_per_doc"], ".2f"),
+                    cell(r["pop_us_per_batch"], ".0f"),
+                    cell(r["state_dict_us"], ".0f"),
+                ]
+            )
+        )
     if args.speed_only:
         return 0
     for title in ("real_fill", "sim_fill"):
         print(f"\n{title}\n| seq_len | packing | buffer | fill | rows | split docs | fitting docs split |")
         for r in result[title]:
-            print(markdown_row([r["seq_len"], r["packing"], cell(r["buffer"]), f"{100 * r['fill']:.3f}%", r["rows"],
-                                r["split_docs"], r["fitting_docs_split"]]))
-    print("\nCP split, causal work imbalance (max/mean) at seq_len 32768\n| cp_size | head-tail (worst batch) | contiguous (mean) |")
+            print(
+                markdown_row(
+                    [
+                        r["seq_len"],
+                        r["packing"],
+                        cell(r["buffer"]),
+                        f"{100 * r['fill']:.3f}%",
+                        r["rows"],
+                        r["split_docs"],
+                        r["fitting_docs_split"],
+                    ]
+                )
+            )
+    print(
+        "\nCP split, causal work imbalance (max/mean) at seq_len 32768\n| cp_size | head-tail (worst batch) | contiguous (mean) |"
+    )
     for r in result["cp_balance"]:
-        print(markdown_row([r["cp_size"], cell(r["head_tail_imbalance_max"], ".4f"),
-                            cell(r["contiguous_imbalance_mean"], ".3f")]))
+        print(
+            markdown_row(
+                [r["cp_size"], cell(r["head_tail_imbalance_max"], ".4f"), cell(r["contiguous_imbalance_mean"], ".3f")]
+            )
+        )
     return 0
 
 

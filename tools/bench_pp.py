@@ -49,23 +49,39 @@ def run(args, schedule: str, microbatches: int, device: torch.device) -> dict:
     from headrace.training.distributed.pipeline import build_pipeline, pipeline_metrics
     from headrace.training.step import pipeline_train_step
 
-    model = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                 num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                 num_key_value_heads=max(1, args.hidden // 128), tie_word_embeddings=False,
-                 max_position_embeddings=args.seq_len)
-    cfg = load_job_config(None, base=dict(
-        model=dict(config=model, attn_implementation="headrace_varlen"),
-        data=dict(datasets=[dict(path="unused")], seq_len=args.seq_len, batch_size=args.rows),
-        distributed=dict(pp_size=dist.get_world_size(),
-                         pipeline=dict(pp_schedule=schedule, pp_microbatch_size=args.rows // microbatches)),
-        trainer=dict(precision=args.precision)))
+    model = dict(
+        model_type="llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128),
+        tie_word_embeddings=False,
+        max_position_embeddings=args.seq_len,
+    )
+    cfg = load_job_config(
+        None,
+        base=dict(
+            model=dict(config=model, attn_implementation="headrace_varlen"),
+            data=dict(datasets=[dict(path="unused")], seq_len=args.seq_len, batch_size=args.rows),
+            distributed=dict(
+                pp_size=dist.get_world_size(),
+                pipeline=dict(pp_schedule=schedule, pp_microbatch_size=args.rows // microbatches),
+            ),
+            trainer=dict(precision=args.precision),
+        ),
+    )
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     dims.build_meshes(device.type)
     torch.manual_seed(0)
     pipe = build_pipeline(cfg, dims, device, build_hf_config(cfg.model))
     optimizer = build_optimizer(pipe.part, cfg.optim)
-    batch = {k: v.to(device) for k, v in packed_rows(args.rows, args.seq_len, args.vocab, seed=0).items()
-             if torch.is_tensor(v)}
+    batch = {
+        k: v.to(device)
+        for k, v in packed_rows(args.rows, args.seq_len, args.vocab, seed=0).items()
+        if torch.is_tensor(v)
+    }
     records = []
     for step in range(args.steps):
         start = time.perf_counter()
@@ -77,7 +93,9 @@ def run(args, schedule: str, microbatches: int, device: torch.device) -> dict:
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     tokens = args.rows * args.seq_len
     return {
-        "schedule": schedule, "class": pipe.class_name, "microbatches": microbatches,
+        "schedule": schedule,
+        "class": pipe.class_name,
+        "microbatches": microbatches,
         "stages_per_rank": len(pipe.stages),
         "tokens_per_s": tokens / mean([w for w, _ in records]),
         "bubble_theory": pipe.bubble_theory,
@@ -109,18 +127,25 @@ def main() -> None:
         torch.set_num_threads(1)  # the ranks share the cores
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0 and not args.json:
-        print(f"pp {world}, {args.layers} layers x hidden {args.hidden}, {args.rows} rows x {args.seq_len} tokens "
-              f"per step, {args.precision}, {device.type}; {args.steps - args.warmup} timed steps per run\n"
-              f"{'schedule':>18} {'m':>3} {'v':>2} {'tokens/s':>9} {'bubble theory':>14} {'measured':>9} "
-              f"{'idle frac':>9}", flush=True)
+        print(
+            f"pp {world}, {args.layers} layers x hidden {args.hidden}, {args.rows} rows x {args.seq_len} tokens "
+            f"per step, {args.precision}, {device.type}; {args.steps - args.warmup} timed steps per run\n"
+            f"{'schedule':>18} {'m':>3} {'v':>2} {'tokens/s':>9} {'bubble theory':>14} {'measured':>9} "
+            f"{'idle frac':>9}",
+            flush=True,
+        )
     for schedule in args.schedules:
         for microbatches in args.microbatches:
             result = run(args, schedule, microbatches, device)
             if rank == 0:
-                print(json.dumps(result) if args.json else
-                      f"{schedule:>18} {microbatches:>3} {result['stages_per_rank']:>2} {result['tokens_per_s']:>9,.0f} "
-                      f"{result['bubble_theory']:>14.3f} {result['bubble_measured']:>9.3f} "
-                      f"{result['idle_frac']:>9.1%}", flush=True)
+                print(
+                    json.dumps(result)
+                    if args.json
+                    else f"{schedule:>18} {microbatches:>3} {result['stages_per_rank']:>2} {result['tokens_per_s']:>9,.0f} "
+                    f"{result['bubble_theory']:>14.3f} {result['bubble_measured']:>9.3f} "
+                    f"{result['idle_frac']:>9.1%}",
+                    flush=True,
+                )
     dist.destroy_process_group()
 
 

@@ -40,8 +40,10 @@ def _interleaved(a, b, calls: int, rounds: int) -> tuple[list[float], list[float
 def _report(what: str, times: tuple[list[float], list[float]], unit: float, unit_name: str) -> None:
     before, after = times
     ratios = [round(b / a, 2) for a, b in zip(before, after)]
-    print(f"{what}: before median {statistics.median(before) / unit:,.1f} {unit_name}, after median "
-          f"{statistics.median(after) / unit:,.1f} {unit_name}; after/before per round {ratios}")
+    print(
+        f"{what}: before median {statistics.median(before) / unit:,.1f} {unit_name}, after median "
+        f"{statistics.median(after) / unit:,.1f} {unit_name}; after/before per round {ratios}"
+    )
 
 
 def main() -> None:
@@ -71,8 +73,12 @@ def main() -> None:
     out = io.BytesIO()
     sf.write(out, wave, 16_000, format="FLAC")
     flac = out.getvalue()
-    _report(f"verify's audio check of 10 s of FLAC, {len(flac):,} bytes (probe -> check_decodes)",
-            _interleaved(lambda: probe(flac), lambda: check_decodes(flac), 10, args.rounds), 1e6, "ms")
+    _report(
+        f"verify's audio check of 10 s of FLAC, {len(flac):,} bytes (probe -> check_decodes)",
+        _interleaved(lambda: probe(flac), lambda: check_decodes(flac), 10, args.rounds),
+        1e6,
+        "ms",
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ def cpu_us_per_call(schedule, *, calls: int, batch: int, dp: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--dp", type=int, default=64)
     parser.add_argument("--calls", type=int, default=500)
@@ -37,8 +38,10 @@ def main() -> None:
     args = parser.parse_args()
     for datasets in (4, 64):
         counts = (COUNTS * 16)[:datasets]
-        schedules = {"BlendSchedule": BlendSchedule([c / sum(counts) for c in counts], counts),
-                     "EpochizedSchedule": EpochizedSchedule(counts)}
+        schedules = {
+            "BlendSchedule": BlendSchedule([c / sum(counts) for c in counts], counts),
+            "EpochizedSchedule": EpochizedSchedule(counts),
+        }
         best = dict.fromkeys(schedules, float("inf"))
         for _ in range(args.repeats):
             for name, schedule in schedules.items():

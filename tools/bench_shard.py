@@ -76,18 +76,29 @@ def tar_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in out.glob("*.tar"))
 
 
-def run_dataio(inputs: list[Path], out: Path, workers: int, tokenizer: Path | None, shard_size: int,
-               repo: Path = REPO) -> tuple[float, float]:
+def run_dataio(
+    inputs: list[Path], out: Path, workers: int, tokenizer: Path | None, shard_size: int, repo: Path = REPO
+) -> tuple[float, float]:
     """(wall seconds of the whole process, seconds of dataio's own timer: plan + write, no start-up);
     ``repo`` is the checkout whose ``dataio`` runs."""
-    argv = ["shard", *map(str, inputs), "--output", str(out), "--workers", str(workers),
-            "--shard-size", str(shard_size), "--quiet"] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
+    argv = [
+        "shard",
+        *map(str, inputs),
+        "--output",
+        str(out),
+        "--workers",
+        str(workers),
+        "--shard-size",
+        str(shard_size),
+        "--quiet",
+    ] + (["--tokenizer", str(tokenizer)] if tokenizer else [])
     wall, stdout = time_dataio(argv, repo)
     return wall, float(_THROUGHPUT.search(stdout).group(1))
 
 
-def run_shardwriter(manifest: Path, out: Path, tokenizer: Path | None, audio: bool, shard_size: int
-                    ) -> tuple[float, float]:
+def run_shardwriter(
+    manifest: Path, out: Path, tokenizer: Path | None, audio: bool, shard_size: int
+) -> tuple[float, float]:
     """(ShardWriter seconds, energon prepare seconds) for the same samples and members."""
     import webdataset as wds
     from tokenizers import Tokenizer
@@ -121,8 +132,12 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=40_000)
     p.add_argument("--audio-files", type=int, default=300)
     p.add_argument("--dir", default="/tmp/bench_shard")
-    p.add_argument("--baseline", type=Path, help="another checkout (e.g. `git archive HEAD`) whose `dataio shard "
-                   "--workers 1` is timed in the same run, for before/after figures")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. `git archive HEAD`) whose `dataio shard "
+        "--workers 1` is timed in the same run, for before/after figures",
+    )
     args = p.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -166,12 +181,16 @@ def main() -> None:
             line = f"{corpus}: dataio shard --workers {workers} is {peer / seconds:.2f}x faster than ShardWriter + energon prepare"
             if corpus == "audio":
                 own = rows[f"  its own timer (plan + write) --workers {workers}"][0]
-                line += (f"; {size / 1e6 / seconds / dd:.2f}x of dd's MB/s end to end, "
-                         f"{size / 1e6 / own / dd:.2f}x by its own timer")
+                line += (
+                    f"; {size / 1e6 / seconds / dd:.2f}x of dd's MB/s end to end, "
+                    f"{size / 1e6 / own / dd:.2f}x by its own timer"
+                )
             print(line)
         if args.baseline:
-            print(f"{corpus}: this checkout's --workers 1 is {rows['baseline dataio shard --workers 1'][0] / rows['dataio shard --workers 1'][0]:.2f}x "
-                  "the baseline's speed end to end")
+            print(
+                f"{corpus}: this checkout's --workers 1 is {rows['baseline dataio shard --workers 1'][0] / rows['dataio shard --workers 1'][0]:.2f}x "
+                "the baseline's speed end to end"
+            )
 
 
 if __name__ == "__main__":

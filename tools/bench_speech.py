@@ -44,8 +44,16 @@ def run(cfg, steps: int, warmup: int) -> dict:
         t = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - t
-        train_step(model, optimizer, [batch], dims.get_mesh("dp_cp"), max_grad_norm=cfg.optim.max_grad_norm,
-                   defer_grad_sync=True, autocast=False, forward=salm_loss_sum)
+        train_step(
+            model,
+            optimizer,
+            [batch],
+            dims.get_mesh("dp_cp"),
+            max_grad_norm=cfg.optim.max_grad_norm,
+            defer_grad_sync=True,
+            autocast=False,
+            forward=salm_loss_sum,
+        )
         lens = batch["audio_lens"]
         utts += len(lens)
         seconds += float(lens.sum()) / cfg.model.speech.sample_rate
@@ -55,9 +63,14 @@ def run(cfg, steps: int, warmup: int) -> dict:
         token_pad.append(1 - float(real.sum()) / real.numel())
     elapsed = time.perf_counter() - start
     batches.close()
-    return {"utterances_per_s": utts / elapsed, "audio_s_per_s": seconds / elapsed, "data_wait_frac": wait / elapsed,
-            "audio_padding": sum(audio_pad) / len(audio_pad), "token_padding": sum(token_pad) / len(token_pad),
-            "steps": steps}
+    return {
+        "utterances_per_s": utts / elapsed,
+        "audio_s_per_s": seconds / elapsed,
+        "data_wait_frac": wait / elapsed,
+        "audio_padding": sum(audio_pad) / len(audio_pad),
+        "token_padding": sum(token_pad) / len(token_pad),
+        "steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,14 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     from headrace.training.config.load import load_job_config
 
     results = {}
-    for name, extra in (("1d", ["data.bucketing.num_token_buckets=1", "data.bucketing.max_tokens=null"]),
-                        ("2d", [])):
+    for name, extra in (("1d", ["data.bucketing.num_token_buckets=1", "data.bucketing.max_tokens=null"]), ("2d", [])):
         cfg = load_job_config(args.config, [*args.overrides, *extra])
         results[name] = run(cfg, args.steps, args.warmup)
         r = results[name]
-        print(f"{name}: {r['utterances_per_s']:.2f} utt/s, {r['audio_s_per_s']:.1f} audio-s/s, data wait "
-              f"{r['data_wait_frac']:.1%}, padding: audio {r['audio_padding']:.1%}, LLM tokens {r['token_padding']:.1%}",
-              flush=True)
+        print(
+            f"{name}: {r['utterances_per_s']:.2f} utt/s, {r['audio_s_per_s']:.1f} audio-s/s, data wait "
+            f"{r['data_wait_frac']:.1%}, padding: audio {r['audio_padding']:.1%}, LLM tokens {r['token_padding']:.1%}",
+            flush=True,
+        )
     print(json.dumps(results))
     dist.destroy_process_group()
     return 0

@@ -38,13 +38,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tok = write_bpe_tokenizer(Path(d) / "tokenizer.json", [Path(os.__file__).read_text()], vocab_size=200)
         for mode in ("whole", "bounded"):
-            out = subprocess.run([sys.executable, "-c", CODE, str(tok), str(args.mb), mode], capture_output=True,
-                                 text=True, cwd=Path(__file__).resolve().parents[1])
+            out = subprocess.run(
+                [sys.executable, "-c", CODE, str(tok), str(args.mb), mode],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parents[1],
+            )
             if out.returncode:
                 print(f"{mode:8s} failed: {out.stderr.strip().splitlines()[-1]}")
                 continue
             tokens, peak, seconds = out.stdout.split()
-            print(f"{mode:8s} {args.mb} MB document: {int(tokens):,} tokens, peak RSS {int(peak):,} MB, {float(seconds):.1f} s")
+            print(
+                f"{mode:8s} {args.mb} MB document: {int(tokens):,} tokens, peak RSS {int(peak):,} MB, {float(seconds):.1f} s"
+            )
 
 
 if __name__ == "__main__":

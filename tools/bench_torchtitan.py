@@ -59,7 +59,9 @@ def trainer_config(args):
 
     spec = model_registry(args.flavor, attn_backend="flex")
     return Trainer.Config(
-        model_spec=spec, hf_assets_path=str(Path(args.tokenizer).parent), dump_folder=args.out,
+        model_spec=spec,
+        hf_assets_path=str(Path(args.tokenizer).parent),
+        dump_folder=args.out,
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         optimizer=default_adamw(lr=args.lr),
         training=TrainingConfig(local_batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps),
@@ -129,27 +131,41 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible")
     # one process: what torchrun --nproc-per-node 1 would set (torchtitan reads them to pick its device)
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(free_port()))):
+    for key, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
         os.environ.setdefault(key, value)
     register_demo_text(args.text)
     trainer = trainer_config(args).build()
     seconds = timed_train(trainer, args.warmup, args.steps)
     tokens_per_s = (args.steps - args.warmup) * args.batch_size * args.seq_len / seconds
-    result = {"tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token(args),
-              "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None}
+    result = {
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops_per_token(args),
+        "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+    }
     if args.device == "cuda":
         from headrace.training.components.metrics import peak_flops
 
         result["mfu"] = tokens_per_s * result["flops_per_token"] / peak_flops(torch.device("cuda"))
     trainer.close()
-    print(f"torchtitan: {tokens_per_s:,.0f} tok/s" + (f"  MFU {result['mfu']:.1%}  peak mem {result['max_mem_gib']:.1f} GiB"
-                                                      if args.device == "cuda" else ""), flush=True)
+    print(
+        f"torchtitan: {tokens_per_s:,.0f} tok/s"
+        + (f"  MFU {result['mfu']:.1%}  peak mem {result['max_mem_gib']:.1f} GiB" if args.device == "cuda" else ""),
+        flush=True,
+    )
     if args.headrace:
         ours = json.loads(Path(args.headrace).read_text())["headrace"]
-        print(f"headrace vs torchtitan: {ours['tokens_per_s'] / tokens_per_s:.2f}x tok/s "
-              f"({ours['tokens_per_s']:,.0f} vs {tokens_per_s:,.0f}), peak mem {ours['max_mem_gib']:.1f} vs "
-              f"{result['max_mem_gib']:.1f} GiB", flush=True)
+        print(
+            f"headrace vs torchtitan: {ours['tokens_per_s'] / tokens_per_s:.2f}x tok/s "
+            f"({ours['tokens_per_s']:,.0f} vs {tokens_per_s:,.0f}), peak mem {ours['max_mem_gib']:.1f} vs "
+            f"{result['max_mem_gib']:.1f} GiB",
+            flush=True,
+        )
     print(json.dumps(result))
 
 

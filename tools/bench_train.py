@@ -48,15 +48,23 @@ def webdataset_loader(shards: list[str], seq_len: int, batch_size: int, num_work
                 row, buffer = buffer[: seq_len + 1], buffer[seq_len:]
                 yield {"input_ids": torch.from_numpy(row[:-1].copy()), "labels": torch.from_numpy(row[1:].copy())}
 
-    dataset = wds.WebDataset(shards, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker,
-                             empty_check=False).decode().compose(rows)
+    dataset = (
+        wds.WebDataset(
+            shards, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker, empty_check=False
+        )
+        .decode()
+        .compose(rows)
+    )
 
     class Loader:
         def __iter__(self):
             for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers):
                 n, s = batch["input_ids"].shape
-                yield batch | {"position_ids": torch.arange(s).expand(n, s).contiguous(),
-                               "cu_seqlens": torch.arange(0, n * s + 1, s, dtype=torch.int32), "max_seqlen": s}
+                yield batch | {
+                    "position_ids": torch.arange(s).expand(n, s).contiguous(),
+                    "cu_seqlens": torch.arange(0, n * s + 1, s, dtype=torch.int32),
+                    "max_seqlen": s,
+                }
 
         def state_dict(self):
             return {}
@@ -86,18 +94,35 @@ def main() -> None:
 
     results = {}
     for source in args.sources:
-        cfg = load_job_config(args.config, [
-            f"data.datasets=[{{path: {args.data}}}]", "data.val=null", "trainer.eval_every=0",
-            f"trainer.max_steps={args.steps}",
-            f"trainer.log_every={max(args.warmup, 1)}",
-            f"trainer.device={args.device}", f"trainer.output_dir={args.out}/{source}", "checkpoint.interval=0",
-            "checkpoint.save_final=false", "checkpoint.export_hf=false", "checkpoint.resume=false",
-            "logging.console=false", "logging.tensorboard=false", "model.tokenizer=null", *args.overrides])
+        cfg = load_job_config(
+            args.config,
+            [
+                f"data.datasets=[{{path: {args.data}}}]",
+                "data.val=null",
+                "trainer.eval_every=0",
+                f"trainer.max_steps={args.steps}",
+                f"trainer.log_every={max(args.warmup, 1)}",
+                f"trainer.device={args.device}",
+                f"trainer.output_dir={args.out}/{source}",
+                "checkpoint.interval=0",
+                "checkpoint.save_final=false",
+                "checkpoint.export_hf=false",
+                "checkpoint.resume=false",
+                "logging.console=false",
+                "logging.tensorboard=false",
+                "model.tokenizer=null",
+                *args.overrides,
+            ],
+        )
         shards = sorted(glob.glob(os.path.join(args.data, "train-*.tar")))
         if source != "headrace" and not shards:
             parser.error(f"--sources {source}: no train-*.tar shards in {args.data}")
-        rows = lambda r, n: webdataset_loader(shards[r::n], cfg.data.seq_len,  # noqa: E731
-                                              cfg.data.batch_size, cfg.data.num_workers)
+        rows = lambda r, n: webdataset_loader(
+            shards[r::n],
+            cfg.data.seq_len,  # noqa: E731
+            cfg.data.batch_size,
+            cfg.data.num_workers,
+        )
         if source == "plain":
             from tools.plain_loop import run_plain_loop
 
@@ -107,8 +132,11 @@ def main() -> None:
         results[source] = result
         print(f"{source:>10}: {figures_line(result)}", flush=True)
     for source, result in results.items():
-        others = [f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x {name}"
-                  for name, other in results.items() if name != source]
+        others = [
+            f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x {name}"
+            for name, other in results.items()
+            if name != source
+        ]
         if others:
             print(f"{source:>10} tok/s vs: {', '.join(others)}", flush=True)
     print(json.dumps(results))
@@ -128,19 +156,30 @@ def trainer_figures(history: list[dict], warmup: int) -> dict:
             return None
         return sum(r[key] * w for r, w in zip(steady, weights)) / sum(weights)
 
-    return {"tokens_per_s": mean("tokens_per_s"), "data_wait_frac": mean("data_wait_frac"),
-            "last_loss": history[-1]["loss"],
-            "pack_fill": mean("pack_fill"), "max_mem_gib": max(r["max_mem"] for r in history),
-            "mfu": mean("mfu"), "mfu_full_row": mean("mfu_full_row"),
-            "flops_per_s": mean("flops_per_s"), "flops_per_s_full_row": mean("flops_per_s_full_row")}
+    return {
+        "tokens_per_s": mean("tokens_per_s"),
+        "data_wait_frac": mean("data_wait_frac"),
+        "last_loss": history[-1]["loss"],
+        "pack_fill": mean("pack_fill"),
+        "max_mem_gib": max(r["max_mem"] for r in history),
+        "mfu": mean("mfu"),
+        "mfu_full_row": mean("mfu_full_row"),
+        "flops_per_s": mean("flops_per_s"),
+        "flops_per_s_full_row": mean("flops_per_s_full_row"),
+    }
 
 
 def figures_line(result: dict) -> str:
-    mfu = (f"  MFU {result['mfu']:6.2%} (full row {result['mfu_full_row']:6.2%})" if result["mfu"] is not None else
-           f"  {result['flops_per_s'] / 1e9:.2f} GFLOP/s (full row {result['flops_per_s_full_row'] / 1e9:.2f})")
+    mfu = (
+        f"  MFU {result['mfu']:6.2%} (full row {result['mfu_full_row']:6.2%})"
+        if result["mfu"] is not None
+        else f"  {result['flops_per_s'] / 1e9:.2f} GFLOP/s (full row {result['flops_per_s_full_row'] / 1e9:.2f})"
+    )
     fill = f"labelled-token fill {result['pack_fill']:6.1%}  " if result["pack_fill"] is not None else ""
-    return (f"{result['tokens_per_s']:10,.0f} tok/s{mfu}  data wait {result['data_wait_frac']:6.2%}  "
-            f"{fill}peak mem {result['max_mem_gib']:.1f} GiB")
+    return (
+        f"{result['tokens_per_s']:10,.0f} tok/s{mfu}  data wait {result['data_wait_frac']:6.2%}  "
+        f"{fill}peak mem {result['max_mem_gib']:.1f} GiB"
+    )
 
 
 if __name__ == "__main__":

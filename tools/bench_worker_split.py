@@ -98,8 +98,12 @@ def main() -> None:
             runs["split, no transport"].append(split_epoch(args.data, batch))
             runs["2 workers"].append(loader_epoch(args.data, batch, 2))
         one = statistics.median(runs["one process"])
-        print(f"batch {batch}: " + "; ".join(f"{k} {statistics.median(v):,.0f}/s ({statistics.median(v) / one:.2f}x)"
-                                             for k, v in runs.items()))
+        print(
+            f"batch {batch}: "
+            + "; ".join(
+                f"{k} {statistics.median(v):,.0f}/s ({statistics.median(v) / one:.2f}x)" for k, v in runs.items()
+            )
+        )
 
 
 if __name__ == "__main__":

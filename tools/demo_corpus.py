@@ -93,8 +93,12 @@ def speak_espeak(text: str, scratch: Path) -> tuple[np.ndarray, str]:
     voice = ESPEAK_VOICES[h % len(ESPEAK_VOICES)]
     speed, pitch = 140 + (h >> 8) % 50, 35 + (h >> 16) % 30
     wav = scratch / f"{h:040x}.wav"
-    subprocess.run([espeak_binary(), "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdin",
-                    "-w", str(wav)], input=text.encode(), check=True, capture_output=True)
+    subprocess.run(
+        [espeak_binary(), "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdin", "-w", str(wav)],
+        input=text.encode(),
+        check=True,
+        capture_output=True,
+    )
     audio, rate = sf.read(wav, dtype="float32")
     wav.unlink()
     audio = soxr.resample(audio, rate, SAMPLE_RATE, quality="HQ")
@@ -143,8 +147,14 @@ def synthesize(sentences: list[tuple[str, str]], out: Path, engine: str, workers
         audio, speaker = speak_espeak(text, scratch) if engine == "espeak" else speak_synthetic(text)
         rel = f"audio/utt-{i:06d}.flac"
         sf.write(out / rel, audio, SAMPLE_RATE, format="FLAC", subtype="PCM_16")
-        return {"audio_filepath": rel, "duration": len(audio) / SAMPLE_RATE, "text": text,
-                "speaker": speaker, "source": source, "synthetic": engine == "synthetic"}
+        return {
+            "audio_filepath": rel,
+            "duration": len(audio) / SAMPLE_RATE,
+            "text": text,
+            "speaker": speaker,
+            "source": source,
+            "synthetic": engine == "synthetic",
+        }
 
     with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(max(workers, 1)) as pool:
         return list(pool.map(lambda item: one(item, Path(scratch)), enumerate(sentences)))
@@ -160,9 +170,13 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer, length=len(texts))
     tokenizer.save(str(path))
 
@@ -180,8 +194,10 @@ def resolve_engine(speech: str) -> str:
     if speech == "auto":
         return "espeak" if espeak_binary() else "synthetic"
     if speech == "espeak" and not espeak_binary():
-        raise SystemExit("demo_corpus: --speech espeak but espeak-ng is not on PATH "
-                         "(apt-get install espeak-ng, or use --speech synthetic)")
+        raise SystemExit(
+            "demo_corpus: --speech espeak but espeak-ng is not on PATH "
+            "(apt-get install espeak-ng, or use --speech synthetic)"
+        )
     return speech
 
 
@@ -229,27 +245,39 @@ def build(cfg: CorpusConfig, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     defaults = CorpusConfig()
-    p = argparse.ArgumentParser(prog="python -m tools.demo_corpus", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.demo_corpus",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (replaced atomically)")
     p.add_argument("--docs", type=int, default=defaults.docs, help="text documents")
     p.add_argument("--utterances", type=int, default=defaults.utterances, help="spoken sentences")
     p.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="BPE vocabulary size")
-    p.add_argument("--speech", choices=["auto", "espeak", "synthetic"], default=defaults.speech,
-                   help="speech engine; auto uses espeak-ng when installed, else a synthetic signal")
+    p.add_argument(
+        "--speech",
+        choices=["auto", "espeak", "synthetic"],
+        default=defaults.speech,
+        help="speech engine; auto uses espeak-ng when installed, else a synthetic signal",
+    )
     p.add_argument("--workers", type=int, default=defaults.workers, help="concurrent espeak-ng processes")
     args = p.parse_args(argv)
-    cfg = CorpusConfig(docs=args.docs, utterances=args.utterances, vocab_size=args.vocab_size,
-                       speech=args.speech, workers=args.workers)
+    cfg = CorpusConfig(
+        docs=args.docs, utterances=args.utterances, vocab_size=args.vocab_size, speech=args.speech, workers=args.workers
+    )
     info = build(cfg, args.out)
-    print(f"demo corpus -> {args.out}: {info['documents']} documents ({info['package_readmes']} package "
-          f"READMEs + stdlib docstrings, {info['text_chars'] / 1e6:.1f}M chars; median "
-          f"{info['doc_chars_quantiles']['0.5']}, p99 {info['doc_chars_quantiles']['0.99']}, "
-          f"max {info['doc_chars_quantiles']['1.0']} chars), {info['utterances']} utterances "
-          f"({info['audio_hours'] * 60:.1f} min), BPE vocab {info['vocab_size']}")
+    print(
+        f"demo corpus -> {args.out}: {info['documents']} documents ({info['package_readmes']} package "
+        f"READMEs + stdlib docstrings, {info['text_chars'] / 1e6:.1f}M chars; median "
+        f"{info['doc_chars_quantiles']['0.5']}, p99 {info['doc_chars_quantiles']['0.99']}, "
+        f"max {info['doc_chars_quantiles']['1.0']} chars), {info['utterances']} utterances "
+        f"({info['audio_hours'] * 60:.1f} min), BPE vocab {info['vocab_size']}"
+    )
     if info["synthetic_speech"]:
-        print("demo corpus: espeak-ng not found: the audio is a SYNTHETIC formant-tone signal, not speech "
-              '(marked "synthetic": true in audio_manifest.jsonl); apt-get install espeak-ng for real speech')
+        print(
+            "demo corpus: espeak-ng not found: the audio is a SYNTHETIC formant-tone signal, not speech "
+            '(marked "synthetic": true in audio_manifest.jsonl); apt-get install espeak-ng for real speech'
+        )
     else:
         print("demo corpus: speech synthesized with espeak-ng")
     return 0

@@ -20,9 +20,12 @@ def main() -> None:
     args = parser.parse_args()
     ref, new = (json.load(open(path))[args.source] for path in (args.reference, args.candidate))
     gap = new["last_loss"] / ref["last_loss"] - 1
-    print(f"last loss {new['last_loss']:.4f} vs {ref['last_loss']:.4f} ({gap:+.2%}, limit {args.max:.0%}); "
-          f"{new['tokens_per_s'] / ref['tokens_per_s']:.2f}x tok/s, peak mem {new['max_mem_gib']:.1f} vs "
-          f"{ref['max_mem_gib']:.1f} GiB", flush=True)
+    print(
+        f"last loss {new['last_loss']:.4f} vs {ref['last_loss']:.4f} ({gap:+.2%}, limit {args.max:.0%}); "
+        f"{new['tokens_per_s'] / ref['tokens_per_s']:.2f}x tok/s, peak mem {new['max_mem_gib']:.1f} vs "
+        f"{ref['max_mem_gib']:.1f} GiB",
+        flush=True,
+    )
     raise SystemExit(int(abs(gap) > args.max))
 
 

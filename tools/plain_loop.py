@@ -50,10 +50,20 @@ def run_plain_loop(cfg, rows, device: torch.device, steps: int, warmup: int) -> 
     model, hf_config = plain_model(cfg, device)
     model.train()
     cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                            weight_decay=cfg.optim.weight_decay, fused=cuda or None, foreach=not cuda)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cuda and cfg.trainer.precision == "bf16"
-                else contextlib.nullcontext())
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        fused=cuda or None,
+        foreach=not cuda,
+    )
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if cuda and cfg.trainer.precision == "bf16"
+        else contextlib.nullcontext()
+    )
     batches = iter(rows)
     tokens = pairs = 0
     wait = start = 0.0
@@ -84,10 +94,17 @@ def run_plain_loop(cfg, rows, device: torch.device, steps: int, warmup: int) -> 
     peak = peak_flops(device)
     flops = (tokens * matmul_flops_per_token(hf_config) + pairs * attention_flops_per_pair(hf_config)) / elapsed
     full_row = tokens * flops_per_token(hf_config, cfg.data.seq_len) / elapsed
-    return {"tokens_per_s": tokens / elapsed, "data_wait_frac": wait / elapsed, "pack_fill": 1.0,
-            "max_mem_gib": max_memory_gib(device), "mfu": flops / peak if peak else None,
-            "mfu_full_row": full_row / peak if peak else None, "flops_per_s": flops,
-            "flops_per_s_full_row": full_row, "loss": float(loss.detach())}
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "data_wait_frac": wait / elapsed,
+        "pack_fill": 1.0,
+        "max_mem_gib": max_memory_gib(device),
+        "mfu": flops / peak if peak else None,
+        "mfu_full_row": full_row / peak if peak else None,
+        "flops_per_s": flops,
+        "flops_per_s_full_row": full_row,
+        "loss": float(loss.detach()),
+    }
 
 
 __all__ = ["plain_model", "run_plain_loop"]

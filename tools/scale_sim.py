@@ -120,8 +120,11 @@ def rank(root: str, dp_rank: int, dp_size: int, batches: int) -> dict:
     rss0, pss0 = memory()
     anon0, _ = memory("Anonymous")
     t0 = time.perf_counter()
-    loader = build_loader({"datasets": [{"path": root}], "batch_size": 256, "num_workers": 0, "shuffle": True},
-                          dp_rank=dp_rank, dp_size=dp_size)
+    loader = build_loader(
+        {"datasets": [{"path": root}], "batch_size": 256, "num_workers": 0, "shuffle": True},
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
     it = iter(loader)
     next(it)
     first = time.perf_counter() - t0
@@ -136,9 +139,16 @@ def rank(root: str, dp_rank: int, dp_size: int, batches: int) -> dict:
     rate = batches * 256 / (time.perf_counter() - t1)
     rss, pss = memory()
     anon, _ = memory("Anonymous")
-    return {"startup_first_batch_s": first, "samples_per_s": rate, "rss_beyond_MB": (rss - rss0) / 2**20,
-            "pss_beyond_MB": (pss - pss0) / 2**20, "anon_beyond_MB": (anon - anon0) / 2**20, "fds_peak": fds, "maps_peak": maps,
-            "state_bytes": len(json.dumps(loader.state_dict()))}
+    return {
+        "startup_first_batch_s": first,
+        "samples_per_s": rate,
+        "rss_beyond_MB": (rss - rss0) / 2**20,
+        "pss_beyond_MB": (pss - pss0) / 2**20,
+        "anon_beyond_MB": (anon - anon0) / 2**20,
+        "fds_peak": fds,
+        "maps_peak": maps,
+        "state_bytes": len(json.dumps(loader.state_dict())),
+    }
 
 
 def peer(root: str, name: str, batches: int) -> dict:
@@ -173,19 +183,29 @@ def peers(root: Path, batches: int) -> list[dict]:
     """headrace, webdataset and energon, each in a fresh process, on the indexed dataset ``root``."""
     out = []
     for name in ("headrace", "webdataset", "energon"):
-        run = subprocess.run([sys.executable, "-m", "tools.scale_sim", "--peer-child", str(root), name,
-                              "--batches", str(batches)], capture_output=True, text=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-        out.append(json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else
-                   {"loader": name, "error": run.stderr.strip().splitlines()[-1][:200]})
+        run = subprocess.run(
+            [sys.executable, "-m", "tools.scale_sim", "--peer-child", str(root), name, "--batches", str(batches)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        out.append(
+            json.loads(run.stdout.strip().splitlines()[-1])
+            if run.returncode == 0
+            else {"loader": name, "error": run.stderr.strip().splitlines()[-1][:200]}
+        )
         print(json.dumps(out[-1]), flush=True)
     return out
 
 
 def ranks(root: Path, dp_size: int, batches: int) -> list[dict]:
     cmd = [sys.executable, "-m", "tools.scale_sim", "--rank-child", str(root), "--batches", str(batches)]
-    procs = [subprocess.Popen([*cmd, f"{r}/{dp_size}"], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(dp_size)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, f"{r}/{dp_size}"], stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
+        for r in range(dp_size)
+    ]
     out = []
     for p in procs:
         stdout, _ = p.communicate()
@@ -200,15 +220,17 @@ def measure(base: Path, shards: int, samples: int, batches: int, keep: bool, rei
     shutil.rmtree(root, ignore_errors=True)
     t = time.perf_counter()
     write_dataset(root, shards, samples)
-    row = {"shards": shards, "samples": samples, "write_s": time.perf_counter() - t,
-           "tar_bytes": tree_bytes(root)}
+    row = {"shards": shards, "samples": samples, "write_s": time.perf_counter() - t, "tar_bytes": tree_bytes(root)}
     dataio = [sys.executable, "-m", "headrace.dataio", "index", str(root), "--workers", "2", "--quiet"]
     row["index_s"], row["index_peak_rss"] = timed(dataio)
     meta = root / ".nv-meta"
     row["index_bytes_per_sample"] = tree_bytes(meta / "headrace") / samples
-    row["index_bytes_per_shard"] = sum((meta / "headrace" / f).stat().st_size
-                                       for f in ("shards.npy", "shard_names.npy")) / shards
-    row["metadata_bytes_per_sample"] = (tree_bytes(meta) + sum(p.stat().st_size for p in root.glob("*.tar.idx"))) / samples
+    row["index_bytes_per_shard"] = (
+        sum((meta / "headrace" / f).stat().st_size for f in ("shards.npy", "shard_names.npy")) / shards
+    )
+    row["metadata_bytes_per_sample"] = (
+        tree_bytes(meta) + sum(p.stat().st_size for p in root.glob("*.tar.idx"))
+    ) / samples
     if reindex:
         write_dataset(root, 1, max(1, samples // shards), first=samples, name="shard-more-{}.tar")  # only it is scanned
         row["reindex_one_more_shard_s"], _ = timed(dataio)
@@ -224,8 +246,19 @@ def measure(base: Path, shards: int, samples: int, batches: int, keep: bool, rei
     return row
 
 
-FIGURES = ["index_s", "index_peak_rss", "startup_first_batch_s", "samples_per_s", "rss_beyond_MB", "anon_beyond_MB",
-           "pss_beyond_MB_4ranks", "fds_peak", "maps_peak", "index_bytes_per_sample", "state_bytes"]
+FIGURES = [
+    "index_s",
+    "index_peak_rss",
+    "startup_first_batch_s",
+    "samples_per_s",
+    "rss_beyond_MB",
+    "anon_beyond_MB",
+    "pss_beyond_MB_4ranks",
+    "fds_peak",
+    "maps_peak",
+    "index_bytes_per_sample",
+    "state_bytes",
+]
 
 
 def fit(rows: list[dict], figure: str, by: str) -> tuple[float, float] | None:
@@ -246,16 +279,45 @@ def fit(rows: list[dict], figure: str, by: str) -> tuple[float, float] | None:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["shards", "samples", "index_s", "index_peak_rss", "reindex_one_more_shard_s", "startup_first_batch_s",
-            "samples_per_s", "rss_beyond_MB", "pss_beyond_MB", "anon_beyond_MB", "rss_beyond_MB_4ranks", "pss_beyond_MB_4ranks",
-            "fds_peak", "maps_peak", "index_bytes_per_sample", "metadata_bytes_per_sample", "state_bytes"]
+    cols = [
+        "shards",
+        "samples",
+        "index_s",
+        "index_peak_rss",
+        "reindex_one_more_shard_s",
+        "startup_first_batch_s",
+        "samples_per_s",
+        "rss_beyond_MB",
+        "pss_beyond_MB",
+        "anon_beyond_MB",
+        "rss_beyond_MB_4ranks",
+        "pss_beyond_MB_4ranks",
+        "fds_peak",
+        "maps_peak",
+        "index_bytes_per_sample",
+        "metadata_bytes_per_sample",
+        "state_bytes",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = ["-" if c not in r else f"{r[c] / 2**20:.0f} MB" if c == "index_peak_rss" else
-                 f"{r[c]:,}" if isinstance(r[c], int) else f"{r[c]:.3g}" for c in cols]
+        cells = [
+            "-"
+            if c not in r
+            else f"{r[c] / 2**20:.0f} MB"
+            if c == "index_peak_rss"
+            else f"{r[c]:,}"
+            if isinstance(r[c], int)
+            else f"{r[c]:.3g}"
+            for c in cols
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Fits (``tools.scale_sim.fit``: log-log least squares over the points that hold the other variable fixed):", "",
-              "| figure | fit in samples n | at 10^9 samples | fit in shards s | at 10^6 shards |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Fits (``tools.scale_sim.fit``: log-log least squares over the points that hold the other variable fixed):",
+        "",
+        "| figure | fit in samples n | at 10^9 samples | fit in shards s | at 10^6 shards |",
+        "|---|---|---|---|---|",
+    ]
     for figure in FIGURES:
         cells = []
         for by, target in (("samples", 1e9), ("shards", 1e6)):
@@ -273,8 +335,14 @@ def plot(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ["index_s", "startup_first_batch_s", "samples_per_s", "rss_beyond_MB", "anon_beyond_MB",
-              "index_bytes_per_sample"]
+    panels = [
+        "index_s",
+        "startup_first_batch_s",
+        "samples_per_s",
+        "rss_beyond_MB",
+        "anon_beyond_MB",
+        "index_bytes_per_sample",
+    ]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
     for ax, figure in zip(axes.flat, panels):
         for shards in sorted({r["shards"] for r in rows}):
@@ -293,19 +361,29 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--grid", default="1e3:1e5,1e4:1e5,1e4:1e6", help="SHARDS:SAMPLES points, comma-separated")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/scale_sim"), help="scratch directory")
     parser.add_argument("--batches", type=int, default=200, help="steady-state batches of 256 timed per rank")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     parser.add_argument("--keep", action="store_true", help="keep the datasets")
     parser.add_argument("--skip-reindex", action="store_true", help="do not time the re-index after adding a shard")
-    parser.add_argument("--peers", type=Path, metavar="DIR",
-                        help="instead of the grid: headrace, webdataset and energon on this indexed dataset")
+    parser.add_argument(
+        "--peers",
+        type=Path,
+        metavar="DIR",
+        help="instead of the grid: headrace, webdataset and energon on this indexed dataset",
+    )
     parser.add_argument("--plot", type=Path, metavar="PNG", help="also plot the figures (with --from, no run)")
-    parser.add_argument("--from", dest="from_json", type=Path, metavar="JSON",
-                        help="print the table (and --plot) of the rows of an earlier --json instead of running")
+    parser.add_argument(
+        "--from",
+        dest="from_json",
+        type=Path,
+        metavar="JSON",
+        help="print the table (and --plot) of the rows of an earlier --json instead of running",
+    )
     parser.add_argument("--rank-child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--peer-child", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("rank", nargs="?", help=argparse.SUPPRESS)

@@ -24,11 +24,29 @@ import torch
 
 WORDS = ["alpha", "bravo", "charlie", "delta"]
 TONES = [250.0, 700.0, 1800.0, 4000.0]
-LLM = dict(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, subsampling_factor=4,
-               subsampling_conv_channels=8, conv_kernel_size=3, dropout=0.0, attention_dropout=0.0,
-               activation_dropout=0.0)
+LLM = dict(
+    model_type="llama",
+    vocab_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+ENCODER = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    subsampling_factor=4,
+    subsampling_conv_channels=8,
+    conv_kernel_size=3,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
 
 
 def tone_batch(count: int = 12, samples: int = 6000) -> dict:
@@ -36,8 +54,16 @@ def tone_batch(count: int = 12, samples: int = 6000) -> dict:
 
     rng = np.random.default_rng(0)
     t = np.arange(samples) / 16000
-    rows = [{"audio": (0.3 * np.sin(2 * np.pi * TONES[i % 4] * t) + 0.02 * rng.standard_normal(samples)).astype(
-        np.float32), "text": WORDS[i % 4], "__key__": f"u{i}"} for i in range(count)]
+    rows = [
+        {
+            "audio": (0.3 * np.sin(2 * np.pi * TONES[i % 4] * t) + 0.02 * rng.standard_normal(samples)).astype(
+                np.float32
+            ),
+            "text": WORDS[i % 4],
+            "__key__": f"u{i}",
+        }
+        for i in range(count)
+    ]
     return collate_audio(rows, tokens_key=None)
 
 
@@ -77,10 +103,16 @@ def curve(lr: float, steps: int, workdir: Path) -> list[dict]:
             with torch.no_grad():
                 own = float(salm_loss_sum(model, batch, False)) / tokens
                 other = float(with_mismatched_audio(salm_loss_sum)(model, batch, False)) / tokens
-            points.append({"step": step, "train_loss": float(loss), "loss": own, "mismatched_loss": other,
-                           "listening_ratio": own / other})
-            print(f"lr {lr:g} step {step}: loss {own:.3f}, mismatched {other:.3f}, ratio {own / other:.3f}",
-                  flush=True)
+            points.append(
+                {
+                    "step": step,
+                    "train_loss": float(loss),
+                    "loss": own,
+                    "mismatched_loss": other,
+                    "listening_ratio": own / other,
+                }
+            )
+            print(f"lr {lr:g} step {step}: loss {own:.3f}, mismatched {other:.3f}, ratio {own / other:.3f}", flush=True)
     return points
 
 
@@ -93,9 +125,14 @@ def plot(curves: dict[str, list[dict]], out: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for lr, points in curves.items():
         steps = [p["step"] for p in points]
-        line, = left.plot(steps, [p["loss"] for p in points], label=f"own audio, lr {lr}")
-        left.plot(steps, [p["mismatched_loss"] for p in points], "--", color=line.get_color(),
-                  label=f"mismatched audio, lr {lr}")
+        (line,) = left.plot(steps, [p["loss"] for p in points], label=f"own audio, lr {lr}")
+        left.plot(
+            steps,
+            [p["mismatched_loss"] for p in points],
+            "--",
+            color=line.get_color(),
+            label=f"mismatched audio, lr {lr}",
+        )
         right.plot(steps, [p["listening_ratio"] for p in points], label=f"lr {lr}")
     left.set(xlabel="step", ylabel="answer loss (nats/token)", title="answer loss")
     right.set(xlabel="step", ylabel="own / mismatched", title="listening ratio", ylim=(0, 1.1))
@@ -106,8 +143,9 @@ def plot(curves: dict[str, list[dict]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.speech_listening_curve",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.speech_listening_curve", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--out", type=Path, default=Path("docs/speech-listening-curve.png"))

@@ -44,30 +44,80 @@ PROMPT = "<|audio|> text:"
 # speech_recipe part) and ``tiny`` (the smoke test's)
 SIZES = {
     "cpu": dict(
-        llm=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4),
-        encoder=dict(hidden_size=176, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512,
-                     subsampling_factor=4, subsampling_conv_channels=128, conv_kernel_size=15, dropout=0.1,
-                     attention_dropout=0.0, activation_dropout=0.0),
-        features=dict(kind="nemo", n_mels=80), batch_seconds=60.0, seq_len=256, text_batch=16, max_steps=3000,
-        eval_every=100, decode_every=2, precision="fp32"),
+        llm=dict(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4
+        ),
+        encoder=dict(
+            hidden_size=176,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=512,
+            subsampling_factor=4,
+            subsampling_conv_channels=128,
+            conv_kernel_size=15,
+            dropout=0.1,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        features=dict(kind="nemo", n_mels=80),
+        batch_seconds=60.0,
+        seq_len=256,
+        text_batch=16,
+        max_steps=3000,
+        eval_every=100,
+        decode_every=2,
+        precision="fp32",
+    ),
     "gpu": dict(
-        llm=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=4),
-        encoder=dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=1024,
-                     subsampling_factor=4, subsampling_conv_channels=256, conv_kernel_size=15, dropout=0.1,
-                     attention_dropout=0.0, activation_dropout=0.0),
-        features=dict(kind="nemo", n_mels=80), batch_seconds=300.0, seq_len=512, text_batch=64, max_steps=3000,
-        eval_every=100, decode_every=2, precision="bf16"),
+        llm=dict(
+            hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+        ),
+        encoder=dict(
+            hidden_size=256,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            subsampling_factor=4,
+            subsampling_conv_channels=256,
+            conv_kernel_size=15,
+            dropout=0.1,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        features=dict(kind="nemo", n_mels=80),
+        batch_seconds=300.0,
+        seq_len=512,
+        text_batch=64,
+        max_steps=3000,
+        eval_every=100,
+        decode_every=2,
+        precision="bf16",
+    ),
     "tiny": dict(
-        llm=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=2),
-        encoder=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                     subsampling_factor=4, subsampling_conv_channels=8, conv_kernel_size=3, dropout=0.0,
-                     attention_dropout=0.0, activation_dropout=0.0),
-        features=dict(kind="nemo", n_mels=16, n_fft=256, win_length=200), batch_seconds=8.0, seq_len=64,
-        text_batch=4, max_steps=2, eval_every=2, decode_every=1,
-        precision="fp32"),
+        llm=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+        ),
+        encoder=dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            subsampling_factor=4,
+            subsampling_conv_channels=8,
+            conv_kernel_size=3,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        ),
+        features=dict(kind="nemo", n_mels=16, n_fft=256, win_length=200),
+        batch_seconds=8.0,
+        seq_len=64,
+        text_batch=4,
+        max_steps=2,
+        eval_every=2,
+        decode_every=1,
+        precision="fp32",
+    ),
 }
 
 
@@ -101,8 +151,10 @@ def split_manifest(manifest: Path, work: Path) -> dict[str, list[dict]]:
         line = {**line, "audio_filepath": str(audio if audio.is_absolute() else (manifest.parent / audio).resolve())}
         parts["val" if is_val(str(audio)) else "train"].append(line)
     if not parts["train"] or not parts["val"]:
-        raise SystemExit(f"error: {manifest}: {len(parts['train'])} train / {len(parts['val'])} val utterances by the "
-                         f"key-hash split ({VAL_PERCENT}% val): the recipe needs both")
+        raise SystemExit(
+            f"error: {manifest}: {len(parts['train'])} train / {len(parts['val'])} val utterances by the "
+            f"key-hash split ({VAL_PERCENT}% val): the recipe needs both"
+        )
     for name, rows in parts.items():
         (work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return parts
@@ -113,8 +165,24 @@ def shard(source: Path, output: Path, split: str, tokenizer: Path) -> None:
 
     if output.exists():  # a rerun: the same inputs give the same shards
         return
-    if dataio(["shard", str(source), "--output", str(output), "--tokenizer", str(tokenizer), "--split",
-               f"{split}=1.0", "--samples-per-shard", "100", "--quiet"]) != 0:
+    if (
+        dataio(
+            [
+                "shard",
+                str(source),
+                "--output",
+                str(output),
+                "--tokenizer",
+                str(tokenizer),
+                "--split",
+                f"{split}=1.0",
+                "--samples-per-shard",
+                "100",
+                "--quiet",
+            ]
+        )
+        != 0
+    ):
         raise SystemExit(f"error: dataio shard {source} failed")
 
 
@@ -145,51 +213,90 @@ def common(recipe: Recipe, stage: str, lr: float) -> dict:
     return dict(
         distributed=dict(strategy="fsdp2"),
         optim=dict(lr=lr, warmup_steps=min(50, recipe.max_steps or 50), weight_decay=0.01, max_grad_norm=1.0),
-        trainer=dict(max_steps=recipe.max_steps or size["max_steps"], max_minutes=recipe.minutes * SHARES[stage],
-                     eval_every=recipe.eval_every or size["eval_every"], seed=0,
-                     log_every=min(10, recipe.max_steps or 10),
-                     precision=size["precision"], output_dir=str(recipe.out / stage)),
-        checkpoint=dict(interval=0, export_hf=True), logging=dict(console=True, tensorboard=False))
+        trainer=dict(
+            max_steps=recipe.max_steps or size["max_steps"],
+            max_minutes=recipe.minutes * SHARES[stage],
+            eval_every=recipe.eval_every or size["eval_every"],
+            seed=0,
+            log_every=min(10, recipe.max_steps or 10),
+            precision=size["precision"],
+            output_dir=str(recipe.out / stage),
+        ),
+        checkpoint=dict(interval=0, export_hf=True),
+        logging=dict(console=True, tensorboard=False),
+    )
 
 
 def speech_data(paths: dict, recipe: Recipe) -> dict:
-    return dict(datasets=[dict(path=str(paths["train"]))], val=dict(datasets=[dict(path=str(paths["val"]),
-                                                                                   split="val")]),
-                seed=0, num_workers=1, decode=dict(sample_rate=16000),
-                bucketing=dict(max_duration=SIZES[recipe.size]["batch_seconds"], num_buckets=4))
+    return dict(
+        datasets=[dict(path=str(paths["train"]))],
+        val=dict(datasets=[dict(path=str(paths["val"]), split="val")]),
+        seed=0,
+        num_workers=1,
+        decode=dict(sample_rate=16000),
+        bucketing=dict(max_duration=SIZES[recipe.size]["batch_seconds"], num_buckets=4),
+    )
 
 
 def llm_job(recipe: Recipe, paths: dict) -> dict:
     size = SIZES[recipe.size]
-    model = dict(model_type="llama", vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=True,
-                 **size["llm"])
-    return dict(common(recipe, "llm", 3e-3), model=dict(config=model, tokenizer=str(paths["tokenizer"])),
-                data=dict(datasets=[dict(path=str(paths["text"]))], seq_len=size["seq_len"],
-                          batch_size=size["text_batch"], packing="best_fit", seed=0, num_workers=1),
-                trainer=dict(common(recipe, "llm", 3e-3)["trainer"], eval_every=0))
+    model = dict(
+        model_type="llama", vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=True, **size["llm"]
+    )
+    return dict(
+        common(recipe, "llm", 3e-3),
+        model=dict(config=model, tokenizer=str(paths["tokenizer"])),
+        data=dict(
+            datasets=[dict(path=str(paths["text"]))],
+            seq_len=size["seq_len"],
+            batch_size=size["text_batch"],
+            packing="best_fit",
+            seed=0,
+            num_workers=1,
+        ),
+        trainer=dict(common(recipe, "llm", 3e-3)["trainer"], eval_every=0),
+    )
 
 
 def ctc_job(recipe: Recipe, paths: dict) -> dict:
     size = SIZES[recipe.size]
-    speech = dict(encoder=dict(kind="parakeet", config=size["encoder"]), features=size["features"],
-                  spec_augment=dict(freq_masks=2, freq_width=15, time_masks=4, time_width=0.05))
-    return dict(common(recipe, "ctc", 1.5e-3), model=dict(kind="ctc", ctc=dict(units="chars"), speech=speech),
-                data=speech_data(paths, recipe))
+    speech = dict(
+        encoder=dict(kind="parakeet", config=size["encoder"]),
+        features=size["features"],
+        spec_augment=dict(freq_masks=2, freq_width=15, time_masks=4, time_width=0.05),
+    )
+    return dict(
+        common(recipe, "ctc", 1.5e-3),
+        model=dict(kind="ctc", ctc=dict(units="chars"), speech=speech),
+        data=speech_data(paths, recipe),
+    )
 
 
 def salm_job(recipe: Recipe, paths: dict) -> dict:
     size = SIZES[recipe.size]
-    speech = dict(encoder=dict(kind="parakeet", pretrained_path=str(recipe.out / "ctc" / "encoder")),
-                  adapter=dict(subsampling=2), features=size["features"], prompt=PROMPT,
-                  freeze_llm=recipe.llm == "frozen",
-                  spec_augment=dict(freq_masks=2, freq_width=15, time_masks=2, time_width=0.05),
-                  max_new_tokens=96, eval_split="val", eval_data=str(paths["val"]),
-                  eval_every=size["decode_every"] * (recipe.eval_every or size["eval_every"]),
-                  eval_batch_duration=120.0)
-    return dict(common(recipe, "salm", 1e-3),
-                model=dict(kind="salm", pretrained_path=str(recipe.out / "llm" / "hf"),
-                           tokenizer=str(paths["tokenizer"]), speech=speech),
-                data=speech_data(paths, recipe))
+    speech = dict(
+        encoder=dict(kind="parakeet", pretrained_path=str(recipe.out / "ctc" / "encoder")),
+        adapter=dict(subsampling=2),
+        features=size["features"],
+        prompt=PROMPT,
+        freeze_llm=recipe.llm == "frozen",
+        spec_augment=dict(freq_masks=2, freq_width=15, time_masks=2, time_width=0.05),
+        max_new_tokens=96,
+        eval_split="val",
+        eval_data=str(paths["val"]),
+        eval_every=size["decode_every"] * (recipe.eval_every or size["eval_every"]),
+        eval_batch_duration=120.0,
+    )
+    return dict(
+        common(recipe, "salm", 1e-3),
+        model=dict(
+            kind="salm",
+            pretrained_path=str(recipe.out / "llm" / "hf"),
+            tokenizer=str(paths["tokenizer"]),
+            speech=speech,
+        ),
+        data=speech_data(paths, recipe),
+    )
 
 
 def run_stage(job: dict) -> tuple[list[dict], float]:
@@ -226,41 +333,77 @@ def run(recipe: Recipe) -> dict:
         minutes += spent
         _, spent = run_stage(salm_job(recipe, paths))
         minutes += spent
-        result = evaluate(str(recipe.out / "salm"), str(paths["val"]), split="val", batch_duration=120.0,
-                          out=str(recipe.out / "salm" / "eval-val.jsonl"))
+        result = evaluate(
+            str(recipe.out / "salm"),
+            str(paths["val"]),
+            split="val",
+            batch_duration=120.0,
+            out=str(recipe.out / "salm" / "eval-val.jsonl"),
+        )
     finally:
         dist.destroy_process_group()
-    summary = {"wer": result["wer"], "listening_ratio": result["listening_ratio"],
-               "ctc_wer": last_val(ctc_records, "val_wer"), "val_utterances": result["utterances"],
-               "train_minutes": round(minutes, 2)}
+    summary = {
+        "wer": result["wer"],
+        "listening_ratio": result["listening_ratio"],
+        "ctc_wer": last_val(ctc_records, "val_wer"),
+        "val_utterances": result["utterances"],
+        "train_minutes": round(minutes, 2),
+    }
     if result["utterances"] != paths["val_utterances"]:
-        raise SystemExit(f"error: the eval decoded {result['utterances']} of the {paths['val_utterances']} val "
-                         "utterances (decode skips: see the log above)")
+        raise SystemExit(
+            f"error: the eval decoded {result['utterances']} of the {paths['val_utterances']} val "
+            "utterances (decode skips: see the log above)"
+        )
     (recipe.out / "summary.json").write_text(json.dumps(summary) + "\n")
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bash tools/speech_recipe.sh", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bash tools/speech_recipe.sh",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--manifest", required=True, type=Path, help="NeMo manifest (audio_filepath, duration, text)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (stages, shards, summary.json)")
     parser.add_argument("--text", type=Path, default=None, help="JSONL of {'text': ...} documents for the LLM's stage")
     parser.add_argument("--minutes", type=float, default=45.0, help="training wall time of all stages together")
-    parser.add_argument("--llm", choices=["frozen", "trained"], default="frozen",
-                        help="the SALM stage's LLM: frozen (encoder + adapter trained) or fine-tuned too")
+    parser.add_argument(
+        "--llm",
+        choices=["frozen", "trained"],
+        default="frozen",
+        help="the SALM stage's LLM: frozen (encoder + adapter trained) or fine-tuned too",
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu", help="model sizes (tiny: the smoke test's)")
-    parser.add_argument("--max-steps", type=int, default=None, help="per stage (default: the size's; the budget "
-                                                                    "usually stops a stage first)")
-    parser.add_argument("--eval-every", type=int, default=None, help="validation interval of the CTC and SALM "
-                                                                     "stages in steps (default: the size's)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="per stage (default: the size's; the budget usually stops a stage first)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="validation interval of the CTC and SALM stages in steps (default: the size's)",
+    )
     args = parser.parse_args(argv)
     for path in (args.manifest, args.text):
         if path is not None and not path.is_file():
             print(f"error: {path} does not exist", file=sys.stderr)
             return 2
-    summary = run(Recipe(manifest=args.manifest, out=args.out, text=args.text, minutes=args.minutes, size=args.size,
-                         max_steps=args.max_steps, llm=args.llm, eval_every=args.eval_every))
+    summary = run(
+        Recipe(
+            manifest=args.manifest,
+            out=args.out,
+            text=args.text,
+            minutes=args.minutes,
+            size=args.size,
+            max_steps=args.max_steps,
+            llm=args.llm,
+            eval_every=args.eval_every,
+        )
+    )
     print(json.dumps(summary), flush=True)
     return 0
 

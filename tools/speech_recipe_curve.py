@@ -29,33 +29,50 @@ def read_curve(metrics: Path) -> list[dict]:
         if "loss" in r and "val_loss" not in r:
             window.append(r["loss"])
         elif "val_loss" in r:
-            points.append({"step": r["step"], "train_loss": sum(window) / len(window) if window else None,
-                           "val_loss": r["val_loss"], "val_mismatched_loss": r.get("val_mismatched_loss"),
-                           "val_listening_ratio": r.get("val_listening_ratio"), "val_wer": wer.get(r["step"]),
-                           "val_cer": r.get("val_cer")})
+            points.append(
+                {
+                    "step": r["step"],
+                    "train_loss": sum(window) / len(window) if window else None,
+                    "val_loss": r["val_loss"],
+                    "val_mismatched_loss": r.get("val_mismatched_loss"),
+                    "val_listening_ratio": r.get("val_listening_ratio"),
+                    "val_wer": wer.get(r["step"]),
+                    "val_cer": r.get("val_cer"),
+                }
+            )
             window = []
     return points
 
 
-COLUMNS = (("train_loss", "train loss"), ("val_loss", "val loss (own audio)"),
-           ("val_mismatched_loss", "val loss (mismatched audio)"), ("val_listening_ratio", "listening ratio"),
-           ("val_wer", "WER"), ("val_cer", "CER"))
+COLUMNS = (
+    ("train_loss", "train loss"),
+    ("val_loss", "val loss (own audio)"),
+    ("val_mismatched_loss", "val loss (mismatched audio)"),
+    ("val_listening_ratio", "listening ratio"),
+    ("val_wer", "WER"),
+    ("val_cer", "CER"),
+)
 
 
 def table(points: list[dict]) -> str:
     """Markdown: the step and every column of ``COLUMNS`` some point has."""
     columns = [(key, title) for key, title in COLUMNS if any(p[key] is not None for p in points)]
     rows = ["| step | " + " | ".join(title for _, title in columns) + " |", "| ---: " * (len(columns) + 1) + "|"]
-    rows += [f"| {p['step']} | " + " | ".join("-" if p[key] is None else f"{p[key]:.3f}" for key, _ in columns) + " |"
-             for p in points]
+    rows += [
+        f"| {p['step']} | " + " | ".join("-" if p[key] is None else f"{p[key]:.3f}" for key, _ in columns) + " |"
+        for p in points
+    ]
     return "\n".join(rows)
 
 
 def stage_curves(path: Path) -> dict[str, list[dict]]:
     """``{name: points}``: a metrics.jsonl's own, or each speech stage's of a recipe folder."""
     if path.is_dir():
-        return {stage: read_curve(path / stage / "metrics.jsonl") for stage in ("ctc", "salm")
-                if (path / stage / "metrics.jsonl").is_file()}
+        return {
+            stage: read_curve(path / stage / "metrics.jsonl")
+            for stage in ("ctc", "salm")
+            if (path / stage / "metrics.jsonl").is_file()
+        }
     return {path.parent.name: read_curve(path)}
 
 

@@ -56,8 +56,12 @@ def file_uses(tree: ast.AST) -> set[str]:
                         aliases[a.asname] = a.name
                     else:
                         aliases["torch"] = "torch"
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] == "torch":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "torch"
+        ):
             for a in node.names:
                 if a.name != "*":
                     aliases[a.asname or a.name] = f"{node.module}.{a.name}"
@@ -89,7 +93,7 @@ def resolves(path: str) -> bool:
             obj = getattr(obj, part)
             continue
         try:
-            obj = importlib.import_module(".".join(parts[:i + 1]))
+            obj = importlib.import_module(".".join(parts[: i + 1]))
         except ModuleNotFoundError as e:
             if e.name and not e.name.startswith("torch"):
                 raise  # torch has the module; a package it imports is missing here: install it, do not guess
@@ -112,9 +116,10 @@ def record(out: Path) -> list[str]:
     used = uses()
     missing = sorted(p for p in used if not resolves(p))
     lines = [f"torch {torch.__version__.split('+')[0]}"] + [("!" if p in missing else "") + p for p in sorted(used)]
-    out.write_text("# Written by `bash tools/torch_floor.sh` (python -m tools.torch_api record under the floor torch);\n"
-                   "# '!': the path does not exist in that torch. Checked by tests/test_torch_api.py.\n"
-                   + "\n".join(lines) + "\n")
+    out.write_text(
+        "# Written by `bash tools/torch_floor.sh` (python -m tools.torch_api record under the floor torch);\n"
+        "# '!': the path does not exist in that torch. Checked by tests/test_torch_api.py.\n" + "\n".join(lines) + "\n"
+    )
     return [f"{p} ({', '.join(used[p][:3])})" for p in missing]
 
 

@@ -40,8 +40,9 @@ def build_causal_lm(cfg: JobConfig, dims: ParallelDims, device: torch.device) ->
     hf_config = build_hf_config(cfg.model)
     model = CausalLMLoss(build_meta_model(hf_config))
     apply_quantize(model, cfg.quantize, device)
-    model = parallelize(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision),
-                        adapters=lora.adapter_hook(cfg.peft))
+    model = parallelize(
+        model, dims, cfg.distributed, param_dtype(cfg.trainer.precision), adapters=lora.adapter_hook(cfg.peft)
+    )
     materialize(model, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
     if cfg.peft is not None:
         lora.init_adapters(model, cfg.peft)
@@ -55,22 +56,36 @@ def causal_lm_forward(cfg: JobConfig, dims: ParallelDims) -> Forward:
     (``headrace.training.distributed.context_parallel``). Looked up in ``step`` when called, so a test may
     replace ``step.forward_loss_sum``."""
     if dims.cp_enabled:
-        return functools.partial(step.forward_loss_sum,
-                                 attention_kwargs=cp_attention_kwargs(dims.get_mesh("cp"), cfg.distributed.cp_comm))
+        return functools.partial(
+            step.forward_loss_sum, attention_kwargs=cp_attention_kwargs(dims.get_mesh("cp"), cfg.distributed.cp_comm)
+        )
     return step.forward_loss_sum
 
 
 def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConfig, out_dir: Path) -> None:
     """``out_dir/hf``: the consolidated model and its tokenizer (``checkpoint.export_hf``). Collective."""
-    checkpoint.export_hf(model, hf_config, out_dir / "hf", cfg.model.tokenizer,
-                         shard_size_mb=cfg.checkpoint.export_shard_size_mb,
-                         experts_layout=cfg.checkpoint.export_hf_experts,
-                         transform=None if cfg.peft is None else lora.merger(cfg.peft))
+    checkpoint.export_hf(
+        model,
+        hf_config,
+        out_dir / "hf",
+        cfg.model.tokenizer,
+        shard_size_mb=cfg.checkpoint.export_shard_size_mb,
+        experts_layout=cfg.checkpoint.export_hf_experts,
+        transform=None if cfg.peft is None else lora.merger(cfg.peft),
+    )
 
 
 CAUSAL_LM = ModelKind(
-    name="causal_lm", llm_config=build_hf_config, prepare_job=same_job, build_model=build_causal_lm,
-    build_pipeline=build_pipeline, step_forward=causal_lm_forward, wrap_loader=same_loader, validate=one_pass,
-    export=export_causal_lm, empty_val_batch=lambda loader: loader.stage.padding_batch())
+    name="causal_lm",
+    llm_config=build_hf_config,
+    prepare_job=same_job,
+    build_model=build_causal_lm,
+    build_pipeline=build_pipeline,
+    step_forward=causal_lm_forward,
+    wrap_loader=same_loader,
+    validate=one_pass,
+    export=export_causal_lm,
+    empty_val_batch=lambda loader: loader.stage.padding_batch(),
+)
 
 __all__ = ["CAUSAL_LM", "build_causal_lm", "causal_lm_forward", "export_causal_lm"]

@@ -32,8 +32,10 @@ def file_inside(root: str | os.PathLike, name: str) -> Path | None:
         return None
     real = Path(os.path.realpath(path))
     if not any(real.is_relative_to(r) for r in _allowed_roots(Path(root))):
-        raise JobInputError(f"{path}: a symbolic link to {real}, outside {root}; a model directory's files must be "
-                         "inside it (copy the file in, do not link it)")
+        raise JobInputError(
+            f"{path}: a symbolic link to {real}, outside {root}; a model directory's files must be "
+            "inside it (copy the file in, do not link it)"
+        )
     if not real.is_file():
         raise JobInputError(f"{path}: not a regular file")
     return path

@@ -87,15 +87,20 @@ def synthetic_step(model, speech_batches, seconds: float, tokens: int, batch_siz
     audio = torch.randn(batch_size, samples, generator=torch.Generator().manual_seed(0)) * 0.1
     lens = torch.full((batch_size,), samples)
     answers = [[speech_batches.template.eos_id] * max(int(tokens) - 1, 0)] * batch_size
-    batch = {"audio": audio, "audio_lens": lens,
-             **build_batch(speech_batches.template, model.audio_slots(lens), answers)}
+    batch = {
+        "audio": audio,
+        "audio_lens": lens,
+        **build_batch(speech_batches.template, model.audio_slots(lens), answers),
+    }
     batch = {k: v.to(device) for k, v in batch.items()}
     return lambda: model(**{k: batch[k] for k in SALM_INPUTS})
 
 
-def fits_budget(model, step_at: Callable[[int], Callable[[], torch.Tensor]],
-                budget_bytes: int) -> Callable[[int], bool]:
+def fits_budget(
+    model, step_at: Callable[[int], Callable[[], torch.Tensor]], budget_bytes: int
+) -> Callable[[int], bool]:
     """``fits(batch_size)`` on CUDA: peak allocated memory of forward + backward within the budget."""
+
     def fits(batch_size: int) -> bool:
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
@@ -111,10 +116,12 @@ def fits_budget(model, step_at: Callable[[int], Callable[[], torch.Tensor]],
     return fits
 
 
-def largest_by_saved_bytes(model, step_at: Callable[[int], Callable[[], torch.Tensor]], budget_bytes: int,
-                           limit: int) -> int:
+def largest_by_saved_bytes(
+    model, step_at: Callable[[int], Callable[[], torch.Tensor]], budget_bytes: int, limit: int
+) -> int:
     """The CPU answer: saved-for-backward bytes measured at batch 1 and 2, solved for the largest batch
     within the budget (module docstring)."""
+
     def cost(batch_size: int) -> int:
         try:
             return saved_activation_bytes(step_at(batch_size))
@@ -130,8 +137,16 @@ def largest_by_saved_bytes(model, step_at: Callable[[int], Callable[[], torch.Te
     return int(min(limit, 1 + (budget_bytes - one) // per_row))
 
 
-def estimate_table(model, speech_batches, bins: np.ndarray, budget_bytes: int, limit: int = 4096, *,
-                   deadline: float = float("inf"), progress: Callable[[str], None] = lambda line: None) -> list:
+def estimate_table(
+    model,
+    speech_batches,
+    bins: np.ndarray,
+    budget_bytes: int,
+    limit: int = 4096,
+    *,
+    deadline: float = float("inf"),
+    progress: Callable[[str], None] = lambda line: None,
+) -> list:
     """The largest fitting batch per ``[seconds, tokens]`` bin; ``None`` for the bins not reached before
     ``deadline`` (``time.monotonic()``)."""
     on_cuda = next(model.parameters()).is_cuda
@@ -147,8 +162,10 @@ def estimate_table(model, speech_batches, bins: np.ndarray, budget_bytes: int, l
         else:
             size = largest_by_saved_bytes(model, step_at, budget_bytes, limit)
         sizes.append(size)
-        progress(f"bucket {i + 1}/{len(bins)} [{seconds:g} s, {int(tokens)} tokens]: batch size {size} "
-                 f"({time.monotonic() - started:.1f} s)")
+        progress(
+            f"bucket {i + 1}/{len(bins)} [{seconds:g} s, {int(tokens)} tokens]: batch size {size} "
+            f"({time.monotonic() - started:.1f} s)"
+        )
     return sizes
 
 
@@ -162,12 +179,18 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headrace.training.estimate_batch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m headrace.training.estimate_batch", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--config", required=True, help="a model.kind: salm job YAML")
     parser.add_argument("--budget-gib", type=float, required=True, help="memory budget per device (GiB)")
     parser.add_argument("--limit", type=int, default=4096, help="largest batch size tried")
-    parser.add_argument("--time-limit", type=float, default=240.0,
-                        help="seconds; past it the buckets not measured are printed as null (exit status 3)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=240.0,
+        help="seconds; past it the buckets not measured are printed as null (exit status 3)",
+    )
     parser.add_argument("--out", default=None, help="write the YAML table here (default: print it)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the job config")
     args = parser.parse_args(argv)
@@ -185,8 +208,11 @@ def estimate(args: argparse.Namespace) -> int:
     cfg = load_job_config(args.config, args.overrides)
     kind = model_kind(cfg)
     if kind.batch_probe is None:
-        print(f"error: headrace.training.estimate_batch sizes bucketed audio batches: model.kind {kind.name} has "
-              "none (e.g. model.kind: salm)", file=sys.stderr)
+        print(
+            f"error: headrace.training.estimate_batch sizes bucketed audio batches: model.kind {kind.name} has "
+            "none (e.g. model.kind: salm)",
+            file=sys.stderr,
+        )
         return 2
     cfg = kind.prepare_job(cfg)
     bucketing = cfg.data.bucketing
@@ -196,29 +222,53 @@ def estimate(args: argparse.Namespace) -> int:
         check_data_paths(cfg.data)
         source = open_data("data", lambda: open_source(cfg.data.datasets[0]))
         samples = source.index.samples
-        bins = estimate_2d_bins(np.asarray(samples["duration"], np.float64), np.asarray(samples["tokens"], np.float64),
-                                bucketing.num_buckets, max(bucketing.num_token_buckets, 2))
+        bins = estimate_2d_bins(
+            np.asarray(samples["duration"], np.float64),
+            np.asarray(samples["tokens"], np.float64),
+            bucketing.num_buckets,
+            max(bucketing.num_token_buckets, 2),
+        )
     device = pick_device(cfg.trainer.device)
     budget = int(args.budget_gib * 2**30)
     if budget > (free := free_memory_bytes(device)):
-        print(f"error: --budget-gib {args.budget_gib:g} exceeds the free memory of {device.type} "
-              f"({free / 2**30:.1f} GiB); give at most that", file=sys.stderr)
+        print(
+            f"error: --budget-gib {args.budget_gib:g} exceeds the free memory of {device.type} "
+            f"({free / 2**30:.1f} GiB); give at most that",
+            file=sys.stderr,
+        )
         return 2
     deadline = time.monotonic() + args.time_limit
     model, speech = kind.batch_probe(cfg, device)
-    print(f"estimating {len(bins)} buckets on {device.type} within {args.budget_gib:g} GiB "
-          f"(time limit {args.time_limit:g} s)", file=sys.stderr, flush=True)
-    sizes = estimate_table(model, speech, bins, budget, args.limit, deadline=deadline,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
-    table = yaml.safe_dump({"bucket_duration_bins": [[round(d, 3), int(t)] for d, t in bins.tolist()],
-                            "bucket_batch_size": sizes}, default_flow_style=None, sort_keys=False)
+    print(
+        f"estimating {len(bins)} buckets on {device.type} within {args.budget_gib:g} GiB "
+        f"(time limit {args.time_limit:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    sizes = estimate_table(
+        model,
+        speech,
+        bins,
+        budget,
+        args.limit,
+        deadline=deadline,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    table = yaml.safe_dump(
+        {"bucket_duration_bins": [[round(d, 3), int(t)] for d, t in bins.tolist()], "bucket_batch_size": sizes},
+        default_flow_style=None,
+        sort_keys=False,
+    )
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)
     print(table, end="")
     if None in sizes:
-        print(f"estimate_batch: time limit {args.time_limit:g} s reached: {sizes.count(None)} of {len(sizes)} "
-              "buckets not measured (null); raise --time-limit for all", file=sys.stderr)
+        print(
+            f"estimate_batch: time limit {args.time_limit:g} s reached: {sizes.count(None)} of {len(sizes)} "
+            "buckets not measured (null); raise --time-limit for all",
+            file=sys.stderr,
+        )
         return 3
     return 0
 

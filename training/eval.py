@@ -32,8 +32,10 @@ def resolve_checkpoint(path: str) -> tuple[Path, str]:
         return p, "hf"
     newest = checkpoint.latest(p)
     if newest is None:
-        raise ValueError(f"--checkpoint {path}: neither a checkpoint (step-N with {checkpoint.STATE_FILE}), a folder "
-                         "holding complete ones, nor an hf/ export (config.json)")
+        raise ValueError(
+            f"--checkpoint {path}: neither a checkpoint (step-N with {checkpoint.STATE_FILE}), a folder "
+            "holding complete ones, nor an hf/ export (config.json)"
+        )
     return newest, "dcp"
 
 
@@ -75,9 +77,11 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     ckpt, kind, state = check_inputs(cfg, path)
     cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a speech LLM's checkpoint)
     if kind == "hf":
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None,
-                                                                 pretrained_path=str(ckpt)),
-                                  peft=None)  # a LoRA run's hf/ holds the merged model
+        cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, config=None, config_path=None, pretrained_path=str(ckpt)),
+            peft=None,
+        )  # a LoRA run's hf/ holds the merged model
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
@@ -92,14 +96,19 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headrace.training.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m headrace.training.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", required=True, help="the job YAML of the run (its data.val is evaluated)")
     parser.add_argument("--checkpoint", required=True, help="checkpoints/step-N, a checkpoints/ folder, or hf/")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.val.batch_size=8")
     args = parser.parse_args(argv)
 
-    from headrace.training.config.load import load_job_config  # deferred: the CLI's --help and argument errors load no torch
+    from headrace.training.config.load import (
+        load_job_config,
+    )  # deferred: the CLI's --help and argument errors load no torch
 
     try:
         cfg = load_job_config(args.config, args.overrides)

@@ -50,13 +50,21 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     """This node's torchrun for a run by hand (see the module docstring)."""
     host, _, port = args.master.partition(":")
     port = port or str(args.port)
-    cmd = [*TORCHRUN, f"--nnodes={args.nnodes}", f"--nproc-per-node={args.nproc_per_node}",
-           f"--max-restarts={args.max_restarts}"]
+    cmd = [
+        *TORCHRUN,
+        f"--nnodes={args.nnodes}",
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--max-restarts={args.max_restarts}",
+    ]
     if args.rdzv == "static":
         cmd += [f"--node-rank={args.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
     else:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={args.rdzv_id}",
-                f"--rdzv-conf=is_host={str(args.node_rank == 0).lower()}"]
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={host}:{port}",
+            f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=is_host={str(args.node_rank == 0).lower()}",
+        ]
     if args.local_addr:
         cmd.append(f"--local-addr={args.local_addr}")
     return cmd + trainer_args(args.config, args.overrides)
@@ -64,8 +72,13 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
     """The sbatch script of one job of the chain; its first argument is the job's data seed."""
-    directives = [f"--job-name={args.name}", f"--nodes={args.nodes}", "--ntasks-per-node=1",
-                  f"--output={str(output_dir / 'slurm').replace('%', '%%')}/%x-%j.out", "--open-mode=append"]
+    directives = [
+        f"--job-name={args.name}",
+        f"--nodes={args.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={str(output_dir / 'slurm').replace('%', '%%')}/%x-%j.out",
+        "--open-mode=append",
+    ]
     if args.gpus_per_node:
         directives.append(f"--gpus-per-node={args.gpus_per_node}")
     if args.time:
@@ -73,33 +86,52 @@ def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
     directives += args.sbatch_arg
     for d in directives:
         if "\n" in d or "\r" in d:
-            raise ConfigError(f"#SBATCH line {d!r}: a line break in an sbatch directive would start a new "
-                              "script line; remove it")
+            raise ConfigError(
+                f"#SBATCH line {d!r}: a line break in an sbatch directive would start a new script line; remove it"
+            )
     # Only the launcher's own words expand on the node ($SLURM_*, $RDZV_HOST, $IS_HOST, $DATA_SEED), inside double
     # quotes; every other word (the config path and overrides the user gave) is single-quoted, so it reaches the
     # trainer exactly as given: no second expansion of `$1`, `$(cmd)` or backquotes.
-    expands = {"--nnodes=$SLURM_JOB_NUM_NODES", f"--rdzv-endpoint=$RDZV_HOST:{args.port}", "--rdzv-id=$SLURM_JOB_ID",
-               "--rdzv-conf=is_host=$IS_HOST"}
-    node = [*TORCHRUN, "--nnodes=$SLURM_JOB_NUM_NODES", f"--nproc-per-node={args.nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=$RDZV_HOST:{args.port}", "--rdzv-id=$SLURM_JOB_ID",
-            "--rdzv-conf=is_host=$IS_HOST", f"--max-restarts={args.max_restarts}"]
-    words = " ".join([*(f'"{w}"' if w in expands else shlex.quote(w) for w in node),
-                      *map(shlex.quote, trainer_args(args.config, args.overrides)), '"trainer.data_seed=$DATA_SEED"'])
+    expands = {
+        "--nnodes=$SLURM_JOB_NUM_NODES",
+        f"--rdzv-endpoint=$RDZV_HOST:{args.port}",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "--rdzv-conf=is_host=$IS_HOST",
+    }
+    node = [
+        *TORCHRUN,
+        "--nnodes=$SLURM_JOB_NUM_NODES",
+        f"--nproc-per-node={args.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=$RDZV_HOST:{args.port}",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "--rdzv-conf=is_host=$IS_HOST",
+        f"--max-restarts={args.max_restarts}",
+    ]
+    words = " ".join(
+        [
+            *(f'"{w}"' if w in expands else shlex.quote(w) for w in node),
+            *map(shlex.quote, trainer_args(args.config, args.overrides)),
+            '"trainer.data_seed=$DATA_SEED"',
+        ]
+    )
     per_node = f'IS_HOST=false; [ "$SLURM_NODEID" = 0 ] && IS_HOST=true; exec {words}'
-    return "\n".join([
-        "#!/bin/bash",
-        *(f"#SBATCH {d}" for d in directives),
-        "# written by python -m headrace.training.launch; argument 1: this job's data seed",
-        "set -euo pipefail",
-        'export DATA_SEED="${1:?usage: sbatch this-script DATA_SEED}"',
-        'export RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        *(f"export {k}={v}" for k, v in ENV.items()),
-        f"cd {shlex.quote(str(Path.cwd()))}",
-        f'echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x {args.nproc_per_node}, '
-        f'rendezvous $RDZV_HOST:{args.port}, data seed $DATA_SEED"',
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            *(f"#SBATCH {d}" for d in directives),
+            "# written by python -m headrace.training.launch; argument 1: this job's data seed",
+            "set -euo pipefail",
+            'export DATA_SEED="${1:?usage: sbatch this-script DATA_SEED}"',
+            'export RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            *(f"export {k}={v}" for k, v in ENV.items()),
+            f"cd {shlex.quote(str(Path.cwd()))}",
+            f'echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x {args.nproc_per_node}, '
+            f'rendezvous $RDZV_HOST:{args.port}, data seed $DATA_SEED"',
+            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)}",
+            "",
+        ]
+    )
 
 
 class SubmitError(RuntimeError):
@@ -119,8 +151,9 @@ def submit_chain(script: Path, seeds: list[int], output_dir: Path, dry_run: bool
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except FileNotFoundError:
-            raise SubmitError("sbatch not found: run this on a SLURM login node (or --dry-run to see the "
-                              "commands)") from None
+            raise SubmitError(
+                "sbatch not found: run this on a SLURM login node (or --dry-run to see the commands)"
+            ) from None
         if proc.returncode != 0:
             said = " ".join((proc.stderr.strip() or proc.stdout.strip() or "no message").split())
             before = f" (already submitted: {', '.join(ids)})" if ids else ""
@@ -128,20 +161,31 @@ def submit_chain(script: Path, seeds: list[int], output_dir: Path, dry_run: bool
         out = proc.stdout.strip()
         ids.append(out.split(";")[0])  # --parsable: "id" or "id;cluster"
         with open(output_dir / "slurm" / "jobs.jsonl", "a") as f:
-            f.write(json.dumps({"job_id": ids[-1], "data_seed": seed, "after": ids[-2] if i else None,
-                                "script": str(script)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"job_id": ids[-1], "data_seed": seed, "after": ids[-2] if i else None, "script": str(script)}
+                )
+                + "\n"
+            )
         print(f"submitted job {ids[-1]} (data seed {seed}" + (f", after {ids[-2]})" if i else ")"), flush=True)
     return ids
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m headrace.training.launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m headrace.training.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=True, help="the job YAML (as for python -m headrace.training)")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to the trainer")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (SLURM: --gpus-per-node)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="trainer processes per node (default: "
-                   "--gpus-per-node, or 1 without GPUs)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="trainer processes per node (default: --gpus-per-node, or 1 without GPUs)",
+    )
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole job on a failure")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port (default 29500)")
     p.add_argument("--dry-run", action="store_true", help="print what would run or be submitted")
@@ -151,8 +195,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     slurm.add_argument("--time", default=None, help="time limit per job (sbatch --time, e.g. 04:00:00)")
     slurm.add_argument("--jobs", type=int, default=1, help="chain this many jobs (afterany), each a fresh seed")
     slurm.add_argument("--name", default="headrace", help="job name (default headrace)")
-    slurm.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                       help="extra #SBATCH line, e.g. --sbatch-arg=--partition=gpu (repeatable)")
+    slurm.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra #SBATCH line, e.g. --sbatch-arg=--partition=gpu (repeatable)",
+    )
     manual = p.add_argument_group("by hand (no SLURM)")
     manual.add_argument("--nnodes", type=int, default=1, help="nodes of the run")
     manual.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 hosts the rendezvous)")
@@ -167,8 +216,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.name or "/" in args.name or args.name.startswith(".") or not args.name.isprintable():
-        p.error(f"--name {args.name!r}: a job name is one printable file name (no '/', not starting with '.'), "
-                "since the script is written as <output_dir>/slurm/<name>.sbatch")
+        p.error(
+            f"--name {args.name!r}: a job name is one printable file name (no '/', not starting with '.'), "
+            "since the script is written as <output_dir>/slurm/<name>.sbatch"
+        )
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank {args.node_rank} outside 0..{args.nnodes - 1}")
     return args
@@ -203,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         from headrace.training.components.run_lock import first_symlink
 
         if (link := first_symlink(output_dir)) is not None:  # what the trainer would refuse: refuse it here first
-            print(f"error: trainer.output_dir: {link} is a symbolic link out of it; the job writes only under its "
-                  "output_dir", file=sys.stderr)
+            print(
+                f"error: trainer.output_dir: {link} is a symbolic link out of it; the job writes only under its "
+                "output_dir",
+                file=sys.stderr,
+            )
             return 2
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(script)

@@ -31,16 +31,19 @@ def build_model(cfg: JobConfig, dims: ParallelDims, device: torch.device):
     return model_kind(cfg).build_model(cfg, dims, device)
 
 
-def build_model_or_pipeline(cfg: JobConfig, dims: ParallelDims, device: torch.device
-                            ) -> tuple[nn.Module, object, Pipeline | None]:
+def build_model_or_pipeline(
+    cfg: JobConfig, dims: ParallelDims, device: torch.device
+) -> tuple[nn.Module, object, Pipeline | None]:
     """``(model, llm config, pipe)``: with pp > 1 this rank's pipeline (``headrace.training.distributed.pipeline``)
     and its model part (transformers' names), else ``build_model``'s model and None."""
     kind = model_kind(cfg)
     if dims.pp == 1:
         return *kind.build_model(cfg, dims, device), None
     if kind.build_pipeline is None:
-        raise ValueError(f"pp_size > 1 splits a causal LM; model.kind {kind.name!r} has no pipeline split rule "
-                         "(set distributed.pp_size=1)")
+        raise ValueError(
+            f"pp_size > 1 splits a causal LM; model.kind {kind.name!r} has no pipeline split rule "
+            "(set distributed.pp_size=1)"
+        )
     hf_config = kind.llm_config(cfg.model)
     pipe = kind.build_pipeline(cfg, dims, device, hf_config)
     return pipe.part, hf_config, pipe

@@ -34,10 +34,20 @@ from headrace.training.config.job_config import JobConfig
 from headrace.training.distributed.pipeline import Pipeline, run_schedule
 from headrace.training.models.loss import bf16_autocast
 
-STEP_INPUTS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "fill",  # what a step reads
-               "attention_plan", "attention_pairs",  # + the host-made layout (headrace.training.step_inputs)
-               "audio", "audio_lens", "audio_mask",  # + a SALM's (headrace.training.speech)
-               "cp_imbalance")  # + context parallelism's (headrace.training.distributed.context_parallel)
+STEP_INPUTS = (
+    "input_ids",
+    "labels",
+    "position_ids",
+    "cu_seqlens",
+    "max_seqlen",
+    "fill",  # what a step reads
+    "attention_plan",
+    "attention_pairs",  # + the host-made layout (headrace.training.step_inputs)
+    "audio",
+    "audio_lens",
+    "audio_mask",  # + a SALM's (headrace.training.speech)
+    "cp_imbalance",
+)  # + context parallelism's (headrace.training.distributed.context_parallel)
 
 
 @contextlib.contextmanager
@@ -53,19 +63,32 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
 
 
-def forward_loss_sum(model: nn.Module, batch: dict, autocast: bool,
-                     attention_kwargs: dict | None = None) -> torch.Tensor:
+def forward_loss_sum(
+    model: nn.Module, batch: dict, autocast: bool, attention_kwargs: dict | None = None
+) -> torch.Tensor:
     """Summed next-token cross-entropy of one packed micro-batch through a ``CausalLMLoss`` (labels are
     already shifted). ``attention_kwargs``: extra attention kwargs (the CP group,
     ``headrace.training.distributed.context_parallel``)."""
     with bf16_autocast(batch["input_ids"].device.type, autocast):
-        return model(input_ids=batch["input_ids"], labels=batch["labels"], **packed_attention_kwargs(batch),
-                     **(attention_kwargs or {}))
+        return model(
+            input_ids=batch["input_ids"],
+            labels=batch["labels"],
+            **packed_attention_kwargs(batch),
+            **(attention_kwargs or {}),
+        )
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict], loss_mesh: DeviceMesh,
-               *, max_grad_norm: float | None, defer_grad_sync: bool, autocast: bool,
-               forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum) -> dict:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict],
+    loss_mesh: DeviceMesh,
+    *,
+    max_grad_norm: float | None,
+    defer_grad_sync: bool,
+    autocast: bool,
+    forward: Callable[[nn.Module, dict, bool], torch.Tensor] = forward_loss_sum,
+) -> dict:
     """One optimizer step over ``micro_batches``; returns the global mean loss, grad norm and token count as
     device scalars (the host reads them once per log window, ``headrace.training.step_inputs``): nothing here waits
     for the device. ``forward(model, micro_batch, autocast)`` gives a micro-batch's summed loss."""
@@ -86,8 +109,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     return {"loss": loss_sum / global_tokens.clamp(min=1), "grad_norm": grad_norm, "tokens": global_tokens}
 
 
-def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
-                        loss_mesh: DeviceMesh, *, max_grad_norm: float | None) -> dict:
+def pipeline_train_step(
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict],
+    loss_mesh: DeviceMesh,
+    *,
+    max_grad_norm: float | None,
+) -> dict:
     """``train_step`` for a pipeline: same token scaling, same returned figures (global loss, grad norm
     over all stages, real-token count); also fills ``pipe.stats`` with this rank's timing and memory."""
 
@@ -102,14 +131,20 @@ def pipeline_train_step(pipe: Pipeline, optimizer: torch.optim.Optimizer, micro_
     grad_norm = clip_grad_norm(pipe.part.parameters(), max_grad_norm, pp_group=pipe.pp_mesh.get_group())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = (torch.stack(losses).detach().to(torch.float64).sum() / pipe.loss.scale if losses else
-                torch.zeros((), dtype=torch.float64, device=global_tokens.device))
+    loss_sum = (
+        torch.stack(losses).detach().to(torch.float64).sum() / pipe.loss.scale
+        if losses
+        else torch.zeros((), dtype=torch.float64, device=global_tokens.device)
+    )
     dist.all_reduce(loss_sum, group=loss_mesh.get_group())
     dist.all_reduce(loss_sum, group=pipe.pp_mesh.get_group())  # only the last stage's ranks hold losses
     wall = time.perf_counter() - start
     pipe.stats = {"step_s": wall, "busy_s": pipe.timer.busy - busy_before}
-    return {"loss": (loss_sum / global_tokens.clamp(min=1)).item(), "grad_norm": grad_norm,
-            "tokens": int(global_tokens.item())}
+    return {
+        "loss": (loss_sum / global_tokens.clamp(min=1)).item(),
+        "grad_norm": grad_norm,
+        "tokens": int(global_tokens.item()),
+    }
 
 
 def next_micro_batches(batches: Iterator[dict], count: int) -> list[dict]:
@@ -122,7 +157,6 @@ def uses_autocast(cfg: JobConfig, model: nn.Module) -> bool:
     return cfg.trainer.precision == "bf16" and not isinstance(model, FSDPModule)
 
 
-
 @contextlib.contextmanager
 def eval_mode(module: nn.Module):
     """``module`` in eval mode inside the block (dropout, SpecAugment off), its mode restored after."""
@@ -133,5 +167,14 @@ def eval_mode(module: nn.Module):
     finally:
         module.train(was_training)
 
-__all__ = ["STEP_INPUTS", "eval_mode", "forward_loss_sum", "gradient_sync", "next_micro_batches", "pipeline_train_step",
-           "train_step", "uses_autocast"]
+
+__all__ = [
+    "STEP_INPUTS",
+    "eval_mode",
+    "forward_loss_sum",
+    "gradient_sync",
+    "next_micro_batches",
+    "pipeline_train_step",
+    "train_step",
+    "uses_autocast",
+]

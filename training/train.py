@@ -42,9 +42,16 @@ from headrace.dataio.batching.even import even_batches
 from headrace.dataio.batching.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
 from headrace.training.components import checkpoint, checkpoint_store
-from headrace.training.components.metrics import (MetricsLogger, ThroughputWindow, attention_flops_per_pair,
-                                         build_metrics_logger, flops_per_token, matmul_flops_per_token,
-                                         max_memory_gib, peak_flops)
+from headrace.training.components.metrics import (
+    MetricsLogger,
+    ThroughputWindow,
+    attention_flops_per_pair,
+    build_metrics_logger,
+    flops_per_token,
+    matmul_flops_per_token,
+    max_memory_gib,
+    peak_flops,
+)
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
@@ -68,6 +75,7 @@ from headrace.training.validation import make_validator
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
 
 def seed_for_rank(seed: int, dp_rank: int) -> int:
     """Training-time RNG seed: distinct per data-parallel rank, shared by its TP/CP/PP peers."""
@@ -130,8 +138,10 @@ class Trainer:
 def with_model_layout(cfg: JobConfig) -> JobConfig:
     """``cfg``, or its one-document-per-row variant when the model has no attention interface (said once)."""
     if (unpacked := one_document_per_row(cfg, model_kind(cfg).llm_config)) is not cfg:
-        print_on_rank0("the model has no attention interface (headrace.training.models.families): one document per row, sdpa, "
-                       "data.packing: none")
+        print_on_rank0(
+            "the model has no attention interface (headrace.training.models.families): one document per row, sdpa, "
+            "data.packing: none"
+        )
     return unpacked
 
 
@@ -160,8 +170,18 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> T
     optimizer = build_optimizer(model, cfg.optim)
     if cfg.quantize.linear.float8 is not None:
         register_scale_precompute(model, optimizer, cfg.quantize.linear.float8)
-    return Trainer(cfg=cfg, kind=kind, device=device, dims=dims, model=model, hf_config=hf_config, pipe=pipe,
-                   optimizer=optimizer, forward=kind.step_forward(cfg, dims), autocast=uses_autocast(cfg, model))
+    return Trainer(
+        cfg=cfg,
+        kind=kind,
+        device=device,
+        dims=dims,
+        model=model,
+        hf_config=hf_config,
+        pipe=pipe,
+        optimizer=optimizer,
+        forward=kind.step_forward(cfg, dims),
+        autocast=uses_autocast(cfg, model),
+    )
 
 
 def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Iterable] | None) -> Iterable:
@@ -187,8 +207,14 @@ def resume(trainer: Trainer, loader) -> None:
     cfg = trainer.cfg
     found = None
     if cfg.checkpoint.resume:
-        found = checkpoint.load_newest(trainer.checkpoints, trainer.model, trainer.optimizer, model_record(trainer),
-                                       local=trainer.out_dir / "checkpoints", trainable_only=cfg.peft is not None)
+        found = checkpoint.load_newest(
+            trainer.checkpoints,
+            trainer.model,
+            trainer.optimizer,
+            model_record(trainer),
+            local=trainer.out_dir / "checkpoints",
+            trainable_only=cfg.peft is not None,
+        )
     if found is not None:
         resume_from, state = found
         loader.load_state_dict(state["loader"])
@@ -208,26 +234,39 @@ def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfile
     reset_exchanged_bytes()  # cp_bytes_sent is per step
     with profiler.step(trainer.step):
         if trainer.pipe is not None:
-            stats = pipeline_train_step(trainer.pipe, trainer.optimizer, micro_batches, loss_mesh,
-                                        max_grad_norm=cfg.optim.max_grad_norm)
+            stats = pipeline_train_step(
+                trainer.pipe, trainer.optimizer, micro_batches, loss_mesh, max_grad_norm=cfg.optim.max_grad_norm
+            )
         else:
-            stats = train_step(trainer.model, trainer.optimizer, micro_batches, loss_mesh,
-                               max_grad_norm=cfg.optim.max_grad_norm,
-                               defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync, autocast=trainer.autocast,
-                               forward=trainer.forward)
+            stats = train_step(
+                trainer.model,
+                trainer.optimizer,
+                micro_batches,
+                loss_mesh,
+                max_grad_norm=cfg.optim.max_grad_norm,
+                defer_grad_sync=cfg.distributed.defer_fsdp_grad_sync,
+                autocast=trainer.autocast,
+                forward=trainer.forward,
+            )
     return stats
 
 
-def step_record(trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float,
-                compute_time: float) -> dict:
+def step_record(
+    trainer: Trainer, stats: dict, micro_batches: list[dict], throughput: dict, step_time: float, compute_time: float
+) -> dict:
     """The metrics of step ``trainer.step`` (global figures on every rank): ``stats`` from the step (device
     scalars, left as they are: ``DeferredRecords`` reads them), the window's ``throughput``, memory, MoE,
     pipeline stage, per-rank spread (wall and own compute time) and CP figures. Collectives on every rank."""
     device, loss_mesh = trainer.device, trainer.dims.get_mesh("dp_cp")
     return {
-        "step": trainer.step, "loss": stats["loss"], "lr": trainer.optimizer.param_groups[0]["lr"],
-        "grad_norm": stats["grad_norm"], "tokens": stats["tokens"], **throughput,
-        "max_mem": max_memory_gib(device), **moe.step_metrics(trainer.model, loss_mesh),
+        "step": trainer.step,
+        "loss": stats["loss"],
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+        "grad_norm": stats["grad_norm"],
+        "tokens": stats["tokens"],
+        **throughput,
+        "max_mem": max_memory_gib(device),
+        **moe.step_metrics(trainer.model, loss_mesh),
         **(pipeline_metrics(trainer.pipe, max_memory_gib(device)) if trainer.pipe is not None else {}),
         **rank_spread(step_time, throughput["data_wait_frac"], device, compute_time),
         **(cp_step_metrics(micro_batches) if trainer.dims.cp > 1 else {}),
@@ -245,30 +284,43 @@ def model_record(trainer: Trainer) -> dict:
 
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
-    path = trainer.saver.save(trainer.checkpoints, trainer.step, trainer.model, trainer.optimizer,
-                              checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
-                              keep_last=trainer.cfg.checkpoint.keep_last,
-                              extra={"model_config": model_record(trainer),
-                                     "first_loss": host_float(trainer.first_loss)},
-                              local=trainer.out_dir / "checkpoints", trainable_only=trainer.cfg.peft is not None)
+    path = trainer.saver.save(
+        trainer.checkpoints,
+        trainer.step,
+        trainer.model,
+        trainer.optimizer,
+        checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
+        keep_last=trainer.cfg.checkpoint.keep_last,
+        extra={"model_config": model_record(trainer), "first_loss": host_float(trainer.first_loss)},
+        local=trainer.out_dir / "checkpoints",
+        trainable_only=trainer.cfg.peft is not None,
+    )
     if trainer.cfg.peft is not None:
         print_on_rank0(lora.checkpoint_size_line(path, trainer.model, trainer.cfg))
 
 
-def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
-              validate: Callable[[], dict] | None) -> None:
+def run_steps(
+    trainer: Trainer,
+    batches: DevicePrefetcher,
+    logger: MetricsLogger,
+    profiler: StepProfiler,
+    validate: Callable[[], dict] | None,
+) -> None:
     """Steps until ``trainer.max_steps`` or the end of a finite stream. Logs every ``log_every`` steps, validates
     every ``eval_every`` (the kind may also decode: a SALM every ``model.speech.eval_every``), saves every
     ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
     cfg = trainer.cfg
     if trainer.kind.counts_flops:  # a SALM's: the LLM's matmuls only
-        flops = {"flops_per_token": flops_per_token(trainer.hf_config, cfg.data.seq_len or 0),
-                 "matmul_flops_per_token": matmul_flops_per_token(trainer.hf_config),
-                 "flops_per_pair": attention_flops_per_pair(trainer.hf_config)}
+        flops = {
+            "flops_per_token": flops_per_token(trainer.hf_config, cfg.data.seq_len or 0),
+            "matmul_flops_per_token": matmul_flops_per_token(trainer.hf_config),
+            "flops_per_pair": attention_flops_per_pair(trainer.hf_config),
+        }
     else:  # no LLM to count the FLOPs of (a CTC stage): no MFU figures
         flops = {"flops_per_token": 0.0}
-    window = ThroughputWindow(batches.waits, trainer.step, peak=peak_flops(trainer.device), world=dist.get_world_size(),
-                              **flops)
+    window = ThroughputWindow(
+        batches.waits, trainer.step, peak=peak_flops(trainer.device), world=dist.get_world_size(), **flops
+    )
     clock = ComputeClock(trainer.device)
     records = DeferredRecords(trainer.device, logger.log)
     try:
@@ -277,9 +329,16 @@ def run_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger
         records.flush()
 
 
-def loop_steps(trainer: Trainer, batches: DevicePrefetcher, logger: MetricsLogger, profiler: StepProfiler,
-               validate: Callable[[], dict] | None, window: ThroughputWindow, clock: ComputeClock,
-               records: DeferredRecords) -> None:
+def loop_steps(
+    trainer: Trainer,
+    batches: DevicePrefetcher,
+    logger: MetricsLogger,
+    profiler: StepProfiler,
+    validate: Callable[[], dict] | None,
+    window: ThroughputWindow,
+    clock: ComputeClock,
+    records: DeferredRecords,
+) -> None:
     """``run_steps``'s loop (see there)."""
     cfg = trainer.cfg
     max_steps = cfg.trainer.max_steps
@@ -360,8 +419,11 @@ def export_model(trainer: Trainer) -> None:
     if not cfg.checkpoint.export_hf:
         return
     out = trainer.out_dir / "hf"
-    mark = {"step": trainer.step, "experts_layout": cfg.checkpoint.export_hf_experts,
-            "shard_size_mb": cfg.checkpoint.export_shard_size_mb}
+    mark = {
+        "step": trainer.step,
+        "experts_layout": cfg.checkpoint.export_hf_experts,
+        "shard_size_mb": cfg.checkpoint.export_shard_size_mb,
+    }
     current = [None]
     if dist.get_rank() == 0 and (out / EXPORT_MARK).is_file():
         try:
@@ -377,8 +439,7 @@ def export_model(trainer: Trainer) -> None:
     with checkpoint.export_errors(out):
         trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
         if cfg.peft is not None and cfg.peft.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
-            lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora",
-                              cfg.model.pretrained_path)
+            lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora", cfg.model.pretrained_path)
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
         if checkpoint_store.is_url(trainer.checkpoints):  # checkpoint.folder on object storage: hf/ goes there too
@@ -405,8 +466,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     loader = build_train_loader(trainer, make_loader)
     torch.manual_seed(seed_for_rank(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
     resume(trainer, loader)  # a resumed run restores its RNG too
-    validate = (make_validator(cfg, dims, device, trainer.model, trainer.pipe)
-                if cfg.trainer.eval_every else None)
+    validate = make_validator(cfg, dims, device, trainer.model, trainer.pipe) if cfg.trainer.eval_every else None
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
     batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, device.type))

@@ -63,7 +63,6 @@ def documents_started(batch: dict) -> int:
     return len(batch["__key__"]) if valid is None else int(torch.as_tensor(valid).sum())
 
 
-
 def reduce_figures(loss_sum: torch.Tensor, tokens: int, docs: int, *, loss_group, dp_group, pp_group=None) -> dict:
     """The val figures from this rank's loss sum (fp64 scalar), labelled tokens and documents (module docstring)."""
     if pp_group is not None:
@@ -73,12 +72,12 @@ def reduce_figures(loss_sum: torch.Tensor, tokens: int, docs: int, *, loss_group
     count = torch.tensor([float(docs)], dtype=torch.float64, device=loss_sum.device)
     dist.all_reduce(count, group=dp_group)
     loss = (sums[0] / sums[1].clamp(min=1)).item()
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(sums[1]),
-            "val_docs": int(count)}
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(sums[1]), "val_docs": int(count)}
 
 
-def val_batches(loader: Iterable[dict], device: torch.device,
-                transform: Callable[[dict], dict] | None = None) -> DevicePrefetcher:
+def val_batches(
+    loader: Iterable[dict], device: torch.device, transform: Callable[[dict], dict] | None = None
+) -> DevicePrefetcher:
     """``loader`` read ahead in a thread, as in training (``DevicePrefetcher``). On the host, per batch: its
     documents are counted
     (``__val_docs__``), rows flagged invalid lose their labels, then ``transform`` (CP: this rank's chunks),
@@ -99,8 +98,15 @@ def padding_batch(last: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loss_sum: Callable[[nn.Module, dict], torch.Tensor], batches: Iterable[dict],
-             device: torch.device, *, loss_group=None, dp_group=None) -> dict:
+def evaluate(
+    model: nn.Module,
+    loss_sum: Callable[[nn.Module, dict], torch.Tensor],
+    batches: Iterable[dict],
+    device: torch.device,
+    *,
+    loss_group=None,
+    dp_group=None,
+) -> dict:
     """Mean token loss, perplexity, labelled tokens and documents of ``batches`` (this rank's share of the
     val stream from ``val_batches``), reduced over ``loss_group`` (dp x cp) and ``dp_group``. A collective."""
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -117,8 +123,11 @@ def loss_free_rows(like: dict, rows: int) -> dict:
     """``rows`` rows shaped like ``like``'s that add no loss: token 0, labels -100, one segment per row."""
     ids, labels, positions = (like[k] for k in PIPELINE_INPUTS)
     seq_len = ids.shape[1]
-    return {"input_ids": ids.new_zeros(rows, seq_len), "labels": labels.new_full((rows, seq_len), IGNORE_INDEX),
-            "position_ids": torch.arange(seq_len, dtype=positions.dtype, device=positions.device).expand(rows, -1)}
+    return {
+        "input_ids": ids.new_zeros(rows, seq_len),
+        "labels": labels.new_full((rows, seq_len), IGNORE_INDEX),
+        "position_ids": torch.arange(seq_len, dtype=positions.dtype, device=positions.device).expand(rows, -1),
+    }
 
 
 @torch.no_grad()
@@ -164,8 +173,9 @@ def evaluate_pipeline(pipe, batches: Iterable[dict], device: torch.device, *, dp
             raise RuntimeError("validation: this dp rank got no val batch while others did")
         for _ in range(int(most) - calls):
             run(loss_free_rows(template, step_rows))
-    return reduce_figures(total, tokens, docs, loss_group=dp_group, dp_group=dp_group,
-                          pp_group=pipe.pp_mesh.get_group())
+    return reduce_figures(
+        total, tokens, docs, loss_group=dp_group, dp_group=dp_group, pp_group=pipe.pp_mesh.get_group()
+    )
 
 
 def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None) -> Callable[[], dict]:
@@ -190,8 +200,11 @@ def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None)
         raw = open_loader()
         loader = kind.wrap_loader(raw, model, cfg, dims)
         # a rank whose share of the val set is empty (one document, two ranks) runs padding rows, counting nothing
-        empty = (None if kind.empty_val_batch is None else
-                 lambda: next(iter(val_batches([kind.empty_val_batch(raw)], device, transform))))
+        empty = (
+            None
+            if kind.empty_val_batch is None
+            else lambda: next(iter(val_batches([kind.empty_val_batch(raw)], device, transform)))
+        )
         return even_batches(val_batches(loader, device, transform), tail_group, pad=padding_batch, empty=empty)
 
     if pipe is not None:
@@ -201,8 +214,14 @@ def make_validator(cfg, dims, device: torch.device, model: nn.Module, pipe=None)
     forward = kind.step_forward(cfg, dims)
 
     def run(forward: Callable) -> dict:
-        return evaluate(model, functools.partial(forward, autocast=uses_autocast(cfg, model)), batches(), device,
-                        loss_group=dims.get_mesh("dp_cp").get_group(), dp_group=dp.get_group())
+        return evaluate(
+            model,
+            functools.partial(forward, autocast=uses_autocast(cfg, model)),
+            batches(),
+            device,
+            loss_group=dims.get_mesh("dp_cp").get_group(),
+            dp_group=dp.get_group(),
+        )
 
     return lambda: kind.validate(run, forward)  # a SALM adds its mismatched-audio pass
 

@@ -39,12 +39,20 @@ class BucketBatch:
     def __call__(self, b: int, alloc: Allocator) -> dict:
         refs = make_ref(0, self.batches[b])
         samples, keys, kept, bad = self.reader.read(refs)
-        rows = [{"audio": _audio_member(s, k), "__key__": k,
-                 **({"tokens": s[self.token_ext]} if self.token_ext else {}),
-                 **({"text": s["json"].get("text")} if isinstance(s.get("json"), dict) else {})}
-                for s, k in zip(samples, keys)]
-        return {**collate_audio(rows, tokens_key="tokens" if self.token_ext else None),
-                "__ref__": torch.from_numpy(refs[kept]), "__bad__": bad}
+        rows = [
+            {
+                "audio": _audio_member(s, k),
+                "__key__": k,
+                **({"tokens": s[self.token_ext]} if self.token_ext else {}),
+                **({"text": s["json"].get("text")} if isinstance(s.get("json"), dict) else {}),
+            }
+            for s, k in zip(samples, keys)
+        ]
+        return {
+            **collate_audio(rows, tokens_key="tokens" if self.token_ext else None),
+            "__ref__": torch.from_numpy(refs[kept]),
+            "__bad__": bad,
+        }
 
 
 def _audio_member(sample: dict, key: str) -> torch.Tensor:
@@ -60,8 +68,9 @@ class BucketedBatches:
     def __init__(self, stream: RankStream):
         cfg = stream.cfg
         if len(stream.sources) != 1 or cfg.thd:
-            raise ValueError("bucketing: needs exactly one dataset, packing: none and no seq_len (bucketing makes "
-                             "the batches)")
+            raise ValueError(
+                "bucketing: needs exactly one dataset, packing: none and no seq_len (bucketing makes the batches)"
+            )
         self.stream = stream
         self.epoch, self.history, self.step = 0, [], 0
 
@@ -74,8 +83,10 @@ class BucketedBatches:
         while cfg.epochs is None or self.epoch < cfg.epochs:
             batches = self._plan(self.epoch, self.history)
             if self.step > len(batches):
-                raise StateError(f"loader state: bucketing 'step' {self.step} is past the {len(batches)} batches of "
-                                 f"epoch {self.epoch} (a state of other data or another bucketing)")
+                raise StateError(
+                    f"loader state: bucketing 'step' {self.step} is past the {len(batches)} batches of "
+                    f"epoch {self.epoch} (a state of other data or another bucketing)"
+                )
             make = BucketBatch(reader, batches, token_ext=token_ext(stream.sources[0]))
             for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
                 self.step += 1
@@ -92,9 +103,16 @@ class BucketedBatches:
         tokens = np.asarray(source.index.samples["tokens"]) if stream.cfg.bucketing.two_d else None  # 2D
         edges = None
         for dp_size, steps in [*history, [stream.dp_size, 0]]:
-            plan = plan_epoch(indices, durations[indices], seed=stream.seeds.at(0, epoch), epoch=epoch,
-                              dp_size=dp_size, cfg=stream.cfg.bucketing, edges=edges,
-                              tokens=None if tokens is None else tokens[indices])
+            plan = plan_epoch(
+                indices,
+                durations[indices],
+                seed=stream.seeds.at(0, epoch),
+                epoch=epoch,
+                dp_size=dp_size,
+                cfg=stream.cfg.bucketing,
+                edges=edges,
+                tokens=None if tokens is None else tokens[indices],
+            )
             edges = plan.edges  # the same buckets for the whole epoch
             indices = np.setdiff1d(indices, consumed_indices(plan, steps))
         return plan.rank_batches(stream.dp_rank)
@@ -107,9 +125,11 @@ class BucketedBatches:
         epochs = self.stream.cfg.epochs
         for s in old:
             if s is not None and not _bucketing_state_ok(s.get("bucketing"), epochs):
-                raise StateError(f"loader state of rank {s['dp_rank']}: 'bucketing' must be a mapping of epoch "
-                                 f"(at most epochs={epochs}), step and history ([dp_size >= 1, steps] each) of "
-                                 f"non-negative integers below 2**62, got {s.get('bucketing')!r}"[:300])
+                raise StateError(
+                    f"loader state of rank {s['dp_rank']}: 'bucketing' must be a mapping of epoch "
+                    f"(at most epochs={epochs}), step and history ([dp_size >= 1, steps] each) of "
+                    f"non-negative integers below 2**62, got {s.get('bucketing')!r}"[:300]
+                )
         if same_layout(old, dp_rank, dp_size):  # the same plan: continue at the step
             b = old[dp_rank]["bucketing"]
             self.epoch, self.history, self.step = b["epoch"], b["history"], b["step"]
@@ -125,10 +145,18 @@ def _bucketing_state_ok(b, epochs: int | None) -> bool:
     def count(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNT
 
-    return (isinstance(b, dict) and set(b) == {"epoch", "history", "step"} and count(b["epoch"])
-            and (epochs is None or b["epoch"] <= epochs) and count(b["step"]) and isinstance(b["history"], list)
-            and all(isinstance(h, list) and len(h) == 2 and count(h[0]) and 1 <= h[0] <= MAX_RANKS and count(h[1])
-                    for h in b["history"]))
+    return (
+        isinstance(b, dict)
+        and set(b) == {"epoch", "history", "step"}
+        and count(b["epoch"])
+        and (epochs is None or b["epoch"] <= epochs)
+        and count(b["step"])
+        and isinstance(b["history"], list)
+        and all(
+            isinstance(h, list) and len(h) == 2 and count(h[0]) and 1 <= h[0] <= MAX_RANKS and count(h[1])
+            for h in b["history"]
+        )
+    )
 
 
 __all__ = ["BucketedBatches"]

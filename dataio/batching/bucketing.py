@@ -68,15 +68,15 @@ def estimate_bucket_edges(durations: np.ndarray, num_buckets: int) -> np.ndarray
     if len(d) == 0:
         return np.zeros(0)
     if np.isnan(d).any():
-        raise ValueError("durations contain NaN (unknown duration): index the audio with durations "
-                         "(`dataio index`) before bucketing")
+        raise ValueError(
+            "durations contain NaN (unknown duration): index the audio with durations (`dataio index`) before bucketing"
+        )
     cum = np.cumsum(d)
     targets = cum[-1] * np.arange(1, num_buckets) / num_buckets
     return np.unique(d[np.searchsorted(cum, targets)])
 
 
-def estimate_2d_bins(durations: np.ndarray, tokens: np.ndarray, num_buckets: int,
-                     num_token_buckets: int) -> np.ndarray:
+def estimate_2d_bins(durations: np.ndarray, tokens: np.ndarray, num_buckets: int, num_token_buckets: int) -> np.ndarray:
     """``[K, 2]`` upper limits (seconds, tokens): equal-duration bins, each cut into equal-token bins."""
     d_edges = estimate_bucket_edges(durations, num_buckets)
     d_bin = np.searchsorted(d_edges, durations, side="right")
@@ -98,29 +98,46 @@ def _bins_of(durations: np.ndarray, tokens: np.ndarray, bins: np.ndarray) -> np.
     return np.where(fits.any(1), fits.argmax(1), len(bins) - 1)
 
 
-def plan_epoch(indices: np.ndarray, durations: np.ndarray, *, seed: int, epoch: int, dp_size: int,
-               cfg: BucketingConfig, edges: np.ndarray | None = None, tokens: np.ndarray | None = None) -> EpochPlan:
+def plan_epoch(
+    indices: np.ndarray,
+    durations: np.ndarray,
+    *,
+    seed: int,
+    epoch: int,
+    dp_size: int,
+    cfg: BucketingConfig,
+    edges: np.ndarray | None = None,
+    tokens: np.ndarray | None = None,
+) -> EpochPlan:
     """The rank-synced batches of one epoch over samples ``indices`` (with their ``durations`` and, for
     2D bucketing, output ``tokens``). ``edges``: the buckets to keep (1D edges or 2D bins)."""
     indices = np.asarray(indices, dtype=np.int64)
     durations = np.asarray(durations, dtype=np.float64)
     if cfg.two_d:
         if tokens is None or len(tokens) != len(durations) or (np.asarray(tokens) < 0).any():
-            raise ValueError("2D bucketing needs every sample's token count (the index's tokens column: shard "
-                             "the manifest with `dataio shard --tokenizer`)")
+            raise ValueError(
+                "2D bucketing needs every sample's token count (the index's tokens column: shard "
+                "the manifest with `dataio shard --tokenizer`)"
+            )
         tokens = np.asarray(tokens, dtype=np.float64)
     if len(indices) != len(durations):
         raise ValueError(f"{len(indices)} indices but {len(durations)} durations")
     if len(indices) < dp_size:
-        raise ValueError(f"bucketing {len(indices)} samples over dp_size={dp_size}: every rank needs a "
-                         "batch per step; use fewer ranks or more data")
+        raise ValueError(
+            f"bucketing {len(indices)} samples over dp_size={dp_size}: every rank needs a "
+            "batch per step; use fewer ranks or more data"
+        )
     if edges is None and cfg.two_d:
-        edges = (np.asarray(cfg.bucket_duration_bins, dtype=np.float64) if cfg.bucket_duration_bins else
-                 estimate_2d_bins(durations, tokens, cfg.num_buckets, cfg.num_token_buckets))
+        edges = (
+            np.asarray(cfg.bucket_duration_bins, dtype=np.float64)
+            if cfg.bucket_duration_bins
+            else estimate_2d_bins(durations, tokens, cfg.num_buckets, cfg.num_token_buckets)
+        )
     elif edges is None:
         edges = estimate_bucket_edges(durations, cfg.num_buckets)
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-        entropy=int(seed), spawn_key=(_BUCKET_SEED_PURPOSE, int(epoch)))))
+    rng = np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence(entropy=int(seed), spawn_key=(_BUCKET_SEED_PURPOSE, int(epoch))))
+    )
     bucket_of = _bins_of(durations, tokens, edges) if cfg.two_d else np.searchsorted(edges, durations, side="right")
     sizes = cfg.bucket_batch_size or [None] * (len(edges) + 1)
     limits = [(durations, cfg.max_duration), *([(tokens, cfg.max_tokens)] if cfg.max_tokens else [])]
@@ -131,8 +148,7 @@ def plan_epoch(indices: np.ndarray, durations: np.ndarray, *, seed: int, epoch: 
     while pending:
         m, size = pending.pop(0)
         order = m[rng.permutation(len(m))]
-        batches = (np.array_split(order, range(size, len(order), size)) if size else
-                   _greedy_batches(order, limits))
+        batches = np.array_split(order, range(size, len(order), size)) if size else _greedy_batches(order, limits)
         if _split_to_multiple(batches, dp_size):
             groups.append((batches, m, size))
             continue
@@ -145,9 +161,11 @@ def plan_epoch(indices: np.ndarray, durations: np.ndarray, *, seed: int, epoch: 
             prev = groups.pop()
             pending.append((np.concatenate([prev[1], m]), _smaller(size, prev[2])))
         else:
-            raise ValueError(f"bucketing cannot give each of dp_size={dp_size} ranks a batch: "
-                             f"{len(indices)} samples need {len(batches)} batches within the bucket limits; "
-                             "raise max_duration / bucket_batch_size or use fewer ranks")
+            raise ValueError(
+                f"bucketing cannot give each of dp_size={dp_size} ranks a batch: "
+                f"{len(indices)} samples need {len(batches)} batches within the bucket limits; "
+                "raise max_duration / bucket_batch_size or use fewer ranks"
+            )
 
     steps, step_bucket = [], []
     for bucket, (batches, _, _) in enumerate(groups):
@@ -160,9 +178,14 @@ def plan_epoch(indices: np.ndarray, durations: np.ndarray, *, seed: int, epoch: 
     else:
         oversized = int(np.sum(durations > cfg.max_duration)) if cfg.max_duration else 0
     bucket_range = np.array([[durations[m].min(), durations[m].max()] for _, m, _ in groups])
-    return EpochPlan(steps=[steps[i] for i in order], step_bucket=np.asarray(step_bucket)[order],
-                     bucket_range=bucket_range,
-                     edges=edges, oversized=oversized, merges=merges)
+    return EpochPlan(
+        steps=[steps[i] for i in order],
+        step_bucket=np.asarray(step_bucket)[order],
+        bucket_range=bucket_range,
+        edges=edges,
+        oversized=oversized,
+        merges=merges,
+    )
 
 
 def _smaller(a: int | None, b: int | None) -> int | None:
@@ -215,15 +238,18 @@ def _pad_stack(arrays: Sequence, pad_value, dtype: torch.dtype) -> tuple[torch.T
     return out, lengths
 
 
-def collate_audio(samples: list[dict], *, audio_key: str = "audio", tokens_key: str | None = "tokens",
-                  pad_id: int = 0) -> dict:
+def collate_audio(
+    samples: list[dict], *, audio_key: str = "audio", tokens_key: str | None = "tokens", pad_id: int = 0
+) -> dict:
     """Padded ``audio`` (float32 ``(B, T)``) + ``audio_lens``; with ``tokens_key``, the transcript's
     token ids padded with ``pad_id`` + ``token_lens``, and ``labels`` (-100 on padding) for a
     speech-LLM loss; ``__key__`` and ``text`` (the transcript, when the samples carry one) pass through."""
     for s in samples:
         if np.asarray(s[audio_key]).ndim != 1:
-            raise ValueError(f"sample {s.get('__key__', '?')}: {audio_key} must be mono 1-D, "
-                             f"got shape {np.asarray(s[audio_key]).shape}")
+            raise ValueError(
+                f"sample {s.get('__key__', '?')}: {audio_key} must be mono 1-D, "
+                f"got shape {np.asarray(s[audio_key]).shape}"
+            )
     audio, audio_lens = _pad_stack([s[audio_key] for s in samples], 0.0, torch.float32)
     batch = {"audio": audio, "audio_lens": audio_lens}
     if tokens_key is not None:
@@ -236,5 +262,12 @@ def collate_audio(samples: list[dict], *, audio_key: str = "audio", tokens_key: 
     return batch
 
 
-__all__ = ["BucketingConfig", "EpochPlan", "collate_audio", "consumed_indices", "estimate_2d_bins",
-           "estimate_bucket_edges", "plan_epoch"]
+__all__ = [
+    "BucketingConfig",
+    "EpochPlan",
+    "collate_audio",
+    "consumed_indices",
+    "estimate_2d_bins",
+    "estimate_bucket_edges",
+    "plan_epoch",
+]

@@ -38,7 +38,8 @@ def _rank_padded_index(chunk: torch.Tensor, padded_starts: torch.Tensor, cp_size
     per_segment = 2 * chunk
     seg = torch.repeat_interleave(torch.arange(len(chunk)), per_segment)
     within = torch.arange(int(per_segment.sum())) - torch.repeat_interleave(
-        torch.cumsum(per_segment, 0) - per_segment, per_segment)
+        torch.cumsum(per_segment, 0) - per_segment, per_segment
+    )
     c = chunk[seg]
     head = within < c  # first half: chunk `rank`; second half: chunk 2c-1-rank
     chunk_id = torch.where(head, torch.full_like(c, rank), torch.full_like(c, 2 * cp_size - 1 - rank))
@@ -125,9 +126,11 @@ def attention_work(cu_seqlens: torch.Tensor, cp_size: int) -> dict:
         mean = sum(work) / len(work)
         return {"work": work, "imbalance": max(work) / mean if mean else 1.0}
 
-    head_tail = [causal_pairs(r * chunk, (r + 1) * chunk)
-                 + causal_pairs((2 * cp_size - 1 - r) * chunk, (2 * cp_size - r) * chunk)
-                 for r in range(cp_size)]
+    head_tail = [
+        causal_pairs(r * chunk, (r + 1) * chunk)
+        + causal_pairs((2 * cp_size - 1 - r) * chunk, (2 * cp_size - r) * chunk)
+        for r in range(cp_size)
+    ]
     contiguous = [causal_pairs(2 * r * chunk, 2 * (r + 1) * chunk) for r in range(cp_size)]
 
     def real_sq(k):

@@ -45,8 +45,9 @@ def loss_free(batch: dict) -> dict:
     return out
 
 
-def even_batches(batches: Iterable[dict], group, *, pad: Callable[[dict], dict] = loss_free,
-                 empty: Callable[[], dict] | None = None) -> Iterator[dict]:
+def even_batches(
+    batches: Iterable[dict], group, *, pad: Callable[[dict], dict] = loss_free, empty: Callable[[], dict] | None = None
+) -> Iterator[dict]:
     """``batches``, then ``pad(last batch)`` until every rank of ``group`` has run out (module docstring).
     Call ``next`` on every rank of ``group`` in the same thread that runs the steps. A rank that had no batch at
     all while others had some runs ``empty()`` (a batch that counts nothing: a val pass over a one-document
@@ -64,8 +65,10 @@ def even_batches(batches: Iterable[dict], group, *, pad: Callable[[dict], dict] 
             if batch is None and last is None:  # this rank's stream had nothing: its first padding batch
                 batch = empty()
         elif flags[1]:
-            raise ConfigError("data: a DP rank got no batch at all while others did: too little data for "
-                              f"{dist.get_world_size(group)} ranks (fewer ranks, or a smaller batch_size)")
+            raise ConfigError(
+                "data: a DP rank got no batch at all while others did: too little data for "
+                f"{dist.get_world_size(group)} ranks (fewer ranks, or a smaller batch_size)"
+            )
         if batch is None:
             batch = pad(last)
         else:

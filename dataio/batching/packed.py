@@ -39,8 +39,10 @@ class PackedBatches:
         self.token_exts = [token_ext(s) for s in stream.sources]
         if None in self.token_exts:
             bad = stream.sources[self.token_exts.index(None)].path  # a leaf, when an entry is a metadataset
-            raise ValueError(f"packing: {cfg.packing} with seq_len: {cfg.seq_len} needs token members (*.npy); "
-                             f"{bad} has none (leave seq_len unset for plain batches)")
+            raise ValueError(
+                f"packing: {cfg.packing} with seq_len: {cfg.seq_len} needs token members (*.npy); "
+                f"{bad} has none (leave seq_len unset for plain batches)"
+            )
 
     def __iter__(self) -> Iterator[dict]:
         for chunk in self.stream.plain(self.stream.read_batch_size()):
@@ -90,9 +92,13 @@ class PackedBatches:
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
         for s in old:
-            if s is not None and not (isinstance(s.get("packed_batches"), int) and 0 <= s["packed_batches"] < MAX_COUNT):
-                raise StateError(f"loader state of rank {s['dp_rank']}: 'packed_batches' must be a non-negative "
-                                 f"integer below 2**62, got {s.get('packed_batches')!r}")
+            if s is not None and not (
+                isinstance(s.get("packed_batches"), int) and 0 <= s["packed_batches"] < MAX_COUNT
+            ):
+                raise StateError(
+                    f"loader state of rank {s['dp_rank']}: 'packed_batches' must be a non-negative "
+                    f"integer below 2**62, got {s.get('packed_batches')!r}"
+                )
         if same_layout(old, dp_rank, dp_size):
             self.packer.load_state_dict(old[dp_rank]["packing"], self.fetch)
             self.packed_batches = old[dp_rank]["packed_batches"]

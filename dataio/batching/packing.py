@@ -142,8 +142,9 @@ class Packer:
         """Add document ``ref`` (a 1-D integer array of token ids)."""
         doc = np.asarray(tokens)
         if doc.ndim != 1 or doc.dtype.kind not in "iu":
-            raise ValueError(f"document {ref}: expected a 1-D integer token array, got "
-                             f"{doc.dtype} of shape {doc.shape}")
+            raise ValueError(
+                f"document {ref}: expected a 1-D integer token array, got {doc.dtype} of shape {doc.shape}"
+            )
         if self._flushed:
             raise RuntimeError("Packer.push after flush(): the stream has ended")
         if len(doc) == 0:
@@ -323,8 +324,11 @@ class Packer:
             "ready": [refs(row) for row in self._ready],
             "open": [refs(row) for row in self._open],
             # by length, newest first among equal lengths (the order of the version-1 format)
-            "buffer": list(itertools.chain.from_iterable(
-                map(reversed, map(_bucket_entries, map(self._buckets.__getitem__, self._lengths))))),
+            "buffer": list(
+                itertools.chain.from_iterable(
+                    map(reversed, map(_bucket_entries, map(self._buckets.__getitem__, self._lengths)))
+                )
+            ),
             "pending": [],
             "next_arrival": self._arrival,
             "flushed": self._flushed,
@@ -346,8 +350,10 @@ class Packer:
                 docs[ref] = np.asarray(fetch(ref))
             doc = docs[ref]
             if offset + length > len(doc):
-                raise ValueError(f"packing state: document {ref} has {len(doc)} tokens, the state "
-                                 f"holds a piece at {offset}..{offset + length} (different data?)")
+                raise ValueError(
+                    f"packing state: document {ref} has {len(doc)} tokens, the state "
+                    f"holds a piece at {offset}..{offset + length} (different data?)"
+                )
             return Piece(ref, offset, length, doc)
 
         same = state["seq_len"] == self.cfg.seq_len and state["packing"] == self.cfg.packing
@@ -397,7 +403,9 @@ def reshard_states(states: list[dict], dp_rank: int, dp_size: int) -> dict:
         "version": STATE_VERSION,
         "seq_len": first["seq_len"],
         "packing": first["packing"],
-        "ready": [], "open": [], "buffer": [],
+        "ready": [],
+        "open": [],
+        "buffer": [],
         "pending": [list(p) for p in pieces if p[0] in mine],
         "next_arrival": 0,
         "flushed": all(s["flushed"] for s in states),
@@ -416,5 +424,13 @@ def pack(documents: Iterable[tuple[int, np.ndarray]], packer: Packer) -> Iterato
         yield batch
 
 
-__all__ = ["PACKING_ALGORITHMS", "IGNORE_INDEX", "FillTotals", "Packer", "PackingConfig", "Piece", "pack",
-           "reshard_states"]
+__all__ = [
+    "PACKING_ALGORITHMS",
+    "IGNORE_INDEX",
+    "FillTotals",
+    "Packer",
+    "PackingConfig",
+    "Piece",
+    "pack",
+    "reshard_states",
+]

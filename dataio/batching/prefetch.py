@@ -61,8 +61,14 @@ def pin(batch: Any) -> Any:
 class DevicePrefetcher:
     """Iterate ``batches`` with their tensors on ``device``; see the module docstring."""
 
-    def __init__(self, batches: Iterable, device: str | torch.device, *, depth: int = 1,
-                 transform: Callable[[Any], Any] | None = None):
+    def __init__(
+        self,
+        batches: Iterable,
+        device: str | torch.device,
+        *,
+        depth: int = 1,
+        transform: Callable[[Any], Any] | None = None,
+    ):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.device = torch.device(device)
@@ -197,8 +203,12 @@ class DevicePrefetcher:
         ``wait_fraction`` = wait_s / elapsed_s."""
         elapsed = (self._finished - self._started) if self._started is not None else 0.0
         wait = sum(self.waits)
-        return {"batches": len(self.waits), "wait_s": wait, "elapsed_s": elapsed,
-                "wait_fraction": wait / elapsed if elapsed > 0 else 0.0}
+        return {
+            "batches": len(self.waits),
+            "wait_s": wait,
+            "elapsed_s": elapsed,
+            "wait_fraction": wait / elapsed if elapsed > 0 else 0.0,
+        }
 
     def close(self) -> None:
         """Stop the read-ahead thread (also called at the end of the stream)."""

@@ -70,8 +70,11 @@ def from_headrace(batch: dict, field: str, kind: str, default_rate: int | None) 
         return {"tokens" if kind == "text" else "bytes": values.view(-1), "lengths": lengths}
     rate = batch["__sample_rate__"][field][0] or default_rate or 1
     if lengths is None:  # equal lengths: already (B, T)
-        return {"audio": values, "lengths": torch.full((values.shape[0],), values.shape[1], dtype=torch.int64),
-                "sample_rate": rate}
+        return {
+            "audio": values,
+            "lengths": torch.full((values.shape[0],), values.shape[1], dtype=torch.int64),
+            "sample_rate": rate,
+        }
     return audio_batch(torch.split(values, lengths.tolist()), rate)
 
 

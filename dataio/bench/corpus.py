@@ -55,8 +55,9 @@ def longtail_lengths(rng: np.random.Generator, n: int, *, median: float, sigma: 
     return np.maximum(1, rng.lognormal(np.log(median), sigma, n).astype(np.int64))
 
 
-def simulated_token_documents(n: int, *, median: float = 718, sigma: float = 1.664, vocab: int = 50_000,
-                              seed: int = 0) -> list[np.ndarray]:
+def simulated_token_documents(
+    n: int, *, median: float = 718, sigma: float = 1.664, vocab: int = 50_000, seed: int = 0
+) -> list[np.ndarray]:
     """``n`` int32 token documents of ``longtail_lengths``: views into one random pool."""
     rng = np.random.default_rng(seed)
     lengths = longtail_lengths(rng, n, median=median, sigma=sigma)
@@ -89,8 +90,15 @@ def write_bpe_tokenizer(path: Path, texts: Iterable[str], vocab_size: int) -> Pa
     return path
 
 
-def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = "train-%06d.tar",
-                         maxcount: int = 10**9, maxsize: float = 3e9, workers: int = 1) -> int:
+def write_indexed_shards(
+    root: Path,
+    samples: Iterable[dict],
+    *,
+    pattern: str = "train-%06d.tar",
+    maxcount: int = 10**9,
+    maxsize: float = 3e9,
+    workers: int = 1,
+) -> int:
     """Write ``samples`` (webdataset dicts) as tars under ``root`` and index them; returns the shard count."""
     from headrace.dataio.prepare.indexing import build_index  # here: the shard writer loads only for real shards
 
@@ -105,5 +113,14 @@ def write_indexed_shards(root: Path, samples: Iterable[dict], *, pattern: str = 
     return shards
 
 
-__all__ = ["RATE", "byte_tokens", "demo_token_documents", "flac_bytes", "longtail_lengths",
-           "simulated_token_documents", "speech_like", "write_bpe_tokenizer", "write_indexed_shards"]
+__all__ = [
+    "RATE",
+    "byte_tokens",
+    "demo_token_documents",
+    "flac_bytes",
+    "longtail_lengths",
+    "simulated_token_documents",
+    "speech_like",
+    "write_bpe_tokenizer",
+    "write_indexed_shards",
+]

@@ -72,9 +72,18 @@ def describe(cfg: DataConfig, work: Path) -> BenchData:
         raise ValueError(f"{spec.path}: no token (.npy) or audio member to benchmark (members: {exts})")
     root = Path(spec.path)
     shards = [root / s.name for s in source.index.shards if s.split == spec.split]
-    return BenchData(cfg=cfg, root=root, split=spec.split, kind="audio" if audio else "text",
-                     field=audio or token, members=exts, shards=shards, samples=len(source),
-                     bytes=sum(p.stat().st_size for p in shards), work=work)
+    return BenchData(
+        cfg=cfg,
+        root=root,
+        split=spec.split,
+        kind="audio" if audio else "text",
+        field=audio or token,
+        members=exts,
+        shards=shards,
+        samples=len(source),
+        bytes=sum(p.stat().st_size for p in shards),
+        work=work,
+    )
 
 
 def count_full(batch: dict, data: BenchData) -> tuple[int, float]:

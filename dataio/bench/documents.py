@@ -18,8 +18,18 @@ from importlib import metadata
 from pathlib import Path
 
 # Standard-library folders that hold tests, GUIs or vendored copies rather than documentation.
-STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip",
-               "site-packages", "dist-packages", "__pycache__"}
+STDLIB_SKIP = {
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+}
 
 
 @dataclass(frozen=True)

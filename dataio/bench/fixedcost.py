@@ -34,9 +34,15 @@ def fixed_costs(runs: list[dict]) -> list[dict]:
     out = []
     for (loader, workers, shuffle), rs in groups.items():
         points = sorted((r["batch_size"], r["batch_size"] / r["samples_per_s"]) for r in rs)
-        out.append({"loader": loader, "workers": workers, "shuffle": shuffle,
-                    "us_per_batch": {str(b): t * 1e6 for b, t in points}, **(fit(points) or {"fixed_us": None,
-                                                                                        "per_sample_us": None})})
+        out.append(
+            {
+                "loader": loader,
+                "workers": workers,
+                "shuffle": shuffle,
+                "us_per_batch": {str(b): t * 1e6 for b, t in points},
+                **(fit(points) or {"fixed_us": None, "per_sample_us": None}),
+            }
+        )
     return out
 
 
@@ -44,9 +50,16 @@ def markdown(costs: list[dict]) -> list[str]:
     """The table: us per batch at each batch size, then the fitted fixed and per-sample costs."""
     sizes = sorted({int(b) for c in costs for b in c["us_per_batch"]})
     header = ["loader", "workers", *(f"us/batch at {b}" for b in sizes), "fixed us/batch", "us/sample"]
-    rows = [[c["loader"] + (", shuffled" if c["shuffle"] else ""), c["workers"],
-             *(cell(c["us_per_batch"].get(str(b)), ",.1f") for b in sizes), cell(c["fixed_us"], ",.1f"),
-             cell(c["per_sample_us"], ",.2f")] for c in costs]
+    rows = [
+        [
+            c["loader"] + (", shuffled" if c["shuffle"] else ""),
+            c["workers"],
+            *(cell(c["us_per_batch"].get(str(b)), ",.1f") for b in sizes),
+            cell(c["fixed_us"], ",.1f"),
+            cell(c["per_sample_us"], ",.2f"),
+        ]
+        for c in costs
+    ]
     return markdown_table(header, rows, align="l" + "r" * (len(header) - 1))
 
 

@@ -135,8 +135,11 @@ def measure(
             samples, units, batches = samples + n, units + u, batches + 1
             if progress is not None:
                 progress(n)
-            if ((max_samples is not None and samples >= max_samples) or (max_batches is not None and batches >= max_batches)
-                    or (max_seconds is not None and now - start >= max_seconds)):
+            if (
+                (max_samples is not None and samples >= max_samples)
+                or (max_batches is not None and batches >= max_batches)
+                or (max_seconds is not None and now - start >= max_seconds)
+            ):
                 break
             if step_s:
                 time.sleep(step_s)

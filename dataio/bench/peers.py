@@ -104,6 +104,7 @@ def count(peer: Peer, batch: dict, data: BenchData) -> tuple[int, float]:
 
 # ------------------------------------------------------------------------------ the contract's pieces
 
+
 def decode_member(data: BenchData, payload: bytes) -> Any:
     """The counted member decoded as a user of a raw-bytes loader would: ``np.load`` for tokens, soundfile
     (+ soxr) for audio, nothing in audio-bytes mode."""
@@ -122,6 +123,7 @@ def batch_of(data: BenchData, values: list) -> dict:
 
 
 # --------------------------------------------------------------------------------------- tar walking
+
 
 def split_name(name: str) -> tuple[str, str]:
     """WebDataset's member naming: ``dir/key.ext.ext2`` -> (``dir/key``, ``ext.ext2``)."""
@@ -152,8 +154,9 @@ def tar_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
 
 
 def _stamp(data: BenchData) -> str:
-    return json.dumps({"samples": data.samples, "bytes": data.bytes,
-                       "shards": [(p.name, p.stat().st_mtime_ns) for p in data.shards]})
+    return json.dumps(
+        {"samples": data.samples, "bytes": data.bytes, "shards": [(p.name, p.stat().st_mtime_ns) for p in data.shards]}
+    )
 
 
 def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
@@ -176,6 +179,7 @@ def _cached(data: BenchData, name: str, write: Callable[[Path], None]) -> Path:
 
 # ------------------------------------------------------------------------------------------ headrace
 
+
 def headrace_config(data: BenchData, workers: int | str, shuffle: bool) -> DataConfig:
     # Peers do not pack: the comparison is of plain batches (packing none, no seq_len: with seq_len the
     # loader makes THD rows, one document each); the trainer path, --trainer, packs.
@@ -195,8 +199,9 @@ def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> I
 
 
 def auto_headrace(data: BenchData, shuffle: bool) -> WorkerChoice:
-    return choose(headrace_config(data, AUTO, shuffle), functools.partial(Loader, dp_rank=0, dp_size=1),
-                  dp_rank=0, dp_size=1)
+    return choose(
+        headrace_config(data, AUTO, shuffle), functools.partial(Loader, dp_rank=0, dp_size=1), dp_rank=0, dp_size=1
+    )
 
 
 def _with_dali(data: BenchData) -> BenchData:
@@ -215,6 +220,7 @@ def auto_headrace_dali(data: BenchData, shuffle: bool) -> WorkerChoice:
 
 # ---------------------------------------------------------------------------------------- webdataset
 
+
 def _wds_member(data: BenchData, key: str, payload: bytes):
     """webdataset's decoder handler for the counted member (the others are never decoded); webdataset
     passes the member's extension with a leading dot."""
@@ -228,16 +234,24 @@ def _wds_collate(data: BenchData, rows: list[tuple]) -> dict:
 def open_webdataset(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     import webdataset as wds
 
-    ds = wds.WebDataset([str(p) for p in data.shards], shardshuffle=len(data.shards) if shuffle else False,
-                        empty_check=False, seed=0 if shuffle else None)
+    ds = wds.WebDataset(
+        [str(p) for p in data.shards],
+        shardshuffle=len(data.shards) if shuffle else False,
+        empty_check=False,
+        seed=0 if shuffle else None,
+    )
     if shuffle:
         ds = ds.shuffle(SHUFFLE_BUFFER)
-    ds = ds.decode(functools.partial(_wds_member, data), only=[data.field]).to_tuple(data.field).batched(
-        data.cfg.batch_size, collation_fn=functools.partial(_wds_collate, data), partial=True)
+    ds = (
+        ds.decode(functools.partial(_wds_member, data), only=[data.field])
+        .to_tuple(data.field)
+        .batched(data.cfg.batch_size, collation_fn=functools.partial(_wds_collate, data), partial=True)
+    )
     return iter(wds.WebLoader(ds, batch_size=None, num_workers=workers))
 
 
 # ------------------------------------------------------------------------------------------ energon
+
 
 @functools.cache
 def _energon_encoder_class():
@@ -257,9 +271,13 @@ def _energon_encoder_class():
 
             @stateless
             def cook(crude: dict) -> Decoded:
-                return Decoded(__key__=crude["__key__"], __restore_key__=crude["__restore_key__"],
-                               __subflavors__=crude.get("__subflavors__"), __sources__=crude.get("__sources__"),
-                               value=decode_member(data, crude[data.field]))
+                return Decoded(
+                    __key__=crude["__key__"],
+                    __restore_key__=crude["__restore_key__"],
+                    __subflavors__=crude.get("__subflavors__"),
+                    __sources__=crude.get("__sources__"),
+                    value=decode_member(data, crude[data.field]),
+                )
 
             self.cookers = [Cooker(cook)]
 
@@ -273,14 +291,21 @@ def open_energon(data: BenchData, workers: int, shuffle: bool, state: Any) -> It
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
     wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
-    ds = get_train_dataset(str(data.root), split_part=data.split, worker_config=wc, batch_size=data.cfg.batch_size,
-                           shuffle_buffer_size=SHUFFLE_BUFFER if shuffle else None,
-                           max_samples_per_sequence=100 if shuffle else None, repeat=False,
-                           task_encoder=_energon_encoder_class()(data))
+    ds = get_train_dataset(
+        str(data.root),
+        split_part=data.split,
+        worker_config=wc,
+        batch_size=data.cfg.batch_size,
+        shuffle_buffer_size=SHUFFLE_BUFFER if shuffle else None,
+        max_samples_per_sequence=100 if shuffle else None,
+        repeat=False,
+        task_encoder=_energon_encoder_class()(data),
+    )
     return iter(get_loader(ds))
 
 
 # ------------------------------------------------------------------------------------------- litdata
+
 
 def _litdata_rows(field: str, text: bool, shard: str) -> Iterator[bytes]:
     """litdata ``optimize`` fn: one tar -> each sample's counted member as raw bytes (token ids without the
@@ -302,9 +327,17 @@ def prepare_litdata(data: BenchData) -> tuple[Path, str | None]:
     def write(tmp: Path) -> None:
         from litdata import optimize
 
-        optimize(fn=functools.partial(_litdata_rows, data.field, data.kind == "text"),
-                 inputs=[str(p) for p in data.shards], output_dir=str(tmp), chunk_bytes="64MB", num_workers=1,
-                 mode="overwrite", verbose=False, reorder_files=False, start_method="fork")
+        optimize(
+            fn=functools.partial(_litdata_rows, data.field, data.kind == "text"),
+            inputs=[str(p) for p in data.shards],
+            output_dir=str(tmp),
+            chunk_bytes="64MB",
+            num_workers=1,
+            mode="overwrite",
+            verbose=False,
+            reorder_files=False,
+            start_method="fork",
+        )
 
     return _cached(data, "litdata", write), _token_dtype(data)
 
@@ -320,11 +353,18 @@ def open_litdata(data: BenchData, workers: int, shuffle: bool, state: tuple[Path
 
     path, dtype = state
     ds = StreamingDataset(str(path), shuffle=shuffle, seed=0)
-    return iter(StreamingDataLoader(ds, batch_size=data.cfg.batch_size, num_workers=workers,
-                                    collate_fn=functools.partial(_litdata_collate, data, dtype)))
+    return iter(
+        StreamingDataLoader(
+            ds,
+            batch_size=data.cfg.batch_size,
+            num_workers=workers,
+            collate_fn=functools.partial(_litdata_collate, data, dtype),
+        )
+    )
 
 
 # -------------------------------------------------------------------------------------------- lhotse
+
 
 def prepare_lhotse(data: BenchData) -> Path:
     def write(tmp: Path) -> None:
@@ -369,6 +409,7 @@ def open_lhotse(data: BenchData, workers: int, shuffle: bool, state: Path) -> It
 
 # --------------------------------------------------------------------------------------------- torch
 
+
 class TarSamples(torch.utils.data.Dataset):
     """Map-style dataset over tars: sample ``i``'s counted member read by offset (``os.pread``), decoded."""
 
@@ -397,12 +438,20 @@ def prepare_torch(data: BenchData) -> list[tuple[int, int, int]]:
 
 def open_torch(data: BenchData, workers: int, shuffle: bool, state: list) -> Iterator[dict]:
     generator = torch.Generator().manual_seed(0)
-    return iter(torch.utils.data.DataLoader(TarSamples(data, state), batch_size=data.cfg.batch_size, shuffle=shuffle,
-                                            num_workers=workers, collate_fn=functools.partial(batch_of, data),
-                                            generator=generator))
+    return iter(
+        torch.utils.data.DataLoader(
+            TarSamples(data, state),
+            batch_size=data.cfg.batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            collate_fn=functools.partial(batch_of, data),
+            generator=generator,
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------- dali
+
 
 def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Iterator[dict]:
     """DALI's own tar reader + ``fn.decoders.audio`` on CPU (``device_id=None``), ``max(1, workers)``
@@ -415,9 +464,16 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
 
     @pipeline_def(batch_size=batch_size, num_threads=max(1, workers), device_id=None, prefetch_queue_depth=2)
     def pipeline():
-        encoded = fn.readers.webdataset(paths=[str(p) for p in data.shards], ext=[data.field], name="reader",
-                                        random_shuffle=shuffle, initial_fill=SHUFFLE_BUFFER, seed=0,
-                                        pad_last_batch=True, missing_component_behavior="error")
+        encoded = fn.readers.webdataset(
+            paths=[str(p) for p in data.shards],
+            ext=[data.field],
+            name="reader",
+            random_shuffle=shuffle,
+            initial_fill=SHUFFLE_BUFFER,
+            seed=0,
+            pad_last_batch=True,
+            missing_component_behavior="error",
+        )
         if data.audio_bytes:
             return encoded
         audio, rate = fn.decoders.audio(encoded, downmix=decode.mono, dtype=types.FLOAT, **resample)
@@ -441,23 +497,57 @@ def open_dali(data: BenchData, workers: int, shuffle: bool, state: Any) -> Itera
     return batches()
 
 
-PEERS: dict[str, Peer] = {p.name: p for p in [
-    Peer(name="headrace", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace,
-         auto_workers=auto_headrace),
-    Peer(name="headrace-full", module="headrace.dataio", kinds=("text", "audio"), open=open_headrace_full,
-         auto_workers=auto_headrace, count=count_full),
-    Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset, install=INSTALL),
-    Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon, install=INSTALL),
-    Peer(name="litdata", module="litdata", kinds=("text", "audio"), open=open_litdata, prepare=prepare_litdata,
-         install="pip install --no-deps litdata lightning-utilities; pip install boto3 requests "
-                 "(litdata's declared deps pull another torch)"),
-    Peer(name="lhotse", module="lhotse", kinds=("audio",), open=open_lhotse, prepare=prepare_lhotse,
-         source_bytes=False),
-    Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
-    Peer(name="dali", module="nvidia.dali", kinds=("audio",), open=open_dali, install="pip install 'headrace[dali]'"),
-    Peer(name="headrace-dali", module="nvidia.dali", kinds=("audio",), open=open_headrace_dali,
-         auto_workers=auto_headrace_dali, install="pip install 'headrace[dali]'"),
-]}
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in [
+        Peer(
+            name="headrace",
+            module="headrace.dataio",
+            kinds=("text", "audio"),
+            open=open_headrace,
+            auto_workers=auto_headrace,
+        ),
+        Peer(
+            name="headrace-full",
+            module="headrace.dataio",
+            kinds=("text", "audio"),
+            open=open_headrace_full,
+            auto_workers=auto_headrace,
+            count=count_full,
+        ),
+        Peer(name="webdataset", module="webdataset", kinds=("text", "audio"), open=open_webdataset, install=INSTALL),
+        Peer(name="energon", module="megatron.energon", kinds=("text", "audio"), open=open_energon, install=INSTALL),
+        Peer(
+            name="litdata",
+            module="litdata",
+            kinds=("text", "audio"),
+            open=open_litdata,
+            prepare=prepare_litdata,
+            install="pip install --no-deps litdata lightning-utilities; pip install boto3 requests "
+            "(litdata's declared deps pull another torch)",
+        ),
+        Peer(
+            name="lhotse",
+            module="lhotse",
+            kinds=("audio",),
+            open=open_lhotse,
+            prepare=prepare_lhotse,
+            source_bytes=False,
+        ),
+        Peer(name="torch", module="torch", kinds=("text", "audio"), open=open_torch, prepare=prepare_torch),
+        Peer(
+            name="dali", module="nvidia.dali", kinds=("audio",), open=open_dali, install="pip install 'headrace[dali]'"
+        ),
+        Peer(
+            name="headrace-dali",
+            module="nvidia.dali",
+            kinds=("audio",),
+            open=open_headrace_dali,
+            auto_workers=auto_headrace_dali,
+            install="pip install 'headrace[dali]'",
+        ),
+    ]
+}
 
 
 def prepare(peer: Peer, data: BenchData) -> tuple[Any, float]:
@@ -467,5 +557,15 @@ def prepare(peer: Peer, data: BenchData) -> tuple[Any, float]:
     return state, time.perf_counter() - start
 
 
-__all__ = ["PEERS", "Peer", "batch_of", "count", "decode_member", "prepare", "skip_reason", "split_name", "tar_offsets",
-           "tar_samples"]
+__all__ = [
+    "PEERS",
+    "Peer",
+    "batch_of",
+    "count",
+    "decode_member",
+    "prepare",
+    "skip_reason",
+    "split_name",
+    "tar_offsets",
+    "tar_samples",
+]

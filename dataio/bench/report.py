@@ -18,10 +18,31 @@ from headrace.dataio.bench import fixedcost
 from headrace.dataio.bench.extra import bench_import
 from headrace.dataio.bench.table import cell, markdown_table
 
-RUN_FIELDS = ("loader", "workers", "batch_size", "shuffle", "samples", "batches", "units", "seconds", "first_batch_s",
-              "samples_per_s", "mb_per_s", "units_per_s", "latency_p50_ms", "latency_p99_ms", "peak_rss_mb",
-              "cpu_util", "main_cpu_us_per_batch", "samples_per_cpu_s", "data_wait_fraction", "vs_page_cache", "vs_headrace",
-              "vs_best_peer", "prepare_s")
+RUN_FIELDS = (
+    "loader",
+    "workers",
+    "batch_size",
+    "shuffle",
+    "samples",
+    "batches",
+    "units",
+    "seconds",
+    "first_batch_s",
+    "samples_per_s",
+    "mb_per_s",
+    "units_per_s",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "peak_rss_mb",
+    "cpu_util",
+    "main_cpu_us_per_batch",
+    "samples_per_cpu_s",
+    "data_wait_fraction",
+    "vs_page_cache",
+    "vs_headrace",
+    "vs_best_peer",
+    "prepare_s",
+)
 
 
 def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: float) -> None:
@@ -31,7 +52,9 @@ def add_ratios(runs: list[dict], limit_samples_per_s: float, bytes_per_sample: f
     ``samples_per_cpu_s`` (samples over the CPU seconds of all the run's processes) is the figure that
     survives a shared machine: samples/s follows whatever CPU share the other jobs leave, work per
     CPU-second does not."""
-    headrace = {(r["workers"], r["batch_size"], r["shuffle"]): r["samples_per_s"] for r in runs if r["loader"] == "headrace"}
+    headrace = {
+        (r["workers"], r["batch_size"], r["shuffle"]): r["samples_per_s"] for r in runs if r["loader"] == "headrace"
+    }
     best: dict[tuple, float] = {}  # the fastest peer (not a headrace row) per setting
     for r in runs:
         setting = (r["workers"], r["batch_size"], r["shuffle"])
@@ -53,15 +76,47 @@ def markdown(result: dict) -> str:
     data, limit = result["data"], result["page_cache"]
     audio_bytes = data.get("audio") == "bytes"
     unit = "tokens/s" if data["kind"] == "text" else "audio MB/s" if audio_bytes else "audio s/s"
-    header = ["loader", "workers", "batch", "samples/s", "MB/s", unit, "first batch s", "p50 ms", "p99 ms", "peak RSS MB",
-              "CPU cores", "main CPU us/batch", "samples/CPU-s", "data wait", "x page cache", "x headrace", "x best peer"]
-    rows = [[r["loader"] + (", shuffled" if r["shuffle"] else ""), _workers(r), r["batch_size"], cell(r["samples_per_s"], ",.0f"),
-             cell(r["mb_per_s"], ",.1f"), cell(r["units_per_s"], ",.1f" if audio_bytes else ",.0f"),
-             cell(r["first_batch_s"], ".2f"),
-             cell(r["latency_p50_ms"], ".1f"), cell(r["latency_p99_ms"], ".1f"), cell(r["peak_rss_mb"], ",.0f"),
-             cell(r["cpu_util"], ".2f"), cell(r["main_cpu_us_per_batch"], ",.0f"), cell(r["samples_per_cpu_s"], ",.0f"),
-             cell(r["data_wait_fraction"], ".1%"), cell(r["vs_page_cache"], ".4f"), cell(r["vs_headrace"], ".2f"),
-             cell(r["vs_best_peer"], ".2f")] for r in result["runs"]]
+    header = [
+        "loader",
+        "workers",
+        "batch",
+        "samples/s",
+        "MB/s",
+        unit,
+        "first batch s",
+        "p50 ms",
+        "p99 ms",
+        "peak RSS MB",
+        "CPU cores",
+        "main CPU us/batch",
+        "samples/CPU-s",
+        "data wait",
+        "x page cache",
+        "x headrace",
+        "x best peer",
+    ]
+    rows = [
+        [
+            r["loader"] + (", shuffled" if r["shuffle"] else ""),
+            _workers(r),
+            r["batch_size"],
+            cell(r["samples_per_s"], ",.0f"),
+            cell(r["mb_per_s"], ",.1f"),
+            cell(r["units_per_s"], ",.1f" if audio_bytes else ",.0f"),
+            cell(r["first_batch_s"], ".2f"),
+            cell(r["latency_p50_ms"], ".1f"),
+            cell(r["latency_p99_ms"], ".1f"),
+            cell(r["peak_rss_mb"], ",.0f"),
+            cell(r["cpu_util"], ".2f"),
+            cell(r["main_cpu_us_per_batch"], ",.0f"),
+            cell(r["samples_per_cpu_s"], ",.0f"),
+            cell(r["data_wait_fraction"], ".1%"),
+            cell(r["vs_page_cache"], ".4f"),
+            cell(r["vs_headrace"], ".2f"),
+            cell(r["vs_best_peer"], ".2f"),
+        ]
+        for r in result["runs"]
+    ]
     lines = [
         f"Data: `{data['path']}` ({data['kind']}{', audio left encoded' if audio_bytes else ''}, "
         f"{data['samples']:,} samples, {data['bytes'] / 1e6:,.1f} MB in "
@@ -80,17 +135,28 @@ def markdown(result: dict) -> str:
         lines.append(f"| {s['loader']} | - | - | skipped: {s['reason']} |" + " |" * (len(header) - 4))
     auto = [r for r in result["runs"] if "auto" in r]
     if auto:
-        lines += ["", "`auto` (`num_workers: auto`): the loader's measurement before the run, then the run with the "
-                      "count it chose:", ""]
+        lines += [
+            "",
+            "`auto` (`num_workers: auto`): the loader's measurement before the run, then the run with the "
+            "count it chose:",
+            "",
+        ]
         lines += [f"- {r['loader']}, batch {r['batch_size']}: {r['auto']['line']}" for r in auto]
     if result.get("fixed_cost"):
-        lines += ["", "Fixed cost per batch and cost per sample (least-squares fit of time per batch over the batch "
-                      "sizes):", "", *fixedcost.markdown(result["fixed_cost"])]
+        lines += [
+            "",
+            "Fixed cost per batch and cost per sample (least-squares fit of time per batch over the batch sizes):",
+            "",
+            *fixedcost.markdown(result["fixed_cost"]),
+        ]
     for t in result.get("trainer", []):
-        lines += ["", f"Trainer path ({t['device']}, packing {t['packing']}, seq_len {t['seq_len']}, {t['batch_size']} "
-                      f"rows, step {t['step_ms']:.0f} ms, {t['workers']} workers): data wait "
-                      f"{cell(t['data_wait_fraction'], '.2%')} over {t['batches']} batches, first batch "
-                      f"{t['first_batch_s']:.2f} s, {cell(t['tokens_per_s'], ',.0f')} tokens/s."]
+        lines += [
+            "",
+            f"Trainer path ({t['device']}, packing {t['packing']}, seq_len {t['seq_len']}, {t['batch_size']} "
+            f"rows, step {t['step_ms']:.0f} ms, {t['workers']} workers): data wait "
+            f"{cell(t['data_wait_fraction'], '.2%')} over {t['batches']} batches, first batch "
+            f"{t['first_batch_s']:.2f} s, {cell(t['tokens_per_s'], ',.0f')} tokens/s.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -108,13 +174,19 @@ def plot(result: dict, path: Path) -> None:
     several = len({r["batch_size"] for r in result["runs"]}) > 1
     for r in result["runs"]:
         if r["samples_per_s"] and "auto" not in r:  # auto is one of the plotted counts
-            name = r["loader"] + (", shuffled" if r["shuffle"] else "") + (f", batch {r['batch_size']}" if several else "")
-            series.setdefault(name, []).append(
-                (r["workers"], r["samples_per_s"]))
+            name = (
+                r["loader"] + (", shuffled" if r["shuffle"] else "") + (f", batch {r['batch_size']}" if several else "")
+            )
+            series.setdefault(name, []).append((r["workers"], r["samples_per_s"]))
     for name, points in series.items():
         points.sort()
-        ax.plot([w for w, _ in points], [v for _, v in points], marker="o",
-                linewidth=2.5 if name.startswith("headrace") else 1.2, label=name)
+        ax.plot(
+            [w for w, _ in points],
+            [v for _, v in points],
+            marker="o",
+            linewidth=2.5 if name.startswith("headrace") else 1.2,
+            label=name,
+        )
     ax.axhline(result["page_cache"]["samples_per_s"], color="gray", linestyle="--", label="page-cache read limit")
     ax.set_yscale("log")
     ax.set_xlabel("DataLoader worker processes")

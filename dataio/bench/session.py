@@ -63,8 +63,11 @@ class BenchOptions:
 
 def progress_line(done: int, total: int, name: str, workers: int, batch_size: int, what: str) -> None:
     """One line on stderr per measured configuration (kept, unlike the transient bar; shown in logs too)."""
-    print(f"dataio bench: [{done}/{total}] {name}, {workers} workers, batch {batch_size}: {what}", file=sys.stderr,
-          flush=True)
+    print(
+        f"dataio bench: [{done}/{total}] {name}, {workers} workers, batch {batch_size}: {what}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBar) -> dict:
@@ -125,7 +128,7 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
             sized = dataclasses.replace(data, cfg=dataclasses.replace(data.cfg, batch_size=batch_size))
             for workers in opts.num_workers:
                 names = runs_at[workers]
-                for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                     measured += 1
                     if (name, -1, 0) in trials:  # failed before: reported once
                         continue
@@ -136,12 +139,18 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
                         # auto: the loader's own measurement, then a run with the count it chose
                         choice = peer.auto_workers(sized, opts.shuffle) if workers == AUTO else None
                         count_used = workers if choice is None else choice.num_workers
-                        with progress_bar(f"{name}, {workers} workers, batch {batch_size}", total=total,
-                                          unit="samples") as advance:
-                            result = measure(lambda: peer.open(sized, count_used, opts.shuffle, state),
-                                             lambda b: count(peer, b, sized), max_samples=data.samples,
-                                             max_batches=opts.batches, max_seconds=opts.seconds, step_s=step_s,
-                                             progress=advance)
+                        with progress_bar(
+                            f"{name}, {workers} workers, batch {batch_size}", total=total, unit="samples"
+                        ) as advance:
+                            result = measure(
+                                lambda: peer.open(sized, count_used, opts.shuffle, state),
+                                lambda b: count(peer, b, sized),
+                                max_samples=data.samples,
+                                max_batches=opts.batches,
+                                max_seconds=opts.seconds,
+                                step_s=step_s,
+                                progress=advance,
+                            )
                     except Exception as e:  # reported with its reason, never dropped silently
                         skipped.append({"loader": f"{name} ({workers} workers)", "reason": f"{type(e).__name__}: {e}"})
                         trials[(name, -1, 0)] = []
@@ -151,36 +160,73 @@ def run_session(cfg: DataConfig, opts: BenchOptions, *, progress_bar: ProgressBa
                         result["auto"] = choice.to_dict()
                     trials.setdefault((name, workers, batch_size), []).append(result)
                     rate = result["samples_per_s"]
-                    progress_line(measured, configs, name, workers, batch_size, f"{result['samples']:,} samples in "
-                                  f"{result['seconds']:.1f} s" + (f", {rate:,.0f} samples/s" if rate else "")
-                                  + (f"; {choice.line()}" if choice is not None else ""))
+                    progress_line(
+                        measured,
+                        configs,
+                        name,
+                        workers,
+                        batch_size,
+                        f"{result['samples']:,} samples in "
+                        f"{result['seconds']:.1f} s"
+                        + (f", {rate:,.0f} samples/s" if rate else "")
+                        + (f"; {choice.line()}" if choice is not None else ""),
+                    )
     runs = []
     for (name, workers, batch_size), results in trials.items():
         if workers == -1:
             continue
-        runs.append({"loader": name, "workers": workers, "batch_size": batch_size, "shuffle": opts.shuffle,
-                     "prepare_s": prepare_s.get(name), "repeats": len(results),
-                     **median_run(results, "samples_per_s")})
+        runs.append(
+            {
+                "loader": name,
+                "workers": workers,
+                "batch_size": batch_size,
+                "shuffle": opts.shuffle,
+                "prepare_s": prepare_s.get(name),
+                "repeats": len(results),
+                **median_run(results, "samples_per_s"),
+            }
+        )
     report.add_ratios(runs, limit["samples_per_s"], data.bytes / data.samples)
 
     trainer = []
     if opts.trainer:
         for workers in opts.num_workers:
             with console.status(f"trainer path, {workers} workers"):
-                trainer.append(trainer_run(data, workers=workers, step_s=step_s or 0.1,
-                                           max_batches=opts.batches or (None if opts.seconds else 50),
-                                           max_seconds=opts.seconds))
+                trainer.append(
+                    trainer_run(
+                        data,
+                        workers=workers,
+                        step_s=step_s or 0.1,
+                        max_batches=opts.batches or (None if opts.seconds else 50),
+                        max_seconds=opts.seconds,
+                    )
+                )
 
     return {
         "command": opts.command,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cuda": torch.cuda.is_available(), "load_before": load_before},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(),
+            "load_before": load_before,
+        },
         "cache": opts.cache if not cold_refused else f"warm (cold refused: {cold_refused})",
         "contract": {"kind": data.contract, "batch": CONTRACT[data.contract]},
-        "data": {"path": str(data.root), "split": data.split, "kind": data.kind, "field": data.field,
-                 "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
-                 "members": data.members, "samples": data.samples, "bytes": data.bytes, "shards": len(data.shards),
-                 "batch_size": cfg.batch_size, "batch_sizes": batch_sizes},
+        "data": {
+            "path": str(data.root),
+            "split": data.split,
+            "kind": data.kind,
+            "field": data.field,
+            "audio": "bytes" if data.audio_bytes else "decoded" if data.kind == "audio" else None,
+            "members": data.members,
+            "samples": data.samples,
+            "bytes": data.bytes,
+            "shards": len(data.shards),
+            "batch_size": cfg.batch_size,
+            "batch_sizes": batch_sizes,
+        },
         "page_cache": limit,
         "step_ms": opts.step_ms,
         "runs": runs,

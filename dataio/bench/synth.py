@@ -26,8 +26,14 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from headrace.dataio.bench.corpus import (RATE, demo_token_documents, flac_bytes, simulated_token_documents,
-                                          speech_like, write_indexed_shards)
+from headrace.dataio.bench.corpus import (
+    RATE,
+    demo_token_documents,
+    flac_bytes,
+    simulated_token_documents,
+    speech_like,
+    write_indexed_shards,
+)
 from headrace.dataio.prepare.job import ShardOptions, shard_corpus
 from headrace.dataio.shards.formats import npy_bytes
 
@@ -53,8 +59,10 @@ def write_lognormal_text(out: Path, docs: int) -> None:
     tokens = simulated_token_documents(docs, median=814, sigma=1.664, seed=0)
     samples = ({"__key__": f"d{i:08d}", "tokens.npy": npy_bytes(d)} for i, d in enumerate(tokens))
     shards = write_indexed_shards(out, samples, maxcount=5556)
-    print(f"text: {docs:,} log-normal documents, {sum(d.nbytes for d in tokens) / 1e6:,.1f} MB of int32 tokens "
-          f"in {shards} shards -> {out}")
+    print(
+        f"text: {docs:,} log-normal documents, {sum(d.nbytes for d in tokens) / 1e6:,.1f} MB of int32 tokens "
+        f"in {shards} shards -> {out}"
+    )
 
 
 def write_speech(out: Path, hours: float, *, fmt: str = "flac", rate: int = RATE) -> None:
@@ -82,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m headrace.dataio.bench.synth", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--text-gb", type=float, default=1.0, help="GB of int32 text tokens (0: none)")
-    p.add_argument("--lognormal-docs", type=int, default=0,
-                   help="write this many log-normal int32 token documents (the loader benchmark's corpus) instead "
-                        "of --text-gb")
+    p.add_argument(
+        "--lognormal-docs",
+        type=int,
+        default=0,
+        help="write this many log-normal int32 token documents (the loader benchmark's corpus) instead of --text-gb",
+    )
     p.add_argument("--speech-hours", type=float, default=3.0, help="hours of speech (0: none)")
     p.add_argument("--speech-format", choices=["flac", "wav"], default="flac", help="16-bit FLAC or WAV")
     p.add_argument("--speech-rate", type=int, default=RATE, help="the utterances' sample rate in Hz")

@@ -37,8 +37,9 @@ def timed(fn: Callable[[], object], sync: Callable[[], None] | None = None) -> f
     return time.perf_counter() - start
 
 
-def best_interleaved(fns: dict[str, Callable[[], object]], repeats: int,
-                     sync: Callable[[], None] | None = None) -> dict[str, float]:
+def best_interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] | None = None
+) -> dict[str, float]:
     """The best (lowest) seconds of each function over ``repeats`` interleaved rounds."""
     rounds = interleaved({name: (lambda fn=fn: timed(fn, sync)) for name, fn in fns.items()}, repeats)
     return {name: min(seconds) for name, seconds in rounds.items()}

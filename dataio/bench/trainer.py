@@ -22,8 +22,9 @@ from headrace.dataio.bench.measure import ProcessSampler
 from headrace.dataio.loader import build_loader
 
 
-def trainer_run(data: BenchData, *, workers: int, step_s: float, max_batches: int | None,
-                max_seconds: float | None) -> dict:
+def trainer_run(
+    data: BenchData, *, workers: int, step_s: float, max_batches: int | None, max_seconds: float | None
+) -> dict:
     cfg = dataclasses.replace(data.cfg, num_workers=workers, epochs=None)
     if data.kind == "text" and cfg.packing == "none":
         cfg = dataclasses.replace(cfg, packing="best_fit")
@@ -46,8 +47,18 @@ def trainer_run(data: BenchData, *, workers: int, step_s: float, max_batches: in
         stats_wait = sum(batches.waits[1:])  # the first batch's wait is start-up, reported above
         elapsed = time.perf_counter() - steady_from
         batches.close()
-    return {"loader": "headrace (trainer path)", "workers": workers, "device": device, "packing": cfg.packing,
-            "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "step_ms": step_s * 1e3, "batches": n,
-            "first_batch_s": first, "data_wait_fraction": stats_wait / elapsed if elapsed > 0 else None,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "peak_rss_mb": sampler.peak_rss / 2**20,
-            "cpu_util": sampler.cpu_seconds() / (time.perf_counter() - start)}
+    return {
+        "loader": "headrace (trainer path)",
+        "workers": workers,
+        "device": device,
+        "packing": cfg.packing,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "step_ms": step_s * 1e3,
+        "batches": n,
+        "first_batch_s": first,
+        "data_wait_fraction": stats_wait / elapsed if elapsed > 0 else None,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+        "peak_rss_mb": sampler.peak_rss / 2**20,
+        "cpu_util": sampler.cpu_seconds() / (time.perf_counter() - start),
+    }

@@ -44,32 +44,64 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, required=True,
-                        help="YAML whose `data:` section (or top level) is the loader's data config (one dataset)")
-    parser.add_argument("--compare", default=",".join(PEER_NAMES[:5]),
-                        help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} "
-                             "(empty: headrace only)")
-    parser.add_argument("--num-workers", type=_worker_counts, default=[0, 2],
-                        help="worker counts, e.g. 0,2,4; `auto`: headrace's own choice (num_workers: auto), its "
-                             "measurement shown, beside the counts")
-    parser.add_argument("--batch-sizes", type=_int_list,
-                        help="batch sizes to run every loader at (default: the config's); two or more also report "
-                             "each loader's fixed cost per batch and cost per sample (a least-squares fit)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help="YAML whose `data:` section (or top level) is the loader's data config (one dataset)",
+    )
+    parser.add_argument(
+        "--compare",
+        default=",".join(PEER_NAMES[:5]),
+        help=f"peer loaders to run beside headrace, comma-separated, from {','.join(PEER_NAMES)} "
+        "(empty: headrace only)",
+    )
+    parser.add_argument(
+        "--num-workers",
+        type=_worker_counts,
+        default=[0, 2],
+        help="worker counts, e.g. 0,2,4; `auto`: headrace's own choice (num_workers: auto), its "
+        "measurement shown, beside the counts",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        help="batch sizes to run every loader at (default: the config's); two or more also report "
+        "each loader's fixed cost per batch and cost per sample (a least-squares fit)",
+    )
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--seconds", type=float, help="stop each run after this many seconds (default: one epoch)")
     limit.add_argument("--batches", type=int, help="stop each run after this many batches (default: one epoch)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs per loader and worker count, interleaved; the median run (by samples/s) is reported")
-    parser.add_argument("--step-time", type=float, default=0.0,
-                        help="simulated trainer step in ms after each batch (reports the data-wait fraction)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per loader and worker count, interleaved; the median run (by samples/s) is reported",
+    )
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="simulated trainer step in ms after each batch (reports the data-wait fraction)",
+    )
     parser.add_argument("--shuffle", action="store_true", help="shuffled reads, each loader by its own mechanism")
-    parser.add_argument("--cache", choices=["warm", "cold"], default="warm",
-                        help="cold: drop the page cache before each run (needs root)")
-    parser.add_argument("--audio-bytes", action="store_true",
-                        help="audio data: every loader hands over the encoded audio bytes (headrace with "
-                             "decode.audio: raw) instead of decoding")
-    parser.add_argument("--trainer", action="store_true",
-                        help="also run the trainer's data path (packing + device prefetch) at --step-time (default 100 ms)")
+    parser.add_argument(
+        "--cache",
+        choices=["warm", "cold"],
+        default="warm",
+        help="cold: drop the page cache before each run (needs root)",
+    )
+    parser.add_argument(
+        "--audio-bytes",
+        action="store_true",
+        help="audio data: every loader hands over the encoded audio bytes (headrace with "
+        "decode.audio: raw) instead of decoding",
+    )
+    parser.add_argument(
+        "--trainer",
+        action="store_true",
+        help="also run the trainer's data path (packing + device prefetch) at --step-time (default 100 ms)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="results folder")
     parser.add_argument("--formats", type=Path, help="where peers write their formats (default OUT/formats)")
 
@@ -104,11 +136,20 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise CommandError(f"--compare: unknown loader(s) {', '.join(unknown)} (choose from {', '.join(PEER_NAMES)})")
     opts = BenchOptions(
-        compare=compare, num_workers=args.num_workers, batch_sizes=args.batch_sizes,
+        compare=compare,
+        num_workers=args.num_workers,
+        batch_sizes=args.batch_sizes,
         formats=args.formats or args.out / "formats",
-        seconds=args.seconds, batches=args.batches, repeats=args.repeats, step_ms=args.step_time,
-        shuffle=args.shuffle, cache=args.cache, audio_bytes=args.audio_bytes, trainer=args.trainer,
-        command=" ".join(["dataio", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None)
+        seconds=args.seconds,
+        batches=args.batches,
+        repeats=args.repeats,
+        step_ms=args.step_time,
+        shuffle=args.shuffle,
+        cache=args.cache,
+        audio_bytes=args.audio_bytes,
+        trainer=args.trainer,
+        command=" ".join(["dataio", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
+    )
     result = run_session(cfg, opts, progress_bar=progress_bar)
     report.write(result, args.out)
     print(report.markdown(result))

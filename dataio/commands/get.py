@@ -34,12 +34,21 @@ def run(args: argparse.Namespace) -> int:
     except (SampleNotFound, IndexMismatch, FileNotFoundError, ValueError) as e:
         raise CommandError(str(e)) from None
     if args.member is None:
-        print(json.dumps({"key": args.key, "shard": shard, "offset": offset,
-                          "members": {ext: len(data) for ext, data in members.items()}}))
+        print(
+            json.dumps(
+                {
+                    "key": args.key,
+                    "shard": shard,
+                    "offset": offset,
+                    "members": {ext: len(data) for ext, data in members.items()},
+                }
+            )
+        )
         return 0
     if args.member not in members:
-        raise CommandError(f"{args.dir}: sample {args.key!r} has no member {args.member!r} "
-                           f"(it has: {', '.join(sorted(members))})")
+        raise CommandError(
+            f"{args.dir}: sample {args.key!r} has no member {args.member!r} (it has: {', '.join(sorted(members))})"
+        )
     if args.out is not None:
         args.out.write_bytes(members[args.member])
     else:

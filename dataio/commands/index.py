@@ -16,14 +16,21 @@ from headrace.dataio.usererror import CommandError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="directory holding the .tar shards")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="processes scanning shards in parallel")
-    parser.add_argument("--checksum", action="store_true",
-                        help="record each scanned shard's sha256 (reads every byte; `dataio verify` checks it)")
-    parser.add_argument("--split", default=None,
-                        help="e.g. train=0.98,val=0.02: every shard goes whole to one split, by the hash of its "
-                             "name (fractions of shards); default: keep the splits recorded by `dataio shard`, "
-                             "else train")
+    parser.add_argument(
+        "--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes scanning shards in parallel"
+    )
+    parser.add_argument(
+        "--checksum",
+        action="store_true",
+        help="record each scanned shard's sha256 (reads every byte; `dataio verify` checks it)",
+    )
+    parser.add_argument(
+        "--split",
+        default=None,
+        help="e.g. train=0.98,val=0.02: every shard goes whole to one split, by the hash of its "
+        "name (fractions of shards); default: keep the splits recorded by `dataio shard`, "
+        "else train",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -45,8 +52,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(e)) from None
     start = time.perf_counter()
     try:
-        index, reused = build_index(root, workers=max(1, args.workers), checksum=args.checksum, splits=splits,
-                                    progress=partial(progress_bar, quiet=args.quiet))
+        index, reused = build_index(
+            root,
+            workers=max(1, args.workers),
+            checksum=args.checksum,
+            splits=splits,
+            progress=partial(progress_bar, quiet=args.quiet),
+        )
     except PrepareError as e:
         raise CommandError(str(e)) from None
     total_bytes = sum(s.bytes for s in index.shards)
@@ -54,12 +66,16 @@ def run(args: argparse.Namespace) -> int:
     for shard in index.shards:
         counts = per_split.setdefault(shard.split, [0, 0])
         counts[0], counts[1] = counts[0] + 1, counts[1] + shard.samples
-    print(f"indexed {len(index.shards)} shards ({reused} from parts, {len(index.shards) - reused} scanned), "
-          f"{len(index)} samples, {total_bytes / 1e6:.1f} MB in {time.perf_counter() - start:.1f}s "
-          f"-> {root / '.nv-meta'}; splits: "
-          + ", ".join(f"{name} {n} shards / {samples} samples" for name, (n, samples) in per_split.items()))
+    print(
+        f"indexed {len(index.shards)} shards ({reused} from parts, {len(index.shards) - reused} scanned), "
+        f"{len(index)} samples, {total_bytes / 1e6:.1f} MB in {time.perf_counter() - start:.1f}s "
+        f"-> {root / '.nv-meta'}; splits: "
+        + ", ".join(f"{name} {n} shards / {samples} samples" for name, (n, samples) in per_split.items())
+    )
     empty = [name for name, fraction in splits or [] if fraction > 0 and name not in per_split]
     if empty:
-        print(f"note: no shard fell into {', '.join(empty)} ({len(index.shards)} shards are too few for these "
-              "fractions; splits of foreign tars are whole shards)")
+        print(
+            f"note: no shard fell into {', '.join(empty)} ({len(index.shards)} shards are too few for these "
+            "fractions; splits of foreign tars are whole shards)"
+        )
     return 0

@@ -51,8 +51,7 @@ def summarize(root: Path) -> dict:
     shard_of = np.asarray(index.samples["shard"])
     splits: dict[str, dict] = {}
     for i, shard in enumerate(index.shards):
-        entry = splits.setdefault(shard.split, {"shards": 0, "samples": 0, "bytes": 0, "audio_hours": 0.0,
-                                               "tokens": 0})
+        entry = splits.setdefault(shard.split, {"shards": 0, "samples": 0, "bytes": 0, "audio_hours": 0.0, "tokens": 0})
         entry["shards"] += 1
         entry["samples"] += shard.samples
         entry["bytes"] += shard.bytes
@@ -82,16 +81,26 @@ def _print_tables(summary: dict) -> None:
 
     console = Console()
     overview = Table(title=f"{summary['dir']}", show_header=False)
-    for label, key, fmt in (("shards", "shards", "{:,}"), ("samples", "samples", "{:,}"),
-                            ("bytes", "bytes", "{:,}"), ("audio hours", "audio_hours", "{:.3f}"),
-                            ("tokens", "tokens", "{:,}")):
+    for label, key, fmt in (
+        ("shards", "shards", "{:,}"),
+        ("samples", "samples", "{:,}"),
+        ("bytes", "bytes", "{:,}"),
+        ("audio hours", "audio_hours", "{:.3f}"),
+        ("tokens", "tokens", "{:,}"),
+    ):
         overview.add_row(label, fmt.format(summary[key]))
     overview.add_row("members", ", ".join(summary["extensions"]))
     console.print(overview)
     splits = Table("split", "shards", "samples", "bytes", "audio hours", "tokens", title="splits")
     for name, s in summary["splits"].items():
-        splits.add_row(name, f"{s['shards']:,}", f"{s['samples']:,}", f"{s['bytes']:,}",
-                       f"{s['audio_hours']:.3f}", f"{s['tokens']:,}")
+        splits.add_row(
+            name,
+            f"{s['shards']:,}",
+            f"{s['samples']:,}",
+            f"{s['bytes']:,}",
+            f"{s['audio_hours']:.3f}",
+            f"{s['tokens']:,}",
+        )
     console.print(splits)
     for key, title in (("tokens", "tokens per sample"), ("duration_s", "audio seconds per sample")):
         h = summary["histograms"][key]

@@ -23,8 +23,9 @@ def shown(quiet: bool = False) -> bool:
 
 
 @contextmanager
-def progress_bar(description: str, *, total: int | None, unit: str = "", quiet: bool = False
-                 ) -> Iterator[Callable[[int], None]]:
+def progress_bar(
+    description: str, *, total: int | None, unit: str = "", quiet: bool = False
+) -> Iterator[Callable[[int], None]]:
     """A context that yields ``advance(n)``; draws a bar on stderr only when ``shown(quiet)``.
 
     ``unit`` names what is counted in the rate column (``"samples"`` -> ``"1,234 samples/s"``).
@@ -33,8 +34,15 @@ def progress_bar(description: str, *, total: int | None, unit: str = "", quiet: 
         yield lambda n=1: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.text import Text
 
     class RateColumn(ProgressColumn):
@@ -42,14 +50,22 @@ def progress_bar(description: str, *, total: int | None, unit: str = "", quiet: 
             rate = task.finished_speed or task.speed
             return Text("" if rate is None else f"{rate:,.0f} {unit}/s".replace(" /s", "/s"))
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
-               TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RateColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task, n)
 
 
-def track(items: Iterable[T], *, total: int | None, description: str, unit: str = "", quiet: bool = False) -> Iterator[T]:
+def track(
+    items: Iterable[T], *, total: int | None, description: str, unit: str = "", quiet: bool = False
+) -> Iterator[T]:
     """``items`` unchanged, advancing a ``progress_bar`` by one per item."""
     with progress_bar(description, total=total, unit=unit, quiet=quiet) as advance:
         for item in items:

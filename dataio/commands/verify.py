@@ -17,8 +17,9 @@ from headrace.dataio.usererror import CommandError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="an indexed shard directory")
-    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="processes reading shards in parallel")
+    parser.add_argument(
+        "--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes reading shards in parallel"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -34,15 +35,19 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         raise CommandError(str(e)) from None
     start = time.perf_counter()
-    faults = verify_dir(root, index, workers=args.workers,
-                        track=lambda items, total: track(items, total=total, description="verifying", unit="shards",
-                                                         quiet=args.quiet))
+    faults = verify_dir(
+        root,
+        index,
+        workers=args.workers,
+        track=lambda items, total: track(items, total=total, description="verifying", unit="shards", quiet=args.quiet),
+    )
     elapsed = time.perf_counter() - start
     if faults:
         print(f"dataio verify: FAILED: {faults[0]}", file=sys.stderr)
         for fault in faults[1:]:
             print(f"  also: {fault}", file=sys.stderr)
         return 1
-    print(f"verified {len(index.shards)} shards, {len(index)} samples, {len(index.members)} members "
-          f"in {elapsed:.1f}s: OK")
+    print(
+        f"verified {len(index.shards)} shards, {len(index)} samples, {len(index.members)} members in {elapsed:.1f}s: OK"
+    )
     return 0

@@ -63,8 +63,10 @@ def cut_and_encode(source, fmt: str, *, offset: float = 0.0, duration: float | N
             start = int(round(offset * f.samplerate))
             stop = f.frames if duration is None else start + int(round(duration * f.samplerate))
             if start >= f.frames or stop <= start or stop > f.frames + f.samplerate // 100:  # tolerate 10 ms rounding
-                raise ValueError(f"segment [{offset}, {offset + (duration or 0)}) s lies outside the "
-                                 f"audio ({f.frames / f.samplerate:.3f} s)")
+                raise ValueError(
+                    f"segment [{offset}, {offset + (duration or 0)}) s lies outside the "
+                    f"audio ({f.frames / f.samplerate:.3f} s)"
+                )
             f.seek(start)
             samples = f.read(min(stop, f.frames) - start, dtype="int32", always_2d=True)
             sample_rate, subtype = f.samplerate, f.subtype

@@ -55,8 +55,14 @@ def _scan(root: Path, name: str, split: str, checksum: bool):
     return part
 
 
-def build_index(root: Path, *, workers: int = 1, checksum: bool = False, progress: Progress = silent,
-                splits: list[tuple[str, float]] | None = None):
+def build_index(
+    root: Path,
+    *,
+    workers: int = 1,
+    checksum: bool = False,
+    progress: Progress = silent,
+    splits: list[tuple[str, float]] | None = None,
+):
     """Scan what needs scanning, merge all parts, write the metadata; returns (index, parts reused).
 
     ``splits`` (parsed ``--split``) assigns every shard whole to a split by its name (module docstring).

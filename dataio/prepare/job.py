@@ -27,7 +27,15 @@ from typing import Callable, ContextManager, Iterator
 
 from headrace.dataio.prepare.plan import PlanError, job_fingerprint, parse_splits, plan_job, resolve_node
 from headrace.dataio.prepare.readers import ReadOptions, SampleError, open_input, skip_budget_error
-from headrace.dataio.prepare.writer import SKIPPED_DIR, STATE_DIR, ShardJob, ShardResult, is_complete, load_tokenizer, write_shard
+from headrace.dataio.prepare.writer import (
+    SKIPPED_DIR,
+    STATE_DIR,
+    ShardJob,
+    ShardResult,
+    is_complete,
+    load_tokenizer,
+    write_shard,
+)
 from headrace.dataio.shards.index import META_DIR, PARTS_DIR, ShardPart, merge_parts
 from headrace.dataio.shards.metadata import write_dataset_metadata
 from headrace.dataio.shards.outdir import lock_output
@@ -109,15 +117,28 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
     if root.exists() and not root.is_dir():
         raise PrepareError(f"--output {root} is a file, not a directory")
     lock = lock_output(root, node=node_rank, command="dataio shard")  # noqa: F841 (held until we return)
-    job = job_fingerprint(opts.inputs, {"kind": opts.kind, "text_field": opts.text_field,
-                                        "audio_format": opts.audio_format, "shard_bytes": shard_bytes,
-                                        "samples_per_shard": opts.samples_per_shard, "split": splits,
-                                        "checksum": opts.checksum},
-                          opts.tokenizer)
+    job = job_fingerprint(
+        opts.inputs,
+        {
+            "kind": opts.kind,
+            "text_field": opts.text_field,
+            "audio_format": opts.audio_format,
+            "shard_bytes": shard_bytes,
+            "samples_per_shard": opts.samples_per_shard,
+            "split": splits,
+            "checksum": opts.checksum,
+        },
+        opts.tokenizer,
+    )
     claim_output(root, job)  # before the (possibly long) scan
     try:
-        plan = plan_job(inputs, splits=splits, shard_bytes=shard_bytes, samples_per_shard=opts.samples_per_shard,
-                        skip_errors=opts.skip_errors)
+        plan = plan_job(
+            inputs,
+            splits=splits,
+            shard_bytes=shard_bytes,
+            samples_per_shard=opts.samples_per_shard,
+            skip_errors=opts.skip_errors,
+        )
     except PlanError as e:
         raise PrepareError(str(e)) from None
     if not plan.shards:
@@ -132,11 +153,11 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
     remove_stale_temps(root, todo)
     skipped = [{"source": b.path, "line": b.line, "reason": b.reason} for b in plan.bad]
     skipped_count = len(skipped) + len(_skip_reports(root, done_names))
-    shard_job = ShardJob(root=root, inputs=inputs, tokenizer_path=opts.tokenizer, skip_errors=opts.skip_errors,
-                         sha256=opts.checksum)
+    shard_job = ShardJob(
+        root=root, inputs=inputs, tokenizer_path=opts.tokenizer, skip_errors=opts.skip_errors, sha256=opts.checksum
+    )
 
-    report = ShardReport(num_nodes=num_nodes, node_rank=node_rank, written=len(todo),
-                         already_complete=len(done_names))
+    report = ShardReport(num_nodes=num_nodes, node_rank=node_rank, written=len(todo), already_complete=len(done_names))
     try:
         with progress("shard", total=sum(len(s.entries) for s in todo), unit="samples") as advance:
             for result in write_shards(shard_job, todo, opts.workers, advance):
@@ -158,8 +179,10 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
         return report
     skipped += _skip_reports(root, [s.name for s in plan.shards])
     if len(skipped) > opts.skip_errors:  # nodes each within budget, together over it
-        raise PrepareError(f"{len(skipped)} bad samples across all nodes exceed --skip-errors {opts.skip_errors}; "
-                           f"see {root / 'skipped.jsonl'}")
+        raise PrepareError(
+            f"{len(skipped)} bad samples across all nodes exceed --skip-errors {opts.skip_errors}; "
+            f"see {root / 'skipped.jsonl'}"
+        )
     try:
         report.total_samples = _finalize(root, plan, job, skipped, opts.workers)
     except ValueError as e:
@@ -187,24 +210,31 @@ def claim_output(root: Path, job: dict) -> None:
             previous = json.load(f)
         if previous.get("id") != job["id"]:
             changed = [k for k in ("inputs", "options", "tokenizer") if previous.get(k) != job.get(k)]
-            raise PrepareError(f"{root} holds shards of a different job (its {', '.join(changed) or 'fingerprint'} "
-                               f"differ from this command's); use a new --output or delete {root}")
+            raise PrepareError(
+                f"{root} holds shards of a different job (its {', '.join(changed) or 'fingerprint'} "
+                f"differ from this command's); use a new --output or delete {root}"
+            )
     elif root.exists() and (any(root.glob("*.tar")) or (root / META_DIR).exists()):
-        raise PrepareError(f"{root} already holds shards not written by this `dataio shard` job; "
-                           "use a new --output or delete it")
+        raise PrepareError(
+            f"{root} already holds shards not written by this `dataio shard` job; use a new --output or delete it"
+        )
 
 
 def remove_stale_temps(root: Path, shards) -> None:
     """Temp files a killed run left for the shards still to write: the tar, its skip report, its index part."""
     for shard in shards:
-        stale = [*root.glob(f"{shard.name}.tmp-*"), *(root / SKIPPED_DIR).glob(f"{shard.name}*.tmp-*"),
-                 *(root / PARTS_DIR).glob(f".{shard.name}.npz.tmp-*")]
+        stale = [
+            *root.glob(f"{shard.name}.tmp-*"),
+            *(root / SKIPPED_DIR).glob(f"{shard.name}*.tmp-*"),
+            *(root / PARTS_DIR).glob(f".{shard.name}.npz.tmp-*"),
+        ]
         for tmp in stale:
             tmp.unlink(missing_ok=True)
 
 
-def write_shards(job: ShardJob, todo: list, workers: int, advance: Callable[[int], None] = lambda n: None
-                 ) -> Iterator[ShardResult]:
+def write_shards(
+    job: ShardJob, todo: list, workers: int, advance: Callable[[int], None] = lambda n: None
+) -> Iterator[ShardResult]:
     """A ``ShardResult`` per shard as shards finish (in this process for one worker); ``advance(n)`` is
     called as chunks of ``n`` samples are done (written or skipped), also from the workers."""
     if workers <= 1 or len(todo) <= 1:
@@ -214,8 +244,10 @@ def write_shards(job: ShardJob, todo: list, workers: int, advance: Callable[[int
     context = multiprocessing.get_context("fork")  # workers inherit the plan and the opened readers
     done, claimed, results = context.Value("q", 0), context.Value("q", 0), context.Queue()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # N processes already fill the cores
-    procs = [context.Process(target=_writer, args=(job, todo, claimed, done, results, os.getpid()), daemon=True)
-             for _ in range(min(workers, len(todo)))]
+    procs = [
+        context.Process(target=_writer, args=(job, todo, claimed, done, results, os.getpid()), daemon=True)
+        for _ in range(min(workers, len(todo)))
+    ]
     for p in procs:
         p.start()
     shown = received = 0
@@ -248,6 +280,7 @@ def write_shards(job: ShardJob, todo: list, workers: int, advance: Callable[[int
 def _writer(job: ShardJob, todo: list, claimed, done, results, parent: int) -> None:
     """A worker: claim the next shard of ``todo`` until none is left (or the parent is gone)."""
     leave_interrupt_to_parent()
+
     def count(n: int) -> None:
         with done.get_lock():
             done.value += n
@@ -278,8 +311,9 @@ def _finalize(root: Path, plan, job: dict, skipped: list[dict], workers: int) ->
     """Merge every shard's part into the index and write the dataset metadata; returns the sample count."""
     report = root / "skipped.jsonl"
     if skipped:
-        write_atomically(report, "".join(json.dumps(r) + "\n" for r in skipped).encode(),
-                         what="the skipped-sample report")
+        write_atomically(
+            report, "".join(json.dumps(r) + "\n" for r in skipped).encode(), what="the skipped-sample report"
+        )
     else:
         report.unlink(missing_ok=True)
     parts = [ShardPart.load(root / PARTS_DIR / f"{s.name}.npz") for s in plan.shards]

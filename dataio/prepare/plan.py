@@ -55,8 +55,9 @@ def parse_splits(text: str | None) -> list[tuple[str, float]]:
 
 def key_hashes(keys: list[str]) -> np.ndarray:
     """64-bit blake2b of each key (uint64): stable across runs, machines and Python versions."""
-    return np.array([int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little") for k in keys],
-                    dtype=np.uint64)
+    return np.array(
+        [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little") for k in keys], dtype=np.uint64
+    )
 
 
 def assign_splits(hashes: np.ndarray, splits: list[tuple[str, float]]) -> np.ndarray:
@@ -110,9 +111,12 @@ def _duplicates(entries: list[Entry], hashes: np.ndarray, inputs: list[Input]) -
             seen[e.key] = e
             continue
         f = seen[e.key]
-        bad[i] = BadRecord(path=inputs[e.input_id].path, line=e.line,
-                           reason=f"duplicate key {e.key!r} (first at {inputs[f.input_id].path}:{f.line}); "
-                                  "keys must be unique: give each record an 'id' or use distinct file names")
+        bad[i] = BadRecord(
+            path=inputs[e.input_id].path,
+            line=e.line,
+            reason=f"duplicate key {e.key!r} (first at {inputs[f.input_id].path}:{f.line}); "
+            "keys must be unique: give each record an 'id' or use distinct file names",
+        )
     return bad
 
 
@@ -120,8 +124,15 @@ class PlanError(ValueError):
     """Too many bad records for the error budget; the message names the first one."""
 
 
-def plan_job(inputs: list[Input], *, splits: list[tuple[str, float]], shard_bytes: int | None,
-             samples_per_shard: int | None, skip_errors: int = 0, on_scan=None) -> Plan:
+def plan_job(
+    inputs: list[Input],
+    *,
+    splits: list[tuple[str, float]],
+    shard_bytes: int | None,
+    samples_per_shard: int | None,
+    skip_errors: int = 0,
+    on_scan=None,
+) -> Plan:
     """Scan ``inputs`` and lay out every sample's split and shard (see the module docstring).
 
     Raises PlanError once more than ``skip_errors`` records are bad. ``on_scan(n)`` is called with the
@@ -164,9 +175,12 @@ def plan_job(inputs: list[Input], *, splits: list[tuple[str, float]], shard_byte
         for i in np.flatnonzero(split_of == split_id).tolist():
             e = entries[i]
             full = (samples_per_shard is not None and len(current) >= samples_per_shard) or (
-                shard_bytes is not None and current and size + e.est_bytes > shard_bytes)
+                shard_bytes is not None and current and size + e.est_bytes > shard_bytes
+            )
             if full:
-                shards.append(PlannedShard(name=f"{split}-{number:06d}.tar", split=split, entries=current, est_bytes=size))
+                shards.append(
+                    PlannedShard(name=f"{split}-{number:06d}.tar", split=split, entries=current, est_bytes=size)
+                )
                 current, size, number = [], 0, number + 1
             current.append(e)
             size += e.est_bytes
@@ -176,6 +190,7 @@ def plan_job(inputs: list[Input], *, splits: list[tuple[str, float]], shard_byte
 
 
 # --- nodes and job identity ---------------------------------------------------------------------
+
 
 def resolve_node(num_nodes: int | None, node_rank: int | None, env: dict | None = None) -> tuple[int, int]:
     """``(num_nodes, node_rank)`` from the flags, else SLURM array / task variables, else ``(1, 0)``."""

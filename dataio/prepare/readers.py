@@ -121,8 +121,10 @@ def make_key(name: str) -> str:
     if not name:
         raise ValueError(f"empty sample key from {name!r}")
     keep_slash = all(name.split("/"))
-    key = "".join(chr(b) if b in _KEY_SAFE or (b == 0x2F and keep_slash) else f"%{b:02X}"
-                  for b in name.encode("utf-8", "surrogatepass"))
+    key = "".join(
+        chr(b) if b in _KEY_SAFE or (b == 0x2F and keep_slash) else f"%{b:02X}"
+        for b in name.encode("utf-8", "surrogatepass")
+    )
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"sample key longer than {MAX_KEY_BYTES} bytes: {key[:60]}...")
     return key
@@ -179,8 +181,12 @@ def _parse_line(path: str, number: int, raw: bytes) -> dict | BadRecord:
         try:
             json.dumps(rec, ensure_ascii=False).encode()
         except UnicodeEncodeError as e:
-            return BadRecord(path=path, line=number, reason=f"a string holds a lone surrogate {e.object[e.start]!r} "
-                                                            "(\\ud800-\\udfff without its pair: not Unicode text)")
+            return BadRecord(
+                path=path,
+                line=number,
+                reason=f"a string holds a lone surrogate {e.object[e.start]!r} "
+                "(\\ud800-\\udfff without its pair: not Unicode text)",
+            )
     return rec
 
 
@@ -230,6 +236,7 @@ def _required_text(rec: dict, field_name: str) -> str:
 
 
 # --- text JSONL and .txt ------------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class _LineInput:
@@ -290,8 +297,12 @@ class TxtInput(_LineInput):
             except UnicodeDecodeError as e:
                 yield BadRecord(path=self.path, line=number, reason=f"not UTF-8 ({e})")
                 continue
-            yield Entry(key=make_key(f"{_stem(self.path)}-{number:09d}"), est_bytes=len(raw), line=number,
-                        locator=self._lines.locator(offset, raw))
+            yield Entry(
+                key=make_key(f"{_stem(self.path)}-{number:09d}"),
+                est_bytes=len(raw),
+                line=number,
+                locator=self._lines.locator(offset, raw),
+            )
 
     def load(self, entry: Entry) -> Sample:
         text = self._lines.read(entry.locator).decode().rstrip("\r\n")
@@ -299,6 +310,7 @@ class TxtInput(_LineInput):
 
 
 # --- NeMo audio manifests -----------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class NemoManifestInput(_LineInput):
@@ -320,18 +332,24 @@ class NemoManifestInput(_LineInput):
             raise ValueError(f"field 'audio_filepath' must be a non-empty string, got {rec['audio_filepath']!r}")
         _required_text(rec, self.options.text_field)
         for name in ("duration", "offset"):  # JSON allows NaN and Infinity; neither is a time
-            if name in rec and (isinstance(rec[name], bool) or not isinstance(rec[name], (int, float))
-                                or not math.isfinite(rec[name]) or rec[name] < 0):
+            if name in rec and (
+                isinstance(rec[name], bool)
+                or not isinstance(rec[name], (int, float))
+                or not math.isfinite(rec[name])
+                or rec[name] < 0
+            ):
                 raise ValueError(f"field {name!r} must be a finite non-negative number, got {rec[name]!r}")
             if name in rec and rec[name] > MAX_SECONDS:
                 raise ValueError(f"field {name!r} must be at most {MAX_SECONDS:.0e} seconds, got {rec[name]!r}")
         if "offset" in rec and rec["duration"] <= 0:
-            raise ValueError(f"field 'duration' must be positive for a segment (offset {rec['offset']}), "
-                             f"got {rec['duration']!r}")
+            raise ValueError(
+                f"field 'duration' must be positive for a segment (offset {rec['offset']}), got {rec['duration']!r}"
+            )
         ext = _audio_ext(rec["audio_filepath"])
         if ext not in SHARD_AUDIO_EXTENSIONS:
-            raise ValueError(f"unsupported audio extension {ext!r} "
-                             f"(expected one of {', '.join(SHARD_AUDIO_EXTENSIONS)})")
+            raise ValueError(
+                f"unsupported audio extension {ext!r} (expected one of {', '.join(SHARD_AUDIO_EXTENSIONS)})"
+            )
 
     def _key(self, rec: dict) -> str:
         """The record's ``id`` when it has one (as for text JSONL), else the audio path relative to the manifest's
@@ -378,12 +396,19 @@ class NemoManifestInput(_LineInput):
             raise SampleError(f"{self.path}:{entry.line}: {audio}: {e}") from None
         duration = frames / sample_rate
         text = rec.pop(self.options.text_field)
-        meta = {"text": text, **rec, "duration": duration, "sample_rate": sample_rate,
-                "source": self.path, "line": entry.line}
+        meta = {
+            "text": text,
+            **rec,
+            "duration": duration,
+            "sample_rate": sample_rate,
+            "source": self.path,
+            "line": entry.line,
+        }
         return Sample(key=entry.key, members={fmt: data, "json": _dumps(meta)}, text=text, duration=duration)
 
 
 # --- Lhotse CutSet manifests --------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class LhotseCutsInput:
@@ -427,13 +452,24 @@ class LhotseCutsInput:
             else:
                 ext = self.options.audio_format or "flac"
                 samples = cut.load_audio()  # (channels, frames) float32
-                data, sample_rate, frames = encode(samples.T, cut.sampling_rate, ext), cut.sampling_rate, samples.shape[-1]
+                data, sample_rate, frames = (
+                    encode(samples.T, cut.sampling_rate, ext),
+                    cut.sampling_rate,
+                    samples.shape[-1],
+                )
         except Exception as e:  # lhotse and libsndfile raise many types for unreadable audio
             raise SampleError(f"{self.path}:{entry.line}: cut {cut.id}: {e}") from None
         text = _cut_text(cut)
         duration = frames / sample_rate
-        meta = {"text": text, "id": cut.id, "duration": duration, "sample_rate": sample_rate,
-                "supervisions": [s.to_dict() for s in cut.supervisions], "source": self.path, "line": entry.line}
+        meta = {
+            "text": text,
+            "id": cut.id,
+            "duration": duration,
+            "sample_rate": sample_rate,
+            "supervisions": [s.to_dict() for s in cut.supervisions],
+            "source": self.path,
+            "line": entry.line,
+        }
         return Sample(key=entry.key, members={ext: data, "json": _dumps(meta)}, text=text, duration=duration)
 
 
@@ -455,6 +491,7 @@ def _whole_file_source(cut) -> str | None:
 
 
 # --- Parquet ------------------------------------------------------------------------------------
+
 
 @dataclass(kw_only=True)
 class ParquetInput:
@@ -539,12 +576,18 @@ class ParquetInput:
             raise SampleError(f"{self.path}:{entry.line}: {e}") from None
         row.pop(self.audio_column)
         duration = frames / sample_rate
-        meta = {**({"text": text} if text is not None else {}), **row, "duration": duration,
-                "sample_rate": sample_rate, **meta}
+        meta = {
+            **({"text": text} if text is not None else {}),
+            **row,
+            "duration": duration,
+            "sample_rate": sample_rate,
+            **meta,
+        }
         return Sample(key=entry.key, members={ext: data, "json": _dumps(meta)}, text=text, duration=duration)
 
 
 # --- choosing a reader --------------------------------------------------------------------------
+
 
 def _stem(path: str) -> str:
     name = Path(path).name
@@ -583,6 +626,8 @@ def open_input(path: str, options: ReadOptions) -> Input:
     else:
         raise ValueError(f"{path}: unsupported input type (expected .jsonl[.gz], .txt or .parquet)")
     if options.kind == "audio" and reader.kind != "audio":
-        raise ValueError(f"{path}: --kind audio, but this input has no audio "
-                         "(NeMo manifest with audio_filepath, lhotse cuts, or parquet with an 'audio' column)")
+        raise ValueError(
+            f"{path}: --kind audio, but this input has no audio "
+            "(NeMo manifest with audio_filepath, lhotse cuts, or parquet with an 'audio' column)"
+        )
     return reader

@@ -85,8 +85,15 @@ def _load_chunk(job: ShardJob, shard: PlannedShard, entries, skipped: list[dict]
         try:
             samples.append(job.inputs[entry.input_id].load(entry))
         except SampleError as e:
-            skipped.append({"source": job.inputs[entry.input_id].path, "line": entry.line, "key": entry.key,
-                            "shard": shard.name, "reason": str(e)})
+            skipped.append(
+                {
+                    "source": job.inputs[entry.input_id].path,
+                    "line": entry.line,
+                    "key": entry.key,
+                    "shard": shard.name,
+                    "reason": str(e),
+                }
+            )
             if (message := skip_budget_error(str(e), len(skipped), job.skip_errors, f" in {shard.name}")) is not None:
                 raise TooManySkips(message)
     return samples
@@ -132,8 +139,17 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
                     except OSError as e:  # a source file that changed under us, a full disk: one line, no tar
                         raise SampleError(f"{shard.name}: sample {sample.key!r}: {e.strerror or e}") from None
                     members.append((ext_id.setdefault(ext, len(ext_id)), span.offset, span.size))
-                rows.append((0, first_byte, tar.position - first_byte, first_member, len(payloads),
-                             -1 if ids is None else len(ids), np.nan if sample.duration is None else sample.duration))
+                rows.append(
+                    (
+                        0,
+                        first_byte,
+                        tar.position - first_byte,
+                        first_member,
+                        len(payloads),
+                        -1 if ids is None else len(ids),
+                        np.nan if sample.duration is None else sample.duration,
+                    )
+                )
                 keys.append(sample.key.encode())
             if progress is not None:
                 progress(min(CHUNK, len(shard.entries) - start))
@@ -146,17 +162,23 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
     skip_report = job.root / SKIPPED_DIR / f"{shard.name}.jsonl"
     if skipped:
         skip_report.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(skip_report, "".join(json.dumps(s) + "\n" for s in skipped).encode(),
-                         what="its skipped-sample report")
+        write_atomically(
+            skip_report, "".join(json.dumps(s) + "\n" for s in skipped).encode(), what="its skipped-sample report"
+        )
     else:
         skip_report.unlink(missing_ok=True)
     ShardPart(
-        info=ShardInfo(name=shard.name, split=shard.split, bytes=size, samples=len(rows), sha256=digest,
-                       max_token=max_token if max_token >= 0 else None),
+        info=ShardInfo(
+            name=shard.name,
+            split=shard.split,
+            bytes=size,
+            samples=len(rows),
+            sha256=digest,
+            max_token=max_token if max_token >= 0 else None,
+        ),
         extensions=list(ext_id),
         samples=np.array(rows, dtype=SAMPLE_DTYPE),
         members=np.array(members, dtype=MEMBER_DTYPE),
         keys=np.array(keys, dtype=np.bytes_) if keys else np.zeros(0, "S1"),
     ).save(job.root)
     return ShardResult(name=shard.name, samples=len(rows), bytes=size, skipped=skipped)
-

@@ -98,8 +98,12 @@ def wav_format(head: bytes, file_size: int) -> WavFormat | None:
                 if length < 40:
                     return None
                 tag = int.from_bytes(head[body + 24 : body + 26], "little")
-            if (bits not in _WAV_FORMATS.get(tag, ()) or not 0 < channels <= _MAX_CHANNELS
-                    or not 0 < rate <= MAX_SAMPLE_RATE or block_align != channels * bits // 8):
+            if (
+                bits not in _WAV_FORMATS.get(tag, ())
+                or not 0 < channels <= _MAX_CHANNELS
+                or not 0 < rate <= MAX_SAMPLE_RATE
+                or block_align != channels * bits // 8
+            ):
                 return None
             fmt = (rate, channels, tag, bits)
         elif chunk == b"data":
@@ -177,8 +181,10 @@ def check_declared(sample_rate: int, frames: int, nbytes: int, *, max_duration: 
     if sample_rate <= 0 or frames <= 0:
         raise ValueError(f"audio has no samples (sample_rate={sample_rate}, frames={frames})")
     if frames > nbytes * MAX_FRAMES_PER_BYTE:
-        raise ValueError(f"header claims {frames} frames ({frames / sample_rate / 3600:.1f} h) in {nbytes} bytes, "
-                         f"more than any codec stores (at most {MAX_FRAMES_PER_BYTE} frames a byte)")
+        raise ValueError(
+            f"header claims {frames} frames ({frames / sample_rate / 3600:.1f} h) in {nbytes} bytes, "
+            f"more than any codec stores (at most {MAX_FRAMES_PER_BYTE} frames a byte)"
+        )
     if max_duration is not None and frames > max_duration * sample_rate:
         raise ValueError(f"audio lasts {frames / sample_rate:.1f} s, over decode.max_duration={max_duration}")
 
@@ -191,8 +197,12 @@ def _checked(sample_rate: int, frames: int, nbytes: int) -> tuple[int, int]:
 # What libsndfile reports as the length of a stream whose header leaves it open (a FLAC STREAMINFO with
 # total_samples 0, which the format allows: "unknown"); such a file's frames are counted by decoding it.
 UNKNOWN_FRAMES = (1 << 63) - 1
-_READF = {"float32": ("sf_readf_float", "float*"), "float64": ("sf_readf_double", "double*"),
-          "int16": ("sf_readf_short", "short*"), "int32": ("sf_readf_int", "int*")}
+_READF = {
+    "float32": ("sf_readf_float", "float*"),
+    "float64": ("sf_readf_double", "double*"),
+    "int16": ("sf_readf_short", "short*"),
+    "int32": ("sf_readf_int", "int*"),
+}
 
 
 def _decoded_blocks(f: sf.SoundFile, dtype: str, nbytes: int, *, reuse: bool = False):

@@ -24,8 +24,11 @@ SHARD_AUDIO_EXTENSIONS = ("flac", "wav", "opus", "mp3", "ogg")
 AUDIO_EXTENSIONS = frozenset({*SHARD_AUDIO_EXTENSIONS, "sph", "aiff", "aif"})
 NPY_HEADER_MAX = 4096
 
-_NPY_CANONICAL = re.compile(rb"\x93NUMPY\x01\x00(..)\{'descr': '([<>|][biuf][1248])', 'fortran_order': "
-                            rb"(False|True), 'shape': \(([0-9, ]*)\), \} *\n", re.DOTALL)
+_NPY_CANONICAL = re.compile(
+    rb"\x93NUMPY\x01\x00(..)\{'descr': '([<>|][biuf][1248])', 'fortran_order': "
+    rb"(False|True), 'shape': \(([0-9, ]*)\), \} *\n",
+    re.DOTALL,
+)
 _NPY_READERS = {(1, 0): npy_format.read_array_header_1_0, (2, 0): npy_format.read_array_header_2_0}
 _DTYPES: dict[bytes, np.dtype] = {}
 

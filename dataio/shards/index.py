@@ -191,8 +191,10 @@ def _manifest_hint(path) -> str:
     name = Path(path).name
     if not name.endswith(LHOTSE_MANIFEST_SUFFIXES):
         return ""
-    return (f"; if it is a Lhotse CutSet manifest, its name must contain 'cuts' to be read as one (e.g. "
-            f"{name.split('.')[0]}_cuts.{name.split('.', 1)[1]})")
+    return (
+        f"; if it is a Lhotse CutSet manifest, its name must contain 'cuts' to be read as one (e.g. "
+        f"{name.split('.')[0]}_cuts.{name.split('.', 1)[1]})"
+    )
 
 
 def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
@@ -200,8 +202,11 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     d = Path(root) / INDEX_DIR
     manifest_path = d / "manifest.json"
     if not Path(root).is_dir():  # no index hint for a path that is not there: it is the wrong path
-        raise FileNotFoundError(f"{root}: no such directory" if not Path(root).exists() else
-                                f"{root}: not a directory (expected a dataset directory)" + _manifest_hint(root))
+        raise FileNotFoundError(
+            f"{root}: no such directory"
+            if not Path(root).exists()
+            else f"{root}: not a directory (expected a dataset directory)" + _manifest_hint(root)
+        )
     if not manifest_path.exists():
         raise FileNotFoundError(
             f"{root}: no headrace index ({INDEX_DIR}/manifest.json); run `dataio index {root}` first"
@@ -209,20 +214,26 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     with open(manifest_path) as f:
         manifest = json.load(f)
     mode = "r" if mmap else None
-    return index_from_files(manifest, str(manifest_path),
-                            lambda name: np.load(d / name, mmap_mode=mode, allow_pickle=False),
-                            lambda name: (d / name).exists())
+    return index_from_files(
+        manifest,
+        str(manifest_path),
+        lambda name: np.load(d / name, mmap_mode=mode, allow_pickle=False),
+        lambda name: (d / name).exists(),
+    )
 
 
-def index_from_files(manifest: dict, where: str, load: Callable[[str], np.ndarray],
-                     exists: Callable[[str], bool]) -> DatasetIndex:
+def index_from_files(
+    manifest: dict, where: str, load: Callable[[str], np.ndarray], exists: Callable[[str], bool]
+) -> DatasetIndex:
     """A ``DatasetIndex`` from its parsed ``manifest.json`` and a reader of its ``.npy`` files (mapped
     from a local directory, or fetched from a URL); ``where`` names the manifest in errors."""
     version = manifest.get("version")
     if manifest.get("format") != "headrace-index" or version not in READABLE_VERSIONS:
-        raise ValueError(f"{where}: unsupported index format {manifest.get('format')!r} version {version!r} "
-                         f"(this headrace reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
-                         f"run `dataio index DIR` with it to rewrite the index)")
+        raise ValueError(
+            f"{where}: unsupported index format {manifest.get('format')!r} version {version!r} "
+            f"(this headrace reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
+            f"run `dataio index DIR` with it to rewrite the index)"
+        )
     if version == 1:
         shards: Sequence[ShardInfo] = shards_of(manifest, where)
     else:
@@ -282,7 +293,9 @@ class ShardPart:
                 samples=np.ascontiguousarray(self.samples, dtype=SAMPLE_DTYPE),
                 members=np.ascontiguousarray(self.members, dtype=MEMBER_DTYPE),
                 keys=self.keys.astype(np.bytes_),
-                meta=np.frombuffer(json.dumps({"info": asdict(self.info), "extensions": self.extensions}).encode(), np.uint8),
+                meta=np.frombuffer(
+                    json.dumps({"info": asdict(self.info), "extensions": self.extensions}).encode(), np.uint8
+                ),
             )
             f.flush()
             os.fsync(f.fileno())
@@ -293,8 +306,13 @@ class ShardPart:
     def load(cls, path: str | os.PathLike) -> "ShardPart":
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(z["meta"].tobytes())
-            return cls(info=ShardInfo(**meta["info"]), extensions=meta["extensions"],
-                       samples=z["samples"], members=z["members"], keys=z["keys"])
+            return cls(
+                info=ShardInfo(**meta["info"]),
+                extensions=meta["extensions"],
+                samples=z["samples"],
+                members=z["members"],
+                keys=z["keys"],
+            )
 
 
 def merge_parts(parts: list[ShardPart], *, job: dict | None = None) -> DatasetIndex:

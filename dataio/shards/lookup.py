@@ -69,15 +69,19 @@ class Dataset:
             head = os.pread(fd, first - int(row["offset"]), int(row["offset"]))
             name = key.rpartition(b"/")[2] + b"."
             if head[-TAR_HEADER:][: len(key) + 1] != key + b"." and name not in head:  # ustar name, else long name
-                raise IndexMismatch(f"{shard}: the tar at byte {int(row['offset'])} does not hold sample "
-                                    f"{key.decode(errors='replace')!r}, which the index places there "
-                                    f"(index out of date? run `dataio index {self.root}`)")
+                raise IndexMismatch(
+                    f"{shard}: the tar at byte {int(row['offset'])} does not hold sample "
+                    f"{key.decode(errors='replace')!r}, which the index places there "
+                    f"(index out of date? run `dataio index {self.root}`)"
+                )
             out = {}
             for ext, (offset, size) in members.items():
                 data = os.pread(fd, size, offset)
                 if len(data) != size:
-                    raise IndexMismatch(f"{shard}: truncated shard: member {ext!r} of {key.decode(errors='replace')!r} "
-                                        f"ends past the end of the file (index out of date? run `dataio index {self.root}`)")
+                    raise IndexMismatch(
+                        f"{shard}: truncated shard: member {ext!r} of {key.decode(errors='replace')!r} "
+                        f"ends past the end of the file (index out of date? run `dataio index {self.root}`)"
+                    )
                 out[ext] = data
             return out
         finally:

@@ -110,9 +110,12 @@ def collapse_names(names: list[str]) -> list[str]:
         nums, lits = re.findall(r"\d+", name), re.split(r"\d+", name)
         if run is not None and run[0] == lits and len(run[1]) == len(nums):
             diff = [i for i, (a, b) in enumerate(zip(run[1], nums)) if a != b]
-            if (len(diff) == 1 and run[2] in (None, diff[0])
-                    and len(nums[diff[0]]) == len(run[1][diff[0]])
-                    and int(nums[diff[0]]) == int(run[1][diff[0]]) + 1):
+            if (
+                len(diff) == 1
+                and run[2] in (None, diff[0])
+                and len(nums[diff[0]]) == len(run[1][diff[0]])
+                and int(nums[diff[0]]) == int(run[1][diff[0]]) + 1
+            ):
                 slot = diff[0]
                 run = (lits, nums, slot, run[3] if run[2] is not None else run[1][slot])
                 continue
@@ -131,8 +134,9 @@ def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byt
     total = int(counts.sum())
     owner = np.repeat(np.arange(len(counts)), counts)
     excl = np.cumsum(counts) - counts
-    member_rows = index.members[np.repeat(index.samples["member_start"].astype(np.int64) - excl, counts)
-                                + np.arange(total)]
+    member_rows = index.members[
+        np.repeat(index.samples["member_start"].astype(np.int64) - excl, counts) + np.arange(total)
+    ]
     part_names = np.array(index.extensions, dtype=object)[member_rows["ext"]].tolist() if total else []
     db = sqlite3.connect(tmp)
     try:
@@ -143,13 +147,20 @@ def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byt
         try:
             db.executemany(
                 "INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) VALUES (?, ?, ?, ?, ?)",
-                zip(shard, keys, sample_index.tolist(), index.samples["offset"].tolist(), byte_size.tolist()))
+                zip(shard, keys, sample_index.tolist(), index.samples["offset"].tolist(), byte_size.tolist()),
+            )
         except sqlite3.IntegrityError:
             raise ValueError(_duplicate_key_message(index, keys)) from None
         db.executemany(
             "INSERT INTO sample_parts (tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size) VALUES (?, ?, ?, ?, ?)",
-            zip(index.samples["shard"][owner].tolist(), sample_index[owner].tolist(), part_names,
-                member_rows["offset"].tolist(), member_rows["size"].tolist()))
+            zip(
+                index.samples["shard"][owner].tolist(),
+                sample_index[owner].tolist(),
+                part_names,
+                member_rows["offset"].tolist(),
+                member_rows["size"].tolist(),
+            ),
+        )
         for ddl in INDEX_DDL:
             db.execute(ddl)
         db.commit()
@@ -168,8 +179,10 @@ def _duplicate_key_message(index: DatasetIndex, keys: list[str]) -> str:
     for i, key in enumerate(keys):
         if key in seen:
             a, b = (index.shards[int(index.samples["shard"][j])].name for j in (seen[key], i))
-            return (f"duplicate sample key {key!r} (in {a} and {b}): energon and webdataset need keys "
-                    f"unique across the dataset")
+            return (
+                f"duplicate sample key {key!r} (in {a} and {b}): energon and webdataset need keys "
+                f"unique across the dataset"
+            )
         seen[key] = i
     return "duplicate sample key"
 

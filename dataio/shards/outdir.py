@@ -19,6 +19,7 @@ from pathlib import Path
 
 from headrace.dataio.shards.index import META_DIR
 
+
 class OutputLocked(RuntimeError):
     """Another ``dataio shard`` / ``dataio index`` holds a conflicting lock on the output directory."""
 
@@ -37,9 +38,11 @@ def lock_output(root: Path, *, node: int | None, command: str):
     f = try_lock(Path(root) / LOCK_FILE, start=start, length=length)
     if f is None:
         whom = "the whole directory" if node is None else f"node {node}"
-        raise OutputLocked(f"{root} is being written by another `dataio shard` or `dataio index` (conflicting "
-                           f"with {command} for {whom}); wait for it to finish or use another output "
-                           "directory")
+        raise OutputLocked(
+            f"{root} is being written by another `dataio shard` or `dataio index` (conflicting "
+            f"with {command} for {whom}); wait for it to finish or use another output "
+            "directory"
+        )
     return f
 
 

@@ -15,8 +15,16 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-SHARD_DTYPE = np.dtype([("split", "<u2"), ("bytes", "<u8"), ("samples", "<u8"), ("max_token", "<i8"),
-                        ("has_sha256", "u1"), ("sha256", "V32")])
+SHARD_DTYPE = np.dtype(
+    [
+        ("split", "<u2"),
+        ("bytes", "<u8"),
+        ("samples", "<u8"),
+        ("max_token", "<i8"),
+        ("has_sha256", "u1"),
+        ("sha256", "V32"),
+    ]
+)
 NO_MAX_TOKEN = -1  # token ids are >= 0: -1 stands for ShardInfo.max_token None
 # uint64 ids past int64 (a corrupt or foreign shard) are recorded as this: still outside every vocabulary, so the
 # trainer's vocabulary check names the shard all the same
@@ -35,9 +43,14 @@ def check_shard_names(names: np.ndarray, where: str) -> None:
     """``check_shard_name`` over a whole ``shard_names.npy`` column at once (numpy over the bytes: ~10 ms for
     10^5 names); ValueError naming ``where`` and the first bad entry."""
     framed = np.char.add(np.char.add(b"/", names), b"/")
-    bad = ((np.char.str_len(names) == 0) | np.char.startswith(names, b"/") | (np.char.find(names, b"\0") >= 0)
-           | (np.char.find(framed, b"//") >= 0) | (np.char.find(framed, b"/./") >= 0)
-           | (np.char.find(framed, b"/../") >= 0))
+    bad = (
+        (np.char.str_len(names) == 0)
+        | np.char.startswith(names, b"/")
+        | (np.char.find(names, b"\0") >= 0)
+        | (np.char.find(framed, b"//") >= 0)
+        | (np.char.find(framed, b"/./") >= 0)
+        | (np.char.find(framed, b"/../") >= 0)
+    )
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         try:
@@ -61,11 +74,19 @@ class ShardTable(Sequence):
         rows = np.zeros(len(infos), SHARD_DTYPE)
         for i, s in enumerate(infos):
             sha = bytes.fromhex(s.sha256) if s.sha256 else b"\0" * 32
-            rows[i] = (split_id[s.split], s.bytes, s.samples,
-                       NO_MAX_TOKEN if s.max_token is None else min(s.max_token, MAX_TOKEN_STORED),
-                       s.sha256 is not None, sha)
-        names = np.array([s.name.encode("utf-8", "surrogateescape") for s in infos], dtype=np.bytes_) \
-            if infos else np.zeros(0, "S1")
+            rows[i] = (
+                split_id[s.split],
+                s.bytes,
+                s.samples,
+                NO_MAX_TOKEN if s.max_token is None else min(s.max_token, MAX_TOKEN_STORED),
+                s.sha256 is not None,
+                sha,
+            )
+        names = (
+            np.array([s.name.encode("utf-8", "surrogateescape") for s in infos], dtype=np.bytes_)
+            if infos
+            else np.zeros(0, "S1")
+        )
         return cls(names, rows, splits)
 
     def __len__(self) -> int:
@@ -78,10 +99,14 @@ class ShardTable(Sequence):
 
         row = self.rows[i]
         max_token = int(row["max_token"])
-        return ShardInfo(name=self.name(i), split=self.splits[int(row["split"])],
-                         bytes=int(row["bytes"]), samples=int(row["samples"]),
-                         sha256=bytes(row["sha256"]).hex() if row["has_sha256"] else None,
-                         max_token=None if max_token == NO_MAX_TOKEN else max_token)
+        return ShardInfo(
+            name=self.name(i),
+            split=self.splits[int(row["split"])],
+            bytes=int(row["bytes"]),
+            samples=int(row["samples"]),
+            sha256=bytes(row["sha256"]).hex() if row["has_sha256"] else None,
+            max_token=None if max_token == NO_MAX_TOKEN else max_token,
+        )
 
     def name(self, i: int) -> str:
         """Shard ``i``'s file name (without making its ``ShardInfo``)."""

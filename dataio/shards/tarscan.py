@@ -219,8 +219,9 @@ def open_tar(path: str | os.PathLike):
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TarFormatError(os.fspath(path), 0,
-                                 "not a regular file (a FIFO, device or directory named like a shard)")
+            raise TarFormatError(
+                os.fspath(path), 0, "not a regular file (a FIFO, device or directory named like a shard)"
+            )
         if st.st_size == 0:
             return b""
         return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
@@ -228,8 +229,9 @@ def open_tar(path: str | os.PathLike):
         os.close(fd)
 
 
-def scan_shard(root: str | os.PathLike, name: str, *, split: str = "train", lengths: bool = True,
-               checksum: bool = False) -> ShardPart:
+def scan_shard(
+    root: str | os.PathLike, name: str, *, split: str = "train", lengths: bool = True, checksum: bool = False
+) -> ShardPart:
     """The index part of shard ``root/name``: samples, members, keys and (``lengths``) per-sample
     token counts from ``.npy`` headers and audio durations from audio headers."""
     path = Path(root) / name
@@ -241,8 +243,9 @@ def scan_shard(root: str | os.PathLike, name: str, *, split: str = "train", leng
             buf.close()
 
 
-def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train", lengths: bool = True,
-                checksum: bool = False) -> ShardPart:
+def scan_buffer(
+    buf, name: str, *, path: str | os.PathLike, split: str = "train", lengths: bool = True, checksum: bool = False
+) -> ShardPart:
     """``scan_shard`` of a tar already in memory or mapped (``path`` labels errors)."""
     members, end = scan_members(buf, path=path)
     exts: dict[str, int] = {}
@@ -261,8 +264,9 @@ def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train"
         if keys and keys[-1] == key and len(member_rows) - member_starts[-1] >= MAX_MEMBERS:
             raise TarFormatError(path, m.header_offset, f"sample {key!r} has more than {MAX_MEMBERS} members")
         if ext not in exts and len(exts) >= MAX_EXTENSIONS:
-            raise TarFormatError(path, m.header_offset, f"member {m.name!r}: more than {MAX_EXTENSIONS} "
-                                 "distinct extensions in one shard")
+            raise TarFormatError(
+                path, m.header_offset, f"member {m.name!r}: more than {MAX_EXTENSIONS} distinct extensions in one shard"
+            )
         if not keys or keys[-1] != key:
             keys.append(key)
             starts.append(m.header_offset)
@@ -291,15 +295,22 @@ def scan_buffer(buf, name: str, *, path: str | os.PathLike, split: str = "train"
     sha = None
     if checksum:
         sha = hashlib.sha256(buf).hexdigest()
-    info = ShardInfo(name=str(name), split=split, bytes=len(buf), samples=len(keys), sha256=sha,
-                     max_token=max_token if max_token >= 0 else None)
+    info = ShardInfo(
+        name=str(name),
+        split=split,
+        bytes=len(buf),
+        samples=len(keys),
+        sha256=sha,
+        max_token=max_token if max_token >= 0 else None,
+    )
     return ShardPart(
         info=info,
         extensions=list(exts),
         samples=samples,
         members=np.array(member_rows, dtype=MEMBER_DTYPE) if member_rows else np.zeros(0, MEMBER_DTYPE),
         keys=np.array([k.encode("utf-8", "surrogateescape") for k in keys], dtype=np.bytes_)
-        if keys else np.zeros(0, "S1"),
+        if keys
+        else np.zeros(0, "S1"),
     )
 
 

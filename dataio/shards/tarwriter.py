@@ -207,8 +207,11 @@ class TarWriter:
         finally:
             os.close(fd)
         if copied != payload.size:
-            raise OSError(errno.EIO, f"{payload.path} has {copied} bytes, expected {payload.size} "
-                                     "(changed while being written into the shard)")
+            raise OSError(
+                errno.EIO,
+                f"{payload.path} has {copied} bytes, expected {payload.size} "
+                "(changed while being written into the shard)",
+            )
 
     def _copy_in_kernel(self, fd: int, size: int) -> int:
         while True:

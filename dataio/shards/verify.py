@@ -62,11 +62,17 @@ def _expectations(index) -> list[ShardExpectation]:
     shard_of = np.asarray(index.samples["shard"])
     for i, info in enumerate(index.shards):
         rows = np.flatnonzero(shard_of == i)
-        out.append(ShardExpectation(
-            name=info.name, bytes=info.bytes, sha256=info.sha256,
-            keys=[index.key(j) for j in rows], offsets=index.samples["offset"][rows].astype(np.int64),
-            spans=spans[rows],
-            members=[sorted((e, o, s) for e, (o, s) in index.sample_members(j).items()) for j in rows]))
+        out.append(
+            ShardExpectation(
+                name=info.name,
+                bytes=info.bytes,
+                sha256=info.sha256,
+                keys=[index.key(j) for j in rows],
+                offsets=index.samples["offset"][rows].astype(np.int64),
+                spans=spans[rows],
+                members=[sorted((e, o, s) for e, (o, s) in index.sample_members(j).items()) for j in rows],
+            )
+        )
     return out
 
 
@@ -83,8 +89,9 @@ def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
 
     if expect.bytes and size != expect.bytes:
         at = min(size, expect.bytes)
-        return Fault(expect.name, key_at(at), at,
-                     f"file is {size} bytes, the index says {expect.bytes} (truncated or replaced)")
+        return Fault(
+            expect.name, key_at(at), at, f"file is {size} bytes, the index says {expect.bytes} (truncated or replaced)"
+        )
 
     buf = open_tar(path)
     try:
@@ -97,19 +104,33 @@ def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
         for i, key in enumerate(part.keys.tolist()):
             key = key.decode("utf-8", "surrogateescape")
             if i >= len(expect.keys):
-                return Fault(expect.name, key, int(part.samples["offset"][i]),
-                             f"tar has more samples than the index ({len(expect.keys)})")
+                return Fault(
+                    expect.name,
+                    key,
+                    int(part.samples["offset"][i]),
+                    f"tar has more samples than the index ({len(expect.keys)})",
+                )
             offset = int(expect.offsets[i])
             if key != expect.keys[i] or int(part.samples["offset"][i]) != offset:
-                return Fault(expect.name, expect.keys[i], offset,
-                             f"index says sample {expect.keys[i]!r} starts here; the tar has {key!r} "
-                             f"at byte {int(part.samples['offset'][i])}")
+                return Fault(
+                    expect.name,
+                    expect.keys[i],
+                    offset,
+                    f"index says sample {expect.keys[i]!r} starts here; the tar has {key!r} "
+                    f"at byte {int(part.samples['offset'][i])}",
+                )
             if int(part.samples["size"][i]) != int(expect.spans[i]):
-                return Fault(expect.name, key, offset, f"sample spans {int(part.samples['size'][i])} bytes, "
-                                                       f"the index says {int(expect.spans[i])}")
+                return Fault(
+                    expect.name,
+                    key,
+                    offset,
+                    f"sample spans {int(part.samples['size'][i])} bytes, the index says {int(expect.spans[i])}",
+                )
             start, count = int(part.samples["member_start"][i]), int(part.samples["member_count"][i])
-            found = sorted((part.extensions[m["ext"]], int(m["offset"]), int(m["size"]))
-                           for m in part.members[start : start + count])
+            found = sorted(
+                (part.extensions[m["ext"]], int(m["offset"]), int(m["size"]))
+                for m in part.members[start : start + count]
+            )
             if found != expect.members[i]:
                 return Fault(expect.name, key, offset, f"members {found} differ from the index {expect.members[i]}")
             for ext, member_offset, member_size in found:
@@ -118,8 +139,12 @@ def verify_shard(root: Path, expect: ShardExpectation) -> Fault | None:
                     return Fault(expect.name, key, member_offset, f"member .{ext} does not decode: {reason}")
         if len(part.keys) < len(expect.keys):
             i = len(part.keys)
-            return Fault(expect.name, expect.keys[i], int(expect.offsets[i]),
-                         f"tar has {len(part.keys)} samples, the index says {len(expect.keys)}")
+            return Fault(
+                expect.name,
+                expect.keys[i],
+                int(expect.offsets[i]),
+                f"tar has {len(part.keys)} samples, the index says {len(expect.keys)}",
+            )
     finally:
         if not isinstance(buf, bytes):
             buf.close()
@@ -140,8 +165,12 @@ def verify_metadata(root: Path, index, expectations: list[ShardExpectation]) -> 
         if len(diff) or len(entries) != len(wanted):
             bad = int(diff[0]) if len(diff) else n
             key = expect.keys[bad] if bad < len(expect.keys) else None
-            return Fault(expect.name, key, int(wanted[min(bad, len(wanted) - 1)]),
-                         f"{idx_path.name} entry {bad} disagrees with the index")
+            return Fault(
+                expect.name,
+                key,
+                int(wanted[min(bad, len(wanted) - 1)]),
+                f"{idx_path.name} entry {bad} disagrees with the index",
+            )
     meta = root / META_DIR
     try:
         counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
@@ -152,15 +181,21 @@ def verify_metadata(root: Path, index, expectations: list[ShardExpectation]) -> 
         return Fault(META_DIR, None, 0, f".info.json shard_counts {counts} differ from the index {wanted_counts}")
     db = sqlite3.connect(f"file:{meta / 'index.sqlite'}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size "
-                          "FROM samples ORDER BY tar_file_id, sample_index")
+        rows = db.execute(
+            "SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size "
+            "FROM samples ORDER BY tar_file_id, sample_index"
+        )
         for shard_id, expect in enumerate(expectations):
             for i, key in enumerate(expect.keys):
                 row = rows.fetchone()
                 wanted = (shard_id, key, i, int(expect.offsets[i]), int(expect.spans[i]))
                 if row != wanted:
-                    return Fault(expect.name, key, int(expect.offsets[i]),
-                                 f"index.sqlite row {row} differs from the index {wanted}")
+                    return Fault(
+                        expect.name,
+                        key,
+                        int(expect.offsets[i]),
+                        f"index.sqlite row {row} differs from the index {wanted}",
+                    )
         if rows.fetchone() is not None:
             return Fault(META_DIR, None, 0, "index.sqlite has more samples than the index")
         parts = db.execute("SELECT COUNT(*) FROM sample_parts").fetchone()[0]
@@ -173,15 +208,21 @@ def verify_metadata(root: Path, index, expectations: list[ShardExpectation]) -> 
     return None
 
 
-def verify_dir(root: Path, index: DatasetIndex, *, workers: int,
-               track: Callable[[Iterable, int], Iterator] = lambda items, total: iter(items)) -> list[Fault]:
+def verify_dir(
+    root: Path,
+    index: DatasetIndex,
+    *,
+    workers: int,
+    track: Callable[[Iterable, int], Iterator] = lambda items, total: iter(items),
+) -> list[Fault]:
     """Every shard's first fault, then the metadata's, in shard order (empty: the directory is sound).
     Shards are read by ``workers`` processes; ``track(results, total)`` wraps the per-shard results
     (a progress bar)."""
     expectations = _expectations(index)
     workers = min(workers, len(expectations))
-    with (ProcessPoolExecutor(workers, initializer=leave_interrupt_to_parent) if workers > 1
-          else contextlib.nullcontext()) as pool:
+    with (
+        ProcessPoolExecutor(workers, initializer=leave_interrupt_to_parent) if workers > 1 else contextlib.nullcontext()
+    ) as pool:
         results = (pool.map if pool else map)(verify_shard, [root] * len(expectations), expectations)
         faults = [f for f in track(results, len(expectations)) if f is not None]
     meta_fault = verify_metadata(root, index, expectations)

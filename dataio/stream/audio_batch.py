@@ -71,8 +71,12 @@ def _at_target_rate(p: PendingAudio, cfg: DecodeConfig) -> bool:
 def _direct_wav(p: PendingAudio, cfg: DecodeConfig) -> bool:
     """Whether ``p`` is a mono 16-bit PCM (or, to float32, IEEE float) WAV at the target rate."""
     wav = p.wav
-    return (wav is not None and wav.channels == 1 and _at_target_rate(p, cfg)
-            and ((wav.tag, wav.bits) == (1, 16) or (wav.tag, wav.bits, cfg.dtype) == (3, 32, "float32")))
+    return (
+        wav is not None
+        and wav.channels == 1
+        and _at_target_rate(p, cfg)
+        and ((wav.tag, wav.bits) == (1, 16) or (wav.tag, wav.bits, cfg.dtype) == (3, 32, "float32"))
+    )
 
 
 def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
@@ -86,8 +90,10 @@ def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
         return p.frames
     with soundfile.SoundFile(io.BytesIO(p.buf)) as f:
         if (f.samplerate, f.frames) != (p.rate, p.frames):
-            raise ValueError(f"libsndfile reads {f.frames} frames at {f.samplerate} Hz where the header "
-                             f"declares {p.frames} at {p.rate} Hz")
+            raise ValueError(
+                f"libsndfile reads {f.frames} frames at {f.samplerate} Hz where the header "
+                f"declares {p.frames} at {p.rate} Hz"
+            )
         if f.channels == 1 and _at_target_rate(p, cfg):
             return len(f.read(p.frames, dtype=cfg.dtype, out=out))
         audio = f.read(p.frames, dtype=cfg.dtype, always_2d=True, out=scratch(p.frames, f.channels, cfg.dtype))
@@ -101,8 +107,9 @@ def decode_into(p: PendingAudio, cfg: DecodeConfig, out: np.ndarray) -> int:
     return len(audio)
 
 
-def decode_pending(samples: list[dict], keys: Sequence[str], shards: Sequence[str], cfg: DecodeConfig,
-                   alloc: Allocator) -> dict[int, SampleDecodeError]:
+def decode_pending(
+    samples: list[dict], keys: Sequence[str], shards: Sequence[str], cfg: DecodeConfig, alloc: Allocator
+) -> dict[int, SampleDecodeError]:
     """Decode every ``PendingAudio`` of ``samples`` into one tensor per member extension from ``alloc``,
     replacing each by ``Audio`` over its slice (in place); returns sample position -> error of the
     samples to drop."""

@@ -21,8 +21,13 @@ from headrace.dataio.stream.audio_batch import decode_pending
 from headrace.dataio.stream.blend import BlendSchedule
 from headrace.dataio.stream.collate import Allocator, bookkeeping, collate
 from headrace.dataio.stream.dali import BatchAudio
-from headrace.dataio.stream.decode import (TOKEN_ID_LIMIT, SampleDecodeError, check_token_document, decode_sample,
-                                          member_error)
+from headrace.dataio.stream.decode import (
+    TOKEN_ID_LIMIT,
+    SampleDecodeError,
+    check_token_document,
+    decode_sample,
+    member_error,
+)
 from headrace.dataio.stream.epochized import EpochizedSchedule
 from headrace.dataio.stream.gather import gather_tokens, tokens_only
 from headrace.dataio.stream.order import EpochOrder
@@ -33,6 +38,7 @@ from headrace.dataio.stream.split import Layout
 
 log = logging.getLogger(__name__)
 
+
 def token_ext(source: ShardSource) -> str | None:
     """The token member (``*.npy``) of a source's samples, if any."""
     return next((e for e in source.index.extensions if is_token_member(e)), None)
@@ -42,8 +48,9 @@ def check_documents(sample: dict, token: str | None, *, key: str, shard: str) ->
     """SampleDecodeError naming the member unless ``sample`` has its dataset's ``token`` member and every
     token member of it is a document."""
     if token is not None and token not in sample:
-        raise SampleDecodeError(f"no {token} member: packing needs one in every sample of this dataset",
-                                shard=shard, key=key, member=token)
+        raise SampleDecodeError(
+            f"no {token} member: packing needs one in every sample of this dataset", shard=shard, key=key, member=token
+        )
     for ext, value in sample.items():
         if is_token_member(ext):
             try:
@@ -68,8 +75,9 @@ class SampleReader:
         """Whether a batch may be made in the main process before it forks workers."""
         return self.batch_audio is None or self.batch_audio.fork_safe
 
-    def read(self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None, padding: bool = False
-             ) -> tuple[list[dict], list[str], np.ndarray, int]:
+    def read(
+        self, refs: np.ndarray, *, defer_npy: bool = False, alloc: Allocator | None = None, padding: bool = False
+    ) -> tuple[list[dict], list[str], np.ndarray, int]:
         """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
         bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
         arrays as ``NpyView`` for ``headrace.dataio.stream.collate`` to copy straight into the batch; ``alloc``:
@@ -81,8 +89,9 @@ class SampleReader:
             if not isinstance(item, SampleDecodeError):
                 key, shard, members = item
                 try:
-                    sample = decode_sample(members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy,
-                                           defer_audio=pending)
+                    sample = decode_sample(
+                        members, self.cfg.decode, key=key, shard=shard, defer_npy=defer_npy, defer_audio=pending
+                    )
                     if self.cfg.thd:  # packing takes every .npy member for a document of token ids
                         check_documents(sample, self.token_exts[int(refs[i]) >> REF_BITS], key=key, shard=shard)
                     samples.append(sample)
@@ -132,23 +141,47 @@ class SampleReader:
         self.bad += 1
         if self.bad > self.cfg.max_bad_samples:
             budget = f" (more than max_bad_samples={self.cfg.max_bad_samples} bad samples on this rank)"
-            raise type(error)(error.reason + budget * bool(self.cfg.max_bad_samples), shard=error.shard,
-                              key=error.key, member=error.member) from error
+            raise type(error)(
+                error.reason + budget * bool(self.cfg.max_bad_samples),
+                shard=error.shard,
+                key=error.key,
+                member=error.member,
+            ) from error
         log.warning("skipping bad sample (%d of max_bad_samples=%d): %s", self.bad, self.cfg.max_bad_samples, error)
 
 
 class BatchMaker:
     """Plain batch ``b`` of one rank's stream (the rank-local positions after ``first_local``)."""
 
-    def __init__(self, *, reader: SampleReader, blend: BlendSchedule | EpochizedSchedule, seed: int | SeedSchedule,
-                 layout: Layout, dp_rank: int, first_local: int, batch_size: int, subflavors: list[dict] | None = None):
+    def __init__(
+        self,
+        *,
+        reader: SampleReader,
+        blend: BlendSchedule | EpochizedSchedule,
+        seed: int | SeedSchedule,
+        layout: Layout,
+        dp_rank: int,
+        first_local: int,
+        batch_size: int,
+        subflavors: list[dict] | None = None,
+    ):
         cfg = reader.cfg
         self.subflavors = subflavors  # per dataset: energon's __subflavors__ (headrace.dataio.stream.metadataset)
-        self.reader, self.sources, self.blend, self.layout, self.dp_rank = reader, reader.sources, blend, layout, dp_rank
+        self.reader, self.sources, self.blend, self.layout, self.dp_rank = (
+            reader,
+            reader.sources,
+            blend,
+            layout,
+            dp_rank,
+        )
         self.first_local, self.batch_size = first_local, batch_size
         self.local_end = layout.local_count(dp_rank, blend.end)
-        self.orders = [EpochOrder(s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle,
-                                  window=cfg.shuffle_window) for i, s in enumerate(self.sources)]
+        self.orders = [
+            EpochOrder(
+                s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle, window=cfg.shuffle_window
+            )
+            for i, s in enumerate(self.sources)
+        ]
         self.tokens_only = tokens_only(self.sources)
 
     def refs(self, positions: np.ndarray) -> np.ndarray:

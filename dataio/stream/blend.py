@@ -43,8 +43,14 @@ def integer_weights(weights: list[float]) -> np.ndarray:
 class BlendSchedule:
     """Which dataset (and which of its draws) sits at each global position of the blended stream."""
 
-    def __init__(self, weights: list[float], sizes: list[int], *, epochs: int | None = None,
-                 stop_on_first_exhausted: bool = False):
+    def __init__(
+        self,
+        weights: list[float],
+        sizes: list[int],
+        *,
+        epochs: int | None = None,
+        stop_on_first_exhausted: bool = False,
+    ):
         if any(n <= 0 for n in sizes):
             raise ValueError(f"every blended dataset needs at least one sample, got sizes {sizes}")
         self.counts = integer_weights(weights)

@@ -95,8 +95,13 @@ def adjacent(values: list[torch.Tensor]) -> torch.Tensor | None:
     first = values[0]
     storage, dtype, at = first.untyped_storage().data_ptr(), first.dtype, first.data_ptr()
     for v in values:
-        if (v.data_ptr() != at or v.dtype != dtype or v.ndim != 1 or v.stride(0) != 1
-                or v.untyped_storage().data_ptr() != storage):
+        if (
+            v.data_ptr() != at
+            or v.dtype != dtype
+            or v.ndim != 1
+            or v.stride(0) != 1
+            or v.untyped_storage().data_ptr() != storage
+        ):
             return None
         at += v.nbytes
     total = (at - first.data_ptr()) // first.element_size()
@@ -114,15 +119,21 @@ def collate_npy(views: list[NpyView], alloc: Allocator = plain_memory) -> tuple[
     dtype = views[0].dtype
     counts = [v.count for v in views]
     size = dtype.itemsize
-    out = _concat([memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views], counts, torch_dtype(dtype),
-                  size, alloc)
+    out = _concat(
+        [memoryview(v.buf)[v.offset : v.offset + v.count * size] for v in views],
+        counts,
+        torch_dtype(dtype),
+        size,
+        alloc,
+    )
     if len(set(counts)) == 1:
         return out.view(len(views), counts[0]), None
     return out, torch.tensor(counts, dtype=torch.int64)
 
 
-def _concat(parts: list[memoryview], counts: list[int], dtype: torch.dtype, size: int, alloc: Allocator
-            ) -> torch.Tensor:
+def _concat(
+    parts: list[memoryview], counts: list[int], dtype: torch.dtype, size: int, alloc: Allocator
+) -> torch.Tensor:
     """Byte buffers (``counts[i] * size`` bytes each) copied one after another into one batch tensor:
     a ``memcpy`` per part, no tensor per part."""
     out = alloc((sum(counts),), dtype)
@@ -140,8 +151,14 @@ def bookkeeping(keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: i
     return {"__key__": keys, "__ref__": refs, "__valid__": valid, "__end__": end}
 
 
-def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: torch.Tensor, end: int,
-            alloc: Allocator = plain_memory) -> dict:
+def collate(
+    samples: list[dict],
+    keys: list[str],
+    refs: torch.Tensor,
+    valid: torch.Tensor,
+    end: int,
+    alloc: Allocator = plain_memory,
+) -> dict:
     """The batch of decoded ``samples`` (``{ext: value}`` each) with their bookkeeping fields."""
     batch = bookkeeping(keys, refs, valid, end)
     lengths, rates = {}, {}
@@ -161,4 +178,13 @@ def collate(samples: list[dict], keys: list[str], refs: torch.Tensor, valid: tor
     return batch
 
 
-__all__ = ["Allocator", "adjacent", "bookkeeping", "collate", "collate_field", "collate_npy", "plain_memory", "torch_dtype"]
+__all__ = [
+    "Allocator",
+    "adjacent",
+    "bookkeeping",
+    "collate",
+    "collate_field",
+    "collate_npy",
+    "plain_memory",
+    "torch_dtype",
+]

@@ -78,6 +78,7 @@ class CutsIndex:
         blocks_tmp = self.blocks_path.with_name(self.blocks_path.name + tmp)
         opener = gzip.open if self.manifest.endswith(".gz") else open
         with opener(self.manifest, "rb") as src, open(blocks_tmp, "wb") as out:
+
             def flush():
                 offsets.append(offsets[-1] + out.write(zlib.compress(b"\n".join(pending), 1)))
                 pending.clear()
@@ -98,8 +99,11 @@ class CutsIndex:
                     flush()
             if pending:
                 flush()
-        index = {"keys": np.array(keys, dtype=np.bytes_) if keys else np.zeros(0, "S1"),
-                 "durations": np.array(durations, dtype=np.float64), "offsets": np.array(offsets, dtype=np.int64)}
+        index = {
+            "keys": np.array(keys, dtype=np.bytes_) if keys else np.zeros(0, "S1"),
+            "durations": np.array(durations, dtype=np.float64),
+            "offsets": np.array(offsets, dtype=np.int64),
+        }
         os.replace(blocks_tmp, self.blocks_path)
         index_tmp = self.index_path.with_name(self.index_path.name + tmp + ".npz")
         np.savez(index_tmp, stamp=self.stamp, **index)

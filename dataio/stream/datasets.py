@@ -26,8 +26,11 @@ from headrace.dataio.stream.shardcache import ShardCache
 from headrace.dataio.stream.sources import ShardSource, SplitError
 
 
-def open_source(spec: DatasetSpec, cache: ShardCache | None = None, open_shards: OpenShards | None = None,
-                ) -> ShardSource:
+def open_source(
+    spec: DatasetSpec,
+    cache: ShardCache | None = None,
+    open_shards: OpenShards | None = None,
+) -> ShardSource:
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
     ``headrace.dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
     Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given; every source's
@@ -35,18 +38,19 @@ def open_source(spec: DatasetSpec, cache: ShardCache | None = None, open_shards:
     options = spec.storage_options
     if "://" in spec.path:
         index = None
-        if not interop.Folder(spec.path, options).exists(f"{INDEX_DIR}/manifest.json") \
-                and interop.is_energon_dir(spec.path, options):
+        if not interop.Folder(spec.path, options).exists(f"{INDEX_DIR}/manifest.json") and interop.is_energon_dir(
+            spec.path, options
+        ):
             index = interop.energon_index(spec.path, options)
-        return ShardSource(spec.path, split=spec.split, index=index, storage_options=options, cache=cache,
-                           open_shards=open_shards)
+        return ShardSource(
+            spec.path, split=spec.split, index=index, storage_options=options, cache=cache, open_shards=open_shards
+        )
     if (Path(spec.path) / INDEX_DIR).exists():
         return ShardSource(spec.path, split=spec.split, open_shards=open_shards)
     if interop.is_lhotse_manifest(spec.path):
         return interop.LhotseCutSource(spec.path)
     if interop.is_energon_dir(spec.path):
-        return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path),
-                           open_shards=open_shards)
+        return ShardSource(spec.path, split=spec.split, index=interop.energon_index(spec.path), open_shards=open_shards)
     if interop.is_lhotse_shar(spec.path):
         return interop.SharSource(spec.path, split=spec.split, open_shards=open_shards)
     return ShardSource(spec.path, split=spec.split)  # raises: no index, with the `dataio index` hint
@@ -78,11 +82,15 @@ def open_datasets(cfg: DataConfig) -> Datasets:
         mds = metadataset.read_metadataset(spec.path, spec.split, spec.storage_options)
         if mds.epochized:
             if len(cfg.datasets) > 1:
-                raise ConfigError(f"data.datasets[{i}]: {spec.path} is a blend_epochized metadataset: it must be the "
-                                  "only dataset (its repetitions make the epoch, weights do not apply)")
+                raise ConfigError(
+                    f"data.datasets[{i}]: {spec.path} is a blend_epochized metadataset: it must be the "
+                    "only dataset (its repetitions make the epoch, weights do not apply)"
+                )
             if cfg.stop_on_first_exhausted:
-                raise ConfigError("data.stop_on_first_exhausted: a blend_epochized metadataset ends its epochs as a "
-                                  "whole; leave it false")
+                raise ConfigError(
+                    "data.stop_on_first_exhausted: a blend_epochized metadataset ends its epochs as a "
+                    "whole; leave it false"
+                )
             epochized = True
         for leaf in mds.leaves:
             leaf_spec = DatasetSpec(path=leaf.path, split=leaf.split, storage_options=spec.storage_options)
@@ -90,8 +98,9 @@ def open_datasets(cfg: DataConfig) -> Datasets:
     sources, subflavors = [], []
     for spec, _, leaf in leaves:
         sources.append(_open_leaf(spec, leaf, cache, open_shards))
-        subflavors.append({} if leaf is None else {**interop.energon_subflavors(spec.path, spec.storage_options),
-                                                   **leaf.subflavors})
+        subflavors.append(
+            {} if leaf is None else {**interop.energon_subflavors(spec.path, spec.storage_options), **leaf.subflavors}
+        )
     entries = [(spec.split, share) for spec, share, _ in leaves]
     if epochized:
         counts = [math.floor(share * len(s)) for (_, share), s in zip(entries, sources)]
@@ -102,14 +111,19 @@ def open_datasets(cfg: DataConfig) -> Datasets:
         entries = [entries[d] for d in keep]
         schedule = EpochizedSchedule([counts[d] for d in keep], epochs=cfg.epochs)
     else:
-        schedule = BlendSchedule([w for _, w in entries], [len(s) for s in sources], epochs=cfg.epochs,
-                                 stop_on_first_exhausted=cfg.stop_on_first_exhausted)
+        schedule = BlendSchedule(
+            [w for _, w in entries],
+            [len(s) for s in sources],
+            epochs=cfg.epochs,
+            stop_on_first_exhausted=cfg.stop_on_first_exhausted,
+        )
     meta = any(leaf is not None for *_, leaf in leaves)
     return Datasets(sources=sources, schedule=schedule, entries=entries, subflavors=subflavors if meta else None)
 
 
-def _open_leaf(spec: DatasetSpec, leaf: metadataset.Leaf | None, cache: ShardCache | None,
-               open_shards: OpenShards) -> ShardSource:
+def _open_leaf(
+    spec: DatasetSpec, leaf: metadataset.Leaf | None, cache: ShardCache | None, open_shards: OpenShards
+) -> ShardSource:
     """``open_source``; a leaf's failure names its metadataset entry (file and key) in one line."""
     try:
         return open_source(spec, cache, open_shards)

@@ -48,8 +48,15 @@ import soundfile
 import soxr
 import torch
 
-from headrace.dataio.shards.audioheader import (HEADER_BYTES, UNKNOWN_FRAMES, WavFormat, check_declared, parse_header,
-                                       read_unknown_length, wav_format)
+from headrace.dataio.shards.audioheader import (
+    HEADER_BYTES,
+    UNKNOWN_FRAMES,
+    WavFormat,
+    check_declared,
+    parse_header,
+    read_unknown_length,
+    wav_format,
+)
 from headrace.dataio import libsndfile
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
@@ -114,10 +121,17 @@ class NpyView(NamedTuple):
 
 # The header np.save writes for a 1-D little-endian numeric array, the loader's hot case: one regex
 # and one dict look-up (headrace.dataio.shards.formats.npy_header, the general parser, handles everything else).
-_NPY_1D = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '(<[iuf][248]|\|[iu]1)', 'fortran_order': False, "
-                     rb"'shape': \(([0-9]+),\), \} *\n", re.DOTALL)
-NPY_1D_DTYPES = {f"{order}{kind}{size}".encode(): np.dtype(f"{order}{kind}{size}") for kind in "iuf"
-                  for order, size in [("<", 2), ("<", 4), ("<", 8), ("|", 1)] if (kind, size) != ("f", 1)}
+_NPY_1D = re.compile(
+    rb"\x93NUMPY\x01\x00..\{'descr': '(<[iuf][248]|\|[iu]1)', 'fortran_order': False, "
+    rb"'shape': \(([0-9]+),\), \} *\n",
+    re.DOTALL,
+)
+NPY_1D_DTYPES = {
+    f"{order}{kind}{size}".encode(): np.dtype(f"{order}{kind}{size}")
+    for kind in "iuf"
+    for order, size in [("<", 2), ("<", 4), ("<", 8), ("|", 1)]
+    if (kind, size) != ("f", 1)
+}
 
 
 def npy_view(buf: Buffer) -> NpyView | torch.Tensor:
@@ -176,8 +190,10 @@ def decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio:
             audio = f.read(dtype=cfg.dtype, always_2d=True)  # [T, C]
         except MemoryError:  # the header's declared size explains it: this sample's fault, not the process's
             declared = f.frames * f.channels * np.dtype(cfg.dtype).itemsize
-            raise ValueError(f"cannot allocate the {declared / 2**30:.1f} GiB its header declares "
-                             f"({f.frames} frames x {f.channels} channels)") from None
+            raise ValueError(
+                f"cannot allocate the {declared / 2**30:.1f} GiB its header declares "
+                f"({f.frames} frames x {f.channels} channels)"
+            ) from None
     return _audio(downmixed_and_resampled(audio, rate, cfg), rate, cfg)
 
 
@@ -256,6 +272,7 @@ def decode_int(buf: Buffer) -> int:
 
 # -------------------------------------------------------------------------------------------- table
 
+
 def _decode_npy(buf: Buffer, cfg: DecodeConfig) -> torch.Tensor:
     return decode_npy(buf)
 
@@ -298,8 +315,13 @@ def decoder_for(ext: str) -> Callable[[Buffer, DecodeConfig], Any]:
 
 
 def decode_sample(
-    members: dict[str, Buffer], cfg: DecodeConfig, *, key: str | None = None, shard: str | None = None,
-    defer_npy: bool = False, defer_audio: bool = False,
+    members: dict[str, Buffer],
+    cfg: DecodeConfig,
+    *,
+    key: str | None = None,
+    shard: str | None = None,
+    defer_npy: bool = False,
+    defer_audio: bool = False,
 ) -> dict[str, Any]:
     """Decode one sample's members: ``{ext: raw buffer}`` -> ``{ext: value}`` (same keys, same order).
 

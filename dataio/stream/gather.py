@@ -51,8 +51,13 @@ TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in ever
 def tokens_only(sources: list[ShardSource]) -> bool:
     """Whether every dataset is a mapped (local or disk-cached) indexed one (not a foreign format,
     ``headrace.dataio.stream.interop``) with only ``.npy`` members (then ``gather_tokens`` is tried)."""
-    return all(isinstance(s, ShardSource) and not s.ranged and len(s.index.extensions) == 1 and is_token_member(s.index.extensions[0])
-               for s in sources)
+    return all(
+        isinstance(s, ShardSource)
+        and not s.ranged
+        and len(s.index.extensions) == 1
+        and is_token_member(s.index.extensions[0])
+        for s in sources
+    )
 
 
 class CheckedTokens:
@@ -84,7 +89,9 @@ class CheckedTokens:
         self._known = np.zeros(blocks, dtype=bool)
         self.uniform: int | None = None  # the one dtype code of every sample, once all are known here
 
-    def lookup(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+    def lookup(
+        self, source: ShardSource, index: np.ndarray
+    ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
         """``(code, shard, start, count)`` of ``index`` in ``source``, checking first what no process has;
         ``code`` is None when every sample of the dataset holds one token dtype, ``self.uniform``.
 
@@ -94,7 +101,12 @@ class CheckedTokens:
         lookup is a few gathers; once every block is known, no per-sample code test either."""
         if self.uniform is None and not self._known[index >> BLOCK_BITS].all():
             return self._lookup_locked(source, index)
-        return None if self.uniform is not None else self.code[index], self.shard[index], self.start[index], self.count[index]
+        return (
+            None if self.uniform is not None else self.code[index],
+            self.shard[index],
+            self.start[index],
+            self.count[index],
+        )
 
     def _lookup_locked(self, source: ShardSource, index: np.ndarray) -> tuple[np.ndarray, ...]:
         with self._locked():
@@ -103,13 +115,17 @@ class CheckedTokens:
             if not len(unchecked):  # checked by another process: one lock, one read
                 self._learn(index)
                 return code, self.shard[index], self.start[index], self.count[index]
-            blocks = np.array(sorted(set((unchecked >> BLOCK_BITS).tolist())), dtype=np.int64)  # np.unique: numpy.ma, see by_value
+            blocks = np.array(
+                sorted(set((unchecked >> BLOCK_BITS).tolist())), dtype=np.int64
+            )  # np.unique: numpy.ma, see by_value
             mine = blocks[self.claimed[blocks] == 0]
             self.claimed[mine] = 1
         claimed_here = np.zeros(len(self.claimed), dtype=bool)
         claimed_here[mine] = True
         others = unchecked[~claimed_here[unchecked >> BLOCK_BITS]]
-        checks = [self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()]
+        checks = [
+            self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()
+        ]
         if len(others):
             checks.append(self._check(source, others))
         with self._locked():
@@ -176,8 +192,13 @@ def _keys_match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, ke
     return _match(source, shards, offsets - 512, expected, compared)
 
 
-def _match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, expected: np.ndarray,
-           compared: np.ndarray | None = None) -> np.ndarray:
+def _match(
+    source: ShardSource,
+    shards: np.ndarray,
+    offsets: np.ndarray,
+    expected: np.ndarray,
+    compared: np.ndarray | None = None,
+) -> np.ndarray:
     """Whether the bytes at ``offsets`` (multiples of 8) of each sample's shard equal its row of
     ``expected`` where ``compared`` (None: everywhere): compared as 8-byte words, one fancy-index
     gather per shard (8x fewer elements than bytes)."""
@@ -200,8 +221,9 @@ def _match(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, expecte
     return match
 
 
-def _headers(source: ShardSource, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
-             ) -> tuple[np.dtype, int, np.ndarray] | None:
+def _headers(
+    source: ShardSource, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+) -> tuple[np.dtype, int, np.ndarray] | None:
     """``(dtype, data offset, which headers match)`` with the first header as the template."""
     first = source.array(int(shards[0]))[offsets[0] : offsets[0] + min(int(sizes[0]), 4096)]
     layout = npy_1d_layout(first.data)
@@ -273,8 +295,12 @@ def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc:
         source, table = sources[d], checked(sources[d])
         code, shard, start, count = table.lookup(source, index)
         first = table.uniform if code is None else int(code[0])
-        if first < FIRST_DTYPE_CODE or (code is not None and (code != first).any()) or ext not in (None, table.ext) or \
-                dtype not in (None, TOKEN_DTYPES[first - FIRST_DTYPE_CODE]):
+        if (
+            first < FIRST_DTYPE_CODE
+            or (code is not None and (code != first).any())
+            or ext not in (None, table.ext)
+            or dtype not in (None, TOKEN_DTYPES[first - FIRST_DTYPE_CODE])
+        ):
             return None
         ext, dtype = table.ext, TOKEN_DTYPES[first - FIRST_DTYPE_CODE]
         shard = shard.tolist()

@@ -108,8 +108,9 @@ def energon_splits(root: str, storage_options: dict | None = None) -> tuple[dict
     import yaml
 
     folder = Folder(root, storage_options)
-    found = next(((name, data) for name in SPLIT_FILES if (data := folder.read(f"{META_DIR}/{name}")) is not None),
-                 None)
+    found = next(
+        ((name, data) for name in SPLIT_FILES if (data := folder.read(f"{META_DIR}/{name}")) is not None), None
+    )
     if found is None:
         return None, set()
     path = f"{folder.root}/{META_DIR}/{found[0]}"
@@ -146,10 +147,14 @@ def energon_index(root: str, storage_options: dict | None = None) -> DatasetInde
     split_of, excluded_samples = energon_splits(root, storage_options)
     db = folder.sqlite(f"{META_DIR}/index.sqlite")
     try:
-        rows = db.execute("SELECT tar_file_id, sample_index, sample_key, byte_offset, byte_size FROM samples "
-                          "ORDER BY tar_file_id, sample_index").fetchall()
-        parts = db.execute("SELECT tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size "
-                           "FROM sample_parts ORDER BY tar_file_id, sample_index, content_byte_offset").fetchall()
+        rows = db.execute(
+            "SELECT tar_file_id, sample_index, sample_key, byte_offset, byte_size FROM samples "
+            "ORDER BY tar_file_id, sample_index"
+        ).fetchall()
+        parts = db.execute(
+            "SELECT tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size "
+            "FROM sample_parts ORDER BY tar_file_id, sample_index, content_byte_offset"
+        ).fetchall()
     finally:
         db.close()
     extensions = sorted({p[2] for p in parts})
@@ -181,10 +186,18 @@ def energon_index(root: str, storage_options: dict | None = None) -> DatasetInde
     samples, keys = samples[keep], keys[keep]
     counts = np.bincount(samples["shard"], minlength=len(kept))
     sizes = folder.sizes([names[i] for i in kept])
-    shards = [ShardInfo(name=names[i], split=split_of[names[i]] if split_of else "train", samples=int(n), bytes=size)
-              for i, n, size in zip(kept, counts, sizes)]
-    return DatasetIndex(shards=shards, extensions=extensions, samples=samples, members=members, keys=keys,
-                        job={"source": "energon index.sqlite"})
+    shards = [
+        ShardInfo(name=names[i], split=split_of[names[i]] if split_of else "train", samples=int(n), bytes=size)
+        for i, n, size in zip(kept, counts, sizes)
+    ]
+    return DatasetIndex(
+        shards=shards,
+        extensions=extensions,
+        samples=samples,
+        members=members,
+        keys=keys,
+        job={"source": "energon index.sqlite"},
+    )
 
 
 __all__ = ["Folder", "energon_index", "energon_splits", "energon_subflavors", "is_energon_dir"]
@@ -205,8 +218,9 @@ def is_lhotse_shar(path: str) -> bool:
 
 def transcript_json(cut_id: str, text: str, duration: float) -> bytes:
     """The ``json`` member of a cut, as ``dataio shard`` writes it for audio samples (its first fields)."""
-    return json.dumps({"text": text, "id": cut_id, "duration": duration}, ensure_ascii=False,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"text": text, "id": cut_id, "duration": duration}, ensure_ascii=False, separators=(",", ":")
+    ).encode()
 
 
 def _join_texts(texts) -> str:
@@ -234,19 +248,31 @@ class LhotseCutSource:
         samples = np.zeros(n, SAMPLE_DTYPE)
         samples["tokens"] = -1
         samples["duration"] = self.cuts.durations
-        self.index = DatasetIndex(shards=[ShardInfo(name=Path(path).name, samples=n)], extensions=["json", "wav"],
-                                  samples=samples, members=np.zeros(0, MEMBER_DTYPE), keys=self.cuts.keys,
-                                  job={"source": "lhotse CutSet"})
+        self.index = DatasetIndex(
+            shards=[ShardInfo(name=Path(path).name, samples=n)],
+            extensions=["json", "wav"],
+            samples=samples,
+            members=np.zeros(0, MEMBER_DTYPE),
+            keys=self.cuts.keys,
+            job={"source": "lhotse CutSet"},
+        )
         self.shard_starts, self.shard_sizes = np.array([0]), np.array([n])
 
     def __len__(self) -> int:
         return len(self.cuts)
 
     def read(self, indices: np.ndarray) -> list[tuple[str, str, dict[str, bytes]]]:
-        return [(c.id, self.path, {"wav": self._audio(c),
-                                   "json": transcript_json(c.id, _join_texts(s.text for s in c.supervisions),
-                                                           c.duration)})
-                for c in (self.cuts.load(i) for i in indices)]
+        return [
+            (
+                c.id,
+                self.path,
+                {
+                    "wav": self._audio(c),
+                    "json": transcript_json(c.id, _join_texts(s.text for s in c.supervisions), c.duration),
+                },
+            )
+            for c in (self.cuts.load(i) for i in indices)
+        ]
 
     def _audio(self, cut) -> bytes:
         """The cut's audio bytes; a ``SampleDecodeError`` naming the manifest and the cut when there are none (no
@@ -256,8 +282,9 @@ class LhotseCutSource:
         try:
             return _cut_audio_bytes(cut)
         except Exception as e:  # lhotse and libsndfile raise many types for missing or unreadable audio
-            raise SampleDecodeError(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", shard=self.path,
-                                    key=cut.id, member="wav") from None
+            raise SampleDecodeError(
+                f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", shard=self.path, key=cut.id, member="wav"
+            ) from None
 
 
 def _cut_audio_bytes(cut) -> bytes:
@@ -265,8 +292,15 @@ def _cut_audio_bytes(cut) -> bytes:
     from lhotse import MonoCut
 
     rec = cut.recording if isinstance(cut, MonoCut) else None  # mixed and padding cuts have no one recording
-    whole_file = (rec is not None and len(rec.sources) == 1 and rec.sources[0].type == "file" and not rec.transforms
-                  and rec.num_channels == 1 and cut.start == 0 and abs(cut.duration - rec.duration) < 1e-3)
+    whole_file = (
+        rec is not None
+        and len(rec.sources) == 1
+        and rec.sources[0].type == "file"
+        and not rec.transforms
+        and rec.num_channels == 1
+        and cut.start == 0
+        and abs(cut.duration - rec.duration) < 1e-3
+    )
     if whole_file:
         with open(rec.sources[0].source, "rb") as f:
             return f.read()
@@ -292,8 +326,10 @@ def shar_transcripts(root: str, index: DatasetIndex) -> tuple[bytes, np.ndarray]
     chunks: list[bytes] = []
     for shard_id, shard in enumerate(index.shards):
         number = shard.name.split(".")[1]  # recording.000003.tar -> 000003
-        cuts_path = next((p for p in (Path(root) / f"cuts.{number}.jsonl.gz", Path(root) / f"cuts.{number}.jsonl")
-                          if p.exists()), None)
+        cuts_path = next(
+            (p for p in (Path(root) / f"cuts.{number}.jsonl.gz", Path(root) / f"cuts.{number}.jsonl") if p.exists()),
+            None,
+        )
         if cuts_path is None:
             raise FileNotFoundError(f"{root}: {shard.name} has no cuts.{number}.jsonl.gz beside it")
         keys = index.keys[shard_of == shard_id]
@@ -304,8 +340,10 @@ def shar_transcripts(root: str, index: DatasetIndex) -> tuple[bytes, np.ndarray]
             raise ValueError(f"{cuts_path}: {len(records)} cuts, but {shard.name} holds {len(keys)} recordings")
         for line, (rec, key) in enumerate(zip(records, keys.tolist()), 1):
             if rec.get("id", "").encode() != key:
-                raise ValueError(f"{cuts_path}:{line}: cut {rec.get('id')!r}, but {shard.name} holds "
-                                 f"{key.decode(errors='replace')!r} at that place")
+                raise ValueError(
+                    f"{cuts_path}:{line}: cut {rec.get('id')!r}, but {shard.name} holds "
+                    f"{key.decode(errors='replace')!r} at that place"
+                )
             chunks.append(transcript_json(rec["id"], *_text_and_duration(rec)))
     offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum([len(c) for c in chunks], out=offsets[1:])
@@ -342,5 +380,12 @@ class SharSource(ShardSource):
         return out
 
 
-__all__ += ["LhotseCutSource", "SharSource", "is_lhotse_manifest", "is_lhotse_shar", "shar_index",
-            "shar_transcripts", "transcript_json"]
+__all__ += [
+    "LhotseCutSource",
+    "SharSource",
+    "is_lhotse_manifest",
+    "is_lhotse_shar",
+    "shar_index",
+    "shar_transcripts",
+    "transcript_json",
+]

@@ -105,8 +105,11 @@ def _load(path: str, storage_options: dict | None, where: str) -> dict:
         raise _fail(path, "expected a mapping with __class__: MetadatasetV2 and splits")
     module, cls = doc.get("__module__"), doc.get("__class__")
     if cls != "MetadatasetV2" or not str(module).startswith("megatron.energon"):
-        raise _fail(path, f"__class__: {cls!r} (module {module!r}) is not supported; headrace reads "
-                          "megatron.energon MetadatasetV2 files")
+        raise _fail(
+            path,
+            f"__class__: {cls!r} (module {module!r}) is not supported; headrace reads "
+            "megatron.energon MetadatasetV2 files",
+        )
     extra = set(doc) - {"__module__", "__class__", "splits"}
     if extra:
         raise _fail(path, f"unknown key {min(extra)!r} (a MetadatasetV2 has __module__, __class__, splits)")
@@ -115,8 +118,9 @@ def _load(path: str, storage_options: dict | None, where: str) -> dict:
     return doc
 
 
-def _read_split(path: str, split: str, inherited: dict, where: str, storage_options: dict | None,
-                stack: tuple[str, ...]) -> tuple[bool | None, list[Leaf]]:
+def _read_split(
+    path: str, split: str, inherited: dict, where: str, storage_options: dict | None, stack: tuple[str, ...]
+) -> tuple[bool | None, list[Leaf]]:
     """``(epochized, leaves)`` of one split of one file (``epochized`` None: a single ``path:``)."""
     if path in stack:
         raise _fail(where, f"{path} includes itself ({' -> '.join((*stack, path))})")
@@ -127,8 +131,9 @@ def _read_split(path: str, split: str, inherited: dict, where: str, storage_opti
     return _node(path, splits[split], f"{path}: splits.{split}", split, inherited, storage_options, (*stack, path))
 
 
-def _node(file: str, node, key: str, split: str, inherited: dict, storage_options: dict | None,
-          stack: tuple[str, ...]) -> tuple[bool | None, list[Leaf]]:
+def _node(
+    file: str, node, key: str, split: str, inherited: dict, storage_options: dict | None, stack: tuple[str, ...]
+) -> tuple[bool | None, list[Leaf]]:
     if not isinstance(node, dict):
         raise _fail(key, "expected a mapping with blend, blend_epochized or path")
     for name, reason in UNSUPPORTED.items():
@@ -168,8 +173,17 @@ def _amount(entry, where: str, name: str) -> float:
     return float(value)
 
 
-def _reference(file: str, entry, key: str, split: str, inherited: dict, storage_options: dict | None,
-               stack: tuple[str, ...], *, extra: tuple[str, ...]) -> tuple[bool | None, list[Leaf]]:
+def _reference(
+    file: str,
+    entry,
+    key: str,
+    split: str,
+    inherited: dict,
+    storage_options: dict | None,
+    stack: tuple[str, ...],
+    *,
+    extra: tuple[str, ...],
+) -> tuple[bool | None, list[Leaf]]:
     """A ``path:`` entry: one leaf, or the leaves of the nested metadataset it names."""
     if not isinstance(entry, dict):
         raise _fail(key, "expected a mapping with path")
@@ -181,8 +195,10 @@ def _reference(file: str, entry, key: str, split: str, inherited: dict, storage_
     if not isinstance(entry.get("path"), str) or not entry["path"]:
         raise _fail(f"{key}.path", "missing: every dataset entry needs the path of a prepared dataset or metadataset")
     if entry.get("shuffle_over_epochs_multiplier", 1) != 1:
-        raise _fail(f"{key}.shuffle_over_epochs_multiplier", "only 1 is supported (the order is data.shuffle's: "
-                                                              "every epoch a permutation)")
+        raise _fail(
+            f"{key}.shuffle_over_epochs_multiplier",
+            "only 1 is supported (the order is data.shuffle's: every epoch a permutation)",
+        )
     own = entry.get("subflavors") or {}
     if not isinstance(own, dict):
         raise _fail(f"{key}.subflavors", f"expected a mapping, got {own!r}")
@@ -196,8 +212,9 @@ def _reference(file: str, entry, key: str, split: str, inherited: dict, storage_
         return _read_split(target, split_part or split, subflavors, f"{key}.path", storage_options, stack)
     if "://" not in target and not Path(target).exists():
         raise _fail(f"{key}.path", f"{target}: no such dataset")
-    return None, [Leaf(path=target, split=split_part or split, subflavors=subflavors, where=key,
-                       split_where=split_where)]
+    return None, [
+        Leaf(path=target, split=split_part or split, subflavors=subflavors, where=key, split_where=split_where)
+    ]
 
 
 def resolve(file: str, path: str) -> str:

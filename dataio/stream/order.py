@@ -29,8 +29,16 @@ from headrace.dataio.stream.sources import by_value
 class EpochOrder:
     """Maps epoch positions to global sample indices for one dataset (one split of one index)."""
 
-    def __init__(self, shard_starts: np.ndarray, shard_sizes: np.ndarray, *, seed: int | SeedSchedule,
-                 dataset: int = 0, shuffle: bool = True, window: int = 8192):
+    def __init__(
+        self,
+        shard_starts: np.ndarray,
+        shard_sizes: np.ndarray,
+        *,
+        seed: int | SeedSchedule,
+        dataset: int = 0,
+        shuffle: bool = True,
+        window: int = 8192,
+    ):
         self.shard_starts = np.asarray(shard_starts, dtype=np.int64)
         self.shard_sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.size = int(self.shard_sizes.sum())

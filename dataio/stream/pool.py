@@ -75,8 +75,15 @@ class WorkerPool:
     the ``t // num_workers``-th item of its ``tasks(worker, num_workers)``. ``timeout`` (<= 0: none)
     bounds the wait for one task. ``close()`` ends the workers; the caller calls it when done or failed."""
 
-    def __init__(self, tasks: Callable[[int, int], Iterator[Any]], *, num_workers: int, prefetch: int,
-                 timeout: float, num_tasks: int | None):
+    def __init__(
+        self,
+        tasks: Callable[[int, int], Iterator[Any]],
+        *,
+        num_workers: int,
+        prefetch: int,
+        timeout: float,
+        num_tasks: int | None,
+    ):
         self.num_workers, self.timeout, self.num_tasks = num_workers, timeout, num_tasks
         self.procs: list = []
         self.requests: list[Connection] = []
@@ -87,10 +94,19 @@ class WorkerPool:
             for w in range(num_workers):
                 results_in, results_out = _CONTEXT.Pipe(duplex=False)
                 requests_in, requests_out = _CONTEXT.Pipe(duplex=False)
-                inherited = [*self.requests, *self.results, results_in, requests_out]  # main's ends: closed in the child
+                inherited = [
+                    *self.requests,
+                    *self.results,
+                    results_in,
+                    requests_out,
+                ]  # main's ends: closed in the child
                 mine = None if num_tasks is None else len(range(w, num_tasks, num_workers))
-                proc = _CONTEXT.Process(target=_worker_main, name=f"headrace-worker-{w}", daemon=True,
-                                        args=(w, num_workers, tasks, mine, requests_in, results_out, inherited))
+                proc = _CONTEXT.Process(
+                    target=_worker_main,
+                    name=f"headrace-worker-{w}",
+                    daemon=True,
+                    args=(w, num_workers, tasks, mine, requests_in, results_out, inherited),
+                )
                 proc.start()
                 results_out.close()  # the worker's ends: its death is then EOF here
                 requests_in.close()
@@ -157,8 +173,9 @@ class WorkerPool:
             if not proc.is_alive():
                 raise WorkerDied(_exit_message(proc, w))
             if deadline is not None and time.monotonic() >= deadline:
-                raise WorkerDied(f"worker {w} (pid {proc.pid}) timed out: no batch within {timeout:g} s "
-                                  f"(data.worker_timeout)")
+                raise WorkerDied(
+                    f"worker {w} (pid {proc.pid}) timed out: no batch within {timeout:g} s (data.worker_timeout)"
+                )
         if message[0] == OK:
             return message[1]
         _, exc_bytes, trace = message
@@ -182,8 +199,15 @@ def _exit_message(proc, w: int) -> str:
     return f"worker {w} (pid {proc.pid}) exited unexpectedly ({how})"
 
 
-def _worker_main(worker: int, num_workers: int, tasks: Callable[[int, int], Iterator[Any]], count: int | None,
-                 requests: Connection, results: Connection, inherited: list[Connection]) -> None:
+def _worker_main(
+    worker: int,
+    num_workers: int,
+    tasks: Callable[[int, int], Iterator[Any]],
+    count: int | None,
+    requests: Connection,
+    results: Connection,
+    inherited: list[Connection],
+) -> None:
     """Make ``count`` (None: endless) tasks, each when asked, then wait for the main process to close
     the request pipe: a tensor sent by handle (torch's shared memory) is fetched from this process
     when the main process unpickles it."""

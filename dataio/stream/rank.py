@@ -46,8 +46,17 @@ def spread_rows(column: np.ndarray) -> np.ndarray:
 class RankStream:
     """The sample stream of DP rank ``dp_rank`` of ``dp_size``: position state and plain batches."""
 
-    def __init__(self, cfg: DataConfig, sources: list[ShardSource], blend: BlendSchedule | EpochizedSchedule, *,
-                 seed: int, dp_rank: int, dp_size: int, subflavors: list[dict] | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        sources: list[ShardSource],
+        blend: BlendSchedule | EpochizedSchedule,
+        *,
+        seed: int,
+        dp_rank: int,
+        dp_size: int,
+        subflavors: list[dict] | None = None,
+    ):
         self.cfg, self.sources, self.blend, self.subflavors = cfg, sources, blend, subflavors
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.layout = Layout(start=0, dp_size=dp_size)
@@ -79,16 +88,34 @@ class RankStream:
         collated samples plus ``__pos__`` (their rank-local positions) and ``__end__`` (the position
         after the batch) for the stage to advance ``consumed``."""
         batch_size = batch_size or self.cfg.batch_size
-        maker = BatchMaker(reader=self.reader(), blend=self.blend, seed=self.seeds, layout=self.layout,
-                           dp_rank=self.dp_rank, first_local=self.consumed, batch_size=batch_size,
-                           subflavors=self.subflavors)
+        maker = BatchMaker(
+            reader=self.reader(),
+            blend=self.blend,
+            seed=self.seeds,
+            layout=self.layout,
+            dp_rank=self.dp_rank,
+            first_local=self.consumed,
+            batch_size=batch_size,
+            subflavors=self.subflavors,
+        )
         start_pos = int(self.layout.positions(self.dp_rank, np.array([self.consumed]))[0])
         # Without workers small batches are made a task at a time (``RankBatches.here``): ~256 samples,
         # at most ~4 MB held by the task's batches, so the per-batch fixed cost is paid once per task.
-        per_task = max(1, min(TASK_SAMPLES_HERE // batch_size,
-                              int(TASK_BYTES_HERE // max(batch_size * self._mean_sample_bytes(), 1.0))))
-        return self.run(maker, first=0, last=self.num_batches(batch_size), epoch=self.blend.epoch_at(start_pos),
-                        batch_bytes=self._batch_bytes(batch_size), per_task_here=per_task)
+        per_task = max(
+            1,
+            min(
+                TASK_SAMPLES_HERE // batch_size,
+                int(TASK_BYTES_HERE // max(batch_size * self._mean_sample_bytes(), 1.0)),
+            ),
+        )
+        return self.run(
+            maker,
+            first=0,
+            last=self.num_batches(batch_size),
+            epoch=self.blend.epoch_at(start_pos),
+            batch_bytes=self._batch_bytes(batch_size),
+            per_task_here=per_task,
+        )
 
     def read_batch_size(self) -> int:
         """Samples per read for a stage that re-batches them (packing): at least ``cfg.batch_size``,
@@ -96,17 +123,39 @@ class RankStream:
         the per-sample cost; measured in BENCHMARKS.md "Loader per-sample cost"), at most ``MAX_READ``."""
         return max(self.cfg.batch_size, min(MAX_READ, int(READ_BYTES / max(self._mean_sample_bytes(), 1.0))))
 
-    def run(self, make: Callable[[int, Allocator], dict], *, first: int, last: int | None, epoch: int,
-            batch_bytes: int = 0, per_task_here: int = 1) -> Iterator[dict]:
+    def run(
+        self,
+        make: Callable[[int, Allocator], dict],
+        *,
+        first: int,
+        last: int | None,
+        epoch: int,
+        batch_bytes: int = 0,
+        per_task_here: int = 1,
+    ) -> Iterator[dict]:
         """Batches ``first .. last-1`` of ``make`` (``make(b, alloc)``; its ``__bad__`` counted here and
         removed), computed by ``num_workers`` worker processes and read back in order."""
         cfg = self.cfg
-        batches = RankBatches(make, first=first, last=last, seed=self.seeds.latest, dp_rank=self.dp_rank,
-                              epoch=epoch, make_task=make.task if isinstance(make, BatchMaker) else None)
+        batches = RankBatches(
+            make,
+            first=first,
+            last=last,
+            seed=self.seeds.latest,
+            dp_rank=self.dp_rank,
+            epoch=epoch,
+            make_task=make.task if isinstance(make, BatchMaker) else None,
+        )
         try:
-            for batch in iterate(batches, num_workers=cfg.num_workers, prefetch=cfg.prefetch, pin_memory=cfg.pin_memory,
-                                 timeout=cfg.worker_timeout if cfg.num_workers else 0, batch_bytes=batch_bytes,
-                                 first_here=self.fork_safe, per_task_here=per_task_here):
+            for batch in iterate(
+                batches,
+                num_workers=cfg.num_workers,
+                prefetch=cfg.prefetch,
+                pin_memory=cfg.pin_memory,
+                timeout=cfg.worker_timeout if cfg.num_workers else 0,
+                batch_bytes=batch_bytes,
+                first_here=self.fork_safe,
+                per_task_here=per_task_here,
+            ):
                 self._count_bad(batch.pop("__bad__"))
                 yield batch
                 del batch  # a worker's ring bytes come back once the consumer drops the batch too
@@ -130,20 +179,29 @@ class RankStream:
         (decoded tokens take the bytes they are stored in), or 1.5x its decoded audio when that is more,
         1 MiB .. 256 MiB. A ring holds ``(prefetch + 3) * per_task`` of them; each batch takes the bytes it
         needs, and one that finds no room takes the slower default path."""
-        audio = max(mean_decoded_bytes(np.asarray(spread_rows(s.index.samples["duration"])), self.cfg.decode)
-                    for s in self.sources)
+        audio = max(
+            mean_decoded_bytes(np.asarray(spread_rows(s.index.samples["duration"])), self.cfg.decode)
+            for s in self.sources
+        )
         return int(min(256 << 20, max(1 << 20, max(2 * self._mean_sample_bytes(), 1.5 * audio) * batch_size)))
 
     def _count_bad(self, bad: int) -> None:
         self.bad_samples += bad
         if self.bad_samples > self.cfg.max_bad_samples:  # the workers' counts together
-            raise SampleDecodeError(f"more than max_bad_samples={self.cfg.max_bad_samples} bad samples on DP rank "
-                                    f"{self.dp_rank} (see the warnings above for which)")
+            raise SampleDecodeError(
+                f"more than max_bad_samples={self.cfg.max_bad_samples} bad samples on DP rank "
+                f"{self.dp_rank} (see the warnings above for which)"
+            )
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "reseeds": self.reseeds, "layout": self.layout.to_dict(), "consumed": self.consumed,
-                "bad_samples": self.bad_samples}
+        return {
+            "seed": self.seed,
+            "reseeds": self.reseeds,
+            "layout": self.layout.to_dict(),
+            "consumed": self.consumed,
+            "bad_samples": self.bad_samples,
+        }
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
         """Continue from the old ranks' states (see ``headrace.dataio.batching.stage``): the same position with the
@@ -154,7 +212,11 @@ class RankStream:
         self.resumed_end = max(_consumed_end(s) for s in old if s is not None)
         if same_layout(old, dp_rank, dp_size):
             own = old[dp_rank]
-            self.layout, self.consumed, self.bad_samples = Layout.from_dict(own["layout"]), own["consumed"], own["bad_samples"]
+            self.layout, self.consumed, self.bad_samples = (
+                Layout.from_dict(own["layout"]),
+                own["consumed"],
+                own["bad_samples"],
+            )
             return
         self.layout = relayout(Layout.from_dict(old[0]["layout"]), [s["consumed"] for s in old])
         self.layout.dp_size = dp_size
@@ -165,8 +227,11 @@ class RankStream:
 def _consumed_end(state: dict) -> int:
     """One past the highest global position the rank of ``state`` (or an older layout it skips) consumed."""
     layout = Layout.from_dict(state["layout"])
-    own = int(layout.positions(state["dp_rank"], np.array([state["consumed"] - 1]))[0]) + 1 \
-        if state["consumed"] else layout.start
+    own = (
+        int(layout.positions(state["dp_rank"], np.array([state["consumed"] - 1]))[0]) + 1
+        if state["consumed"]
+        else layout.start
+    )
     return max([own, *(s.end() for s in layout.skips)])
 
 

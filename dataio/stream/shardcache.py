@@ -115,11 +115,19 @@ class ShardCache:
         """ConfigError when the largest shard of dataset ``url`` alone is over ``cache_limit``."""
         name, size = max(shard_bytes.items(), key=lambda kv: kv[1], default=("", 0))
         if self.limit is not None and size > self.limit:
-            raise ConfigError(f"data.cache_limit: {self.limit} bytes cannot hold shard {name} of {url} ({size} bytes); "
-                              f"the limit must hold at least the shards every process of the node has open")
+            raise ConfigError(
+                f"data.cache_limit: {self.limit} bytes cannot hold shard {name} of {url} ({size} bytes); "
+                f"the limit must hold at least the shards every process of the node has open"
+            )
 
-    def acquire(self, folder: Path, shard_name: str, url: str, size: int, storage_options: dict | None,
-                ) -> tuple[Path, int]:
+    def acquire(
+        self,
+        folder: Path,
+        shard_name: str,
+        url: str,
+        size: int,
+        storage_options: dict | None,
+    ) -> tuple[Path, int]:
         """``(local path, descriptor holding the shard's shared lock)`` of the complete cached shard,
         downloading ``url`` (``size`` bytes) first when it is not there. Release with ``unlock``."""
         name = local_name(shard_name)
@@ -150,11 +158,14 @@ class ShardCache:
                 fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
                 for start in range(0, size, CHUNK):
                     end = min(start + CHUNK, size)
-                    data = retry(lambda s=start, e=end: fs.cat_file(path, start=s, end=e),
-                                 f"{url}: downloading bytes {start}..{end} into {self.root}")
+                    data = retry(
+                        lambda s=start, e=end: fs.cat_file(path, start=s, end=e),
+                        f"{url}: downloading bytes {start}..{end} into {self.root}",
+                    )
                     if len(data) != end - start:
-                        raise ShardFormatError(f"truncated shard: {start + len(data)} bytes, the index says {size}",
-                                               shard=url)
+                        raise ShardFormatError(
+                            f"truncated shard: {start + len(data)} bytes, the index says {size}", shard=url
+                        )
                     out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
@@ -185,9 +196,14 @@ class ShardCache:
                 used -= e.size
             if used + size > self.limit and not self._warned:
                 self._warned = True
-                log.warning("%s: the shards in use (%d bytes) leave no room for a %d-byte shard under cache_limit %d; "
-                            "downloading over the limit (fewer ranks/workers per node or a larger limit avoid this)",
-                            self.root, used, size, self.limit)
+                log.warning(
+                    "%s: the shards in use (%d bytes) leave no room for a %d-byte shard under cache_limit %d; "
+                    "downloading over the limit (fewer ranks/workers per node or a larger limit avoid this)",
+                    self.root,
+                    used,
+                    size,
+                    self.limit,
+                )
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:

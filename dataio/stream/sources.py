@@ -79,9 +79,11 @@ def load_remote_index(url: str, storage_options: dict | None = None) -> DatasetI
     d = f"{root.rstrip('/')}/{INDEX_DIR}"
     manifest = json.loads(retry(lambda: fs.cat_file(f"{d}/manifest.json"), f"{url}: reading the index"))
     return index_from_files(
-        manifest, f"{url}/{INDEX_DIR}/manifest.json",
+        manifest,
+        f"{url}/{INDEX_DIR}/manifest.json",
         lambda name: np.load(io.BytesIO(retry(lambda: fs.cat_file(f"{d}/{name}"), url)), allow_pickle=False),
-        lambda name: retry(lambda: fs.exists(f"{d}/{name}"), url))
+        lambda name: retry(lambda: fs.exists(f"{d}/{name}"), url),
+    )
 
 
 def open_remote(url: str, storage_options: dict | None = None):
@@ -96,9 +98,16 @@ def open_remote(url: str, storage_options: dict | None = None):
 class ShardSource:
     """One dataset (one split of an indexed directory or URL): sample indices -> raw member bytes."""
 
-    def __init__(self, path: str, *, split: str = "train", index: DatasetIndex | None = None,
-                 storage_options: dict | None = None, cache: ShardCache | None = None,
-                 open_shards: OpenShards | None = None):
+    def __init__(
+        self,
+        path: str,
+        *,
+        split: str = "train",
+        index: DatasetIndex | None = None,
+        storage_options: dict | None = None,
+        cache: ShardCache | None = None,
+        open_shards: OpenShards | None = None,
+    ):
         self.path, self.storage_options = path, storage_options
         # the loader's one bounded set of open maps/files (its own when the source stands alone)
         self.open_shards = open_shards if open_shards is not None else OpenShards()
@@ -120,7 +129,9 @@ class ShardSource:
         self._needed = np.zeros(len(index.shards), dtype=np.int64)
         ids = shard_ids[counts[shard_ids] > 0]
         last = starts[ids] + counts[ids] - 1
-        self._needed[ids] = index.samples["offset"][last].astype(np.int64) + index.samples["size"][last].astype(np.int64)
+        self._needed[ids] = index.samples["offset"][last].astype(np.int64) + index.samples["size"][last].astype(
+            np.int64
+        )
         self._ext_names = list(index.extensions)
         if self.cache is not None:
             self._cache_folder = self.cache.folder(path, index)
@@ -176,13 +187,19 @@ class ShardSource:
                 buf, base = maps[shard], 0
             first_payload = offsets[m] - base
             header = first_payload - 512
-            if (buf[header : header + len(key) + 1] != key + b"."  # fast path: the ustar name field
-                    and key.rpartition(b"/")[2] + b"." not in bytes(buf[start - base : first_payload])):  # long names
+            if (
+                buf[header : header + len(key) + 1] != key + b"."  # fast path: the ustar name field
+                and key.rpartition(b"/")[2] + b"." not in bytes(buf[start - base : first_payload])
+            ):  # long names
                 raise ShardFormatError(
                     f"the tar at byte {start} does not hold this sample, which the index places there"
                     f"  (index out of date? run `dataio index {self.path}`)",
-                    shard=paths[shard], key=key.decode(errors="replace"))
-            payloads = {exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)}
+                    shard=paths[shard],
+                    key=key.decode(errors="replace"),
+                )
+            payloads = {
+                exts[m + t]: buf[offsets[m + t] - base : offsets[m + t] - base + sizes[m + t]] for t in range(n)
+            }
             if copy:
                 payloads = {ext: bytes(p) for ext, p in payloads.items()}
             out[i] = (key.decode(errors="surrogateescape"), paths[shard], payloads)
@@ -238,22 +255,34 @@ class ShardSource:
         try:
             st = os.stat(entry.path)
         except FileNotFoundError:
-            raise ShardFormatError("shard removed since it was mapped (deleted under the loader?)",
-                                   shard=self.shard_path(shard)) from None
+            raise ShardFormatError(
+                "shard removed since it was mapped (deleted under the loader?)", shard=self.shard_path(shard)
+            ) from None
         if st.st_size < end:
-            raise ShardFormatError(f"shard shrank to {st.st_size} bytes while mapped (modified under the loader?); "
-                                   f"this read needs bytes up to {end}", shard=self.shard_path(shard))
+            raise ShardFormatError(
+                f"shard shrank to {st.st_size} bytes while mapped (modified under the loader?); "
+                f"this read needs bytes up to {end}",
+                shard=self.shard_path(shard),
+            )
         if self.cache is None and (st.st_ino, st.st_mtime_ns) != entry.stamp:
-            raise ShardFormatError("shard changed since it was mapped (rewritten under the loader?): its samples "
-                                   "no longer match the index", shard=self.shard_path(shard))
+            raise ShardFormatError(
+                "shard changed since it was mapped (rewritten under the loader?): its samples "
+                "no longer match the index",
+                shard=self.shard_path(shard),
+            )
         return entry
 
     def _open_map(self, shard: int) -> MappedShard:
         """A local or cached shard mapped, its version recorded; holds no descriptor but the map's own."""
         lock_fd = None
         if self.cache is not None:
-            path, lock_fd = self.cache.acquire(self._cache_folder, self.index.shards[shard].name,
-                                               self.shard_path(shard), self._shard_bytes(shard), self.storage_options)
+            path, lock_fd = self.cache.acquire(
+                self._cache_folder,
+                self.index.shards[shard].name,
+                self.shard_path(shard),
+                self._shard_bytes(shard),
+                self.storage_options,
+            )
         else:
             path = self._disk_path(shard)
         try:
@@ -261,8 +290,10 @@ class ShardSource:
             try:
                 st = os.fstat(file)
                 if not stat.S_ISREG(st.st_mode):
-                    raise ShardFormatError("not a regular file (a FIFO, device or directory in the shard's place)",
-                                           shard=self.shard_path(shard))
+                    raise ShardFormatError(
+                        "not a regular file (a FIFO, device or directory in the shard's place)",
+                        shard=self.shard_path(shard),
+                    )
                 self._check_size(shard, st.st_size)
                 stamp = (st.st_ino, st.st_mtime_ns)
                 if self.cache is None:
@@ -274,8 +305,13 @@ class ShardSource:
             if lock_fd is not None:
                 unlock(lock_fd)
             raise
-        return MappedShard(mapped=mapped, view=memoryview(mapped) if mapped is not None else memoryview(b""),
-                           path=str(path), stamp=stamp, lock_fd=lock_fd)
+        return MappedShard(
+            mapped=mapped,
+            view=memoryview(mapped) if mapped is not None else memoryview(b""),
+            path=str(path),
+            stamp=stamp,
+            lock_fd=lock_fd,
+        )
 
     def _check_stamp(self, shard: int, stamp: tuple[int, int]) -> None:
         """Record the first (inode, mtime) any process of this loader mapped the shard with; a later
@@ -284,8 +320,11 @@ class ShardSource:
         if not first.any():
             first[:] = stamp
         elif tuple(first.tolist()) != stamp:
-            raise ShardFormatError("shard changed since the loader first read it (rewritten or replaced under the "
-                                   "loader?): its samples no longer match the index", shard=self.shard_path(shard))
+            raise ShardFormatError(
+                "shard changed since the loader first read it (rewritten or replaced under the "
+                "loader?): its samples no longer match the index",
+                shard=self.shard_path(shard),
+            )
 
     def _shard_bytes(self, shard: int) -> int:
         """The shard's size from the index (its last indexed byte when the index has no size)."""
@@ -311,8 +350,9 @@ class ShardSource:
     def _check_size(self, shard: int, size: int) -> None:
         needed = int(self._needed[shard])
         if size < needed:
-            raise ShardFormatError(f"truncated shard: {size} bytes, the index needs {needed}",
-                                   shard=self.shard_path(shard))
+            raise ShardFormatError(
+                f"truncated shard: {size} bytes, the index needs {needed}", shard=self.shard_path(shard)
+            )
 
     def _read_remote(self, shard: int, start: int, size: int) -> bytes:
         def attempt():
@@ -334,8 +374,7 @@ class ShardSource:
                 self.open_shards.discard(self._owner, shard)  # reopen on the next attempt
                 raise
             if len(data) != size:
-                raise ShardFormatError(f"truncated shard: short read at byte {start}",
-                                       shard=self.shard_path(shard))
+                raise ShardFormatError(f"truncated shard: short read at byte {start}", shard=self.shard_path(shard))
             return data
 
         return retry(attempt, f"{self.shard_path(shard)}: reading bytes {start}..{start + size}")

@@ -82,8 +82,9 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(start=int(d["start"]), dp_size=int(d["dp_size"]),
-                   skips=[ConsumedLayout(**s) for s in d.get("skips", [])])
+        return cls(
+            start=int(d["start"]), dp_size=int(d["dp_size"]), skips=[ConsumedLayout(**s) for s in d.get("skips", [])]
+        )
 
 
 def relayout(old: Layout, consumed: list[int]) -> Layout:

@@ -71,8 +71,22 @@ MAX_BATCHES_PER_TASK = 8
 SLACK_BYTES = 64 << 10  # room a batch's first tensor leaves for the small ones after it
 TICKETS_PER_BATCH = 4  # a worker's batches out at once, at most, per batch of its ring's nominal size
 # dtypes of ring and inline tensors travel as an index into this tuple (a pickled torch.dtype is a Python call)
-DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64, torch.bool, torch.complex64, torch.uint16, torch.uint32, torch.uint64)
+DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+    torch.complex64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
 DTYPE_CODE = {dtype: i for i, dtype in enumerate(DTYPES)}
 
 
@@ -97,8 +111,9 @@ class RecycledMemory:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < RECYCLE_BYTES:
             return plain_memory(shape, dtype)
-        buffer = next((b for b in self._buffers if sys.getrefcount(b) <= 3 and nbytes <= b.nbytes <= 2 * nbytes),
-                      None)  # references: the list, the generator's variable, getrefcount's argument
+        buffer = next(
+            (b for b in self._buffers if sys.getrefcount(b) <= 3 and nbytes <= b.nbytes <= 2 * nbytes), None
+        )  # references: the list, the generator's variable, getrefcount's argument
         if buffer is None:
             if len(self._buffers) >= RECYCLED_BUFFERS:
                 free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]
@@ -339,8 +354,17 @@ class RankBatches:
     """Batches ``first .. last-1`` (``last=None``: endless) of one rank: made here (``iter``) or split
     over worker processes in tasks (``worker_tasks``)."""
 
-    def __init__(self, make_batch: Callable[[int, Allocator], dict], *, first: int, last: int | None, seed: int,
-                 dp_rank: int, epoch: int, make_task: Callable[[int, int, Allocator], list[dict] | None] | None = None):
+    def __init__(
+        self,
+        make_batch: Callable[[int, Allocator], dict],
+        *,
+        first: int,
+        last: int | None,
+        seed: int,
+        dp_rank: int,
+        epoch: int,
+        make_task: Callable[[int, int, Allocator], list[dict] | None] | None = None,
+    ):
         self.make_batch, self.first, self.last = make_batch, first, last
         self.make_task = make_task  # (first, count, alloc) -> those batches made at once, or None: one by one
         self.seed, self.dp_rank, self.epoch = seed, dp_rank, epoch
@@ -413,8 +437,17 @@ class RankBatches:
         return ring.finish_batch(), [wire]
 
 
-def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
-            batch_bytes: int = 0, first_here: bool = True, per_task_here: int = 1) -> Iterator[dict]:
+def iterate(
+    batches: RankBatches,
+    *,
+    num_workers: int,
+    prefetch: int,
+    pin_memory: bool,
+    timeout: float,
+    batch_bytes: int = 0,
+    first_here: bool = True,
+    per_task_here: int = 1,
+) -> Iterator[dict]:
     """Batches in order, computed in this process (``num_workers=0``) or in worker processes that
     collate into shared rings sized for batches of ``batch_bytes`` (0: torch's default transport only).
 
@@ -428,12 +461,27 @@ def iterate(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory
     (``RankBatches.here``)."""
     if num_workers == 0:
         return batches.here(per_task_here)
-    return _with_workers(batches, num_workers=num_workers, prefetch=prefetch, pin_memory=pin_memory,
-                         timeout=timeout, batch_bytes=batch_bytes, first_here=first_here)
+    return _with_workers(
+        batches,
+        num_workers=num_workers,
+        prefetch=prefetch,
+        pin_memory=pin_memory,
+        timeout=timeout,
+        batch_bytes=batch_bytes,
+        first_here=first_here,
+    )
 
 
-def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_memory: bool, timeout: float,
-                  batch_bytes: int, first_here: bool) -> Iterator[dict]:
+def _with_workers(
+    batches: RankBatches,
+    *,
+    num_workers: int,
+    prefetch: int,
+    pin_memory: bool,
+    timeout: float,
+    batch_bytes: int,
+    first_here: bool,
+) -> Iterator[dict]:
     first = None
     if first_here and (batches.last is None or batches.first < batches.last):
         first = batches.make_batch(batches.first, plain_memory)
@@ -448,8 +496,13 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
     # heap -- ~10k page faults, ~0.1-0.4 s of CPU per worker per epoch here (Python's gc docs advise it).
     gc.freeze()
     try:
-        pool = WorkerPool(batches.worker_tasks, num_workers=num_workers, prefetch=prefetch,
-                          timeout=timeout, num_tasks=batches.num_tasks())  # forks them: they start while the consumer takes the first batch
+        pool = WorkerPool(
+            batches.worker_tasks,
+            num_workers=num_workers,
+            prefetch=prefetch,
+            timeout=timeout,
+            num_tasks=batches.num_tasks(),
+        )  # forks them: they start while the consumer takes the first batch
     finally:
         gc.unfreeze()  # here; the workers keep theirs frozen
     clean = False
@@ -461,8 +514,9 @@ def _with_workers(batches: RankBatches, *, num_workers: int, prefetch: int, pin_
             for held, wires in task:
                 if ring is not None:
                     ring.release_dropped()  # before the next piece: the consumer is done with what it dropped
-                piece = ring.receive(held, wires, pin) if ring is not None else \
-                    [_from_wire(w, None, pin) for w in wires]
+                piece = (
+                    ring.receive(held, wires, pin) if ring is not None else [_from_wire(w, None, pin) for w in wires]
+                )
                 if pin and ring is not None:
                     ring.release_dropped()  # copied out: its bytes are free at once
                 piece.reverse()

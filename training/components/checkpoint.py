@@ -138,8 +138,10 @@ def _joined(tensors: dict, plain: dict, saved_plain: dict, path: Path) -> tuple[
     """``split_state`` undone: (model state, optimizer state) with ``plain``'s keys taken from ``saved_plain``
     (a tuple stays a tuple: JSON made it a list)."""
     if missing := sorted(plain.keys() - saved_plain.keys()):
-        raise JobInputError(f"checkpoint {path}: holds no optimizer setting {missing[0]} (and {len(missing) - 1} "
-                            "more): saved with other parameters than this job trains")
+        raise JobInputError(
+            f"checkpoint {path}: holds no optimizer setting {missing[0]} (and {len(missing) - 1} "
+            "more): saved with other parameters than this job trains"
+        )
     model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
     optim_state.update({k: tuple(saved_plain[k]) if isinstance(v, tuple) else saved_plain[k] for k, v in plain.items()})
@@ -159,15 +161,28 @@ def stage(tensors: dict, buffers: dict | None, *, pin: bool) -> dict:
             if buffers is not None:
                 buffers[key] = buf
         buf.copy_(local, non_blocking=pin)
-        staged[key] = (DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                          stride=t.stride()) if isinstance(t, DTensor) else buf)
+        staged[key] = (
+            DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+            if isinstance(t, DTensor)
+            else buf
+        )
     if pin:
         torch.cuda.synchronize()  # the copies are done before training changes what they read
     return staged
 
 
-def write(folder: str | Path, step: int, tensors: dict, files: dict[str, int], state: dict, key: bytes | None, *,
-          keep_last: int | None, group=None, local: Path | None = None) -> Path | str:
+def write(
+    folder: str | Path,
+    step: int,
+    tensors: dict,
+    files: dict[str, int],
+    state: dict,
+    key: bytes | None,
+    *,
+    keep_last: int | None,
+    group=None,
+    local: Path | None = None,
+) -> Path | str:
     """Write checkpoint ``step`` from ``tensors`` (key -> file number ``files``, the same on every rank) and the
     JSON ``state`` atomically (a collective over ``group``; ``key``: rank 0's seal key). Each file's size and
     SHA-256 come from its writer stream. A URL ``folder``: written under ``local``, then uploaded, the state
@@ -223,21 +238,35 @@ class Saver:
         self._writing: Path | None = None
         self._error: BaseException | None = None
 
-    def save(self, folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             loader_states: list, *, keep_last: int | None = None, extra: dict | None = None,
-             local: Path | None = None, trainable_only: bool = False) -> Path | str:
+    def save(
+        self,
+        folder: str | Path,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader_states: list,
+        *,
+        keep_last: int | None = None,
+        extra: dict | None = None,
+        local: Path | None = None,
+        trainable_only: bool = False,
+    ) -> Path | str:
         """Checkpoint ``step`` (a collective). ``extra``: more JSON for the trainer state (the model config, the
         run's first loss); ``local``: where a checkpoint for a URL ``folder`` is written before its upload;
         ``trainable_only``: the model's trainable parameters only (LoRA: the frozen base is ``extra``'s reference,
         not a copy). Returns where the checkpoint is (or will be, once written)."""
         self.wait(say=True)
         folder = folder if store.is_url(folder) else Path(folder)
-        model_state, optim_state = get_state_dict(model, optimizer,
-                                                  options=_TRAINABLE if trainable_only else _OPTIONS)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINABLE if trainable_only else _OPTIONS)
         tensors, plain = split_state(high_precision_weights(model_state), optim_state)
         tensors = unshared(tensors)
-        state = {"step": step, "loader": loader_states, "rng": gather_objects(_rng_state()),
-                 "optim_plain": {k: v for part in gather_objects(plain) for k, v in part.items()}, **(extra or {})}
+        state = {
+            "step": step,
+            "loader": loader_states,
+            "rng": gather_objects(_rng_state()),
+            "optim_plain": {k: v for part in gather_objects(plain) for k, v in part.items()},
+            **(extra or {}),
+        }
         files = _file_index(tensors, _FILE_BYTES)
         key = seal_key_or_fail(create=True) if dist.get_rank() == 0 else None
         if self.async_mode == "disabled":
@@ -246,10 +275,12 @@ class Saver:
             self._group = dist.new_group(backend="gloo")
         staged = stage(tensors, self._buffers, pin=self.async_mode == "async_with_pinned_mem")
         self._writing = checkpoint_dir(folder, step)
-        self._thread = threading.Thread(target=self._write_in_background,
-                                        args=(folder, step, staged, files, state, key, keep_last, local),
-                                        daemon=True,
-                                        name=f"checkpoint-{step}")
+        self._thread = threading.Thread(
+            target=self._write_in_background,
+            args=(folder, step, staged, files, state, key, keep_last, local),
+            daemon=True,
+            name=f"checkpoint-{step}",
+        )
         self._thread.start()
         return self._writing
 
@@ -271,8 +302,9 @@ class Saver:
         if self._error is not None:
             e, self._error = self._error, None
             line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise JobInputError(f"checkpoint {self._writing}: the background save failed: {type(e).__name__}: "
-                                f"{line}") from e
+            raise JobInputError(
+                f"checkpoint {self._writing}: the background save failed: {type(e).__name__}: {line}"
+            ) from e
 
     def wait(self, *, say: bool = False) -> None:
         """Block until the save in flight (if any) is written, then ``raise_if_failed``."""
@@ -283,12 +315,21 @@ class Saver:
         self.raise_if_failed()
 
 
-def save(folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         loader_states: list, keep_last: int | None = None, *, extra: dict | None = None,
-         trainable_only: bool = False) -> Path:
+def save(
+    folder: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader_states: list,
+    keep_last: int | None = None,
+    *,
+    extra: dict | None = None,
+    trainable_only: bool = False,
+) -> Path:
     """Write checkpoint ``step`` in the step (``Saver("disabled")``; a collective)."""
-    return Saver().save(folder, step, model, optimizer, loader_states, keep_last=keep_last, extra=extra,
-                        trainable_only=trainable_only)
+    return Saver().save(
+        folder, step, model, optimizer, loader_states, keep_last=keep_last, extra=extra, trainable_only=trainable_only
+    )
 
 
 def gather_loader_states(batches, dp_mesh) -> list:
@@ -367,9 +408,14 @@ def _fetched(url: str, local: Path) -> Path:
     return path
 
 
-def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                model_config: dict, local: Path | None = None, trainable_only: bool = False
-                ) -> tuple[Path, dict] | None:
+def load_newest(
+    folder: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_config: dict,
+    local: Path | None = None,
+    trainable_only: bool = False,
+) -> tuple[Path, dict] | None:
     """Load the newest complete checkpoint of ``folder`` (``load``) and return ``(path, trainer state)``; None
     when there is none. Rank 0 checks each candidate's seal and every rank learns the verdict; the ranks re-hash
     its files: an incomplete or damaged one is skipped for the previous one (said on rank 0), one this user's
@@ -379,8 +425,13 @@ def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Opt
         candidates = store.step_folders(str(folder), STATE_FILE, complete_only=True)[::-1]
     else:
         folder = Path(folder)
-        candidates = sorted((p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()),
-                            reverse=True) if folder.is_dir() else []
+        candidates = (
+            sorted(
+                (p for p in folder.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()), reverse=True
+            )
+            if folder.is_dir()
+            else []
+        )
     for where in candidates:
         path = _fetched(where, local) if store.is_url(folder) else where
         verdict: list = [None]
@@ -406,8 +457,7 @@ def load_newest(folder: str | Path, model: nn.Module, optimizer: torch.optim.Opt
         except CheckpointException as e:  # a header or tensor that does not fit this model
             _say(f"checkpoint {where} does not load ({one_failure(e)}): falling back to the previous one")
     if candidates:
-        raise JobInputError(f"checkpoint: no complete checkpoint in {folder} (see above); move it away to start "
-                            "afresh")
+        raise JobInputError(f"checkpoint: no complete checkpoint in {folder} (see above); move it away to start afresh")
     return None
 
 
@@ -423,9 +473,22 @@ def _say(message: str) -> None:
 
 
 # config keys that say nothing about the weights' meaning: bookkeeping, and what only initialisation reads
-_NOT_THE_MODEL = {"transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype", "use_cache",
-                  "_attn_implementation_autoset", "attn_implementation", "_attn_implementation", "initializer_range",
-                  "output_attentions", "output_hidden_states", "return_dict", "_commit_hash"}
+_NOT_THE_MODEL = {
+    "transformers_version",
+    "_name_or_path",
+    "architectures",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "_attn_implementation_autoset",
+    "attn_implementation",
+    "_attn_implementation",
+    "initializer_range",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "_commit_hash",
+}
 
 
 def model_config_record(hf_config) -> dict:
@@ -438,12 +501,17 @@ def check_model_config(path: Path, saved: dict | None, current: dict) -> None:
     """``JobInputError`` naming every key whose value differs between the checkpoint's model and this job's."""
     if saved is None:
         raise JobInputError(f"checkpoint {path}: records no model config to compare with this job's")
-    differ = [f"{k} {saved.get(k, '(unset)')!r} -> {current.get(k, '(unset)')!r}"
-              for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
+    differ = [
+        f"{k} {saved.get(k, '(unset)')!r} -> {current.get(k, '(unset)')!r}"
+        for k in sorted(saved.keys() | current.keys())
+        if saved.get(k) != current.get(k)
+    ]
     if differ:
-        raise JobInputError(f"checkpoint {path} holds another model than this job's model config: "
-                            f"{'; '.join(differ)} (resume with the model it was trained with, or set "
-                            "checkpoint.resume: false / another trainer.output_dir)")
+        raise JobInputError(
+            f"checkpoint {path} holds another model than this job's model config: "
+            f"{'; '.join(differ)} (resume with the model it was trained with, or set "
+            "checkpoint.resume: false / another trainer.output_dir)"
+        )
 
 
 def read_tensors(path: Path, tensors: dict) -> None:
@@ -452,8 +520,13 @@ def read_tensors(path: Path, tensors: dict) -> None:
     dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-         trainable_only: bool = False) -> dict:
+def load(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    trainable_only: bool = False,
+) -> dict:
     """Restore model and optimizer from ``path`` into the current layout; returns ``trainer_state`` (the
     checked JSON of ``path``), after restoring this rank's RNG when the world size is unchanged.
     ``trainable_only``: as ``Saver.save``'s (the frozen parameters stay as built)."""
@@ -484,9 +557,16 @@ def load_model_weights(path: Path, model: nn.Module, trainer_state: dict, traina
     set_model_state_dict(model, _joined(tensors, {}, {}, path)[0], options=options)
 
 
-def export_hf(model: nn.Module, hf_config, out_dir: str | Path, tokenizer: str | None = None, *,
-              shard_size_mb: float = 5000.0, experts_layout: str = "per_expert",
-              transform: Callable[[dict], dict] | None = None) -> Path:
+def export_hf(
+    model: nn.Module,
+    hf_config,
+    out_dir: str | Path,
+    tokenizer: str | None = None,
+    *,
+    shard_size_mb: float = 5000.0,
+    experts_layout: str = "per_expert",
+    transform: Callable[[dict], dict] | None = None,
+) -> Path:
     """Consolidated, sharded safetensors (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``)
     + ``config.json`` (+ tokenizer) that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads. Collective.
 
@@ -533,8 +613,11 @@ def _file_index(state: dict, max_bytes: float) -> dict[str, int]:
     """fqn -> output file number (1..N): tensors in rank then state-dict order, a new file when the next would
     pass ``max_bytes``. A collective: pipeline ranks hold different stages, so the sizes (global, not the
     shard's) of every rank's tensors are gathered and every rank computes the same mapping."""
-    sizes = {fqn: size for part in gather_objects([(fqn, t.numel() * t.element_size()) for fqn, t in state.items()])
-             for fqn, size in part}
+    sizes = {
+        fqn: size
+        for part in gather_objects([(fqn, t.numel() * t.element_size()) for fqn, t in state.items()])
+        for fqn, size in part
+    }
     mapping, index, used = {}, 1, 0
     for fqn, size in sizes.items():
         if used and used + size > max_bytes:
@@ -546,8 +629,13 @@ def _file_index(state: dict, max_bytes: float) -> dict[str, int]:
 def _copy_tokenizer(tokenizer: str, dest: Path) -> None:
     src = Path(tokenizer)
     if src.is_dir():
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                     "chat_template.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+            "chat_template.json",
+        ):
             if (path := file_inside(src, name)) is not None:  # never a link's target from outside the folder
                 shutil.copyfile(path, dest / name)
     else:
@@ -588,6 +676,25 @@ def _prune(folder: Path, keep_last: int | None) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["ASYNC_MODES", "STATE_FILE", "Saver", "check_model_config", "checkpoint_dir", "damaged", "export_errors",
-           "export_hf", "gather_loader_states", "latest", "load", "load_model_weights", "load_newest",
-           "model_config_record", "read_tensors", "save", "sealed_state", "split_state", "stage", "write"]
+__all__ = [
+    "ASYNC_MODES",
+    "STATE_FILE",
+    "Saver",
+    "check_model_config",
+    "checkpoint_dir",
+    "damaged",
+    "export_errors",
+    "export_hf",
+    "gather_loader_states",
+    "latest",
+    "load",
+    "load_model_weights",
+    "load_newest",
+    "model_config_record",
+    "read_tensors",
+    "save",
+    "sealed_state",
+    "split_state",
+    "stage",
+    "write",
+]

@@ -68,14 +68,20 @@ def key_path() -> Path:
 
 def _refuse_unless_private(path: Path, st: os.stat_result, what: str) -> None:
     if st.st_uid != os.getuid():
-        raise UntrustedKey(f"seal key {path}: its {what} belongs to uid {st.st_uid}, not to this user "
-                           f"({os.getuid()}); remove it or set {KEY_ENV} to a key of your own")
+        raise UntrustedKey(
+            f"seal key {path}: its {what} belongs to uid {st.st_uid}, not to this user "
+            f"({os.getuid()}); remove it or set {KEY_ENV} to a key of your own"
+        )
     if what == "file" and st.st_mode & 0o077:
-        raise UntrustedKey(f"seal key {path}: mode {stat.S_IMODE(st.st_mode):o} lets others read or replace it "
-                           f"(planted?); remove it (the next save makes a new one) or chmod 600 it if you made it")
+        raise UntrustedKey(
+            f"seal key {path}: mode {stat.S_IMODE(st.st_mode):o} lets others read or replace it "
+            f"(planted?); remove it (the next save makes a new one) or chmod 600 it if you made it"
+        )
     if what == "folder" and st.st_mode & 0o022:
-        raise UntrustedKey(f"seal key {path}: its folder {path.parent} is writable by others "
-                           f"(mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it or set {KEY_ENV}")
+        raise UntrustedKey(
+            f"seal key {path}: its folder {path.parent} is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it or set {KEY_ENV}"
+        )
 
 
 def seal_key(*, create: bool) -> bytes | None:
@@ -98,8 +104,9 @@ def seal_key(*, create: bool) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:  # ELOOP: a symlink
-        raise UntrustedKey(f"seal key {path}: does not open without following a link ({e.strerror}); "
-                           "remove it") from None
+        raise UntrustedKey(
+            f"seal key {path}: does not open without following a link ({e.strerror}); remove it"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
@@ -174,15 +181,19 @@ def check(step_dir: Path, key: bytes | None, state_file: str) -> dict:
     if not isinstance(state, dict):
         raise NotSealed(f"{state_file} is not a sealed state")
     if state.get("format") != FORMAT:
-        raise OldLayout(f"{state_file} names no checkpoint format: written in headrace's former pickled DCP layout "
-                        "(.metadata + .distcp), which cannot be loaded without unpickling it; load it with the "
-                        "headrace that wrote it and export hf/ (then model.pretrained_path=.../hf), or move it away "
-                        "to start afresh")
+        raise OldLayout(
+            f"{state_file} names no checkpoint format: written in headrace's former pickled DCP layout "
+            "(.metadata + .distcp), which cannot be loaded without unpickling it; load it with the "
+            "headrace that wrote it and export hf/ (then model.pretrained_path=.../hf), or move it away "
+            "to start afresh"
+        )
     if key is None:
         raise NotSealed(f"this user has no seal key ({key_path()}): it was written by someone else's saves")
     if not isinstance(state.get("seal"), str) or not hmac.compare_digest(_mac(key, state), state["seal"]):
-        raise NotSealed(f"its seal does not match this user's key {key_path()} ({state_file} changed since the "
-                        "save, or another user's run wrote it)")
+        raise NotSealed(
+            f"its seal does not match this user's key {key_path()} ({state_file} changed since the "
+            "save, or another user's run wrote it)"
+        )
     files = state["files"]
     present = {p.name for p in step_dir.iterdir()} - {state_file}
     if extra := sorted(present - files.keys()):
@@ -213,5 +224,17 @@ def verify_hashes(step_dir: Path, state: dict, rank: int, world: int) -> str | N
     return None
 
 
-__all__ = ["FORMAT", "HashingFileSystem", "Incomplete", "KEY_ENV", "NotSealed", "OldLayout", "UntrustedKey", "check",
-           "key_path", "seal", "seal_key", "verify_hashes"]
+__all__ = [
+    "FORMAT",
+    "HashingFileSystem",
+    "Incomplete",
+    "KEY_ENV",
+    "NotSealed",
+    "OldLayout",
+    "UntrustedKey",
+    "check",
+    "key_path",
+    "seal",
+    "seal_key",
+    "verify_hashes",
+]

@@ -34,8 +34,9 @@ def filesystem(url: str):
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
-        raise JobInputError(f"checkpoint.folder {url}: {e} (s3:// needs the s3 extra: pip install "
-                            "'headrace[s3]')") from None
+        raise JobInputError(
+            f"checkpoint.folder {url}: {e} (s3:// needs the s3 extra: pip install 'headrace[s3]')"
+        ) from None
 
 
 def join(url: str, *names: str) -> str:
@@ -68,8 +69,9 @@ def upload(local_dir: Path, names: list[str], url: str) -> None:
         try:
             fs.put_file(str(local_dir / name), join(root, name))
         except OSError as e:
-            raise JobInputError(f"checkpoint: cannot upload {local_dir / name} to {join(url, name)}: "
-                                f"{e.strerror or e}") from None
+            raise JobInputError(
+                f"checkpoint: cannot upload {local_dir / name} to {join(url, name)}: {e.strerror or e}"
+            ) from None
 
 
 def upload_tree(local_dir: Path, url: str, *, last: str) -> None:

@@ -91,8 +91,17 @@ class ThroughputWindow:
     MFU). ``flops_per_token``: the full-row count; ``matmul_flops_per_token`` + ``flops_per_pair`` x the
     dp ranks' attention pairs: the document-masked count (module docstring)."""
 
-    def __init__(self, waits: list[float], step: int, *, flops_per_token: float, peak: float | None, world: int,
-                 matmul_flops_per_token: float = 0.0, flops_per_pair: float = 0.0):
+    def __init__(
+        self,
+        waits: list[float],
+        step: int,
+        *,
+        flops_per_token: float,
+        peak: float | None,
+        world: int,
+        matmul_flops_per_token: float = 0.0,
+        flops_per_pair: float = 0.0,
+    ):
         self.waits = waits  # the prefetcher's data wait per batch handed out (DevicePrefetcher.waits, appended to)
         self.flops_per_token, self.peak, self.world = flops_per_token, peak, world
         self.matmul_flops_per_token, self.flops_per_pair = matmul_flops_per_token, flops_per_pair
@@ -120,12 +129,17 @@ class ThroughputWindow:
         full_row = tokens_per_s * self.flops_per_token / self.world
         pairs = self.attention_pairs if attention_pairs is None else attention_pairs
         flops_per_s = (self.tokens * self.matmul_flops_per_token + pairs * self.flops_per_pair) / elapsed / self.world
-        wait = sum(self.waits[self.first_batch:])
-        return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world,
-                "flops_per_s": flops_per_s, "mfu": flops_per_s / self.peak if self.peak else None,
-                "flops_per_s_full_row": full_row, "mfu_full_row": full_row / self.peak if self.peak else None,
-                "data_wait_frac": wait / elapsed,
-                "pack_fill": sum(self.fill) / len(self.fill) if self.fill else None}, (elapsed - wait) / (step - self.first_step)
+        wait = sum(self.waits[self.first_batch :])
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world,
+            "flops_per_s": flops_per_s,
+            "mfu": flops_per_s / self.peak if self.peak else None,
+            "flops_per_s_full_row": full_row,
+            "mfu_full_row": full_row / self.peak if self.peak else None,
+            "data_wait_frac": wait / elapsed,
+            "pack_fill": sum(self.fill) / len(self.fill) if self.fill else None,
+        }, (elapsed - wait) / (step - self.first_step)
 
     @contextlib.contextmanager
     def paused(self):
@@ -167,17 +181,24 @@ class MetricsLogger:
             return
         self._write(record, lambda key: f"train/{key}")
         if self.console is not None:
-            mfu = (f"mfu {record['mfu']:5.1%} (full row {record['mfu_full_row']:5.1%})"
-                   if record.get("mfu") is not None else
-                   f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s (full row {record['flops_per_s_full_row'] / 1e9:.2f})")
+            mfu = (
+                f"mfu {record['mfu']:5.1%} (full row {record['mfu_full_row']:5.1%})"
+                if record.get("mfu") is not None
+                else f"{record['flops_per_s'] / 1e9:7.2f} GFLOP/s (full row {record['flops_per_s_full_row'] / 1e9:.2f})"
+            )
             self.console.print(
                 f"[bold]step {record['step']:>5}[/]  loss [cyan]{record['loss']:.4f}[/]  lr {record['lr']:.2e}  "
                 f"gnorm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s "
                 f"({record['tokens_per_s_per_device']:,.0f}/dev)  {mfu}  data wait {record['data_wait_frac']:.1%}  "
                 + (f"pack fill {record['pack_fill']:.1%}  " if record["pack_fill"] is not None else "")
                 + f"mem {record['max_mem']:.2f} GiB"
-                + (f"  pp bubble {record['pp_bubble_measured']:.2f} (theory {record['pp_bubble_theory']:.2f})"
-                   if "pp_bubble_measured" in record else ""), soft_wrap=True)
+                + (
+                    f"  pp bubble {record['pp_bubble_measured']:.2f} (theory {record['pp_bubble_theory']:.2f})"
+                    if "pp_bubble_measured" in record
+                    else ""
+                ),
+                soft_wrap=True,
+            )
 
     def log_val(self, record: dict) -> None:
         """A validation record (``step``, ``val_*``) to metrics.jsonl, TensorBoard (``val/*``), the console."""
@@ -186,18 +207,23 @@ class MetricsLogger:
             return
         self._write(record, lambda key: f"val/{key.removeprefix('val_')}")
         if self.console is not None:
-            figures = "".join(f"  {key.removeprefix('val_')} {record[key]:.{digits}f}" for key, digits in VAL_FIGURES
-                              if key in record)  # a CTC stage has no perplexity; a SALM's ratio, a CTC's WER / CER
-            self.console.print(f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]"
-                               f"{figures}  ({record['val_tokens']:,} tokens, {record['val_docs']:,} documents)",
-                               soft_wrap=True)
+            figures = "".join(
+                f"  {key.removeprefix('val_')} {record[key]:.{digits}f}" for key, digits in VAL_FIGURES if key in record
+            )  # a CTC stage has no perplexity; a SALM's ratio, a CTC's WER / CER
+            self.console.print(
+                f"[bold]step {record['step']:>5}[/]  val loss [green]{record['val_loss']:.4f}[/]"
+                f"{figures}  ({record['val_tokens']:,} tokens, {record['val_docs']:,} documents)",
+                soft_wrap=True,
+            )
 
     def log_decoded(self, step: int, result: dict) -> None:
         """A SALM's in-training decode (``headrace.training.speech.eval.decode_split``'s result) to metrics.jsonl and
         TensorBoard as ``val_wer`` and ``val_wer_utterances``: the WER curve beside the val losses."""
         if self.enabled:
-            self._write({"step": step, "val_wer": result["wer"], "val_wer_utterances": result["utterances"]},
-                        lambda key: f"val/{key.removeprefix('val_')}")
+            self._write(
+                {"step": step, "val_wer": result["wer"], "val_wer_utterances": result["utterances"]},
+                lambda key: f"val/{key.removeprefix('val_')}",
+            )
 
     def _write(self, record: dict, tb_tag) -> None:
         """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
@@ -237,17 +263,21 @@ class MetricsLogger:
             if self.wandb_run is not None:
                 self.wandb_run.summary.update(result)
             if self.console is not None:
-                mfu = (f"MFU {result['mfu']:.1%} document-masked ({result['mfu_full_row']:.1%} full row)"
-                       if result["mfu"] is not None else
-                       f"{result['flops_per_s'] / 1e9:.2f} GFLOP/s document-masked "
-                       f"({result['flops_per_s_full_row'] / 1e9:.2f} full row; no MFU on CPU)")
+                mfu = (
+                    f"MFU {result['mfu']:.1%} document-masked ({result['mfu_full_row']:.1%} full row)"
+                    if result["mfu"] is not None
+                    else f"{result['flops_per_s'] / 1e9:.2f} GFLOP/s document-masked "
+                    f"({result['flops_per_s_full_row'] / 1e9:.2f} full row; no MFU on CPU)"
+                )
                 self.console.rule("summary")
                 self.console.print(
                     f"{result['steps']} steps, loss {result['first_loss']:.4f} -> {result['last_loss']:.4f}; "
                     f"{result['tokens_per_s']:,.0f} tok/s ({result['tokens_per_s_per_device']:,.0f} per device), "
                     f"{mfu}, data wait {result['data_wait_frac']:.1%}, "
                     + (f"pack fill {result['pack_fill']:.1%}, " if result["pack_fill"] is not None else "")
-                    + f"peak mem {result['max_mem']:.2f} GiB", soft_wrap=True)
+                    + f"peak mem {result['max_mem']:.2f} GiB",
+                    soft_wrap=True,
+                )
         return result
 
     def close(self) -> None:
@@ -264,9 +294,19 @@ def build_metrics_logger(cfg, rank: int) -> MetricsLogger:
     when ``logging.wandb``), the other ranks only keep the history."""
     out_dir = Path(cfg.trainer.output_dir)
     run = wandb_run.open_run(cfg.logging.wandb, out_dir, to_dict(cfg)) if cfg.logging.wandb and rank == 0 else None
-    return MetricsLogger(out_dir, enabled=rank == 0, console=cfg.logging.console,
-                         tensorboard=cfg.logging.tensorboard, wandb_run=run)
+    return MetricsLogger(
+        out_dir, enabled=rank == 0, console=cfg.logging.console, tensorboard=cfg.logging.tensorboard, wandb_run=run
+    )
 
 
-__all__ = ["PEAK_FLOPS", "MetricsLogger", "ThroughputWindow", "attention_flops_per_pair", "build_metrics_logger",
-           "flops_per_token", "matmul_flops_per_token", "max_memory_gib", "peak_flops"]
+__all__ = [
+    "PEAK_FLOPS",
+    "MetricsLogger",
+    "ThroughputWindow",
+    "attention_flops_per_pair",
+    "build_metrics_logger",
+    "flops_per_token",
+    "matmul_flops_per_token",
+    "max_memory_gib",
+    "peak_flops",
+]

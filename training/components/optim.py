@@ -47,8 +47,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, announce: bool = True) -
     impl, reason = optimizer_impl(decay + no_decay)
     if announce and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print(f"AdamW: {impl} ({reason})", flush=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=impl == "foreach",
-                             fused=impl == "fused" or None)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=impl == "foreach", fused=impl == "fused" or None
+    )
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -51,16 +51,21 @@ def lock_output_dir(out_dir: Path):
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / LOCK_FILE
         if (link := first_symlink(out_dir)) is not None:
-            refusal = (f"trainer.output_dir: {link} is a symbolic link out of it (to {os.readlink(link)}); the job "
-                       "writes only under its output_dir: remove the link, or point output_dir at the storage itself")
+            refusal = (
+                f"trainer.output_dir: {link} is a symbolic link out of it (to {os.readlink(link)}); the job "
+                "writes only under its output_dir: remove the link, or point output_dir at the storage itself"
+            )
         elif (held := try_lock(path)) is None:
             holder = path.read_text(errors="replace").strip() or "a process that wrote no name"
-            refusal = (f"trainer.output_dir: {out_dir} is in use by another training job ({holder}); wait for it to "
-                       "finish or choose another output_dir")
+            refusal = (
+                f"trainer.output_dir: {out_dir} is in use by another training job ({holder}); wait for it to "
+                "finish or choose another output_dir"
+            )
         else:
             held.truncate(0)
-            held.write(f"host {socket.gethostname()} pid {os.getpid()} since "
-                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+            held.write(
+                f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
+            )
             held.flush()
     box = [refusal]
     dist.broadcast_object_list(box, src=0)

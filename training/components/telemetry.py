@@ -70,11 +70,22 @@ def rank_spread(step_time: float, data_wait_frac: float, device: torch.device, c
     def spread(values: tuple[float, ...]) -> tuple[float, float, int]:
         return max(values), sum(values) / len(values), values.index(max(values))
 
-    (step_max, step_mean, slowest), (wait_max, wait_mean, waiting), (compute_max, compute_mean, straggler) = \
-        spread(step), spread(wait), spread(compute)
-    return {"step_time_max": step_max, "step_time_mean": step_mean, "slowest_rank": slowest,
-            "compute_time_max": compute_max, "compute_time_mean": compute_mean, "slowest_compute_rank": straggler,
-            "data_wait_max": wait_max, "data_wait_mean": wait_mean, "most_waiting_rank": waiting}
+    (step_max, step_mean, slowest), (wait_max, wait_mean, waiting), (compute_max, compute_mean, straggler) = (
+        spread(step),
+        spread(wait),
+        spread(compute),
+    )
+    return {
+        "step_time_max": step_max,
+        "step_time_mean": step_mean,
+        "slowest_rank": slowest,
+        "compute_time_max": compute_max,
+        "compute_time_mean": compute_mean,
+        "slowest_compute_rank": straggler,
+        "data_wait_max": wait_max,
+        "data_wait_mean": wait_mean,
+        "most_waiting_rank": waiting,
+    }
 
 
 def sum_over_dp(value: float, dp: int) -> float:

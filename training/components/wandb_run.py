@@ -19,13 +19,22 @@ def open_run(cfg: WandbConfig, output_dir: Path, run_config: dict):
         import wandb
     except ImportError as e:
         raise ImportError("logging.wandb needs the wandb package: pip install 'headrace[wandb]'") from e
-    return wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, group=cfg.group, tags=cfg.tags or None,
-                      mode=cfg.mode, dir=str(output_dir), config=run_config)
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=cfg.name,
+        group=cfg.group,
+        tags=cfg.tags or None,
+        mode=cfg.mode,
+        dir=str(output_dir),
+        config=run_config,
+    )
 
 
 def log(run, record: dict) -> None:
-    run.log({f"train/{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
-            step=record["step"])
+    run.log(
+        {f"train/{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}, step=record["step"]
+    )
 
 
 def finish(run) -> None:

@@ -17,32 +17,59 @@ from headrace.config import ConfigError
 # Automodel key -> (values that match this trainer's behaviour, why other values are refused).
 # Keys listed here are consumed (they have no field of their own in DistributedConfig).
 ACCEPTED_AT_DEFAULT = {
-    "patch_is_packed_sequence": ((False,), "headrace trains packed rows (document masking from cu_seqlens); "
-                                 "there is no transformers packed-sequence check to patch"),
+    "patch_is_packed_sequence": (
+        (False,),
+        "headrace trains packed rows (document masking from cu_seqlens); "
+        "there is no transformers packed-sequence check to patch",
+    ),
     "autocast_dtype": ((None,), "use trainer.precision: bf16 (FSDP2 MixedPrecisionPolicy, fp32 reduction)"),
     "mp_policy": ((None,), "use trainer.precision: bf16 (param_dtype bf16, reduce_dtype fp32) or fp32"),
-    "tp_plan": ((None,), "custom TP plans are not loaded: the Llama family uses headrace.training.distributed.tensor_parallel.apply_tp, "
-                "other families their transformers base_model_tp_plan"),
-    "activation_checkpointing_scope": (("all",), "only language-model blocks are checkpointed (no vision/audio "
-                                       "towers here)"),
+    "tp_plan": (
+        (None,),
+        "custom TP plans are not loaded: the Llama family uses headrace.training.distributed.tensor_parallel.apply_tp, "
+        "other families their transformers base_model_tp_plan",
+    ),
+    "activation_checkpointing_scope": (
+        ("all",),
+        "only language-model blocks are checkpointed (no vision/audio towers here)",
+    ),
     "enable_async_tensor_parallel": ((False,), "async TP (inductor micro-pipeline) is not wired in"),
-    "enable_fsdp2_prefetch": ((False,), "explicit FSDP2 prefetch chains are not implemented (FSDP2's implicit "
-                              "next-block prefetch is used)"),
+    "enable_fsdp2_prefetch": (
+        (False,),
+        "explicit FSDP2 prefetch chains are not implemented (FSDP2's implicit next-block prefetch is used)",
+    ),
     "fsdp2_backward_prefetch_depth": ((2,), "explicit FSDP2 prefetch chains are not implemented"),
     "fsdp2_forward_prefetch_depth": ((1,), "explicit FSDP2 prefetch chains are not implemented"),
 }
 # MegatronFSDPConfig's own options: meaningful only with strategy megatron_fsdp, which is not implemented.
 MEGATRON_FSDP_KEYS = (
-    "megatron_fsdp_unit_modules", "zero_dp_strategy", "init_fsdp_with_meta_device", "grad_reduce_in_fp32",
-    "preserve_fp32_weights", "overlap_grad_reduce", "overlap_param_gather", "check_for_nan_in_grad",
-    "report_nan_in_param_grad", "average_in_collective", "disable_bucketing", "calculate_per_token_loss",
-    "keep_fp8_transpose_cache", "nccl_ub", "fsdp_double_buffer",
+    "megatron_fsdp_unit_modules",
+    "zero_dp_strategy",
+    "init_fsdp_with_meta_device",
+    "grad_reduce_in_fp32",
+    "preserve_fp32_weights",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "check_for_nan_in_grad",
+    "report_nan_in_param_grad",
+    "average_in_collective",
+    "disable_bucketing",
+    "calculate_per_token_loss",
+    "keep_fp8_transpose_cache",
+    "nccl_ub",
+    "fsdp_double_buffer",
 )
 SIZE_KEYS = ("dp_size", "dp_replicate_size")  # the sizes Automodel lets be `none`
 CPU_OFFLOAD_TARGET = "torch.distributed.fsdp.CPUOffloadPolicy"
 # Automodel's top-level ``fp8:`` keys that torchtitan's ``quantize.linear.float8`` spells the same way.
-FP8_KEYS = ("recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
-            "force_recompute_fp8_weight_in_bwd", "filter_fqns", "emulate")
+FP8_KEYS = (
+    "recipe_name",
+    "enable_fsdp_float8_all_gather",
+    "precompute_float8_dynamic_scale_for_fsdp",
+    "force_recompute_fp8_weight_in_bwd",
+    "filter_fqns",
+    "emulate",
+)
 
 
 def translate_distributed(raw: dict) -> None:
@@ -54,12 +81,16 @@ def translate_distributed(raw: dict) -> None:
         if isinstance(section.get(key), str) and section[key].lower() in ("none", "null", "auto"):
             section[key] = None  # Automodel writes `dp_size: none` for "inferred from the world size"
     if section.get("strategy") == "megatron_fsdp":
-        raise ConfigError("distributed.strategy: megatron_fsdp is not implemented here (it needs megatron-core's "
-                          "FSDP); use fsdp2, which covers the same layouts")
+        raise ConfigError(
+            "distributed.strategy: megatron_fsdp is not implemented here (it needs megatron-core's "
+            "FSDP); use fsdp2, which covers the same layouts"
+        )
     for key in MEGATRON_FSDP_KEYS:
         if key in section:
-            raise ConfigError(f"distributed.{key}: a MegatronFSDP option, and strategy megatron_fsdp is not "
-                              "implemented here (use fsdp2 and remove it)")
+            raise ConfigError(
+                f"distributed.{key}: a MegatronFSDP option, and strategy megatron_fsdp is not "
+                "implemented here (use fsdp2 and remove it)"
+            )
     for key, (accepted, reason) in ACCEPTED_AT_DEFAULT.items():
         if key in section:
             value = section.pop(key)
@@ -69,8 +100,10 @@ def translate_distributed(raw: dict) -> None:
     if ac == "full":
         section["activation_checkpointing"] = True
     elif ac == "selective":
-        raise ConfigError("distributed.activation_checkpointing=selective is not supported: only full "
-                          "per-block checkpointing (true / full, activation_checkpointing_every for every N-th)")
+        raise ConfigError(
+            "distributed.activation_checkpointing=selective is not supported: only full "
+            "per-block checkpointing (true / full, activation_checkpointing_every for every N-th)"
+        )
     if "reshard_after_forward" in section and section["reshard_after_forward"] is None:
         del section["reshard_after_forward"]  # Automodel's heuristic == this trainer's default (true)
     if "offload_policy" in section:
@@ -86,11 +119,16 @@ def translate_offload_policy(value) -> dict:
     ...}``) or this trainer's ``none`` / ``cpu`` as ``DistributedConfig`` fields."""
     if value is None or value in ("none", "cpu"):
         return {"offload_policy": value or "none"}
-    if isinstance(value, dict) and value.get("_target_") == CPU_OFFLOAD_TARGET and set(value) <= {"_target_",
-                                                                                               "pin_memory"}:
+    if (
+        isinstance(value, dict)
+        and value.get("_target_") == CPU_OFFLOAD_TARGET
+        and set(value) <= {"_target_", "pin_memory"}
+    ):
         return {"offload_policy": "cpu", "offload_pin_memory": value.get("pin_memory", True)}
-    raise ConfigError(f"distributed.offload_policy={value!r} is not supported: use cpu, none, or "
-                      f"{{_target_: {CPU_OFFLOAD_TARGET}, pin_memory: true|false}}")
+    raise ConfigError(
+        f"distributed.offload_policy={value!r} is not supported: use cpu, none, or "
+        f"{{_target_: {CPU_OFFLOAD_TARGET}, pin_memory: true|false}}"
+    )
 
 
 def translate_fp8(raw: dict) -> None:
@@ -111,5 +149,12 @@ def translate_fp8(raw: dict) -> None:
     linear["float8"] = {key: value for key, value in block.items() if key != "enabled"}
 
 
-__all__ = ["ACCEPTED_AT_DEFAULT", "CPU_OFFLOAD_TARGET", "FP8_KEYS", "MEGATRON_FSDP_KEYS", "translate_distributed",
-           "translate_fp8", "translate_offload_policy"]
+__all__ = [
+    "ACCEPTED_AT_DEFAULT",
+    "CPU_OFFLOAD_TARGET",
+    "FP8_KEYS",
+    "MEGATRON_FSDP_KEYS",
+    "translate_distributed",
+    "translate_fp8",
+    "translate_offload_policy",
+]

@@ -52,9 +52,11 @@ class KindConfig:
 
 
 # model.kind -> its config facts; a new kind adds its name to ModelConfig.kind, its section, and a row here
-KIND_CONFIGS = {"causal_lm": KindConfig(section=None, bucketed=False, float8_and_offload=True),
-                "salm": KindConfig(section="speech", bucketed=True, peft_parts=("llm", "encoder")),
-                "ctc": KindConfig(section="speech", bucketed=True, peft_parts=(), has_llm=False, extra_section="ctc")}
+KIND_CONFIGS = {
+    "causal_lm": KindConfig(section=None, bucketed=False, float8_and_offload=True),
+    "salm": KindConfig(section="speech", bucketed=True, peft_parts=("llm", "encoder")),
+    "ctc": KindConfig(section="speech", bucketed=True, peft_parts=(), has_llm=False, extra_section="ctc"),
+}
 
 
 @dataclass(kw_only=True)
@@ -98,7 +100,9 @@ class DistributedConfig:
     tp_size: int = 1
     pp_size: int = 1
     cp_size: int = 1
-    cp_comm: Literal["allgather", "ring"] = "allgather"  # how CP attention exchanges K/V (headrace.kernels.cp_attention)
+    cp_comm: Literal["allgather", "ring"] = (
+        "allgather"  # how CP attention exchanges K/V (headrace.kernels.cp_attention)
+    )
     ep_size: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -178,7 +182,9 @@ class TrainerConfig:
     log_every: int = 1
     profile: ProfileConfig | None = None  # torch.profiler trace of a few steps, one file per rank
     eval_every: int = 0  # validate over the whole data.val stream every N steps and at the end (0: never)
-    data_seed: int | None = None  # this job's data seed: orders the epochs not yet begun (headrace.training.launch --jobs)
+    data_seed: int | None = (
+        None  # this job's data seed: orders the epochs not yet begun (headrace.training.launch --jobs)
+    )
     # a wall-clock budget (validation and decodes included): the first step that ends past it is the last one (it
     # logs, validates, saves and exports as max_steps' would); rank 0's clock decides for every rank. The LR
     # schedule still runs over max_steps: set max_steps near what the budget buys
@@ -262,7 +268,19 @@ def val_data_config(data: DataConfig) -> DataConfig | None:
 
 
 __all__ = [
-    "CheckpointConfig", "DistributedConfig", "Float8Config", "JobConfig", "LinearQuantizeConfig", "LoggingConfig",
-    "MoEConfig", "ModelConfig", "OptimConfig", "PipelineConfig", "ProfileConfig", "QuantizeConfig", "TrainerConfig",
-    "WandbConfig", "val_data_config",
+    "CheckpointConfig",
+    "DistributedConfig",
+    "Float8Config",
+    "JobConfig",
+    "LinearQuantizeConfig",
+    "LoggingConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PipelineConfig",
+    "ProfileConfig",
+    "QuantizeConfig",
+    "TrainerConfig",
+    "WandbConfig",
+    "val_data_config",
 ]

@@ -32,8 +32,11 @@ ACCEPTED_AT_DEFAULT = {
     "use_rslora": ((False,), "the scale is alpha / r (rank-stabilized scaling is not implemented)"),
     "use_dora": ((False,), "DoRA is not implemented"),
     "fan_in_fan_out": ((False,), "transformers' nn.Linear layers store (out, in)"),
-    "modules_to_save": ((None, []), "train whole modules through the model's own settings (e.g. a SALM's "
-                        "model.speech.adapter), not peft.modules_to_save"),
+    "modules_to_save": (
+        (None, []),
+        "train whole modules through the model's own settings (e.g. a SALM's "
+        "model.speech.adapter), not peft.modules_to_save",
+    ),
     "task_type": ((None, "CAUSAL_LM"), "this trainer trains causal LMs"),
     "init_lora_weights": ((True,), "set the adapter's init with lora_A_init"),
     "inference_mode": ((False,), "training needs trainable adapters"),

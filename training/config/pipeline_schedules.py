@@ -35,8 +35,10 @@ def schedule_class_name(name: str) -> str:
     """The torch schedule class for an Automodel or torchtitan spelling; ConfigError listing them otherwise."""
     key = re.sub(r"[_\-\s]", "", name.lower()).removeprefix("schedule")
     if key not in SCHEDULES:
-        raise ConfigError(f"distributed.pipeline.pp_schedule: unknown schedule {name!r} (accepted: "
-                          f"{', '.join(sorted(SCHEDULES))}; case, '_' and '-' are ignored)")
+        raise ConfigError(
+            f"distributed.pipeline.pp_schedule: unknown schedule {name!r} (accepted: "
+            f"{', '.join(sorted(SCHEDULES))}; case, '_' and '-' are ignored)"
+        )
     return SCHEDULES[key]
 
 

@@ -86,8 +86,12 @@ class AdapterConfig:
     def with_defaults(self) -> AdapterConfig:
         """This adapter with its unset fields at their defaults (a SALM not built from a speech-LLM checkpoint)."""
         kind = self.kind or "mlp"
-        return dataclasses.replace(self, kind=kind, subsampling=self.subsampling or (1 if kind == "linear" else 2),
-                                   bias=True if self.bias is None else self.bias)
+        return dataclasses.replace(
+            self,
+            kind=kind,
+            subsampling=self.subsampling or (1 if kind == "linear" else 2),
+            bias=True if self.bias is None else self.bias,
+        )
 
 
 DEFAULT_PROMPT = f"Transcribe the audio. {AUDIO_PLACEHOLDER} Transcript:"
@@ -132,15 +136,18 @@ class SpeechConfig:
             self.adapter = self.adapter.with_defaults()
             self.prompt = DEFAULT_PROMPT if self.prompt is None else self.prompt
         if self.encoder.kind in WHISPER_FEATURE_KINDS and self.features is not None:
-            raise ValueError("features: a whisper encoder takes Whisper's own log-mel features (n_fft 400, hop 160, "
-                             "n_mels = its config's num_mel_bins); leave model.speech.features unset")
+            raise ValueError(
+                "features: a whisper encoder takes Whisper's own log-mel features (n_fft 400, hop 160, "
+                "n_mels = its config's num_mel_bins); leave model.speech.features unset"
+            )
         if self.encoder.kind == "parakeet" and self.features is None:
             self.features = LogMelConfig()
         if self.ctc_weight < 0:
             raise ValueError(f"ctc_weight must be >= 0, got {self.ctc_weight}")
         if self.prompt is not None and self.prompt.count(AUDIO_PLACEHOLDER) != 1:
-            raise ValueError(f"prompt must contain the audio placeholder {AUDIO_PLACEHOLDER} exactly once: "
-                             f"{self.prompt!r}")
+            raise ValueError(
+                f"prompt must contain the audio placeholder {AUDIO_PLACEHOLDER} exactly once: {self.prompt!r}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -153,5 +160,12 @@ class CTCConfig:
     units: Literal["chars", "tokens"] = "chars"
 
 
-__all__ = ["AUDIO_PLACEHOLDER", "DEFAULT_PROMPT", "WHISPER_FEATURE_KINDS", "AdapterConfig", "CTCConfig",
-           "EncoderConfig", "SpeechConfig"]
+__all__ = [
+    "AUDIO_PLACEHOLDER",
+    "DEFAULT_PROMPT",
+    "WHISPER_FEATURE_KINDS",
+    "AdapterConfig",
+    "CTCConfig",
+    "EncoderConfig",
+    "SpeechConfig",
+]

@@ -74,8 +74,10 @@ def check_job(cfg) -> None:
     elif cfg.model.config is not None:
         model_type = cfg.model.config.get("model_type")
         if not isinstance(model_type, str) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ConfigError(f"model.config.model_type: {model_type!r} is not a causal LM model type of "
-                              f"transformers (e.g. llama, qwen3, mistral, qwen3_moe)")
+            raise ConfigError(
+                f"model.config.model_type: {model_type!r} is not a causal LM model type of "
+                f"transformers (e.g. llama, qwen3, mistral, qwen3_moe)"
+            )
     else:
         path = cfg.model.config_path or cfg.model.pretrained_path
         if not os.path.exists(path):
@@ -103,13 +105,19 @@ def check_config(cfg) -> None:
         if other.extra_section is not None and getattr(model, other.extra_section) is not None and other is not kind:
             raise ConfigError(f"model.{other.extra_section} is for model.kind: {name} (this job's kind: {model.kind})")
     if model.speech is not None and model.speech.encoder.from_checkpoint and model.pretrained_path is None:
-        raise ConfigError("model.speech.encoder: set one of config / config_path / pretrained_path"
-                          + (", or start from a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path"
-                             if kind.has_llm else f" (model.kind: {model.kind} trains the encoder alone)"))
+        raise ConfigError(
+            "model.speech.encoder: set one of config / config_path / pretrained_path"
+            + (
+                ", or start from a speech LLM's checkpoint (Qwen2-Audio, Voxtral) in model.pretrained_path"
+                if kind.has_llm
+                else f" (model.kind: {model.kind} trains the encoder alone)"
+            )
+        )
     if kind.bucketed:  # its batches come from data.bucketing, not THD rows
         if cfg.data.bucketing is None or cfg.data.seq_len is not None:
-            raise ConfigError(f"model.kind: {model.kind} trains on bucketed audio: set data.bucketing and leave "
-                              "data.seq_len unset")
+            raise ConfigError(
+                f"model.kind: {model.kind} trains on bucketed audio: set data.bucketing and leave data.seq_len unset"
+            )
     elif cfg.data.seq_len is None:  # the loop trains THD rows; without seq_len the loader collates plainly
         raise ConfigError("data.seq_len is required for training (the packed rows' length, e.g. 2048)")
     pipeline = cfg.distributed.pipeline
@@ -120,18 +128,24 @@ def check_config(cfg) -> None:
         raise ConfigError(f"distributed.pipeline.layers_per_stage must be >= 1, got {pipeline.layers_per_stage}")
     profile = cfg.trainer.profile
     if profile is not None and (profile.start < 1 or profile.steps < 1):
-        raise ConfigError(f"trainer.profile: start and steps must be >= 1, got start={profile.start} "
-                          f"steps={profile.steps}")
+        raise ConfigError(
+            f"trainer.profile: start and steps must be >= 1, got start={profile.start} steps={profile.steps}"
+        )
     if cfg.trainer.eval_every and cfg.data.val is None:
-        raise ConfigError(f"trainer.eval_every={cfg.trainer.eval_every} needs a data.val stream "
-                          "(e.g. data.val: {datasets: [{path: ..., split: val}]})")
+        raise ConfigError(
+            f"trainer.eval_every={cfg.trainer.eval_every} needs a data.val stream "
+            "(e.g. data.val: {datasets: [{path: ..., split: val}]})"
+        )
     check_cp_config(cfg)
     check_peft(cfg.peft, model.kind, KIND_CONFIGS[model.kind].peft_parts)
     check_float8_config(cfg)
-    if cfg.distributed.offload_policy == "cpu" and (cfg.distributed.strategy != "fsdp2"
-                                                    or not KIND_CONFIGS[cfg.model.kind].float8_and_offload):
-        raise ConfigError(f"distributed.offload_policy: cpu is FSDP2's CPUOffloadPolicy; it needs strategy: fsdp2 "
-                          f"and a model kind whose build applies it (model.kind {cfg.model.kind} does not)")
+    if cfg.distributed.offload_policy == "cpu" and (
+        cfg.distributed.strategy != "fsdp2" or not KIND_CONFIGS[cfg.model.kind].float8_and_offload
+    ):
+        raise ConfigError(
+            f"distributed.offload_policy: cpu is FSDP2's CPUOffloadPolicy; it needs strategy: fsdp2 "
+            f"and a model kind whose build applies it (model.kind {cfg.model.kind} does not)"
+        )
 
 
 def check_float8_config(cfg) -> None:
@@ -141,17 +155,24 @@ def check_float8_config(cfg) -> None:
         return
     key = "quantize.linear.float8"
     if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
-        raise ConfigError(f"{key}.enable_fsdp_float8_all_gather needs recipe_name: tensorwise (torchao all-gathers "
-                          f"float8 weights with one scale per tensor), got {float8.recipe_name}")
+        raise ConfigError(
+            f"{key}.enable_fsdp_float8_all_gather needs recipe_name: tensorwise (torchao all-gathers "
+            f"float8 weights with one scale per tensor), got {float8.recipe_name}"
+        )
     if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
-        raise ConfigError(f"{key}.precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather: true "
-                          "(it precomputes the scales that all-gather casts with)")
+        raise ConfigError(
+            f"{key}.precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather: true "
+            "(it precomputes the scales that all-gather casts with)"
+        )
     if cfg.distributed.tp_size > 1:
-        raise ConfigError(f"{key} with distributed.tp_size={cfg.distributed.tp_size} is not supported: the TP plan "
-                          "would need torchao's float8 TP styles; use FSDP2/HSDP/DDP, PP or CP with float8")
+        raise ConfigError(
+            f"{key} with distributed.tp_size={cfg.distributed.tp_size} is not supported: the TP plan "
+            "would need torchao's float8 TP styles; use FSDP2/HSDP/DDP, PP or CP with float8"
+        )
     if not KIND_CONFIGS[cfg.model.kind].float8_and_offload:
-        raise ConfigError(f"{key}: model.kind {cfg.model.kind} does not convert its linears (float8 applies to "
-                          "model.kind: causal_lm)")
+        raise ConfigError(
+            f"{key}: model.kind {cfg.model.kind} does not convert its linears (float8 applies to model.kind: causal_lm)"
+        )
 
 
 def check_cp_config(cfg) -> None:
@@ -160,27 +181,37 @@ def check_cp_config(cfg) -> None:
     if cp == 1:
         return
     if KIND_CONFIGS[cfg.model.kind].bucketed:
-        raise ConfigError(f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
-                          "supported (set cp_size to 1)")
+        raise ConfigError(
+            f"distributed.cp_size={cp} splits packed text rows: model.kind {cfg.model.kind} is not "
+            "supported (set cp_size to 1)"
+        )
     if cfg.distributed.pp_size > 1:
-        raise ConfigError(f"distributed.cp_size={cp} with pp_size={cfg.distributed.pp_size}: pipeline stages do "
-                          "not pass the CP attention group yet (set one of them to 1)")
+        raise ConfigError(
+            f"distributed.cp_size={cp} with pp_size={cfg.distributed.pp_size}: pipeline stages do "
+            "not pass the CP attention group yet (set one of them to 1)"
+        )
     check_cp_rows(cfg.data, cp, "data")
     if cfg.model.attn_implementation != ATTENTION_NAME:
-        raise ConfigError(f"distributed.cp_size={cp} runs attention through {ATTENTION_NAME}: set "
-                          f"model.attn_implementation={ATTENTION_NAME} (got {cfg.model.attn_implementation})")
+        raise ConfigError(
+            f"distributed.cp_size={cp} runs attention through {ATTENTION_NAME}: set "
+            f"model.attn_implementation={ATTENTION_NAME} (got {cfg.model.attn_implementation})"
+        )
 
 
 def check_cp_rows(data, cp: int, key: str) -> None:
     """Context parallelism cuts each packed row into 2 x cp chunks: ``data`` (the ``key`` section, a
     ``DataConfig``: ``data`` or the val stream's ``data.val``) must pack rows of a length divisible by 2 x cp."""
     if data.packing == "none" or data.seq_len is None:
-        raise ConfigError(f"distributed.cp_size={cp} needs packed THD rows: set {key}.packing to greedy or best_fit "
-                          f"and {key}.seq_len (got packing {data.packing}, seq_len {data.seq_len}; packing: none "
-                          "gives one padded document per row)")
+        raise ConfigError(
+            f"distributed.cp_size={cp} needs packed THD rows: set {key}.packing to greedy or best_fit "
+            f"and {key}.seq_len (got packing {data.packing}, seq_len {data.seq_len}; packing: none "
+            "gives one padded document per row)"
+        )
     if data.seq_len % (2 * cp):
-        raise ConfigError(f"{key}.seq_len={data.seq_len} must be divisible by 2 x distributed.cp_size = {2 * cp} "
-                          "(each row is cut into 2 x cp_size chunks)")
+        raise ConfigError(
+            f"{key}.seq_len={data.seq_len} must be divisible by 2 x distributed.cp_size = {2 * cp} "
+            "(each row is cut into 2 x cp_size chunks)"
+        )
 
 
 def check_validation(cfg) -> None:
@@ -188,15 +219,19 @@ def check_validation(cfg) -> None:
     job's layout."""
     val_cfg, dist_cfg = val_data_config(cfg.data), cfg.distributed
     if val_cfg is None:
-        raise ConfigError("data.val: validation needs a val stream: set data.val in the job config or as an "
-                          "override, e.g. 'data.val={datasets: [{path: DATASET_DIR, split: val}]}'")
+        raise ConfigError(
+            "data.val: validation needs a val stream: set data.val in the job config or as an "
+            "override, e.g. 'data.val={datasets: [{path: DATASET_DIR, split: val}]}'"
+        )
     if dist_cfg.cp_size > 1:
         check_cp_rows(val_cfg, dist_cfg.cp_size, "data.val")
     if dist_cfg.pp_size > 1 and schedule_class_name(dist_cfg.pipeline.pp_schedule) in V_SHAPED:
-        raise ConfigError(f"distributed.pipeline.pp_schedule {dist_cfg.pipeline.pp_schedule}: validation is not "
-                          "supported under the V schedules (torch 2.13's forward-only schedule.eval still hands "
-                          "gradients between a rank's two stages and fails); validate with another schedule, e.g. "
-                          "python -m headrace.training.eval ... distributed.pipeline.pp_schedule=1f1b")
+        raise ConfigError(
+            f"distributed.pipeline.pp_schedule {dist_cfg.pipeline.pp_schedule}: validation is not "
+            "supported under the V schedules (torch 2.13's forward-only schedule.eval still hands "
+            "gradients between a rank's two stages and fails); validate with another schedule, e.g. "
+            "python -m headrace.training.eval ... distributed.pipeline.pp_schedule=1f1b"
+        )
 
 
 def check_data_paths(data, key: str = "data") -> None:
@@ -218,14 +253,26 @@ def check_vocab(vocab_size: int, tokenizer_path: str | None, sources: Sequence[S
             raise ConfigError(f"model.tokenizer: {file} does not exist")
         size = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
         if size > vocab_size:
-            raise ConfigError(f"model.tokenizer: {tokenizer_path} has {size} tokens, more than the model's "
-                              f"vocab_size {vocab_size}; token ids >= {vocab_size} have no embedding")
+            raise ConfigError(
+                f"model.tokenizer: {tokenizer_path} has {size} tokens, more than the model's "
+                f"vocab_size {vocab_size}; token ids >= {vocab_size} have no embedding"
+            )
     for source in sources:
         for shard in source.index.shards:
             if shard.max_token is not None and shard.max_token >= vocab_size:
-                raise ConfigError(f"data: {source.path}/{shard.name} holds token id {shard.max_token}, "
-                                  f"outside the model's vocab_size {vocab_size} (tokenized for another model?)")
+                raise ConfigError(
+                    f"data: {source.path}/{shard.name} holds token id {shard.max_token}, "
+                    f"outside the model's vocab_size {vocab_size} (tokenized for another model?)"
+                )
 
 
-__all__ = ["check_config", "check_cp_config", "check_cp_rows", "check_data_paths", "check_float8_config", "check_job",
-           "check_validation", "check_vocab"]
+__all__ = [
+    "check_config",
+    "check_cp_config",
+    "check_cp_rows",
+    "check_data_paths",
+    "check_float8_config",
+    "check_job",
+    "check_validation",
+    "check_vocab",
+]

@@ -27,8 +27,10 @@ def cp_batch_transform(cp_size: int, cp_rank: int) -> Callable[[dict], dict]:
 
     def transform(batch: dict) -> dict:
         if "cu_seqlens" not in batch:
-            raise ValueError(f"distributed.cp_size={cp_size} needs packed batches with cu_seqlens (data.seq_len "
-                             f"with packing greedy/best_fit); got a batch with keys {sorted(batch)}")
+            raise ValueError(
+                f"distributed.cp_size={cp_size} needs packed batches with cu_seqlens (data.seq_len "
+                f"with packing greedy/best_fit); got a batch with keys {sorted(batch)}"
+            )
         shard = cp_shard(batch, cp_size, cp_rank)
         imbalance = attention_work(batch["cu_seqlens"], cp_size)["causal"]["imbalance"]
         keep = {k: shard[k] for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen")}
@@ -53,9 +55,16 @@ def cp_attention_kwargs(mesh, mode: str) -> dict:
 def cp_step_metrics(micro_batches: list[dict]) -> dict:
     """``cp_imbalance``: the step's mean per-batch work imbalance; ``cp_bytes_sent``: bytes this rank sent for
     attention since the trainer's last ``reset_exchanged_bytes()`` (once per step)."""
-    return {"cp_imbalance": sum(mb["cp_imbalance"] for mb in micro_batches) / len(micro_batches),
-            "cp_bytes_sent": exchanged_bytes()}
+    return {
+        "cp_imbalance": sum(mb["cp_imbalance"] for mb in micro_batches) / len(micro_batches),
+        "cp_bytes_sent": exchanged_bytes(),
+    }
 
 
-__all__ = ["cp_attention_kwargs", "cp_batch_transform", "cp_step_metrics", "rank_batch_transform",
-           "reset_exchanged_bytes"]
+__all__ = [
+    "cp_attention_kwargs",
+    "cp_batch_transform",
+    "cp_step_metrics",
+    "rank_batch_transform",
+    "reset_exchanged_bytes",
+]

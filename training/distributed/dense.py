@@ -39,8 +39,15 @@ from headrace.training.distributed.tensor_parallel import apply_hf_tp_plan, appl
 from headrace.training.models.families import OWN_TP_PLAN, decoder_blocks
 
 
-def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
-                           mlp_plan=None, ac_context_fn=None, adapters=None) -> nn.Module:
+def parallelize_decoder_lm(
+    model: nn.Module,
+    dims: ParallelDims,
+    cfg: DistributedConfig,
+    param_dtype: torch.dtype,
+    mlp_plan=None,
+    ac_context_fn=None,
+    adapters=None,
+) -> nn.Module:
     """Any transformers causal LM (``headrace.training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
     TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
     ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
@@ -61,8 +68,14 @@ def parallelize_decoder_lm(model: nn.Module, dims: ParallelDims, cfg: Distribute
     if uses_fsdp(dims, cfg, param_dtype):
         # With nothing sharded the weights stay gathered from forward to backward: a reshard would only make
         # backward cast the same fp32 weights to bf16 a second time (the GPU profile's dtype-copy kernels).
-        apply_fsdp(model, blocks, dims.get_mesh("fsdp"), param_dtype, cfg.reshard_after_forward and dims.dp_sharded,
-                   offload_policy(cfg))
+        apply_fsdp(
+            model,
+            blocks,
+            dims.get_mesh("fsdp"),
+            param_dtype,
+            cfg.reshard_after_forward and dims.dp_sharded,
+            offload_policy(cfg),
+        )
     return model
 
 
@@ -73,7 +86,9 @@ def apply_ac(layers: nn.Module, cfg: DistributedConfig, context_fn=None) -> None
         return
     for name, block in list(layers.named_children()):
         if int(name) % cfg.activation_checkpointing_every == 0:
-            layers.register_module(name, checkpoint_wrapper(block, **({"context_fn": context_fn} if context_fn else {})))
+            layers.register_module(
+                name, checkpoint_wrapper(block, **({"context_fn": context_fn} if context_fn else {}))
+            )
 
 
 def apply_compile(blocks: list[nn.Module], cfg: DistributedConfig) -> None:
@@ -98,8 +113,14 @@ def offload_policy(cfg: DistributedConfig) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
-               reshard_after_forward: bool, offload: OffloadPolicy = OffloadPolicy()) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    offload: OffloadPolicy = OffloadPolicy(),
+) -> None:
     """fully_shard each block (its all-gather overlaps the previous block's compute), then the root
     (embeddings, final norm, lm_head: tied weights stay in one group, unsharded for the whole loss
     forward). Compute runs in ``param_dtype``; sharded weights and gradient reduction stay fp32; with a
@@ -107,8 +128,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
 
 
@@ -120,5 +146,12 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return DistributedDataParallel(model, process_group=dims.get_mesh("dp").get_group(), device_ids=device_ids)
 
 
-__all__ = ["apply_ac", "apply_compile", "apply_ddp", "apply_fsdp", "offload_policy", "parallelize_decoder_lm",
-           "uses_fsdp"]
+__all__ = [
+    "apply_ac",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fsdp",
+    "offload_policy",
+    "parallelize_decoder_lm",
+    "uses_fsdp",
+]

@@ -110,9 +110,20 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def routed_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor, *, layer: int, num_experts: int, ep_group, ep: int,
-                           impl: str, stats: MoEStats | None, capacity: Capacity | None = None) -> torch.Tensor:
+def routed_experts_forward(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    layer: int,
+    num_experts: int,
+    ep_group,
+    ep: int,
+    impl: str,
+    stats: MoEStats | None,
+    capacity: Capacity | None = None,
+) -> torch.Tensor:
     """``experts(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)`` (module doc)."""
     routes = plan_routes(top_k_index, top_k_weights, num_experts, capacity)
     counts = routes.counts
@@ -129,8 +140,9 @@ def routed_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_
         send = counts.view(ep, local_experts).sum(1).tolist()
         recv = received_counts.view(ep, local_experts).sum(1).tolist()
         received = _AllToAll.apply(rows, recv, send, ep_group, stats)
-        expert_of_received = torch.repeat_interleave(torch.arange(local_experts, device=counts.device).repeat(ep),
-                                                     received_counts)
+        expert_of_received = torch.repeat_interleave(
+            torch.arange(local_experts, device=counts.device).repeat(ep), received_counts
+        )
         by_expert = expert_of_received.argsort(stable=True)
         local_counts = received_counts.view(ep, local_experts).sum(0)
         computed = grouped_experts(received[by_expert], gate_up, down, local_counts, experts.act_fn, impl)
@@ -141,11 +153,29 @@ def routed_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_
     return out.index_add(0, routes.token_of_row, weighted.to(out.dtype))
 
 
-def install_experts_forward(experts: nn.Module, *, layer: int, num_experts: int, ep_group, ep: int, impl: str,
-                            stats: MoEStats | None, capacity: Capacity | None = None) -> None:
+def install_experts_forward(
+    experts: nn.Module,
+    *,
+    layer: int,
+    num_experts: int,
+    ep_group,
+    ep: int,
+    impl: str,
+    stats: MoEStats | None,
+    capacity: Capacity | None = None,
+) -> None:
     """Make ``experts`` (one HF fused-experts module) run ``routed_experts_forward``."""
-    experts.forward = functools.partial(routed_experts_forward, experts, layer=layer, num_experts=num_experts,
-                                        ep_group=ep_group, ep=ep, impl=impl, stats=stats, capacity=capacity)
+    experts.forward = functools.partial(
+        routed_experts_forward,
+        experts,
+        layer=layer,
+        num_experts=num_experts,
+        ep_group=ep_group,
+        ep=ep,
+        impl=impl,
+        stats=stats,
+        capacity=capacity,
+    )
 
 
 __all__ = ["MoEStats", "install_experts_forward", "routed_experts_forward"]

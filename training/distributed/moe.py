@@ -64,34 +64,51 @@ def check_moe(dims: ParallelDims, cfg: DistributedConfig, hf_config) -> None:
     moe = cfg.moe
     experts = num_experts(hf_config)
     if experts % dims.ep:
-        raise ConfigError(f"distributed.ep_size={dims.ep} must divide the model's num_experts={experts} "
-                         "(each ep rank holds num_experts / ep_size experts)")
+        raise ConfigError(
+            f"distributed.ep_size={dims.ep} must divide the model's num_experts={experts} "
+            "(each ep rank holds num_experts / ep_size experts)"
+        )
     if moe.experts_implementation not in (*IMPLEMENTATIONS, "hf"):
-        raise ConfigError(f"distributed.moe.experts_implementation={moe.experts_implementation!r}: one of "
-                         f"{', '.join((*IMPLEMENTATIONS, 'hf'))}")
+        raise ConfigError(
+            f"distributed.moe.experts_implementation={moe.experts_implementation!r}: one of "
+            f"{', '.join((*IMPLEMENTATIONS, 'hf'))}"
+        )
     if moe.experts_implementation == "hf" and dims.ep > 1:
-        raise ConfigError("distributed.moe.experts_implementation=hf keeps transformers' experts forward, which "
-                         "cannot dispatch across ranks: use grouped_mm or loop with ep_size > 1")
+        raise ConfigError(
+            "distributed.moe.experts_implementation=hf keeps transformers' experts forward, which "
+            "cannot dispatch across ranks: use grouped_mm or loop with ep_size > 1"
+        )
     if not moe.wrap_outer_model and cfg.strategy == "fsdp2":
-        raise ConfigError("distributed.moe.wrap_outer_model=false is not supported: the FSDP2 root holds the "
-                         "embeddings and lm_head, whose weight the chunked loss reads unsharded in the root forward")
+        raise ConfigError(
+            "distributed.moe.wrap_outer_model=false is not supported: the FSDP2 root holds the "
+            "embeddings and lm_head, whose weight the chunked loss reads unsharded in the root forward"
+        )
     if moe.lm_head_precision not in (None, "bf16", "bfloat16") and cfg.strategy == "fsdp2":
-        raise ConfigError(f"distributed.moe.lm_head_precision={moe.lm_head_precision!r} is not supported: lm_head "
-                         "shares the root FSDP2 group's MixedPrecisionPolicy (use trainer.precision=fp32)")
+        raise ConfigError(
+            f"distributed.moe.lm_head_precision={moe.lm_head_precision!r} is not supported: lm_head "
+            "shares the root FSDP2 group's MixedPrecisionPolicy (use trainer.precision=fp32)"
+        )
     if moe.ignore_router_for_ac and not cfg.activation_checkpointing:
-        raise ConfigError("distributed.moe.ignore_router_for_ac=true only matters with "
-                         "distributed.activation_checkpointing=true")
+        raise ConfigError(
+            "distributed.moe.ignore_router_for_ac=true only matters with distributed.activation_checkpointing=true"
+        )
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
         raise ConfigError(f"distributed.moe.capacity_factor={moe.capacity_factor} must be > 0 (null: dropless)")
     if moe.capacity_factor is not None and moe.experts_implementation == "hf":
-        raise ConfigError("distributed.moe.capacity_factor needs experts_implementation grouped_mm or loop: "
-                         "transformers' own experts forward cannot drop tokens")
+        raise ConfigError(
+            "distributed.moe.capacity_factor needs experts_implementation grouped_mm or loop: "
+            "transformers' own experts forward cannot drop tokens"
+        )
     if moe.pad_to_capacity and moe.capacity_factor is None:
-        raise ConfigError("distributed.moe.pad_to_capacity=true needs distributed.moe.capacity_factor (dropless "
-                         "routing has no capacity to pad to)")
+        raise ConfigError(
+            "distributed.moe.pad_to_capacity=true needs distributed.moe.capacity_factor (dropless "
+            "routing has no capacity to pad to)"
+        )
     if dims.tp > 1 and hf_config.model_type == "olmoe":
-        raise ConfigError("tp_size > 1 with olmoe is not supported: its q_norm/k_norm normalize over all heads "
-                         "at once, which a head-sharded q/k projection cannot compute locally")
+        raise ConfigError(
+            "tp_size > 1 with olmoe is not supported: its q_norm/k_norm normalize over all heads "
+            "at once, which a head-sharded q/k projection cannot compute locally"
+        )
 
 
 def moe_mlp_plan(block: nn.Module, seq) -> dict:
@@ -102,9 +119,16 @@ def moe_mlp_plan(block: nn.Module, seq) -> dict:
         return dense_mlp_plan(block, seq)
     if seq == Replicate():
         return {}
-    return {"mlp": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                            use_local_input=True, output_layouts=(Replicate(),),
-                                            desired_output_layouts=(Shard(1),), use_local_output=True)}
+    return {
+        "mlp": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+    }
 
 
 def shard_experts(mlp: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -141,16 +165,18 @@ def router_saving_ac(model: nn.Module):
     return functools.partial(create_selective_checkpoint_contexts, scope.policy)
 
 
-def router_aux_loss(router_logits, labels: torch.Tensor, *, loss_fn, num_experts: int, top_k: int, coef: float,
-                    stats: MoEStats) -> torch.Tensor:
+def router_aux_loss(
+    router_logits, labels: torch.Tensor, *, loss_fn, num_experts: int, top_k: int, coef: float, stats: MoEStats
+) -> torch.Tensor:
     """``coef * aux * labelled tokens`` of one micro-batch (summed like the cross-entropy; module doc)."""
     aux = loss_fn(tuple(router_logits), num_experts, top_k)
     stats.aux_losses.append(float(aux.detach()))
     return coef * aux * (labels != IGNORE_INDEX).sum()
 
 
-def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
-                       adapters=None) -> nn.Module:
+def parallelize_moe_lm(
+    model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, adapters=None
+) -> nn.Module:
     """Experts (EP, grouped GEMM), router aux loss, then the dense recipe; see the module docstring."""
     hf_config = model.config
     check_moe(dims, cfg, hf_config)
@@ -162,28 +188,52 @@ def parallelize_moe_lm(model: nn.Module, dims: ParallelDims, cfg: DistributedCon
         ep_mesh = dims.get_mesh("ep")
         ep_group = ep_mesh.get_group()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    capacity = None if cfg.moe.capacity_factor is None else Capacity(
-        factor=cfg.moe.capacity_factor, policy=cfg.moe.token_drop_policy, pad=cfg.moe.pad_to_capacity)
+    capacity = (
+        None
+        if cfg.moe.capacity_factor is None
+        else Capacity(factor=cfg.moe.capacity_factor, policy=cfg.moe.token_drop_policy, pad=cfg.moe.pad_to_capacity)
+    )
     blocks = sparse_blocks(model)
     if not blocks:  # else expert parallelism, the grouped experts and the aux loss would silently not apply
-        raise ConfigError(f"model_type {hf_config.model_type!r}: no decoder layer's mlp holds `experts` (the "
-                          "transformers MoE layout headrace.training.distributed.moe reads)")
+        raise ConfigError(
+            f"model_type {hf_config.model_type!r}: no decoder layer's mlp holds `experts` (the "
+            "transformers MoE layout headrace.training.distributed.moe reads)"
+        )
     for layer, mlp in blocks:
         if cfg.moe.experts_implementation != "hf":
-            install_experts_forward(mlp.experts, layer=layer, num_experts=experts, ep_group=ep_group, ep=dims.ep,
-                                    impl=cfg.moe.experts_implementation, stats=stats, capacity=capacity)
+            install_experts_forward(
+                mlp.experts,
+                layer=layer,
+                num_experts=experts,
+                ep_group=ep_group,
+                ep=dims.ep,
+                impl=cfg.moe.experts_implementation,
+                stats=stats,
+                capacity=capacity,
+            )
         if ep_mesh is not None:
             shard_experts(mlp, ep_mesh)
-            fully_shard(mlp.experts, mesh=dims.get_mesh("ep_shard"), mp_policy=mp, offload_policy=offload_policy(cfg),
-                        reshard_after_forward=cfg.moe.reshard_after_forward)
+            fully_shard(
+                mlp.experts,
+                mesh=dims.get_mesh("ep_shard"),
+                mp_policy=mp,
+                offload_policy=offload_policy(cfg),
+                reshard_after_forward=cfg.moe.reshard_after_forward,
+            )
     coef = cfg.moe.aux_loss_coef if cfg.moe.aux_loss_coef is not None else hf_config.router_aux_loss_coef
     if coef:
         model.router_aux_loss = functools.partial(
-            router_aux_loss, loss_fn=sys.modules[type(model.causal_lm).__module__].load_balancing_loss_func,
-            num_experts=experts, top_k=hf_config.num_experts_per_tok, coef=coef, stats=stats)
+            router_aux_loss,
+            loss_fn=sys.modules[type(model.causal_lm).__module__].load_balancing_loss_func,
+            num_experts=experts,
+            top_k=hf_config.num_experts_per_tok,
+            coef=coef,
+            stats=stats,
+        )
     ac_context_fn = router_saving_ac(model) if cfg.moe.ignore_router_for_ac else None
-    return parallelize_decoder_lm(model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan,
-                                  ac_context_fn=ac_context_fn, adapters=adapters)
+    return parallelize_decoder_lm(
+        model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan, ac_context_fn=ac_context_fn, adapters=adapters
+    )
 
 
 def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
@@ -199,17 +249,22 @@ def step_metrics(model: nn.Module, loss_mesh: DeviceMesh) -> dict:
     layers = sorted(stats.tokens_per_expert)
     counts = torch.stack([stats.tokens_per_expert[i] for i in layers]) if layers else torch.zeros(0, 1)
     dist.all_reduce(counts, group=group)
-    sums = torch.tensor([sum(stats.aux_losses), len(stats.aux_losses), stats.a2a_bytes, stats.dropped],
-                        dtype=torch.float64)
+    sums = torch.tensor(
+        [sum(stats.aux_losses), len(stats.aux_losses), stats.a2a_bytes, stats.dropped], dtype=torch.float64
+    )
     dist.all_reduce(sums, group=group)
     seconds = torch.tensor(stats.a2a_seconds, dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     imbalance = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).max().item() if layers else None
     ranks = loss_mesh.size()
     routed = counts.sum().item()
-    return {"moe_imbalance": imbalance, "moe_dropped": sums[3].item() / routed if routed else None,
-            "moe_aux_loss": (sums[0] / sums[1]).item() if sums[1] else None,
-            "a2a_bytes": sums[2].item() / ranks, "a2a_s": seconds.item()}
+    return {
+        "moe_imbalance": imbalance,
+        "moe_dropped": sums[3].item() / routed if routed else None,
+        "moe_aux_loss": (sums[0] / sums[1]).item() if sums[1] else None,
+        "a2a_bytes": sums[2].item() / ranks,
+        "a2a_s": seconds.item(),
+    }
 
 
 def reset_step(model: nn.Module) -> None:

@@ -47,8 +47,9 @@ class Routes:
     dropped: torch.Tensor  # () assignments dropped by the capacity
 
 
-def plan_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
-                capacity: Capacity | None) -> Routes:
+def plan_routes(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int, capacity: Capacity | None
+) -> Routes:
     """Rows grouped by expert for ``top_k_index`` / ``top_k_weights`` (module docstring)."""
     tokens, k = top_k_index.shape
     flat_expert, flat_weight = top_k_index.reshape(-1), top_k_weights.reshape(-1)

@@ -41,31 +41,37 @@ def check_degrees(cfg, world_size: int) -> int:
     if cfg.strategy == "ddp":
         bad = {n: v for n, v in dict(tp_size=tp, pp_size=pp, cp_size=cp, ep_size=ep).items() if v > 1}
         if bad:
-            raise ConfigError(f"distributed: strategy ddp replicates the whole model: it cannot combine with "
-                              f"{bad}; use strategy fsdp2 for model parallelism")
+            raise ConfigError(
+                f"distributed: strategy ddp replicates the whole model: it cannot combine with "
+                f"{bad}; use strategy fsdp2 for model parallelism"
+            )
         if cfg.dp_replicate_size not in (None, 1):
-            raise ConfigError("distributed: dp_replicate_size (HSDP) needs strategy fsdp2; ddp already replicates "
-                              "everywhere")
+            raise ConfigError(
+                "distributed: dp_replicate_size (HSDP) needs strategy fsdp2; ddp already replicates everywhere"
+            )
     non_dp = tp * pp * cp
     if cfg.dp_size is None:
         if world_size % non_dp:
-            raise ConfigError(f"distributed: world size {world_size} is not divisible by tp_size * pp_size * "
-                              f"cp_size = {non_dp}")
+            raise ConfigError(
+                f"distributed: world size {world_size} is not divisible by tp_size * pp_size * cp_size = {non_dp}"
+            )
         dp = world_size // non_dp
     else:
         dp = cfg.dp_size
     if dp * non_dp != world_size:
-        raise ConfigError(f"distributed: dp_size * tp_size * pp_size * cp_size = {dp}*{tp}*{pp}*{cp} = "
-                          f"{dp * non_dp} must equal the world size {world_size}")
+        raise ConfigError(
+            f"distributed: dp_size * tp_size * pp_size * cp_size = {dp}*{tp}*{pp}*{cp} = "
+            f"{dp * non_dp} must equal the world size {world_size}"
+        )
     replicate = cfg.dp_replicate_size or 1
     if dp % replicate:
         raise ConfigError(f"distributed: dp_replicate_size {replicate} must divide dp_size {dp}")
     if cfg.sequence_parallel and tp == 1:
-        raise ConfigError("distributed: sequence_parallel shards activations over the tp group: it needs "
-                          "tp_size > 1")
+        raise ConfigError("distributed: sequence_parallel shards activations over the tp group: it needs tp_size > 1")
     if ep > 1 and (dp * cp) % ep:
-        raise ConfigError(f"distributed: ep_size {ep} must divide dp_size * cp_size = {dp * cp} (experts borrow "
-                          "those ranks)")
+        raise ConfigError(
+            f"distributed: ep_size {ep} must divide dp_size * cp_size = {dp * cp} (experts borrow those ranks)"
+        )
     if cfg.activation_checkpointing_every < 1:
         raise ConfigError("distributed: activation_checkpointing_every must be >= 1")
     return dp
@@ -91,9 +97,17 @@ class ParallelDims:
         them (``check_degrees``); dp inferred when ``dp_size`` is null. No mesh yet (``build_meshes``)."""
         dp = check_degrees(cfg, world_size)
         replicate = cfg.dp_replicate_size or 1
-        return cls(strategy=cfg.strategy, dp_replicate=replicate, dp_shard=dp // replicate, cp=cfg.cp_size,
-                   tp=cfg.tp_size, pp=cfg.pp_size, ep=cfg.ep_size, sequence_parallel=cfg.sequence_parallel,
-                   world_size=world_size)
+        return cls(
+            strategy=cfg.strategy,
+            dp_replicate=replicate,
+            dp_shard=dp // replicate,
+            cp=cfg.cp_size,
+            tp=cfg.tp_size,
+            pp=cfg.pp_size,
+            ep=cfg.ep_size,
+            sequence_parallel=cfg.sequence_parallel,
+            world_size=world_size,
+        )
 
     @property
     def dp(self) -> int:
@@ -131,7 +145,7 @@ class ParallelDims:
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        meshes["fsdp"] = (world["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else meshes["dp_shard_cp"])
+        meshes["fsdp"] = world["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else meshes["dp_shard_cp"]
         if self.ep_enabled:
             moe_mesh = meshes["dp_cp"]._unflatten(0, ((self.dp * self.cp) // self.ep, self.ep), ("ep_shard", "ep"))
             meshes |= {"ep": moe_mesh["ep"], "ep_shard": moe_mesh["ep_shard"]}

@@ -25,13 +25,16 @@ from headrace.training.models.families import LLAMA_LIKE, MOE_MODEL_TYPES, OWN_T
 def check_supported(dims: ParallelDims, hf_config) -> None:
     """Fail before building anything when the layout asks for what is not implemented or cannot split."""
     if dims.ep > 1 and hf_config.model_type not in MOE_MODEL_TYPES:
-        raise ConfigError(f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
-                         f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts")
+        raise ConfigError(
+            f"distributed.ep_size={dims.ep} needs a mixture-of-experts model "
+            f"({', '.join(MOE_MODEL_TYPES)}); {hf_config.model_type!r} has no experts"
+        )
     if dims.tp > 1:
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
         if heads % dims.tp or kv_heads % dims.tp:
-            raise ConfigError(f"tp_size {dims.tp} must divide num_attention_heads {heads} and "
-                             f"num_key_value_heads {kv_heads}")
+            raise ConfigError(
+                f"tp_size {dims.tp} must divide num_attention_heads {heads} and num_key_value_heads {kv_heads}"
+            )
         if hf_config.model_type not in OWN_TP_PLAN:
             check_hf_tp_plan(hf_config, dims.sequence_parallel)
 
@@ -42,8 +45,9 @@ PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
-                adapters=None) -> nn.Module:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, adapters=None
+) -> nn.Module:
     """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default);
     ``adapters``: LoRA, added after TP (``headrace.training.models.lora.adapter_hook``)."""
     check_supported(dims, model.config)

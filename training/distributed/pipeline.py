@@ -72,26 +72,36 @@ def stage_count(cfg: PipelineConfig, class_name: str, pp: int, num_layers: int) 
     """How many stages in all, from the schedule kind and ``layers_per_stage``; ValueError when impossible."""
     if cfg.layers_per_stage is not None:
         if num_layers % cfg.layers_per_stage:
-            raise ValueError(f"distributed.pipeline.layers_per_stage {cfg.layers_per_stage} does not divide "
-                             f"num_hidden_layers {num_layers}")
+            raise ValueError(
+                f"distributed.pipeline.layers_per_stage {cfg.layers_per_stage} does not divide "
+                f"num_hidden_layers {num_layers}"
+            )
         stages = num_layers // cfg.layers_per_stage
         if stages % pp and class_name not in SINGLE_STAGE + V_SHAPED and cfg.round_virtual_stages_to_pp_multiple:
             up = cfg.round_virtual_stages_to_pp_multiple == "up"
             stages = max(pp, (stages + (pp - 1 if up else 0)) // pp * pp)
     else:
         stages = pp if class_name in SINGLE_STAGE else 2 * pp
-    wanted = {**dict.fromkeys(SINGLE_STAGE, (pp, "one stage per rank")),
-              **dict.fromkeys(V_SHAPED, (2 * pp, "two stages per rank (V)"))}.get(class_name)
+    wanted = {
+        **dict.fromkeys(SINGLE_STAGE, (pp, "one stage per rank")),
+        **dict.fromkeys(V_SHAPED, (2 * pp, "two stages per rank (V)")),
+    }.get(class_name)
     if wanted is not None and stages != wanted[0]:
-        raise ValueError(f"distributed.pipeline: {class_name} runs {wanted[1]}, i.e. {wanted[0]} stages at "
-                         f"pp_size {pp}, but layers_per_stage {cfg.layers_per_stage} gives {stages}")
+        raise ValueError(
+            f"distributed.pipeline: {class_name} runs {wanted[1]}, i.e. {wanted[0]} stages at "
+            f"pp_size {pp}, but layers_per_stage {cfg.layers_per_stage} gives {stages}"
+        )
     if stages % pp:
-        raise ValueError(f"distributed.pipeline: {stages} stages ({num_layers} layers / layers_per_stage "
-                         f"{cfg.layers_per_stage}) is not a multiple of pp_size {pp}; set "
-                         "round_virtual_stages_to_pp_multiple: up|down or another layers_per_stage")
+        raise ValueError(
+            f"distributed.pipeline: {stages} stages ({num_layers} layers / layers_per_stage "
+            f"{cfg.layers_per_stage}) is not a multiple of pp_size {pp}; set "
+            "round_virtual_stages_to_pp_multiple: up|down or another layers_per_stage"
+        )
     if stages > num_layers:
-        raise ValueError(f"distributed.pipeline: {stages} stages need at least one decoder block each but the "
-                         f"model has num_hidden_layers {num_layers}")
+        raise ValueError(
+            f"distributed.pipeline: {stages} stages need at least one decoder block each but the "
+            f"model has num_hidden_layers {num_layers}"
+        )
     return stages
 
 
@@ -99,13 +109,17 @@ def microbatch_count(rows: int, microbatch_size: int, class_name: str, stages: i
     """Microbatches per step (``rows`` = data.batch_size x trainer.grad_accum); ValueError when the schedule
     cannot run them."""
     if rows % microbatch_size:
-        raise ValueError(f"distributed.pipeline.pp_microbatch_size {microbatch_size} must divide the rows of a "
-                         f"step, data.batch_size x trainer.grad_accum = {rows}")
+        raise ValueError(
+            f"distributed.pipeline.pp_microbatch_size {microbatch_size} must divide the rows of a "
+            f"step, data.batch_size x trainer.grad_accum = {rows}"
+        )
     count = rows // microbatch_size
     if class_name in NEEDS_M_GE_STAGES and count < stages:
-        raise ValueError(f"distributed.pipeline: {class_name} needs at least as many microbatches as stages "
-                         f"({stages}) but gets {count} (data.batch_size x trainer.grad_accum / pp_microbatch_size "
-                         f"= {rows} / {microbatch_size}); raise the batch or lower pp_microbatch_size")
+        raise ValueError(
+            f"distributed.pipeline: {class_name} needs at least as many microbatches as stages "
+            f"({stages}) but gets {count} (data.batch_size x trainer.grad_accum / pp_microbatch_size "
+            f"= {rows} / {microbatch_size}); raise the batch or lower pp_microbatch_size"
+        )
     return count
 
 
@@ -119,8 +133,12 @@ def split_layers(block_params: list[int], head_params: tuple[int, int], stages: 
         prefix.append(prefix[-1] + p)
 
     def weight(stage: int, lo: int, hi: int) -> int:
-        return (prefix[hi] - prefix[lo] + (head_params[0] if stage == 0 else 0)
-                + (head_params[1] if stage == stages - 1 else 0))
+        return (
+            prefix[hi]
+            - prefix[lo]
+            + (head_params[0] if stage == 0 else 0)
+            + (head_params[1] if stage == stages - 1 else 0)
+        )
 
     # best[s][i]: the smallest (max weight, sum of squares) when stages 0..s-1 hold blocks 0..i-1; cut[s][i]
     # the start of stage s-1 in that split
@@ -190,8 +208,13 @@ class DecoderStage(nn.Module):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
-        mask_kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                           position_ids=position_ids)
+        mask_kwargs = dict(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
         masks = {"full_attention": create_causal_mask(**mask_kwargs)}
         if getattr(self.decoder, "has_sliding_layers", False):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
@@ -200,13 +223,19 @@ class DecoderStage(nn.Module):
         position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
         for name, block in self.model.layers.items():
             kind = layer_types[int(name)] if layer_types else "full_attention"
-            hidden = block(hidden, attention_mask=masks[kind], position_embeddings=position_embeddings,
-                           use_cache=False, **attn_kwargs)
+            hidden = block(
+                hidden,
+                attention_mask=masks[kind],
+                position_embeddings=position_embeddings,
+                use_cache=False,
+                **attn_kwargs,
+            )
         if self.lm_head is None:
             return hidden
         hidden = self.model.norm(hidden)
-        return self.lm_head(hidden) if labels is None else lm_head_loss_sum(self.lm_head, hidden, labels,
-                                                                            self.chunk_size)
+        return (
+            self.lm_head(hidden) if labels is None else lm_head_loss_sum(self.lm_head, hidden, labels, self.chunk_size)
+        )
 
 
 class ScaledLoss:
@@ -245,6 +274,7 @@ class PipelineTimer:
             finally:
                 self._sync()
                 self.busy += time.perf_counter() - start
+
         return run
 
 
@@ -278,37 +308,51 @@ class Pipeline:
         return bubble_theory(self.class_name, self.pp_mesh.size(), len(self.stages), self.n_microbatches)
 
 
-def build_pipeline(cfg: JobConfig, dims, device: torch.device,
-                   hf_config) -> Pipeline:
+def build_pipeline(cfg: JobConfig, dims, device: torch.device, hf_config) -> Pipeline:
     """Split on the meta device, parallelize every stage (TP/SP, AC, compile, FSDP2), materialize this rank's
     part (init or ``model.pretrained_path``), build the schedule."""
     pcfg = cfg.distributed.pipeline
     class_name = schedule_class_name(pcfg.pp_schedule)
     if hf_config.model_type not in LLAMA_LIKE:  # the decoders whose forward DecoderStage reproduces
-        raise ValueError(f"pp_size > 1: model_type {hf_config.model_type!r} has no pipeline split rule "
-                         f"(supported: {', '.join(LLAMA_LIKE)})")
+        raise ValueError(
+            f"pp_size > 1: model_type {hf_config.model_type!r} has no pipeline split rule "
+            f"(supported: {', '.join(LLAMA_LIKE)})"
+        )
     if getattr(hf_config, "tie_word_embeddings", False):
-        raise ValueError("pp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head live "
-                         "on different stages); set model.config.tie_word_embeddings=false")
+        raise ValueError(
+            "pp_size > 1 with tie_word_embeddings=true is not supported (embedding and lm_head live "
+            "on different stages); set model.config.tie_word_embeddings=false"
+        )
     pp, pp_rank = dims.pp, dims.get_mesh("pp").get_local_rank()
     num_layers = hf_config.num_hidden_layers
     total = stage_count(pcfg, class_name, pp, num_layers)
-    n_micro = microbatch_count(cfg.data.batch_size * cfg.trainer.grad_accum, pcfg.pp_microbatch_size,
-                               class_name, total)
+    n_micro = microbatch_count(cfg.data.batch_size * cfg.trainer.grad_accum, pcfg.pp_microbatch_size, class_name, total)
 
     full = CausalLMLoss(build_meta_model(hf_config))
     apply_quantize(full, cfg.quantize, device)
     blocks = [sum(p.numel() for p in block.parameters()) for block in full.model.layers]
-    heads = (full.model.embed_tokens.weight.numel(),
-             sum(p.numel() for p in full.model.norm.parameters()) + full.lm_head.weight.numel())
-    ranges = ([range(s * pcfg.layers_per_stage, (s + 1) * pcfg.layers_per_stage) for s in range(total)]
-              if pcfg.layers_per_stage is not None and total * pcfg.layers_per_stage == num_layers
-              else split_layers(blocks, heads, total))
+    heads = (
+        full.model.embed_tokens.weight.numel(),
+        sum(p.numel() for p in full.model.norm.parameters()) + full.lm_head.weight.numel(),
+    )
+    ranges = (
+        [range(s * pcfg.layers_per_stage, (s + 1) * pcfg.layers_per_stage) for s in range(total)]
+        if pcfg.layers_per_stage is not None and total * pcfg.layers_per_stage == num_layers
+        else split_layers(blocks, heads, total)
+    )
     mine = local_stage_ids(class_name, pp_rank, pp, total)
     part = prune_to_part(full, [i for s in sorted(mine) for i in ranges[s]], 0 in mine, total - 1 in mine)
     stage_cfg = replace(cfg.distributed, reshard_after_forward=pcfg.reshard_after_forward)
-    modules = [parallelize(DecoderStage(part, ranges[s], s == 0, s == total - 1), dims, stage_cfg,
-                           param_dtype(cfg.trainer.precision), adapters=adapter_hook(cfg.peft)) for s in mine]
+    modules = [
+        parallelize(
+            DecoderStage(part, ranges[s], s == 0, s == total - 1),
+            dims,
+            stage_cfg,
+            param_dtype(cfg.trainer.precision),
+            adapters=adapter_hook(cfg.peft),
+        )
+        for s in mine
+    ]
     materialize(part, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
     if cfg.peft is not None:
         init_adapters(part, cfg.peft)
@@ -316,17 +360,33 @@ def build_pipeline(cfg: JobConfig, dims, device: torch.device,
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()
     cls = getattr(torch_schedules, class_name)
-    schedule = cls(stages[0] if class_name in SINGLE_STAGE else stages, n_microbatches=n_micro, loss_fn=loss,
-                   scale_grads=pcfg.scale_grads_in_schedule)
+    schedule = cls(
+        stages[0] if class_name in SINGLE_STAGE else stages,
+        n_microbatches=n_micro,
+        loss_fn=loss,
+        scale_grads=pcfg.scale_grads_in_schedule,
+    )
     if dist.get_rank() == 0:
         blocks_text = ", ".join(f"{r.start}-{r.stop - 1}" for r in ranges)
-        print(f"pipeline {class_name}: {total} stages over pp {pp} (blocks {blocks_text}), {n_micro} microbatches "
-              f"of {pcfg.pp_microbatch_size} rows, theoretical bubble "
-              f"{bubble_theory(class_name, pp, len(mine), n_micro):.3f}", flush=True)
-    return Pipeline(part=part, stages=stages, stage_ranges=ranges, schedule=schedule, class_name=class_name,
-                    n_microbatches=n_micro, microbatch_size=pcfg.pp_microbatch_size,
-                    scale_grads_in_schedule=pcfg.scale_grads_in_schedule, loss=loss,
-                    timer=PipelineTimer(stages, device), pp_mesh=dims.get_mesh("pp"))
+        print(
+            f"pipeline {class_name}: {total} stages over pp {pp} (blocks {blocks_text}), {n_micro} microbatches "
+            f"of {pcfg.pp_microbatch_size} rows, theoretical bubble "
+            f"{bubble_theory(class_name, pp, len(mine), n_micro):.3f}",
+            flush=True,
+        )
+    return Pipeline(
+        part=part,
+        stages=stages,
+        stage_ranges=ranges,
+        schedule=schedule,
+        class_name=class_name,
+        n_microbatches=n_micro,
+        microbatch_size=pcfg.pp_microbatch_size,
+        scale_grads_in_schedule=pcfg.scale_grads_in_schedule,
+        loss=loss,
+        timer=PipelineTimer(stages, device),
+        pp_mesh=dims.get_mesh("pp"),
+    )
 
 
 def run_schedule(pipe: Pipeline, rows: dict, *, train: bool) -> list[torch.Tensor]:
@@ -359,5 +419,15 @@ def pipeline_metrics(pipe: Pipeline, max_mem_gib: float) -> dict:
     }
 
 
-__all__ = ["DecoderStage", "Pipeline", "bubble_theory", "build_pipeline", "local_stage_ids", "microbatch_count",
-           "pipeline_metrics", "run_schedule", "split_layers", "stage_count"]
+__all__ = [
+    "DecoderStage",
+    "Pipeline",
+    "bubble_theory",
+    "build_pipeline",
+    "local_stage_ids",
+    "microbatch_count",
+    "pipeline_metrics",
+    "run_schedule",
+    "split_layers",
+    "stage_count",
+]

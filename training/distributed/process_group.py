@@ -48,8 +48,10 @@ def pick_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
-                             "(use trainer.device=cpu or auto)")
+            raise ValueError(
+                f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
+                "(use trainer.device=cpu or auto)"
+            )
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 

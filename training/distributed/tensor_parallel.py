@@ -51,26 +51,43 @@ TP_STYLES = {
 
 def dense_mlp_plan(block: nn.Module, seq) -> dict:
     """Megatron MLP: gate/up column-wise, down row-wise (its output back to the ``seq`` layout)."""
-    plan = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+    plan = {
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+    }
     if seq != Replicate():
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=True)
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp_plan=dense_mlp_plan,
-             embed_output: Placement | None = None) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    mlp_plan=dense_mlp_plan,
+    embed_output: Placement | None = None,
+) -> None:
     """Megatron-style TP: q/k/v and gate/up column-wise, o/down row-wise; with SP the norms and the residual
     stream are sharded over the sequence dim and all-gathered just before attention / MLP. ``embed_output``
     overrides the embedding's output layout (a SALM splits the sequence itself after adding audio)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     present = dict(model.named_modules())  # a pipeline stage holds only some of these
-    parallelize_module(model, tp_mesh, {name: style for name, style in {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_output or seq),
-        **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
-        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    }.items() if name in present})
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            name: style
+            for name, style in {
+                "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=embed_output or seq),
+                **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
+                "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+            }.items()
+            if name in present
+        },
+    )
     layer_plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -82,9 +99,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, mlp
             "input_layernorm": SequenceParallel(),
             "post_attention_layernorm": SequenceParallel(),
             # self_attn is called with keyword arguments; gather the sequence before q/k/v.
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            ),
         }
     for block in model.model.layers.children():
         parallelize_module(block, tp_mesh, layer_plan | head_norm_plan(block) | mlp_plan(block, seq))
@@ -95,23 +114,32 @@ def head_norm_plan(block: nn.Module) -> dict:
     """Qwen3's per-head q_norm/k_norm see only this rank's heads: their input is marked sharded on the head dim
     (``(B, S, heads, head_dim)``), so the replicated weight's gradient is a partial sum that DTensor all-reduces
     over tp. Without it each tp rank would update the weight from half the heads and the replicas would drift."""
-    return {f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
-            for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)}
+    return {
+        f"self_attn.{name}": SequenceParallel(sequence_dim=2, use_local_output=True)
+        for name in ("q_norm", "k_norm")
+        if hasattr(block.self_attn, name)
+    }
 
 
 def check_hf_tp_plan(hf_config, sequence_parallel: bool) -> None:
     """Fail before building when ``tp_size > 1`` cannot be served by the model's own plan."""
     plan = getattr(hf_config, "base_model_tp_plan", None)
     if not plan:
-        raise ConfigError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} has no base_model_tp_plan "
-                         "in transformers (set tp_size: 1)")
+        raise ConfigError(
+            f"distributed.tp_size > 1: model_type {hf_config.model_type!r} has no base_model_tp_plan "
+            "in transformers (set tp_size: 1)"
+        )
     if sequence_parallel:
-        raise ConfigError(f"distributed.sequence_parallel: model_type {hf_config.model_type!r} has no "
-                         f"sequence-parallel plan (written for {', '.join(LLAMA_LIKE)}); set it false")
+        raise ConfigError(
+            f"distributed.sequence_parallel: model_type {hf_config.model_type!r} has no "
+            f"sequence-parallel plan (written for {', '.join(LLAMA_LIKE)}); set it false"
+        )
     unknown = {k: v for k, v in plan.items() if v not in TP_STYLES}
     if unknown:
-        raise ConfigError(f"distributed.tp_size > 1: model_type {hf_config.model_type!r} uses TP styles "
-                         f"{unknown} that the trainer does not translate (known: {', '.join(TP_STYLES)})")
+        raise ConfigError(
+            f"distributed.tp_size > 1: model_type {hf_config.model_type!r} uses TP styles "
+            f"{unknown} that the trainer does not translate (known: {', '.join(TP_STYLES)})"
+        )
 
 
 def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -124,10 +152,14 @@ def apply_hf_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
     plan = {k: v for k, v in hf.config.base_model_tp_plan.items() if k != in_base.get(embedding)}
     parallelize_module(base, tp_mesh, {k: TP_STYLES[v]() for k, v in plan.items()})
     names = {module: name for name, module in model.named_modules()}
-    parallelize_module(model, tp_mesh, {
-        names[embedding]: TP_STYLES["embedding_rowwise"](),
-        names[head]: ColwiseParallel(output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            names[embedding]: TP_STYLES["embedding_rowwise"](),
+            names[head]: ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     retie(model)
 
 
@@ -139,5 +171,4 @@ def retie(model: nn.Module) -> None:
         hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
 
 
-__all__ = ["TP_STYLES", "apply_hf_tp_plan", "apply_tp", "check_hf_tp_plan", "dense_mlp_plan", "head_norm_plan",
-           "retie"]
+__all__ = ["TP_STYLES", "apply_hf_tp_plan", "apply_tp", "check_hf_tp_plan", "dense_mlp_plan", "head_norm_plan", "retie"]

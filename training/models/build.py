@@ -59,9 +59,11 @@ def build_hf_config(cfg: ModelConfig, *, text_model: bool = False) -> Pretrained
     model_cls = causal_lm_class(config)
     check_family(config, model_cls)
     if cfg.attn_implementation == ATTENTION_NAME and not supports_packed_attention(model_cls):
-        raise ConfigError(f"model_type {config.model_type!r} does not take transformers' attention interface, so "
-                         f"model.attn_implementation={ATTENTION_NAME} cannot mask documents; use sdpa with "
-                         "data.packing: none (the trainer switches to that by itself, see headrace.training.models.families)")
+        raise ConfigError(
+            f"model_type {config.model_type!r} does not take transformers' attention interface, so "
+            f"model.attn_implementation={ATTENTION_NAME} cannot mask documents; use sdpa with "
+            "data.packing: none (the trainer switches to that by itself, see headrace.training.models.families)"
+        )
     if cfg.init_std is not None:
         config.initializer_range = cfg.init_std
     if cfg.attn_implementation == ATTENTION_NAME:
@@ -88,12 +90,14 @@ def causal_lm_class(config: PretrainedConfig) -> type:
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        raise ConfigError(f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers "
-                         "(not a causal LM)") from None
+        raise ConfigError(
+            f"model_type {config.model_type!r} has no AutoModelForCausalLM class in transformers (not a causal LM)"
+        ) from None
 
 
-def one_document_per_row(cfg: JobConfig, llm_config: Callable[[ModelConfig], PretrainedConfig] = build_hf_config
-                         ) -> JobConfig:
+def one_document_per_row(
+    cfg: JobConfig, llm_config: Callable[[ModelConfig], PretrainedConfig] = build_hf_config
+) -> JobConfig:
     """``cfg`` itself, or, for a model without the attention interface asked to run headrace_varlen, a copy
     with ``model.attn_implementation: sdpa`` and ``data.packing: none``: one document per row keeps the
     documents apart under sdpa's plain causal mask (the fallback ``headrace.training.models.families`` describes).
@@ -115,13 +119,15 @@ def param_dtype(precision: str) -> torch.dtype:
 def build_meta_model(config: PretrainedConfig) -> nn.Module:
     """The model's module tree with every parameter on the meta device (fp32 master weights)."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                attn_implementation=config._attn_implementation)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=config._attn_implementation
+        )
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, pretrained_path: str | None = None, prefix: str = "",
-                offload: bool = False) -> None:
+def materialize(
+    model: nn.Module, device: torch.device, pretrained_path: str | None = None, prefix: str = "", offload: bool = False
+) -> None:
     """Allocate each rank's (already sharded) parameters on ``device``, then initialize or load them
     (``prefix``: as ``load_safetensors``'s). ``offload`` (FSDP2's CPUOffloadPolicy): the parameters live in host
     memory, the buffers (RoPE tables) on ``device``, where forward reads them."""
@@ -159,8 +165,11 @@ def load_safetensors(model: nn.Module, path: str, prefix: str = "", rename: Call
         state.pop("lm_head.weight", None)  # tied: the checkpoint stores only the embedding
     rename = rename or (lambda name: name)
     tensors = stored_tensors(path)
-    stored_as = {rename(name[len(prefix):]): key for name, key in checkpoint_names(hf, tensors).items()
-                 if name.startswith(prefix)}
+    stored_as = {
+        rename(name[len(prefix) :]): key
+        for name, key in checkpoint_names(hf, tensors).items()
+        if name.startswith(prefix)
+    }
     stored = set(stored_as.values())  # a key stored under the model's own name is read as it is
     # fused MoE experts stored per expert (the hub's layout) are read into per-expert views of the local experts
     reads = per_expert_views(hf, state, keep_fused=stored_as.keys() | stored)
@@ -179,9 +188,15 @@ def stored_tensors(path: str) -> dict[str, tuple[Path, tuple[int, ...]]]:
     files = files_inside(path, "*.safetensors")
     if not files:
         others = sorted(p.name for p in Path(path).glob("*.bin")) + sorted(p.name for p in Path(path).glob("*.pt*"))
-        raise JobInputError(f"model.pretrained_path: {path} holds no *.safetensors file"
-                            + (f" (only {', '.join(others[:3])}: re-save it with save_pretrained(..., "
-                               "safe_serialization=True); .bin files are pickles and are not read)" if others else ""))
+        raise JobInputError(
+            f"model.pretrained_path: {path} holds no *.safetensors file"
+            + (
+                f" (only {', '.join(others[:3])}: re-save it with save_pretrained(..., "
+                "safe_serialization=True); .bin files are pickles and are not read)"
+                if others
+                else ""
+            )
+        )
     tensors: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
         try:
@@ -191,8 +206,10 @@ def stored_tensors(path: str) -> dict[str, tuple[Path, tuple[int, ...]]]:
             raise JobInputError(f"model.pretrained_path: {file} is not a readable safetensors file ({e})") from None
         for key, shape in shapes.items():
             if key in tensors:
-                raise JobInputError(f"model.pretrained_path: {key} is stored in both {tensors[key][0].name} and "
-                                    f"{file.name} (in {path}); remove one")
+                raise JobInputError(
+                    f"model.pretrained_path: {key} is stored in both {tensors[key][0].name} and "
+                    f"{file.name} (in {path}); remove one"
+                )
             tensors[key] = (file, shape)
     return tensors
 
@@ -212,15 +229,19 @@ def check_stored(reads: dict[str, torch.Tensor], tensors: dict, path: str) -> No
     that shape; else a JobInputError naming the tensor, not DCP's traceback from inside the load."""
     missing = sorted(key for key in reads if key not in tensors)
     if missing:
-        raise JobInputError(f"model.pretrained_path: {path} has no tensor {missing[0]}"
-                            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
-                            + "; is it a checkpoint of this model?")
+        raise JobInputError(
+            f"model.pretrained_path: {path} has no tensor {missing[0]}"
+            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; is it a checkpoint of this model?"
+        )
     for key, tensor in reads.items():
         file, shape = tensors[key]
         if shape != tuple(tensor.shape):
-            raise JobInputError(f"model.pretrained_path: {file}: {key} has shape {list(shape)}, the model's is "
-                                f"{list(tensor.shape)} (its config disagrees with the checkpoint's: vocab_size, "
-                                "hidden_size, layers?)")
+            raise JobInputError(
+                f"model.pretrained_path: {file}: {key} has shape {list(shape)}, the model's is "
+                f"{list(tensor.shape)} (its config disagrees with the checkpoint's: vocab_size, "
+                "hidden_size, layers?)"
+            )
 
 
 def count_params(config: PretrainedConfig) -> tuple[int, int]:
@@ -231,5 +252,13 @@ def count_params(config: PretrainedConfig) -> tuple[int, int]:
     return total, total - embed
 
 
-__all__ = ["build_hf_config", "build_meta_model", "causal_lm_class", "count_params", "load_safetensors",
-           "materialize", "one_document_per_row", "param_dtype"]
+__all__ = [
+    "build_hf_config",
+    "build_meta_model",
+    "causal_lm_class",
+    "count_params",
+    "load_safetensors",
+    "materialize",
+    "one_document_per_row",
+    "param_dtype",
+]

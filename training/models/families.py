@@ -45,6 +45,7 @@ TESTED_FAMILIES = ("llama", "qwen3", "mistral", "gemma", "phi3", "olmo2", "gpt_n
 # Config fields that change the logits after lm_head (the chunked loss would ignore them).
 POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
+
 def supports_packed_attention(model_cls: type) -> bool:
     """Whether the model calls the attention function registered by name (so headrace_varlen can run)."""
     return bool(getattr(model_cls, "_supports_attention_backend", False))
@@ -54,11 +55,15 @@ def check_family(hf_config, model_cls: type) -> None:
     """Refuse, in one line, a model whose training objective or structure this trainer cannot reproduce."""
     for name in POST_HEAD_FIELDS:
         if getattr(hf_config, name, None) not in (None, 1.0):
-            raise ConfigError(f"model_type {hf_config.model_type!r}: config.{name}={getattr(hf_config, name)} "
-                             "transforms the logits after lm_head, which the trainer's chunked loss does not apply")
+            raise ConfigError(
+                f"model_type {hf_config.model_type!r}: config.{name}={getattr(hf_config, name)} "
+                "transforms the logits after lm_head, which the trainer's chunked loss does not apply"
+            )
     if not getattr(model_cls, "_no_split_modules", None):
-        raise ConfigError(f"model_type {hf_config.model_type!r}: {model_cls.__name__} declares no _no_split_modules, "
-                         "so its decoder blocks (the FSDP2 unit) cannot be found")
+        raise ConfigError(
+            f"model_type {hf_config.model_type!r}: {model_cls.__name__} declares no _no_split_modules, "
+            "so its decoder blocks (the FSDP2 unit) cannot be found"
+        )
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
@@ -67,8 +72,11 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     hf = unwrap_causal_lm(model)
     names = set(hf._no_split_modules)
     for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) and all(
-                type(_unwrap_checkpoint(b)).__name__ in names for b in module.children()):
+        if (
+            isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            and len(module)
+            and all(type(_unwrap_checkpoint(b)).__name__ in names for b in module.children())
+        ):
             return module
     raise ValueError(f"{type(hf).__name__}: no ModuleList of {sorted(names)} blocks found")
 
@@ -77,5 +85,13 @@ def _unwrap_checkpoint(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
-__all__ = ["LLAMA_LIKE", "MOE_MODEL_TYPES", "OWN_TP_PLAN", "POST_HEAD_FIELDS", "TESTED_FAMILIES", "check_family",
-           "decoder_blocks", "supports_packed_attention"]
+__all__ = [
+    "LLAMA_LIKE",
+    "MOE_MODEL_TYPES",
+    "OWN_TP_PLAN",
+    "POST_HEAD_FIELDS",
+    "TESTED_FAMILIES",
+    "check_family",
+    "decoder_blocks",
+    "supports_packed_attention",
+]

@@ -42,8 +42,10 @@ def float8_skip_reason(name: str, module: nn.Linear, cfg: Float8Config) -> str |
     if matched:
         return f"quantize.linear.float8.filter_fqns: {matched[0]!r}"
     if module.in_features % FLOAT8_ALIGNMENT or module.out_features % FLOAT8_ALIGNMENT:
-        return (f"{module.in_features}x{module.out_features} is not a multiple of {FLOAT8_ALIGNMENT} "
-                "(torch._scaled_mm's alignment)")
+        return (
+            f"{module.in_features}x{module.out_features} is not a multiple of {FLOAT8_ALIGNMENT} "
+            "(torch._scaled_mm's alignment)"
+        )
     return None
 
 
@@ -51,28 +53,37 @@ def torchao_config(cfg: Float8Config):
     """torchao's ``Float8LinearConfig`` for ``cfg``: the named recipe, then this job's switches."""
     float8 = _torchao_float8()
     base = float8.Float8LinearConfig.from_recipe_name(cfg.recipe_name)
-    return dataclasses.replace(base, enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
-                               force_recompute_fp8_weight_in_bwd=cfg.force_recompute_fp8_weight_in_bwd,
-                               emulate=cfg.emulate)
+    return dataclasses.replace(
+        base,
+        enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
+        force_recompute_fp8_weight_in_bwd=cfg.force_recompute_fp8_weight_in_bwd,
+        emulate=cfg.emulate,
+    )
 
 
 def check_float8_device(cfg: Float8Config, device: torch.device) -> None:
     """One line when this device cannot run float8 matmuls (and emulation was not asked for)."""
     if device.type == "cuda" and not cfg.emulate and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"quantize.linear.float8: {name} (compute capability "
-                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no float8 matmul; "
-                          "it needs 8.9 or later (Ada, Hopper, Blackwell); set quantize.linear.float8.emulate: true "
-                          "to check the numerics, or remove the section")
+        raise ConfigError(
+            f"quantize.linear.float8: {name} (compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no float8 matmul; "
+            "it needs 8.9 or later (Ada, Hopper, Blackwell); set quantize.linear.float8.emulate: true "
+            "to check the numerics, or remove the section"
+        )
 
 
 def convert_linears(model: nn.Module, cfg: Float8Config) -> dict[str, str]:
     """Swap ``model``'s eligible ``nn.Linear`` layers for torchao ``Float8Linear`` in place (works on the meta
     device). Returns the skipped layers' names with the reason."""
-    skipped = {name: reason for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and (reason := float8_skip_reason(name, module, cfg))}
+    skipped = {
+        name: reason
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and (reason := float8_skip_reason(name, module, cfg))
+    }
     _torchao_float8().convert_to_float8_training(
-        model, config=torchao_config(cfg), module_filter_fn=lambda module, name: name not in skipped)
+        model, config=torchao_config(cfg), module_filter_fn=lambda module, name: name not in skipped
+    )
     return skipped
 
 
@@ -89,10 +100,15 @@ def apply_quantize(model: nn.Module, quantize: QuantizeConfig, device: torch.dev
         by_reason: dict[str, list[str]] = {}
         for name, reason in skipped.items():
             by_reason.setdefault(reason, []).append(name)
-        reasons = "; ".join(f"{', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''} "
-                            f"({reason})" for reason, names in by_reason.items())
-        print(f"quantize.linear.float8 ({float8.recipe_name}): {converted} linears in float8"
-              + (f"; left as they are: {reasons}" if skipped else ""), flush=True)
+        reasons = "; ".join(
+            f"{', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''} ({reason})"
+            for reason, names in by_reason.items()
+        )
+        print(
+            f"quantize.linear.float8 ({float8.recipe_name}): {converted} linears in float8"
+            + (f"; left as they are: {reasons}" if skipped else ""),
+            flush=True,
+        )
 
 
 def register_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Float8Config) -> None:
@@ -115,8 +131,7 @@ def high_precision_weights(state: dict) -> dict:
             return value
         names, _ = local.__tensor_flatten__()
         (inner,) = (getattr(local, name) for name in names)
-        return DTensor.from_local(inner, value.device_mesh, value.placements, shape=value.shape,
-                                  stride=value.stride())
+        return DTensor.from_local(inner, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
 
     return {key: plain(value) for key, value in state.items()}
 
@@ -131,5 +146,13 @@ def _torchao_float8():
     return torchao.float8
 
 
-__all__ = ["FLOAT8_ALIGNMENT", "apply_quantize", "check_float8_device", "convert_linears", "float8_skip_reason",
-           "high_precision_weights", "register_scale_precompute", "torchao_config"]
+__all__ = [
+    "FLOAT8_ALIGNMENT",
+    "apply_quantize",
+    "check_float8_device",
+    "convert_linears",
+    "float8_skip_reason",
+    "high_precision_weights",
+    "register_scale_precompute",
+    "torchao_config",
+]

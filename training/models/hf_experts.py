@@ -40,8 +40,10 @@ def expert_converters(hf: nn.Module) -> dict[str, tuple[str, list[str]]]:
             if target.endswith(f"experts.{fused}"):
                 names = [type(op).__name__ for op in conv.operations]
                 if names != ops or any(op.dim != dim for op, dim in zip(conv.operations, (0, 1))):
-                    raise ValueError(f"{type(hf).__name__}: transformers converts {target} with {names}, not the "
-                                     f"{ops} merge this exporter splits; use checkpoint.export_hf_experts: fused")
+                    raise ValueError(
+                        f"{type(hf).__name__}: transformers converts {target} with {names}, not the "
+                        f"{ops} merge this exporter splits; use checkpoint.export_hf_experts: fused"
+                    )
                 found[fused] = (target, list(conv.source_patterns))
     return found
 
@@ -53,8 +55,9 @@ def local_experts(param):
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = param.to_local()
     if tuple(shape) != tuple(local.shape) or tuple(shape[1:]) != tuple(param.shape[1:]):
-        raise ValueError(f"expert weights sharded as {param.placements}: only whole experts along dim 0 can be "
-                         "written per expert")
+        raise ValueError(
+            f"expert weights sharded as {param.placements}: only whole experts along dim 0 can be written per expert"
+        )
     return offset[0], local
 
 
@@ -85,8 +88,11 @@ def hub_names(hf: nn.Module, fqns) -> dict[str, str]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
-    reverse = [t.reverse_transform() for t in reversed(get_model_conversion_mapping(hf, add_legacy=False))
-               if isinstance(t, WeightRenaming)]
+    reverse = [
+        t.reverse_transform()
+        for t in reversed(get_model_conversion_mapping(hf, add_legacy=False))
+        if isinstance(t, WeightRenaming)
+    ]
     return {fqn: renamed(fqn, reverse) for fqn in fqns}
 
 

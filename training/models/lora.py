@@ -124,19 +124,28 @@ def selected_modules(model: nn.Module, cfg: PeftConfig) -> list[str]:
     names = []
     for name, module in model.named_modules():
         linear = type(module) is nn.Linear
-        chosen = (linear and name.rsplit(".", 1)[-1] not in HEAD_NAMES) if cfg.match_all_linear else \
-            any(wildcard(p, name) for p in targets)
+        chosen = (
+            (linear and name.rsplit(".", 1)[-1] not in HEAD_NAMES)
+            if cfg.match_all_linear
+            else any(wildcard(p, name) for p in targets)
+        )
         if not chosen or any(wildcard(p, name) for p in cfg.exclude_modules):
             continue
         if name.rsplit(".", 1)[-1] in HEAD_NAMES:
-            raise ConfigError(f"peft: {name} is the output head, which the loss reads as a weight in chunks (not "
-                              "through its forward): LoRA cannot adapt it; remove it from peft.target_modules")
+            raise ConfigError(
+                f"peft: {name} is the output head, which the loss reads as a weight in chunks (not "
+                "through its forward): LoRA cannot adapt it; remove it from peft.target_modules"
+            )
         if ".experts" in f".{name}":
-            raise ConfigError(f"peft: {name} holds MoE experts (3-D grouped weights): LoRA on experts is not "
-                              "supported; target the attention projections, e.g. target_modules: ['*.self_attn.*']")
+            raise ConfigError(
+                f"peft: {name} holds MoE experts (3-D grouped weights): LoRA on experts is not "
+                "supported; target the attention projections, e.g. target_modules: ['*.self_attn.*']"
+            )
         if not linear:
-            raise ConfigError(f"peft: {name} is a {type(module).__name__}, not an nn.Linear: LoRA wraps "
-                              "nn.Linear layers only (narrow peft.target_modules)")
+            raise ConfigError(
+                f"peft: {name} is a {type(module).__name__}, not an nn.Linear: LoRA wraps "
+                "nn.Linear layers only (narrow peft.target_modules)"
+            )
         names.append(name)
     return names
 
@@ -146,8 +155,10 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
     on the meta device). Returns their names; none selected is a ``ConfigError``."""
     names = selected_modules(model, cfg)
     if not names:
-        raise ConfigError(f"peft: target_modules {cfg.target_modules or DEFAULT_TARGETS} (exclude_modules "
-                          f"{cfg.exclude_modules}) select no nn.Linear of the model")
+        raise ConfigError(
+            f"peft: target_modules {cfg.target_modules or DEFAULT_TARGETS} (exclude_modules "
+            f"{cfg.exclude_modules}) select no nn.Linear of the model"
+        )
     model.requires_grad_(False)
     modules = dict(model.named_modules())
     for name in names:
@@ -169,6 +180,7 @@ def salm_adapter_hook(cfg: PeftConfig | None) -> Callable[[nn.Module], None] | N
     def apply(salm: nn.Module) -> None:
         for part in cfg.parts:
             apply_lora(getattr(salm, part), cfg)
+
     return apply
 
 
@@ -196,30 +208,37 @@ def init_adapters(model: nn.Module, cfg: PeftConfig, label: str = "") -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"LoRA{label}: {len(adapter_layers(model))} layers, r={cfg.dim}, alpha={cfg.alpha:g}: "
-              f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
-              + (f", adapter from {cfg.pretrained_path}" if cfg.pretrained_path else ""), flush=True)
+        print(
+            f"LoRA{label}: {len(adapter_layers(model))} layers, r={cfg.dim}, alpha={cfg.alpha:g}: "
+            f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+            + (f", adapter from {cfg.pretrained_path}" if cfg.pretrained_path else ""),
+            flush=True,
+        )
 
 
 def read_adapter_config(path: str | Path) -> dict:
     """``adapter_config.json`` of a peft adapter directory (plain JSON), after the rules this trainer needs."""
     file = Path(path) / ADAPTER_CONFIG
     if not file.is_file() or not (Path(path) / ADAPTER_WEIGHTS).is_file():
-        raise JobInputError(f"peft.pretrained_path: {path} is not a peft adapter directory (needs {ADAPTER_CONFIG} "
-                            f"and {ADAPTER_WEIGHTS}; .bin adapters are pickles and are not read)")
+        raise JobInputError(
+            f"peft.pretrained_path: {path} is not a peft adapter directory (needs {ADAPTER_CONFIG} "
+            f"and {ADAPTER_WEIGHTS}; .bin adapters are pickles and are not read)"
+        )
     try:
         config = json.loads(file.read_text())
     except ValueError as e:
         raise JobInputError(f"peft.pretrained_path: {file} is not JSON ({e})") from None
     if config.get("peft_type") != "LORA":
         raise JobInputError(f"peft.pretrained_path: {file} holds a {config.get('peft_type')} adapter, not LORA")
-    unsupported = {k: config.get(k) for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern",
-                                             "modules_to_save") if config.get(k)}
+    unsupported = {
+        k: config.get(k)
+        for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "modules_to_save")
+        if config.get(k)
+    }
     if config.get("bias", "none") != "none":
         unsupported["bias"] = config["bias"]
     if unsupported:
-        raise JobInputError(f"peft.pretrained_path: {file} uses {unsupported}, which this trainer does not "
-                            "implement")
+        raise JobInputError(f"peft.pretrained_path: {file} uses {unsupported}, which this trainer does not implement")
     return config
 
 
@@ -228,26 +247,36 @@ def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
     ``lora_alpha`` must be ``cfg``'s and it must adapt exactly the modules ``cfg`` selects. Collective."""
     config = read_adapter_config(path)
     if (config.get("r"), config.get("lora_alpha")) != (cfg.dim, cfg.alpha):
-        raise JobInputError(f"peft.pretrained_path: {path} has r={config.get('r')}, lora_alpha="
-                            f"{config.get('lora_alpha')}; this job's peft has dim={cfg.dim}, alpha={cfg.alpha:g}")
+        raise JobInputError(
+            f"peft.pretrained_path: {path} has r={config.get('r')}, lora_alpha="
+            f"{config.get('lora_alpha')}; this job's peft has dim={cfg.dim}, alpha={cfg.alpha:g}"
+        )
     state = {k: v for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}
     stored = set(stored_tensors(str(path)))
     everyone = {k for keys in gather_objects(sorted(state)) for k in keys}  # pipeline stages hold parts
     wanted = {PEFT_PREFIX + k for k in everyone}
     if wanted != stored:
-        differ = [f"{len(keys)} keys {what} (e.g. {keys[0]})" for keys, what in
-                  ((sorted(wanted - stored), "missing"), (sorted(stored - wanted), "not selected")) if keys]
-        raise JobInputError(f"peft.pretrained_path: {path} adapts other modules than peft selects: "
-                            f"{', '.join(differ)}; set peft.target_modules to the adapter's target_modules "
-                            f"{config.get('target_modules')}")
+        differ = [
+            f"{len(keys)} keys {what} (e.g. {keys[0]})"
+            for keys, what in ((sorted(wanted - stored), "missing"), (sorted(stored - wanted), "not selected"))
+            if keys
+        ]
+        raise JobInputError(
+            f"peft.pretrained_path: {path} adapts other modules than peft selects: "
+            f"{', '.join(differ)}; set peft.target_modules to the adapter's target_modules "
+            f"{config.get('target_modules')}"
+        )
     dcp.load({PEFT_PREFIX + k: v for k, v in state.items()}, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def full_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every adapter weight of this rank's ``model`` (part), whole, on the CPU. Collective over its meshes."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-            for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in get_model_state_dict(model).items()
+        if is_adapter_key(k)
+    }
 
 
 def save_adapter(model: nn.Module, cfg: PeftConfig, out_dir: str | Path, base: str | None) -> Path:
@@ -263,10 +292,19 @@ def save_adapter(model: nn.Module, cfg: PeftConfig, out_dir: str | Path, base: s
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         modules = sorted({_ADAPTER_KEY.sub("", k) for k in tensors})
-        LoraConfig(r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=modules,
-                   base_model_name_or_path=base, task_type="CAUSAL_LM").save_pretrained(str(out_dir))
-        save_file({PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
+        LoraConfig(
+            r=cfg.dim,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=modules,
+            base_model_name_or_path=base,
+            task_type="CAUSAL_LM",
+        ).save_pretrained(str(out_dir))
+        save_file(
+            {PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()},
+            str(out_dir / ADAPTER_WEIGHTS),
+            metadata={"format": "pt"},
+        )
     dist.barrier()
     return out_dir
 
@@ -277,7 +315,7 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, to
     are gathered whole (small); each rank keeps its own slice of ``B A`` (no scatter). Collective."""
     merged = {k: v for k, v in state.items() if not is_adapter_key(k)}
     for key in [k for k in state if k.endswith(".lora_A.weight")]:
-        module = key[:-len(".lora_A.weight")]
+        module = key[: -len(".lora_A.weight")]
         a, b = (state[f"{module}.lora_{x}.weight"] for x in "AB")
         a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
         weight = state[f"{module}.weight"]
@@ -315,11 +353,32 @@ def checkpoint_size_line(path, model: nn.Module, job) -> str:
     trainable = [p for p in model.parameters() if p.requires_grad]
     stored = 3 * sum(p.numel() * p.element_size() for p in trainable)
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    return (f"LoRA checkpoint {Path(str(path)).name}: {stored / 2**20:.2f} MiB on this rank "
-            f"({sum(p.numel() for p in trainable):,} trainable parameters + their AdamW state); the frozen base "
-            f"({frozen / 2**20:.1f} MiB, {job.model.pretrained_path or 'seeded init'}) is referenced, not copied")
+    return (
+        f"LoRA checkpoint {Path(str(path)).name}: {stored / 2**20:.2f} MiB on this rank "
+        f"({sum(p.numel() for p in trainable):,} trainable parameters + their AdamW state); the frozen base "
+        f"({frozen / 2**20:.1f} MiB, {job.model.pretrained_path or 'seeded init'}) is referenced, not copied"
+    )
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoRALinear", "adapter_hook", "adapter_placements", "apply_lora",
-           "base_reference", "checkpoint_size_line", "init_adapters", "init_salm_adapters", "llm_of", "merger", "is_adapter_key", "load_adapter", "merged_state", "read_adapter_config", "salm_adapter_hook",
-           "save_adapter", "selected_modules", "wildcard"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "LoRALinear",
+    "adapter_hook",
+    "adapter_placements",
+    "apply_lora",
+    "base_reference",
+    "checkpoint_size_line",
+    "init_adapters",
+    "init_salm_adapters",
+    "llm_of",
+    "merger",
+    "is_adapter_key",
+    "load_adapter",
+    "merged_state",
+    "read_adapter_config",
+    "salm_adapter_hook",
+    "save_adapter",
+    "selected_modules",
+    "wildcard",
+]

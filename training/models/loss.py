@@ -44,8 +44,10 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         head = causal_lm.get_output_embeddings()
         if not isinstance(head, nn.Linear) or head.bias is not None:
-            raise ValueError(f"CausalLMLoss: the lm_head must be an nn.Linear without bias (the chunked loss reads "
-                             f"only its weight), got {head!r}")
+            raise ValueError(
+                f"CausalLMLoss: the lm_head must be an nn.Linear without bias (the chunked loss reads "
+                f"only its weight), got {head!r}"
+            )
         for name, child in causal_lm.named_children():  # same FQNs as the HF model: "model.*", "lm_head.*"
             self.add_module(name, child)
         # The decoder and the head under the family's own names (GPT-NeoX: gpt_neox / embed_out).
@@ -54,7 +56,9 @@ class CausalLMLoss(nn.Module):
         object.__setattr__(self, "causal_lm", causal_lm)  # kept for HF methods (init, config), not a submodule
         self.config = causal_lm.config
         self.chunk_size = chunk_size  # tokens per logits chunk; None: headrace.kernels.loss's default (128 MiB of fp32)
-        self.router_aux_loss = None  # MoE: (router_logits, labels) -> summed aux term (headrace.training.distributed.moe sets it)
+        self.router_aux_loss = (
+            None  # MoE: (router_logits, labels) -> summed aux term (headrace.training.distributed.moe sets it)
+        )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         aux = self.router_aux_loss is not None and labels is not None
@@ -68,16 +72,18 @@ class CausalLMLoss(nn.Module):
         return loss_sum + self.router_aux_loss(out.router_logits, labels) if aux else loss_sum
 
 
-def lm_head_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                     chunk_size: int | None = None) -> torch.Tensor:
+def lm_head_loss_sum(
+    lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+) -> torch.Tensor:
     """Summed cross-entropy of ``lm_head(hidden)`` against ``labels``: Liger's fused kernel (CUDA, ``liger`` extra)
     or the chunked kernel, or full logits when the lm_head is vocab-sharded (TP). Call it inside the forward of
     the module whose FSDP2 unshard covers ``lm_head`` (``CausalLMLoss``, or the pipeline's last stage)."""
     weight = lm_head.weight
     if isinstance(weight, DTensor):  # TP: vocab-sharded lm_head, see the module docstring
         logits = lm_head(hidden)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
     fused = linear_cross_entropy_kernel(hidden.device.type)
     if fused is not None:
         return fused(hidden, weight, labels)

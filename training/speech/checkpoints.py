@@ -62,13 +62,23 @@ SPEECH_LLMS = ("qwen2_audio", "voxtral")  # transformers model_types read as SAL
 PARTS = {"audio_tower.": "encoder", "multi_modal_projector.": "adapter", "language_model.": "hf"}
 PREFIX = {part: prefix for prefix, part in PARTS.items()}
 ADAPTER_NAMES = {"linear_1.": "proj_in.", "linear_2.": "proj_out."}  # Voxtral's projector -> the mlp adapter
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 # without a chat template: the base checkpoint's ASR prompt (Qwen2-Audio's processor layout: the audio between
 # its markers, then the task), or Voxtral's instruction turn around its audio
-BASE_PROMPTS = {"qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>Detect the language and recognize the "
-                               "speech: <|en|>",
-                "voxtral": f"[INST][BEGIN_AUDIO]{AUDIO_PLACEHOLDER}[/INST]"}
+BASE_PROMPTS = {
+    "qwen2_audio": f"<|audio_bos|>{AUDIO_PLACEHOLDER}<|audio_eos|>Detect the language and recognize the speech: <|en|>",
+    "voxtral": f"[INST][BEGIN_AUDIO]{AUDIO_PLACEHOLDER}[/INST]",
+}
 AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "voxtral": "[AUDIO]"}
 # A chat template is a program from the checkpoint's author (jinja2, sandboxed by transformers, but its loops are not
 # bounded: two nested range(100000) run for hours). A real one renders a turn in milliseconds; past this many
@@ -93,7 +103,7 @@ def part_prefix(path: str | Path, part: str) -> str:
 def salm_name(part: str, name: str) -> str:
     """The SALM module's name of the checkpoint's ``part`` weight ``name`` (its prefix already removed)."""
     if part == "adapter":
-        return next((new + name[len(old):] for old, new in ADAPTER_NAMES.items() if name.startswith(old)), name)
+        return next((new + name[len(old) :] for old, new in ADAPTER_NAMES.items() if name.startswith(old)), name)
     return name
 
 
@@ -105,8 +115,10 @@ def sub_configs(checkpoint: Path) -> tuple[dict, dict]:
     found = [config.get(key) for key in ("audio_config", "text_config")]
     for key, value in zip(("audio_config", "text_config"), found):
         if not isinstance(value, dict):
-            raise JobInputError(f"{path}: {key} is {'missing' if value is None else 'not an object'}; a speech-LLM "
-                                "checkpoint's config.json has its encoder's audio_config and its LLM's text_config")
+            raise JobInputError(
+                f"{path}: {key} is {'missing' if value is None else 'not an object'}; a speech-LLM "
+                "checkpoint's config.json has its encoder's audio_config and its LLM's text_config"
+            )
     return found[0], found[1]
 
 
@@ -126,11 +138,16 @@ def adapter_fields(checkpoint: Path, kind: str) -> dict:
     # stacks intermediate_size / d_model frames (VoxtralModel.get_audio_features)
     stacked, width = _positive_int(audio, "intermediate_size", where), _positive_int(audio, "hidden_size", where)
     if stacked % width:
-        raise JobInputError(f"{where}: intermediate_size {stacked} is not a multiple of hidden_size {width} (Voxtral's "
-                            "projector stacks intermediate_size / hidden_size encoder frames)")
-    return {"kind": "mlp", "subsampling": stacked // width,
-            "hidden_size": _positive_int(text, "hidden_size", f"{checkpoint / 'config.json'}: text_config"),
-            "bias": False}
+        raise JobInputError(
+            f"{where}: intermediate_size {stacked} is not a multiple of hidden_size {width} (Voxtral's "
+            "projector stacks intermediate_size / hidden_size encoder frames)"
+        )
+    return {
+        "kind": "mlp",
+        "subsampling": stacked // width,
+        "hidden_size": _positive_int(text, "hidden_size", f"{checkpoint / 'config.json'}: text_config"),
+        "bias": False,
+    }
 
 
 class TemplateTooSlow(Exception):
@@ -175,13 +192,16 @@ def load_tokenizer(checkpoint: Path):
     for name in TOKENIZER_FILES:  # a link out of the directory is refused before transformers follows it
         file_inside(checkpoint, name)
     if not any(file_inside(checkpoint, name) for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise JobInputError(f"{checkpoint}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json); a speech-LLM "
-                            "checkpoint carries its own tokenizer and chat template")
+        raise JobInputError(
+            f"{checkpoint}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json); a speech-LLM "
+            "checkpoint carries its own tokenizer and chat template"
+        )
     try:
         return AutoTokenizer.from_pretrained(checkpoint)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise JobInputError(f"{checkpoint}: transformers cannot read its tokenizer: "
-                            f"{' '.join(str(e).split())[:300]}") from None
+        raise JobInputError(
+            f"{checkpoint}: transformers cannot read its tokenizer: {' '.join(str(e).split())[:300]}"
+        ) from None
 
 
 def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
@@ -193,14 +213,21 @@ def chat_prompt(tokenizer, checkpoint: Path, kind: str) -> str:
         return BASE_PROMPTS[kind]
     try:
         with time_limit(TEMPLATE_SECONDS):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": [{"type": "audio", "audio_url": "x"}]}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
     except TemplateTooSlow:
-        raise JobInputError(f"{checkpoint}: its chat template ran past {TEMPLATE_SECONDS:g} s for one user turn "
-                            "(unbounded loops?); refused") from None
+        raise JobInputError(
+            f"{checkpoint}: its chat template ran past {TEMPLATE_SECONDS:g} s for one user turn "
+            "(unbounded loops?); refused"
+        ) from None
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
-        raise JobInputError(f"{checkpoint}: its chat template fails on one user turn with audio: "
-                            f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        raise JobInputError(
+            f"{checkpoint}: its chat template fails on one user turn with audio: "
+            f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        ) from None
     if not isinstance(text, str):
         raise JobInputError(f"{checkpoint}: its chat template gives no text for one user turn with audio")
     token = AUDIO_TOKENS[kind]
@@ -218,8 +245,10 @@ def _refuse_contradiction(section: str, given, theirs: dict, checkpoint: Path, k
             mine = str(Path(mine).resolve())
         if mine is not None and mine != value:
             shown = repr(mine) if len(repr(mine)) < 60 else repr(mine)[:57] + "..."
-            raise ConfigError(f"model.speech.{section}.{key}: {shown} contradicts model.pretrained_path {checkpoint}, "
-                              f"a {kind} checkpoint whose {section} has {key} {value!r}; leave it unset")
+            raise ConfigError(
+                f"model.speech.{section}.{key}: {shown} contradicts model.pretrained_path {checkpoint}, "
+                f"a {kind} checkpoint whose {section} has {key} {value!r}; leave it unset"
+            )
 
 
 def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> SpeechConfig:
@@ -227,18 +256,22 @@ def speech_from_checkpoint(checkpoint: str | Path, speech: SpeechConfig) -> Spee
     ConfigError naming the key of a given one that contradicts it."""
     checkpoint = Path(checkpoint).resolve()
     kind = speech_llm_kind(checkpoint)
-    theirs = {"encoder": {"kind": kind, "config": None, "config_path": None, "pretrained_path": str(checkpoint)},
-              "adapter": {**adapter_fields(checkpoint, kind), "pretrained_path": str(checkpoint)}}
+    theirs = {
+        "encoder": {"kind": kind, "config": None, "config_path": None, "pretrained_path": str(checkpoint)},
+        "adapter": {**adapter_fields(checkpoint, kind), "pretrained_path": str(checkpoint)},
+    }
     for section, fields in theirs.items():
         _refuse_contradiction(section, getattr(speech, section), fields, checkpoint, kind)
     tokenizer = load_tokenizer(checkpoint)
     prompt = speech.prompt or chat_prompt(tokenizer, checkpoint, kind)
     try:
         return dataclasses.replace(
-            speech, encoder=dataclasses.replace(speech.encoder, kind=kind, pretrained_path=str(checkpoint)),
+            speech,
+            encoder=dataclasses.replace(speech.encoder, kind=kind, pretrained_path=str(checkpoint)),
             adapter=dataclasses.replace(speech.adapter, **theirs["adapter"]),
             prompt=prompt,
-            answer_end=speech.answer_end or tokenizer.eos_token)
+            answer_end=speech.answer_end or tokenizer.eos_token,
+        )
     except ValueError as e:  # SpeechConfig's own rules (e.g. features with Whisper's encoder) against the result
         raise ConfigError(f"model.speech: {e}") from None
 
@@ -252,16 +285,22 @@ def with_speech_llm(cfg):
     kind = speech_llm_kind(model.pretrained_path)
     if kind is None:
         if model.speech.encoder.from_checkpoint:
-            raise ConfigError(f"model.speech.encoder: set one of config / config_path / pretrained_path "
-                              f"(model.pretrained_path {model.pretrained_path} is not the checkpoint of a "
-                              f"transformers speech LLM, {' / '.join(SPEECH_LLMS)}, whose encoder could be used)")
+            raise ConfigError(
+                f"model.speech.encoder: set one of config / config_path / pretrained_path "
+                f"(model.pretrained_path {model.pretrained_path} is not the checkpoint of a "
+                f"transformers speech LLM, {' / '.join(SPEECH_LLMS)}, whose encoder could be used)"
+            )
         return cfg
     checkpoint = Path(model.pretrained_path).resolve()
-    if model.tokenizer is not None and Path(model.tokenizer).resolve() not in (checkpoint,
-                                                                              checkpoint / "tokenizer.json"):
-        raise ConfigError(f"model.tokenizer: {model.tokenizer} contradicts model.pretrained_path {checkpoint}, a "
-                          f"{kind} checkpoint with its own tokenizer (its audio token and chat template); leave it "
-                          "unset")
+    if model.tokenizer is not None and Path(model.tokenizer).resolve() not in (
+        checkpoint,
+        checkpoint / "tokenizer.json",
+    ):
+        raise ConfigError(
+            f"model.tokenizer: {model.tokenizer} contradicts model.pretrained_path {checkpoint}, a "
+            f"{kind} checkpoint with its own tokenizer (its audio token and chat template); leave it "
+            "unset"
+        )
     speech = speech_from_checkpoint(checkpoint, model.speech)
     return dataclasses.replace(cfg, model=dataclasses.replace(model, tokenizer=str(checkpoint), speech=speech))
 
@@ -289,16 +328,18 @@ def read_parts(checkpoint: Path, kind: str) -> dict[str, dict[str, torch.Tensor]
                     if prefix is None:
                         raise JobInputError(f"{file}: {key} belongs to no part of {kind} ({', '.join(PARTS)})")
                     if key in stored_in:
-                        raise JobInputError(f"{file}: {key} is also stored in {stored_in[key].name}; which one is "
-                                            "meant is unknown")
+                        raise JobInputError(
+                            f"{file}: {key} is also stored in {stored_in[key].name}; which one is meant is unknown"
+                        )
                     stored_in[key] = file
-                    parts[PARTS[prefix]][salm_name(PARTS[prefix], key[len(prefix):])] = f.get_tensor(key)
+                    parts[PARTS[prefix]][salm_name(PARTS[prefix], key[len(prefix) :])] = f.get_tensor(key)
         except SafetensorError as e:
             raise JobInputError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
     for prefix, part in PARTS.items():
         if not parts[part]:
-            raise JobInputError(f"{checkpoint}: no {prefix}* weights in its *.safetensors files (the {part} of a "
-                                f"{kind} checkpoint)")
+            raise JobInputError(
+                f"{checkpoint}: no {prefix}* weights in its *.safetensors files (the {part} of a {kind} checkpoint)"
+            )
     return parts
 
 
@@ -340,8 +381,10 @@ def convert(checkpoint: str | Path, out: str | Path, prompt: str | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headrace.training.speech.checkpoints",
-                                     description="a Qwen2-Audio or Voxtral checkpoint directory -> a SALM export")
+    parser = argparse.ArgumentParser(
+        prog="python -m headrace.training.speech.checkpoints",
+        description="a Qwen2-Audio or Voxtral checkpoint directory -> a SALM export",
+    )
     parser.add_argument("checkpoint")
     parser.add_argument("out")
     parser.add_argument("--prompt", default=None, help=f"with one {AUDIO_PLACEHOLDER} (default: the checkpoint's)")
@@ -359,5 +402,16 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["MANIFEST", "PARTS", "SPEECH_LLMS", "chat_prompt", "convert", "part_prefix", "salm_name", "speech_from_checkpoint",
-           "speech_llm_kind", "with_speech_llm", "write_manifest"]
+__all__ = [
+    "MANIFEST",
+    "PARTS",
+    "SPEECH_LLMS",
+    "chat_prompt",
+    "convert",
+    "part_prefix",
+    "salm_name",
+    "speech_from_checkpoint",
+    "speech_llm_kind",
+    "with_speech_llm",
+    "write_manifest",
+]

@@ -121,14 +121,20 @@ class CTCBatches(ConvertedBatches):
     def convert(self, batch: dict) -> dict:
         texts = batch.get("text")
         if texts is None or any(t is None for t in texts):
-            raise ValueError(f"model.kind: ctc needs each utterance's transcript (text): a batch has samples without "
-                             f"it (keys {batch.get('__key__', [])[:3]}...)")
+            raise ValueError(
+                f"model.kind: ctc needs each utterance's transcript (text): a batch has samples without "
+                f"it (keys {batch.get('__key__', [])[:3]}...)"
+            )
         ids = self.units.encode(texts)
         labels = torch.full((len(ids), max(1, max(map(len, ids)))), IGNORE_INDEX, dtype=torch.long)
         for row, units in enumerate(ids):
             labels[row, : len(units)] = torch.tensor(units, dtype=torch.long)
-        return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], "labels": labels,
-                **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch}}
+        return {
+            "audio": batch["audio"],
+            "audio_lens": batch["audio_lens"],
+            "labels": labels,
+            **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch},
+        }
 
 
 def ctc_units(model) -> Units:
@@ -140,8 +146,9 @@ def build_ctc(cfg, dims: ParallelDims, device: torch.device):
     """meta model -> FSDP2 (encoder blocks, then the root) or DDP -> this rank's shards -> init / load.
     Returns (model, the encoder's config with ``vocab_size`` = units + blank)."""
     if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.ep_enabled:
-        raise ValueError("model.kind: ctc trains data-parallel only (FSDP2 / HSDP / DDP): set tp / pp / cp / ep "
-                         "sizes to 1")
+        raise ValueError(
+            "model.kind: ctc trains data-parallel only (FSDP2 / HSDP / DDP): set tp / pp / cp / ep sizes to 1"
+        )
     speech = cfg.model.speech
     front = front_end(speech.encoder.kind, speech.features)
     enc_config = front.config(speech.encoder)
@@ -187,8 +194,9 @@ def error_counts(units: Units, references: list[str], hypotheses: list[list[int]
     for ref, hyp_units in zip(references, hypotheses):
         ref_words, hyp_words = normalize(ref), normalize(units.decode(hyp_units))
         ref_chars, hyp_chars = list(" ".join(ref_words)), list(" ".join(hyp_words))
-        for i, n in enumerate((word_errors(ref_words, hyp_words), len(ref_words),
-                               word_errors(ref_chars, hyp_chars), len(ref_chars))):
+        for i, n in enumerate(
+            (word_errors(ref_words, hyp_words), len(ref_words), word_errors(ref_chars, hyp_chars), len(ref_chars))
+        ):
             counts[i] += n
     return counts
 
@@ -210,13 +218,19 @@ def validate_ctc(model: nn.Module, batches: Iterable[dict], units: Units, device
             valid = [bool(v) for v in batch.get("__valid__", [True] * len(labels))]
             rows = [i for i, ok in enumerate(valid) if ok]
             hyps = greedy_ctc(logits, frames)
-            sums[3:] += torch.tensor(error_counts(units, [batch["text"][i] for i in rows], [hyps[i] for i in rows]),
-                                     dtype=torch.float64)
+            sums[3:] += torch.tensor(
+                error_counts(units, [batch["text"][i] for i in rows], [hyps[i] for i in rows]), dtype=torch.float64
+            )
     sums = sums.to(device)
     dist.all_reduce(sums, group=dp_group)
     loss, tokens, docs, werr, words, cerr, chars = sums.tolist()
-    return {"val_loss": loss / max(tokens, 1), "val_tokens": int(tokens), "val_docs": int(docs),
-            "val_wer": werr / max(words, 1), "val_cer": cerr / max(chars, 1)}
+    return {
+        "val_loss": loss / max(tokens, 1),
+        "val_tokens": int(tokens),
+        "val_docs": int(docs),
+        "val_wer": werr / max(words, 1),
+        "val_cer": cerr / max(chars, 1),
+    }
 
 
 def export_ctc(model: nn.Module, cfg, out_dir: str | Path) -> None:
@@ -226,9 +240,21 @@ def export_ctc(model: nn.Module, cfg, out_dir: str | Path) -> None:
     if save_parts(ctc, ("encoder", "head"), out_dir):
         speech = to_dict(cfg.model.speech)
         speech["encoder"] = {"kind": cfg.model.speech.encoder.kind, "pretrained_path": "encoder"}
-        (out_dir / MANIFEST).write_text(json.dumps({"units": ctc_units(cfg.model).kind, "chars": CHARS,
-                                                    "speech": speech}, indent=1))
+        (out_dir / MANIFEST).write_text(
+            json.dumps({"units": ctc_units(cfg.model).kind, "chars": CHARS, "speech": speech}, indent=1)
+        )
 
 
-__all__ = ["CHARS", "CTCBatches", "CTCModel", "Units", "build_ctc", "ctc_loss_sum", "error_counts", "export_ctc",
-           "greedy_ctc", "validate_ctc", "wrap_ctc_loader"]
+__all__ = [
+    "CHARS",
+    "CTCBatches",
+    "CTCModel",
+    "Units",
+    "build_ctc",
+    "ctc_loss_sum",
+    "error_counts",
+    "export_ctc",
+    "greedy_ctc",
+    "validate_ctc",
+    "wrap_ctc_loader",
+]

@@ -42,9 +42,19 @@ def validate(model: nn.Module, batches, cfg: JobConfig, device, dp_group) -> dic
 
 
 CTC_KIND = ModelKind(
-    name="ctc", llm_config=encoder_config, prepare_job=same_job, build_model=build_ctc, build_pipeline=None,
-    step_forward=ctc_forward, wrap_loader=wrap_ctc_loader, validate=one_pass, export=export,
+    name="ctc",
+    llm_config=encoder_config,
+    prepare_job=same_job,
+    build_model=build_ctc,
+    build_pipeline=None,
+    step_forward=ctc_forward,
+    wrap_loader=wrap_ctc_loader,
+    validate=one_pass,
+    export=export,
     hf_export_refusal="a CTC stage has no hf/ export (its export is encoder/ + head/): evaluate its DCP checkpoints",
-    vocab_checked=False, counts_flops=False, own_validation=validate)
+    vocab_checked=False,
+    counts_flops=False,
+    own_validation=validate,
+)
 
 __all__ = ["CTC_KIND", "ctc_forward", "encoder_config"]

@@ -30,8 +30,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from headrace.kernels.log_mel import (WHISPER_HOP, WHISPER_SAMPLE_RATE, LogMelConfig, feature_frames, log_mel,
-                                      nemo_log_mel, whisper_log_mel, whisper_num_frames)
+from headrace.kernels.log_mel import (
+    WHISPER_HOP,
+    WHISPER_SAMPLE_RATE,
+    LogMelConfig,
+    feature_frames,
+    log_mel,
+    nemo_log_mel,
+    whisper_log_mel,
+    whisper_num_frames,
+)
 from headrace.training.config.speech import EncoderConfig
 from headrace.training.speech.checkpoints import PREFIX as PARTS_PREFIX
 from headrace.training.speech.checkpoints import SPEECH_LLMS
@@ -39,8 +47,10 @@ from headrace.training.speech.checkpoints import SPEECH_LLMS
 WHISPER_CHECKPOINT_PREFIX = "model.encoder."  # a whole Whisper model's (WhisperForConditionalGeneration) names
 # whole transformers models whose checkpoint directory is read for its encoder: model_type -> (the encoder's
 # sub-config, its weights' prefix)
-WHOLE_MODELS = {"parakeet_ctc": ("encoder_config", "encoder."),
-                **{kind: ("audio_config", PARTS_PREFIX["encoder"]) for kind in SPEECH_LLMS}}
+WHOLE_MODELS = {
+    "parakeet_ctc": ("encoder_config", "encoder."),
+    **{kind: ("audio_config", PARTS_PREFIX["encoder"]) for kind in SPEECH_LLMS},
+}
 LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop")
 
 
@@ -67,17 +77,21 @@ def _config_fields(cfg: EncoderConfig, model_types: tuple[str, ...]) -> dict:
         fields = {k: 0.0 if k in LAYERDROP_KEYS else v for k, v in fields[whole[0]].items()}
     model_type = fields.pop("model_type", model_types[0])
     if model_type not in model_types:
-        raise ValueError(f"model.speech.encoder: {cfg.config_path or cfg.pretrained_path} holds a {model_type!r} "
-                         f"config, not one of {list(model_types)} "
-                         f"(encoder.kind: {cfg.kind})")
+        raise ValueError(
+            f"model.speech.encoder: {cfg.config_path or cfg.pretrained_path} holds a {model_type!r} "
+            f"config, not one of {list(model_types)} "
+            f"(encoder.kind: {cfg.kind})"
+        )
     return fields
 
 
 def _no_layerdrop(fields: dict, key: str) -> None:
     # LayerDrop skips layers at random per rank: FSDP2 ranks would then gather different layers and hang.
     if fields.setdefault(key, 0.0):
-        raise ValueError(f"model.speech.encoder.config.{key} must be 0 (ranks would skip different layers "
-                         "and FSDP2's collectives would not match)")
+        raise ValueError(
+            f"model.speech.encoder.config.{key} must be 0 (ranks would skip different layers "
+            "and FSDP2's collectives would not match)"
+        )
 
 
 def masked_frames(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -98,8 +112,9 @@ class ParakeetFrontEnd:
         _no_layerdrop(fields, "layerdrop")
         fields.setdefault("num_mel_bins", self.cfg.n_mels)
         if fields["num_mel_bins"] != self.cfg.n_mels:
-            raise ValueError(f"model.speech.encoder num_mel_bins {fields['num_mel_bins']} != features.n_mels "
-                             f"{self.cfg.n_mels}")
+            raise ValueError(
+                f"model.speech.encoder num_mel_bins {fields['num_mel_bins']} != features.n_mels {self.cfg.n_mels}"
+            )
         return ParakeetEncoderConfig(**fields)
 
     def build(self, config: PretrainedConfig) -> nn.Module:
@@ -119,8 +134,9 @@ class ParakeetFrontEnd:
             if isinstance(module, (nn.Conv1d, nn.Conv2d)):
                 module.reset_parameters()
 
-    def features(self, encoder: nn.Module, audio: torch.Tensor,
-                 audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def features(
+        self, encoder: nn.Module, audio: torch.Tensor, audio_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return (nemo_log_mel if self.cfg.kind == "nemo" else log_mel)(audio, audio_lens, self.cfg)
 
     def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
@@ -176,8 +192,9 @@ class WhisperFrontEnd:
     def max_seconds(self, encoder: nn.Module) -> float | None:
         return self.window_frames(encoder) * WHISPER_HOP / WHISPER_SAMPLE_RATE
 
-    def features(self, encoder: nn.Module, audio: torch.Tensor,
-                 audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def features(
+        self, encoder: nn.Module, audio: torch.Tensor, audio_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return whisper_log_mel(audio, audio_lens, encoder.config.num_mel_bins, self.window_frames(encoder))
 
     def hidden(self, encoder: nn.Module, feats: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
@@ -220,8 +237,11 @@ class Qwen2AudioFrontEnd(WhisperFrontEnd):
 
         conv_frames = (frames - 1) // 2 + 1
         width = (feats.shape[-1] - 2) // 2 + 1  # what Qwen2AudioModel sizes the mask by
-        mask = create_bidirectional_mask(config=encoder.config, inputs_embeds=feats.new_zeros(len(feats), width, 1),
-                                         attention_mask=masked_frames(conv_frames, width).long())
+        mask = create_bidirectional_mask(
+            config=encoder.config,
+            inputs_embeds=feats.new_zeros(len(feats), width, 1),
+            attention_mask=masked_frames(conv_frames, width).long(),
+        )
         return encoder(feats, attention_mask=mask).last_hidden_state
 
     def output_frames(self, encoder: nn.Module, audio_lens: torch.Tensor) -> torch.Tensor:

@@ -67,17 +67,30 @@ def corpus_wer(pairs: list[tuple[str, str]]) -> float:
 
 
 @torch.no_grad()
-def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_lens: torch.Tensor,
-                       max_new_tokens: int, *, synced: bool = False) -> list[str]:
+def greedy_transcripts(
+    model,
+    template,
+    tokenizer,
+    audio: torch.Tensor,
+    audio_lens: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    synced: bool = False,
+) -> list[str]:
     """Greedy decoding of a batch of utterances. ``synced``: every rank keeps stepping until all ranks'
     rows are done (``generate(synced_gpus=True)``), so FSDP2's per-layer collectives stay matched."""
     prompt = build_batch(template, model.audio_slots(audio_lens), left_pad=True)
     prompt = {k: v.to(audio.device) for k, v in prompt.items()}
     embeds = model.llm.embed(prompt["input_ids"], model.encode(audio, audio_lens), prompt["audio_mask"])
-    out = model.llm.causal_lm.generate(inputs_embeds=embeds, attention_mask=prompt["attention_mask"],
-                                       max_new_tokens=max_new_tokens, do_sample=False,
-                                       synced_gpus=synced,
-                                       eos_token_id=template.eos_id, pad_token_id=template.pad_id)
+    out = model.llm.causal_lm.generate(
+        inputs_embeds=embeds,
+        attention_mask=prompt["attention_mask"],
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        synced_gpus=synced,
+        eos_token_id=template.eos_id,
+        pad_token_id=template.pad_id,
+    )
     texts = []
     for row in out.tolist():
         row = row[: row.index(template.eos_id)] if template.eos_id in row else row
@@ -87,20 +100,31 @@ def greedy_transcripts(model, template, tokenizer, audio: torch.Tensor, audio_le
 
 def listening_line(result: dict) -> str:
     """Both losses to 5 significant digits (a model that transcribes well has losses of 1e-4 and below)."""
-    return (f"answer loss {result['loss']:.5g} with its own audio, {result['mismatched_loss']:.5g} with another "
-            f"utterance's: listening ratio {result['listening_ratio']:.3f}")
+    return (
+        f"answer loss {result['loss']:.5g} with its own audio, {result['mismatched_loss']:.5g} with another "
+        f"utterance's: listening ratio {result['listening_ratio']:.3f}"
+    )
 
 
 def eval_loader(data: str, split: str, sample_rate: int, batch_duration: float):
     """This rank's share of ``split``: duration-bucketed batches, one pass, each utterance once across ranks."""
-    return build_loader(dict(datasets=[dict(path=data, split=split)], epochs=1, shuffle=False, num_workers=0,
-                             decode=dict(sample_rate=sample_rate),
-                             bucketing=dict(max_duration=batch_duration, num_buckets=1)),
-                        dist.get_rank(), dist.get_world_size())
+    return build_loader(
+        dict(
+            datasets=[dict(path=data, split=split)],
+            epochs=1,
+            shuffle=False,
+            num_workers=0,
+            decode=dict(sample_rate=sample_rate),
+            bucketing=dict(max_duration=batch_duration, num_buckets=1),
+        ),
+        dist.get_rank(),
+        dist.get_world_size(),
+    )
 
 
-def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int, out: str | None,
-                 synced: bool = False) -> dict:
+def decode_split(
+    model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int, out: str | None, synced: bool = False
+) -> dict:
     """Decode every batch of ``loader`` and take its answer-token losses with its own and with mismatched
     audio (``headrace.training.speech.listening``); rank 0 gathers, writes the JSONL and returns ``{"wer",
     "utterances", "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
@@ -108,14 +132,28 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
     rows, sums = [], torch.zeros(3, dtype=torch.float64)
     for batch in loader:
         device = next(model.parameters()).device
-        hyps = greedy_transcripts(model, speech.template, speech.tokenizer, batch["audio"].to(device),
-                                  batch["audio_lens"].to(device), max_new_tokens, synced=synced)
+        hyps = greedy_transcripts(
+            model,
+            speech.template,
+            speech.tokenizer,
+            batch["audio"].to(device),
+            batch["audio_lens"].to(device),
+            max_new_tokens,
+            synced=synced,
+        )
         sums += listening_sums(model, speech.convert(batch), device)
         valid = batch.get("__valid__", [True] * len(hyps))
         for key, ref, hyp, ok in zip(batch["__key__"], batch["text"], hyps, valid):
             if ok:  # not a rank's tail padding sample
-                rows.append({"key": key, "reference": ref, "hypothesis": hyp, "errors": word_errors(
-                    normalize(ref), normalize(hyp)), "words": len(normalize(ref))})
+                rows.append(
+                    {
+                        "key": key,
+                        "reference": ref,
+                        "hypothesis": hyp,
+                        "errors": word_errors(normalize(ref), normalize(hyp)),
+                        "words": len(normalize(ref)),
+                    }
+                )
     everyone = gather_objects((rows, sums.tolist()))
     if dist.get_rank() != 0:
         return {}
@@ -126,8 +164,14 @@ def decode_split(model, cfg, tokenizer_path: str, loader, *, max_new_tokens: int
         Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     words = sum(r["words"] for r in rows)
     loss, mismatched_loss = own / max(tokens, 1), mismatched / max(tokens, 1)
-    return {"wer": sum(r["errors"] for r in rows) / max(words, 1), "utterances": len(rows), "words": words,
-            "loss": loss, "mismatched_loss": mismatched_loss, "listening_ratio": loss / max(mismatched_loss, 1e-12)}
+    return {
+        "wer": sum(r["errors"] for r in rows) / max(words, 1),
+        "utterances": len(rows),
+        "words": words,
+        "loss": loss,
+        "mismatched_loss": mismatched_loss,
+        "listening_ratio": loss / max(mismatched_loss, 1e-12),
+    }
 
 
 def check_window(model, loader) -> None:
@@ -140,31 +184,39 @@ def check_window(model, loader) -> None:
     limit = model.front.max_seconds(model.encoder)
     for source in shard_sources(loader) if limit is not None else ():
         durations = np.asarray(source.index.samples["duration"], dtype=np.float64)
-        rows = np.concatenate([np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)]
-                              or [np.zeros(0, dtype=np.int64)])
+        rows = np.concatenate(
+            [np.arange(a, a + n) for a, n in zip(source.shard_starts, source.shard_sizes)]
+            or [np.zeros(0, dtype=np.int64)]
+        )
         long = rows[durations[rows] > limit]
         if len(long):
-            raise JobInputError(f"--data: utterance {source.index.key(int(long[0]))!r} is "
-                                f"{durations[long[0]]:.2f} s, longer than the {model.cfg.encoder.kind} encoder's window "
-                                f"of {limit:g} s" + (f" ({len(long) - 1} more such)" if len(long) > 1 else "")
-                                + "; cut or drop such utterances from the split")
+            raise JobInputError(
+                f"--data: utterance {source.index.key(int(long[0]))!r} is "
+                f"{durations[long[0]]:.2f} s, longer than the {model.cfg.encoder.kind} encoder's window "
+                f"of {limit:g} s"
+                + (f" ({len(long) - 1} more such)" if len(long) > 1 else "")
+                + "; cut or drop such utterances from the split"
+            )
 
 
-def evaluate(model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None,
-             max_new_tokens: int | None = None) -> dict:
+def evaluate(
+    model_dir: str, data: str, *, split: str, batch_duration: float, out: str | None, max_new_tokens: int | None = None
+) -> dict:
     """Decode ``split`` of ``data`` with the SALM in ``model_dir`` (an export, or a Qwen2-Audio / Voxtral checkpoint
     directory: ``load_salm``), replicated on every rank."""
     if not Path(model_dir).is_dir():
-        raise JobInputError(f"--model: {model_dir} is not a directory (a SALM export, or a Qwen2-Audio / Voxtral "
-                            "checkpoint directory)")
+        raise JobInputError(
+            f"--model: {model_dir} is not a directory (a SALM export, or a Qwen2-Audio / Voxtral checkpoint directory)"
+        )
     if "://" not in data and not Path(data).is_dir():
         raise JobInputError(f"--data: {data} is not a directory")
     model, cfg = load_salm(model_dir)
     loader = open_data("--data", lambda: eval_loader(data, split, cfg.sample_rate, batch_duration))
     check_window(model, loader)
     tokenizer = model_dir if speech_llm_kind(model_dir) else Path(model_dir) / "hf"  # the checkpoint's, or the export's
-    return decode_split(model, cfg, str(tokenizer), loader,
-                        max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out)
+    return decode_split(
+        model, cfg, str(tokenizer), loader, max_new_tokens=max_new_tokens or cfg.max_new_tokens, out=out
+    )
 
 
 def eval_in_training(model, cfg, step: int) -> dict:
@@ -177,29 +229,39 @@ def eval_in_training(model, cfg, step: int) -> dict:
     salm = unwrap_ddp(model)
     speech = cfg.model.speech
     roots = [m for m in (salm, salm.llm) if isinstance(m, FSDPModule)]
-    loader = eval_loader(speech.eval_data or cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate,
-                         speech.eval_batch_duration)
+    loader = eval_loader(
+        speech.eval_data or cfg.data.datasets[0].path, speech.eval_split, speech.sample_rate, speech.eval_batch_duration
+    )
     salm.eval()
     for m in roots:
         m.unshard()
     try:
         out = Path(cfg.trainer.output_dir) / f"eval-{speech.eval_split}-step{step:08d}.jsonl"
-        result = decode_split(salm, speech, cfg.model.tokenizer, loader,
-                              max_new_tokens=speech.max_new_tokens, out=str(out), synced=True)
+        result = decode_split(
+            salm, speech, cfg.model.tokenizer, loader, max_new_tokens=speech.max_new_tokens, out=str(out), synced=True
+        )
     finally:
         for m in roots:
             m.reshard()
         salm.train()
     if result:
-        print(f"step {step} {speech.eval_split} WER {result['wer']:.3f} over {result['utterances']} utterances, "
-              f"{listening_line(result)} ({out})", flush=True)
+        print(
+            f"step {step} {speech.eval_split} WER {result['wer']:.3f} over {result['utterances']} utterances, "
+            f"{listening_line(result)} ({out})",
+            flush=True,
+        )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headrace.training.speech.eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="an exported SALM (a SALM run's output_dir), or a transformers "
-                                                       "Qwen2-Audio / Voxtral checkpoint directory")
+    parser = argparse.ArgumentParser(
+        prog="python -m headrace.training.speech.eval", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="an exported SALM (a SALM run's output_dir), or a transformers Qwen2-Audio / Voxtral checkpoint directory",
+    )
     parser.add_argument("--data", required=True, help="an audio shard directory with transcripts")
     parser.add_argument("--split", default="val")
     parser.add_argument("--batch-duration", type=float, default=60.0, help="seconds of padded audio per batch")
@@ -209,11 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed("cpu")
     try:
         out = args.out or str(Path(args.model) / f"eval-{args.split}.jsonl")
-        result = evaluate(args.model, args.data, split=args.split, batch_duration=args.batch_duration, out=out,
-                          max_new_tokens=args.max_new_tokens)
+        result = evaluate(
+            args.model,
+            args.data,
+            split=args.split,
+            batch_duration=args.batch_duration,
+            out=out,
+            max_new_tokens=args.max_new_tokens,
+        )
         if result:
-            print(f"WER {result['wer']:.3f} over {result['utterances']} utterances ({result['words']} words), "
-                  f"{listening_line(result)}; hypotheses in {out}", flush=True)
+            print(
+                f"WER {result['wer']:.3f} over {result['utterances']} utterances ({result['words']} words), "
+                f"{listening_line(result)}; hypotheses in {out}",
+                flush=True,
+            )
     except Exception as e:  # the trainer's rule: the user's errors (found alike on every rank) in one line, exit 2
         if not is_user_error(e) or debug_requested():
             raise

@@ -48,13 +48,16 @@ SALM_INPUTS = ("audio", "audio_lens", "input_ids", "labels", "audio_mask", "posi
 def build_salm(cfg, dims: ParallelDims, device: torch.device):
     """meta SALM -> parallelize -> this rank's shards -> init / load (-> DDP). Returns (model, LLM config)."""
     if cfg.model.speech.eval_every and dims.sequence_parallel:
-        raise ValueError("model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
-                         "split over the tp ranks); evaluate the export with python -m headrace.training.speech.eval")
+        raise ValueError(
+            "model.speech.eval_every needs sequence_parallel: false (one-token decoding steps cannot "
+            "split over the tp ranks); evaluate the export with python -m headrace.training.speech.eval"
+        )
     llm_config = build_hf_config(cfg.model, text_model=True)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    model = parallelize_salm(model, dims, cfg.distributed, param_dtype(cfg.trainer.precision),
-                             adapters=lora.salm_adapter_hook(cfg.peft))
+    model = parallelize_salm(
+        model, dims, cfg.distributed, param_dtype(cfg.trainer.precision), adapters=lora.salm_adapter_hook(cfg.peft)
+    )
     materialize_salm(model, device, cfg.model.pretrained_path)
     if cfg.peft is not None:
         lora.init_salm_adapters(model, cfg.peft)
@@ -69,12 +72,16 @@ def check_audio_input(model: SALM, decode) -> None:
     encoder's fixed window (Whisper's), which ``data.decode.max_duration`` turns into counted skips."""
     kind, rate = model.cfg.encoder.kind, model.cfg.sample_rate
     if decode.sample_rate is not None and decode.sample_rate != rate:
-        raise ValueError(f"data.decode.sample_rate {decode.sample_rate} != {rate} Hz, the rate the {kind} encoder's "
-                         "features are computed at")
+        raise ValueError(
+            f"data.decode.sample_rate {decode.sample_rate} != {rate} Hz, the rate the {kind} encoder's "
+            "features are computed at"
+        )
     limit = model.front.max_seconds(model.encoder)
     if limit is not None and (decode.max_duration is None or decode.max_duration > limit):
-        raise ValueError(f"model.speech.encoder ({kind}) takes at most {limit:g} s of audio: set "
-                         f"data.decode.max_duration <= {limit:g} (longer utterances become counted decode skips)")
+        raise ValueError(
+            f"model.speech.encoder ({kind}) takes at most {limit:g} s of audio: set "
+            f"data.decode.max_duration <= {limit:g} (longer utterances become counted decode skips)"
+        )
 
 
 class ConvertedBatches:
@@ -113,15 +120,23 @@ class SpeechBatches(ConvertedBatches):
             return [t[:n].tolist() for t, n in zip(batch["tokens"], batch["token_lens"])]
         texts = batch.get(self.cfg.answer_field)
         if texts is None or any(t is None for t in texts):
-            raise ValueError(f"model.speech.answer_field {self.cfg.answer_field!r}: a batch has samples without "
-                             f"it (keys {batch.get('__key__', [])[:3]}...)")
-        return [e.ids[: self.cfg.max_answer_tokens] for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+            raise ValueError(
+                f"model.speech.answer_field {self.cfg.answer_field!r}: a batch has samples without "
+                f"it (keys {batch.get('__key__', [])[:3]}...)"
+            )
+        return [
+            e.ids[: self.cfg.max_answer_tokens] for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def convert(self, batch: dict) -> dict:
         slots = self.salm.audio_slots(batch["audio_lens"])
         out = build_batch(self.template, slots, self.answers(batch), multiple_of=self.multiple_of)
-        return {"audio": batch["audio"], "audio_lens": batch["audio_lens"], **out,
-                **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch}}
+        return {
+            "audio": batch["audio"],
+            "audio_lens": batch["audio_lens"],
+            **out,
+            **{k: batch[k] for k in ("__key__", "__valid__", "text") if k in batch},
+        }
 
 
 def salm_loss_sum(model: nn.Module, batch: dict, autocast: bool) -> torch.Tensor:
@@ -135,8 +150,13 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     salm: SALM = unwrap_ddp(model)
     out_dir = Path(out_dir)
     peft = cfg.peft
-    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer,
-              transform=lora.merger(peft) if peft is not None and "llm" in peft.parts else None)
+    export_hf(
+        salm.llm,
+        salm.config,
+        out_dir / "hf",
+        cfg.model.tokenizer,
+        transform=lora.merger(peft) if peft is not None and "llm" in peft.parts else None,
+    )
     merge_encoder = peft is not None and "encoder" in peft.parts  # encoder/ holds the merged weights, no adapter
 
     def merged(name: str, state: dict) -> dict:
@@ -152,8 +172,12 @@ def save_parts(model: nn.Module, names: tuple[str, ...], out_dir: Path, transfor
     """``out_dir/<name>/model.safetensors`` for each named submodule of ``model`` (full state dicts gathered from
     every rank; ``transform(name, state)`` the state written, when given), and ``encoder/config.json``: what
     ``model.speech.encoder.pretrained_path`` reads. Collective; rank 0 writes and returns True."""
-    parts = {name: get_model_state_dict(getattr(model, name), options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True)) for name in names}
+    parts = {
+        name: get_model_state_dict(
+            getattr(model, name), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        for name in names
+    }
     if transform is not None:
         parts = {name: transform(name, state) for name, state in parts.items()}
     if dist.get_rank() != 0:
@@ -187,9 +211,20 @@ def load_salm(path: str | Path, device: str | torch.device = "cpu") -> tuple[SAL
 
 def wrap_loader(loader: Iterable, model: nn.Module, cfg, dims: ParallelDims) -> SpeechBatches:
     """The trainer's hook: audio batches -> SALM step batches (rows padded to a multiple of tp under SP)."""
-    return SpeechBatches(loader, model, cfg.model.speech, cfg.model.tokenizer,
-                         multiple_of=dims.tp if dims.sequence_parallel else 1)
+    return SpeechBatches(
+        loader, model, cfg.model.speech, cfg.model.tokenizer, multiple_of=dims.tp if dims.sequence_parallel else 1
+    )
 
 
-__all__ = ["SALM_INPUTS", "ConvertedBatches", "SpeechBatches", "build_salm", "check_audio_input", "export_salm",
-           "load_salm", "salm_loss_sum", "save_parts", "wrap_loader"]
+__all__ = [
+    "SALM_INPUTS",
+    "ConvertedBatches",
+    "SpeechBatches",
+    "build_salm",
+    "check_audio_input",
+    "export_salm",
+    "load_salm",
+    "salm_loss_sum",
+    "save_parts",
+    "wrap_loader",
+]

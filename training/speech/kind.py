@@ -56,11 +56,20 @@ def not_listening(record: dict, cfg: JobConfig) -> str | None:
 
 
 SALM_KIND = ModelKind(
-    name="salm", llm_config=functools.partial(build_hf_config, text_model=True), prepare_job=with_speech_llm,
-    build_model=build_salm, build_pipeline=None, step_forward=salm_forward, wrap_loader=wrap_loader,
-    validate=validate_listening, export=export, decode=decode_on_its_steps,
+    name="salm",
+    llm_config=functools.partial(build_hf_config, text_model=True),
+    prepare_job=with_speech_llm,
+    build_model=build_salm,
+    build_pipeline=None,
+    step_forward=salm_forward,
+    wrap_loader=wrap_loader,
+    validate=validate_listening,
+    export=export,
+    decode=decode_on_its_steps,
     hf_export_refusal="a SALM is evaluated from its DCP checkpoints (the hf/ export holds only its LLM); its "
-                      "decoding WER: python -m headrace.training.speech.eval",
-    batch_probe=batch_probe, val_warning=not_listening)
+    "decoding WER: python -m headrace.training.speech.eval",
+    batch_probe=batch_probe,
+    val_warning=not_listening,
+)
 
 __all__ = ["SALM_KIND", "batch_probe", "decode_on_its_steps", "not_listening", "salm_forward"]

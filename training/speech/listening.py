@@ -23,6 +23,7 @@ import torch
 from headrace.training.components.labels import labelled_tokens, mask_invalid_rows
 from headrace.training.speech.job import SALM_INPUTS, salm_loss_sum
 
+
 def partner_rows(batch_size: int) -> torch.Tensor:
     """The row whose audio each row gets: ``i -> (i + 1) mod B`` (never itself when ``B > 1``)."""
     return (torch.arange(batch_size) + 1) % batch_size
@@ -73,13 +74,15 @@ def not_listening_warning(record: dict, after_step: int) -> str | None:
     ratio = record.get("val_listening_ratio")
     if ratio is None or record["step"] < after_step or ratio < NOT_LISTENING_RATIO:
         return None
-    return (f"warning: at step {record['step']} the model is still not listening to the audio: its validation "
-            f"loss with each utterance's own audio is {ratio:.3f} of the loss with another utterance's audio "
-            f"(1.0 = the audio is ignored), so it has learnt what transcripts look like, not what was said. "
-            f"Try: start the encoder from a CTC-trained one (a model.kind: ctc run, then "
-            f"model.speech.encoder.pretrained_path: RUN/encoder), add a CTC loss on the encoder "
-            f"(model.speech.ctc_weight: 0.3), freeze the LLM (model.speech.freeze_llm: true) so the encoder and "
-            f"adapter must carry the answer, or a higher learning rate; see docs/speech-recipe.md")
+    return (
+        f"warning: at step {record['step']} the model is still not listening to the audio: its validation "
+        f"loss with each utterance's own audio is {ratio:.3f} of the loss with another utterance's audio "
+        f"(1.0 = the audio is ignored), so it has learnt what transcripts look like, not what was said. "
+        f"Try: start the encoder from a CTC-trained one (a model.kind: ctc run, then "
+        f"model.speech.encoder.pretrained_path: RUN/encoder), add a CTC loss on the encoder "
+        f"(model.speech.ctc_weight: 0.3), freeze the LLM (model.speech.freeze_llm: true) so the encoder and "
+        f"adapter must carry the answer, or a higher learning rate; see docs/speech-recipe.md"
+    )
 
 
 def listening_figures(own_loss: float, mismatched_loss: float) -> dict:
@@ -92,11 +95,21 @@ def validate_listening(run: Callable[[Callable], dict], forward: Callable) -> di
     figures = run(forward)
     mismatched = run(with_mismatched_audio(forward))
     if (mismatched["val_tokens"], mismatched["val_docs"]) != (figures["val_tokens"], figures["val_docs"]):
-        raise RuntimeError(f"listening: the mismatched pass read other utterances ({mismatched['val_docs']} docs, "
-                           f"{mismatched['val_tokens']} tokens) than the validation pass ({figures['val_docs']}, "
-                           f"{figures['val_tokens']})")
+        raise RuntimeError(
+            f"listening: the mismatched pass read other utterances ({mismatched['val_docs']} docs, "
+            f"{mismatched['val_tokens']} tokens) than the validation pass ({figures['val_docs']}, "
+            f"{figures['val_tokens']})"
+        )
     return {**figures, **listening_figures(figures["val_loss"], mismatched["val_loss"])}
 
 
-__all__ = ["NOT_LISTENING_RATIO", "listening_figures", "listening_sums", "mismatched_audio", "not_listening_warning",
-           "partner_rows", "validate_listening", "with_mismatched_audio"]
+__all__ = [
+    "NOT_LISTENING_RATIO",
+    "listening_figures",
+    "listening_sums",
+    "mismatched_audio",
+    "not_listening_warning",
+    "partner_rows",
+    "validate_listening",
+    "with_mismatched_audio",
+]

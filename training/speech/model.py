@@ -45,8 +45,9 @@ from headrace.training.speech.encoders import front_end, masked_frames
 class Adapter(nn.Module):
     """Stack ``k`` consecutive encoder frames (temporal subsampling by ``k``), then Linear-GELU-Linear."""
 
-    def __init__(self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None,
-                 bias: bool = True):
+    def __init__(
+        self, in_size: int, out_size: int, subsampling: int, hidden_size: int | None = None, bias: bool = True
+    ):
         super().__init__()
         self.subsampling = subsampling
         hidden_size = hidden_size or out_size
@@ -102,8 +103,16 @@ class SpeechLMLoss(CausalLMLoss):
         embeds = self.model.embed_tokens(input_ids)
         return embeds.masked_scatter(audio_mask[..., None], audio_embeds.to(embeds.dtype))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None, *, audio_embeds: torch.Tensor,
-                audio_mask: torch.Tensor, position_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        *,
+        audio_embeds: torch.Tensor,
+        audio_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        **kwargs,
+    ) -> torch.Tensor:
         embeds = self.embed(input_ids, audio_embeds, audio_mask)
         if self.sequence_mesh is not None:  # SP: this rank's sequence slice; backward all-gathers the grad
             embeds = DTensor.from_local(embeds, self.sequence_mesh, [Replicate()], run_check=False)
@@ -111,7 +120,9 @@ class SpeechLMLoss(CausalLMLoss):
         return super().forward(None, labels, inputs_embeds=embeds, position_ids=position_ids, **kwargs)
 
 
-def encoder_frames(model: nn.Module, audio: torch.Tensor, audio_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encoder_frames(
+    model: nn.Module, audio: torch.Tensor, audio_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The frames ``[B, T, H]`` of ``model.encoder`` (a SALM's, or the CTC stage's: ``headrace.training.speech.ctc``)
     on its front end's features, SpecAugmented in training, zero past each utterance's audio; and each
     utterance's frame count. ``model`` has ``front``, ``encoder``, ``cfg`` (a ``SpeechConfig``), ``augment_generator``."""
@@ -129,8 +140,15 @@ def encoder_frames(model: nn.Module, audio: torch.Tensor, audio_lens: torch.Tens
 class SALM(nn.Module):
     """Encoder + adapter + ``SpeechLMLoss`` (see the module docstring)."""
 
-    def __init__(self, encoder: nn.Module, adapter: nn.Module, llm: SpeechLMLoss, cfg: SpeechConfig, front,
-                 ctc_head: nn.Linear | None = None):
+    def __init__(
+        self,
+        encoder: nn.Module,
+        adapter: nn.Module,
+        llm: SpeechLMLoss,
+        cfg: SpeechConfig,
+        front,
+        ctc_head: nn.Linear | None = None,
+    ):
         super().__init__()
         self.encoder, self.adapter, self.llm = encoder, adapter, llm
         self.ctc_head = ctc_head  # encoder width -> vocabulary + blank, with model.speech.ctc_weight
@@ -156,11 +174,23 @@ class SALM(nn.Module):
     def encode(self, audio: torch.Tensor, audio_lens: torch.Tensor) -> torch.Tensor:
         return self.adapt(*self.encoder_frames(audio, audio_lens))
 
-    def forward(self, audio: torch.Tensor, audio_lens: torch.Tensor, input_ids: torch.Tensor,
-                labels: torch.Tensor | None, audio_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        audio: torch.Tensor,
+        audio_lens: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        audio_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor:
         hidden, covered = self.encoder_frames(audio, audio_lens)
-        loss = self.llm(input_ids, labels, audio_embeds=self.adapt(hidden, covered), audio_mask=audio_mask,
-                        position_ids=position_ids)
+        loss = self.llm(
+            input_ids,
+            labels,
+            audio_embeds=self.adapt(hidden, covered),
+            audio_mask=audio_mask,
+            position_ids=position_ids,
+        )
         if self.ctc_head is not None and self.training and labels is not None:
             loss = loss + self.cfg.ctc_weight * ctc_loss_sum(self.ctc_head(hidden), covered, labels)
         return loss
@@ -183,13 +213,15 @@ def ctc_loss_sum(logits: torch.Tensor, frames: torch.Tensor, labels: torch.Tenso
     return ctc_targets_loss_sum(logits, frames, *transcript_targets(labels))
 
 
-def ctc_targets_loss_sum(logits: torch.Tensor, frames: torch.Tensor, targets: torch.Tensor,
-                         lengths: torch.Tensor) -> torch.Tensor:
+def ctc_targets_loss_sum(
+    logits: torch.Tensor, frames: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Summed CTC loss of padded ``targets`` ``[B, L]`` (``lengths`` each) over ``frames`` frames of ``logits``
     ``[B, T, V + 1]`` (blank = ``V``, the last class); see ``ctc_loss_sum``."""
     log_probs = logits.float().log_softmax(-1).transpose(0, 1)
-    return nn.functional.ctc_loss(log_probs, targets, frames, lengths, blank=logits.shape[-1] - 1,
-                                  reduction="sum", zero_infinity=True)
+    return nn.functional.ctc_loss(
+        log_probs, targets, frames, lengths, blank=logits.shape[-1] - 1, reduction="sum", zero_infinity=True
+    )
 
 
 def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
@@ -225,9 +257,21 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
     if path := model.cfg.encoder.pretrained_path:
         load_safetensors(model.encoder, path, prefix=model.front.checkpoint_prefix(path))
     if path := model.cfg.adapter.pretrained_path:
-        load_safetensors(model.adapter, path, prefix=part_prefix(path, "adapter"),
-                         rename=lambda name: salm_name("adapter", name))
+        load_safetensors(
+            model.adapter, path, prefix=part_prefix(path, "adapter"), rename=lambda name: salm_name("adapter", name)
+        )
 
 
-__all__ = ["SALM", "Adapter", "LinearAdapter", "SpeechLMLoss", "build_adapter", "build_meta_salm", "ctc_loss_sum",
-           "ctc_targets_loss_sum", "encoder_frames", "materialize_salm", "transcript_targets"]
+__all__ = [
+    "SALM",
+    "Adapter",
+    "LinearAdapter",
+    "SpeechLMLoss",
+    "build_adapter",
+    "build_meta_salm",
+    "ctc_loss_sum",
+    "ctc_targets_loss_sum",
+    "encoder_frames",
+    "materialize_salm",
+    "transcript_targets",
+]

@@ -24,8 +24,9 @@ from headrace.training.distributed.tensor_parallel import apply_tp
 from headrace.training.speech.model import SALM
 
 
-def parallelize_salm(model: SALM, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype,
-                     adapters=None) -> SALM:
+def parallelize_salm(
+    model: SALM, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, adapters=None
+) -> SALM:
     """``adapters(model)``: LoRA on the LLM and/or encoder, after TP (``headrace.training.models.lora``)."""
     check_supported(dims, model.config)
     if dims.tp_enabled:

@@ -54,13 +54,22 @@ def make_template(tokenizer, prompt: str, answer_end: str | None = None) -> Prom
 
     eos = special((answer_end,) if answer_end else EOS_NAMES, "end-of-sequence")
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids if text.strip() else []  # noqa: E731
-    return PromptTemplate(prefix=encode(before.rstrip()), suffix=encode(after), eos_id=eos,
-                          pad_id=special(PAD_NAMES, "padding") if any(tokenizer.token_to_id(n) is not None
-                                                                    for n in PAD_NAMES) else eos)
+    return PromptTemplate(
+        prefix=encode(before.rstrip()),
+        suffix=encode(after),
+        eos_id=eos,
+        pad_id=special(PAD_NAMES, "padding") if any(tokenizer.token_to_id(n) is not None for n in PAD_NAMES) else eos,
+    )
 
 
-def build_batch(template: PromptTemplate, audio_slots: torch.Tensor, answers: list[list[int]] | None = None,
-                *, multiple_of: int = 1, left_pad: bool = False) -> dict[str, torch.Tensor]:
+def build_batch(
+    template: PromptTemplate,
+    audio_slots: torch.Tensor,
+    answers: list[list[int]] | None = None,
+    *,
+    multiple_of: int = 1,
+    left_pad: bool = False,
+) -> dict[str, torch.Tensor]:
     """``input_ids``, ``audio_mask``, ``position_ids`` ``[B, L]`` (+ ``labels`` with ``answers``; +
     ``attention_mask`` with ``left_pad``) for samples with ``audio_slots[b]`` frames each. ``L`` is the
     longest row rounded up to ``multiple_of`` (sequence parallelism splits it evenly)."""
