@@ -13,18 +13,10 @@ from __future__ import annotations
 
 import os
 
+from headrace.dataio.interrupts import EXIT_INTERRUPTED
+
 DEBUG_ENV = "HEADRACE_DEBUG"
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
-
-
-def leave_interrupt_to_parent() -> None:
-    """In a worker process (a pool's initializer): Ctrl-C reaches every process of the terminal's group; the
-    parent says "interrupted" once, so a worker ends at once and silently (no traceback of its own). What it
-    left half-written is a temp file its command removes or redoes on the next run."""
-    import signal
-
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(EXIT_INTERRUPTED))
 
 
 class CommandError(Exception):
@@ -88,6 +80,5 @@ __all__ = [
     "CommandError",
     "debug_requested",
     "is_user_error",
-    "leave_interrupt_to_parent",
     "one_line",
 ]

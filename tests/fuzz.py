@@ -174,7 +174,7 @@ WAV = None  # built lazily (soundfile)
 def check_member(ext: str, data: bytes) -> None:
     from headrace.dataio.stream.decode import Audio, SampleDecodeError, decode_sample
     from headrace.dataio.config import DecodeConfig
-    from headrace.dataio.shards.tarscan import decode_check
+    from headrace.dataio.verify import decode_check
 
     verdict = decode_check(ext, data)
     try:

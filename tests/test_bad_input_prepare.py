@@ -22,7 +22,8 @@ from headrace.dataio import build_loader
 from headrace.dataio.cli import main as dataio_main
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.audioheader import probe
-from headrace.dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, decode_check, scan_buffer
+from headrace.dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, scan_buffer
+from headrace.dataio.verify import decode_check
 from headrace.dataio.stream.decode import SampleDecodeError, decode_sample
 from headrace.dataio.usererror import CommandError
 from tests import loader_util

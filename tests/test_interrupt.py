@@ -47,7 +47,7 @@ def interrupted_verb(module: str, name: str, *args: str) -> subprocess.Completed
 def test_dataio_verify_and_shard_say_interrupted(tmp_path):
     make_text_dataset(tmp_path / "d", [4, 4])
     proc = interrupted_verb(
-        "headrace.dataio.shards.verify", "verify_shard", "verify", str(tmp_path / "d"), "--quiet", "--workers", "1"
+        "headrace.dataio.verify", "verify_shard", "verify", str(tmp_path / "d"), "--quiet", "--workers", "1"
     )
     assert (proc.returncode, proc.stderr) == (130, "dataio verify: interrupted\n"), proc.stderr[-2000:]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(20)))

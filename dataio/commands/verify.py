@@ -1,6 +1,6 @@
 """``dataio verify DIR``: re-read every shard and check it against the index and energon's metadata.
 
-Parses the options and runs ``headrace.dataio.shards.verify.verify_dir`` (see there: what is checked, the cost)
+Parses the options and runs ``headrace.dataio.verify.verify_dir`` (see there: what is checked, the cost)
 with a progress bar; prints the first fault and the others after it (exit status 1), or a summary.
 """
 
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
     from headrace.dataio.commands.progress import track
     from headrace.dataio.shards.index import load_index
-    from headrace.dataio.shards.verify import verify_dir
+    from headrace.dataio.verify import verify_dir
 
     root = args.dir
     try:

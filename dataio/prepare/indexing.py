@@ -27,7 +27,7 @@ from headrace.dataio.shards.index import INDEX_DIR, PARTS_DIR, ShardPart, merge_
 from headrace.dataio.shards.metadata import write_dataset_metadata
 from headrace.dataio.shards.outdir import lock_output, remove_temps
 from headrace.dataio.shards.tarscan import TarFormatError, scan_shard
-from headrace.dataio.usererror import leave_interrupt_to_parent
+from headrace.dataio.interrupts import leave_interrupt_to_parent
 
 
 def find_shards(root: Path) -> list[str]:

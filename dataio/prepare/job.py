@@ -41,7 +41,7 @@ from headrace.dataio.shards.metadata import write_dataset_metadata
 from headrace.dataio.shards.outdir import lock_output
 from headrace.dataio.shards.tarwriter import write_atomically
 from headrace.dataio.sizes import parse_size
-from headrace.dataio.usererror import leave_interrupt_to_parent
+from headrace.dataio.interrupts import leave_interrupt_to_parent
 
 # progress(description, total=, unit=) -> a context yielding advance(n); the CLI passes its progress bar
 Progress = Callable[..., ContextManager[Callable[[int], None]]]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from headrace.dataio.shards.shardtable import ShardTable, check_shard_name, check_shard_names, split_ids
+from headrace.dataio.shards.shardtable import ShardInfo, ShardTable, check_shard_names, split_ids
 from headrace.dataio.shards.writes import writing
 
 META_DIR = ".nv-meta"
@@ -60,19 +60,7 @@ SAMPLE_DTYPE = np.dtype(
     ]
 )
 MEMBER_DTYPE = np.dtype([("ext", "<u2"), ("offset", "<u8"), ("size", "<u8")])
-
-
-@dataclass(kw_only=True)
-class ShardInfo:
-    name: str  # file name relative to the dataset directory
-    split: str = "train"
-    bytes: int = 0
-    samples: int = 0
-    sha256: str | None = None
-    max_token: int | None = None  # largest token id of the shard's token members (None: unknown / none)
-
-    def __post_init__(self):
-        check_shard_name(self.name)
+LHOTSE_MANIFEST_SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".json.gz")  # a Lhotse manifest file's endings
 
 
 def shards_of(manifest: dict, where: str) -> list[ShardInfo]:
@@ -186,8 +174,6 @@ class DatasetIndex:
 
 def _manifest_hint(path) -> str:
     """For a file named like a Lhotse manifest: how to have it read as one."""
-    from headrace.dataio.stream.interop import LHOTSE_MANIFEST_SUFFIXES
-
     name = Path(path).name
     if not name.endswith(LHOTSE_MANIFEST_SUFFIXES):
         return ""

@@ -12,6 +12,7 @@ parsed into ~400 bytes of objects.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,6 +38,19 @@ def check_shard_name(name) -> None:
     parts = name.split("/") if isinstance(name, str) else None
     if not parts or name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in name:
         raise ValueError(f"shard name {name!r} is not a relative path inside the dataset directory")
+
+
+@dataclass(kw_only=True)
+class ShardInfo:
+    name: str  # file name relative to the dataset directory
+    split: str = "train"
+    bytes: int = 0
+    samples: int = 0
+    sha256: str | None = None
+    max_token: int | None = None  # largest token id of the shard's token members (None: unknown / none)
+
+    def __post_init__(self):
+        check_shard_name(self.name)
 
 
 def check_shard_names(names: np.ndarray, where: str) -> None:
@@ -95,8 +109,6 @@ class ShardTable(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        from headrace.dataio.shards.index import ShardInfo
-
         row = self.rows[i]
         max_token = int(row["max_token"])
         return ShardInfo(
@@ -140,4 +152,12 @@ def shard_sample_counts(shards: Sequence) -> np.ndarray:
     return np.fromiter((s.samples for s in shards), dtype=np.int64, count=len(shards))
 
 
-__all__ = ["SHARD_DTYPE", "ShardTable", "check_shard_name", "check_shard_names", "shard_sample_counts", "split_ids"]
+__all__ = [
+    "SHARD_DTYPE",
+    "ShardInfo",
+    "ShardTable",
+    "check_shard_name",
+    "check_shard_names",
+    "shard_sample_counts",
+    "split_ids",
+]

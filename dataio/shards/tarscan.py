@@ -22,7 +22,6 @@ members (``headrace.dataio.shards.audioheader.probe``: FLAC/WAV parsed directly,
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import mmap
 import os
@@ -33,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from headrace.dataio.shards.audioheader import check_decodes, probe
-from headrace.dataio.shards.formats import AUDIO_EXTENSIONS, is_audio_member, is_token_member, npy_header
+from headrace.dataio.shards.audioheader import probe
+from headrace.dataio.shards.formats import is_audio_member, is_token_member, npy_header
 from headrace.dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
 from headrace.dataio.shards.tarwriter import BLOCK
 
@@ -312,36 +311,3 @@ def scan_buffer(
         if keys
         else np.zeros(0, "S1"),
     )
-
-
-def decode_check(ext: str, payload) -> str | None:
-    """Why a member does not decode (None when it does): audio decoded whole by libsndfile, every frame,
-    to the length its header declares (``headrace.dataio.shards.audioheader.check_decodes``), ``.npy`` header without
-    pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
-    # the loader's own decoders and token rule (imported here: they pull in torch), so that verify passes no member
-    # the loader refuses
-    import torch
-
-    from headrace.dataio.stream.decode import PICKLE_EXTENSIONS, check_token_document, decode_npy
-
-    last = ext.rsplit(".", 1)[-1].lower()
-    try:
-        if last in PICKLE_EXTENSIONS:
-            return "a pickle-based member: the loader never loads one (store tensors as .npy)"
-        if last in AUDIO_EXTENSIONS:
-            check_decodes(payload)  # raises for unreadable audio, audio without samples, a damaged frame
-        elif last == "npy":
-            shape, _, dtype, header = npy_header(payload)
-            expected = header + math.prod(shape) * dtype.itemsize
-            if expected != len(payload):
-                return f"npy header says {expected} bytes, member has {len(payload)}"
-            tensor = decode_npy(payload)
-            if tensor.ndim == 1 and not (tensor.dtype.is_floating_point or tensor.dtype == torch.bool):
-                check_token_document(tensor)  # a 1-D integer array is a document of token ids to packing
-        elif last == "json":
-            json.loads(bytes(payload))
-        elif last == "txt":
-            bytes(payload).decode("utf-8")
-    except Exception as e:  # soundfile raises its own LibsndfileError (a RuntimeError)
-        return f"{type(e).__name__}: {e}"
-    return None

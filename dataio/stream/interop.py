@@ -34,7 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-from headrace.dataio.shards.index import MEMBER_DTYPE, META_DIR, SAMPLE_DTYPE, DatasetIndex, ShardInfo, merge_parts
+from headrace.dataio.shards.index import (
+    LHOTSE_MANIFEST_SUFFIXES,
+    MEMBER_DTYPE,
+    META_DIR,
+    SAMPLE_DTYPE,
+    DatasetIndex,
+    ShardInfo,
+    merge_parts,
+)
 from headrace.dataio.shards.tarscan import scan_shard
 from headrace.dataio.stream.cuts_index import CutsIndex
 from headrace.dataio.stream.decode import SampleDecodeError
@@ -204,8 +212,6 @@ __all__ = ["Folder", "energon_index", "energon_splits", "energon_subflavors", "i
 
 
 # ---------------------------------------------------------------------------------------- lhotse
-
-LHOTSE_MANIFEST_SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".json.gz")
 
 
 def is_lhotse_manifest(path: str) -> bool:

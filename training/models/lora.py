@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -44,10 +45,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from headrace.config import ConfigError, to_dict
 from headrace.training.config.peft import PeftConfig
-from headrace.training.distributed.parallel_dims import gather_objects
 from headrace.training.errors import JobInputError
-from headrace.training.models.build import stored_tensors
-from headrace.training.models.loss import unwrap_ddp
+from headrace.training.models.loss import CausalLMLoss, unwrap_ddp
 
 PEFT_PREFIX = "base_model.model."  # peft's names of the base model's modules in an adapter file
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -242,6 +241,14 @@ def read_adapter_config(path: str | Path) -> dict:
     return config
 
 
+def _from_every_rank(obj) -> list:
+    """``obj`` of every rank, in rank order (a collective; models/ sits below distributed/, whose
+    ``gather_objects`` is the same call)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
     """Fill the adapters of ``model`` (any layout) from peft adapter directory ``path``: its ``r`` /
     ``lora_alpha`` must be ``cfg``'s and it must adapt exactly the modules ``cfg`` selects. Collective."""
@@ -252,8 +259,9 @@ def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
             f"{config.get('lora_alpha')}; this job's peft has dim={cfg.dim}, alpha={cfg.alpha:g}"
         )
     state = {k: v for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}
-    stored = set(stored_tensors(str(path)))
-    everyone = {k for keys in gather_objects(sorted(state)) for k in keys}  # pipeline stages hold parts
+    with safe_open(str(Path(path) / ADAPTER_WEIGHTS), "pt") as f:  # the header only
+        stored = set(f.keys())
+    everyone = {k for keys in _from_every_rank(sorted(state)) for k in keys}  # pipeline stages hold parts
     wanted = {PEFT_PREFIX + k for k in everyone}
     if wanted != stored:
         differ = [
@@ -286,7 +294,7 @@ def save_adapter(model: nn.Module, cfg: PeftConfig, out_dir: str | Path, base: s
     from peft import LoraConfig  # peft pulls in accelerate (~1 s): only a run that exports an adapter pays
 
     tensors = {}
-    for part in gather_objects(full_adapter_tensors(model)):  # small: r (in + out) per layer
+    for part in _from_every_rank(full_adapter_tensors(model)):  # small: r (in + out) per layer
         tensors.update(part)
     out_dir = Path(out_dir)
     if dist.get_rank() == 0:
@@ -333,10 +341,8 @@ def merger(cfg: PeftConfig) -> Callable[[dict], dict]:
 
 def llm_of(model: nn.Module) -> nn.Module:
     """The causal LM whose adapters the ``lora/`` export holds: ``model`` itself, or a SALM's LLM."""
-    from headrace.training.speech.model import SALM  # the speech room sits above models/: no import arrow up
-
     model = unwrap_ddp(model)
-    return model.llm if isinstance(model, SALM) else model
+    return model if isinstance(model, CausalLMLoss) else model.llm
 
 
 def base_reference(job) -> dict:

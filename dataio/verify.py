@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -24,11 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from headrace.dataio.shards.index import META_DIR, DatasetIndex
 from headrace.dataio.shards.metadata import energon_spans
-from headrace.dataio.shards.tarscan import TarFormatError, decode_check, open_tar, scan_buffer
-from headrace.dataio.usererror import leave_interrupt_to_parent
+from headrace.dataio.shards.audioheader import check_decodes
+from headrace.dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
+from headrace.dataio.shards.tarscan import TarFormatError, open_tar, scan_buffer
+from headrace.dataio.stream.decode import PICKLE_EXTENSIONS, check_token_document, decode_npy
+from headrace.dataio.interrupts import leave_interrupt_to_parent
 
 
 @dataclass(frozen=True)
@@ -231,4 +236,32 @@ def verify_dir(
     return faults
 
 
-__all__ = ["Fault", "ShardExpectation", "verify_dir", "verify_metadata", "verify_shard"]
+def decode_check(ext: str, payload) -> str | None:
+    """Why a member does not decode (None when it does): audio decoded whole by libsndfile, every frame,
+    to the length its header declares (``headrace.dataio.shards.audioheader.check_decodes``), ``.npy`` header without
+    pickle and with a size that matches its shape, ``.json`` parses, ``.txt`` is UTF-8."""
+    # the loader's own decoders and token rule, so that verify passes no member the loader refuses
+    last = ext.rsplit(".", 1)[-1].lower()
+    try:
+        if last in PICKLE_EXTENSIONS:
+            return "a pickle-based member: the loader never loads one (store tensors as .npy)"
+        if last in AUDIO_EXTENSIONS:
+            check_decodes(payload)  # raises for unreadable audio, audio without samples, a damaged frame
+        elif last == "npy":
+            shape, _, dtype, header = npy_header(payload)
+            expected = header + math.prod(shape) * dtype.itemsize
+            if expected != len(payload):
+                return f"npy header says {expected} bytes, member has {len(payload)}"
+            tensor = decode_npy(payload)
+            if tensor.ndim == 1 and not (tensor.dtype.is_floating_point or tensor.dtype == torch.bool):
+                check_token_document(tensor)  # a 1-D integer array is a document of token ids to packing
+        elif last == "json":
+            json.loads(bytes(payload))
+        elif last == "txt":
+            bytes(payload).decode("utf-8")
+    except Exception as e:  # soundfile raises its own LibsndfileError (a RuntimeError)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+__all__ = ["Fault", "ShardExpectation", "decode_check", "verify_dir", "verify_metadata", "verify_shard"]
