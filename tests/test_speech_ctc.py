@@ -95,7 +95,10 @@ def ctc_job(workdir: Path, data: Path, **over) -> dict:
             ),
         ),
         data=dict(
-            datasets=[dict(path=str(data))], val=dict(datasets=[dict(path=str(data))]), bucketing=dict(max_duration=4.0)
+            datasets=[dict(path=str(data))],
+            val=dict(datasets=[dict(path=str(data))]),
+            bucketing=dict(max_duration=4.0),
+            num_workers=0,  # no fork from the suite's process (its other tests leave threads, e.g. moto's server)
         ),
         optim=dict(lr=3e-3, warmup_steps=1),
         trainer=dict(max_steps=3, eval_every=3, output_dir=str(workdir / "ctc"), **over),
