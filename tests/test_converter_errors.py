@@ -90,6 +90,12 @@ CASES = {  # name: (checkpoint, edit, what the one line says)
         "config.json: not a JSON file",
     ),
     "no_tokenizer": ("qwen2_audio", _no_tokenizer, "no tokenizer"),
+    # found by the 40-minute fuzz run: json's RecursionError inside transformers' tokenizer loading
+    "tokenizer_config_nested": (
+        "qwen2_audio",
+        lambda c: (c / "tokenizer_config.json").write_bytes(b"[" * 100_000 + b"]" * 100_000),
+        "transformers cannot read its tokenizer",
+    ),
     "voxtral_hidden_0": (
         "voxtral",
         lambda c: _edit_config(c, lambda d: {**d, "audio_config": {**d["audio_config"], "hidden_size": 0}}),

@@ -58,6 +58,13 @@ CASES = {
     "duplicate": (_split_with_zero_copy, "lm_head.weight is stored in both model-zz.safetensors and model.safetensors"),
     "missing": (lambda d: _drop(d, "model.norm.weight"), "has no tensor model.norm.weight"),
     "smaller_vocab": (_smaller_vocab, "model.embed_tokens.weight has shape [512, 64], the model's is [1024, 64]"),
+    # found by the 40-minute fuzz run: a config far larger than the weights was allocated whole before the load
+    "config_far_larger": (
+        lambda d: (d / "config.json").write_text(
+            json.dumps({**json.loads((d / "config.json").read_text()), "num_hidden_layers": 64})
+        ),
+        "(nothing was allocated)",
+    ),
     "config_list": (lambda d: (d / "config.json").write_text("[]"), "config.json: holds a JSON list"),
     "config_not_json": (lambda d: (d / "config.json").write_text("{"), "config.json: not a JSON file"),
     "config_no_model_type": (lambda d: (d / "config.json").write_text('{"vocab_size": 8}'), "has no model_type"),

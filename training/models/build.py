@@ -11,6 +11,7 @@ them: ``headrace.training.models.hf_experts``). Peak memory per rank is its shar
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -131,6 +132,8 @@ def materialize(
     """Allocate each rank's (already sharded) parameters on ``device``, then initialize or load them
     (``prefix``: as ``load_safetensors``'s). ``offload`` (FSDP2's CPUOffloadPolicy): the parameters live in host
     memory, the buffers (RoPE tables) on ``device``, where forward reads them."""
+    if pretrained_path is not None:
+        check_fills(model, pretrained_path, prefix)  # before anything is allocated
     model.to_empty(device="cpu" if offload else device)
     for module in model.modules():  # to_empty left garbage, so nothing is initialized yet
         module._is_hf_initialized = False
@@ -148,6 +151,22 @@ def materialize(
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.to(device)
+
+
+def check_fills(model: nn.Module, path: str, prefix: str = "") -> None:
+    """JobInputError when ``model`` has more than twice the parameters the checkpoint in ``path`` (its ``prefix``
+    part) holds values for (LoRA adapters aside): a config that describes a far larger model than its weights
+    would otherwise be allocated whole before the load names the missing tensors. Smaller mismatches are left to
+    ``check_stored``, which names the tensor. Headers only; the model may still be on the meta device."""
+    from headrace.training.models.lora import is_adapter_key
+
+    stored = sum(math.prod(shape) for key, (_, shape) in stored_tensors(path).items() if key.startswith(prefix))
+    needed = sum(p.numel() for name, p in model.named_parameters() if not is_adapter_key(name))
+    if needed > 2 * stored:
+        raise JobInputError(
+            f"model.pretrained_path: {path} holds {stored:,} values, but the model its config describes has "
+            f"{needed:,} parameters: is it a checkpoint of this model? (nothing was allocated)"
+        )
 
 
 def load_safetensors(model: nn.Module, path: str, prefix: str = "", rename: Callable[[str], str] | None = None) -> None:

@@ -198,7 +198,8 @@ def load_tokenizer(checkpoint: Path):
         )
     try:
         return AutoTokenizer.from_pretrained(checkpoint)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+    # RecursionError: a tokenizer_config.json nested past Python's recursion limit
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         raise JobInputError(
             f"{checkpoint}: transformers cannot read its tokenizer: {' '.join(str(e).split())[:300]}"
         ) from None
