@@ -2,8 +2,8 @@
 # The trainer's losses on the debug recipes, for an exact before/after comparison of a refactor:
 #   tools/recipe_losses.sh OUT [DATA]   (then: diff OLD/*.losses OUT/*.losses)
 # Builds a tiny demo corpus under DATA (default /tmp/recipe_losses_data; kept between runs, so two runs read
-# the same shards), then trains debug_llama, debug_qwen3_moe (ep_size=2) and speech_demo (on debug_llama's
-# export) for 4 steps on 2 CPU processes, validating every 2 steps, and writes OUT/<recipe>.losses: each
+# the same shards), then trains debug_llama, debug_qwen3_moe (ep_size=2), speech_demo (on debug_llama's
+# export), speech_ctc, debug_lora and debug_llama with float8 linears (torchao's emulated matmul, CPU) for 4 steps on 2 CPU processes, validating every 2 steps, and writes OUT/<recipe>.losses: each
 # step's loss and each validation record, as Python reprs (exact floats). To run another checkout's code
 # with this venv, put a folder laid out as headrace/{training,dataio,kernels,config} first on PYTHONPATH.
 set -euo pipefail
@@ -36,3 +36,9 @@ run debug_qwen3_moe text --config configs/debug_qwen3_moe.yaml model.config.voca
     checkpoint.export_hf=false
 run speech_demo speech --config configs/speech_demo.yaml "model.pretrained_path=$OUT/run_debug_llama/hf" \
     "model.tokenizer=$D/corpus/tokenizer.json" trainer.log_every=1
+run speech_ctc speech --config configs/speech_ctc.yaml data.num_workers=0 trainer.log_every=1 \
+    'model.speech.encoder.config={hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64, subsampling_factor: 4, subsampling_conv_channels: 16, conv_kernel_size: 3}' \
+    data.bucketing.max_duration=20.0
+run debug_lora text --config configs/debug_lora.yaml model.config.vocab_size=1024 "model.tokenizer=$D/corpus/tokenizer.json"
+run debug_llama_float8 text --config configs/debug_llama.yaml model.config.vocab_size=1024 trainer.precision=fp32 \
+    "model.tokenizer=$D/corpus/tokenizer.json" 'quantize.linear.float8={emulate: true}' checkpoint.export_hf=false

@@ -26,26 +26,29 @@ from headrace.training.distributed.dense import apply_ddp
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.distributed.parallelize import parallelize
 from headrace.training.distributed.pipeline import build_pipeline
-from headrace.training.models import lora
 from headrace.training.models.build import build_hf_config, build_meta_model, materialize, param_dtype
-from headrace.training.models.float8 import apply_quantize
+from headrace.training.models.converters import build_converters
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.protocols.model_kind import Forward, ModelKind, one_pass, same_job, same_loader
 
 
 def build_causal_lm(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> tuple[nn.Module, PretrainedConfig]:
-    """meta ``CausalLMLoss`` -> float8 linears (``quantize:``) -> parallelize (LoRA adapters after TP, ``peft:``)
-    -> allocate this rank's shards -> init or load (-> DDP).
-    Returns (model, hf_config)."""
+    """meta ``CausalLMLoss`` -> the job's model converters (``headrace.training.models.converters``) -> parallelize
+    (the converters' hook after TP) -> allocate this rank's shards -> init or load -> the converters' hook after
+    it (-> DDP). The whole model is the converters' one part, ``llm``. Returns (model, hf_config)."""
     hf_config = build_hf_config(cfg.model)
     model = CausalLMLoss(build_meta_model(hf_config))
-    apply_quantize(model, cfg.quantize, device)
+    converters = build_converters(cfg)
+    converters.convert(model, device)
     model = parallelize(
-        model, dims, cfg.distributed, param_dtype(cfg.trainer.precision), adapters=lora.adapter_hook(cfg.peft)
+        model,
+        dims,
+        cfg.distributed,
+        param_dtype(cfg.trainer.precision),
+        after_tp=converters.after_tp(lambda m: {"llm": m}),
     )
     materialize(model, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
-    if cfg.peft is not None:
-        lora.init_adapters(model, cfg.peft)
+    converters.after_materialize({"llm": model})
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims)
     return model, hf_config
@@ -71,7 +74,7 @@ def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConf
         cfg.model.tokenizer,
         shard_size_mb=cfg.checkpoint.export_shard_size_mb,
         experts_layout=cfg.checkpoint.export_hf_experts,
-        transform=None if cfg.peft is None else lora.merger(cfg.peft),
+        transform=build_converters(cfg).export_transform("llm"),
     )
 
 

@@ -72,16 +72,17 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
     from headrace.training.model_kinds import build_model_or_pipeline, model_kind
+    from headrace.training.models.converters import build_converters, for_merged_export
     from headrace.training.validation import make_validator
 
     ckpt, kind, state = check_inputs(cfg, path)
     cfg = model_kind(cfg).prepare_job(cfg)  # the job as the trainer ran it (a SALM on a speech LLM's checkpoint)
     if kind == "hf":
-        cfg = dataclasses.replace(
-            cfg,
-            model=dataclasses.replace(cfg.model, config=None, config_path=None, pretrained_path=str(ckpt)),
-            peft=None,
-        )  # a LoRA run's hf/ holds the merged model
+        cfg = for_merged_export(  # a LoRA run's hf/ holds the merged model
+            dataclasses.replace(
+                cfg, model=dataclasses.replace(cfg.model, config=None, config_path=None, pretrained_path=str(ckpt))
+            )
+        )
     device = pick_device(cfg.trainer.device)
     init_distributed(device.type)
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
@@ -91,7 +92,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     validate = make_validator(cfg, dims, device, model, pipe)
     if kind == "dcp":
         # a LoRA checkpoint holds the trainable parameters only; the frozen base is built from the job's config
-        load_model_weights(ckpt, model, state, trainable_only=cfg.peft is not None)
+        load_model_weights(ckpt, model, state, trainable_only=build_converters(cfg).trainable_only)
     return {"checkpoint": str(ckpt), **validate()}
 
 

@@ -65,8 +65,7 @@ from headrace.training.distributed.pipeline import Pipeline, pipeline_metrics
 from headrace.training.distributed.process_group import init_distributed, new_tail_group, pick_device, world_size
 from headrace.training.model_kinds import build_model_or_pipeline, model_kind
 from headrace.training.models.build import one_document_per_row
-from headrace.training.models import lora
-from headrace.training.models.float8 import register_scale_precompute
+from headrace.training.models.converters import ModelConverters, build_converters
 from headrace.training.components.run_lock import lock_output_dir
 from headrace.training.protocols.model_kind import ModelKind
 from headrace.training.step import next_micro_batches, pipeline_train_step, train_step, uses_autocast
@@ -108,6 +107,7 @@ class Trainer:
 
     cfg: JobConfig
     kind: ModelKind  # cfg.model.kind's spec: what the loop calls for this kind of model
+    converters: ModelConverters  # the job's model converters: their checkpoint and export hooks
     device: torch.device
     dims: ParallelDims  # the degrees and every mesh (dims.get_mesh)
     model: nn.Module  # with pp > 1 this rank's pipeline part
@@ -168,11 +168,12 @@ def build_trainer(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> T
     kind = model_kind(cfg)
     model, hf_config, pipe = build_model_or_pipeline(cfg, dims, device)
     optimizer = build_optimizer(model, cfg.optim)
-    if cfg.quantize.linear.float8 is not None:
-        register_scale_precompute(model, optimizer, cfg.quantize.linear.float8)
+    converters = build_converters(cfg)
+    converters.post_optimizer_hook(model, optimizer)
     return Trainer(
         cfg=cfg,
         kind=kind,
+        converters=converters,
         device=device,
         dims=dims,
         model=model,
@@ -213,7 +214,7 @@ def resume(trainer: Trainer, loader) -> None:
             trainer.optimizer,
             model_record(trainer),
             local=trainer.out_dir / "checkpoints",
-            trainable_only=cfg.peft is not None,
+            trainable_only=trainer.converters.trainable_only,
         )
     if found is not None:
         resume_from, state = found
@@ -274,12 +275,9 @@ def step_record(
 
 
 def model_record(trainer: Trainer) -> dict:
-    """What a checkpoint records of the model and a resume compares: its config, with LoRA also the base it
-    adapts (the checkpoint holds only the trainable state) and the adapter settings."""
-    record = checkpoint.model_config_record(trainer.hf_config)
-    if trainer.cfg.peft is not None:
-        record["peft"] = lora.base_reference(trainer.cfg)
-    return record
+    """What a checkpoint records of the model and a resume compares: its config, and the converters' entries
+    (LoRA: the base it adapts, since the checkpoint holds only the trainable state, and the adapter settings)."""
+    return {**checkpoint.model_config_record(trainer.hf_config), **trainer.converters.model_record(trainer.cfg)}
 
 
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
@@ -293,10 +291,10 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
         keep_last=trainer.cfg.checkpoint.keep_last,
         extra={"model_config": model_record(trainer), "first_loss": host_float(trainer.first_loss)},
         local=trainer.out_dir / "checkpoints",
-        trainable_only=trainer.cfg.peft is not None,
+        trainable_only=trainer.converters.trainable_only,
     )
-    if trainer.cfg.peft is not None:
-        print_on_rank0(lora.checkpoint_size_line(path, trainer.model, trainer.cfg))
+    for line in trainer.converters.saved_lines(path, trainer.model, trainer.cfg):
+        print_on_rank0(line)
 
 
 def run_steps(
@@ -438,8 +436,7 @@ def export_model(trainer: Trainer) -> None:
     start = time.perf_counter()
     with checkpoint.export_errors(out):
         trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
-        if cfg.peft is not None and cfg.peft.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
-            lora.save_adapter(lora.llm_of(trainer.model), cfg.peft, trainer.out_dir / "lora", cfg.model.pretrained_path)
+        trainer.converters.export(trainer.model, cfg, trainer.out_dir)  # beside the kind's: the converters' own files
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
         if checkpoint_store.is_url(trainer.checkpoints):  # checkpoint.folder on object storage: hf/ goes there too

@@ -46,21 +46,21 @@ def parallelize_decoder_lm(
     param_dtype: torch.dtype,
     mlp_plan=None,
     ac_context_fn=None,
-    adapters=None,
+    after_tp=None,
 ) -> nn.Module:
     """Any transformers causal LM (``headrace.training.models.families``): TP/SP, AC, compile, FSDP2 over its decoder blocks.
     TP uses the hand-written plan for the Llama family, the model's own ``base_model_tp_plan`` otherwise.
     ``mlp_plan(block, seq_layout)`` gives a Llama-family block's mlp TP entries (default ``dense_mlp_plan``) and
-    ``ac_context_fn`` a selective-checkpoint policy (MoE: headrace.training.distributed.moe). ``adapters(model)``
-    adds LoRA after TP, so the adapters are sharded like the layers they wrap and FSDP2 sees them
-    (``headrace.training.models.lora``)."""
+    ``ac_context_fn`` a selective-checkpoint policy (MoE: headrace.training.distributed.moe). ``after_tp(model)``
+    runs the model converters' hook after TP (LoRA adds its adapters there, so they are sharded like the layers
+    they wrap and FSDP2 sees them; ``headrace.training.models.converters``)."""
     if dims.tp_enabled:
         if model.config.model_type in OWN_TP_PLAN:
             apply_tp(model, dims.get_mesh("tp"), dims.sequence_parallel, mlp_plan or dense_mlp_plan)
         else:
             apply_hf_tp_plan(model, dims.get_mesh("tp"), dims.sequence_parallel)
-    if adapters is not None:
-        adapters(model)
+    if after_tp is not None:
+        after_tp(model)
     layers = decoder_blocks(model)  # a ModuleList, or a pipeline stage's ModuleDict keyed by global index
     apply_ac(layers, cfg, ac_context_fn)
     blocks = list(layers.children())

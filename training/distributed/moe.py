@@ -175,7 +175,7 @@ def router_aux_loss(
 
 
 def parallelize_moe_lm(
-    model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, adapters=None
+    model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, after_tp=None
 ) -> nn.Module:
     """Experts (EP, grouped GEMM), router aux loss, then the dense recipe; see the module docstring."""
     hf_config = model.config
@@ -232,7 +232,7 @@ def parallelize_moe_lm(
         )
     ac_context_fn = router_saving_ac(model) if cfg.moe.ignore_router_for_ac else None
     return parallelize_decoder_lm(
-        model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan, ac_context_fn=ac_context_fn, adapters=adapters
+        model, dims, cfg, param_dtype, mlp_plan=moe_mlp_plan, ac_context_fn=ac_context_fn, after_tp=after_tp
     )
 
 

@@ -46,13 +46,13 @@ PARALLELIZE_FNS: dict[str, Callable[..., nn.Module]] = {
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, adapters=None
+    model: nn.Module, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, after_tp=None
 ) -> nn.Module:
     """Dispatch on ``config.model_type`` to the family's parallelize function (generic by default);
-    ``adapters``: LoRA, added after TP (``headrace.training.models.lora.adapter_hook``)."""
+    ``after_tp(model)``: the model converters' hook after TP (``headrace.training.models.converters``)."""
     check_supported(dims, model.config)
     fn = PARALLELIZE_FNS.get(model.config.model_type, parallelize_decoder_lm)
-    return fn(model, dims, cfg, param_dtype, adapters=adapters)
+    return fn(model, dims, cfg, param_dtype, after_tp=after_tp)
 
 
 __all__ = ["PARALLELIZE_FNS", "check_supported", "parallelize"]

@@ -52,9 +52,8 @@ from headrace.training.config.job_config import JobConfig, PipelineConfig
 from headrace.training.config.pipeline_schedules import SINGLE_STAGE, V_SHAPED, schedule_class_name
 from headrace.training.distributed.parallelize import parallelize
 from headrace.training.models.build import build_meta_model, materialize, param_dtype
-from headrace.training.models.float8 import apply_quantize
+from headrace.training.models.converters import build_converters
 from headrace.training.models.families import LLAMA_LIKE
-from headrace.training.models.lora import adapter_hook, init_adapters
 from headrace.training.models.loss import CausalLMLoss, lm_head_loss_sum
 
 NEEDS_M_GE_STAGES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -329,7 +328,8 @@ def build_pipeline(cfg: JobConfig, dims, device: torch.device, hf_config) -> Pip
     n_micro = microbatch_count(cfg.data.batch_size * cfg.trainer.grad_accum, pcfg.pp_microbatch_size, class_name, total)
 
     full = CausalLMLoss(build_meta_model(hf_config))
-    apply_quantize(full, cfg.quantize, device)
+    converters = build_converters(cfg)
+    converters.convert(full, device)
     blocks = [sum(p.numel() for p in block.parameters()) for block in full.model.layers]
     heads = (
         full.model.embed_tokens.weight.numel(),
@@ -349,13 +349,12 @@ def build_pipeline(cfg: JobConfig, dims, device: torch.device, hf_config) -> Pip
             dims,
             stage_cfg,
             param_dtype(cfg.trainer.precision),
-            adapters=adapter_hook(cfg.peft),
+            after_tp=converters.after_tp(lambda m: {"llm": m}),
         )
         for s in mine
     ]
     materialize(part, device, cfg.model.pretrained_path, offload=cfg.distributed.offload_policy == "cpu")
-    if cfg.peft is not None:
-        init_adapters(part, cfg.peft)
+    converters.after_materialize({"llm": part})
     group = dims.get_mesh("pp").get_group()
     stages = [PipelineStage(module, s, total, device, group=group) for s, module in zip(mine, modules)]
     loss = ScaledLoss()

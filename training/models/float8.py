@@ -23,13 +23,15 @@ needs compute capability 8.9 (Ada, Hopper) or later; an older GPU is refused in 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from headrace.config import ConfigError
-from headrace.training.config.job_config import Float8Config, QuantizeConfig
+from headrace.training.config.job_config import Float8Config
+from headrace.training.protocols.model_converter import ModelConverter
 
 FLOAT8_ALIGNMENT = 16  # torch._scaled_mm needs both matrix dimensions divisible by 16
 
@@ -87,12 +89,9 @@ def convert_linears(model: nn.Module, cfg: Float8Config) -> dict[str, str]:
     return skipped
 
 
-def apply_quantize(model: nn.Module, quantize: QuantizeConfig, device: torch.device) -> None:
-    """The ``quantize:`` section on a model still on the meta device (before parallelize); rank 0 says what it
+def apply_float8(model: nn.Module, float8: Float8Config, device: torch.device) -> None:
+    """``quantize.linear.float8`` on a model still on the meta device (before parallelize); rank 0 says what it
     converted and what it skipped, with the reasons."""
-    float8 = quantize.linear.float8
-    if float8 is None:
-        return
     check_float8_device(float8, device)
     skipped = convert_linears(model, float8)
     if dist.get_rank() == 0:
@@ -117,6 +116,21 @@ def register_scale_precompute(model: nn.Module, optimizer: torch.optim.Optimizer
     if cfg.precompute_float8_dynamic_scale_for_fsdp:
         precompute = _torchao_float8().precompute_float8_dynamic_scale_for_fsdp
         optimizer.register_step_post_hook(lambda *_: precompute(model))
+
+
+@dataclass(frozen=True)
+class Float8Converter(ModelConverter):
+    """``quantize.linear.float8`` as a model converter: the linears converted on the meta device, and with
+    ``precompute_float8_dynamic_scale_for_fsdp`` the scales' all-reduce after each optimizer step."""
+
+    cfg: Float8Config
+    name = "float8"
+
+    def convert(self, model: nn.Module, device: torch.device) -> None:
+        apply_float8(model, self.cfg, device)
+
+    def post_optimizer_hook(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        register_scale_precompute(model, optimizer, self.cfg)
 
 
 def high_precision_weights(state: dict) -> dict:
@@ -148,7 +162,8 @@ def _torchao_float8():
 
 __all__ = [
     "FLOAT8_ALIGNMENT",
-    "apply_quantize",
+    "Float8Converter",
+    "apply_float8",
     "check_float8_device",
     "convert_linears",
     "float8_skip_reason",

@@ -29,7 +29,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from headrace.config import ConfigError, to_dict
 from headrace.training.config.peft import PeftConfig
 from headrace.training.errors import JobInputError
 from headrace.training.models.loss import CausalLMLoss, unwrap_ddp
+from headrace.training.protocols.model_converter import ModelConverter, StateTransform
 
 PEFT_PREFIX = "base_model.model."  # peft's names of the base model's modules in an adapter file
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -163,30 +164,6 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
     for name in names:
         add_adapter(modules[name], cfg)
     return names
-
-
-def adapter_hook(cfg: PeftConfig | None) -> Callable[[nn.Module], list[str]] | None:
-    """What a parallelize function runs on the model after TP (``apply_lora`` with ``cfg``); None without LoRA."""
-    return None if cfg is None else partial(apply_lora, cfg=cfg)
-
-
-def salm_adapter_hook(cfg: PeftConfig | None) -> Callable[[nn.Module], None] | None:
-    """``adapter_hook`` for a SALM: LoRA on the parts ``cfg.parts`` names (its LLM, its speech encoder), each
-    frozen; the speech adapter keeps its own ``freeze`` setting."""
-    if cfg is None:
-        return None
-
-    def apply(salm: nn.Module) -> None:
-        for part in cfg.parts:
-            apply_lora(getattr(salm, part), cfg)
-
-    return apply
-
-
-def init_salm_adapters(salm: nn.Module, cfg: PeftConfig) -> None:
-    """``init_adapters`` of each adapted part of a SALM; ``cfg.pretrained_path`` is the LLM's adapter."""
-    for part in cfg.parts:
-        init_adapters(getattr(salm, part), cfg if part == "llm" else replace(cfg, pretrained_path=None), f" ({part})")
 
 
 def is_adapter_key(key: str) -> bool:
@@ -366,24 +343,56 @@ def checkpoint_size_line(path, model: nn.Module, job) -> str:
     )
 
 
+@dataclass(frozen=True)
+class LoRAConverter(ModelConverter):
+    """``peft:`` as a model converter: adapters on the parts ``cfg.parts`` names, added after TP and initialized
+    after the base is materialized; checkpoints hold the trainable state and record the base they adapt; the
+    ``hf/`` export merges the adapters, ``lora/`` holds them alone (peft's format)."""
+
+    cfg: PeftConfig
+    name = "lora"
+    trainable_only = True
+    merged_on_export = True
+
+    def after_tp(self, parts: dict[str, nn.Module]) -> None:
+        for part in self.cfg.parts:  # each part frozen; a SALM's speech adapter keeps its own freeze setting
+            apply_lora(parts[part], self.cfg)
+
+    def after_materialize(self, parts: dict[str, nn.Module]) -> None:
+        for part in self.cfg.parts:  # ``cfg.pretrained_path`` is the LLM's adapter
+            cfg = self.cfg if part == "llm" else replace(self.cfg, pretrained_path=None)
+            init_adapters(parts[part], cfg, f" ({part})" if len(parts) > 1 else "")
+
+    def model_record(self, job) -> dict:
+        return {"peft": base_reference(job)}
+
+    def saved_line(self, path, model: nn.Module, job) -> str | None:
+        return checkpoint_size_line(path, model, job)
+
+    def export_transform(self, part: str) -> StateTransform | None:
+        return merger(self.cfg) if part in self.cfg.parts else None
+
+    def export(self, model: nn.Module, job, out_dir: Path) -> None:
+        if self.cfg.export_adapter:  # beside the merged hf/: the adapter alone, peft's format
+            save_adapter(llm_of(model), self.cfg, out_dir / "lora", job.model.pretrained_path)
+
+
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "LoRAConverter",
     "LoRALinear",
-    "adapter_hook",
     "adapter_placements",
     "apply_lora",
     "base_reference",
     "checkpoint_size_line",
     "init_adapters",
-    "init_salm_adapters",
     "llm_of",
     "merger",
     "is_adapter_key",
     "load_adapter",
     "merged_state",
     "read_adapter_config",
-    "salm_adapter_hook",
     "save_adapter",
     "selected_modules",
     "wildcard",

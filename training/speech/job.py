@@ -34,8 +34,8 @@ from headrace.training.distributed.dense import apply_ddp
 from headrace.training.dir_files import read_json_object
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.errors import JobInputError
-from headrace.training.models import lora
 from headrace.training.models.build import build_hf_config, param_dtype
+from headrace.training.models.converters import build_converters
 from headrace.training.models.loss import bf16_autocast, unwrap_ddp
 from headrace.training.speech.checkpoints import MANIFEST, speech_from_checkpoint, speech_llm_kind, write_manifest
 from headrace.training.speech.model import SALM, build_meta_salm, materialize_salm
@@ -55,16 +55,26 @@ def build_salm(cfg, dims: ParallelDims, device: torch.device):
     llm_config = build_hf_config(cfg.model, text_model=True)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
+    # no whole-model convert point: KindConfig.float8_and_offload is False for a SALM (config validation)
+    converters = build_converters(cfg)
     model = parallelize_salm(
-        model, dims, cfg.distributed, param_dtype(cfg.trainer.precision), adapters=lora.salm_adapter_hook(cfg.peft)
+        model,
+        dims,
+        cfg.distributed,
+        param_dtype(cfg.trainer.precision),
+        after_tp=converters.after_tp(converted_parts),
     )
     materialize_salm(model, device, cfg.model.pretrained_path)
-    if cfg.peft is not None:
-        lora.init_salm_adapters(model, cfg.peft)
+    converters.after_materialize(converted_parts(model))
     model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + dims.get_mesh("dp").get_local_rank())
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims)
     return model, llm_config
+
+
+def converted_parts(salm: SALM) -> dict[str, nn.Module]:
+    """The SALM's parts a model converter may change (by these names)."""
+    return {"llm": salm.llm, "encoder": salm.encoder}
 
 
 def check_audio_input(model: SALM, decode) -> None:
@@ -149,18 +159,12 @@ def export_salm(model: nn.Module, cfg, out_dir: str | Path) -> Path | None:
     """``out_dir/{hf,encoder,adapter,salm.json}`` (see the module docstring). Collective; rank 0 writes."""
     salm: SALM = unwrap_ddp(model)
     out_dir = Path(out_dir)
-    peft = cfg.peft
-    export_hf(
-        salm.llm,
-        salm.config,
-        out_dir / "hf",
-        cfg.model.tokenizer,
-        transform=lora.merger(peft) if peft is not None and "llm" in peft.parts else None,
-    )
-    merge_encoder = peft is not None and "encoder" in peft.parts  # encoder/ holds the merged weights, no adapter
+    converters = build_converters(cfg)
+    export_hf(salm.llm, salm.config, out_dir / "hf", cfg.model.tokenizer, transform=converters.export_transform("llm"))
+    encoder_transform = converters.export_transform("encoder")  # encoder/ holds the merged weights, no adapter
 
     def merged(name: str, state: dict) -> dict:
-        return lora.merged_state(state, peft.scaling) if merge_encoder and name == "encoder" else state
+        return encoder_transform(state) if encoder_transform is not None and name == "encoder" else state
 
     if not save_parts(salm, ("encoder", "adapter"), out_dir, merged):
         return None

@@ -25,16 +25,17 @@ from headrace.training.speech.model import SALM
 
 
 def parallelize_salm(
-    model: SALM, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, adapters=None
+    model: SALM, dims: ParallelDims, cfg: DistributedConfig, param_dtype: torch.dtype, after_tp=None
 ) -> SALM:
-    """``adapters(model)``: LoRA on the LLM and/or encoder, after TP (``headrace.training.models.lora``)."""
+    """``after_tp(model)``: the model converters' hook after TP (LoRA on the LLM and/or encoder;
+    ``headrace.training.models.converters``)."""
     check_supported(dims, model.config)
     if dims.tp_enabled:
         apply_tp(model.llm, dims.get_mesh("tp"), dims.sequence_parallel, embed_output=Replicate())
         if dims.sequence_parallel:
             model.llm.sequence_mesh = dims.get_mesh("tp")
-    if adapters is not None:
-        adapters(model)
+    if after_tp is not None:
+        after_tp(model)
     parts = [(model.encoder, model.encoder.layers), (model.llm, model.llm.model.layers)]
     for _, blocks in parts:
         apply_ac(blocks, cfg)
