@@ -29,6 +29,8 @@ def test_the_config_knows_exactly_the_registered_kinds():
     literal = typing.get_args(typing.get_type_hints(ModelConfig)["kind"])
     assert set(literal) == set(KIND_CONFIGS) == set(MODEL_KINDS)
     assert all(name == kind.name for name, kind in MODEL_KINDS.items())
+    # one table per fact: the spec carries the config's row itself, not fields restating it
+    assert all(kind.config is KIND_CONFIGS[name] for name, kind in MODEL_KINDS.items())
 
 
 def test_no_branch_on_the_kind_outside_the_specs():

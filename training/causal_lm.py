@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from headrace.training import step
 from headrace.training.components import checkpoint
-from headrace.training.config.job_config import JobConfig
+from headrace.training.config.job_config import KIND_CONFIGS, JobConfig
 from headrace.training.distributed.context_parallel import cp_attention_kwargs
 from headrace.training.distributed.dense import apply_ddp
 from headrace.training.distributed.parallel_dims import ParallelDims
@@ -80,6 +80,7 @@ def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConf
 
 CAUSAL_LM = ModelKind(
     name="causal_lm",
+    config=KIND_CONFIGS["causal_lm"],
     llm_config=build_hf_config,
     prepare_job=same_job,
     build_model=build_causal_lm,

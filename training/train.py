@@ -196,7 +196,7 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
     loader = open_data("data", lambda: make_loader(trainer.dims.get_mesh("dp").get_local_rank(), trainer.dims.dp))
     if line := worker_choice_line(loader):
         print_on_rank0(line)
-    if trainer.kind.vocab_checked:
+    if trainer.kind.config.has_llm:  # else the kind turns transcripts into its own units (a CTC stage)
         check_vocab(trainer.hf_config.vocab_size, cfg.model.tokenizer, shard_sources(loader))
     return trainer.kind.wrap_loader(loader, trainer.model, cfg, trainer.dims)
 
@@ -308,7 +308,7 @@ def run_steps(
     every ``eval_every`` (the kind may also decode: a SALM every ``model.speech.eval_every``), saves every
     ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
     cfg = trainer.cfg
-    if trainer.kind.counts_flops:  # a SALM's: the LLM's matmuls only
+    if trainer.kind.config.has_llm:  # a SALM's: the LLM's matmuls only
         flops = {
             "flops_per_token": flops_per_token(trainer.hf_config, cfg.data.seq_len or 0),
             "matmul_flops_per_token": matmul_flops_per_token(trainer.hf_config),

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
-    from headrace.training.config.job_config import JobConfig, ModelConfig
+    from headrace.training.config.job_config import JobConfig, KindConfig, ModelConfig
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.pipeline import Pipeline
 
@@ -33,6 +33,9 @@ class ModelKind:
     does without the feature (the caller then refuses the job with a line naming the kind)."""
 
     name: str
+    # What the config alone knows of the kind (``KIND_CONFIGS[name]``: its sections, bucketed batches, whether it
+    # has an LLM whose vocabulary the loader's tokens index and whose FLOPs the MFU counts, ...).
+    config: KindConfig
     # The transformers config of the language model (vocabulary, FLOPs, checkpoint record); a SALM's: its LLM's.
     llm_config: Callable[[ModelConfig], PretrainedConfig]
     # The job as it trains: parts taken from a released checkpoint filled in (identity for most kinds).
@@ -54,11 +57,6 @@ class ModelKind:
     decode: Callable[[nn.Module, JobConfig, int], dict] | None = None
     # Why ``python -m headrace.training.eval`` cannot start from this kind's ``hf/`` export (None: it can).
     hf_export_refusal: str | None = None
-    # The loader's token ids index this model's vocabulary (checked before training); False: the kind turns the
-    # transcripts into its own units (a CTC stage)
-    vocab_checked: bool = True
-    # FLOPs per token (MFU) are counted from ``llm_config``'s model; False: there is no LLM to count (a CTC stage)
-    counts_flops: bool = True
     # The kind's own validation pass ``(model, val batches, cfg, device, dp_group)`` -> figures (a CTC stage: the
     # loss and the greedy decodes' WER / CER), instead of ``validate``'s loss pass; None: ``validate``.
     own_validation: Callable[..., dict] | None = None

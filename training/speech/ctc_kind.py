@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import nn
 from transformers import PretrainedConfig
 
-from headrace.training.config.job_config import JobConfig, ModelConfig
+from headrace.training.config.job_config import KIND_CONFIGS, JobConfig, ModelConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.protocols.model_kind import Forward, ModelKind, one_pass, same_job
 from headrace.training.speech.ctc import build_ctc, ctc_loss_sum, ctc_units, export_ctc, validate_ctc, wrap_ctc_loader
@@ -43,6 +43,7 @@ def validate(model: nn.Module, batches, cfg: JobConfig, device, dp_group) -> dic
 
 CTC_KIND = ModelKind(
     name="ctc",
+    config=KIND_CONFIGS["ctc"],
     llm_config=encoder_config,
     prepare_job=same_job,
     build_model=build_ctc,
@@ -52,8 +53,6 @@ CTC_KIND = ModelKind(
     validate=one_pass,
     export=export,
     hf_export_refusal="a CTC stage has no hf/ export (its export is encoder/ + head/): evaluate its DCP checkpoints",
-    vocab_checked=False,
-    counts_flops=False,
     own_validation=validate,
 )
 

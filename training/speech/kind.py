@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from headrace.training.config.job_config import JobConfig
+from headrace.training.config.job_config import KIND_CONFIGS, JobConfig
 from headrace.training.distributed.parallel_dims import ParallelDims
 from headrace.training.models.build import build_hf_config
 from headrace.training.protocols.model_kind import Forward, ModelKind
@@ -57,6 +57,7 @@ def not_listening(record: dict, cfg: JobConfig) -> str | None:
 
 SALM_KIND = ModelKind(
     name="salm",
+    config=KIND_CONFIGS["salm"],
     llm_config=functools.partial(build_hf_config, text_model=True),
     prepare_job=with_speech_llm,
     build_model=build_salm,
