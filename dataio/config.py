@@ -22,7 +22,7 @@ DEFAULT_SEQ_LEN = 2048
 
 @dataclass(kw_only=True)
 class DaliConfig:
-    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``headrace.dataio.stream.dali``."""
+    """Options of the DALI audio path (``decode.audio: dali``, the ``dali`` extra); see ``headrace.dataio.stream.reading.dali``."""
 
     device: Literal["cpu", "gpu"] = "cpu"  # gpu: resample + features on the GPU (needs CUDA)
     num_threads: int = 2  # DALI CPU worker threads
@@ -39,7 +39,7 @@ class DaliConfig:
 class DecodeConfig:
     """The ``decode:`` options of the ``data:`` section."""
 
-    # soundfile: per sample here; dali: left raw here, decoded per batch by headrace.dataio.stream.dali; raw: never decoded
+    # soundfile: per sample here; dali: left raw here, decoded per batch by headrace.dataio.stream.reading.dali; raw: never decoded
     audio: Literal["soundfile", "dali", "raw"] = "soundfile"
     sample_rate: int | None = 16000  # resample target in Hz; None keeps each file's own rate
     mono: bool = True  # downmix all channels to one (mean)
@@ -128,7 +128,7 @@ class BucketingConfig:
 @dataclass(kw_only=True)
 class DatasetSpec:
     path: str  # a dataset directory, an fsspec URL (s3://, gs://, http(s)://), an energon metadataset YAML
-    # (headrace.dataio.stream.metadataset; split picks its splits: key), or see headrace.dataio.stream.interop
+    # (headrace.dataio.stream.sources.metadataset; split picks its splits: key), or see headrace.dataio.stream.sources.interop
     weight: float = 1.0  # relative share of the blended stream
     split: str = "train"  # which shards of the directory (the manifest's split of each shard)
     # fsspec options of a URL path (s3fs: endpoint_url, key, secret, anon, client_kwargs, ...); the
@@ -146,7 +146,7 @@ class DataConfig:
     seed: int | Literal["randomized"] = 0  # "randomized": a fresh seed, logged and kept in the state
     shuffle: bool = True
     shuffle_window: int = 8192  # samples permuted together after the shard shuffle (no buffer)
-    epochs: int | None = None  # None: endless; N: the stream ends after N passes (see headrace.dataio.stream.blend)
+    epochs: int | None = None  # None: endless; N: the stream ends after N passes (stream.ordering.blend)
     stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
     batch_size: int = 32
     # worker processes, or "auto": 0 or 2, whichever a ~1.5 s measurement at start finds faster (worker_count.py)
@@ -157,18 +157,18 @@ class DataConfig:
     max_bad_samples: int = 0  # undecodable / corrupt samples skipped (per DP rank) before it is an error
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     # Local disk cache of remote (URL) shards, shared by the workers and ranks of a node
-    # (headrace.dataio.stream.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
+    # (headrace.dataio.stream.sources.shardcache): each shard downloaded whole once, then memory-mapped like a local one.
     cache_dir: str | None = None  # None: remote shards are read by ranged GETs on every epoch
     cache_limit: int | str | None = (
         None  # bytes or a size ("50GB", "1.5TiB"); least recently used evicted; None: no limit
     )
     # Shards a process keeps open (mapped, or a remote file), across all datasets, least recently used
-    # closed first (headrace.dataio.stream.openshards); None: 1/8 of `ulimit -n`, 1/16 of vm.max_map_count, 8..4096
+    # closed first (headrace.dataio.stream.sources.openshards); None: 1/8 of `ulimit -n`, 1/16 of vm.max_map_count, 8..4096
     max_open_shards: int | None = None
     # The batching stage (headrace.dataio.batching.packing / headrace.dataio.batching.bucketing). Token batches come in one of two layouts:
     # seq_len set (always with greedy / best_fit): THD rows of seq_len tokens from headrace.dataio.batching.packing
     # (packing: none puts one document per row, padded: the trainer's unpacked baseline);
-    # packing: none without seq_len: headrace.dataio.stream.collate's plain batch (flat tokens + lengths, keys).
+    # packing: none without seq_len: headrace.dataio.stream.reading.collate's plain batch (flat tokens + lengths, keys).
     packing: Literal["none", "greedy", "best_fit"] = "none"
     seq_len: int | None = None  # tokens per row; greedy / best_fit without it use DEFAULT_SEQ_LEN
     packing_buffer: int = 1000

@@ -3,15 +3,15 @@
 The whole stream is a pure function of position, composed of small stages (the map of a sample's
 path, stage by stage, with each stage's state, is docs/data-path.md):
 
-1. ``headrace.dataio.stream.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form
-   (``headrace.dataio.stream.epochized`` for an energon ``blend_epochized`` metadataset, ``headrace.dataio.stream.datasets``).
-2. ``headrace.dataio.stream.order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``,
+1. ``headrace.dataio.stream.ordering.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form
+   (``headrace.dataio.stream.ordering.epochized`` for an energon ``blend_epochized`` metadataset, ``headrace.dataio.stream.sources.datasets``).
+2. ``headrace.dataio.stream.ordering.epoch_order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``,
    shuffled by shard order and in-window permutation from the seed -> a global sample index.
-3. ``headrace.dataio.stream.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
+3. ``headrace.dataio.stream.ordering.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
    ``[j0 + b*B, j0 + (b+1)*B)``.
-4. ``headrace.dataio.stream.batches`` reads the samples by offset (``headrace.dataio.stream.sources``), decodes them
-   (``headrace.dataio.stream.decode``; DALI per batch in ``headrace.dataio.stream.dali``) and collates the plain batch
-   (``headrace.dataio.stream.collate``), in worker processes (``headrace.dataio.stream.workers``) read back in order;
+4. ``headrace.dataio.stream.reading.batches`` reads the samples by offset (``headrace.dataio.stream.sources.shard_source``), decodes them
+   (``headrace.dataio.stream.reading.decode``; DALI per batch in ``headrace.dataio.stream.reading.dali``) and collates the plain batch
+   (``headrace.dataio.stream.reading.collate``), in worker processes (``headrace.dataio.stream.reading.workers``) read back in order;
    ``headrace.dataio.stream.rank`` holds the rank's position.
 5. One batching stage (``headrace.dataio.batching.stage``) turns that into the trainer's batches: ``plain``,
    ``packed`` (THD rows, ``headrace.dataio.batching.packing``) or ``bucketed`` (``headrace.dataio.batching.bucketing``).
@@ -20,7 +20,7 @@ So the state is tiny -- the layout (a start position and, rarely, a few skip ran
 position the trainer has consumed, the bad-sample count, the seed, and the stage's own state (the
 packer's document references, the bucketing epoch and step) -- and restoring it in a new process with
 any ``dp_size`` / ``num_workers`` continues the stream with nothing lost or repeated (see
-``headrace.dataio.stream.split`` for the re-layout rule). Memory is bounded by the index (memory-mapped) plus
+``headrace.dataio.stream.ordering.split`` for the re-layout rule). Memory is bounded by the index (memory-mapped) plus
 one shuffle window per worker, independent of the epoch length.
 """
 
@@ -42,9 +42,9 @@ from headrace.dataio.batching.plain import PlainBatches
 from headrace.dataio.batching.stage import Stage
 from headrace.dataio.config import DataConfig
 from headrace.dataio.loader_state import STATE_VERSION, StateError, check_states, data_identity
-from headrace.dataio.stream.datasets import open_datasets, open_source
+from headrace.dataio.stream.sources.datasets import open_datasets, open_source
 from headrace.dataio.stream.rank import RankStream
-from headrace.dataio.stream.seeding import fresh_seed
+from headrace.dataio.stream.ordering.seeding import fresh_seed
 from headrace.dataio.worker_count import AUTO, WorkerChoice, choose
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class Loader:
         """A new data seed for this job (call after ``load_state_dict`` with every old rank's state, before
         iterating; the same on every rank). It orders each dataset's epochs that no rank had begun at the
         resume; epochs already begun keep their seed, so no sample of them repeats or is skipped
-        (``headrace.dataio.stream.seeding``). Worker augmentation streams take it at once. Returns the first
+        (``headrace.dataio.stream.ordering.seeding``). Worker augmentation streams take it at once. Returns the first
         reseeded epoch of each dataset."""
         return self.stream.reseed(seed)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from headrace.dataio.stream.interop import LhotseCutSource
-    from headrace.dataio.stream.sources import ShardSource
+    from headrace.dataio.stream.sources.interop import LhotseCutSource
+    from headrace.dataio.stream.sources.shard_source import ShardSource
 
 STATE_VERSION = 1
 
@@ -46,7 +46,7 @@ def _count(value) -> bool:
 
 
 def _skip_ok(skip) -> bool:
-    """One ``ConsumedLayout`` of ``headrace.dataio.stream.split``: start, dp_size >= 1, one count per old rank."""
+    """One ``ConsumedLayout`` of ``headrace.dataio.stream.ordering.split``: start, dp_size >= 1, one count per old rank."""
     return (
         isinstance(skip, dict)
         and set(skip) == _SKIP_KEYS
@@ -61,7 +61,7 @@ def _skip_ok(skip) -> bool:
 
 def check_states(states: list, fingerprint: str, max_bad_samples: int, end: int | None) -> None:
     """StateError for the first state that is not a loader state of this data (module docstring).
-    Checked here: the fields the loader and ``headrace.dataio.stream.split`` read, a bad-sample count already
+    Checked here: the fields the loader and ``headrace.dataio.stream.ordering.split`` read, a bad-sample count already
     over this run's ``max_bad_samples``, that the states are the ranks of one run (one dp_size, one
     layout, each rank once) and that none consumed past ``end`` (the finite stream's global positions;
     None: endless); the packing and bucketing sub-states are checked by their own stages."""
@@ -89,7 +89,7 @@ def check_states(states: list, fingerprint: str, max_bad_samples: int, end: int 
 
 def _consumed_end(state: dict) -> int:
     """One past the highest global position the rank of ``state`` (or an older layout it skips) consumed
-    (``headrace.dataio.stream.split``'s arithmetic in Python integers, after the fields were checked)."""
+    (``headrace.dataio.stream.ordering.split``'s arithmetic in Python integers, after the fields were checked)."""
     layout = state["layout"]
     start, size, consumed = layout["start"], layout["dp_size"], state["consumed"]
     own = start + state["dp_rank"] + size * (consumed - 1) + 1 if consumed else start

@@ -35,8 +35,8 @@ def _user_error_types() -> tuple[type, ...]:
     from headrace.dataio.prepare.readers import SampleError
     from headrace.dataio.shards.outdir import OutputLocked
     from headrace.dataio.shards.tarscan import TarFormatError
-    from headrace.dataio.stream.decode import SampleDecodeError
-    from headrace.dataio.stream.pool import WorkerDied
+    from headrace.dataio.stream.reading.decode import SampleDecodeError
+    from headrace.dataio.stream.reading.pool import WorkerDied
 
     return (
         ConfigError,

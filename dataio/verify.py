@@ -32,7 +32,7 @@ from headrace.dataio.shards.metadata import energon_spans
 from headrace.dataio.shards.audioheader import check_decodes
 from headrace.dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
 from headrace.dataio.shards.tarscan import TarFormatError, open_tar, scan_buffer
-from headrace.dataio.stream.decode import PICKLE_EXTENSIONS, check_token_document, decode_npy
+from headrace.dataio.stream.reading.decode import PICKLE_EXTENSIONS, check_token_document, decode_npy
 from headrace.dataio.interrupts import leave_interrupt_to_parent
 
 

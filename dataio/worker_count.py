@@ -12,7 +12,7 @@ time. A setting's rate is the best of its rounds; workers win only when ``MARGIN
 fewer processes: less memory, no forks).
 
 The real loader is then built with the chosen count, exactly as if it had been written: workers are
-stateless (``headrace.dataio.stream.workers``), so order, state, exactly-once and resume with any worker
+stateless (``headrace.dataio.stream.reading.workers``), so order, state, exactly-once and resume with any worker
 count are the count's own. The choice is kept per process for the same config and DP coordinates (the
 trainer's validation loader, rebuilt for each pass, measures once).
 
@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 
 from headrace.config import to_dict
 from headrace.dataio.config import DataConfig
-from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.reading.decode import SampleDecodeError
 
 AUTO = "auto"
 WORKERS = 2  # the count measured against one process
@@ -134,7 +134,7 @@ def _measure(cfg: DataConfig, open_loader: Callable[[DataConfig], Iterable]) -> 
 @contextlib.contextmanager
 def _quiet_skips():
     """The loader's bad-sample warnings off while the trial loaders run (their workers, forked inside, inherit it)."""
-    logger = logging.getLogger("headrace.dataio.stream.batches")
+    logger = logging.getLogger("headrace.dataio.stream.reading.batches")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

@@ -1,6 +1,6 @@
 """Context-parallel document-masked causal attention over packed THD rows split by ``cp_split``.
 
-Layout (``headrace.dataio.batching.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment
+Layout (``headrace.dataio.feed.cp_split``, Transformer Engine's head-tail scheme): with CP size P every segment
 of the packed row (document pieces and padding alike) is padded to a multiple of 2P and cut into 2P chunks of c
 tokens; rank r holds chunks r ("head") and 2P-1-r ("tail") of every segment, so its local ``cu_seqlens``
 has segments of 2c. Chunk ids give the mask without any position tensor: a query chunk a attends a key
@@ -72,7 +72,7 @@ def half_layout(cu_seqlens: torch.Tensor, total_tokens: int) -> HalfLayout:
     if bool((seg % 2).any()):
         raise ValueError(
             "context-parallel cu_seqlens must have even segments (two chunks each; see "
-            "headrace.dataio.batching.cp_split)"
+            "headrace.dataio.feed.cp_split)"
         )
     chunk = seg // 2
     starts = torch.repeat_interleave(cu[:-1], chunk)
@@ -105,7 +105,7 @@ def cp_attention(
 ) -> torch.Tensor:
     """Causal document-masked attention of this rank's queries against the keys of the whole CP group.
 
-    ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``headrace.dataio.batching.cp_split`` order,
+    ``q`` ``(T, H, D)``, ``k``/``v`` ``(T, H_kv, D)``: this rank's tokens in ``headrace.dataio.feed.cp_split`` order,
     ``cu_seqlens`` its local boundaries (segments of two equal chunks, the same on every rank). Returns
     ``(T, H, D_v)``; differentiable in q, k, v.
     """

@@ -25,7 +25,7 @@ the attention function refuses any mask it is given. The document structure come
 ``cu_seq_lens_q`` (or, if absent, from ``position_ids`` restarting at 0).
 
 Context parallelism: with ``cp_group`` (a process group) and ``cp_comm`` (``allgather`` | ``ring``) among
-the model kwargs (``context_parallel_kwargs``), the batch is one CP rank's ``headrace.dataio.batching.cp_split`` shard
+the model kwargs (``context_parallel_kwargs``), the batch is one CP rank's ``headrace.dataio.feed.cp_split`` shard
 (``position_ids`` are the global positions, so RoPE is right) and the attention runs over the group
 through ``headrace.kernels.cp_attention``.
 

@@ -1,7 +1,7 @@
 """Log-mel features of a padded waveform batch on the device: the loader's DALI path, NeMo's, and Whisper's.
 
 ``log_mel(audio, lengths, cfg)`` computes, in plain torch on whatever device ``audio`` lives (no
-torchaudio), the same features as ``headrace.dataio.stream.dali``'s ``features: log_mel`` graph
+torchaudio), the same features as ``headrace.dataio.stream.reading.dali``'s ``features: log_mel`` graph
 (``fn.spectrogram -> fn.mel_filter_bank -> fn.to_decibels(multiplier=10, cutoff_db=-80)``):
 
 1. Each utterance is reflect-padded by ``n_fft // 2`` at *its own* ends (a gather with reflected

@@ -172,7 +172,7 @@ WAV = None  # built lazily (soundfile)
 
 
 def check_member(ext: str, data: bytes) -> None:
-    from headrace.dataio.stream.decode import Audio, SampleDecodeError, decode_sample
+    from headrace.dataio.stream.reading.decode import Audio, SampleDecodeError, decode_sample
     from headrace.dataio.config import DecodeConfig
     from headrace.dataio.verify import decode_check
 
@@ -189,7 +189,7 @@ def check_member(ext: str, data: bytes) -> None:
         assert verdict is None or "no samples" in verdict or "header" in verdict, verdict
     else:
         assert out.numel() * out.element_size() <= len(data)
-        from headrace.dataio.stream.decode import check_token_document
+        from headrace.dataio.stream.reading.decode import check_token_document
 
         try:  # a 1-D integer array is a document of token ids to the packing loader, and verify holds it to that
             if out.ndim == 1 and not (out.dtype.is_floating_point or out.dtype == torch_bool()):
@@ -367,7 +367,7 @@ def check_inplace(
     import shutil
 
     from headrace.dataio import build_loader
-    from headrace.dataio.stream.decode import SampleDecodeError
+    from headrace.dataio.stream.reading.decode import SampleDecodeError
 
     data = root / "live"
     shutil.rmtree(data, ignore_errors=True)
@@ -481,7 +481,7 @@ def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> Non
     from tests.loader_util import index_dir
 
     from headrace.dataio import build_loader
-    from headrace.dataio.stream.decode import SampleDecodeError
+    from headrace.dataio.stream.reading.decode import SampleDecodeError
 
     data = root / "mixed"
     shutil.rmtree(data, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Audio decoded per batch straight into the batch tensor (``headrace.dataio.stream.audio_batch``) gives the
+"""Audio decoded per batch straight into the batch tensor (``headrace.dataio.stream.reading.audio_batch``) gives the
 values the per-sample ``decode_audio`` gives, bit for bit, drops bad members naming them, and collates
 without a copy; ``decode.libsndfile`` picks a libsndfile build without changing values."""
 
@@ -10,9 +10,9 @@ import soundfile
 import torch
 
 from headrace.dataio import libsndfile
-from headrace.dataio.stream.audio_batch import decode_pending, mean_decoded_bytes
-from headrace.dataio.stream.collate import collate, plain_memory
-from headrace.dataio.stream.decode import Audio, PendingAudio, SampleDecodeError, decode_audio, decode_sample
+from headrace.dataio.stream.reading.audio_batch import decode_pending, mean_decoded_bytes
+from headrace.dataio.stream.reading.collate import collate, plain_memory
+from headrace.dataio.stream.reading.decode import Audio, PendingAudio, SampleDecodeError, decode_audio, decode_sample
 from headrace.dataio.config import DecodeConfig
 
 from tests.test_loader_audio import audio, waveforms  # noqa: F401  (the loader fixture and reader)

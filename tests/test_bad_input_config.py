@@ -95,7 +95,7 @@ def test_shard_token_ids_beyond_the_vocab_are_refused_from_the_index(tmp_path):
     """The largest id is recorded per shard by `dataio index` (tarscan) and checked without reading data."""
     from tests.loader_util import make_text_dataset  # tokens 0..999 plus the sample number
 
-    from headrace.dataio.stream.sources import ShardSource
+    from headrace.dataio.stream.sources.shard_source import ShardSource
 
     make_text_dataset(tmp_path / "d", [5, 5])
     source = ShardSource(str(tmp_path / "d"))

@@ -19,7 +19,7 @@ import webdataset as wds
 from tests import loader_util
 from headrace.dataio import build_loader
 from headrace.dataio.loader_state import StateError
-from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.reading.decode import SampleDecodeError
 from tests.hostile import flac_bytes
 
 
@@ -377,8 +377,8 @@ def test_worker_killed_by_sigbus_is_the_shrunk_shards_error(tmp_path, monkeypatc
 
     from tests import loader_util
     from headrace.dataio import build_loader
-    from headrace.dataio.stream.batches import BatchMaker
-    from headrace.dataio.stream.storage import ShardFormatError
+    from headrace.dataio.stream.reading.batches import BatchMaker
+    from headrace.dataio.stream.sources.storage import ShardFormatError
 
     loader_util.make_text_dataset(tmp_path, [40, 40])
     made = BatchMaker.__call__

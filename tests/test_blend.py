@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from headrace.dataio.stream.blend import BlendSchedule, integer_weights
+from headrace.dataio.stream.ordering.blend import BlendSchedule, integer_weights
 
 
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 1], [0.123, 0.3, 0.577], [5, 1], [0.01, 0.99]])
@@ -58,7 +58,7 @@ def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, exact_path, coun
     """Each epoch has exactly counts[d] draws of d, numbered on across epochs, within 1 + log2(datasets)
     of the even share at every prefix, and draws_before agrees with locate (``exact_path``: the Python
     integer steps of epochs past int64's reach, forced)."""
-    from headrace.dataio.stream import epochized
+    from headrace.dataio.stream.ordering import epochized
 
     if exact_path:
         monkeypatch.setattr(epochized, "INT64_SAFE", 0)
@@ -77,7 +77,7 @@ def test_epochized_epochs_hold_exact_counts_evenly(monkeypatch, exact_path, coun
 
 def test_epochized_epoch_past_int64_products():
     """An epoch of 4e9 positions (x * a passes int64): the last positions still end every count exactly."""
-    from headrace.dataio.stream.epochized import EpochizedSchedule
+    from headrace.dataio.stream.ordering.epochized import EpochizedSchedule
 
     counts = [4_000_000_000, 3, 1_000]
     schedule = EpochizedSchedule(counts)

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headrace.dataio.batching.cp_split import cp_shard
-from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.feed.cp_split import cp_shard
+from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.kernels.attention_lse import block_backward, block_forward, merge_into
 from headrace.kernels.cp_attention import _attend, _grad_blocks, blocks, half_layout
 from headrace.kernels.varlen_attention import varlen_attention_reference

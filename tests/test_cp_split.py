@@ -1,10 +1,10 @@
-"""headrace.dataio.batching.cp_split: round trip, head-tail chunk layout, positions, per-rank work balance."""
+"""headrace.dataio.feed.cp_split: round trip, head-tail chunk layout, positions, per-rank work balance."""
 
 import numpy as np
 import pytest
 import torch
 
-from headrace.dataio.batching.cp_split import attention_work, cp_merge, cp_split
+from headrace.dataio.feed.cp_split import attention_work, cp_merge, cp_split
 from headrace.dataio.batching.packing import IGNORE_INDEX, Packer, pack
 from headrace.dataio.config import PackingConfig
 

@@ -1,4 +1,4 @@
-"""headrace.dataio.stream.dali: DALI batch audio decoding on CPU (device_id=None) checked against the soundfile path.
+"""headrace.dataio.stream.reading.dali: DALI batch audio decoding on CPU (device_id=None) checked against the soundfile path.
 
 Resampled waveforms are compared with soxr's away from the edges: both are windowed-sinc resamplers
 (DALI 16 lobes at quality 50, soxr HQ), so in the interior they agree to ~6e-5 on a 0.5-amplitude sine
@@ -14,7 +14,7 @@ import pytest
 import soundfile
 import torch
 
-from headrace.dataio.stream.decode import Audio, SampleDecodeError, decode_audio, decode_sample
+from headrace.dataio.stream.reading.decode import Audio, SampleDecodeError, decode_audio, decode_sample
 from headrace.dataio.config import DaliConfig, DecodeConfig
 
 EDGE = 200  # samples at 16 kHz: longer than either resampler's filter half-width
@@ -23,9 +23,9 @@ EDGE = 200  # samples at 16 kHz: longer than either resampler's filter half-widt
 @pytest.fixture
 def dali():
     pytest.importorskip("nvidia.dali")
-    import headrace.dataio.stream.dali
+    import headrace.dataio.stream.reading.dali
 
-    return headrace.dataio.stream.dali
+    return headrace.dataio.stream.reading.dali
 
 
 def encode(rate: int, seconds: float, freq: float, channels: int, fmt: str = "FLAC") -> bytes:
@@ -38,12 +38,12 @@ def encode(rate: int, seconds: float, freq: float, channels: int, fmt: str = "FL
 
 
 def test_missing_dali_names_the_extra(monkeypatch):
-    import headrace.dataio.stream.dali
+    import headrace.dataio.stream.reading.dali
 
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali...` fail
     monkeypatch.setitem(sys.modules, "nvidia.dali.fn", None)
     with pytest.raises(ImportError, match=r"headrace\[dali\]"):
-        headrace.dataio.stream.dali.DaliAudioDecoder(DecodeConfig(audio="dali"))
+        headrace.dataio.stream.reading.dali.DaliAudioDecoder(DecodeConfig(audio="dali"))
 
 
 def test_waveforms_match_soundfile_and_soxr(dali):

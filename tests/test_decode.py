@@ -1,4 +1,4 @@
-"""headrace.dataio.stream.decode: zero-copy .npy tokens, pickle refusal, soundfile audio with soxr resampling."""
+"""headrace.dataio.stream.reading.decode: zero-copy .npy tokens, pickle refusal, soundfile audio with soxr resampling."""
 
 import ctypes
 import io
@@ -9,10 +9,10 @@ import pytest
 import soundfile
 import torch
 
-from headrace.dataio.stream.decode import Audio, SampleDecodeError, UnsafeMemberError, decode_npy, decode_sample
+from headrace.dataio.stream.reading.decode import Audio, SampleDecodeError, UnsafeMemberError, decode_npy, decode_sample
 from headrace.dataio.config import DecodeConfig
 
-# decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/stream/decode.py); pytest resets
+# decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/stream/reading/decode.py); pytest resets
 # the module's own filter for torch's "not writable" warning, so it is restated here.
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -101,8 +101,8 @@ def test_npy_corrupt_payloads_raise_with_key(payload, message, defer_npy):
 def test_deferred_npy_collates_like_decoded_tensors():
     """``defer_npy`` (the loader's plain batches): 1-D native arrays stay ``NpyView`` and ``collate``
     copies them into the same batch tensors the decoded path gives; anything else is decoded at once."""
-    from headrace.dataio.stream.collate import collate_field
-    from headrace.dataio.stream.decode import NpyView
+    from headrace.dataio.stream.reading.collate import collate_field
+    from headrace.dataio.stream.reading.decode import NpyView
 
     batches = [
         [np.arange(n, dtype="<i4") * 3 for n in (5, 0, 17, 2)],  # ragged: flat + lengths

@@ -1,4 +1,4 @@
-"""The batch-level token path (``headrace.dataio.stream.gather``) yields exactly the batch of the general
+"""The batch-level token path (``headrace.dataio.stream.reading.gather``) yields exactly the batch of the general
 per-sample path, and hands anything it does not fully check back to that path."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import webdataset as wds
 
 from headrace.dataio.config import DataConfig
 from headrace.config import from_dict
-from headrace.dataio.stream.batches import SampleReader
-from headrace.dataio.stream.refs import make_ref
-from headrace.dataio.stream.collate import collate, plain_memory
-from headrace.dataio.stream.gather import gather_tokens, tokens_only
-from headrace.dataio.stream.sources import ShardSource
+from headrace.dataio.stream.reading.batches import SampleReader
+from headrace.dataio.stream.ordering.refs import make_ref
+from headrace.dataio.stream.reading.collate import collate, plain_memory
+from headrace.dataio.stream.reading.gather import gather_tokens, tokens_only
+from headrace.dataio.stream.sources.shard_source import ShardSource
 
 from tests.loader_util import index_dir, npy_bytes
 
@@ -107,7 +107,7 @@ def test_anything_not_checked_goes_the_general_way(tmp_path, damage):
 
 def test_expected_headers_are_the_canonical_bytes():
     """The column-wise headers equal ``prefix + count + ",), }"`` padded, for counts of every digit count."""
-    from headrace.dataio.stream.gather import _expected_headers
+    from headrace.dataio.stream.reading.gather import _expected_headers
 
     prefix, data = b"\x93NUMPY\x01\x00v\x00{'descr': '<i4', 'fortran_order': False, 'shape': (", 80
     rng = np.random.default_rng(0)
@@ -128,7 +128,7 @@ def test_forked_processes_share_the_checks(tmp_path):
     a process that needs a block another one has claimed checks only its own samples of it."""
     import os
 
-    from headrace.dataio.stream.gather import BLOCK, UNCHECKED, checked
+    from headrace.dataio.stream.reading.gather import BLOCK, UNCHECKED, checked
 
     token_tars(tmp_path / "a", [[3] * (BLOCK + 50)])
     source = ShardSource(str(tmp_path / "a"))
@@ -151,7 +151,7 @@ def test_known_blocks_are_read_without_the_lock(tmp_path, monkeypatch):
     (``uniform``). The batches stay the general path's."""
     import fcntl
 
-    from headrace.dataio.stream.gather import BLOCK, FIRST_DTYPE_CODE, TOKEN_DTYPES, checked
+    from headrace.dataio.stream.reading.gather import BLOCK, FIRST_DTYPE_CODE, TOKEN_DTYPES, checked
 
     token_tars(tmp_path / "a", [[3, 5, 7] * ((BLOCK + 100) // 3)])
     source = ShardSource(str(tmp_path / "a"))
@@ -179,7 +179,7 @@ def test_a_task_made_at_once_is_batch_by_batch_what_make_batch_gives(tmp_path):
     blended datasets, the short last batch -- and None where a batch must go the general way (a bad
     sample); through 2 workers the loader's batches and state are those of one process."""
     from headrace.dataio.loader import build_loader
-    from headrace.dataio.stream.batches import BatchMaker
+    from headrace.dataio.stream.reading.batches import BatchMaker
 
     rng = np.random.default_rng(1)
     token_tars(tmp_path / "a", [rng.integers(1, 60, 70).tolist()])

@@ -11,8 +11,8 @@ import pytest
 import webdataset as wds
 
 from headrace.dataio import build_loader
-from headrace.dataio.stream.decode import SampleDecodeError
-from headrace.dataio.stream.storage import ShardFormatError
+from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.stream.sources.storage import ShardFormatError
 
 from tests.loader_util import index_dir, make_text_dataset, npy_bytes
 from tests.helpers import child_env
@@ -266,7 +266,7 @@ def test_fsspec_url_source(text):
 
 
 def test_transient_storage_errors_are_retried(monkeypatch):
-    from headrace.dataio.stream import storage
+    from headrace.dataio.stream.sources import storage
 
     monkeypatch.setattr(storage, "BACKOFF_S", 0.0)
     calls = []
@@ -349,7 +349,7 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
     fails once with a connection error is retried and the data is still exact."""
     import fsspec
 
-    from headrace.dataio.stream import sources, storage
+    from headrace.dataio.stream.sources import shard_source, storage
 
     root, all_keys = text
     fs = fsspec.filesystem("memory")
@@ -357,7 +357,7 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
         if path.is_file():
             fs.pipe(f"/hr/{path.relative_to(root)}", path.read_bytes())
     monkeypatch.setattr(storage, "BACKOFF_S", 0.0)
-    real_open = sources.open_remote
+    real_open = shard_source.open_remote
     failures = []
 
     def flaky_open(url, storage_options=None):
@@ -366,7 +366,7 @@ def test_remote_source_through_fsspec_with_a_transient_failure(text, monkeypatch
             raise ConnectionResetError("connection reset by peer")
         return real_open(url, storage_options)
 
-    monkeypatch.setattr(sources, "open_remote", flaky_open)
+    monkeypatch.setattr(shard_source, "open_remote", flaky_open)
     batches = keys_of(build_loader(cfg("memory://hr", batch_size=5)))
     assert failures and sorted(k for b in batches for k in b) == sorted(all_keys)
     local = keys_of(build_loader(cfg(str(root), batch_size=5)))

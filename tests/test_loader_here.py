@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from headrace.dataio.loader import build_loader
-from headrace.dataio.stream.batches import BatchMaker
-from headrace.dataio.stream.collate import plain_memory
+from headrace.dataio.stream.reading.batches import BatchMaker
+from headrace.dataio.stream.reading.collate import plain_memory
 
 from tests.test_gather import assert_same, token_tars
 
@@ -60,7 +60,8 @@ def test_one_process_tasks_are_make_batch_one_by_one_and_resume_inside_a_task(tm
 def test_recycled_memory_reuses_only_dropped_batches(tmp_path, monkeypatch):
     """With every tensor recycled (threshold 0): a consumer that keeps batches gets them intact; one that
     drops each batch gets the next in the same memory, with the right contents."""
-    from headrace.dataio.stream import rank, workers
+    from headrace.dataio.stream import rank
+    from headrace.dataio.stream.reading import workers
 
     monkeypatch.setattr(workers, "RECYCLE_BYTES", 0)
     monkeypatch.setattr(rank, "TASK_SAMPLES_HERE", 1)  # one batch at a time: each its own allocation

@@ -176,7 +176,7 @@ def test_lhotse_manifest_is_indexed_once_and_read_lazily(tmp_path, cutset):
     manifest is re-indexed. Durations match lhotse's, so bucketing works unchanged."""
     import os
 
-    from headrace.dataio.stream.cuts_index import BLOCK_LINES, CutsIndex
+    from headrace.dataio.stream.sources.cuts_index import BLOCK_LINES, CutsIndex
 
     manifest = tmp_path / "cuts.jsonl.gz"
     many = cutset.repeat(times=30, preserve_id=False)  # 150 cuts: three compressed blocks

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headrace.dataio import build_loader
-from headrace.dataio.stream.refs import split_ref
+from headrace.dataio.stream.ordering.refs import split_ref
 
 from tests.loader_util import make_text_dataset
 

@@ -49,7 +49,7 @@ def run(config, states=None, seed=None, limit=None):
 
 
 def global_stream(per_rank):
-    """Keys by global position (rank r serves positions r + DP*j, the layout of headrace.dataio.stream.split)."""
+    """Keys by global position (rank r serves positions r + DP*j, the layout of headrace.dataio.stream.ordering.split)."""
     out = [None] * sum(map(len, per_rank))
     for r, keys in enumerate(per_rank):
         out[r::DP] = keys

@@ -21,7 +21,7 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from headrace.dataio import build_loader  # noqa: E402
-from headrace.dataio.stream import sources, storage  # noqa: E402
+from headrace.dataio.stream.sources import shard_source, storage  # noqa: E402
 
 from tests.helpers import free_port  # noqa: E402
 from tests.loader_util import energon_prepared, make_text_dataset  # noqa: E402
@@ -274,7 +274,7 @@ def fault_proxy(s3):
 def test_faults_are_retried_and_no_sample_is_lost_or_repeated(s3, aws_env, fault_proxy, monkeypatch, faults):
     endpoint, root, keys = s3
     monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
-    monkeypatch.setattr(sources, "REMOTE_BLOCK", 4096)  # several ranged GETs a shard: more requests to fault
+    monkeypatch.setattr(shard_source, "REMOTE_BLOCK", 4096)  # several ranged GETs a shard: more requests to fault
     proxy = fault_proxy(faults, every=3)
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
     # botocore's own retries (up to 20 s backoff on 503 SlowDown) off: the retries under test are s3fs's and the loader's
@@ -290,7 +290,7 @@ def test_read_timeout_is_retried(s3, aws_env, fault_proxy, monkeypatch):
     the read is given up and asked again, and the epoch is still the local one, each sample once."""
     endpoint, root, keys = s3
     monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
-    monkeypatch.setattr(sources, "REMOTE_BLOCK", 8192)
+    monkeypatch.setattr(shard_source, "REMOTE_BLOCK", 8192)
     proxy = fault_proxy(["stall"], every=4, stall_s=30)
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -347,7 +347,7 @@ def test_cache_limit_evicts_least_recently_used(s3, aws_env, fault_proxy, tmp_pa
     from headrace.dataio.shards.index import load_index
 
     endpoint, root, keys = s3
-    monkeypatch.setattr(sources, "OPEN_CACHED_SHARDS", 1)
+    monkeypatch.setattr(shard_source, "OPEN_CACHED_SHARDS", 1)
     proxy = fault_proxy([], every=0)
     aws_env(f"http://127.0.0.1:{proxy.server_address[1]}")
     index = load_index(str(root))

@@ -11,7 +11,7 @@ import signal
 from tests.helpers import REPO
 from tests.loader_util import make_text_dataset
 
-from headrace.dataio.stream import pool
+from headrace.dataio.stream.reading import pool
 from headrace.training.__main__ import main
 
 

@@ -36,7 +36,7 @@ def _compare_with_dali(device: str) -> None:
     pytest.importorskip("nvidia.dali")
     import soundfile as sf
 
-    from headrace.dataio.stream.dali import DaliAudioDecoder
+    from headrace.dataio.stream.reading.dali import DaliAudioDecoder
     from headrace.dataio.config import DaliConfig, DecodeConfig
 
     waves = _utterances()

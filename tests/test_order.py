@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from headrace.dataio.stream.order import EpochOrder
+from headrace.dataio.stream.ordering.epoch_order import EpochOrder
 
 
 @pytest.mark.parametrize("sizes,window", [([7, 5, 3, 1], 4), ([10], 3), ([1, 1, 1], 8), ([100, 37, 64], 16)])

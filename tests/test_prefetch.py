@@ -1,4 +1,4 @@
-"""headrace.dataio.batching.prefetch: same batches as the input, data-wait accounting, CUDA stream path on a GPU."""
+"""headrace.dataio.feed.prefetch: same batches as the input, data-wait accounting, CUDA stream path on a GPU."""
 
 import threading
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from headrace.dataio.batching.prefetch import DevicePrefetcher, pin, tree_map
+from headrace.dataio.feed.prefetch import DevicePrefetcher, pin, tree_map
 
 CUDA = torch.cuda.is_available()
 

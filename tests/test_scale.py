@@ -1,5 +1,5 @@
 """Datasets with more shards than a process may open files: the loader's descriptors and maps stay
-within a budget (``headrace.dataio.stream.openshards``), a shard reopened after eviction is still checked
+within a budget (``headrace.dataio.stream.sources.openshards``), a shard reopened after eviction is still checked
 for being the version first read, and the loader's state does not grow with the data."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from headrace.dataio.loader import build_loader
-from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.reading.decode import SampleDecodeError
 from tests import loader_util
 from tests.helpers import REPO, child_env
 

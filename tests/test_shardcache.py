@@ -1,4 +1,4 @@
-"""The disk cache's protocol in one process (``headrace.dataio.stream.shardcache``; the S3 tests run it across
+"""The disk cache's protocol in one process (``headrace.dataio.stream.sources.shardcache``; the S3 tests run it across
 processes): a shard held by a map is never evicted, eviction is least recently used first, a dead
 download's part file goes first, and a folder is per URL and index."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from headrace.dataio.shards.index import load_index
-from headrace.dataio.stream.shardcache import PARTS, ShardCache, local_name, unlock
+from headrace.dataio.stream.sources.shardcache import PARTS, ShardCache, local_name, unlock
 
 from tests.loader_util import make_text_dataset
 
@@ -87,7 +87,7 @@ def test_folder_names(data, tmp_path):
 def test_a_short_object_is_an_error_and_leaves_nothing(data, tmp_path):
     """An object shorter than the index says (rewritten under the index): a ShardFormatError naming it, no
     file under the shard's name, no part file left."""
-    from headrace.dataio.stream.storage import ShardFormatError
+    from headrace.dataio.stream.sources.storage import ShardFormatError
 
     root, index, sizes = data
     name = sorted(sizes)[0]

@@ -12,7 +12,7 @@ import pytest
 
 from headrace.config import ConfigError
 from headrace.dataio import build_loader, worker_count
-from headrace.dataio.stream import workers
+from headrace.dataio.stream.reading import workers
 
 from tests.loader_util import make_text_dataset
 from tests.test_loader import cfg, keys_of

@@ -34,7 +34,7 @@ def data(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("budget", [100, BAD])  # BAD: the trial loaders alone would pass it, re-reading the data
 def test_auto_workers_count_and_say_each_bad_sample_once(data, caplog, budget):
-    caplog.set_level(logging.WARNING, logger="headrace.dataio.stream.batches")
+    caplog.set_level(logging.WARNING, logger="headrace.dataio.stream.reading.batches")
     loader = build_loader(
         {
             "datasets": [{"path": str(data)}],

@@ -4,7 +4,7 @@
     .venv/bin/torchrun --nproc-per-node 4 -m tools.bench_cp train [--seq-lens 16384 32768] [--steps 2]
 
 imbalance: the demo corpus's real documents (``headrace.dataio.bench.corpus.demo_token_documents``, byte tokens)
-packed best-fit into rows of seq_len; per row, ``headrace.dataio.batching.cp_split.attention_work``'s max/mean causal work
+packed best-fit into rows of seq_len; per row, ``headrace.dataio.feed.cp_split.attention_work``'s max/mean causal work
 over the CP ranks for the head-tail split and, beside it, a contiguous split. Prints mean and worst row.
 
 train: one tiny Llama (``--hidden``, 2 layers, GQA 4/2 heads) with ``headrace_varlen`` attention, the
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from headrace.dataio.bench.corpus import demo_token_documents
-from headrace.dataio.batching.cp_split import attention_work, cp_shard
+from headrace.dataio.feed.cp_split import attention_work, cp_shard
 from headrace.dataio.batching.packing import Packer, pack
 from headrace.dataio.config import PackingConfig
 

@@ -22,7 +22,7 @@ MEASURE = """
 import json, time
 from lhotse import CutSet
 from lhotse.serialization import deserialize_item
-from headrace.dataio.stream.cuts_index import CutsIndex
+from headrace.dataio.stream.sources.cuts_index import CutsIndex
 
 def status(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":")) / 1024
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     manifest = args.workdir / "cuts.jsonl.gz"
-    from headrace.dataio.stream.cuts_index import cache_paths
+    from headrace.dataio.stream.sources.cuts_index import cache_paths
 
     for p in cache_paths(str(manifest)):
         p.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""Cost of the finite-stream tail agreement (``headrace.dataio.batching.even.even_batches``) per batch.
+"""Cost of the finite-stream tail agreement (``headrace.dataio.feed.even.even_batches``) per batch.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m tools.bench_even_tail --batches 2000
 
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from headrace.dataio.batching.even import even_batches
+from headrace.dataio.feed.even import even_batches
 
 
 def main() -> None:

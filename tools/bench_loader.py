@@ -236,7 +236,7 @@ def worker_round_trip(batches: int = 2000) -> tuple[float, float, float]:
     data moves. CPU includes forking and joining the workers, spread over ``batches``."""
     import torch
 
-    from headrace.dataio.stream.workers import RankBatches, iterate
+    from headrace.dataio.stream.reading.workers import RankBatches, iterate
 
     keys = [f"d{i:08d}" for i in range(256)]
     main0, kids0 = cpu_seconds()

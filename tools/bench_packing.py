@@ -1,4 +1,4 @@
-"""Packing fill fraction and speed (headrace.dataio.batching.packing), plus the CP split's work balance (headrace.dataio.batching.cp_split).
+"""Packing fill fraction and speed (headrace.dataio.batching.packing), plus the CP split's work balance (headrace.dataio.feed.cp_split).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tools.bench_packing [--sim-docs 50000] [--repeats 3]
         [--speed-docs 30000] [--baseline REV] [--speed-only] [--json]
@@ -42,7 +42,7 @@ import headrace.dataio.batching.packing
 from headrace.dataio.bench.corpus import simulated_token_documents
 from headrace.dataio.bench.table import cell, markdown_row
 from headrace.dataio.bench.timing import median_run
-from headrace.dataio.batching.cp_split import attention_work
+from headrace.dataio.feed.cp_split import attention_work
 from headrace.dataio.batching.packing import Packer, pack
 from headrace.dataio.config import PackingConfig
 

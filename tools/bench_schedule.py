@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from headrace.dataio.stream.blend import BlendSchedule
-from headrace.dataio.stream.epochized import EpochizedSchedule
+from headrace.dataio.stream.ordering.blend import BlendSchedule
+from headrace.dataio.stream.ordering.epochized import EpochizedSchedule
 
 COUNTS = [3_000_000, 1_500_000, 700_001, 12_345]
 

@@ -22,7 +22,7 @@ import torch
 
 def run(cfg, steps: int, warmup: int) -> dict:
     from headrace.dataio import build_loader
-    from headrace.dataio.batching.prefetch import DevicePrefetcher
+    from headrace.dataio.feed.prefetch import DevicePrefetcher
     from headrace.training.components.optim import build_optimizer
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.speech.job import build_salm, salm_loss_sum, wrap_loader

@@ -50,7 +50,7 @@ def split_epoch(data: str, batch: int, processes: int = 2) -> float:
     """Samples/s of one epoch made by ``processes`` forked processes with no transport (see the docstring)."""
     import headrace.dataio.stream.rank as rank
     from headrace.dataio import build_loader
-    from headrace.dataio.stream.collate import plain_memory
+    from headrace.dataio.stream.reading.collate import plain_memory
 
     captured = {}
     iterate = rank.iterate

@@ -9,7 +9,7 @@ trainer processes each, ``--nnodes $SLURM_JOB_NUM_NODES``. ``--jobs K`` chains K
 each with its own data seed: the script's first argument, passed as ``trainer.data_seed`` and echoed
 into the job's output; ``slurm/jobs.jsonl`` records every job id with its seed. Each job resumes from
 the newest complete checkpoint (``checkpoint.resume``); the seed orders only the epochs not begun yet
-(``headrace.dataio.stream.seeding``), so no sample of the epoch in progress repeats or is skipped. ``--dry-run`` prints
+(``headrace.dataio.stream.ordering.seeding``), so no sample of the epoch in progress repeats or is skipped. ``--dry-run`` prints
 the script and the ``sbatch`` commands instead.
 
 By hand (``--nnodes N --node-rank R --master ADDR[:PORT]``): runs (or with ``--dry-run`` prints) this
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from headrace.config import ConfigError
-from headrace.dataio.stream.seeding import fresh_seed
+from headrace.dataio.stream.ordering.seeding import fresh_seed
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Workers get their own TCPStore instead of sharing the rendezvous one: with the shared store a restarted

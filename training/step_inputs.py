@@ -2,7 +2,7 @@
 of the step's figures per log window.
 
 ``step_batch_transform``: the prefetcher's host-side transform of this rank's training batches (it runs in
-the read-ahead thread, ``headrace.dataio.batching.prefetch``): this rank's CP shard when cp > 1, and on every packed
+the read-ahead thread, ``headrace.dataio.feed.prefetch``): this rank's CP shard when cp > 1, and on every packed
 batch ``attention_pairs`` (``headrace.kernels.packed_layout.causal_pairs`` of the whole batch: the attention work its
 document masks require, for the document-masked MFU) and, without CP, ``attention_plan`` (the kernels'
 checks and plans; with CP, ``headrace.kernels.cp_attention`` plans the shard itself). Cost: O(documents) numpy work

@@ -38,8 +38,8 @@ import yaml
 from torch import nn
 
 from headrace.config import to_dict
-from headrace.dataio.batching.even import even_batches
-from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.feed.even import even_batches
+from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
 from headrace.training.components import checkpoint, checkpoint_store
 from headrace.training.components.metrics import (

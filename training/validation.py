@@ -3,9 +3,9 @@
 The val stream is the ``data:`` section with ``data.val``'s keys laid over it (typically
 ``datasets: [{path: ..., split: val}]``) and ``epochs: 1``: any dataset the loader reads, batched and
 packed like the training data (a SALM's audio batches get its prompt + transcript layout, as in training).
-The loader's layout (``headrace.dataio.stream.split``) gives DP rank ``r`` the global positions ``r, r + dp, ...``,
+The loader's layout (``headrace.dataio.stream.ordering.split``) gives DP rank ``r`` the global positions ``r, r + dp, ...``,
 so across DP ranks every val sample is read exactly once; TP/CP/PP peers read the same batches. At the
-tail the ranks that ran out run loss-free copies of their last batch (``headrace.dataio.batching.even``: the ranks
+tail the ranks that ran out run loss-free copies of their last batch (``headrace.dataio.feed.even``: the ranks
 agree between batches, in the loop's thread; a rank's padding sample flagged ``__valid__ = False`` has its
 labels masked here) so every rank runs the same number of forwards (FSDP2's collectives) and padding adds
 nothing.
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from headrace.dataio.batching.even import even_batches, loss_free
-from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.feed.even import even_batches, loss_free
+from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.job_config import val_data_config
@@ -93,7 +93,7 @@ def val_batches(
 
 
 def padding_batch(last: dict) -> dict:
-    """A loss-free copy of ``last`` (``headrace.dataio.batching.even``) that counts no token and no document."""
+    """A loss-free copy of ``last`` (``headrace.dataio.feed.even``) that counts no token and no document."""
     return {**loss_free(last), "__val_docs__": 0, "__val_tokens__": 0}
 
 

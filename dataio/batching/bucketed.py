@@ -19,12 +19,12 @@ import torch
 from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
 from headrace.dataio.loader_state import MAX_COUNT, StateError
 from headrace.dataio.shards.formats import is_audio_member
-from headrace.dataio.stream.batches import SampleReader, token_ext
-from headrace.dataio.stream.decode import SampleDecodeError
-from headrace.dataio.stream.refs import make_ref
-from headrace.dataio.stream.collate import Allocator
+from headrace.dataio.stream.reading.batches import SampleReader, token_ext
+from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.stream.ordering.refs import make_ref
+from headrace.dataio.stream.reading.collate import Allocator
 from headrace.dataio.stream.rank import RankStream
-from headrace.dataio.stream.split import same_layout
+from headrace.dataio.stream.ordering.split import same_layout
 
 
 MAX_RANKS = 1 << 20  # a history's dp_size: more ranks than any job runs is a damaged state

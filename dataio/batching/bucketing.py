@@ -44,7 +44,7 @@ import torch
 from headrace.dataio.batching.packing import IGNORE_INDEX
 from headrace.dataio.config import BucketingConfig
 
-_BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag keeping bucketing's stream apart from headrace.dataio.stream.seeding's
+_BUCKET_SEED_PURPOSE = 0xB0C4  # spawn-key tag: bucketing's stream apart from stream.ordering.seeding's
 
 
 @dataclass(kw_only=True)

@@ -23,11 +23,11 @@ import torch
 
 from headrace.dataio.batching.packing import Packer, reshard_states
 from headrace.dataio.loader_state import MAX_COUNT, StateError
-from headrace.dataio.stream.batches import token_ext
-from headrace.dataio.stream.refs import REF_BITS, split_ref
-from headrace.dataio.stream.decode import decode_sample
+from headrace.dataio.stream.reading.batches import token_ext
+from headrace.dataio.stream.ordering.refs import REF_BITS, split_ref
+from headrace.dataio.stream.reading.decode import decode_sample
 from headrace.dataio.stream.rank import RankStream
-from headrace.dataio.stream.split import same_layout
+from headrace.dataio.stream.ordering.split import same_layout
 
 
 class PackedBatches:

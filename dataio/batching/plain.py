@@ -1,5 +1,5 @@
 """The plain batching stage (``packing: none`` without ``seq_len``, no bucketing): the collated
-batches of ``headrace.dataio.stream.collate`` as the rank's stream makes them, ``batch_size`` samples each.
+batches of ``headrace.dataio.stream.reading.collate`` as the rank's stream makes them, ``batch_size`` samples each.
 
 State: none of its own (the position is the stream's ``consumed``).
 """

@@ -7,7 +7,7 @@ worker processes) into the batches the trainer gets, and owns its own resumable 
 - ``state_dict() -> dict``: its own keys only (JSON-sized), merged into the loader's state;
 - ``load_state_dict(old, dp_rank, dp_size)``: ``old`` is the list of the old ranks' loader states,
   indexed by old DP rank; an entry is None only when the layout is unchanged and that rank's state was
-  not given (``headrace.dataio.stream.split.same_layout``). A stage reads the keys its ``state_dict`` wrote.
+  not given (``headrace.dataio.stream.ordering.split.same_layout``). A stage reads the keys its ``state_dict`` wrote.
 
 ``len(stage)`` is optional (only a stage that knows its batch count up front defines it).
 

@@ -13,7 +13,7 @@ references), so no loader is charged for another's batch layout:
 
 Peers build it from their samples with ``token_batch`` / ``audio_batch`` / ``bytes_batch``: one
 ``np.concatenate`` (or one padded copy) and a lengths array, the least work that yields these
-tensors. headrace's loader yields its full batch layout (``headrace.dataio.stream.collate``); ``from_headrace``
+tensors. headrace's loader yields its full batch layout (``headrace.dataio.stream.reading.collate``); ``from_headrace``
 turns it into the contract: views of its tensors for tokens and bytes (no copy), one padded copy for
 decoded audio (headrace keeps audio flat, unpadded). ``count`` reads (samples, units) off a contract
 batch: tokens, seconds of audio, or MB of encoded audio. Cost: one copy of the batch's data per peer

@@ -6,7 +6,7 @@ such as ``npy`` / ``tokens.npy``, ``audio`` when it has an audio member), the me
 (tokens or audio) and the output contract every loader produces for it (``headrace.dataio.bench.contract``).
 Peers write their own formats under ``work``.
 
-``count_full`` counts a batch in headrace's own full layout (``headrace.dataio.stream.collate``: keys,
+``count_full`` counts a batch in headrace's own full layout (``headrace.dataio.stream.reading.collate``: keys,
 flat tensors plus lengths), the ``headrace-full`` row's.
 
 Audio-bytes mode (``decode.audio: raw``, ``dataio bench --audio-bytes``): no loader decodes audio; each
@@ -26,7 +26,7 @@ from headrace.dataio.bench.contract import contract_kind
 from headrace.dataio.config import DataConfig
 from headrace.dataio.shards.formats import is_audio_member, is_token_member
 from headrace.dataio.config import DecodeConfig
-from headrace.dataio.stream.sources import ShardSource
+from headrace.dataio.stream.sources.shard_source import ShardSource
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ Peers decode only the counted member (``data.field``); the contract has nothing 
   counted off that layout. Worker count ``auto`` is headrace's own: ``auto_workers`` makes the loader's
   measurement (``headrace.dataio.worker_count``) on the same config, and the run uses the count it chose.
 - ``headrace-dali`` (audio, beside ``dali`` in ``--compare``): the same loader with ``decode.audio:
-  dali``, each batch's audio decoded by DALI inside the loader (``headrace.dataio.stream.dali``).
+  dali``, each batch's audio decoded by DALI inside the loader (``headrace.dataio.stream.reading.dali``).
 - ``webdataset``: ``wds.WebDataset(tars).decode(only=[field]).to_tuple(field).batched(B,
   collation_fn=contract)`` in ``wds.WebLoader``: webdataset's own decoder (``np.load`` for ``.npy``) and
   its own batching stage (shards split over workers by webdataset's ``split_by_worker``).
@@ -63,7 +63,7 @@ from headrace.dataio.bench.data import BenchData, count_full
 from headrace.dataio.bench.extra import INSTALL
 from headrace.dataio.config import DataConfig
 from headrace.dataio.loader import Loader, build_loader
-from headrace.dataio.stream.decode import decode_audio
+from headrace.dataio.stream.reading.decode import decode_audio
 from headrace.dataio.worker_count import AUTO, WorkerChoice, choose
 
 SHUFFLE_BUFFER = 1000

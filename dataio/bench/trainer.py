@@ -2,7 +2,7 @@
 
 The same objects ``training/train.py`` uses: ``build_loader`` (with the section's packing; a text
 section with ``packing: none`` is benchmarked with ``best_fit``, the trainer's usual choice) wrapped in
-``headrace.dataio.batching.prefetch.DevicePrefetcher`` on CUDA when there is one (pinned staging, side-stream copies),
+``headrace.dataio.feed.prefetch.DevicePrefetcher`` on CUDA when there is one (pinned staging, side-stream copies),
 else on the CPU. After each batch the "step" sleeps ``step_s`` (a stand-in for forward/backward that
 leaves the CPU to the loader, as a GPU step would); the prefetcher's own ``stats()`` give the data
 wait: the time spent inside ``next()`` over the wall time since the first request. The first batch
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from headrace.dataio.batching.prefetch import DevicePrefetcher
+from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.bench.data import BenchData
 from headrace.dataio.bench.measure import ProcessSampler
 from headrace.dataio.loader import build_loader

@@ -2,7 +2,7 @@
 
 One parser for every side that meets encoded audio: ``dataio shard`` probing its inputs, ``dataio
 index`` / ``verify`` scanning tar members (``headrace.dataio.shards.tarscan``) and the loader's decoder
-(``headrace.dataio.stream.decode``), so they all give the same verdict on the same bytes.
+(``headrace.dataio.stream.reading.decode``), so they all give the same verdict on the same bytes.
 
 FLAC and PCM/float WAV headers are parsed here from the first 8 KiB (~5 us a file, against ~250 us for
 ``soundfile.info``, which opens a decoder). The parser only accepts what it fully understands (FLAC:

@@ -1,15 +1,15 @@
 """One DP rank's position in the global stream, and its plain batches from there on.
 
 ``RankStream`` owns what every batching stage shares: the sources, the blend schedule, the seed, the
-rank's ``Layout`` (``headrace.dataio.stream.split``), ``consumed`` (rank-local positions handed on: to the
+rank's ``Layout`` (``headrace.dataio.stream.ordering.split``), ``consumed`` (rank-local positions handed on: to the
 trainer, or into a packer) and the bad-sample count, plus running batch functions through the
-worker processes (``headrace.dataio.stream.workers``). Batching stages (``headrace.dataio.batching``) iterate through
+worker processes (``headrace.dataio.stream.reading.workers``). Batching stages (``headrace.dataio.batching``) iterate through
 it and advance ``consumed``; their own state stays in their own files.
 
-State (``state_dict``, JSON-sized): ``seed``, ``reseeds`` (per-job seeds, ``headrace.dataio.stream.seeding``),
+State (``state_dict``, JSON-sized): ``seed``, ``reseeds`` (per-job seeds, ``headrace.dataio.stream.ordering.seeding``),
 ``layout``, ``consumed``, ``bad_samples``. Restoring it
 onto another ``dp_size`` re-lays the stream out over what every old rank consumed
-(``headrace.dataio.stream.split.relayout``): nothing lost or repeated.
+(``headrace.dataio.stream.ordering.split.relayout``): nothing lost or repeated.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from typing import Callable, Iterator
 import numpy as np
 
 from headrace.dataio.config import DataConfig
-from headrace.dataio.stream.audio_batch import mean_decoded_bytes
-from headrace.dataio.stream.batches import BatchMaker, SampleReader
-from headrace.dataio.stream.blend import BlendSchedule
-from headrace.dataio.stream.collate import Allocator
-from headrace.dataio.stream.decode import SampleDecodeError
-from headrace.dataio.stream.epochized import EpochizedSchedule
-from headrace.dataio.stream.seeding import SeedSchedule
-from headrace.dataio.stream.sources import ShardSource
-from headrace.dataio.stream.split import Layout, relayout, same_layout
-from headrace.dataio.stream.pool import WorkerError
-from headrace.dataio.stream.workers import RankBatches, iterate
+from headrace.dataio.stream.reading.audio_batch import mean_decoded_bytes
+from headrace.dataio.stream.reading.batches import BatchMaker, SampleReader
+from headrace.dataio.stream.ordering.blend import BlendSchedule
+from headrace.dataio.stream.reading.collate import Allocator
+from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.stream.ordering.epochized import EpochizedSchedule
+from headrace.dataio.stream.ordering.seeding import SeedSchedule
+from headrace.dataio.stream.sources.shard_source import ShardSource
+from headrace.dataio.stream.ordering.split import Layout, relayout, same_layout
+from headrace.dataio.stream.reading.pool import WorkerError
+from headrace.dataio.stream.reading.workers import RankBatches, iterate
 
 READ_BYTES = 1 << 20
 MAX_READ = 1024

@@ -27,7 +27,7 @@ from tests.dist.train_layouts import (
     GLOBAL_MICRO, STEPS, check_close, exported_params, job, loaders, reference, resume_step2,
 )
 
-from headrace.dataio.batching.cp_split import cp_shard  # noqa: E402
+from headrace.dataio.feed.cp_split import cp_shard  # noqa: E402
 from headrace.kernels.cp_attention import MODES, cp_attention  # noqa: E402
 from headrace.kernels.varlen_attention import varlen_attention_reference  # noqa: E402
 from headrace.training.train import train  # noqa: E402

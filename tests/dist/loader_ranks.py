@@ -5,7 +5,7 @@ process group), reads one epoch, and all_gathers its keys and batch count; rank 
 ranks are disjoint, cover the dataset exactly once and yield the same number of batches. Then every
 rank saves its state, the group shrinks its view to dp_size // 2 (explicit coordinates, as a trainer
 would after an elastic restart) and the continuation is checked the same way. Last, a packed finite
-stream read through ``headrace.dataio.batching.even.even_batches`` (the consumer's tail agreement) must give every
+stream read through ``headrace.dataio.feed.even.even_batches`` (the consumer's tail agreement) must give every
 rank the same number of batches.
 """
 
@@ -61,7 +61,7 @@ def main(rank: int, world: int, port: int, root: str, expected_path: str, result
     rests = [None] * world
     dist.all_gather_object(rests, rest)
     # Packing: ranks pack different numbers of rows from their documents; the consumer evens the tail out.
-    from headrace.dataio.batching.even import even_batches
+    from headrace.dataio.feed.even import even_batches
 
     packed = build_loader({**cfg, "seed": 3, "packing": "best_fit", "seq_len": 16, "batch_size": 2,
                            "packing_buffer": 4})

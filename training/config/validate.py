@@ -32,8 +32,8 @@ from headrace.training.config.peft import check_peft
 from headrace.training.config.pipeline_schedules import V_SHAPED, schedule_class_name
 
 if TYPE_CHECKING:
-    from headrace.dataio.stream.interop import LhotseCutSource
-    from headrace.dataio.stream.sources import ShardSource
+    from headrace.dataio.stream.sources.interop import LhotseCutSource
+    from headrace.dataio.stream.sources.shard_source import ShardSource
 
 # dotted key -> (rule text, predicate); None passes where the field is optional
 _RULES: dict[str, tuple[str, Callable]] = {

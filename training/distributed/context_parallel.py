@@ -4,7 +4,7 @@
 With ``distributed.cp_size`` P > 1 the P ranks of a CP group read the same packed batch from the loader
 (they share a dp rank). ``cp_batch_transform`` runs on the host, in the prefetcher's read-ahead thread,
 *before* the device copy: it keeps only this rank's head-tail chunks
-(``headrace.dataio.batching.cp_split.cp_shard``, one gather per field), so no rank ever holds the whole row on the
+(``headrace.dataio.feed.cp_split.cp_shard``, one gather per field), so no rank ever holds the whole row on the
 device. The shard carries the global
 ``position_ids`` (RoPE sees the unsplit positions) and the local ``cu_seqlens``; ``cp_imbalance`` is the
 max/mean causal attention work over the group's ranks for this batch (``attention_work``).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from headrace.dataio.batching.cp_split import attention_work, cp_shard
+from headrace.dataio.feed.cp_split import attention_work, cp_shard
 from headrace.kernels.cp_attention import exchanged_bytes, reset_exchanged_bytes
 from headrace.kernels.hf_attention import context_parallel_kwargs
 

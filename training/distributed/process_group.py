@@ -57,7 +57,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def new_tail_group():
-    """The gloo group of a finite stream's tail agreement (``headrace.dataio.batching.even``): one all_reduce of two
+    """The gloo group of a finite stream's tail agreement (``headrace.dataio.feed.even``): one all_reduce of two
     integers per batch in the loop's thread, on the host whatever the device. Collective: every rank calls it
     at the same point."""
     return dist.new_group(backend="gloo")

@@ -1,13 +1,13 @@
 """An epochized blend: every epoch of the stream holds exactly ``counts[d]`` draws of dataset ``d``.
 
-This is Megatron-Energon's ``blend_epochized`` (``headrace.dataio.stream.metadataset``): dataset ``d`` of ``N_d``
+This is Megatron-Energon's ``blend_epochized`` (``headrace.dataio.stream.sources.metadataset``): dataset ``d`` of ``N_d``
 samples with ``repetitions r_d`` contributes ``counts[d] = floor(r_d * N_d)`` draws to each epoch of
 ``S = sum(counts)`` positions. Draw ``k`` of a dataset is position ``k % N_d`` of its own epoch ``k // N_d``
-(``headrace.dataio.stream.order``), so ``r = 2`` is two full passes in different orders and ``r = 0.5`` the first
+(``headrace.dataio.stream.ordering.epoch_order``), so ``r = 2`` is two full passes in different orders and ``r = 0.5`` the first
 half of one pass -- the next epoch goes on with the second half (energon restarts the pass, so the same
 half may come again; here every sample comes once per two epochs).
 
-Algorithm: ``headrace.dataio.stream.blend``'s closed form repeats a pattern of one period, which here would be
+Algorithm: ``headrace.dataio.stream.ordering.blend``'s closed form repeats a pattern of one period, which here would be
 the whole epoch (millions of positions). Instead the datasets are the leaves of a balanced binary tree,
 and a node of ``n`` positions gives its left child (``a`` of them) the positions where
 ``C(x) = floor((x a + n // 2) / n)`` steps up (a rounded Bresenham line): ``C(n) = a`` exactly, the left

@@ -22,8 +22,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from headrace.dataio.stream.seeding import SeedSchedule, rng
-from headrace.dataio.stream.sources import by_value
+from headrace.dataio.stream.ordering.seeding import SeedSchedule, rng
+from headrace.dataio.stream.sources.shard_source import by_value
 
 
 class EpochOrder:

@@ -8,7 +8,7 @@ closes the least recently used first. A map some view still points at (a payload
 read) cannot be closed: a local shard's map is then left to the views (it is unmapped, and its
 descriptor closed, when the last one is dropped, so at most the shards of the batches in flight
 outlive the budget); a cached shard's map is kept in a closing list and retried on every open, its
-cache lock held until it really is unmapped (``headrace.dataio.stream.shardcache``).
+cache lock held until it really is unmapped (``headrace.dataio.stream.sources.shardcache``).
 
 Budget: ``data.max_open_shards``, or derived from the process's limits: 1/8 of ``RLIMIT_NOFILE``'s soft
 limit and 1/16 of ``vm.max_map_count``, between 8 and 4096 (128 shards at ``ulimit -n 1024``: at most a

@@ -46,7 +46,7 @@ from urllib.parse import quote
 
 from headrace.config import ConfigError
 from headrace.dataio.shards.index import DatasetIndex
-from headrace.dataio.stream.storage import ShardFormatError, retry
+from headrace.dataio.stream.sources.storage import ShardFormatError, retry
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ but the buffers are writable, so numpy/torch views need no read-only special cas
 an fsspec file with a block cache of ``REMOTE_BLOCK`` bytes, so nearby samples come from one ranged
 GET; transient storage errors (``OSError``, timeouts) are retried with exponential backoff before they
 count as failures. With a ``ShardCache`` (``data.cache_dir``) a remote shard is instead downloaded whole
-on first use (``headrace.dataio.stream.shardcache``) and mapped like a local one; a source keeps at most
+on first use (``headrace.dataio.stream.sources.shardcache``) and mapped like a local one; a source keeps at most
 ``OPEN_CACHED_SHARDS`` such maps, each holding its shard in the cache until the map is closed.
 
-Maps and remote files are held in the loader's one ``OpenShards`` (``headrace.dataio.stream.openshards``):
+Maps and remote files are held in the loader's one ``OpenShards`` (``headrace.dataio.stream.sources.openshards``):
 least recently used, at most ``data.max_open_shards`` per process across all the loader's sources, so a
 dataset of any number of shards runs within the process's descriptor and map limits.
 
@@ -24,7 +24,7 @@ loader's processes is kept in memory shared with its workers, and every map (a r
 included) and every read (one ``stat``, which the size check needs anyway) compares against it, so a
 shard rewritten or replaced in place, even at the same size, is an error naming it rather than new bytes
 under the index's (and gather's checked) old keys.
-``headrace.dataio.stream.gather`` does the same check for token datasets a block of samples at a time.
+``headrace.dataio.stream.reading.gather`` does the same check for token datasets a block of samples at a time.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from headrace.dataio.stream.openshards import OpenShards, new_owner
-from headrace.dataio.stream.shardcache import ShardCache, local_name, unlock
-from headrace.dataio.stream.storage import ShardFormatError, retry
+from headrace.dataio.stream.sources.openshards import OpenShards, new_owner
+from headrace.dataio.stream.sources.shardcache import ShardCache, local_name, unlock
+from headrace.dataio.stream.sources.storage import ShardFormatError, retry
 from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, index_from_files, load_index
 from headrace.dataio.shards.shardtable import shard_sample_counts, split_ids
 
@@ -243,7 +243,7 @@ class ShardSource:
         the process with no message (in a worker: "killed by signal SIGBUS", see
         ``RankStream.explain_worker_crash``); a local shard rewritten or replaced in place (its inode or
         mtime changed: the map shows new bytes where the index and the checks of
-        ``headrace.dataio.stream.gather`` describe the old) is an error naming it. A change between this
+        ``headrace.dataio.stream.reading.gather`` describe the old) is an error naming it. A change between this
         check and the batch's copy is not caught (microseconds; a signal handler cannot resume a faulting access)."""
         entry = self.open_shards.get(self._owner, shard)
         if entry is None:

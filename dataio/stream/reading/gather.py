@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from headrace.dataio.shards.formats import is_token_member
-from headrace.dataio.stream.collate import Allocator, bookkeeping, torch_dtype
-from headrace.dataio.stream.decode import NPY_1D_DTYPES, npy_1d_layout
-from headrace.dataio.stream.refs import REF_BITS, REF_MASK
-from headrace.dataio.stream.sources import TAR_NAME_FIELD, ShardSource, by_value
+from headrace.dataio.stream.reading.collate import Allocator, bookkeeping, torch_dtype
+from headrace.dataio.stream.reading.decode import NPY_1D_DTYPES, npy_1d_layout
+from headrace.dataio.stream.ordering.refs import REF_BITS, REF_MASK
+from headrace.dataio.stream.sources.shard_source import TAR_NAME_FIELD, ShardSource, by_value
 
 BLOCK_BITS = 10
 BLOCK = 1 << BLOCK_BITS
@@ -50,7 +50,7 @@ TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in ever
 
 def tokens_only(sources: list[ShardSource]) -> bool:
     """Whether every dataset is a mapped (local or disk-cached) indexed one (not a foreign format,
-    ``headrace.dataio.stream.interop``) with only ``.npy`` members (then ``gather_tokens`` is tried)."""
+    ``headrace.dataio.stream.sources.interop``) with only ``.npy`` members (then ``gather_tokens`` is tried)."""
     return all(
         isinstance(s, ShardSource)
         and not s.ranged

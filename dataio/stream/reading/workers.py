@@ -1,4 +1,4 @@
-"""Worker processes: a stateless batch function run in forked workers (``headrace.dataio.stream.pool``), read
+"""Worker processes: a stateless batch function run in forked workers (``headrace.dataio.stream.reading.pool``), read
 back in order.
 
 A worker's unit is a task of ``per_task`` consecutive batches (task ``t`` = batches ``first +
@@ -6,7 +6,7 @@ t*per_task ...``; worker ``w`` of ``num_workers`` makes tasks ``w, w + num_worke
 the main process asks for it), ``per_task`` chosen from the nominal batch bytes so one message carries
 ~4 MB (``batches_per_task``): small batches then pay the per-message cost (a pipe write and read, a
 pickle of a few hundred bytes) once per task. Where the batch function can make a whole task at once
-(``make_task``: token batches, ``headrace.dataio.stream.batches.BatchMaker.task``, one gather for the
+(``make_task``: token batches, ``headrace.dataio.stream.reading.batches.BatchMaker.task``, one gather for the
 task's samples) the worker does, so the per-batch fixed cost too is paid once per task, and the task's
 batches share one piece of the ring (given back once all of them are dropped). The main process reads
 task ``t`` from worker ``t % num_workers``, so it sees batches ``first, first + 1, ...`` whatever the
@@ -44,7 +44,7 @@ worker count may change freely. Why not torch's plain DataLoader (used here befo
 machinery (index and result ``multiprocessing.Queue``s with their feeder threads and locks, the
 profiler hook around each ``next()``) cost more CPU than making a small batch; the pool keeps its
 failure handling -- a dead worker, a hung one (``worker_timeout``), an exception in one: each an
-error in the main process (see ``headrace.dataio.stream.pool``).
+error in the main process (see ``headrace.dataio.stream.reading.pool``).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from headrace.dataio.stream.collate import Allocator, plain_memory
-from headrace.dataio.stream.pool import WorkerPool, worker_info
-from headrace.dataio.stream.seeding import derive_seed
+from headrace.dataio.stream.reading.collate import Allocator, plain_memory
+from headrace.dataio.stream.reading.pool import WorkerPool, worker_info
+from headrace.dataio.stream.ordering.seeding import derive_seed
 
 SMALL_TENSOR_BYTES = 64 << 10
 ALIGN = 64

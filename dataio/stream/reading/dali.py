@@ -1,6 +1,6 @@
 """NVIDIA DALI audio decoding of whole batches of raw members (``decode.audio: dali``, the ``dali`` extra).
 
-The loader leaves audio members raw (``headrace.dataio.stream.decode`` passes them through when ``decode.audio`` is
+The loader leaves audio members raw (``headrace.dataio.stream.reading.decode`` passes them through when ``decode.audio`` is
 ``dali``) and hands each batch's buffers to ``DaliAudioDecoder``, one DALI pipeline built once:
 
     external_source (uint8 buffers, zero-copy numpy views)
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from headrace.dataio.stream.decode import Audio, Buffer, SampleDecodeError
+from headrace.dataio.stream.reading.decode import Audio, Buffer, SampleDecodeError
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.formats import is_audio_member
 
@@ -105,7 +105,7 @@ class DaliAudioDecoder:
                         audio, in_rate=rate, out_rate=float(cfg.sample_rate), quality=dali.quality
                     )
             if not cfg.mono:
-                audio = fn.transpose(audio, perm=[1, 0])  # [T, C] -> [C, T], as headrace.dataio.stream.decode returns
+                audio = fn.transpose(audio, perm=[1, 0])  # [T, C] -> [C, T], as reading.decode returns
             if dali.features == "log_mel":
                 spectrum = fn.spectrogram(
                     audio, nfft=dali.n_fft, window_length=dali.win_length, window_step=dali.hop_length, power=2

@@ -9,7 +9,7 @@ module-level table, built once at import:
   numpy's own safe reader spends ~20 us in ``ast.literal_eval``) and falls back to numpy's reader for
   anything else; ``allow_pickle`` is never on, so object arrays are refused. With ``defer_npy`` (the
   loader's plain batches) a 1-D native-order array is only checked and stays an ``NpyView``:
-  ``headrace.dataio.stream.collate`` then copies the whole batch's payloads into one tensor, so no per-sample tensor
+  ``headrace.dataio.stream.reading.collate`` then copies the whole batch's payloads into one tensor, so no per-sample tensor
   is made (~9 us a sample for read + check + copy, against ~14 us through per-sample tensors).
 - ``json`` -> ``json.loads``; ``txt`` -> ``str`` (UTF-8); ``cls``/``cls2``/``class``/``index``/``id``
   /``count`` -> ``int``.
@@ -17,9 +17,9 @@ module-level table, built once at import:
   through soundfile (the libsndfile build ``decode.libsndfile`` picks, ``headrace.dataio.libsndfile``),
   downmixed to mono and resampled with soxr to ``cfg.sample_rate``. With ``defer_audio`` (the loader's
   plain batches) a FLAC / WAV member only has its header parsed and checked here (``PendingAudio``) and
-  is decoded with the rest of its batch straight into the batch tensor (``headrace.dataio.stream.audio_batch``). With
+  is decoded with the rest of its batch straight into the batch tensor (``headrace.dataio.stream.reading.audio_batch``). With
   ``cfg.audio == "dali"`` audio members pass through as raw buffers for the loader to decode per
-  batch with ``headrace.dataio.stream.dali.decode_audio_members``; with ``"raw"`` they stay encoded (collated as
+  batch with ``headrace.dataio.stream.reading.dali.decode_audio_members``; with ``"raw"`` they stay encoded (collated as
   ``uint8`` bytes + lengths) for a decoder downstream, e.g. on the GPU in the training step.
 - ``pyd pickle pkl pth pt``: refused with ``UnsafeMemberError``; nothing here ever unpickles.
 - anything else: passed through as ``bytes``.
@@ -107,7 +107,7 @@ def decode_npy(buf: Buffer) -> torch.Tensor:
 
 
 class NpyView(NamedTuple):
-    """A checked 1-D native-order ``.npy`` member, not turned into a tensor: ``headrace.dataio.stream.collate`` copies
+    """A checked 1-D native-order ``.npy`` member, not turned into a tensor: ``headrace.dataio.stream.reading.collate`` copies
     a batch of them straight into the batch tensor (one ``memcpy`` each, no per-sample tensor)."""
 
     buf: Buffer
@@ -150,7 +150,7 @@ def npy_view(buf: Buffer) -> NpyView | torch.Tensor:
 def npy_1d_layout(buf: Buffer) -> tuple[np.dtype, int, int] | None:
     """``(dtype, where the shape's digits start, data offset)`` of a canonical 1-D native-order ``.npy``
     header (the form ``npy_view`` takes its fast path for), else None: the template
-    ``headrace.dataio.stream.gather`` checks a batch's other headers against byte for byte."""
+    ``headrace.dataio.stream.reading.gather`` checks a batch's other headers against byte for byte."""
     m = _NPY_1D.match(buf) if NATIVE_LITTLE else None
     if m is None or m.end() - 10 != buf[8] | buf[9] << 8:
         return None
@@ -206,7 +206,7 @@ def _audio(audio: np.ndarray, rate: int, cfg: DecodeConfig) -> Audio:
 def downmixed_and_resampled(audio: np.ndarray, rate: int, cfg: DecodeConfig) -> np.ndarray:
     """Decoded ``[T, C]`` samples at ``rate`` as ``cfg`` asks: ``[T]`` when ``cfg.mono`` (the channel
     mean, taken in float32 and cast back for int16), resampled by soxr to ``cfg.sample_rate``. Shared
-    by ``decode_audio`` and the batch path (``headrace.dataio.stream.audio_batch``), which give the same values."""
+    by ``decode_audio`` and the batch path (``headrace.dataio.stream.reading.audio_batch``), which give the same values."""
     if cfg.mono and audio.shape[1] > 1:
         audio = audio.mean(axis=1, dtype=np.float32)
         if cfg.dtype == "int16":
@@ -220,7 +220,7 @@ def downmixed_and_resampled(audio: np.ndarray, rate: int, cfg: DecodeConfig) -> 
 
 class PendingAudio(NamedTuple):
     """An audio member whose header was parsed and checked but not yet decoded: the loader decodes a
-    batch of them straight into the batch tensor (``headrace.dataio.stream.audio_batch``)."""
+    batch of them straight into the batch tensor (``headrace.dataio.stream.reading.audio_batch``)."""
 
     buf: Buffer
     rate: int  # the file's
@@ -279,7 +279,7 @@ def _decode_npy(buf: Buffer, cfg: DecodeConfig) -> torch.Tensor:
 
 def _decode_audio(buf: Buffer, cfg: DecodeConfig) -> Audio | memoryview:
     # With audio: dali (or raw) the buffer stays encoded, as a memoryview whether the source gave a view
-    # or bytes, so that headrace.dataio.stream.collate makes it a uint8 tensor (and headrace.dataio.stream.dali decodes a batch at once).
+    # or bytes, so that headrace.dataio.stream.reading.collate makes it a uint8 tensor (and headrace.dataio.stream.reading.dali decodes a batch at once).
     return decode_audio(buf, cfg) if cfg.audio == "soundfile" else memoryview(buf)
 
 
@@ -326,9 +326,9 @@ def decode_sample(
     """Decode one sample's members: ``{ext: raw buffer}`` -> ``{ext: value}`` (same keys, same order).
 
     ``key`` and ``shard`` only label errors. ``defer_npy``: 1-D ``.npy`` members become checked
-    ``NpyView``s for ``headrace.dataio.stream.collate`` to copy into the batch (the loader's plain batches).
+    ``NpyView``s for ``headrace.dataio.stream.reading.collate`` to copy into the batch (the loader's plain batches).
     ``defer_audio`` (with ``audio: soundfile``): FLAC / WAV members whose headers parse become checked
-    ``PendingAudio`` for ``headrace.dataio.stream.audio_batch`` to decode into the batch tensor. Raises
+    ``PendingAudio`` for ``headrace.dataio.stream.reading.audio_batch`` to decode into the batch tensor. Raises
     ``SampleDecodeError`` (``UnsafeMemberError`` for pickle members) naming shard, key and member;
     the loader counts it against ``max_bad_samples``.
     Token tensors share memory with their buffers, so do not reuse a block while its samples live.

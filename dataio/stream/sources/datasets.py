@@ -2,10 +2,10 @@
 
 Each entry is one source (``open_source``: a headrace-indexed directory or URL, an energon-prepared
 directory or URL, a Lhotse manifest or Shar directory) or an energon metadataset
-(``headrace.dataio.stream.metadataset``), which stands for its leaves. With ``blend`` metadatasets (and plain
+(``headrace.dataio.stream.sources.metadataset``), which stands for its leaves. With ``blend`` metadatasets (and plain
 entries) the leaves are blended by weight -- a leaf's weight is its entry's weight times its share in
-the metadataset -- through ``headrace.dataio.stream.blend``; a ``blend_epochized`` metadataset must be the only
-entry, and its leaves' ``floor(repetitions * len)`` make each epoch (``headrace.dataio.stream.epochized``).
+the metadataset -- through ``headrace.dataio.stream.ordering.blend``; a ``blend_epochized`` metadataset must be the only
+entry, and its leaves' ``floor(repetitions * len)`` make each epoch (``headrace.dataio.stream.ordering.epochized``).
 Everything after this (order, rank split, resume) is the same for both, so are the guarantees.
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 from headrace.config import ConfigError
 from headrace.dataio.config import DataConfig, DatasetSpec
 from headrace.dataio.shards.index import INDEX_DIR
-from headrace.dataio.stream import interop, metadataset
-from headrace.dataio.stream.blend import BlendSchedule
-from headrace.dataio.stream.epochized import EpochizedSchedule
-from headrace.dataio.stream.openshards import OpenShards
-from headrace.dataio.stream.shardcache import ShardCache
-from headrace.dataio.stream.sources import ShardSource, SplitError
+from headrace.dataio.stream.sources import interop, metadataset
+from headrace.dataio.stream.ordering.blend import BlendSchedule
+from headrace.dataio.stream.ordering.epochized import EpochizedSchedule
+from headrace.dataio.stream.sources.openshards import OpenShards
+from headrace.dataio.stream.sources.shardcache import ShardCache
+from headrace.dataio.stream.sources.shard_source import ShardSource, SplitError
 
 
 def open_source(
@@ -32,7 +32,7 @@ def open_source(
     open_shards: OpenShards | None = None,
 ) -> ShardSource:
     """The sample source of one ``datasets:`` entry: a headrace-indexed directory or URL, else (see
-    ``headrace.dataio.stream.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
+    ``headrace.dataio.stream.sources.interop``) an energon-prepared directory or URL, a Lhotse cuts manifest or a Lhotse
     Shar directory. A URL's shards go through ``cache`` (``data.cache_dir``) when given; every source's
     maps and files through ``open_shards`` (the loader's one bounded set; None: the source's own)."""
     options = spec.storage_options

@@ -19,7 +19,7 @@ makes one batch's audio, per member extension:
    a member that fails is dropped (its ``SampleDecodeError`` returned, counted as a bad sample like any
    other) and the next takes its place, as does a member that decodes to fewer frames than its header
    declares: the batch stays dense;
-3. each sample's member becomes ``Audio`` over its slice, which ``headrace.dataio.stream.collate`` recognises as
+3. each sample's member becomes ``Audio`` over its slice, which ``headrace.dataio.stream.reading.collate`` recognises as
    one run of memory and hands on as the batch tensor without a copy.
 
 So a decoded waveform is written once, into the memory the trainer reads, with no per-sample array
@@ -37,8 +37,14 @@ import soundfile
 import torch
 
 from headrace.dataio import libsndfile
-from headrace.dataio.stream.collate import Allocator
-from headrace.dataio.stream.decode import Audio, PendingAudio, SampleDecodeError, downmixed_and_resampled, member_error
+from headrace.dataio.stream.reading.collate import Allocator
+from headrace.dataio.stream.reading.decode import (
+    Audio,
+    PendingAudio,
+    SampleDecodeError,
+    downmixed_and_resampled,
+    member_error,
+)
 from headrace.dataio.config import DecodeConfig
 
 PCM16_SCALE = np.float32(1.0 / 0x8000)  # libsndfile's short -> float factor (a power of two: exact)

@@ -2,10 +2,10 @@
 collated plain batch (``BatchMaker``). Both are picklable and keep no state but a bad-sample count,
 so a batch is a pure function of its number and the rank's layout.
 
-Sample references (``__ref__``, packing ``ref``): ``headrace.dataio.stream.refs``.
+Sample references (``__ref__``, packing ``ref``): ``headrace.dataio.stream.ordering.refs``.
 Cost: one vectorised read per dataset per batch (``ShardSource.read``); a read that fails is retried
 sample by sample only to name the bad ones. Token batches (one ``.npy`` member a sample) take the
-batch-level path of ``headrace.dataio.stream.gather`` first.
+batch-level path of ``headrace.dataio.stream.reading.gather`` first.
 """
 
 from __future__ import annotations
@@ -17,24 +17,24 @@ import torch
 
 from headrace.dataio.config import DataConfig
 from headrace.dataio.shards.formats import is_token_member
-from headrace.dataio.stream.audio_batch import decode_pending
-from headrace.dataio.stream.blend import BlendSchedule
-from headrace.dataio.stream.collate import Allocator, bookkeeping, collate
-from headrace.dataio.stream.dali import BatchAudio
-from headrace.dataio.stream.decode import (
+from headrace.dataio.stream.reading.audio_batch import decode_pending
+from headrace.dataio.stream.ordering.blend import BlendSchedule
+from headrace.dataio.stream.reading.collate import Allocator, bookkeeping, collate
+from headrace.dataio.stream.reading.dali import BatchAudio
+from headrace.dataio.stream.reading.decode import (
     TOKEN_ID_LIMIT,
     SampleDecodeError,
     check_token_document,
     decode_sample,
     member_error,
 )
-from headrace.dataio.stream.epochized import EpochizedSchedule
-from headrace.dataio.stream.gather import gather_tokens, tokens_only
-from headrace.dataio.stream.order import EpochOrder
-from headrace.dataio.stream.refs import REF_BITS, REF_MASK, make_ref
-from headrace.dataio.stream.seeding import SeedSchedule
-from headrace.dataio.stream.sources import ShardSource, by_value
-from headrace.dataio.stream.split import Layout
+from headrace.dataio.stream.ordering.epochized import EpochizedSchedule
+from headrace.dataio.stream.reading.gather import gather_tokens, tokens_only
+from headrace.dataio.stream.ordering.epoch_order import EpochOrder
+from headrace.dataio.stream.ordering.refs import REF_BITS, REF_MASK, make_ref
+from headrace.dataio.stream.ordering.seeding import SeedSchedule
+from headrace.dataio.stream.sources.shard_source import ShardSource, by_value
+from headrace.dataio.stream.ordering.split import Layout
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class SampleReader:
         self.cfg, self.sources = cfg, sources
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
         self.token_exts = [token_ext(s) for s in sources]
-        self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (headrace.dataio.stream.dali)
+        self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (reading.dali)
         if cfg.decode.audio == "dali":
             self.batch_audio = BatchAudio(cfg.decode)
 
@@ -80,8 +80,8 @@ class SampleReader:
     ) -> tuple[list[dict], list[str], np.ndarray, int]:
         """``(samples, keys, kept, bad)``: decoded samples of ``refs`` in order, skipping (and counting)
         bad ones; ``kept`` are the positions in ``refs`` of the samples returned (``defer_npy``: 1-D token
-        arrays as ``NpyView`` for ``headrace.dataio.stream.collate`` to copy straight into the batch; ``alloc``:
-        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.audio_batch``; ``padding``:
+        arrays as ``NpyView`` for ``headrace.dataio.stream.reading.collate`` to copy straight into the batch; ``alloc``:
+        soundfile audio decoded straight into one tensor from it, ``headrace.dataio.stream.reading.audio_batch``; ``padding``:
         a bad sample is dropped uncounted, as it is counted where it is read as itself)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
         pending = alloc is not None
@@ -166,7 +166,7 @@ class BatchMaker:
         subflavors: list[dict] | None = None,
     ):
         cfg = reader.cfg
-        self.subflavors = subflavors  # per dataset: energon's __subflavors__ (headrace.dataio.stream.metadataset)
+        self.subflavors = subflavors  # per dataset: energon's __subflavors__ (sources.metadataset)
         self.reader, self.sources, self.blend, self.layout, self.dp_rank = (
             reader,
             reader.sources,
@@ -223,7 +223,7 @@ class BatchMaker:
         batch = gather_tokens(self.sources, refs, end, alloc) if self.tokens_only and len(refs) else None
         if batch is not None and self.reader.cfg.thd and _has_refused_id(batch):
             batch = None  # the general path names and counts the samples that packing cannot take
-        if batch is not None:  # token batches: read, checked and collated per batch (headrace.dataio.stream.gather)
+        if batch is not None:  # token batches: read, checked and collated per batch (reading.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
             return self._with_subflavors(batch)
         samples, keys, kept, bad = self.reader.read(refs, defer_npy=True, alloc=alloc)

@@ -44,10 +44,10 @@ from headrace.dataio.shards.index import (
     merge_parts,
 )
 from headrace.dataio.shards.tarscan import scan_shard
-from headrace.dataio.stream.cuts_index import CutsIndex
-from headrace.dataio.stream.decode import SampleDecodeError
-from headrace.dataio.stream.sources import ShardSource
-from headrace.dataio.stream.storage import retry
+from headrace.dataio.stream.sources.cuts_index import CutsIndex
+from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.stream.sources.shard_source import ShardSource
+from headrace.dataio.stream.sources.storage import retry
 
 SPLIT_FILES = ("split.yaml", "split.json")  # energon's default split config, then its fallback
 
@@ -240,9 +240,9 @@ class LhotseCutSource:
     Members per cut: ``wav`` (the audio) and ``json`` (``transcript_json``). When a cut spans a whole
     untransformed single-file mono recording, ``wav`` is that file's bytes as they are (FLAC, WAV, ...;
     libsndfile recognises the content whatever the extension says) and decoding happens in
-    ``headrace.dataio.stream.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
+    ``headrace.dataio.stream.reading.decode`` like any shard; otherwise (trimmed cuts, URLs, multi-source or transformed
     recordings) lhotse loads the audio and it is re-encoded to an in-memory float WAV (one encode per
-    cut). Cuts are read lazily through ``headrace.dataio.stream.cuts_index`` (an index of keys and durations,
+    cut). Cuts are read lazily through ``headrace.dataio.stream.sources.cuts_index`` (an index of keys and durations,
     built in one streaming pass and cached beside the manifest; cut i parsed when read), so duration
     bucketing needs no decoding and a second open does not read the manifest.
     """

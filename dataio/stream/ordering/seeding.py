@@ -6,7 +6,7 @@ statistically independent (SeedSequence hashes them, unlike ``base_seed + rank``
 run 0 equal rank 0 of run 1), cost about 10 microseconds, and need no state. The coordinates used in
 the data path:
 
-- ``("shards", dataset, epoch)``: the shard order of one dataset's epoch (``headrace.dataio.stream.order``).
+- ``("shards", dataset, epoch)``: the shard order of one dataset's epoch (``headrace.dataio.stream.ordering.epoch_order``).
 - ``("window", dataset, epoch, window)``: the in-window permutation of one shuffle window.
 - ``("worker", dp_rank, worker, epoch)``: the per-(DP rank, worker, epoch) seed given to
   ``torch``/``numpy``/``random`` in a worker, for decoders that draw random numbers (augmentation).

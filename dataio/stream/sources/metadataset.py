@@ -17,7 +17,7 @@ split, subflavors, share) -- with energon's rules (``megatron/energon/metadatase
 - ``blend``: a leaf's weight is ``weight / sum(weights)`` of its entry times its weight inside a nested
   metadataset (a single ``path:`` counts as weight 1); weights must be >= 0, a 0 drops the entry.
 - ``blend_epochized``: ``repetitions`` (>= 0, fractional allowed) multiply down the nesting; one
-  epoch holds ``floor(repetitions * len)`` samples of each leaf (``headrace.dataio.stream.epochized``).
+  epoch holds ``floor(repetitions * len)`` samples of each leaf (``headrace.dataio.stream.ordering.epochized``).
   A ``blend`` may not sit inside a ``blend_epochized`` or the other way round (energon's error).
 - ``split_part`` of an entry replaces the split it inherits (the ``data.datasets[].split`` at the top),
   also for a nested metadataset, whose ``splits[split_part]`` is then read.

@@ -11,18 +11,18 @@ Per field (member extension, e.g. ``tokens.npy``):
   (stacked when all lengths agree, else flat + lengths); differing dtypes fall back to tensors;
 - ``Audio`` values collate their waveforms like tensors, sample rates go to ``__sample_rate__`` (None where a
   sample has no such member: a dataset mixing FLAC and WAV gives each codec's field as a list); waveforms
-  that already lie end to end in one buffer (decoded into the batch by ``headrace.dataio.stream.audio_batch``)
+  that already lie end to end in one buffer (decoded into the batch by ``headrace.dataio.stream.reading.audio_batch``)
   become the batch tensor as they are, no copy;
 - raw member buffers (``memoryview``: audio left encoded by ``decode.audio: raw``) are copied into one
   flat ``uint8`` tensor with lengths, like token documents;
 - anything else (``str``, ``dict`` from JSON, ``bytes``) stays a list.
 
 Bookkeeping fields: ``__key__`` (list of keys), ``__ref__`` (int64 sample references, see
-``headrace.dataio.stream.refs.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
+``headrace.dataio.stream.ordering.refs.make_ref``), ``__valid__`` (bool; False only for the padding sample of a rank that
 ran out at the tail of a finite stream), ``__end__`` (the rank-local stream position after this batch).
 
 Output tensors come from the allocator the caller passes (``alloc``): inside a worker process
-that is its shared-memory ring (``headrace.dataio.stream.workers.SharedRing.allocate``), so the one copy
+that is its shared-memory ring (``headrace.dataio.stream.reading.workers.SharedRing.allocate``), so the one copy
 from the page cache (``memcpy`` per member, or ``torch.cat`` / ``torch.stack`` of decoded tensors) is
 the only copy from shard to trainer; nothing is pickled but a few offsets.
 """
@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from headrace.dataio.stream.decode import Audio, NpyView
+from headrace.dataio.stream.reading.decode import Audio, NpyView
 
 _TORCH_DTYPE: dict[np.dtype, torch.dtype] = {}
 
@@ -90,7 +90,7 @@ def _common_dtype(dtypes: set[torch.dtype]) -> torch.dtype:
 
 def adjacent(values: list[torch.Tensor]) -> torch.Tensor | None:
     """The one flat tensor that 1-D contiguous ``values`` of one dtype tile end to end in one storage, in
-    order (as ``headrace.dataio.stream.audio_batch`` decodes a batch), else None: such a field is collated
+    order (as ``headrace.dataio.stream.reading.audio_batch`` decodes a batch), else None: such a field is collated
     without a copy (~1 us a value to check)."""
     first = values[0]
     storage, dtype, at = first.untyped_storage().data_ptr(), first.dtype, first.data_ptr()

@@ -1,7 +1,7 @@
 """Faults of shard storage: transient errors retried with backoff, and the error for a broken shard.
 
-Shared by the readers of shards (``headrace.dataio.stream.sources``: maps and ranged reads) and the node's shard
-cache (``headrace.dataio.stream.shardcache``: downloads), which both fetch bytes from storage that may fail for
+Shared by the readers of shards (``headrace.dataio.stream.sources.shard_source``: maps and ranged reads) and the node's shard
+cache (``headrace.dataio.stream.sources.shardcache``: downloads), which both fetch bytes from storage that may fail for
 a moment (``OSError``, timeouts) and may find a shard that is not what its index says. Retrying costs
 nothing until a call fails; then 0.5, 1, 2, 4 s of sleep before the fifth failure is raised.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from headrace.dataio.stream.decode import SampleDecodeError
+from headrace.dataio.stream.reading.decode import SampleDecodeError
 
 RETRIES = 5
 BACKOFF_S = 0.5
