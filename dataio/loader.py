@@ -4,7 +4,7 @@ The whole stream is a pure function of position, composed of small stages (the m
 path, stage by stage, with each stage's state, is docs/data-path.md):
 
 1. ``headrace.dataio.stream.ordering.blend``: global position ``p`` -> (dataset ``d``, its draw number ``k``), closed form
-   (``headrace.dataio.stream.ordering.epochized`` for an energon ``blend_epochized`` metadataset, ``headrace.dataio.stream.sources.datasets``).
+   (``headrace.dataio.stream.ordering.epochized`` for an energon ``blend_epochized`` metadataset, ``headrace.dataio.stream.datasets``).
 2. ``headrace.dataio.stream.ordering.epoch_order``: draw ``k`` -> position ``k % N_d`` of epoch ``k // N_d`` of dataset ``d``,
    shuffled by shard order and in-window permutation from the seed -> a global sample index.
 3. ``headrace.dataio.stream.ordering.split``: DP rank ``r`` takes positions ``start + r + n*j``; batch ``b`` is ``j`` in
@@ -42,7 +42,7 @@ from headrace.dataio.batching.plain import PlainBatches
 from headrace.dataio.batching.stage import Stage
 from headrace.dataio.config import DataConfig
 from headrace.dataio.loader_state import STATE_VERSION, StateError, check_states, data_identity
-from headrace.dataio.stream.sources.datasets import open_datasets, open_source
+from headrace.dataio.stream.datasets import open_datasets, open_source
 from headrace.dataio.stream.rank import RankStream
 from headrace.dataio.stream.ordering.seeding import fresh_seed
 from headrace.dataio.worker_count import AUTO, WorkerChoice, choose
