@@ -2,9 +2,11 @@
 
 Subpackages in pipeline order: ``prepare`` (corpora -> shards: ``dataio shard``), ``shards`` (the
 on-disk format both sides share: tar members, index, Energon metadata), ``stream`` (shards -> decoded,
-collated samples on every rank and worker), ``batching`` (packing, bucketing, CP split, device
-prefetch), ``commands`` (the ``dataio`` CLI verbs) and ``bench`` (``dataio bench``). ``loader``
-composes stream and batching behind ``build_loader``; ``config`` is the ``data:`` section.
+collated samples on every rank and worker), ``batching`` (packing, bucketing), ``feed`` (between the
+loader and the step: CP split, device prefetch, evening out a finite stream), ``commands`` (the ``dataio`` CLI
+verbs) and ``bench`` (``dataio bench``). ``loader`` composes stream and batching behind ``build_loader``;
+``config`` is the ``data:`` section; ``usererror`` (which errors are the user's) is the bottom every layer
+raises through.
 Importing this package is cheap: heavy modules load on first use.
 """
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from headrace.dataio.usererror import UserError
+
 if TYPE_CHECKING:
     from headrace.dataio.stream.sources.interop import LhotseCutSource
     from headrace.dataio.stream.sources.shard_source import ShardSource
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 STATE_VERSION = 1
 
 
-class StateError(ValueError):
+class StateError(ValueError, UserError):
     """A loader state that cannot be loaded here; names the field or the mismatch."""
 
 

@@ -1,25 +1,33 @@
-"""Errors of the user's making are one line; bugs keep their traceback.
+"""Errors of the user's making are one line; bugs keep their traceback. The bottom of the data layers: every
+layer raises these errors, so this module imports nothing of ``headrace.dataio`` but ``interrupts``.
 
 One rule for both entry points (``dataio`` and ``python -m headrace.training``): an exception is the user's
-(a config value, a data file, a file-system path) when it is one of the project's input-error types
-(``ConfigError``, ``CommandError``, ``PrepareError``, ``OutputLocked``, the shard/sample/tar format
-errors, ``SampleError``, a loader ``StateError``, a loader worker killed or hung: ``WorkerDied``) or an
-``OSError`` that names a file (missing, not a directory, permission denied, disk full). Such an error
-is printed as one line and the process exits with status 2; everything else is a bug and is re-raised
-with its traceback. ``--debug`` or ``HEADRACE_DEBUG=1`` re-raises user errors too.
+(a config value, a data file, a file-system path) when it is a ``ConfigError`` (``headrace.config``, below
+``dataio``), a ``UserError`` or an ``OSError`` that names a file (missing, not a directory, permission denied,
+disk full). Each input-error type of the layers above says it is the user's by deriving from ``UserError``:
+``CommandError`` and ``SampleDecodeError`` (here), ``PrepareError``, ``SampleError``, ``OutputLocked``,
+``TarFormatError``, a loader ``StateError``, a loader worker killed or hung (``WorkerDied``). Such an error is
+printed as one line and the process exits with status 2; everything else is a bug and is re-raised with its
+traceback. ``--debug`` or ``HEADRACE_DEBUG=1`` re-raises user errors too.
 """
 
 from __future__ import annotations
 
 import os
 
+from headrace.config import ConfigError
 from headrace.dataio.interrupts import EXIT_INTERRUPTED
 
 DEBUG_ENV = "HEADRACE_DEBUG"
 EXIT_USER_ERROR = 2
 
 
-class CommandError(Exception):
+class UserError(Exception):
+    """The base that makes an input-error type the user's (one line, exit status 2): a second base beside the
+    type's own (``ValueError``, ``RuntimeError``, ...)."""
+
+
+class CommandError(UserError):
     """A user-facing failure of a ``dataio`` verb: printed as one line, exit status 2 (or ``exit_code``)."""
 
     def __init__(self, message: str, exit_code: int = EXIT_USER_ERROR):
@@ -27,34 +35,20 @@ class CommandError(Exception):
         self.exit_code = exit_code
 
 
-def _user_error_types() -> tuple[type, ...]:
-    # imported on the first error, not at start-up: these modules pull in numpy, soundfile and torch
-    from headrace.config import ConfigError
-    from headrace.dataio.loader_state import StateError
-    from headrace.dataio.prepare.job import PrepareError
-    from headrace.dataio.prepare.readers import SampleError
-    from headrace.dataio.shards.outdir import OutputLocked
-    from headrace.dataio.shards.tarscan import TarFormatError
-    from headrace.dataio.stream.reading.decode import SampleDecodeError
-    from headrace.dataio.stream.reading.pool import WorkerDied
+class SampleDecodeError(ValueError, UserError):
+    """A sample or its shard could not be read or decoded (every stage of the stream raises it, and counts it
+    against ``data.max_bad_samples``); names the shard, sample key and member."""
 
-    return (
-        ConfigError,
-        CommandError,
-        OutputLocked,
-        PrepareError,
-        SampleDecodeError,
-        SampleError,
-        StateError,
-        TarFormatError,
-        WorkerDied,
-    )
+    def __init__(self, reason: str, *, shard: str | None = None, key: str | None = None, member: str | None = None):
+        self.reason, self.shard, self.key, self.member = reason, shard, key, member
+        where = ", ".join(f"{k} {v!r}" for k, v in (("shard", shard), ("key", key), ("member", member)) if v)
+        super().__init__(f"{where}: {reason}" if where else reason)
 
 
 def is_user_error(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.filename is not None
-    return isinstance(e, _user_error_types())
+    return isinstance(e, (ConfigError, UserError))
 
 
 def debug_requested(flag: bool = False) -> bool:
@@ -78,6 +72,8 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_USER_ERROR",
     "CommandError",
+    "SampleDecodeError",
+    "UserError",
     "debug_requested",
     "is_user_error",
     "one_line",

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 
 from headrace.config import to_dict
 from headrace.dataio.config import DataConfig
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 
 AUTO = "auto"
 WORKERS = 2  # the count measured against one process

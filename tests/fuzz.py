@@ -172,7 +172,8 @@ WAV = None  # built lazily (soundfile)
 
 
 def check_member(ext: str, data: bytes) -> None:
-    from headrace.dataio.stream.reading.decode import Audio, SampleDecodeError, decode_sample
+    from headrace.dataio.stream.reading.decode import Audio, decode_sample
+    from headrace.dataio.usererror import SampleDecodeError
     from headrace.dataio.config import DecodeConfig
     from headrace.dataio.verify import decode_check
 
@@ -367,7 +368,7 @@ def check_inplace(
     import shutil
 
     from headrace.dataio import build_loader
-    from headrace.dataio.stream.reading.decode import SampleDecodeError
+    from headrace.dataio.usererror import SampleDecodeError
 
     data = root / "live"
     shutil.rmtree(data, ignore_errors=True)
@@ -481,7 +482,7 @@ def check_mixed(root: Path, kinds: list[str], packed: bool, workers: int) -> Non
     from tests.loader_util import index_dir
 
     from headrace.dataio import build_loader
-    from headrace.dataio.stream.reading.decode import SampleDecodeError
+    from headrace.dataio.usererror import SampleDecodeError
 
     data = root / "mixed"
     shutil.rmtree(data, ignore_errors=True)

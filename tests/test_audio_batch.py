@@ -12,7 +12,8 @@ import torch
 from headrace.dataio import libsndfile
 from headrace.dataio.stream.reading.audio_batch import decode_pending, mean_decoded_bytes
 from headrace.dataio.stream.reading.collate import collate, plain_memory
-from headrace.dataio.stream.reading.decode import Audio, PendingAudio, SampleDecodeError, decode_audio, decode_sample
+from headrace.dataio.stream.reading.decode import Audio, PendingAudio, decode_audio, decode_sample
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.config import DecodeConfig
 
 from tests.test_loader_audio import audio, waveforms  # noqa: F401  (the loader fixture and reader)

@@ -19,7 +19,7 @@ import webdataset as wds
 from tests import loader_util
 from headrace.dataio import build_loader
 from headrace.dataio.loader_state import StateError
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 from tests.hostile import flac_bytes
 
 

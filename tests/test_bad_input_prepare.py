@@ -24,7 +24,8 @@ from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.audioheader import probe
 from headrace.dataio.shards.tarscan import MAX_MEMBERS, TarFormatError, scan_buffer
 from headrace.dataio.verify import decode_check
-from headrace.dataio.stream.reading.decode import SampleDecodeError, decode_sample
+from headrace.dataio.stream.reading.decode import decode_sample
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.usererror import CommandError
 from tests import loader_util
 from tests.helpers import child_env

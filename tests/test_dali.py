@@ -14,7 +14,9 @@ import pytest
 import soundfile
 import torch
 
-from headrace.dataio.stream.reading.decode import Audio, SampleDecodeError, decode_audio, decode_sample
+from headrace.dataio.stream.reading.decode import Audio, decode_audio, decode_sample
+
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.config import DaliConfig, DecodeConfig
 
 EDGE = 200  # samples at 16 kHz: longer than either resampler's filter half-width

@@ -9,7 +9,9 @@ import pytest
 import soundfile
 import torch
 
-from headrace.dataio.stream.reading.decode import Audio, SampleDecodeError, UnsafeMemberError, decode_npy, decode_sample
+from headrace.dataio.stream.reading.decode import Audio, UnsafeMemberError, decode_npy, decode_sample
+
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.config import DecodeConfig
 
 # decode_npy over a read-only `bytes` member is zero-copy on purpose (see dataio/stream/reading/decode.py); pytest resets

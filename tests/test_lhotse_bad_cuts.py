@@ -11,7 +11,7 @@ import soundfile
 
 from headrace.dataio import build_loader
 from headrace.dataio.cli import main as dataio
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import webdataset as wds
 
 from headrace.dataio import build_loader
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.sources.storage import ShardFormatError
 
 from tests.loader_util import index_dir, make_text_dataset, npy_bytes

@@ -11,7 +11,7 @@ import torch
 import webdataset as wds
 
 from headrace.dataio import build_loader
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 
 from tests.loader_util import index_dir
 from tests.test_dali import EDGE  # the tolerance argument lives with it

@@ -157,7 +157,7 @@ def test_workers_hand_back_the_batch_as_made():
 
 
 def bad_sample_at_4(b, alloc):
-    from headrace.dataio.stream.reading.decode import SampleDecodeError
+    from headrace.dataio.usererror import SampleDecodeError
 
     if b == 4:
         raise SampleDecodeError("bad header", shard="s-000001.tar", key="k42", member="tokens.npy")
@@ -179,7 +179,7 @@ def test_a_worker_exception_is_re_raised_as_itself_and_a_signal_is_named():
     """The main process re-raises a worker's exception with its type and attributes (the sample named),
     the worker's traceback attached; a worker killed by a signal is reported with the signal's name
     (SIGBUS: "Bus error", which ``RankStream.explain_worker_crash`` turns into the shard's error)."""
-    from headrace.dataio.stream.reading.decode import SampleDecodeError
+    from headrace.dataio.usererror import SampleDecodeError
 
     batches = RankBatches(bad_sample_at_4, first=0, last=None, seed=0, dp_rank=0, epoch=0)
     with pytest.raises(SampleDecodeError, match="k42") as caught:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from headrace.dataio.loader import build_loader
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 from tests import loader_util
 from tests.helpers import REPO, child_env
 

@@ -1,3 +1,3 @@
-"""Turning decoded samples into the batches a trainer consumes: document packing into THD rows
-(``packing``), duration bucketing (``bucketing``), the context-parallel split (``cp_split``) and device
-prefetch (``prefetch``)."""
+"""Turning decoded samples into the batches a trainer consumes: the batching stages the loader composes
+(``stage``: ``plain``, ``packed``, ``bucketed``) and their algorithms, document packing into THD rows
+(``packing``) and duration bucketing (``bucketing``). What happens to a batch after it: ``headrace.dataio.feed``."""

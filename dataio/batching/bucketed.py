@@ -20,7 +20,7 @@ from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, 
 from headrace.dataio.loader_state import MAX_COUNT, StateError
 from headrace.dataio.shards.formats import is_audio_member
 from headrace.dataio.stream.reading.batches import SampleReader, token_ext
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.ordering.refs import make_ref
 from headrace.dataio.stream.reading.collate import Allocator
 from headrace.dataio.stream.rank import RankStream

@@ -42,12 +42,13 @@ from headrace.dataio.shards.outdir import lock_output
 from headrace.dataio.shards.tarwriter import write_atomically
 from headrace.dataio.sizes import parse_size
 from headrace.dataio.interrupts import leave_interrupt_to_parent
+from headrace.dataio.usererror import UserError
 
 # progress(description, total=, unit=) -> a context yielding advance(n); the CLI passes its progress bar
 Progress = Callable[..., ContextManager[Callable[[int], None]]]
 
 
-class PrepareError(Exception):
+class PrepareError(UserError):
     """A user-facing failure of corpus preparation: bad options, input or data; the message names it."""
 
 

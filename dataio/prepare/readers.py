@@ -42,6 +42,7 @@ from headrace.dataio.prepare.audio import cut_and_encode, encode, sniff_ext
 from headrace.dataio.shards.audioheader import probe, probe_file
 from headrace.dataio.shards.formats import SHARD_AUDIO_EXTENSIONS
 from headrace.dataio.shards.tarwriter import FilePayload
+from headrace.dataio.usererror import UserError
 
 # Planning estimate for audio that is cut or decoded at shard time (16 kHz 16-bit FLAC is ~30 kB/s).
 SEGMENT_BYTES_PER_SECOND = 32_000
@@ -51,7 +52,7 @@ MAX_SECONDS = 1e7  # ~116 days: no recording is longer; larger times overflow th
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where a JSON string may hold a lone surrogate
 
 
-class SampleError(ValueError):
+class SampleError(ValueError, UserError):
     """A sample that cannot be written; the message names file, line and the broken rule."""
 
 

@@ -18,9 +18,10 @@ import shutil
 from pathlib import Path
 
 from headrace.dataio.shards.index import META_DIR
+from headrace.dataio.usererror import UserError
 
 
-class OutputLocked(RuntimeError):
+class OutputLocked(RuntimeError, UserError):
     """Another ``dataio shard`` / ``dataio index`` holds a conflicting lock on the output directory."""
 
 

@@ -36,6 +36,7 @@ from headrace.dataio.shards.audioheader import probe
 from headrace.dataio.shards.formats import is_audio_member, is_token_member, npy_header
 from headrace.dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE, ShardInfo, ShardPart
 from headrace.dataio.shards.tarwriter import BLOCK
+from headrace.dataio.usererror import UserError
 
 ZERO_BLOCK = bytes(BLOCK)
 MAX_MEMBERS = int(np.iinfo(SAMPLE_DTYPE["member_count"]).max)  # members of one sample the index can hold
@@ -48,7 +49,7 @@ SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 SKIP_META = re.compile(r"__[^/]*__($|/)")  # energon skips these (e.g. __meta__/...)
 
 
-class TarFormatError(ValueError):
+class TarFormatError(ValueError, UserError):
     """A tar that cannot be indexed: names the file and the byte offset of the broken header."""
 
     def __init__(self, path: str | os.PathLike, offset: int, reason: str):

@@ -23,7 +23,7 @@ from headrace.dataio.stream.reading.audio_batch import mean_decoded_bytes
 from headrace.dataio.stream.reading.batches import BatchMaker, SampleReader
 from headrace.dataio.stream.ordering.blend import BlendSchedule
 from headrace.dataio.stream.reading.collate import Allocator
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.ordering.epochized import EpochizedSchedule
 from headrace.dataio.stream.ordering.seeding import SeedSchedule
 from headrace.dataio.stream.sources.shard_source import ShardSource

@@ -38,10 +38,10 @@ import torch
 
 from headrace.dataio import libsndfile
 from headrace.dataio.stream.reading.collate import Allocator
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.reading.decode import (
     Audio,
     PendingAudio,
-    SampleDecodeError,
     downmixed_and_resampled,
     member_error,
 )

@@ -29,7 +29,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from headrace.dataio.stream.reading.decode import Audio, Buffer, SampleDecodeError
+from headrace.dataio.stream.reading.decode import Audio, Buffer
+
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.formats import is_audio_member
 

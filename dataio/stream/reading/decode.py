@@ -60,6 +60,7 @@ from headrace.dataio.shards.audioheader import (
 from headrace.dataio import libsndfile
 from headrace.dataio.config import DecodeConfig
 from headrace.dataio.shards.formats import AUDIO_EXTENSIONS, npy_header
+from headrace.dataio.usererror import SampleDecodeError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -72,15 +73,6 @@ class Audio(NamedTuple):
 
     waveform: torch.Tensor
     sample_rate: int
-
-
-class SampleDecodeError(ValueError):
-    """A member could not be decoded; names the shard, sample key and member."""
-
-    def __init__(self, reason: str, *, shard: str | None = None, key: str | None = None, member: str | None = None):
-        self.reason, self.shard, self.key, self.member = reason, shard, key, member
-        where = ", ".join(f"{k} {v!r}" for k, v in (("shard", shard), ("key", key), ("member", member)) if v)
-        super().__init__(f"{where}: {reason}" if where else reason)
 
 
 class UnsafeMemberError(SampleDecodeError):

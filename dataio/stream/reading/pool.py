@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from headrace.dataio.usererror import UserError
+
 OK, ERROR = 0, 1
 LIVENESS_S = 1.0  # how often a wait without timeout checks that the worker is alive
 JOIN_S = 2.0  # how long a closing pool waits for a worker before terminating it
@@ -64,7 +66,7 @@ class WorkerError(RuntimeError):
     """A worker died, hung, or raised something that could not be sent back."""
 
 
-class WorkerDied(WorkerError):
+class WorkerDied(WorkerError, UserError):
     """A worker exited or was killed (its exit code or signal named), or hung past ``worker_timeout``: an event of
     the machine (the OOM killer, a kill), reported in one line by the entry points, not a bug's traceback."""
 

@@ -45,7 +45,7 @@ from headrace.dataio.shards.index import (
 )
 from headrace.dataio.shards.tarscan import scan_shard
 from headrace.dataio.stream.sources.cuts_index import CutsIndex
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.sources.shard_source import ShardSource
 from headrace.dataio.stream.sources.storage import retry
 

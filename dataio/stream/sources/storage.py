@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from headrace.dataio.stream.reading.decode import SampleDecodeError
+from headrace.dataio.usererror import SampleDecodeError
 
 RETRIES = 5
 BACKOFF_S = 0.5
