@@ -5,7 +5,9 @@ page that does not exist, a page left out of the nav, a link to a BENCHMARKS.md 
 exist (mkdocs' defaults only log some of these at "info"; mkdocs.yml's ``validation`` makes them
 warnings, and ``--strict`` fails on warnings). And every file of the checkout the pages name in code spans
 (``tests/test_x.py``, ``tools/bench_*.py``, ``configs/x.yaml``) exists, so a renamed file cannot leave a page
-pointing at nothing. Cost: ~1 s a build."""
+pointing at nothing; and every config key they name (`data.seq_len` in a code span, `distributed.cp_size=2` in a
+command) is a key of the job config (or one its loader translates), so a renamed key cannot either. Both checks
+are proven on a page with a planted stale path and key. Cost: ~1 s a build; the path and key checks: text only."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 import re
 import shutil
 import subprocess
+import dataclasses
+import typing
 import sys
 from pathlib import Path
 
@@ -89,12 +93,117 @@ def test_named_paths_finds_files_and_globs():
     }
 
 
-def test_every_file_the_pages_name_exists():
+def missing_paths(pages: list[Path]) -> list[str]:
+    """``page: path`` for every checkout path the pages name that does not exist."""
     missing = []
-    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        for path in named_paths(page.read_text()):
+    for page in pages:
+        for path in sorted(named_paths(page.read_text())):
             if path.endswith("_"):  # cut at a `{a,b}` or `<x>` form: a pattern, not a file
                 continue
             if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
-                missing.append(f"{page.relative_to(REPO)}: {path}")
-    assert not missing, missing
+                missing.append(f"{page.name}: {path}")
+    return missing
+
+
+def test_every_file_the_pages_name_exists():
+    assert missing_paths([REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]) == []
+
+
+# a config key the pages name: in a code span (`data.seq_len`, `quantize.linear.float8: {...}`) or as a dotted
+# override anywhere (`distributed.cp_size=2` in a command); its first part is a section of the job config
+FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "yml", "md", "txt", "safetensors", "npy", "tar", "sh", "log", "index"}
+
+
+def config_sections() -> list[str]:
+    from headrace.training.config.job_config import JobConfig
+
+    return [f.name for f in dataclasses.fields(JobConfig)]
+
+
+def named_keys(text: str, sections: list[str]) -> set[str]:
+    head = "|".join(map(re.escape, sections))
+    in_span = re.findall(rf"`((?:{head})(?:\.\w+|\[\])+)(?=[`=:\s\[])", text)
+    overrides = re.findall(rf"(?<![\w./-])((?:{head})(?:\.\w+)+)=", text)
+    keys = set()
+    for key in (*in_span, *overrides):
+        parts = key.replace("[]", "").split(".")
+        if any(p[0].isdigit() for p in parts) or parts[-1] in FILE_SUFFIXES:  # a module's name or a file's
+            continue
+        keys.add(".".join(parts))
+    return keys
+
+
+def accepted_aliases() -> set[str]:
+    """Keys the loader accepts and translates (Automodel's, peft's) without a field of their own."""
+    from headrace.training.config import automodel_compat, peft
+
+    distributed = [
+        *automodel_compat.ACCEPTED_AT_DEFAULT,
+        *automodel_compat.MEGATRON_FSDP_KEYS,
+        *automodel_compat.SIZE_KEYS,
+    ]
+    return {f"distributed.{k}" for k in distributed} | {
+        f"peft.{k}" for k in (*peft.ACCEPTED_AT_DEFAULT, *peft.HF_NAMES)
+    }
+
+
+def missing_key(key: str) -> str | None:
+    """Why ``key`` names no key of the job config (None: it does)."""
+    from headrace.training.config.job_config import JobConfig
+
+    node = JobConfig
+    for n, part in enumerate(key.split(".")):
+        if dataclass_in(node) is None and dict in (
+            node,
+            typing.get_origin(node),
+            *map(typing.get_origin, typing.get_args(node)),
+        ):
+            return None  # a free-form mapping (model.config: a transformers config): any key
+        node = dataclass_in(node)
+        if node is None:
+            return f"{'.'.join(key.split('.')[:n])} has no keys"
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            return f"no key {part!r}"
+        node = hints[part]
+    return None
+
+
+def dataclass_in(tp):
+    """The dataclass a field's type holds (``X | None``, ``list[X]``, ``dict[str, X]``), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if (found := dataclass_in(arg)) is not None:
+            return found
+    return None
+
+
+def stale_keys(pages: list[Path]) -> list[str]:
+    sections, aliases = config_sections(), accepted_aliases()
+    return [
+        f"{page.name}: {key} ({why})"
+        for page in pages
+        for key in sorted(named_keys(page.read_text(), sections))
+        if key not in aliases and (why := missing_key(key))
+    ]
+
+
+def test_named_keys_finds_spans_and_overrides():
+    text = "`data.seq_len`, `quantize.linear.float8: {}`, run it with distributed.cp_size=2; `model.layers.0.q_proj`, `optim.py`"
+    assert named_keys(text, config_sections()) == {"data.seq_len", "quantize.linear.float8", "distributed.cp_size"}
+
+
+def test_every_config_key_the_pages_name_exists():
+    assert stale_keys([REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]) == []
+
+
+def test_a_planted_stale_path_and_key_fail_the_checks(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Train with `data.seq_len` and `trainer.no_such_key`, or data.datasets.nope=1.\n")
+    assert stale_keys([page]) == [
+        "page.md: data.datasets.nope (no key 'nope')",
+        "page.md: trainer.no_such_key (no key 'no_such_key')",
+    ]
+    page.write_text("The stream: `dataio/stream/rank.py` and `dataio/stream/split.py` (moved to ordering/).\n")
+    assert missing_paths([page]) == ["page.md: dataio/stream/split.py"]
