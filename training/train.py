@@ -41,6 +41,7 @@ from headrace.config import to_dict
 from headrace.dataio.feed.even import even_batches
 from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
+from headrace.dataio.stream.ordering.seeding import rank_seed
 from headrace.training.components import checkpoint, checkpoint_store
 from headrace.training.components.metrics import (
     MetricsLogger,
@@ -74,11 +75,6 @@ from headrace.training.validation import make_validator
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-def seed_for_rank(seed: int, dp_rank: int) -> int:
-    """Training-time RNG seed: distinct per data-parallel rank, shared by its TP/CP/PP peers."""
-    return seed + 1_000_003 * dp_rank
 
 
 def host_float(value: float | torch.Tensor | None) -> float | None:
@@ -461,7 +457,7 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     save_job_config(cfg)
     trainer = build_trainer(cfg, device, dims)
     loader = build_train_loader(trainer, make_loader)
-    torch.manual_seed(seed_for_rank(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
+    torch.manual_seed(rank_seed(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
     resume(trainer, loader)  # a resumed run restores its RNG too
     validate = make_validator(cfg, dims, device, trainer.model, trainer.pipe) if cfg.trainer.eval_every else None
     logger = build_metrics_logger(cfg, dist.get_rank())
@@ -481,4 +477,4 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     return logger.history
 
 
-__all__ = ["Trainer", "build_trainer", "seed_for_rank", "train"]
+__all__ = ["Trainer", "build_trainer", "train"]

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from headrace.dataio.stream.ordering.seeding import rank_seed
 from headrace.config import to_dict
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.speech import SpeechConfig
@@ -169,7 +170,9 @@ def build_ctc(cfg, dims: ParallelDims, device: torch.device):
         model.head.reset_parameters()
         if path := speech.encoder.pretrained_path:
             load_safetensors(model.encoder, path, prefix=front.checkpoint_prefix(path))
-    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + dims.get_mesh("dp").get_local_rank())
+    model.augment_generator = torch.Generator().manual_seed(
+        rank_seed(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank())
+    )
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims)
     enc_config.vocab_size = units.size + 1

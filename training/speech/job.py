@@ -26,6 +26,7 @@ from torch import nn
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from headrace.dataio.stream.ordering.seeding import rank_seed
 from headrace.config import from_dict
 from headrace.training.components.checkpoint import export_hf
 from headrace.training.config.job_config import ModelConfig
@@ -66,7 +67,9 @@ def build_salm(cfg, dims: ParallelDims, device: torch.device):
     )
     materialize_salm(model, device, cfg.model.pretrained_path)
     converters.after_materialize(converted_parts(model))
-    model.augment_generator = torch.Generator().manual_seed(cfg.trainer.seed + dims.get_mesh("dp").get_local_rank())
+    model.augment_generator = torch.Generator().manual_seed(
+        rank_seed(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank())
+    )
     if cfg.distributed.strategy == "ddp":
         model = apply_ddp(model, dims)
     return model, llm_config

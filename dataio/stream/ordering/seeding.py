@@ -11,6 +11,10 @@ the data path:
 - ``("worker", dp_rank, worker, epoch)``: the per-(DP rank, worker, epoch) seed given to
   ``torch``/``numpy``/``random`` in a worker, for decoders that draw random numbers (augmentation).
 
+The trainer's per-rank streams (torch's global RNG once the model is built, SpecAugment's generator) take
+``rank_seed(base_seed, dp_rank)``: distinct per data-parallel rank, shared by a rank's TP/CP/PP peers (they must
+draw the same numbers), one rule for every such stream.
+
 The sample order depends on neither the DP rank nor the worker: it is a function of global position
 only, which is what makes resume with a different ``dp_size`` or ``num_workers`` exact.
 
@@ -44,6 +48,13 @@ def derive_seed(base_seed: int, purpose: str, *coords: int) -> int:
     return int(seq.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
+def rank_seed(base_seed: int, dp_rank: int) -> int:
+    """The seed of a per-DP-rank random stream of the trainer: ``base_seed + 1,000,003 * dp_rank``. The large
+    prime stride keeps rank r of seed s from repeating rank 0 of seed s + r (the flaw of ``base_seed + rank``)
+    for any seeds less than 1,000,003 apart."""
+    return base_seed + 1_000_003 * dp_rank
+
+
 def rng(base_seed: int, purpose: str, *coords: int) -> np.random.Generator:
     """A numpy Generator seeded with ``derive_seed(base_seed, purpose, *coords)``."""
     return np.random.Generator(np.random.PCG64(derive_seed(base_seed, purpose, *coords)))
@@ -75,4 +86,4 @@ def fresh_seed() -> int:
     return secrets.randbits(62)
 
 
-__all__ = ["SeedSchedule", "derive_seed", "fresh_seed", "rng"]
+__all__ = ["SeedSchedule", "derive_seed", "fresh_seed", "rank_seed", "rng"]
