@@ -5,7 +5,7 @@ import pytest
 
 # Keep torch's intra-op threads from oversubscribing the 2-core CI machine when tests spawn processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Checkpoints' seal key (headrace.training.components.checkpoint_seal): a private folder of this test session, inherited
+# Checkpoints' seal key (headrace.training.checkpoint.seal): a private folder of this test session, inherited
 # by the processes tests spawn, never the user's own ~/.config/headrace/seal-key.
 os.environ.setdefault("HEADRACE_SEAL_KEY", os.path.join(tempfile.mkdtemp(prefix="headrace-seal-"), "seal-key"))
 

@@ -1,11 +1,11 @@
-"""The checkpoint directory's bookkeeping (``headrace.training.components.checkpoint``): which step directory
+"""The checkpoint directory's bookkeeping (``headrace.training.checkpoint.save``): which step directory
 counts as the latest, and a save that cannot finish names its directory in one line."""
 
 from __future__ import annotations
 
 import sys
 
-from headrace.training.components import checkpoint
+from headrace.training.checkpoint import save as checkpoint
 from tests.helpers import REPO, child_env
 from tests.loader_util import make_text_dataset
 from tests.test_bad_input_trainer import BASE, datasets

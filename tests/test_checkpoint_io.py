@@ -116,7 +116,7 @@ def test_a_pickle_payload_in_any_checkpoint_file_never_runs_through_resume_or_ev
     (step2 / "trainer_state.json").write_bytes(payload)
     assert eval_main(["--config", cfg, "--checkpoint", str(step2), val, "data.seq_len=64"]) == 2
     assert "trainer_state.json does not read" in capsys.readouterr().err
-    from headrace.training.components import checkpoint
+    from headrace.training.checkpoint import save as checkpoint
 
     real_read = checkpoint.read_tensors
 
@@ -140,7 +140,7 @@ def test_no_unpickling_is_reachable_from_a_checkpoint_load():
     system reader that unpickles (``.metadata``, byte items) with code that names no pickle."""
     from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
-    for rel in ("training/components/checkpoint.py", "training/components/checkpoint_seal.py", "training/eval.py"):
+    for rel in ("training/checkpoint/save.py", "training/checkpoint/seal.py", "training/eval.py"):
         tree = ast.parse((REPO / rel).read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -315,7 +315,7 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(
     keep_last prunes; a save cut off mid-upload leaves a step folder without the marker, which the rerun ignores
     (resuming from the previous one, with the losses of an uninterrupted run) and overwrites; the hf/ export is
     uploaded to URL/hf/."""
-    from headrace.training.components import checkpoint_store
+    from headrace.training.checkpoint import store as checkpoint_store
 
     data, expected = straight
     url = "s3://ckpts/run/checkpoints"

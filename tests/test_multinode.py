@@ -294,7 +294,7 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     """The generated sbatch script on a real (one-node) SLURM: job 1 trains and checkpoints and is cancelled
     (as a time limit would end it); job 2, chained afterany, resumes from the newest complete checkpoint with
     its own data seed and finishes the run."""
-    from headrace.training.components import checkpoint
+    from headrace.training.checkpoint import save as checkpoint
 
     out = work / "slurm_run"
     proc = subprocess.run(

@@ -5,7 +5,7 @@ default DCP layout (pickled ``.metadata`` + ``.distcp``), on one process.
 
 The model is a stack of ``--layers`` square ``nn.Linear(--width)`` (``--layers 72 --width 2048``: 302M
 parameters; fp32, AdamW: 3.6 GB of checkpoint). A step is a forward + backward on a ``--batch`` x width
-input and an AdamW step. Each run trains ``--steps`` steps, saving with ``headrace.training.components.checkpoint.Saver``
+input and an AdamW step. Each run trains ``--steps`` steps, saving with ``headrace.training.checkpoint.save.Saver``
 after steps ``--save-at``; the stall of a save is that step's time (the save call included) minus the median
 of the steps with no save in flight. ``after`` is the extra time of the steps that ran while a background write
 was in flight (GIL and memory-bandwidth contention), summed. Modes run in turn within each round (A B C A B C)
@@ -30,8 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from headrace.training.components import checkpoint
-from headrace.training.components.checkpoint_seal import verify_hashes
+from headrace.training.checkpoint import save as checkpoint
+from headrace.training.checkpoint.seal import verify_hashes
 
 
 def build(layers: int, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:

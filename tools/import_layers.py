@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("job config", (f"{T}.config",)),
     ("models", (f"{T}.models",)),
     ("parallelisms", (f"{T}.distributed",)),
-    ("components", (f"{T}.components",)),
+    ("components", (f"{T}.components", f"{T}.checkpoint")),
     ("step", (f"{T}.step", f"{T}.step_inputs")),
     ("model kinds", (f"{T}.causal_lm", f"{T}.speech")),
     ("trainer", (T,)),  # model_kinds, validation, train, eval, launch, estimate_batch: everything else

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from headrace.training import step
-from headrace.training.components import checkpoint
+from headrace.training.checkpoint import save as checkpoint
 from headrace.training.config.job_config import KIND_CONFIGS, JobConfig
 from headrace.training.distributed.context_parallel import cp_attention_kwargs
 from headrace.training.distributed.dense import apply_ddp

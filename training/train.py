@@ -42,7 +42,7 @@ from headrace.dataio.feed.even import even_batches
 from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
 from headrace.dataio.stream.ordering.seeding import rank_seed
-from headrace.training.components import checkpoint, checkpoint_store
+from headrace.training.checkpoint import save as checkpoint, store as checkpoint_store
 from headrace.training.components.metrics import (
     MetricsLogger,
     ThroughputWindow,

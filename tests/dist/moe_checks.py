@@ -31,7 +31,7 @@ from tests.dist.train_common import ListLoader, copy_checkpoint, packed_batches
 from tests.dist.train_layouts import check_close, check_exported_params, job, loaders
 
 from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
-from headrace.training.components import checkpoint  # noqa: E402
+from headrace.training.checkpoint import save as checkpoint  # noqa: E402
 from headrace.training.config.job_config import OptimConfig  # noqa: E402
 from headrace.training.distributed.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
 from headrace.training.distributed.moe import sparse_blocks  # noqa: E402

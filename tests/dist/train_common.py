@@ -76,7 +76,7 @@ class ListLoader:
 
 def copy_checkpoint(src_step: Path, dest_step: Path) -> None:
     """Copy checkpoint ``src_step`` (``.../checkpoints/step-N``) to ``dest_step``: another run of this user resumes
-    from it (the seal key is the user's, headrace.training.components.checkpoint_seal)."""
+    from it (the seal key is the user's, headrace.training.checkpoint.seal)."""
     import shutil
 
     shutil.copytree(src_step, dest_step)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from tests.dist.train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches
 
-from headrace.training.components import checkpoint  # noqa: E402
+from headrace.training.checkpoint import save as checkpoint  # noqa: E402
 from headrace.training.config.load import load_job_config  # noqa: E402
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402

@@ -56,8 +56,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from headrace.training.components import checkpoint_store as store
-from headrace.training.components.checkpoint_seal import (
+from headrace.training.checkpoint import store
+from headrace.training.checkpoint.seal import (
     HashingFileSystem,
     Incomplete,
     NotSealed,
