@@ -1,11 +1,11 @@
-"""The checkpoint directory's bookkeeping (``headrace.training.checkpoint.save``): which step directory
+"""The checkpoint directory's bookkeeping (``headrace.training.checkpoint.layout``): which step directory
 counts as the latest, and a save that cannot finish names its directory in one line."""
 
 from __future__ import annotations
 
 import sys
 
-from headrace.training.checkpoint import save as checkpoint
+from headrace.training.checkpoint import layout
 from tests.helpers import REPO, child_env
 from tests.loader_util import make_text_dataset
 from tests.test_bad_input_trainer import BASE, datasets
@@ -20,9 +20,9 @@ def test_latest_ignores_partial_checkpoints(tmp_path):
     ):
         (tmp_path / name).mkdir()
         if complete:
-            (tmp_path / name / checkpoint.STATE_FILE).write_text("{}")
-    assert checkpoint.latest(tmp_path).name == "step-00000004"
-    assert checkpoint.latest(tmp_path / "missing") is None
+            (tmp_path / name / layout.STATE_FILE).write_text("{}")
+    assert layout.latest(tmp_path).name == "step-00000004"
+    assert layout.latest(tmp_path / "missing") is None
 
 
 def test_checkpoint_save_on_a_full_disk_names_the_directory(tmp_path):

@@ -30,7 +30,7 @@ BASE = [
     "--config",
     str(REPO / "configs" / "debug_llama.yaml"),
     "logging.console=false",
-    "checkpoint.export_hf=false",
+    "export.export_hf=false",
     "data.seq_len=64",
     "data.packing_buffer=8",
     "trainer.log_every=1",
@@ -116,9 +116,9 @@ def test_a_pickle_payload_in_any_checkpoint_file_never_runs_through_resume_or_ev
     (step2 / "trainer_state.json").write_bytes(payload)
     assert eval_main(["--config", cfg, "--checkpoint", str(step2), val, "data.seq_len=64"]) == 2
     assert "trainer_state.json does not read" in capsys.readouterr().err
-    from headrace.training.checkpoint import save as checkpoint
+    from headrace.training.checkpoint import restore
 
-    real_read = checkpoint.read_tensors
+    real_read = restore.read_tensors
 
     def read_without_pickle(path, tensors):
         with monkeypatch.context() as m:
@@ -127,7 +127,7 @@ def test_a_pickle_payload_in_any_checkpoint_file_never_runs_through_resume_or_ev
             m.setattr("torch.load", None)
             real_read(path, tensors)
 
-    monkeypatch.setattr(checkpoint, "read_tensors", read_without_pickle)
+    monkeypatch.setattr(restore, "read_tensors", read_without_pickle)
     assert main(args(tmp_path, "trainer.max_steps=3", "checkpoint.interval=1")) == 0
     assert not marker.exists()
     assert f"checkpoint {step2} is incomplete (trainer_state.json does not read" in capsys.readouterr().out
@@ -140,7 +140,10 @@ def test_no_unpickling_is_reachable_from_a_checkpoint_load():
     system reader that unpickles (``.metadata``, byte items) with code that names no pickle."""
     from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
-    for rel in ("training/checkpoint/save.py", "training/checkpoint/seal.py", "training/eval.py"):
+    for rel in [
+        *(str(p.relative_to(REPO)) for p in sorted((REPO / "training/checkpoint").glob("*.py"))),
+        "training/eval.py",
+    ]:
         tree = ast.parse((REPO / rel).read_text())
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -315,13 +318,13 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(
     keep_last prunes; a save cut off mid-upload leaves a step folder without the marker, which the rerun ignores
     (resuming from the previous one, with the losses of an uninterrupted run) and overwrites; the hf/ export is
     uploaded to URL/hf/."""
-    from headrace.training.checkpoint import store as checkpoint_store
+    from headrace.training.checkpoint import store
 
     data, expected = straight
     url = "s3://ckpts/run/checkpoints"
     common = ("trainer.max_steps=6", "checkpoint.interval=2", "checkpoint.keep_last=1", f"checkpoint.folder={url}")
 
-    real_upload = checkpoint_store.upload
+    real_upload = store.upload
 
     def cut_off_at_step_4(local_dir, names, where):
         if where.endswith("step-00000004") and names != ["trainer_state.json"]:
@@ -329,20 +332,18 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(
             raise SystemExit(9)  # the job dies after the first file of step 4 reached the bucket
         real_upload(local_dir, names, where)
 
-    monkeypatch.setattr(checkpoint_store, "upload", cut_off_at_step_4)
+    monkeypatch.setattr(store, "upload", cut_off_at_step_4)
     with pytest.raises(SystemExit):
         main(args(tmp_path, *common, data=data))
-    monkeypatch.setattr(checkpoint_store, "upload", real_upload)
+    monkeypatch.setattr(store, "upload", real_upload)
     keys = lambda: sorted(o["Key"] for o in s3_bucket.list_objects_v2(Bucket="ckpts").get("Contents", []))  # noqa: E731
     assert [k for k in keys() if k.endswith("trainer_state.json")] == [
         "run/checkpoints/step-00000002/trainer_state.json"
     ]
     assert any(k.startswith("run/checkpoints/step-00000004/") for k in keys())  # the partial one
-    assert str(checkpoint_store.step_folders(url, "trainer_state.json", complete_only=True)) == str(
-        [f"{url}/step-00000002"]
-    )
+    assert str(store.step_folders(url, "trainer_state.json", complete_only=True)) == str([f"{url}/step-00000002"])
 
-    assert main(args(tmp_path, *common, "checkpoint.export_hf=true", data=data)) == 0
+    assert main(args(tmp_path, *common, "export.export_hf=true", data=data)) == 0
     got = losses(tmp_path / "out")
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
     complete = [k for k in keys() if k.endswith("trainer_state.json")]

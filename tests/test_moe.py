@@ -307,7 +307,7 @@ def test_hf_export_writes_what_save_pretrained_writes(tmp_path, process_group, r
     from_pretrained to the same logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from headrace.training.checkpoint.save import export_hf
+    from headrace.training.checkpoint.export import export_hf
     from headrace.training.model_kinds import build_model
 
     fields = recipe_fields(recipe)

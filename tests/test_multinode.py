@@ -294,7 +294,7 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     """The generated sbatch script on a real (one-node) SLURM: job 1 trains and checkpoints and is cancelled
     (as a time limit would end it); job 2, chained afterany, resumes from the newest complete checkpoint with
     its own data seed and finishes the run."""
-    from headrace.training.checkpoint import save as checkpoint
+    from headrace.training.checkpoint import layout
 
     out = work / "slurm_run"
     proc = subprocess.run(
@@ -328,7 +328,7 @@ def test_slurm_chain_resumes_with_a_new_seed(work, slurm):
     def queued() -> set[str]:
         return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
 
-    wait_for(lambda: checkpoint.latest(out / "checkpoints") is not None, 300, "job 1's first checkpoint")
+    wait_for(lambda: layout.latest(out / "checkpoints") is not None, 300, "job 1's first checkpoint")
     subprocess.run(["scancel", jobs[0]["job_id"]], check=True)
     wait_for(lambda: not queued() & {j["job_id"] for j in jobs}, 400, "both jobs to end")
     first, second = ((out / "slurm" / f"headrace-{j['job_id']}.out").read_text() for j in jobs)

@@ -5,7 +5,7 @@ default DCP layout (pickled ``.metadata`` + ``.distcp``), on one process.
 
 The model is a stack of ``--layers`` square ``nn.Linear(--width)`` (``--layers 72 --width 2048``: 302M
 parameters; fp32, AdamW: 3.6 GB of checkpoint). A step is a forward + backward on a ``--batch`` x width
-input and an AdamW step. Each run trains ``--steps`` steps, saving with ``headrace.training.checkpoint.save.Saver``
+input and an AdamW step. Each run trains ``--steps`` steps, saving with ``headrace.training.checkpoint.saver.Saver``
 after steps ``--save-at``; the stall of a save is that step's time (the save call included) minus the median
 of the steps with no save in flight. ``after`` is the extra time of the steps that ran while a background write
 was in flight (GIL and memory-bandwidth contention), summed. Modes run in turn within each round (A B C A B C)
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from headrace.training.checkpoint import save as checkpoint
+from headrace.training.checkpoint import layout, restore, saver
 from headrace.training.checkpoint.seal import verify_hashes
 
 
@@ -49,19 +49,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.
 def run_mode(mode: str, model, optimizer, batch, out: Path, steps: int, save_at: set[int]) -> dict:
     folder = out / mode
     shutil.rmtree(folder, ignore_errors=True)
-    saver = checkpoint.Saver(mode)
+    job_saver = saver.Saver(mode)
     times, in_flight = [], []
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        saver.raise_if_failed()
-        busy = saver.busy  # a background write overlaps this step
+        job_saver.raise_if_failed()
+        busy = job_saver.busy  # a background write overlaps this step
         train_step(model, optimizer, batch)
         if step in save_at:
-            saver.save(folder, step, model, optimizer, [{}])
+            job_saver.save(folder, step, model, optimizer, [{}])
         times.append(time.perf_counter() - start)
         in_flight.append(busy)
     start = time.perf_counter()
-    saver.wait()
+    job_saver.wait()
     final_wait = time.perf_counter() - start
     quiet = [t for s, t in enumerate(times, 1) if s not in save_at and not in_flight[s - 1]]
     median = statistics.median(quiet)
@@ -75,21 +75,21 @@ def run_mode(mode: str, model, optimizer, batch, out: Path, steps: int, save_at:
 
 
 def save_load_times(model, optimizer, out: Path) -> dict:
-    model_state, optim_state = get_state_dict(model, optimizer, options=checkpoint._OPTIONS)
-    tensors, _ = checkpoint.split_state(model_state, optim_state)
+    model_state, optim_state = get_state_dict(model, optimizer, options=layout.FLAT_OPTIONS)
+    tensors, _ = layout.split_state(model_state, optim_state)
     ours, theirs = out / "layout-ours", out / "layout-dcp"
     for p in (ours, theirs):
         shutil.rmtree(p, ignore_errors=True)
     start = time.perf_counter()
-    path = checkpoint.Saver("disabled").save(ours, 1, model, optimizer, [{}])
+    path = saver.Saver("disabled").save(ours, 1, model, optimizer, [{}])
     ours_save = time.perf_counter() - start
     start = time.perf_counter()
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(theirs))
     dcp_save = time.perf_counter() - start
-    state = checkpoint.sealed_state(path)
+    state = restore.sealed_state(path)
     start = time.perf_counter()
     assert verify_hashes(path, state, 0, 1) is None
-    checkpoint.read_tensors(path, tensors)
+    restore.read_tensors(path, tensors)
     ours_load = time.perf_counter() - start
     start = time.perf_counter()
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(theirs))
@@ -110,13 +110,13 @@ def staging_times(model, optimizer, rounds: int) -> list[dict]:
     """What the step pays per save without contention: the host copy of ``async`` (fresh memory each save) and
     of ``async_with_pinned_mem`` (buffers kept from the first save), A B A B."""
     train_step(model, optimizer, torch.randn(2, model[0].in_features))  # AdamW state exists
-    tensors, _ = checkpoint.split_state(*get_state_dict(model, optimizer, options=checkpoint._OPTIONS))
+    tensors, _ = layout.split_state(*get_state_dict(model, optimizer, options=layout.FLAT_OPTIONS))
     kept: dict = {}
     rows = []
     for r in range(rounds):
         for mode, buffers in (("async", None), ("async_with_pinned_mem", kept)):
             start = time.perf_counter()
-            staged = checkpoint.stage(tensors, buffers, pin=mode == "async_with_pinned_mem")
+            staged = saver.stage(tensors, buffers, pin=mode == "async_with_pinned_mem")
             rows.append({"round": r, "mode": mode, "stage_s": time.perf_counter() - start, "load": os.getloadavg()[0]})
             del staged
     return rows

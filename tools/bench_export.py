@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 -m tools.bench_export --out /tmp/export_bench
 
 An FSDP2-sharded Llama (``--hidden``, ``--layers``, ``--vocab``; fp32) is exported twice from the same
-shards: ``headrace.training.checkpoint.save.export_hf`` (every rank writes its shards with DCP's
+shards: ``headrace.training.checkpoint.export.export_hf`` (every rank writes its shards with DCP's
 ``HuggingFaceStorageWriter``, every rank consolidates some output files) and the gather it replaced
 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` on rank 0, then one
 ``safetensors.save_file``). Memory is each process's peak resident set during the call above its
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--shard-size-mb", type=float, default=100.0)
     args = parser.parse_args()
 
-    from headrace.training.checkpoint.save import export_hf
+    from headrace.training.checkpoint.export import export_hf
     from headrace.training.config.job_config import DistributedConfig, ModelConfig
     from headrace.training.models.loss import CausalLMLoss
     from headrace.training.models.build import build_hf_config, build_meta_model, materialize

@@ -6,7 +6,7 @@ token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelized 
 (``headrace.training.distributed.parallelize``), each rank's shard materialized (init or ``model.pretrained_path``),
 DDP last when asked; with pp > 1 this rank's pipeline stages (``headrace.training.distributed.pipeline``). The step's
 forward is ``headrace.training.step.forward_loss_sum``, with the cp group's attention when cp > 1. Export:
-``checkpoint.export_hf`` (``hf/``, loadable by ``AutoModelForCausalLM``).
+``export.export_hf`` (``hf/``, loadable by ``AutoModelForCausalLM``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from headrace.training import step
-from headrace.training.checkpoint import save as checkpoint
+from headrace.training.checkpoint import export
 from headrace.training.config.job_config import KIND_CONFIGS, JobConfig
 from headrace.training.distributed.context_parallel import cp_attention_kwargs
 from headrace.training.distributed.dense import apply_ddp
@@ -66,8 +66,8 @@ def causal_lm_forward(cfg: JobConfig, dims: ParallelDims) -> Forward:
 
 
 def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConfig, out_dir: Path) -> None:
-    """``out_dir/hf``: the consolidated model and its tokenizer (``checkpoint.export_hf``). Collective."""
-    checkpoint.export_hf(
+    """``out_dir/hf``: the consolidated model and its tokenizer (``export.export_hf``). Collective."""
+    export.export_hf(
         model,
         hf_config,
         out_dir / "hf",

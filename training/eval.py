@@ -3,7 +3,7 @@
 ``DIR`` is a checkpoint (``checkpoints/step-N``, or a ``checkpoints/`` folder: its newest complete
 one) or a consolidated ``hf/`` export (``config.json`` + safetensors). A checkpoint gets the trainer's
 guarantees: its seal must hold under this user's key and its files' hashes must match before any tensor is
-read, and nothing is unpickled (``headrace.training.checkpoint.save``). The model is built and
+read, and nothing is unpickled (``headrace.training.checkpoint.restore``). The model is built and
 parallelized from the job config exactly as the trainer does (any world size: DCP reshards), only its
 weights are loaded (no optimizer state), and ``headrace.training.validation`` runs over ``data.val``. Rank 0 prints
 one JSON line: ``{"checkpoint", "val_loss", "val_ppl", "val_tokens", "val_docs"}``.
@@ -24,17 +24,17 @@ from headrace.config import ConfigError
 def resolve_checkpoint(path: str) -> tuple[Path, str]:
     """``(directory, kind)`` with kind ``dcp`` or ``hf``; a ``checkpoints/`` folder means its newest one."""
     # deferred: the CLI's --help and argument errors load no torch
-    from headrace.training.checkpoint import save as checkpoint
+    from headrace.training.checkpoint import layout
 
     p = Path(path)
-    if (p / checkpoint.STATE_FILE).is_file():
+    if (p / layout.STATE_FILE).is_file():
         return p, "dcp"
     if (p / "config.json").is_file():
         return p, "hf"
-    newest = checkpoint.latest(p)
+    newest = layout.latest(p)
     if newest is None:
         raise ValueError(
-            f"--checkpoint {path}: neither a checkpoint (step-N with {checkpoint.STATE_FILE}), a folder "
+            f"--checkpoint {path}: neither a checkpoint (step-N with {layout.STATE_FILE}), a folder "
             "holding complete ones, nor an hf/ export (config.json)"
         )
     return newest, "dcp"
@@ -44,7 +44,7 @@ def check_inputs(cfg, path: str) -> tuple[Path, str, dict | None]:
     """``(directory, kind, sealed trainer state or None)``; ValueError (one line) when ``cfg`` has no val stream,
     the checkpoint's seal does not hold, or it cannot hold the model."""
     # deferred, these four: the CLI's --help loads no torch
-    from headrace.training.checkpoint.save import sealed_state
+    from headrace.training.checkpoint.restore import sealed_state
     from headrace.training.checkpoint.seal import Incomplete, NotSealed
     from headrace.training.config.validate import check_validation
     from headrace.training.model_kinds import model_kind
@@ -69,7 +69,7 @@ def evaluate_checkpoint(cfg, path: str) -> dict:
     # deferred, all of these: the CLI's --help and argument errors load no torch
     import torch
     import torch.distributed as dist
-    from headrace.training.checkpoint.save import load_model_weights
+    from headrace.training.checkpoint.restore import load_model_weights
     from headrace.training.distributed.parallel_dims import ParallelDims
     from headrace.training.distributed.process_group import init_distributed, pick_device
     from headrace.training.model_kinds import build_model_or_pipeline, model_kind

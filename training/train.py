@@ -42,7 +42,7 @@ from headrace.dataio.feed.even import even_batches
 from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
 from headrace.dataio.stream.ordering.seeding import rank_seed
-from headrace.training.checkpoint import save as checkpoint, store as checkpoint_store
+from headrace.training.checkpoint import export, layout, restore, saver, store
 from headrace.training.components.metrics import (
     MetricsLogger,
     ThroughputWindow,
@@ -115,11 +115,11 @@ class Trainer:
     step: int = 0  # the last step trained (or resumed from)
     # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
     first_loss: float | torch.Tensor | None = None
-    saver: checkpoint.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
+    saver: saver.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
     warned: bool = False  # the kind's ``val_warning`` was said (once a run)
 
     def __post_init__(self):
-        self.saver = checkpoint.Saver(self.cfg.checkpoint.async_mode)
+        self.saver = saver.Saver(self.cfg.checkpoint.async_mode)
 
     @property
     def out_dir(self) -> Path:
@@ -198,13 +198,13 @@ def build_train_loader(trainer: Trainer, make_loader: Callable[[int, int], Itera
 
 
 def resume(trainer: Trainer, loader) -> None:
-    """Continue from the newest complete checkpoint this run wrote (``checkpoint.load_newest``: sealed, same model
+    """Continue from the newest complete checkpoint this run wrote (``restore.load_newest``: sealed, same model
     config, an incomplete one skipped): model, optimizer, RNG, every dp rank's loader position, the step and the
     run's first loss; then apply a chained job's own data seed (``trainer.data_seed``, ``headrace.training.launch --jobs``)."""
     cfg = trainer.cfg
     found = None
     if cfg.checkpoint.resume:
-        found = checkpoint.load_newest(
+        found = restore.load_newest(
             trainer.checkpoints,
             trainer.model,
             trainer.optimizer,
@@ -273,7 +273,7 @@ def step_record(
 def model_record(trainer: Trainer) -> dict:
     """What a checkpoint records of the model and a resume compares: its config, and the converters' entries
     (LoRA: the base it adapts, since the checkpoint holds only the trainable state, and the adapter settings)."""
-    return {**checkpoint.model_config_record(trainer.hf_config), **trainer.converters.model_record(trainer.cfg)}
+    return {**layout.model_config_record(trainer.hf_config), **trainer.converters.model_record(trainer.cfg)}
 
 
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
@@ -283,7 +283,7 @@ def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
         trainer.step,
         trainer.model,
         trainer.optimizer,
-        checkpoint.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
+        saver.gather_loader_states(batches, trainer.dims.get_mesh("dp")),
         keep_last=trainer.cfg.checkpoint.keep_last,
         extra={"model_config": model_record(trainer), "first_loss": host_float(trainer.first_loss)},
         local=trainer.out_dir / "checkpoints",
@@ -397,7 +397,7 @@ def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
     every save is written."""
     trainer.saver.wait(say=True)
     folder = trainer.checkpoints
-    saved_already = checkpoint.latest(folder) == checkpoint.checkpoint_dir(folder, trainer.step)
+    saved_already = layout.latest(folder) == layout.checkpoint_dir(folder, trainer.step)
     if trainer.cfg.checkpoint.save_final and trainer.step > 0 and not saved_already:
         save_checkpoint(trainer, batches)
         trainer.saver.wait()
@@ -430,13 +430,13 @@ def export_model(trainer: Trainer) -> None:
         return
     print_on_rank0(f"exporting step {trainer.step} to {out} ...")
     start = time.perf_counter()
-    with checkpoint.export_errors(out):
+    with export.export_errors(out):
         trainer.kind.export(trainer.model, trainer.hf_config, cfg, trainer.out_dir)
         trainer.converters.export(trainer.model, cfg, trainer.out_dir)  # beside the kind's: the converters' own files
     if dist.get_rank() == 0 and out.is_dir():
         (out / EXPORT_MARK).write_text(json.dumps(mark))
-        if checkpoint_store.is_url(trainer.checkpoints):  # checkpoint.folder on object storage: hf/ goes there too
-            checkpoint_store.upload_tree(out, checkpoint_store.join(str(trainer.checkpoints), "hf"), last=EXPORT_MARK)
+        if store.is_url(trainer.checkpoints):  # checkpoint.folder on object storage: hf/ goes there too
+            store.upload_tree(out, store.join(str(trainer.checkpoints), "hf"), last=EXPORT_MARK)
     print_on_rank0(f"exported {out} in {time.perf_counter() - start:.1f} s")
 
 

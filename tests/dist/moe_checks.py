@@ -31,7 +31,7 @@ from tests.dist.train_common import ListLoader, copy_checkpoint, packed_batches
 from tests.dist.train_layouts import check_close, check_exported_params, job, loaders
 
 from headrace.kernels.hf_attention import packed_attention_kwargs, register_varlen_attention  # noqa: E402
-from headrace.training.checkpoint import save as checkpoint  # noqa: E402
+from headrace.training.checkpoint import export, restore  # noqa: E402
 from headrace.training.config.job_config import OptimConfig  # noqa: E402
 from headrace.training.distributed.expert_parallel import install_experts_forward, routed_experts_forward  # noqa: E402
 from headrace.training.distributed.moe import sparse_blocks  # noqa: E402
@@ -235,8 +235,8 @@ def run(workdir: Path, batches) -> None:
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     model, hf_config = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     path = workdir / "ep2" / "checkpoints" / "step-00000004"
-    checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
-    checkpoint.export_hf(model, hf_config, workdir / "ep2_fused", experts_layout="fused")
+    restore.load(path, model, build_optimizer(model, cfg.optim), restore.sealed_state(path))
+    export.export_hf(model, hf_config, workdir / "ep2_fused", experts_layout="fused")
     batch = batches[dist.get_rank()]
     with torch.no_grad():
         sharded = model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))  # no labels: logits

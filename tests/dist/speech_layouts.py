@@ -124,7 +124,7 @@ def exported(out_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     params = {f"llm.{k}": v for f in sorted((out_dir / "hf").glob("model-*-of-*.safetensors"))
-              for k, v in load_file(f).items()}  # the sharded hf/ export (headrace.training.checkpoint.save.export_hf)
+              for k, v in load_file(f).items()}  # the sharded hf/ export (headrace.training.checkpoint.export.export_hf)
     for part in ("encoder", "adapter"):
         params |= {f"{part}.{k}": v for k, v in load_file(out_dir / part / "model.safetensors").items()}
     return params
@@ -146,7 +146,7 @@ def check_validation(workdir: Path, init: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from headrace.dataio import build_loader
-    from headrace.training.checkpoint.save import split_state
+    from headrace.training.checkpoint.layout import split_state
     from headrace.training.eval import evaluate_checkpoint, resolve_checkpoint
     from headrace.training.models.build import build_hf_config
     from headrace.training.speech.listening import with_mismatched_audio

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from tests.dist.train_common import ListLoader, copy_checkpoint, full_logits_loss_sum, packed_batches
 
-from headrace.training.checkpoint import save as checkpoint  # noqa: E402
+from headrace.training.checkpoint import layout, restore  # noqa: E402
 from headrace.training.config.load import load_job_config  # noqa: E402
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from headrace.training.distributed.parallel_dims import ParallelDims  # noqa: E402
@@ -205,7 +205,7 @@ def run_layouts(workdir: Path, batches) -> None:
     history = train(job(workdir, "resumed", dict(strategy="fsdp2"), 1), loaders(batches, 1))
     assert [r["step"] for r in history] == [3, 4], history
     check_close("resumed losses", [r["loss"] for r in history], [r["loss"] for r in results["fsdp2"][2:]], 1e-6)
-    assert checkpoint.latest(resumed / "checkpoints").name == "step-00000004"
+    assert layout.latest(resumed / "checkpoints").name == "step-00000004"
     print("OK resume reproduces the uninterrupted losses", flush=True)
 
     # Resume across layouts on the same 4 ranks: the FSDP2 dp=4 run's step-2 checkpoint continues as HSDP
@@ -220,7 +220,7 @@ def run_layouts(workdir: Path, batches) -> None:
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     model, _ = build_model(cfg, dims.build_meshes("cpu"), torch.device("cpu"))
     path = workdir / "fsdp2" / "checkpoints" / "step-00000004"
-    checkpoint.load(path, model, build_optimizer(model, cfg.optim), checkpoint.sealed_state(path))
+    restore.load(path, model, build_optimizer(model, cfg.optim), restore.sealed_state(path))
     batch = batches[0]
     with torch.no_grad():
         sharded = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])  # no labels: logits

@@ -1,6 +1,6 @@
 """Which checkpoints a job trusts: a seal over every file's size and SHA-256, keyed outside the run.
 
-Loading a checkpoint never unpickles (``headrace.training.checkpoint.save``: safetensors + JSON), so the
+Loading a checkpoint never unpickles (``headrace.training.checkpoint.restore``: safetensors + JSON), so the
 seal is not what stops code execution; it vouches that the bytes loaded are the ones this user's saves wrote.
 
 - Hashes are computed while the files are written (``HashingFileSystem`` wraps DCP's writer streams), not by

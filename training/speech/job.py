@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from headrace.dataio.stream.ordering.seeding import rank_seed
 from headrace.config import from_dict
-from headrace.training.checkpoint.save import export_hf
+from headrace.training.checkpoint.export import export_hf
 from headrace.training.config.job_config import ModelConfig
 from headrace.training.config.speech import SpeechConfig
 from headrace.training.distributed.dense import apply_ddp
