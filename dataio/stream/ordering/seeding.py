@@ -25,7 +25,7 @@ Per-job reseeding (``SeedSchedule``): a chained job may bring a new seed (``Load
 only to the epochs of each dataset that had not begun when the job resumed; every epoch already begun
 keeps the seed it began with. An epoch's order is a permutation of that dataset's samples, so as long
 as one epoch never mixes two seeds nothing within it repeats or is skipped. The blend needs no seed
-(``headrace.dataio.blend`` is closed-form), so the mixture is the same whatever the seeds.
+(``headrace.dataio.stream.ordering.blend`` is closed-form), so the mixture is the same whatever the seeds.
 """
 
 from __future__ import annotations
