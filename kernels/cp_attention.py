@@ -71,8 +71,7 @@ def half_layout(cu_seqlens: torch.Tensor, total_tokens: int) -> HalfLayout:
     seg = cu[1:] - cu[:-1]
     if bool((seg % 2).any()):
         raise ValueError(
-            "context-parallel cu_seqlens must have even segments (two chunks each; see "
-            "headrace.dataio.feed.cp_split)"
+            "context-parallel cu_seqlens must have even segments (two chunks each; see headrace.dataio.feed.cp_split)"
         )
     chunk = seg // 2
     starts = torch.repeat_interleave(cu[:-1], chunk)
