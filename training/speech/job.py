@@ -56,7 +56,7 @@ def build_salm(cfg, dims: ParallelDims, device: torch.device):
     llm_config = build_hf_config(cfg.model, text_model=True)
     model = build_meta_salm(llm_config, cfg.model.speech)
     check_audio_input(model, cfg.data.decode)
-    # no whole-model convert point: KindConfig.float8_and_offload is False for a SALM (config validation)
+    # no whole-model convert point: the config refuses, for a SALM, the converters that need one (KindConfig)
     converters = build_converters(cfg)
     model = parallelize_salm(
         model,
