@@ -30,7 +30,7 @@ BASE = [
     "--config",
     str(REPO / "configs" / "debug_llama.yaml"),
     "logging.console=false",
-    "export.export_hf=false",
+    "checkpoint.export_hf=false",
     "data.seq_len=64",
     "data.packing_buffer=8",
     "trainer.log_every=1",
@@ -343,7 +343,7 @@ def test_checkpoints_on_s3_commit_last_prune_resume_and_ignore_a_save_cut_off(
     assert any(k.startswith("run/checkpoints/step-00000004/") for k in keys())  # the partial one
     assert str(store.step_folders(url, "trainer_state.json", complete_only=True)) == str([f"{url}/step-00000002"])
 
-    assert main(args(tmp_path, *common, "export.export_hf=true", data=data)) == 0
+    assert main(args(tmp_path, *common, "checkpoint.export_hf=true", data=data)) == 0
     got = losses(tmp_path / "out")
     assert {s: got[s] for s in (3, 4, 5, 6)} == {s: expected[s] for s in (3, 4, 5, 6)}
     complete = [k for k in keys() if k.endswith("trainer_state.json")]

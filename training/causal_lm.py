@@ -6,7 +6,7 @@ token chunks, so the fp32 ``[tokens, vocab]`` logits never exist), parallelized 
 (``headrace.training.distributed.parallelize``), each rank's shard materialized (init or ``model.pretrained_path``),
 DDP last when asked; with pp > 1 this rank's pipeline stages (``headrace.training.distributed.pipeline``). The step's
 forward is ``headrace.training.step.forward_loss_sum``, with the cp group's attention when cp > 1. Export:
-``export.export_hf`` (``hf/``, loadable by ``AutoModelForCausalLM``).
+``checkpoint.export_hf`` (``hf/``, loadable by ``AutoModelForCausalLM``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def causal_lm_forward(cfg: JobConfig, dims: ParallelDims) -> Forward:
 
 
 def export_causal_lm(model: nn.Module, hf_config: PretrainedConfig, cfg: JobConfig, out_dir: Path) -> None:
-    """``out_dir/hf``: the consolidated model and its tokenizer (``export.export_hf``). Collective."""
+    """``out_dir/hf``: the consolidated model and its tokenizer (``checkpoint.export_hf``). Collective."""
     export.export_hf(
         model,
         hf_config,
