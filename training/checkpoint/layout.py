@@ -192,7 +192,7 @@ def write_error(where: Path, e: CheckpointException) -> Exception:
     return e
 
 
-def say(message: str) -> None:
+def say_on_rank0(message: str) -> None:
     if dist.get_rank() == 0:
         print(message, flush=True)
 
@@ -210,7 +210,7 @@ __all__ = [
     "latest",
     "model_config_record",
     "rng_state",
-    "say",
+    "say_on_rank0",
     "split_state",
     "step_dirs",
     "write_error",

@@ -45,7 +45,7 @@ from headrace.training.checkpoint.layout import (
     check_model_config,
     decode_tensor,
     joined_state,
-    say,
+    say_on_rank0,
     split_state,
     step_dirs,
 )
@@ -114,13 +114,13 @@ def load_newest(
         if kind == "ok" and (bad := damaged(path, what)):
             kind, what = "incomplete", bad
         if kind == "incomplete":
-            say(f"checkpoint {where} is incomplete ({what}): falling back to the previous one")
+            say_on_rank0(f"checkpoint {where} is incomplete ({what}): falling back to the previous one")
             continue
         check_model_config(where, what.get("model_config"), model_config)
         try:
             return where, load(path, model, optimizer, what, trainable_only)
         except CheckpointException as e:  # a header or tensor that does not fit this model
-            say(f"checkpoint {where} does not load ({one_failure(e)}): falling back to the previous one")
+            say_on_rank0(f"checkpoint {where} does not load ({one_failure(e)}): falling back to the previous one")
     if candidates:
         raise JobInputError(f"checkpoint: no complete checkpoint in {folder} (see above); move it away to start afresh")
     return None

@@ -48,6 +48,7 @@ from headrace.training.checkpoint.layout import (
     checkpoint_dir,
     file_index,
     rng_state,
+    say_on_rank0,
     split_state,
     write_error,
     write_json,
@@ -237,7 +238,7 @@ class Saver:
         """Block until the save in flight (if any) is written, then ``raise_if_failed``."""
         if self._thread is not None:
             if say and self._thread.is_alive():
-                say(f"checkpoint: waiting for the save of {self._writing} still being written (one at a time)")
+                say_on_rank0(f"checkpoint: waiting for the save of {self._writing} still being written (one at a time)")
             self._thread.join()
         self.raise_if_failed()
 
