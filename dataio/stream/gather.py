@@ -46,6 +46,8 @@ BLOCK = 1 << BLOCK_BITS
 SHAPE_END = b",), }"  # after the count in a canonical 1-D header
 UNCHECKED, GENERAL, FIRST_DTYPE_CODE = 0, 1, 2  # ``CheckedTokens.code``: 0 is what fresh pages hold
 TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in every process
+SHARD_BITS = 32  # a batch's shard key: dataset << SHARD_BITS | shard
+SHARD_MASK = (1 << SHARD_BITS) - 1
 
 
 def tokens_only(sources: list[ShardSource]) -> bool:
@@ -277,19 +279,19 @@ def checked(source: ShardSource) -> CheckedTokens:
 def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc: Allocator) -> dict | None:
     """The collated plain batch of ``refs`` (all valid), or None where the batch-level path does not apply.
 
-    Per dataset of the batch: its table's rows (``CheckedTokens.lookup``), its keys, and each distinct
-    shard's map checked to still hold the bytes the index places in it (``ShardSource.indexed_array``:
-    one ``fstat`` a shard); then one ``memcpy`` a sample. Per batch that is a handful of numpy calls
-    and no reduction beyond the dtype test of samples not yet known (see ``CheckedTokens.uniform``);
-    the shard grouping, sizes and totals are Python over the lists the copy loop needs anyway."""
+    Per dataset of the batch: its table's rows (``CheckedTokens.lookup``) and its keys; then the copy,
+    one ``memcpy`` a sample, shard by shard (``_copy_by_shard``): each distinct shard's map is checked to
+    still hold the bytes the index places in it (``ShardSource.indexed_array``: one ``fstat`` a shard)
+    and released before the next shard's is taken, so a batch touching more shards than the open-shard
+    budget never holds more than one map beyond it. Per batch that is a handful of numpy calls and no
+    reduction beyond the dtype test of samples not yet known (see ``CheckedTokens.uniform``)."""
     n = len(refs)
     if len(sources) == 1:  # dataset 0: a reference is its sample index
         parts = [(0, slice(None), refs)]
     else:
         parts = [(d, at, refs[at] & REF_MASK) for d, at in by_value(refs >> REF_BITS)]
-    shards, starts, counts = [None] * n, [None] * n, [None] * n
+    shards, starts, counts = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     keys: list = [None] * n
-    views: dict[tuple[int, int], memoryview] = {}
     ext = dtype = None
     for d, at, index in parts:
         source, table = sources[d], checked(sources[d])
@@ -303,32 +305,42 @@ def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc:
         ):
             return None
         ext, dtype = table.ext, TOKEN_DTYPES[first - FIRST_DTYPE_CODE]
-        shard = shard.tolist()
-        for s in set(shard):
-            views[d, s] = memoryview(source.indexed_array(s))
+        shards[at], starts[at], counts[at] = (d << SHARD_BITS) | shard, start, count
         decoded = [k.decode(errors="surrogateescape") for k in source.index.keys[index].tolist()]
         if len(parts) == 1:
-            shards, starts, counts, keys = [(d, s) for s in shard], start.tolist(), count.tolist(), decoded
-            lengths = count
+            keys = decoded
             continue
-        for i, s, a, c, k in zip(np.arange(n)[at].tolist(), shard, start.tolist(), count.tolist(), decoded):
-            shards[i], starts[i], counts[i], keys[i] = (d, s), a, c, k
-        lengths = None
+        for i, k in zip(np.arange(n)[at].tolist(), decoded):
+            keys[i] = k
     size = dtype.itemsize
-    out = alloc((sum(counts),), torch_dtype(dtype))
-    dst = memoryview(out.view(torch.uint8).numpy())
-    pos = 0
-    for s, a, c in zip(shards, starts, counts):
-        c *= size
-        dst[pos : pos + c] = views[s][a : a + c]
-        pos += c
+    out = alloc((int(counts.sum()),), torch_dtype(dtype))
+    _copy_by_shard(sources, shards, starts, counts * size, memoryview(out.view(torch.uint8).numpy()))
     batch = bookkeeping(keys, torch.from_numpy(refs), torch.ones(n, dtype=torch.bool), end)
-    if min(counts) == max(counts):
-        batch[ext], batch["__lengths__"] = out.view(n, counts[0]), {}
+    if counts.min() == counts.max():
+        batch[ext], batch["__lengths__"] = out.view(n, int(counts[0])), {}
     else:
-        lengths = torch.from_numpy(lengths) if lengths is not None else torch.tensor(counts, dtype=torch.int64)
-        batch[ext], batch["__lengths__"] = out, {ext: lengths}
+        batch[ext], batch["__lengths__"] = out, {ext: torch.from_numpy(counts)}
     return batch
+
+
+def _copy_by_shard(
+    sources: list[ShardSource], shards: np.ndarray, starts: np.ndarray, sizes: np.ndarray, dst: memoryview
+) -> None:
+    """Copy byte range ``[starts[i], starts[i] + sizes[i])`` of shard ``shards[i]`` (``dataset << SHARD_BITS |
+    shard``) to its place in ``dst`` (the samples laid end to end, in batch order), visiting the samples
+    grouped by shard and holding one shard's view at a time: a map the budget closes is unmapped as soon
+    as it is evicted, not when the batch ends."""
+    ends = np.cumsum(sizes)
+    places = (ends - sizes).tolist()
+    order = range(len(shards)) if shards.min() == shards.max() else np.argsort(shards, kind="stable").tolist()
+    shards, starts, sizes = shards.tolist(), starts.tolist(), sizes.tolist()
+    current, view = None, None
+    for i in order:
+        if shards[i] != current:
+            current, view = shards[i], None  # the previous view dropped before the next map is taken
+            view = memoryview(sources[current >> SHARD_BITS].indexed_array(current & SHARD_MASK))
+        a, c, p = starts[i], sizes[i], places[i]
+        dst[p : p + c] = view[a : a + c]
 
 
 __all__ = ["BLOCK", "CheckedTokens", "checked", "gather_tokens", "tokens_only"]
