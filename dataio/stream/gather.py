@@ -2,16 +2,17 @@
 (what ``dataio shard --tokenizer`` writes) read and collated with a few numpy operations and one
 ``memcpy`` per sample, instead of ``SampleReader.read`` + ``collate``'s Python work per sample.
 
-Checks, once per sample per loader (its worker processes share the results), a block of ``BLOCK``
-consecutive sample indices at a time (the first time a batch touches the block; ``CheckedTokens``):
+Checks, once per sample per loader (its worker processes share the results), the samples a batch
+reads that no process has checked yet, when that batch first reads them (``CheckedTokens``; lazy: the
+first batch costs its own samples, whatever the dataset's size, and start-up checks nothing):
 
 1. the index: one member, the dataset's ``.npy`` extension;
-2. the tar: every key compared with its ustar name field, one ``(block, key width + 1)`` gather per
+2. the tar: every key compared with its ustar name field, one ``(samples, key width + 1)`` gather per
    shard (the check ``ShardSource.read`` does per sample: an index that disagrees with its tar);
-3. the ``.npy`` header: the block's first header parsed by ``decode.npy_1d_layout`` (the strict
+3. the ``.npy`` header: the first header parsed by ``decode.npy_1d_layout`` (the strict
    canonical regex; numeric dtypes only, never pickle), then every header (magic, version, length,
    dict, padding) compared byte for byte with that header rewritten for the member's own count,
-   which its size gives: one ``(block, header bytes)`` gather and compare.
+   which its size gives: one ``(samples, header bytes)`` gather and compare.
 
 What passes is kept per sample (shard, data offset, count, dtype); a sample that fails any check is
 marked, and a batch holding one goes the general way (``SampleReader.read``), which names and
@@ -20,7 +21,7 @@ dict (tested). Per batch then: the kept arrays at the batch's indices, the keys,
 sample into one tensor from ``alloc`` (a loop of ``memoryview`` slice copies: 0.35 us a 4 KB sample,
 against 0.45 for ``np.concatenate`` of array slices and 0.55 for numpy slice assignment), bookkeeping
 as whole arrays. Checking costs ~1-2 us a sample once. The fixed cost per batch, once a process has
-seen the batch's blocks checked: a few gathers, no lock and no numpy reduction (BENCHMARKS.md "Loader:
+seen every sample of the batch's ``BLOCK``-sample blocks checked: a few gathers, no lock and no numpy reduction (BENCHMARKS.md "Loader:
 per-batch fixed cost": 0.55x the instructions of the locked version at batch 8).
 """
 
@@ -66,18 +67,19 @@ class CheckedTokens:
     """One dataset's samples as checked token payloads (see the module docstring), in shared memory: the
     processes forked after it is made (the loader's workers, every epoch's) check each sample once
     between them instead of once each -- with two workers taking turns at batches, each would otherwise
-    check every block its batches touch, i.e. nearly all of them.
+    check every sample.
 
-    A process checks a whole block of ``BLOCK`` samples when it is the first to claim it; samples of a
-    block another process has claimed but not finished are checked for this batch alone, so no process
-    ever waits for another's check (nor hangs on one that died holding a claim). A POSIX record lock on
-    the table's memfd (held only to claim, publish and read, never while checking) orders the writes
-    and reads between processes; it dies with its holder."""
+    A process checks the samples of its batch that no process has published yet (two processes whose
+    batches share a sample, rare, may both check it and publish the same values), so no process ever
+    waits for another's check (nor hangs on one that died mid-check). A POSIX record lock on the
+    table's memfd (held only to read and publish, never while checking) orders the writes and reads
+    between processes; it dies with its holder. Blocks of ``BLOCK`` samples found all checked are
+    remembered per process, so a batch inside such blocks is read without the lock."""
 
     def __init__(self, source: ShardSource):
         n, blocks = len(source.index.samples), -(-len(source.index.samples) // BLOCK)
         self.ext = source.index.extensions[0]  # no reference to the source: it keys this table weakly
-        size = max(1, 25 * n + blocks)
+        size = max(1, 25 * n)
         self._fd = os.memfd_create("headrace-checked-tokens", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self._fd)  # the map keeps its own descriptor
         os.ftruncate(self._fd, size)  # zero-filled, pages touched only as blocks are checked
@@ -86,7 +88,6 @@ class CheckedTokens:
         self.count = np.frombuffer(self._map, dtype=np.int64, count=n, offset=8 * n)
         self.shard = np.frombuffer(self._map, dtype=np.int64, count=n, offset=16 * n)
         self.code = np.frombuffer(self._map, dtype=np.int8, count=n, offset=24 * n)  # 0: UNCHECKED
-        self.claimed = np.frombuffer(self._map, dtype=np.uint8, count=blocks, offset=25 * n)
         # this process's own: blocks it has seen finished (copied into the processes it forks)
         self._known = np.zeros(blocks, dtype=bool)
         self.uniform: int | None = None  # the one dtype code of every sample, once all are known here
@@ -117,23 +118,11 @@ class CheckedTokens:
             if not len(unchecked):  # checked by another process: one lock, one read
                 self._learn(index)
                 return code, self.shard[index], self.start[index], self.count[index]
-            blocks = np.array(
-                sorted(set((unchecked >> BLOCK_BITS).tolist())), dtype=np.int64
-            )  # np.unique: numpy.ma, see by_value
-            mine = blocks[self.claimed[blocks] == 0]
-            self.claimed[mine] = 1
-        claimed_here = np.zeros(len(self.claimed), dtype=bool)
-        claimed_here[mine] = True
-        others = unchecked[~claimed_here[unchecked >> BLOCK_BITS]]
-        checks = [
-            self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()
-        ]
-        if len(others):
-            checks.append(self._check(source, others))
+        # only the samples this batch reads: the first batch costs its own samples, not whole blocks
+        rows, code, shard, start, count = self._check(source, np.sort(unchecked))
         with self._locked():
-            for rows, code, shard, start, count in checks:
-                self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
-                self.code[rows] = code
+            self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
+            self.code[rows] = code
             self._learn(index)
             return self.code[index], self.shard[index], self.start[index], self.count[index]
 
