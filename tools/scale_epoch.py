@@ -6,7 +6,8 @@ What the issue-44 targets ask at 10^5 shards: every sample served exactly once (
 once; packed, ``best_fit`` at ``seq_len`` 512: each document's pieces summing to its length, read from the
 index), start-up (``build_loader`` to the first batch), samples/s over the rest of the epoch, the most
 descriptors open in any process of the rank (the main process and its workers, sampled every 50
-batches), and the main process's RSS and anonymous memory beyond the imports (torch included).
+batches), samples per CPU-second (the main process and its joined workers, start-up included: what a
+busy machine's wall clock hides), and the main process's RSS and anonymous memory beyond the imports (torch included).
 Prints one line; ``--json`` prints the figures as JSON.
 """
 
@@ -51,16 +52,19 @@ def descriptors() -> int:
     return max(counts)
 
 
-def epoch(root: str, workers: int, mode: str) -> dict:
+def epoch(root: str, workers: int, mode: str, window_shards: int | None = None) -> dict:
     resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import torch  # noqa: F401 (the baseline includes torch, as the targets do)
 
     from headrace.dataio.loader import build_loader
 
     before = memory()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
     cfg = {"datasets": [{"path": root}], "batch_size": 256, "num_workers": workers, "shuffle": True, "epochs": 1}
     if mode == "packed":
         cfg.update(packing="best_fit", seq_len=512, batch_size=16)
+    if window_shards is not None:
+        cfg["shuffle_window_shards"] = window_shards
     t0 = time.perf_counter()
     loader = build_loader(cfg)
     source = loader.stream.sources[0]
@@ -82,6 +86,10 @@ def epoch(root: str, workers: int, mode: str) -> dict:
             fds = max(fds, descriptors())
             rss, anon = max(rss, now["Rss"] - before["Rss"]), max(anon, now["Anonymous"] - before["Anonymous"])
     rest = time.perf_counter() - t1
+    cpu = sum(
+        resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
     once = bool((served == (expected if mode == "packed" else 1)).all())
     return {
         "dir": root,
@@ -91,6 +99,7 @@ def epoch(root: str, workers: int, mode: str) -> dict:
         "exactly_once": once,
         "startup_first_batch_s": round(first, 2),
         "samples_per_s": round(len(served) / rest),
+        "samples_per_cpu_s": round(len(served) / (cpu - cpu0)),
         "descriptors_max": int(fds),
         "rss_beyond_mb": round(rss, 1),
         "anon_beyond_mb": round(anon, 1),
@@ -102,9 +111,10 @@ def main() -> None:
     p.add_argument("dir")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--mode", choices=("plain", "packed"), default="plain")
+    p.add_argument("--window-shards", type=int, default=None, help="data.shuffle_window_shards (default: the config's)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    out = epoch(args.dir, args.workers, args.mode)
+    out = epoch(args.dir, args.workers, args.mode, args.window_shards)
     print(json.dumps(out) if args.json else " ".join(f"{k}={v}" for k, v in out.items()), flush=True)
 
 
