@@ -146,6 +146,9 @@ class DataConfig:
     seed: int | Literal["randomized"] = 0  # "randomized": a fresh seed, logged and kept in the state
     shuffle: bool = True
     shuffle_window: int = 8192  # samples permuted together after the shard shuffle (no buffer)
+    # and at most this many shards a window (0: no limit), so a batch spans at most two windows' shards,
+    # which the open-shard budget (128 at ulimit -n 1024) holds: see headrace.dataio.stream.ordering.epoch_order
+    shuffle_window_shards: int = 64
     epochs: int | None = None  # None: endless; N: the stream ends after N passes (stream.ordering.blend)
     stop_on_first_exhausted: bool = False  # with epochs: end when the first dataset finishes N passes
     batch_size: int = 32
@@ -186,6 +189,8 @@ class DataConfig:
         for name in ("batch_size", "shuffle_window", "prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shuffle_window_shards < 0:
+            raise ValueError(f"shuffle_window_shards must be >= 0 (0: no limit), got {self.shuffle_window_shards}")
         if self.thd:
             self.packing_config()  # PackingConfig checks seq_len and packing_buffer
         if self.num_workers != "auto" and (

@@ -185,6 +185,8 @@ class Loader:
         }
         if self.datasets.epochized:
             what["epochized"] = True
+        if self.cfg.shuffle and self.cfg.shuffle_window_shards:  # absent when 0: states of the sample window resume
+            what["window_shards"] = self.cfg.shuffle_window_shards
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

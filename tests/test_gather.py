@@ -123,9 +123,9 @@ def test_expected_headers_are_the_canonical_bytes():
 
 
 def test_forked_processes_share_the_checks(tmp_path):
-    """A block checked in a forked process (a loader worker) is checked for its parent and siblings too:
+    """A sample checked in a forked process (a loader worker) is checked for its parent and siblings too:
     the table lives in shared memory, so each sample is checked once per loader, not once per process;
-    a process that needs a block another one has claimed checks only its own samples of it."""
+    a batch checks only its own samples (lazy: not the blocks around them)."""
     import os
 
     from headrace.dataio.stream.reading.gather import BLOCK, UNCHECKED, checked
@@ -133,14 +133,12 @@ def test_forked_processes_share_the_checks(tmp_path):
     token_tars(tmp_path / "a", [[3] * (BLOCK + 50)])
     source = ShardSource(str(tmp_path / "a"))
     table = checked(source)  # made before the fork, as the loader's first batch makes it
-    table.claimed[1] = 1  # as if another process were checking block 1
     pid = os.fork()
-    if pid == 0:  # checks block 0 whole, and of block 1 only the two samples asked for
+    if pid == 0:  # checks the three samples asked for, nothing else
         refs = make_ref(0, np.array([5, BLOCK + 7, BLOCK + 9]))
         os._exit(0 if gather_tokens([source], refs, end=3, alloc=plain_memory) is not None else 1)
     assert os.waitpid(pid, 0)[1] == 0
-    assert (table.code[:BLOCK] != UNCHECKED).all()  # the child's checks, seen here
-    assert np.flatnonzero(table.code[BLOCK:] != UNCHECKED).tolist() == [7, 9]
+    assert np.flatnonzero(table.code != UNCHECKED).tolist() == [5, BLOCK + 7, BLOCK + 9]  # the child's, seen here
     refs = make_ref(0, np.arange(BLOCK - 4, BLOCK + 50))
     assert_same(gather_tokens([source], refs, end=7, alloc=plain_memory), general([source], refs))
 
@@ -158,15 +156,18 @@ def test_known_blocks_are_read_without_the_lock(tmp_path, monkeypatch):
     locks = []
     real = fcntl.lockf
     monkeypatch.setattr(fcntl, "lockf", lambda fd, op: (locks.append(op), real(fd, op))[1])
-    gather_tokens([source], make_ref(0, np.arange(10)), 3, plain_memory)  # claims and checks block 0
+    gather_tokens([source], make_ref(0, np.arange(BLOCK)), 3, plain_memory)  # checks block 0
     table, taken = checked(source), len(locks)
     assert taken > 0 and table.uniform is None
     refs = make_ref(0, np.arange(BLOCK - 9, BLOCK - 1))
     assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
     assert len(locks) == taken  # block 0 known here: read without the lock
-    refs = make_ref(0, np.array([BLOCK + 3, 4, BLOCK + 50]))  # block 1: locked once, then everything is known
+    refs = make_ref(0, np.array([BLOCK + 3, 4, BLOCK + 50]))  # block 1: these two samples checked, not the block
     assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
-    assert len(locks) > taken and TOKEN_DTYPES[table.uniform - FIRST_DTYPE_CODE] == np.dtype("<i4")
+    assert len(locks) > taken and table.uniform is None and (table.code[BLOCK:] != 0).sum() == 2
+    refs = make_ref(0, np.arange(BLOCK, len(source))[::-1].copy())  # the rest of block 1: everything known
+    assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))
+    assert TOKEN_DTYPES[table.uniform - FIRST_DTYPE_CODE] == np.dtype("<i4")
     taken = len(locks)
     refs = make_ref(0, np.array([BLOCK + 60, 2, BLOCK + 1]))
     assert_same(gather_tokens([source], refs, 7, plain_memory), general([source], refs))

@@ -143,3 +143,25 @@ def test_split_fraction_too_small_for_the_shards_is_reported(tmp_path, capsys):
     assert "no shard fell into val" in capsys.readouterr().out
     assert run_verb("index", str(tmp_path), "--quiet", "--split", "train=0.9") == 2
     assert "sum to 1" in capsys.readouterr().err
+
+
+def test_index_on_many_nodes_then_one_merge(tmp_path, capsys):
+    """``--num-nodes 3 --node-rank R``: each node scans every third shard and leaves its sidecars, no
+    index; a plain ``dataio index`` then merges them all, scanning nothing, into the files a one-node
+    run writes. A node rank outside ``0..N-1`` is a one-line error (exit 2)."""
+    single = tmp_path / "single"
+    write_shards(single, make_samples(n=21, seed=7), per_shard=3)
+    assert run_verb("index", str(single), "--quiet") == 0
+    reference = _energon_files(single)
+    nodes = tmp_path / "nodes"
+    write_shards(nodes, make_samples(n=21, seed=7), per_shard=3)
+    for rank in range(3):
+        assert run_verb("index", str(nodes), "--quiet", "--num-nodes", "3", "--node-rank", str(rank)) == 0
+        assert f"node {rank}/3: 0 shards already had sidecars" in capsys.readouterr().out
+        assert not (nodes / ".nv-meta" / "headrace").exists()  # no index until the merge
+    assert len(list((nodes / PARTS_DIR).glob("*.npz"))) == 7
+    assert run_verb("index", str(nodes), "--quiet") == 0
+    assert "7 from parts, 0 scanned" in capsys.readouterr().out
+    assert _energon_files(nodes) == reference
+    assert run_verb("index", str(nodes), "--quiet", "--num-nodes", "2", "--node-rank", "2") == 2
+    assert "node rank 2 is outside 0..1" in capsys.readouterr().err

@@ -213,3 +213,108 @@ def test_get_reads_one_sample_by_key(many_shards, tmp_path, capsys):
     (old / "doc-000001.tar").write_bytes((root / "doc-000002.tar").read_bytes())  # other samples, same offsets
     assert main(["get", str(old), keys[4]]) == 2
     assert "does not hold sample 'doc0000004'" in capsys.readouterr().err
+
+
+# One batch over more shards than the budget: each process's RLIMIT_NOFILE leaves room for the budget
+# (8 maps at ``max_open_shards: 8``) and the interpreter, not for a map per shard of a batch, so holding
+# every shard a batch touches fails with EMFILE; the most shard maps seen in any process at a batch is printed.
+SPAN_CHILD = textwrap.dedent("""
+    import collections, json, os, resource, sys
+    tokens, audio, nofile = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    from headrace.dataio.loader import build_loader
+
+    def shard_maps(pid):
+        with open(f"/proc/{pid}/maps") as f:
+            return len({line.split()[-1] for line in f if line.rstrip().endswith(".tar")})
+
+    def children():
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(p) for p in f.read().split()]
+
+    out = {}
+    for workers in (0, 2):
+        for mode in ("plain", "packed", "audio"):
+            cfg = {"datasets": [{"path": tokens}], "batch_size": 32, "epochs": 1, "num_workers": workers,
+                   "shuffle": True, "seed": 3, "max_open_shards": 8}
+            if mode == "packed":
+                cfg.update(packing="best_fit", seq_len=64, batch_size=4)
+            if mode == "audio":
+                del cfg["batch_size"]
+                cfg.update(datasets=[{"path": audio}],
+                           bucketing={"max_duration": 8.0, "num_buckets": 2}, decode={"sample_rate": 8000})
+            served, maps, spans = collections.Counter(), 0, 0
+            for batch in build_loader(cfg):
+                maps = max([maps] + [shard_maps(p) for p in [os.getpid(), *children()]])
+                if mode == "packed":
+                    for row in batch["__docs__"]:
+                        for ref, _, length in row:
+                            served[str(ref)] += length
+                else:
+                    served.update(batch["__key__"])
+                    spans = max(spans, len(batch["__key__"]))
+            out[f"{workers}-{mode}"] = {"served": served, "maps": maps, "spans": spans}
+    print(json.dumps(out))
+""")
+
+
+def _token_shards(root, shards: int, per_shard: int) -> list[str]:
+    """Token-only shards (one ``tokens.npy`` member a sample: the batch-level gather's path)."""
+    import webdataset as wds
+
+    root.mkdir(parents=True)
+    keys = []
+    for shard in range(shards):
+        with wds.TarWriter(str(root / f"t-{shard:06d}.tar")) as w:
+            for _ in range(per_shard):
+                n = len(keys)
+                keys.append(f"t{n:07d}")
+                w.write(
+                    {"__key__": keys[-1], "tokens.npy": loader_util.npy_bytes(np.arange(n % 7 + 1, dtype=np.int32))}
+                )
+    loader_util.index_dir(root)
+    return keys
+
+
+def _audio_shards(root, shards: int) -> list[str]:
+    import soundfile
+    import webdataset as wds
+
+    root.mkdir(parents=True)
+    keys = []
+    for shard in range(shards):
+        with wds.TarWriter(str(root / f"a-{shard:06d}.tar")) as w:
+            buf = io.BytesIO()
+            soundfile.write(buf, np.zeros(800 + 8 * shard, dtype=np.float32), 8000, format="FLAC")
+            keys.append(f"a{shard:07d}")
+            w.write({"__key__": keys[-1], "flac": buf.getvalue(), "tokens.npy": loader_util.npy_bytes(np.arange(3))})
+    loader_util.index_dir(root)
+    return keys
+
+
+def test_one_batch_spans_four_times_the_open_shard_budget(tmp_path):
+    """Batches of 32 samples from 32 shards (4x ``max_open_shards: 8``), plain token batches (the gather),
+    packed (best_fit) and bucketed audio, 0 and 2 workers, under a descriptor limit that leaves no room
+    for a map per shard of a batch: every sample once, and no process ever holds more than the budget's
+    maps plus the one shard being copied."""
+    tokens, audio = tmp_path / "tokens", tmp_path / "audio"
+    keys, audio_keys = _token_shards(tokens, 160, 2), _audio_shards(audio, 160)
+    run = subprocess.run(
+        [sys.executable, "-c", SPAN_CHILD, str(tokens), str(audio), "64"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for workers in (0, 2):
+        plain, packed, bucketed = (out[f"{workers}-{m}"] for m in ("plain", "packed", "audio"))
+        assert sorted(plain["served"]) == keys and set(plain["served"].values()) == {1}
+        assert plain["spans"] == 32
+        assert len(packed["served"]) == len(keys)  # every document, whole or in pieces
+        assert sorted(bucketed["served"]) == audio_keys and set(bucketed["served"].values()) == {1}
+        assert bucketed["spans"] >= 32, bucketed["spans"]  # 4x the budget or more
+        for mode in (plain, packed, bucketed):
+            assert mode["maps"] <= 9, (workers, out)

@@ -31,6 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "name (fractions of shards); default: keep the splits recorded by `dataio shard`, "
         "else train",
     )
+    parser.add_argument(
+        "--num-nodes",
+        type=int,
+        default=1,
+        help="index on many machines: each scans every N-th shard (e.g. $SLURM_ARRAY_TASK_COUNT); then one "
+        "plain `dataio index DIR` merges their sidecars",
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=0, help="this machine's part, 0..N-1 (e.g. $SLURM_ARRAY_TASK_ID)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -58,9 +68,17 @@ def run(args: argparse.Namespace) -> int:
             checksum=args.checksum,
             splits=splits,
             progress=partial(progress_bar, quiet=args.quiet),
+            num_nodes=args.num_nodes,
+            node_rank=args.node_rank,
         )
     except PrepareError as e:
         raise CommandError(str(e)) from None
+    if index is None:
+        print(
+            f"node {args.node_rank}/{args.num_nodes}: {reused} shards already had sidecars, the others scanned in "
+            f"{time.perf_counter() - start:.1f}s; when every node is done, `dataio index {root}` merges them"
+        )
+        return 0
     total_bytes = sum(s.bytes for s in index.shards)
     per_split: dict[str, list[int]] = {}
     for shard in index.shards:

@@ -8,6 +8,11 @@ leave a sidecar so an interrupted run resumes where it stopped. Then ``headrace.
 energon's ``.nv-meta`` set, the ``.tar.idx`` files and the headrace index in one pass over the rows:
 non-interactive, and no tar is read twice.
 
+Many machines: ``--num-nodes N --node-rank R`` scans (and leaves the sidecars of) only every N-th shard
+from the R-th, under a lock on that node's part of the directory, and writes no index; one plain
+``dataio index DIR`` afterwards merges all the sidecars (scanning only shards no node covered), as
+``dataio shard`` does across nodes.
+
 Splits: a shard keeps the split of its sidecar (``dataio shard --split``), and a scanned one goes to
 ``train``. ``--split train=0.98,val=0.02`` instead assigns every shard whole, by the hash of its name
 (``headrace.dataio.prepare.plan.assign_shard_splits``: ``dataio shard``'s per-key rule with the shard name as the
@@ -62,23 +67,31 @@ def build_index(
     checksum: bool = False,
     progress: Progress = silent,
     splits: list[tuple[str, float]] | None = None,
+    num_nodes: int = 1,
+    node_rank: int = 0,
 ):
     """Scan what needs scanning, merge all parts, write the metadata; returns (index, parts reused).
 
     ``splits`` (parsed ``--split``) assigns every shard whole to a split by its name (module docstring).
+    With ``num_nodes`` > 1: only this node's shards are scanned and the index is None (not merged).
     """
-    lock = lock_output(root, node=None, command="dataio index")  # noqa: F841 (held until we return)
-    remove_temps(root)  # a killed earlier run's: nobody else writes here while we hold the lock
+    if num_nodes < 1 or not 0 <= node_rank < num_nodes:
+        raise PrepareError(f"node rank {node_rank} is outside 0..{num_nodes - 1} (--num-nodes {num_nodes})")
+    node = node_rank if num_nodes > 1 else None
+    lock = lock_output(root, node=node, command="dataio index")  # noqa: F841 (held until we return)
+    if node is None:
+        remove_temps(root)  # a killed earlier run's: nobody else writes here while we hold the lock
     names = find_shards(root)
     if not names:
         raise PrepareError(f"{root}: no .tar shards found")
     split_of = dict(zip(names, assign_shard_splits(names, splits))) if splits else {}
-    parts = load_parts(root, names)
+    names_here = names[node_rank::num_nodes]
+    parts = load_parts(root, names_here)
     for name, part in parts.items():
         if split_of and part.info.split != split_of[name]:
             part.info.split = split_of[name]
             part.save(root)  # the sidecar remembers it for later runs without --split
-    todo = [n for n in names if n not in parts]
+    todo = [n for n in names_here if n not in parts]
     try:
         with progress("indexing", total=len(todo), unit="shards") as advance:
             if workers > 1 and len(todo) > 1:
@@ -94,6 +107,8 @@ def build_index(
                     advance(1)
     except TarFormatError as e:
         raise PrepareError(str(e)) from None
+    if node is not None:  # the merge is the plain run's, once every node's sidecars are there
+        return None, len(names_here) - len(todo)
     manifest = root / INDEX_DIR / "manifest.json"
     job = json.loads(manifest.read_text()).get("job", {}) if manifest.is_file() else {}
     index = merge_parts([parts[n] for n in names], job=job)

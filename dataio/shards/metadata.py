@@ -19,7 +19,7 @@ changes whenever the index does but re-running on the same shards writes identic
 
 Atomicity: every file is written under a temporary name, fsynced and renamed. ``.info.json`` is what
 makes energon treat a directory as prepared, so it is removed first and written last: a reader sees
-either no metadata set or a complete one. Cost: one ``executemany`` per table (~1 us per row) plus
+either no metadata set or a complete one. Cost: ``executemany`` per table in chunks (~1 us per row) plus
 one small file per shard (left as it is when it already holds those bytes: re-indexing after
 shards were added writes only the new shards' files); no payload byte is touched.
 """
@@ -44,7 +44,10 @@ from headrace.dataio.shards.tarwriter import BLOCK, write_atomically
 from headrace.dataio.shards.writes import writing
 
 ITAR_SUFFIX = ".idx"  # shard.tar -> shard.tar.idx
-DEFAULT_SPLITS = ("train", "val", "test")  # energon prepare always writes these three parts
+DEFAULT_SPLITS = ("train", "val", "test")
+SQLITE_CHUNK = (
+    1 << 16
+)  # samples a sqlite insert batch: its Python rows are the writer's memory  # energon prepare always writes these three parts
 
 # Energon's DDL, verbatim: sqlite keeps the statement text in sqlite_master, so the schema of our
 # index.sqlite is identical to the one ``energon prepare`` writes.
@@ -126,18 +129,11 @@ def collapse_names(names: list[str]) -> list[str]:
 
 
 def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byte_size: np.ndarray) -> None:
+    """Energon's two tables, inserted ``SQLITE_CHUNK`` samples at a time: the Python rows ``executemany``
+    needs exist for one chunk at a time (they were the indexer's largest cost per sample)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
-    keys = [k.decode("utf-8", "surrogateescape") for k in index.keys.tolist()]
-    shard = index.samples["shard"].tolist()
-    counts = index.samples["member_count"].astype(np.int64)
-    total = int(counts.sum())
-    owner = np.repeat(np.arange(len(counts)), counts)
-    excl = np.cumsum(counts) - counts
-    member_rows = index.members[
-        np.repeat(index.samples["member_start"].astype(np.int64) - excl, counts) + np.arange(total)
-    ]
-    part_names = np.array(index.extensions, dtype=object)[member_rows["ext"]].tolist() if total else []
+    n = len(index.samples)
     db = sqlite3.connect(tmp)
     try:
         db.execute("PRAGMA journal_mode = OFF")  # a temp file: durability comes from fsync + rename
@@ -145,22 +141,38 @@ def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byt
         db.execute(SAMPLES_DDL)
         db.execute(SAMPLE_PARTS_DDL)
         try:
-            db.executemany(
-                "INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) VALUES (?, ?, ?, ?, ?)",
-                zip(shard, keys, sample_index.tolist(), index.samples["offset"].tolist(), byte_size.tolist()),
-            )
+            for a in range(0, n, SQLITE_CHUNK):
+                rows = index.samples[a : a + SQLITE_CHUNK]
+                db.executemany(
+                    "INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) VALUES (?, ?, ?, ?, ?)",
+                    zip(
+                        rows["shard"].tolist(),
+                        [k.decode("utf-8", "surrogateescape") for k in index.keys[a : a + SQLITE_CHUNK].tolist()],
+                        sample_index[a : a + SQLITE_CHUNK].tolist(),
+                        rows["offset"].tolist(),
+                        byte_size[a : a + SQLITE_CHUNK].tolist(),
+                    ),
+                )
         except sqlite3.IntegrityError:
-            raise ValueError(_duplicate_key_message(index, keys)) from None
-        db.executemany(
-            "INSERT INTO sample_parts (tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size) VALUES (?, ?, ?, ?, ?)",
-            zip(
-                index.samples["shard"][owner].tolist(),
-                sample_index[owner].tolist(),
-                part_names,
-                member_rows["offset"].tolist(),
-                member_rows["size"].tolist(),
-            ),
-        )
+            raise ValueError(_duplicate_key_message(index)) from None
+        for a in range(0, n, SQLITE_CHUNK):
+            rows = index.samples[a : a + SQLITE_CHUNK]
+            counts = rows["member_count"].astype(np.int64)
+            total = int(counts.sum())
+            owner = np.repeat(np.arange(len(counts)), counts)
+            excl = np.cumsum(counts) - counts
+            members = index.members[np.repeat(rows["member_start"].astype(np.int64) - excl, counts) + np.arange(total)]
+            part_names = np.array(index.extensions, dtype=object)[members["ext"]].tolist() if total else []
+            db.executemany(
+                "INSERT INTO sample_parts (tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size) VALUES (?, ?, ?, ?, ?)",
+                zip(
+                    rows["shard"][owner].tolist(),
+                    sample_index[a + owner].tolist(),
+                    part_names,
+                    members["offset"].tolist(),
+                    members["size"].tolist(),
+                ),
+            )
         for ddl in INDEX_DDL:
             db.execute(ddl)
         db.commit()
@@ -174,14 +186,14 @@ def _write_sqlite(path: Path, index: DatasetIndex, sample_index: np.ndarray, byt
     os.replace(tmp, path)
 
 
-def _duplicate_key_message(index: DatasetIndex, keys: list[str]) -> str:
-    seen: dict[str, int] = {}
-    for i, key in enumerate(keys):
+def _duplicate_key_message(index: DatasetIndex) -> str:
+    seen: dict[bytes, int] = {}
+    for i, key in enumerate(index.keys.tolist()):
         if key in seen:
             a, b = (index.shards[int(index.samples["shard"][j])].name for j in (seen[key], i))
             return (
-                f"duplicate sample key {key!r} (in {a} and {b}): energon and webdataset need keys "
-                f"unique across the dataset"
+                f"duplicate sample key {key.decode('utf-8', 'surrogateescape')!r} (in {a} and {b}): energon and "
+                f"webdataset need keys unique across the dataset"
             )
         seen[key] = i
     return "duplicate sample key"

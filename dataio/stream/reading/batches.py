@@ -178,7 +178,13 @@ class BatchMaker:
         self.local_end = layout.local_count(dp_rank, blend.end)
         self.orders = [
             EpochOrder(
-                s.shard_starts, s.shard_sizes, seed=seed, dataset=i, shuffle=cfg.shuffle, window=cfg.shuffle_window
+                s.shard_starts,
+                s.shard_sizes,
+                seed=seed,
+                dataset=i,
+                shuffle=cfg.shuffle,
+                window=cfg.shuffle_window,
+                window_shards=cfg.shuffle_window_shards,
             )
             for i, s in enumerate(self.sources)
         ]

@@ -2,16 +2,17 @@
 (what ``dataio shard --tokenizer`` writes) read and collated with a few numpy operations and one
 ``memcpy`` per sample, instead of ``SampleReader.read`` + ``collate``'s Python work per sample.
 
-Checks, once per sample per loader (its worker processes share the results), a block of ``BLOCK``
-consecutive sample indices at a time (the first time a batch touches the block; ``CheckedTokens``):
+Checks, once per sample per loader (its worker processes share the results), the samples a batch
+reads that no process has checked yet, when that batch first reads them (``CheckedTokens``; lazy: the
+first batch costs its own samples, whatever the dataset's size, and start-up checks nothing):
 
 1. the index: one member, the dataset's ``.npy`` extension;
-2. the tar: every key compared with its ustar name field, one ``(block, key width + 1)`` gather per
+2. the tar: every key compared with its ustar name field, one ``(samples, key width + 1)`` gather per
    shard (the check ``ShardSource.read`` does per sample: an index that disagrees with its tar);
-3. the ``.npy`` header: the block's first header parsed by ``decode.npy_1d_layout`` (the strict
+3. the ``.npy`` header: the first header parsed by ``decode.npy_1d_layout`` (the strict
    canonical regex; numeric dtypes only, never pickle), then every header (magic, version, length,
    dict, padding) compared byte for byte with that header rewritten for the member's own count,
-   which its size gives: one ``(block, header bytes)`` gather and compare.
+   which its size gives: one ``(samples, header bytes)`` gather and compare.
 
 What passes is kept per sample (shard, data offset, count, dtype); a sample that fails any check is
 marked, and a batch holding one goes the general way (``SampleReader.read``), which names and
@@ -20,7 +21,7 @@ dict (tested). Per batch then: the kept arrays at the batch's indices, the keys,
 sample into one tensor from ``alloc`` (a loop of ``memoryview`` slice copies: 0.35 us a 4 KB sample,
 against 0.45 for ``np.concatenate`` of array slices and 0.55 for numpy slice assignment), bookkeeping
 as whole arrays. Checking costs ~1-2 us a sample once. The fixed cost per batch, once a process has
-seen the batch's blocks checked: a few gathers, no lock and no numpy reduction (BENCHMARKS.md "Loader:
+seen every sample of the batch's ``BLOCK``-sample blocks checked: a few gathers, no lock and no numpy reduction (BENCHMARKS.md "Loader:
 per-batch fixed cost": 0.55x the instructions of the locked version at batch 8).
 """
 
@@ -46,6 +47,8 @@ BLOCK = 1 << BLOCK_BITS
 SHAPE_END = b",), }"  # after the count in a canonical 1-D header
 UNCHECKED, GENERAL, FIRST_DTYPE_CODE = 0, 1, 2  # ``CheckedTokens.code``: 0 is what fresh pages hold
 TOKEN_DTYPES = tuple(NPY_1D_DTYPES.values())  # a code's dtype, the same in every process
+SHARD_BITS = 32  # a batch's shard key: dataset << SHARD_BITS | shard
+SHARD_MASK = (1 << SHARD_BITS) - 1
 
 
 def tokens_only(sources: list[ShardSource]) -> bool:
@@ -64,18 +67,19 @@ class CheckedTokens:
     """One dataset's samples as checked token payloads (see the module docstring), in shared memory: the
     processes forked after it is made (the loader's workers, every epoch's) check each sample once
     between them instead of once each -- with two workers taking turns at batches, each would otherwise
-    check every block its batches touch, i.e. nearly all of them.
+    check every sample.
 
-    A process checks a whole block of ``BLOCK`` samples when it is the first to claim it; samples of a
-    block another process has claimed but not finished are checked for this batch alone, so no process
-    ever waits for another's check (nor hangs on one that died holding a claim). A POSIX record lock on
-    the table's memfd (held only to claim, publish and read, never while checking) orders the writes
-    and reads between processes; it dies with its holder."""
+    A process checks the samples of its batch that no process has published yet (two processes whose
+    batches share a sample, rare, may both check it and publish the same values), so no process ever
+    waits for another's check (nor hangs on one that died mid-check). A POSIX record lock on the
+    table's memfd (held only to read and publish, never while checking) orders the writes and reads
+    between processes; it dies with its holder. Blocks of ``BLOCK`` samples found all checked are
+    remembered per process, so a batch inside such blocks is read without the lock."""
 
     def __init__(self, source: ShardSource):
         n, blocks = len(source.index.samples), -(-len(source.index.samples) // BLOCK)
         self.ext = source.index.extensions[0]  # no reference to the source: it keys this table weakly
-        size = max(1, 25 * n + blocks)
+        size = max(1, 25 * n)
         self._fd = os.memfd_create("headrace-checked-tokens", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self._fd)  # the map keeps its own descriptor
         os.ftruncate(self._fd, size)  # zero-filled, pages touched only as blocks are checked
@@ -84,7 +88,6 @@ class CheckedTokens:
         self.count = np.frombuffer(self._map, dtype=np.int64, count=n, offset=8 * n)
         self.shard = np.frombuffer(self._map, dtype=np.int64, count=n, offset=16 * n)
         self.code = np.frombuffer(self._map, dtype=np.int8, count=n, offset=24 * n)  # 0: UNCHECKED
-        self.claimed = np.frombuffer(self._map, dtype=np.uint8, count=blocks, offset=25 * n)
         # this process's own: blocks it has seen finished (copied into the processes it forks)
         self._known = np.zeros(blocks, dtype=bool)
         self.uniform: int | None = None  # the one dtype code of every sample, once all are known here
@@ -115,23 +118,11 @@ class CheckedTokens:
             if not len(unchecked):  # checked by another process: one lock, one read
                 self._learn(index)
                 return code, self.shard[index], self.start[index], self.count[index]
-            blocks = np.array(
-                sorted(set((unchecked >> BLOCK_BITS).tolist())), dtype=np.int64
-            )  # np.unique: numpy.ma, see by_value
-            mine = blocks[self.claimed[blocks] == 0]
-            self.claimed[mine] = 1
-        claimed_here = np.zeros(len(self.claimed), dtype=bool)
-        claimed_here[mine] = True
-        others = unchecked[~claimed_here[unchecked >> BLOCK_BITS]]
-        checks = [
-            self._check(source, np.arange(b * BLOCK, min(len(self.code), (b + 1) * BLOCK))) for b in mine.tolist()
-        ]
-        if len(others):
-            checks.append(self._check(source, others))
+        # only the samples this batch reads: the first batch costs its own samples, not whole blocks
+        rows, code, shard, start, count = self._check(source, np.sort(unchecked))
         with self._locked():
-            for rows, code, shard, start, count in checks:
-                self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
-                self.code[rows] = code
+            self.start[rows], self.count[rows], self.shard[rows] = start, count, shard
+            self.code[rows] = code
             self._learn(index)
             return self.code[index], self.shard[index], self.start[index], self.count[index]
 
@@ -277,19 +268,19 @@ def checked(source: ShardSource) -> CheckedTokens:
 def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc: Allocator) -> dict | None:
     """The collated plain batch of ``refs`` (all valid), or None where the batch-level path does not apply.
 
-    Per dataset of the batch: its table's rows (``CheckedTokens.lookup``), its keys, and each distinct
-    shard's map checked to still hold the bytes the index places in it (``ShardSource.indexed_array``:
-    one ``fstat`` a shard); then one ``memcpy`` a sample. Per batch that is a handful of numpy calls
-    and no reduction beyond the dtype test of samples not yet known (see ``CheckedTokens.uniform``);
-    the shard grouping, sizes and totals are Python over the lists the copy loop needs anyway."""
+    Per dataset of the batch: its table's rows (``CheckedTokens.lookup``) and its keys; then the copy,
+    one ``memcpy`` a sample, shard by shard (``_copy_by_shard``): each distinct shard's map is checked to
+    still hold the bytes the index places in it (``ShardSource.indexed_array``: one ``fstat`` a shard)
+    and released before the next shard's is taken, so a batch touching more shards than the open-shard
+    budget never holds more than one map beyond it. Per batch that is a handful of numpy calls and no
+    reduction beyond the dtype test of samples not yet known (see ``CheckedTokens.uniform``)."""
     n = len(refs)
     if len(sources) == 1:  # dataset 0: a reference is its sample index
         parts = [(0, slice(None), refs)]
     else:
         parts = [(d, at, refs[at] & REF_MASK) for d, at in by_value(refs >> REF_BITS)]
-    shards, starts, counts = [None] * n, [None] * n, [None] * n
+    shards, starts, counts = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     keys: list = [None] * n
-    views: dict[tuple[int, int], memoryview] = {}
     ext = dtype = None
     for d, at, index in parts:
         source, table = sources[d], checked(sources[d])
@@ -303,32 +294,42 @@ def gather_tokens(sources: list[ShardSource], refs: np.ndarray, end: int, alloc:
         ):
             return None
         ext, dtype = table.ext, TOKEN_DTYPES[first - FIRST_DTYPE_CODE]
-        shard = shard.tolist()
-        for s in set(shard):
-            views[d, s] = memoryview(source.indexed_array(s))
+        shards[at], starts[at], counts[at] = (d << SHARD_BITS) | shard, start, count
         decoded = [k.decode(errors="surrogateescape") for k in source.index.keys[index].tolist()]
         if len(parts) == 1:
-            shards, starts, counts, keys = [(d, s) for s in shard], start.tolist(), count.tolist(), decoded
-            lengths = count
+            keys = decoded
             continue
-        for i, s, a, c, k in zip(np.arange(n)[at].tolist(), shard, start.tolist(), count.tolist(), decoded):
-            shards[i], starts[i], counts[i], keys[i] = (d, s), a, c, k
-        lengths = None
+        for i, k in zip(np.arange(n)[at].tolist(), decoded):
+            keys[i] = k
     size = dtype.itemsize
-    out = alloc((sum(counts),), torch_dtype(dtype))
-    dst = memoryview(out.view(torch.uint8).numpy())
-    pos = 0
-    for s, a, c in zip(shards, starts, counts):
-        c *= size
-        dst[pos : pos + c] = views[s][a : a + c]
-        pos += c
+    out = alloc((int(counts.sum()),), torch_dtype(dtype))
+    _copy_by_shard(sources, shards, starts, counts * size, memoryview(out.view(torch.uint8).numpy()))
     batch = bookkeeping(keys, torch.from_numpy(refs), torch.ones(n, dtype=torch.bool), end)
-    if min(counts) == max(counts):
-        batch[ext], batch["__lengths__"] = out.view(n, counts[0]), {}
+    if counts.min() == counts.max():
+        batch[ext], batch["__lengths__"] = out.view(n, int(counts[0])), {}
     else:
-        lengths = torch.from_numpy(lengths) if lengths is not None else torch.tensor(counts, dtype=torch.int64)
-        batch[ext], batch["__lengths__"] = out, {ext: lengths}
+        batch[ext], batch["__lengths__"] = out, {ext: torch.from_numpy(counts)}
     return batch
+
+
+def _copy_by_shard(
+    sources: list[ShardSource], shards: np.ndarray, starts: np.ndarray, sizes: np.ndarray, dst: memoryview
+) -> None:
+    """Copy byte range ``[starts[i], starts[i] + sizes[i])`` of shard ``shards[i]`` (``dataset << SHARD_BITS |
+    shard``) to its place in ``dst`` (the samples laid end to end, in batch order), visiting the samples
+    grouped by shard and holding one shard's view at a time: a map the budget closes is unmapped as soon
+    as it is evicted, not when the batch ends."""
+    ends = np.cumsum(sizes)
+    places = (ends - sizes).tolist()
+    order = range(len(shards)) if shards.min() == shards.max() else np.argsort(shards, kind="stable").tolist()
+    shards, starts, sizes = shards.tolist(), starts.tolist(), sizes.tolist()
+    current, view = None, None
+    for i in order:
+        if shards[i] != current:
+            current, view = shards[i], None  # the previous view dropped before the next map is taken
+            view = memoryview(sources[current >> SHARD_BITS].indexed_array(current & SHARD_MASK))
+        a, c, p = starts[i], sizes[i], places[i]
+        dst[p : p + c] = view[a : a + c]
 
 
 __all__ = ["BLOCK", "CheckedTokens", "checked", "gather_tokens", "tokens_only"]
