@@ -56,15 +56,22 @@ def make_tokenizer_dir(path: Path, template: str = TEMPLATE_MARKED, vocab_size: 
     return path
 
 
-def conversations(n: int, seed: int = 0, max_turns: int = 3, words: tuple[int, int] = (3, 12)) -> list[list[dict]]:
-    """``n`` conversations: an optional system message, then 1..max_turns user/assistant exchanges."""
+def conversations(
+    n: int,
+    seed: int = 0,
+    max_turns: int = 3,
+    words: tuple[int, int] = (3, 12),
+    answer_words: tuple[int, int] | None = None,
+) -> list[list[dict]]:
+    """``n`` conversations: an optional system message, then 1..max_turns user/assistant exchanges (``words``
+    per message, ``answer_words`` per assistant message when given)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         messages = [{"role": "system", "content": sentence(rng)}] if rng.random() < 0.5 else []
         for _ in range(rng.randint(1, max_turns)):
             messages.append({"role": "user", "content": sentence(rng, *words)})
-            messages.append({"role": "assistant", "content": sentence(rng, *words)})
+            messages.append({"role": "assistant", "content": sentence(rng, *(answer_words or words))})
         out.append(messages)
     return out
 

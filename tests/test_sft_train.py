@@ -85,12 +85,13 @@ def test_packed_loss_equals_transformers_per_conversation(workdir):
 def test_dp2_uneven_assistant_lengths_equal_one_process(workdir):
     """Rank 0's rows hold long answers, rank 1's short ones: dp=2 (FSDP2, and with grad accumulation) trains like
     one process on the same global batches (tests/dist/sft_checks.py)."""
-    rng_long = conversations(40, seed=8, max_turns=1, words=(30, 40))
-    rng_short = conversations(40, seed=9, max_turns=1, words=(1, 2))
+    # the same prompts' length, answers of ~25 words against ~1: rows of similar fill, uneven trained tokens
+    rng_long = conversations(40, seed=8, max_turns=1, words=(10, 14), answer_words=(20, 30))
+    rng_short = conversations(40, seed=9, max_turns=1, words=(30, 40), answer_words=(1, 2))
     tok = workdir / "tok"
     batches = {
-        "long": packed(shard_chat(workdir, "long", rng_long, tok), seq_len=128),
-        "short": packed(shard_chat(workdir, "short", rng_short, tok), seq_len=128),
+        "long": packed(shard_chat(workdir, "long", rng_long, tok), seq_len=256),
+        "short": packed(shard_chat(workdir, "short", rng_short, tok), seq_len=256),
     }
     global_batches = []
     for a, b in zip(batches["long"][:4], batches["short"][:4]):  # rank 0 <- long, rank 1 <- short (dp=2, k=1)

@@ -30,7 +30,7 @@ from tests.dist.train_layouts import OPTIM, check_close, check_matches_reference
 def job(workdir: Path, name: str, distributed: dict, grad_accum: int, steps: int):
     return load_job_config(None, base=dict(
         model=dict(pretrained_path=str(workdir / "pretrained"), attn_implementation="headrace_varlen"),
-        data=dict(datasets=[dict(path="unused")], seq_len=128, batch_size=2, packing="best_fit"),
+        data=dict(datasets=[dict(path="unused")], seq_len=256, batch_size=2, packing="best_fit"),
         distributed=distributed, optim=dict(OPTIM, decay_steps=steps),
         trainer=dict(max_steps=steps, grad_accum=grad_accum, output_dir=str(workdir / name)),
         checkpoint=dict(interval=steps, export_hf=True), logging=dict(console=False, tensorboard=False)))  # fmt: skip
