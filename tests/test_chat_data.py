@@ -16,7 +16,7 @@ from headrace.dataio.config import DataConfig
 from headrace.dataio.prepare.chat_template import load_chat_template
 from headrace.config import from_dict
 from headrace.kernels.loss import IGNORE_INDEX
-from tests.chat_data import (
+from headrace.dataio.bench.chat_corpus import (
     TEMPLATE_PLAIN,
     TEMPLATE_STRICT,
     conversations,
@@ -277,3 +277,19 @@ def test_chat_data_needs_a_tokenizer_directory_with_a_template(tmp_path, tokdir,
         capsys, "shard", src, "--output", tmp_path / "c", "--tokenizer", tmp_path / "notemplate", "--quiet"
     )
     assert code == 2 and "has no chat template" in err
+
+
+def test_cp_split_carries_the_trained_labels(tmp_path, tokdir, capsys):
+    """Each CP rank's labels are the trained labels of its chunks: together exactly the row's, none added."""
+    from headrace.dataio.batching.cp_split import cp_merge, cp_split
+
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(20, seed=11)])
+    out = tmp_path / "shards"
+    assert _cli(capsys, "shard", tmp_path / "c.jsonl", "--output", out, "--tokenizer", tokdir, "--quiet")[0] == 0
+    batch = next(iter(_loader(out, packing="best_fit", seq_len=512, batch_size=2)))
+    for cp in (2, 4):
+        shards = cp_split(batch, cp)
+        trained = [int((s["labels"] != IGNORE_INDEX).sum()) for s in shards]
+        assert sum(trained) == int((batch["labels"] != IGNORE_INDEX).sum()) and min(trained) > 0
+        merged = cp_merge(shards)
+        assert merged["labels"].view(-1).tolist() == batch["labels"].view(-1).tolist()

@@ -17,7 +17,7 @@ from headrace.config import from_dict
 from headrace.dataio import build_loader
 from headrace.dataio.cli import main as dataio_main
 from headrace.dataio.config import DataConfig
-from tests.chat_data import conversations, make_tokenizer_dir, write_jsonl
+from headrace.dataio.bench.chat_corpus import conversations, make_tokenizer_dir, write_jsonl
 from tests.dist.train_common import TINY_LLAMA, save_pretrained_tiny
 from tests.helpers import REPO, child_env, torchrun
 

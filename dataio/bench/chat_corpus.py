@@ -1,5 +1,6 @@
-"""Chat test data made in the tests: a Hugging Face tokenizer directory (a byte-level BPE trained on generated
-text, with a ChatML template written with and without ``{% generation %}`` markers) and conversations."""
+"""Chat corpora made on the spot (tests and ``tools.bench_chat``; nothing downloaded): a Hugging Face tokenizer
+directory (a byte-level BPE trained on generated text, with a ChatML template written with and without
+``{% generation %}`` markers) and generated conversations, short ones or long-tailed ones."""
 
 from __future__ import annotations
 
@@ -79,3 +80,22 @@ def conversations(
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def long_tailed_conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    """``n`` conversations of long-tailed size, as chat corpora are: turns 1 + geometric(0.35) (mean ~2.9),
+    words per message log-normal (median 30, sigma 1.0: p99 ~300), an optional system prompt. With a
+    word-level vocabulary that is a median of ~250 tokens and a tail past 4k."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": sentence(rng, 5, 20)}] if rng.random() < 0.3 else []
+        turns = 1
+        while rng.random() > 0.35 and turns < 40:
+            turns += 1
+        for _ in range(turns):
+            for role in ("user", "assistant"):
+                words = max(1, min(3000, round(rng.lognormvariate(3.4, 1.0))))
+                messages.append({"role": role, "content": " ".join(rng.choice(WORDS) for _ in range(words))})
+        out.append(messages)
+    return out
