@@ -138,6 +138,7 @@ def test_shard_stores_ids_and_mask(tmp_path, tokdir, capsys, form, suffix):
         assert _npy(sample["npy"]).tolist() == list(want["input_ids"])
         assert _npy(sample["trained.npy"]).tolist() == list(want["assistant_masks"])
         assert json.loads(sample["json"])["line"] == i + 1
+    assert _cli(capsys, "verify", out, "--quiet")[0] == 0  # every member decodes, the index agrees
     # webdataset reads the shards as they are
     import webdataset as wds
 
@@ -293,3 +294,49 @@ def test_cp_split_carries_the_trained_labels(tmp_path, tokdir, capsys):
         assert sum(trained) == int((batch["labels"] != IGNORE_INDEX).sum()) and min(trained) > 0
         merged = cp_merge(shards)
         assert merged["labels"].view(-1).tolist() == batch["labels"].view(-1).tolist()
+
+
+def test_energon_reads_the_chat_shards(tmp_path, tokdir, capsys):
+    """Megatron-Energon opens the shard directory as written (no `energon prepare`) and hands out the ids and the
+    trained-token mask as the tars hold them."""
+    from megatron.energon import (
+        Cooker,
+        DefaultTaskEncoder,
+        Sample,
+        WorkerConfig,
+        get_loader,
+        get_val_dataset,
+        stateless,
+    )
+    from megatron.energon.edataclass import edataclass
+
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(12, seed=12)])
+    out = tmp_path / "shards"
+    assert _cli(capsys, "shard", tmp_path / "c.jsonl", "--output", out, "--tokenizer", tokdir, "--quiet")[0] == 0
+
+    @edataclass
+    class Conversation(Sample):
+        tokens: bytes
+        trained: bytes
+
+    @stateless
+    def cook(crude: dict) -> Conversation:
+        return Conversation(
+            __key__=crude["__key__"],
+            __restore_key__=crude["__restore_key__"],
+            tokens=crude["npy"],
+            trained=crude["trained.npy"],
+        )
+
+    class Encoder(DefaultTaskEncoder):
+        decoder = None  # raw bytes: compare exactly what the shards hold
+        cookers = [Cooker(cook)]
+
+        def batch(self, batch):
+            return batch
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    ds = get_val_dataset(out, split_part="train", worker_config=wc, batch_size=1, task_encoder=Encoder())
+    got = {c.__key__: (c.tokens, c.trained) for batch in get_loader(ds) for c in batch}
+    members = _members(out)
+    assert got == {k: (m["npy"], m["trained.npy"]) for k, m in members.items()}

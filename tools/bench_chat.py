@@ -15,6 +15,10 @@ packed fill of conversations at 4k (docs/sft-data.md; figures in BENCHMARKS.md).
    every row emitted, conversations skipped as longer than 4096 (``long_conversations: skip``), and loader
    tokens/s against the same token documents stored as plain text (the rendered texts sharded with the same
    tokenizer), both in one process (num_workers 0).
+4. Fill on a larger set (``--fill-conversations``, default 30,000, a different seed): the exact token lengths of the
+   rendered conversations (``encode_batch``) through the loader's ``Packer`` (best_fit, seq_len 4096, buffers 1000
+   and 10000, conversations over 4096 skipped as ``long_conversations: skip`` does): fill of every row, and of the
+   rows closed before the end-of-stream flush (what an endless training stream sees).
 """
 
 from __future__ import annotations
@@ -72,10 +76,30 @@ def loader_pass(root: Path, buffer: int) -> dict:
     return {"fill": tokens / capacity, "skipped": skipped, "tokens_per_s": tokens / seconds}
 
 
+def packer_fill(lengths: list[int], buffer: int, seq_len: int = 4096) -> dict:
+    import numpy as np
+
+    from headrace.dataio.batching.packing import Packer
+    from headrace.dataio.config import PackingConfig
+
+    packer = Packer(PackingConfig(seq_len=seq_len, packing="best_fit", packing_buffer=buffer), rows_per_batch=1)
+    kept = [n for n in lengths if n <= seq_len]
+    for ref, n in enumerate(kept):
+        packer.push(ref, np.zeros(n, dtype=np.int64))
+        while packer.pop() is not None:
+            pass
+    before = packer.totals.fill
+    packer.flush()
+    while packer.pop() is not None:
+        pass
+    return {"fill": packer.totals.fill, "fill_before_flush": before, "skipped": len(lengths) - len(kept)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=100_000)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--fill-conversations", type=int, default=30_000)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-chat-") as tmp:
@@ -99,6 +123,13 @@ def main() -> None:
         for buffer in (1000, 10000):
             results[f"chat_buffer_{buffer}"] = loader_pass(tmp / "shards", buffer)
         results["text_buffer_1000"] = loader_pass(tmp / "text", 1000)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokdir / "tokenizer.json"))
+        texts = [template.render(c)[0] for c in long_tailed_conversations(args.fill_conversations, seed=1)]
+        lengths = [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+        for buffer in (1000, 10000):
+            results[f"fill_{buffer}"] = packer_fill(lengths, buffer)
     if args.json:
         print(json.dumps(results))
         return

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from headrace.dataio.prepare.chat_template import ChatTemplate, load_chat_template
 from headrace.dataio.prepare.readers import (
+    BadRecord,
     Entry,
     Input,
     ReadOptions,
@@ -191,8 +192,6 @@ class ChatParquetInput:
 
     def scan(self):
         import pyarrow.parquet as pq
-
-        from headrace.dataio.prepare.readers import BadRecord
 
         columns = [*FORMATS[self.form], *([self.key_column] if self.key_column else [])]
         row_number = 0
