@@ -16,6 +16,7 @@ from headrace.dataio import libsndfile
 from headrace.dataio.sizes import parse_size
 
 PACKING_ALGORITHMS = ("none", "greedy", "best_fit")
+LONG_CONVERSATION_POLICIES = ("skip", "truncate", "error")  # headrace.dataio.batching.conversations
 
 DEFAULT_SEQ_LEN = 2048
 
@@ -176,6 +177,9 @@ class DataConfig:
     seq_len: int | None = None  # tokens per row; greedy / best_fit without it use DEFAULT_SEQ_LEN
     packing_buffer: int = 1000
     pad_id: int = 0  # input_ids of padding (labels there are -100 whatever it is)
+    # a conversation (chat shards) longer than seq_len: skip (counted) | truncate | error
+    # (headrace.dataio.batching.conversations); plain documents are cut into rows as ever
+    long_conversations: Literal["skip", "truncate", "error"] = "skip"
     bucketing: BucketingConfig | None = None
     # The trainer's validation stream: keys laid over this section (e.g. datasets with split: val), one
     # epoch; the loader itself never reads it (see headrace.training.validation).
@@ -203,6 +207,10 @@ class DataConfig:
             )
         if self.max_bad_samples < 0:
             raise ValueError(f"max_bad_samples must be >= 0, got {self.max_bad_samples}")
+        if self.long_conversations not in LONG_CONVERSATION_POLICIES:
+            raise ValueError(
+                f"long_conversations must be one of {list(LONG_CONVERSATION_POLICIES)}, got {self.long_conversations!r}"
+            )
         if isinstance(self.cache_limit, str):
             try:
                 self.cache_limit = parse_size(self.cache_limit)

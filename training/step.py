@@ -47,6 +47,7 @@ STEP_INPUTS = (
     "audio_lens",
     "audio_mask",  # + a SALM's (headrace.training.speech)
     "cp_imbalance",
+    "skipped_conversations",  # + the packer's count of conversations left out (metrics only)
 )  # + context parallelism's (headrace.training.distributed.context_parallel)
 
 

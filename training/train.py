@@ -356,7 +356,10 @@ def loop_steps(
             print_on_rank0(f"trainer.max_minutes {cfg.trainer.max_minutes:g} spent: step {step} is the last")
         if step % cfg.trainer.log_every == 0 or last:
             pairs = sum_over_dp(window.attention_pairs, trainer.dims.dp)
-            records.push(step_record(trainer, stats, micro, *window.figures(step, pairs), clock.window_mean()))
+            throughput, step_time = window.figures(step, pairs)
+            if window.skipped_conversations is not None:  # every rank reads the same datasets: all or none call
+                throughput["skipped_conversations"] = round(sum_over_dp(window.skipped_conversations, trainer.dims.dp))
+            records.push(step_record(trainer, stats, micro, throughput, step_time, clock.window_mean()))
             window.restart(step)
             if trainer.first_loss is None:
                 trainer.first_loss = stats["loss"]

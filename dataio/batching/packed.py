@@ -8,8 +8,12 @@ come out. The packed stream does not depend on the chunk size (documents enter t
 one in stream order, and the state is per document), so exactly-once and resume are unchanged. At the end of a finite
 stream the ranks agree (one all_reduce) on the number of batches and pad with loss-free ones.
 
-State: ``packing`` (the packer's held document pieces as references, see ``Packer.state_dict``) and
-``packed_batches`` (batches emitted since the stream began). On resume the
+Conversations (chat shards: token ids plus a ``trained.npy`` mask) enter the packer with their mask in the
+token array and under the ``long_conversations`` rule (``headrace.dataio.batching.conversations``); batches
+then carry ``skipped_conversations``, this rank's running count of those left out.
+
+State: ``packing`` (the packer's held document pieces as references, see ``Packer.state_dict``),
+``packed_batches`` (batches emitted since the stream began) and ``skipped_conversations``. On resume the
 packer re-reads the documents it held (``fetch``); onto another ``dp_size`` the held pieces are dealt
 to the new ranks (``reshard_states``).
 """
@@ -21,11 +25,14 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from headrace.dataio.batching.conversations import conversation_document, fit_conversation
 from headrace.dataio.batching.packing import Packer, reshard_states
 from headrace.dataio.loader_state import MAX_COUNT, StateError
 from headrace.dataio.stream.reading.batches import token_ext
 from headrace.dataio.stream.ordering.refs import REF_BITS, split_ref
+from headrace.dataio.shards.formats import TRAINED_MASK_MEMBER
 from headrace.dataio.stream.reading.decode import decode_sample
+from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.rank import RankStream
 from headrace.dataio.stream.ordering.split import same_layout
 
@@ -34,9 +41,14 @@ class PackedBatches:
     def __init__(self, stream: RankStream):
         cfg = stream.cfg
         self.stream = stream
-        self.packer = Packer(cfg.packing_config(), rows_per_batch=cfg.batch_size)
         self.packed_batches = 0
         self.token_exts = [token_ext(s) for s in stream.sources]
+        # conversations' trained-token masks, per dataset (headrace.dataio.batching.conversations)
+        self.mask_exts = [
+            TRAINED_MASK_MEMBER if TRAINED_MASK_MEMBER in s.index.extensions else None for s in stream.sources
+        ]
+        self.packer = Packer(cfg.packing_config(), rows_per_batch=cfg.batch_size, masked=any(self.mask_exts))
+        self.skipped_conversations = 0  # longer than seq_len under long_conversations: skip
         if None in self.token_exts:
             bad = stream.sources[self.token_exts.index(None)].path  # a leaf, when an entry is a metadataset
             raise ValueError(
@@ -52,7 +64,7 @@ class PackedBatches:
         self.packer.flush()
         while (packed := self.packer.pop()) is not None:
             self.packed_batches += 1
-            yield packed
+            yield self._with_counts(packed)
 
     def padding_batch(self) -> dict:
         """One batch of padding rows only (``Packer.empty_batch``), for ``even_batches``'s ``empty``."""
@@ -64,18 +76,46 @@ class PackedBatches:
         valid = chunk["__valid__"].tolist()
         docs: dict[str, list] = {}
         # only the members the chunk holds: a chunk whose samples were all bad (skipped, counted) holds none
-        for ext in set(self.token_exts) & chunk.keys():
+        for ext in set(self.token_exts + self.mask_exts) & chunk.keys():
             lengths = chunk["__lengths__"].get(ext)
             tokens = chunk[ext].clone()  # the packer keeps documents for long: release the worker's ring bytes
             docs[ext] = list(torch.split(tokens, lengths.tolist())) if lengths is not None else list(tokens)
         for i, (ref, pos) in enumerate(zip(refs, positions)):
             if not valid[i]:
                 continue
-            self.packer.push(ref, docs[self.token_exts[ref >> REF_BITS]][i].numpy())
+            d = ref >> REF_BITS
+            tokens = docs[self.token_exts[d]][i].numpy()
+            if self.mask_exts[d] is not None:
+                tokens = self._conversation(d, chunk["__key__"][i], tokens, docs[self.mask_exts[d]][i].numpy())
+            if tokens is None:
+                self.skipped_conversations += 1
+            else:
+                self.packer.push(ref, tokens)
             stream.consumed = pos + 1
             while (packed := self.packer.pop()) is not None:
-                yield packed
+                yield self._with_counts(packed)
         stream.consumed = max(stream.consumed, chunk["__end__"])
+
+    def _conversation(self, d: int, key: str, tokens: np.ndarray, trained: np.ndarray) -> np.ndarray | None:
+        """A conversation of dataset ``d`` as the packer's document, or None to skip it (``long_conversations``)."""
+        cfg, where = self.stream.cfg, {"shard": self.stream.sources[d].path, "key": key}
+        try:
+            doc = conversation_document(tokens, trained)
+        except ValueError as e:
+            raise SampleDecodeError(str(e), member=TRAINED_MASK_MEMBER, **where) from None
+        fitted = fit_conversation(doc, cfg.seq_len, cfg.long_conversations)
+        if fitted is None and cfg.long_conversations == "error":
+            raise SampleDecodeError(
+                f"conversation of {len(doc)} tokens is longer than seq_len {cfg.seq_len} "
+                "(data.long_conversations: skip or truncate, or a longer seq_len)",
+                **where,
+            )
+        return fitted
+
+    def _with_counts(self, packed: dict) -> dict:
+        if self.packer.masked:
+            packed["skipped_conversations"] = self.skipped_conversations
+        return packed
 
     def fetch(self, ref: int) -> np.ndarray:
         """The decoded token array of document ``ref`` (for the packer's resume)."""
@@ -84,11 +124,21 @@ class PackedBatches:
             raise StateError(f"packing state: document {ref!r} is not a sample of this data")
         key, shard, members = self.stream.sources[d].read(np.array([index]))[0]
         decoded = decode_sample(members, self.stream.cfg.decode, key=key, shard=shard)
-        return decoded[self.token_exts[d]].numpy()
+        tokens = decoded[self.token_exts[d]].numpy()
+        if self.mask_exts[d] is None:
+            return tokens
+        doc = self._conversation(d, key, tokens, decoded[self.mask_exts[d]].numpy())
+        if doc is None:
+            raise StateError(f"packing state: document {ref!r} is a conversation the packer skips (different data?)")
+        return doc
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"packing": self.packer.state_dict(), "packed_batches": self.packed_batches}
+        return {
+            "packing": self.packer.state_dict(),
+            "packed_batches": self.packed_batches,
+            "skipped_conversations": self.skipped_conversations,
+        }
 
     def load_state_dict(self, old: list[dict | None], dp_rank: int, dp_size: int) -> None:
         for s in old:
@@ -99,12 +149,15 @@ class PackedBatches:
                     f"loader state of rank {s['dp_rank']}: 'packed_batches' must be a non-negative "
                     f"integer below 2**62, got {s.get('packed_batches')!r}"
                 )
+        skipped = [s.get("skipped_conversations", 0) for s in old if s is not None]
         if same_layout(old, dp_rank, dp_size):
             self.packer.load_state_dict(old[dp_rank]["packing"], self.fetch)
             self.packed_batches = old[dp_rank]["packed_batches"]
+            self.skipped_conversations = old[dp_rank].get("skipped_conversations", 0)
             return
         self.packer.load_state_dict(reshard_states([s["packing"] for s in old], dp_rank, dp_size), self.fetch)
         self.packed_batches = max(s["packed_batches"] for s in old)
+        self.skipped_conversations = sum(skipped) if dp_rank == 0 else 0  # a sum over ranks stays right
 
 
 __all__ = ["PackedBatches"]

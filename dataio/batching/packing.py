@@ -5,7 +5,7 @@ A ``Packer`` is the stage after the per-rank sample stream. It is fed ``(ref, to
 
 - ``input_ids`` / ``labels`` / ``position_ids``: int64 ``(rows, seq_len)``; flatten with ``.view(-1)``
   (or ``.view(1, -1)``) for a THD kernel. ``labels`` is the next token, -100 where the next token
-  belongs to another document or is padding. The last token of a piece of a split document is
+  belongs to another document, is padding, or is not trained (a conversation's, ``masked``). The last token of a piece of a split document is
   labelled with the document's real next token (it sits at the head of the next piece).
 - ``cu_seqlens`` (int32) over the flattened micro-batch: one segment per document piece and one per
   row's padding tail, so it always ends at ``rows * seq_len`` and no segment crosses a row.
@@ -67,6 +67,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 import torch
 
+from headrace.dataio.batching.conversations import split_untrained
 from headrace.dataio.config import PACKING_ALGORITHMS, PackingConfig
 from headrace.kernels.loss import IGNORE_INDEX  # labels where no loss is taken: the loss kernels' convention
 
@@ -113,11 +114,13 @@ class Packer:
                 yield batch
     """
 
-    def __init__(self, cfg: PackingConfig, *, rows_per_batch: int):
+    def __init__(self, cfg: PackingConfig, *, rows_per_batch: int, masked: bool = False):
         if rows_per_batch < 1:
             raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
         self.cfg = cfg
         self.rows_per_batch = rows_per_batch
+        # documents may carry untrained tokens (conversations: headrace.dataio.batching.conversations)
+        self.masked = masked
         # batch assembly slices these: a row's padding tail, a segment's position_ids
         self._pad_row = np.full(cfg.seq_len, cfg.pad_id, dtype=np.int64)
         self._positions = np.arange(cfg.seq_len, dtype=np.int64)
@@ -286,6 +289,8 @@ class Packer:
         labels = np.empty_like(input_ids)
         labels[:-1] = input_ids[1:]
         labels[ends - 1] = last_labels
+        if self.masked:
+            split_untrained(input_ids, labels)
         for start, end in pads:
             labels[start:end] = IGNORE_INDEX
         position_ids = np.concatenate([self._positions[:n] for n in segments])

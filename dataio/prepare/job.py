@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
+from headrace.dataio.prepare.chat import open_chat_input
+from headrace.dataio.prepare.chat_template import tokenizer_json
 from headrace.dataio.prepare.plan import PlanError, job_fingerprint, parse_splits, plan_job, resolve_node
 from headrace.dataio.prepare.readers import ReadOptions, SampleError, open_input, skip_budget_error
 from headrace.dataio.prepare.writer import (
@@ -110,7 +112,7 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
         if opts.tokenizer:
             _check_tokenizer(opts.tokenizer)
         options = ReadOptions(kind=opts.kind, text_field=opts.text_field, audio_format=opts.audio_format)
-        inputs = [open_input(p, options) for p in opts.inputs]
+        inputs = [open_chat_input(p, options, opts.tokenizer) or open_input(p, options) for p in opts.inputs]
     except (ValueError, FileNotFoundError) as e:
         raise PrepareError(str(e)) from None
 
@@ -195,8 +197,7 @@ def shard_corpus(opts: ShardOptions, progress: Progress = silent) -> ShardReport
 
 
 def _check_tokenizer(path: str) -> None:
-    if not os.path.isfile(path):
-        raise ValueError(f"tokenizer not found: {path}")
+    tokenizer_json(path)  # ValueError naming what is missing
     try:
         load_tokenizer(path)
     except Exception as e:  # tokenizers raises a bare Exception for malformed files

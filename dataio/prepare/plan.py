@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from headrace.dataio.prepare.chat_template import tokenizer_fingerprint
 from headrace.dataio.prepare.readers import BadRecord, Entry, Input, skip_budget_error
 
 
@@ -218,7 +219,6 @@ def job_fingerprint(input_paths: list[str], options: dict, tokenizer: str | None
     tokenizer's content hash. Worker and node counts are excluded: they never change the output."""
     job = {"writer": "dataio shard/1", "inputs": [file_identity(p) for p in input_paths], "options": options}
     if tokenizer:
-        with open(tokenizer, "rb") as f:
-            job["tokenizer"] = {"path": os.path.abspath(tokenizer), "sha256": hashlib.sha256(f.read()).hexdigest()}
+        job["tokenizer"] = tokenizer_fingerprint(tokenizer)
     job["id"] = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
     return job

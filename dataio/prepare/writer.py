@@ -21,10 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from headrace.dataio.shards.formats import npy_bytes
+from headrace.dataio.shards.formats import TRAINED_MASK_MEMBER, npy_bytes
+from headrace.dataio.prepare.chat import ChatSample
+from headrace.dataio.prepare.chat_template import encode_conversations, tokenizer_json
 from headrace.dataio.prepare.plan import PlannedShard
 from headrace.dataio.prepare.readers import Input, SampleError, skip_budget_error
-from headrace.dataio.prepare.tokenize import encode_texts
+from headrace.dataio.prepare.tokenize import MAX_PIECE_CHARS, encode_texts
 from headrace.dataio.shards.index import MEMBER_DTYPE, PARTS_DIR, SAMPLE_DTYPE, ShardInfo, ShardPart
 from headrace.dataio.shards.tarwriter import TarWriter, write_atomically
 
@@ -60,11 +62,12 @@ _TOKENIZERS: dict[str, tuple[object, np.dtype]] = {}
 
 
 def load_tokenizer(path: str):
-    """``(tokenizers.Tokenizer, token dtype)``, cached per process: uint16 when the vocabulary fits."""
+    """``(tokenizers.Tokenizer, token dtype)`` of a tokenizer.json or a tokenizer directory, cached per process:
+    uint16 when the vocabulary fits."""
     if path not in _TOKENIZERS:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(tokenizer_json(path))
         dtype = np.dtype("<u2") if tok.get_vocab_size(with_added_tokens=True) <= 1 << 16 else np.dtype("<i4")
         _TOKENIZERS[path] = (tok, dtype)
     return _TOKENIZERS[path]
@@ -99,14 +102,22 @@ def _load_chunk(job: ShardJob, shard: PlannedShard, entries, skipped: list[dict]
     return samples
 
 
-def _tokenize(job: ShardJob, samples: list) -> list[np.ndarray | None]:
+def _tokenize(job: ShardJob, samples: list) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
+    """Token ids per sample, and the trained-token mask of each conversation (None for other samples)."""
     tokens: list[np.ndarray | None] = [None] * len(samples)
+    masks: list[np.ndarray | None] = [None] * len(samples)
     if job.tokenizer_path:
         tok, dtype = load_tokenizer(job.tokenizer_path)
-        with_text = [i for i, s in enumerate(samples) if s.text]
-        for i, ids in zip(with_text, encode_texts(tok, [samples[i].text for i in with_text], dtype)):
+        chats = [i for i, s in enumerate(samples) if isinstance(s, ChatSample)]
+        texts = [i for i, s in enumerate(samples) if s.text and not isinstance(s, ChatSample)]
+        for i, ids in zip(texts, encode_texts(tok, [samples[i].text for i in texts], dtype)):
             tokens[i] = ids
-    return tokens
+        encoded = encode_conversations(
+            tok, [samples[i].text for i in chats], [samples[i].spans for i in chats], dtype, MAX_PIECE_CHARS
+        )
+        for i, (ids, mask) in zip(chats, encoded):
+            tokens[i], masks[i] = ids, mask
+    return tokens, masks
 
 
 def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResult:
@@ -127,11 +138,13 @@ def write_shard(job: ShardJob, shard: PlannedShard, progress=None) -> ShardResul
         # Chunks bound memory to CHUNK samples (not a whole shard) and give the tokenizer batches.
         for start in range(0, len(shard.entries), CHUNK):
             samples = _load_chunk(job, shard, shard.entries[start : start + CHUNK], skipped)
-            for sample, ids in zip(samples, _tokenize(job, samples)):
+            for sample, ids, mask in zip(samples, *_tokenize(job, samples)):
                 payloads = dict(sample.members)
                 if ids is not None:
                     payloads["npy"] = npy_bytes(ids)
                     max_token = max(max_token, int(ids.max()) if len(ids) else -1)
+                if mask is not None:
+                    payloads[TRAINED_MASK_MEMBER] = npy_bytes(mask)
                 first_member, first_byte = len(members), tar.position
                 for ext, payload in payloads.items():
                     try:

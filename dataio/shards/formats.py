@@ -38,8 +38,13 @@ def is_audio_member(ext: str) -> bool:
     return ext.rpartition(".")[2].lower() in AUDIO_EXTENSIONS
 
 
+# A conversation's trained-token mask (uint8, 1 on the assistant's tokens; headrace.dataio.prepare.chat): an
+# .npy member beside the token ids, never a document of its own.
+TRAINED_MASK_MEMBER = "trained.npy"
+
+
 def is_token_member(ext: str) -> bool:
-    return ext == "npy" or ext.endswith(".npy")
+    return (ext == "npy" or ext.endswith(".npy")) and ext != TRAINED_MASK_MEMBER
 
 
 def npy_header(payload) -> tuple[tuple[int, ...], bool, np.dtype, int]:

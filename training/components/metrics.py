@@ -105,6 +105,9 @@ class ThroughputWindow:
         self.waits = waits  # the prefetcher's data wait per batch handed out (DevicePrefetcher.waits, appended to)
         self.flops_per_token, self.peak, self.world = flops_per_token, peak, world
         self.matmul_flops_per_token, self.flops_per_pair = matmul_flops_per_token, flops_per_pair
+        # conversations longer than seq_len left out so far (data.long_conversations: skip), this rank's running
+        # count from the loader; None without conversation data
+        self.skipped_conversations: int | None = None
         self.restart(step)
 
     def restart(self, step: int) -> None:
@@ -119,6 +122,9 @@ class ThroughputWindow:
         # this rank's batches' pairs (host ints, headrace.kernels.packed_layout); summed over dp ranks in ``figures``
         self.attention_pairs += sum(mb["attention_pairs"] for mb in micro_batches if "attention_pairs" in mb)
         self.fill += [float(mb["fill"]) for mb in micro_batches if "fill" in mb]  # packed rows only (not audio)
+        for mb in micro_batches:
+            if "skipped_conversations" in mb:
+                self.skipped_conversations = int(mb["skipped_conversations"])
 
     def figures(self, step: int, attention_pairs: float | None = None) -> tuple[dict, float]:
         """The window up to ``step``: its record fields (``tokens_per_s`` .. ``pack_fill``) and this rank's mean
