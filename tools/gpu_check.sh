@@ -25,7 +25,7 @@
 # schedules, the dependency checks -- under the machine's torch), speech_recipe (300: tools/speech_recipe.sh --size
 # gpu, bf16 + FSDP2, 3 minutes of training over its three stages, on demo/corpus_asr_gpu: 300 espeak-ng
 # utterances, ~20 MB, built where espeak-ng is and carried, since the GPU machine may lack it; prints the summary
-# line). --dry-run proves the script on a CPU machine: it adds the parts speech_corpus (builds demo/corpus_asr_gpu
+# line). --dry-run proves the script on a CPU machine: it adds (unless --parts names the parts) speech_corpus (builds demo/corpus_asr_gpu
 # with espeak-ng if absent) and carry (tools.gpu_carry: downloads the wheels the GPU image lacks into .whl and checks
 # the carry is closed and fits the 64 MiB one device call takes), runs versions and shards for real, collects the
 # pytest parts, and runs every other part under tools/gpu_dry_run (torch told a CUDA device exists) up to its first
@@ -40,11 +40,12 @@ REPORT=runs/gpu_check/report.md
 PARTS="versions shards train_headrace train_torchtitan train_plain train_float8 train_float8_rowwise train_offload"
 PARTS+=" float8_loss train_eager gpu_tests kernels moe lora train_webdataset smoke speech_recipe"
 DRY=0  # 1: --dry-run; 2: --plan
+PARTS_GIVEN=0
 BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
     case $1 in
         --report) REPORT=$2; shift 2 ;;
-        --parts) PARTS=${2//,/ }; shift 2 ;;
+        --parts) PARTS=${2//,/ }; PARTS_GIVEN=1; shift 2 ;;
         --dry-run) DRY=1; shift ;;
         --plan) DRY=2; shift ;;
         --budget) BUDGET=$2; shift 2 ;;
@@ -62,7 +63,7 @@ BOX+=([speech_corpus]=300 [carry]=120)
 COLLECT=()  # what the pytest parts add: a dry run collects (and fails on a collection error)
 GPU_TESTS_MODE=(--continue-on-collection-errors)
 if [ "$DRY" = 1 ]; then
-    PARTS="speech_corpus carry $PARTS"
+    [ "$PARTS_GIVEN" = 1 ] || PARTS="speech_corpus carry $PARTS"
     COLLECT=(--collect-only)
     GPU_TESTS_MODE=(--collect-only)
 fi
@@ -123,6 +124,8 @@ part() {
             status="dry-run: set-up ok, first CUDA call at $(head -n 1 "$marker" | sed "s#^$PWD/##")"
         elif [ "$rc" = 0 ]; then
             status="dry-run: ok, ran to the end without a CUDA call"
+        elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+            status="dry-run: timed out after ${box}s before any CUDA call"; FAILED=1
         else
             status="dry-run: failed before any CUDA call (exit $rc)"; FAILED=1
         fi
