@@ -4,8 +4,10 @@ measure needs a GPU and runs where one is lent (BENCHMARKS.md, GPU check)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,15 +45,15 @@ def _run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedPr
     return proc, report.read_text()
 
 
-def test_dry_run_reports_versions_and_lists_every_part(tmp_path):
-    proc, report = _run(tmp_path, "--dry-run")
+def test_plan_reports_versions_and_lists_every_part(tmp_path):
+    proc, report = _run(tmp_path, "--plan")
     assert proc.returncode == 0, proc.stderr
-    assert report.startswith("# GPU check: ") and "`bash tools/gpu_check.sh --dry-run`" in report
+    assert report.startswith("# GPU check: ") and "`bash tools/gpu_check.sh --plan`" in report
     table = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith(("| part", "| ---"))]
     assert [row.split(" | ")[0][2:] for row in table] == PARTS
     assert table[0].startswith("| versions | ok |")
     for row in table[1:]:
-        assert " | dry-run | " in row or " | skipped: " in row, row
+        assert " | planned | " in row or " | skipped: " in row, row
     import torch
     import transformers
 
@@ -127,3 +129,84 @@ def test_loss_gap_passes_within_its_limit_and_fails_past_it(tmp_path):
     close, far = run("close"), run("far")
     assert close.returncode == 0 and "+1.25%" in close.stdout, close.stdout + close.stderr
     assert far.returncode == 1 and "+5.00%" in far.stdout
+
+
+def _planted_checkout(tmp_path: Path, parts: dict[str, str]) -> Path:
+    """A copy of the script and its CPU stand-in beside planted tools/<module>.py parts."""
+    root = tmp_path / "checkout"
+    (root / "tools").mkdir(parents=True)
+    shutil.copy(REPO / "tools/gpu_check.sh", root / "tools")
+    shutil.copytree(REPO / "tools/gpu_dry_run", root / "tools/gpu_dry_run")
+    (root / "tools/__init__.py").write_text("")
+    for module, source in parts.items():
+        (root / f"tools/{module}.py").write_text(source)
+    return root
+
+
+def test_dry_run_stops_each_part_at_its_first_cuda_call_and_fails_a_broken_set_up(tmp_path):
+    """kernels reaches the device in a child process (the whole part stops there, its file:line reported);
+    moe breaks in its set-up, before any CUDA call: the dry run fails it, on the CPU."""
+    root = _planted_checkout(
+        tmp_path,
+        {
+            "bench_kernels": "import subprocess, sys, time, torch\n"
+            "assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)\n"
+            "subprocess.run([sys.executable, '-c', 'import torch; torch.zeros(1, device=\"cuda\")'])\n"
+            "time.sleep(60)\n",  # never reached: the child's CUDA call ended the part
+            "bench_moe": "raise SystemExit('planted: the part cannot parse its arguments')\n",
+        },
+    )
+    report_path = tmp_path / "report.md"
+    proc = subprocess.run(
+        ["bash", str(root / "tools/gpu_check.sh"), "--dry-run", "--parts", "kernels,moe", "--report", str(report_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHON=sys.executable, GPU_CHECK_TIMEOUT_KERNELS="240", GPU_CHECK_TIMEOUT_MOE="240"),
+    )
+    report = report_path.read_text()
+    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ")}
+    assert proc.returncode == 1, report
+    assert " | dry-run: set-up ok, first CUDA call at <string>:1 | " in rows["kernels"], rows["kernels"]
+    assert " | dry-run: failed before any CUDA call (exit 1) | " in rows["moe"]
+    assert "planted: the part cannot parse its arguments" in report
+    assert set(rows) == {"part", "---", "kernels", "moe"}
+
+
+def _wheel(folder: Path, name: str, version: str, requires: list[str], size: int = 0) -> None:
+    dist = f"{name.replace('-', '_')}-{version}"
+    meta = "Metadata-Version: 2.1\nName: {}\nVersion: {}\n".format(name, version)
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as zf:
+        zf.writestr(f"{dist}.dist-info/METADATA", meta)
+        zf.writestr(f"{dist}/padding.bin", os.urandom(size))
+
+
+def test_carry_check_names_an_open_requirement_and_a_carry_over_the_limit(tmp_path, capsys):
+    from tools import gpu_carry
+
+    versions = gpu_carry.pins(REPO / "constraints.txt")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.flac").write_bytes(b"x" * 1000)
+
+    def check(requires_of_torchtitan: list[str], limit_mib: float) -> tuple[int, str]:
+        wheels = tmp_path / f"whl{len(list(tmp_path.iterdir()))}"
+        wheels.mkdir()
+        for name, version in versions.items():
+            _wheel(wheels, name, version, requires_of_torchtitan if name == "torchtitan" else [], size=2**16)
+        code = gpu_carry.main(
+            ["--out", str(wheels), "--offline", "--corpus", str(corpus), "--limit-mib", str(limit_mib)]
+        )
+        return code, capsys.readouterr().err
+
+    # closed: an image package, a carried one at an accepted version, a marker that does not apply on the image
+    ok = ["numpy", "datasets<4.8", "wandb", 'colorama; sys_platform == "win32"', "einops; python_version >= '3.10'"]
+    assert check(ok, 64) == (0, "")
+    code, err = check([*ok, "not-in-the-image>=1"], 64)
+    assert code == 1 and "torchtitan needs not-in-the-image>=1: neither in the image nor carried" in err
+    code, err = check(["datasets>=5"], 64)
+    assert code == 1 and "torchtitan needs datasets>=5, carried datasets 4.7.0" in err
+    code, err = check(ok, 1)
+    assert code == 1 and "MiB, over the 1 MiB one call carries" in err

@@ -6,7 +6,8 @@
 #
 #   bash tools/gpu_check.sh                          # all parts -> runs/gpu_check/report.md
 #   bash tools/gpu_check.sh --report R.md --parts versions,kernels,moe
-#   bash tools/gpu_check.sh --dry-run                # versions for real; every other part listed, not run
+#   bash tools/gpu_check.sh --plan                   # versions for real; every other part listed, not run
+#   bash tools/gpu_check.sh --dry-run                # on a CPU, before any device call: see below
 #   bash tools/gpu_check.sh --budget 540             # a part starts only if its box fits in what is left
 #
 # Parts, in run order, the headline figures first (default box in s; GPU_CHECK_TIMEOUT_<PART>=S overrides):
@@ -24,7 +25,12 @@
 # schedules, the dependency checks -- under the machine's torch), speech_recipe (300: tools/speech_recipe.sh --size
 # gpu, bf16 + FSDP2, 3 minutes of training over its three stages, on demo/corpus_asr_gpu: 300 espeak-ng
 # utterances, ~20 MB, built where espeak-ng is and carried, since the GPU machine may lack it; prints the summary
-# line). Every box expiring: ~24 min, more than one
+# line). --dry-run proves the script on a CPU machine: it adds (unless --parts names the parts) speech_corpus (builds demo/corpus_asr_gpu
+# with espeak-ng if absent) and carry (tools.gpu_carry: downloads the wheels the GPU image lacks into .whl and checks
+# the carry is closed and fits the 64 MiB one device call takes), runs versions and shards for real, collects the
+# pytest parts, and runs every other part under tools/gpu_dry_run (torch told a CUDA device exists) up to its first
+# CUDA call, where the part stops and reports the caller's file:line; a part whose set-up breaks before that fails
+# here. Every box expiring: ~24 min, more than one
 # device call allows, so --budget S (seconds from the start) skips, and reports, each part whose box no longer
 # fits. PYTHON picks the interpreter (default python3). Exit status: 0 when every part that ran passed, 1 otherwise.
 set -uo pipefail
@@ -33,13 +39,15 @@ PY=${PYTHON:-python3}
 REPORT=runs/gpu_check/report.md
 PARTS="versions shards train_headrace train_torchtitan train_plain train_float8 train_float8_rowwise train_offload"
 PARTS+=" float8_loss train_eager gpu_tests kernels moe lora train_webdataset smoke speech_recipe"
-DRY=0
+DRY=0  # 1: --dry-run; 2: --plan
+PARTS_GIVEN=0
 BUDGET=0  # seconds; 0: no limit
 while [ $# -gt 0 ]; do
     case $1 in
         --report) REPORT=$2; shift 2 ;;
-        --parts) PARTS=${2//,/ }; shift 2 ;;
+        --parts) PARTS=${2//,/ }; PARTS_GIVEN=1; shift 2 ;;
         --dry-run) DRY=1; shift ;;
+        --plan) DRY=2; shift ;;
         --budget) BUDGET=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -49,6 +57,16 @@ declare -A BOX=([versions]=60 [smoke]=150 [gpu_tests]=240 [shards]=60 [train_hea
                 [train_plain]=120 [train_eager]=120 [kernels]=120 [moe]=45 [train_torchtitan]=240
                 [train_float8]=180 [train_float8_rowwise]=180 [train_offload]=180 [float8_loss]=300
                 [lora]=150 [speech_recipe]=300)
+# parts a CPU runs for real in a dry run; the pytest parts only collect there
+declare -A RUNS_ON_CPU=([versions]=1 [shards]=1 [speech_corpus]=1 [carry]=1 [gpu_tests]=1 [smoke]=1)
+BOX+=([speech_corpus]=300 [carry]=120)
+COLLECT=()  # what the pytest parts add: a dry run collects (and fails on a collection error)
+GPU_TESTS_MODE=(--continue-on-collection-errors)
+if [ "$DRY" = 1 ]; then
+    [ "$PARTS_GIVEN" = 1 ] || PARTS="speech_corpus carry $PARTS"
+    COLLECT=(--collect-only)
+    GPU_TESTS_MODE=(--collect-only)
+fi
 START=$(date +%s)
 for p in $PARTS; do
     [ -n "${BOX[$p]:-}" ] || { echo "gpu_check: unknown part '$p' (parts: ${!BOX[*]})" >&2; exit 2; }
@@ -92,8 +110,25 @@ part() {
         status="skipped: budget (${left}s left of ${BUDGET}s, box ${box}s)"
     elif [ -n "$absent" ]; then
         status="skipped: needs $absent (not installed here; carry its wheel: BENCHMARKS.md, GPU check)"
-    elif [ "$DRY" = 1 ] && [ "$name" != versions ]; then
-        status="dry-run"
+    elif [ "$DRY" = 2 ] && [ "$name" != versions ]; then
+        status="planned"
+    elif [ "$DRY" = 1 ] && [ -z "${RUNS_ON_CPU[$name]:-}" ]; then
+        # up to the first CUDA call (tools/gpu_dry_run/sitecustomize.py stops the part's process group there)
+        echo "gpu_check: $name (dry-run, box ${box}s): $*" >&2
+        local marker=$LOGS/$name.cuda t0; t0=$(date +%s)
+        { timeout --kill-after=10 "$box" env PYTHONPATH="$PWD/tools/gpu_dry_run${PYTHONPATH:+:$PYTHONPATH}" \
+            GPU_DRY_MARKER="$marker" "$@" >"$log" 2>&1; } 2>/dev/null  # not bash's "Killed" line: the stop is planned
+        local rc=$?
+        secs=$(($(date +%s) - t0))
+        if [ -s "$marker" ]; then
+            status="dry-run: set-up ok, first CUDA call at $(head -n 1 "$marker" | sed "s#^$PWD/##")"
+        elif [ "$rc" = 0 ]; then
+            status="dry-run: ok, ran to the end without a CUDA call"
+        elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+            status="dry-run: timed out after ${box}s before any CUDA call"; FAILED=1
+        else
+            status="dry-run: failed before any CUDA call (exit $rc)"; FAILED=1
+        fi
     else
         echo "gpu_check: $name (box ${box}s): $*" >&2
         local t0; t0=$(date +%s.%N)
@@ -115,6 +150,12 @@ part() {
     [ "$name" = versions ] && [ -s "$log" ] && cat "$log"
 }
 
+# the corpus the speech_recipe part trains on: built where espeak-ng is, carried to the GPU machine
+part speech_corpus "tokenizers soundfile" --if-absent demo/corpus_asr_gpu -- "$PY" -m tools.demo_corpus \
+    --out demo/corpus_asr_gpu --docs 3000 --utterances 300 --vocab-size 512
+DRY_SITE=runs/gpu_check/dry-site  # a dry run's copy of the carried packages this Python lacks (torchtitan's stack)
+part carry "packaging" -- "$PY" -m tools.gpu_carry --out .whl $([ "$DRY" = 1 ] && echo "--install-here $DRY_SITE")
+[ "$DRY" = 1 ] && [ -d "$DRY_SITE" ] && export PYTHONPATH="$PWD/$DRY_SITE${PYTHONPATH:+:$PYTHONPATH}"
 part versions "" -- "$PY" - <<'PY'
 import platform, shutil, subprocess
 print(f"python {platform.python_version()} ({platform.machine()})")
@@ -176,7 +217,7 @@ part float8_loss "torchao tokenizers" -- env PY="$PY" FLOAT8="$FLOAT8" bash -c \
      "$PY" -m tools.loss_gap runs/gpu_check/float8_loss_bf16.json runs/gpu_check/float8_loss_float8.json --max 0.02'
 train train_eager headrace tokenizers distributed.compile=false distributed.reshard_after_forward=true
 part gpu_tests "pytest pytest_timeout" -- \
-    "$PY" -m pytest -v --tb=short -p no:cacheprovider --timeout=300 -m gpu --continue-on-collection-errors tests
+    "$PY" -m pytest -v --tb=short -p no:cacheprovider --timeout=300 -m gpu "${GPU_TESTS_MODE[@]}" tests
 part kernels "" -- "$PY" -m tools.bench_kernels all --device cuda --dtype bfloat16
 part moe "" -- "$PY" -m tools.bench_moe experts --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
     --intermediate 768 --experts 64 --top-k 8
@@ -186,8 +227,7 @@ part lora "" -- env PY="$PY" bash -c 'for mode in lora full; do "$PY" -m tools.b
     --hidden 2048 --layers 16 --seq-len 4096 --batch 2 --steps 12 --warmup 4 --precision bf16 || exit 1; done'
 train train_webdataset webdataset "tokenizers webdataset"
 part smoke "pytest pytest_timeout webdataset soundfile" -- \
-    env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${SMOKE[@]}"
-# the corpus: python -m tools.demo_corpus --out demo/corpus_asr_gpu --docs 3000 --utterances 300 --vocab-size 512
+    env OMP_NUM_THREADS=1 "$PY" -m pytest -q -p no:cacheprovider --timeout=300 "${COLLECT[@]}" "${SMOKE[@]}"
 part speech_recipe "tokenizers soundfile webdataset" -- env PYTHON="$PY" bash tools/speech_recipe.sh \
     --manifest demo/corpus_asr_gpu/audio_manifest.jsonl --text demo/corpus_asr_gpu/text.jsonl \
     --out runs/gpu_check/speech_recipe --minutes 3 --size gpu --eval-every 50
@@ -195,7 +235,7 @@ part speech_recipe "tokenizers soundfile webdataset" -- env PYTHON="$PY" bash to
 {
     printf '# GPU check: %s\n\n' "$(date -u '+%Y-%m-%d %H:%M UTC')"
     printf 'commit %s%s; `bash tools/gpu_check.sh%s`\n\n' "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        "$(git diff --quiet HEAD 2>/dev/null || echo ' (+ local changes)')" "$([ "$DRY" = 1 ] && echo ' --dry-run')"
+        "$(git diff --quiet HEAD 2>/dev/null || echo ' (+ local changes)')" "$(case $DRY in 1) echo ' --dry-run' ;; 2) echo ' --plan' ;; esac)"
     printf '| part | status | wall s |\n| --- | --- | ---: |\n'
     printf '%s\n' "${SUMMARY[@]}"
     printf '\n'
