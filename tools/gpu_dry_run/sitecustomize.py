@@ -69,8 +69,10 @@ if MARKER:
     torch.cuda.get_device_capability = lambda *a, **k: (H200.major, H200.minor)
     torch.cuda.get_device_properties = lambda *a, **k: H200
     torch.cuda.get_device_name = lambda *a, **k: H200.name
-    for name in ("_lazy_init", "init", "set_device", "Stream", "Event", "synchronize", "mem_get_info"):
+    for name in ("_lazy_init", "init", "set_device", "synchronize", "mem_get_info"):
         setattr(torch.cuda, name, _stopper())
+    for name in ("Stream", "Event"):  # classes still: annotations such as `torch.cuda.Stream | None` must evaluate
+        setattr(torch.cuda, name, type(name, (), {"__new__": _stopper()}))
     torch.Tensor.pin_memory = _stopper()
     torch.distributed.is_nccl_available = lambda: True
     torch.distributed.init_process_group = _nccl_aware(torch.distributed.init_process_group)
