@@ -66,7 +66,8 @@ def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = json.loads((out / "summary.json").read_text())
     assert printed == summary
-    assert set(summary) == {"wer", "listening_ratio", "ctc_wer", "val_utterances", "train_minutes"}
+    assert set(summary) == {"wer", "listening_ratio", "ctc_wer", "val_utterances", "ended", "train_minutes"}
+    assert 0 <= summary["ended"] <= summary["val_utterances"]
     assert summary["val_utterances"] == 2
     for key in ("wer", "listening_ratio", "ctc_wer", "train_minutes"):
         assert math.isfinite(summary[key]) and summary[key] >= 0, summary
