@@ -32,7 +32,7 @@ def planted_bridge(vocab: int, width: int, hidden: int, subsampling: int) -> CTC
 
 def test_the_bridge_writes_the_heads_tokens_as_their_embeddings():
     """Frames sure of token 2, of blank, of token 1: with subsampling 1 the positions are embed[2], zero (blank
-    adds nothing), embed[1]; with subsampling 2 the first position is the mean of embed[2] and nothing."""
+    adds nothing), embed[1]; with subsampling 2 the first position sums embed[2] and nothing."""
     vocab, hidden = 4, 6
     table = torch.randn(vocab + 3, hidden)  # the LLM's table may be larger than the head's vocabulary
     frames = torch.zeros(1, 3, vocab + 1)
@@ -43,7 +43,7 @@ def test_the_bridge_writes_the_heads_tokens_as_their_embeddings():
     got = token_embeddings(out[0], table)
     torch.testing.assert_close(got, torch.stack([table[2], torch.zeros(hidden), table[1]]), atol=1e-4, rtol=0)
     stacked = token_embeddings(planted_bridge(vocab, vocab + 1, hidden, 2)(frames)[0], table)
-    torch.testing.assert_close(stacked, torch.stack([table[2] / 2, table[1] / 2]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(stacked, torch.stack([table[2], table[1]]), atol=1e-4, rtol=0)
 
 
 def test_a_bridged_salm_builds_loads_the_ctc_head_and_trains_it(tmp_path):
@@ -63,6 +63,7 @@ def test_a_bridged_salm_builds_loads_the_ctc_head_and_trains_it(tmp_path):
     materialize_salm(model, torch.device("cpu"), None)
     assert isinstance(model.adapter, CTCBridge) and model.ctc_head is None and model.llm.token_mass
     torch.testing.assert_close(model.adapter.head.weight.detach(), head["weight"])
+    assert not model.adapter.mlp.proj_out.weight.any()  # starts as the head's token embeddings alone
     from headrace.training.speech.job import SpeechBatches
     from tests.dist.speech_common import audio_batches
 

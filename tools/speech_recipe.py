@@ -329,7 +329,11 @@ def ctc_job(recipe: Recipe, paths: dict) -> dict:
         spec_augment=dict(freq_masks=2, freq_width=15, time_masks=4, time_width=0.05),
     )
     # the bridge reads the head's posteriors through the LLM's embedding table: its units are the LLM's tokens
-    units = dict(ctc=dict(units="tokens"), tokenizer=str(paths["tokenizer"])) if recipe.bridge else {}
+    units = (
+        dict(ctc=dict(units="tokens"), tokenizer=str(paths["tokenizer"]))
+        if recipe.bridge
+        else dict(ctc=dict(units="chars"))
+    )
     return dict(
         common(recipe, "ctc", 1.5e-3),
         model=dict(kind="ctc", speech=speech, **units),

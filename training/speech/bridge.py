@@ -6,9 +6,12 @@ that stage's ``head/``), kept training with ``model.speech.ctc_weight``. Each LL
 
     mlp(stacked frames) + sum_v p(v) * embed_tokens[v]
 
-where ``p`` is the head's softmax over the tokens, averaged over the ``subsampling`` frames the position
-stacks (blank's mass adds nothing). Where the head is sure, the position holds that token's own input
-embedding: the LLM reads the transcript it would have to write, in order, and has to copy it (an operation a
+where ``p`` is the head's softmax over the tokens, summed over the ``subsampling`` frames the position
+stacks (blank's mass adds nothing; CTC's posteriors are peaky, one frame per token, so a sum keeps a token's
+whole embedding where a mean would halve it). The mlp's output layer starts at zero: at the first step the
+audio positions are exactly the head's token embeddings, and the projection learns what to add (a random
+projection's output is ~10x a fresh embedding's scale and would bury them). Where the head is sure, the
+position holds that token's own input embedding: the LLM reads the transcript it would have to write, in order, and has to copy it (an operation a
 causal LM learns in a few hundred steps) instead of learning an audio language through a fresh projection.
 The slot count is the plain adapter's (the layout of ``headrace.training.speech.prompt`` is unchanged).
 
@@ -39,12 +42,12 @@ class CTCBridge(nn.Module):
         return self.mlp.output_lengths(lengths)
 
     def token_mass(self, frames: torch.Tensor) -> torch.Tensor:
-        """``[B, T', vocab]``: the head's token probabilities (blank dropped), averaged over each stack."""
+        """``[B, T', vocab]``: the head's token probabilities (blank dropped), summed over each stack."""
         probs = self.head(frames).float().softmax(-1)[..., : self.vocab_size]
         batch, time, vocab = probs.shape
         pad = (-time) % self.subsampling
         probs = nn.functional.pad(probs, (0, 0, 0, pad))
-        return probs.reshape(batch, (time + pad) // self.subsampling, self.subsampling, vocab).mean(2)
+        return probs.reshape(batch, (time + pad) // self.subsampling, self.subsampling, vocab).sum(2)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         projected = self.mlp(frames)
@@ -53,6 +56,9 @@ class CTCBridge(nn.Module):
     def reset_parameters(self) -> None:
         self.head.reset_parameters()
         self.mlp.reset_parameters()
+        nn.init.zeros_(self.mlp.proj_out.weight)  # the module docstring: start as the head's token embeddings
+        if self.mlp.proj_out.bias is not None:
+            nn.init.zeros_(self.mlp.proj_out.bias)
 
 
 def token_embeddings(audio_embeds: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
