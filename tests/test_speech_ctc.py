@@ -178,10 +178,13 @@ def test_ctc_config_errors(tmp_path):
 
 def test_not_listening_warning_rule():
     assert not_listening_warning({"step": 99, "val_listening_ratio": 1.0}, 100) is None
-    assert not_listening_warning({"step": 100, "val_listening_ratio": 0.97}, 100) is None
     assert not_listening_warning({"step": 100, "val_loss": 1.0}, 100) is None  # a text job's record
-    line = not_listening_warning({"step": 100, "val_listening_ratio": 0.99}, 100)
-    assert "step 100" in line and "not listening" in line and "model.speech.encoder.pretrained_path" in line
+    # issue 42's run: ratio 0.951 with WER 2.6 (transcript-like text unrelated to the audio) is warned
+    line = not_listening_warning({"step": 200, "val_listening_ratio": 0.951}, 200)
+    assert "step 200" in line and "not listening" in line and "kind: ctc_bridge" in line
+    # a model that listens (the bridge runs' ratios, BENCHMARKS.md) is not
+    assert not_listening_warning({"step": 200, "val_listening_ratio": 0.45}, 200) is None
+    assert not_listening_warning({"step": 200, "val_listening_ratio": 0.79}, 200) is None
 
 
 def test_a_salm_that_ignores_the_audio_is_warned_once(tmp_path, process_group, capsys):

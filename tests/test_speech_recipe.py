@@ -66,7 +66,8 @@ def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = json.loads((out / "summary.json").read_text())
     assert printed == summary
-    assert set(summary) == {"wer", "listening_ratio", "ctc_wer", "val_utterances", "train_minutes"}
+    assert set(summary) == {"wer", "listening_ratio", "ctc_wer", "val_utterances", "ended", "train_minutes"}
+    assert 0 <= summary["ended"] <= summary["val_utterances"]
     assert summary["val_utterances"] == 2
     for key in ("wer", "listening_ratio", "ctc_wer", "train_minutes"):
         assert math.isfinite(summary[key]) and summary[key] >= 0, summary
@@ -81,3 +82,26 @@ def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
 def test_recipe_refuses_a_missing_manifest(tmp_path, capsys):
     assert main(["--manifest", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_every_preset_builds_valid_stage_jobs(tmp_path):
+    """The gpu preset (tools/gpu_check.sh's speech_recipe part) and the cpu one give typed, valid jobs for every
+    stage, bridge or not, whatever the SALM stage does with its LLM (a GPU run is gpu_check's; here the configs)."""
+    from headrace.training.config.load import load_job_config
+    from tools.speech_recipe import Recipe, ctc_job, llm_job, salm_job
+
+    paths = {name: tmp_path / name for name in ("train", "val", "text", "text_val", "tokenizer")}
+    paths.update(val_utterances=2, tokens_per_second=12.0, vocab_size=512)
+    for size in ("gpu", "cpu"):
+        for llm, bridge in (("trained", True), ("lora", True), ("frozen", False)):
+            recipe = Recipe(manifest=tmp_path / "m.jsonl", out=tmp_path / "run", size=size, llm=llm, bridge=bridge)
+            llm_cfg = load_job_config(None, base=llm_job(recipe, paths))
+            ctc_cfg = load_job_config(None, base=ctc_job(recipe, paths))
+            salm_cfg = load_job_config(None, base=salm_job(recipe, paths))
+            assert llm_cfg.optim.schedule == ctc_cfg.optim.schedule == salm_cfg.optim.schedule == "minutes"
+            assert ctc_cfg.model.ctc.units == ("tokens" if bridge else "chars")
+            assert salm_cfg.model.speech.adapter.kind == ("ctc_bridge" if bridge else "mlp")
+            assert salm_cfg.model.speech.freeze_llm == (llm == "frozen")
+            assert (salm_cfg.peft is not None) == (llm == "lora")
+            assert salm_cfg.model.speech.max_tokens_per_second == 12.0
+            assert llm_cfg.model.config["vocab_size"] == 512 and llm_cfg.data.val is not None

@@ -6,22 +6,28 @@ Stages, each a ``headrace.training`` job run in this process (one process group 
 beside their outputs (``DIR/<stage>/config.yaml``):
 
 1. split: every manifest line goes to val when ``sha1(audio_filepath) mod 100 < val_percent`` (held-out
-   sentences, the same split whatever the line order), else train; a BPE tokenizer (512 pieces, nearly
-   characters: sub-words of unseen words still spell them) on the text (``--text`` documents + the train
-   transcripts); shards: ``DIR/shards/{train,val,text}`` (``dataio shard``);
-2. ``llm``: a small Llama trained on the text shards (``model.kind: causal_lm``);
-3. ``ctc``: the speech encoder trained alone with CTC over characters (``model.kind: ctc``), validated by
-   greedy decodes (its WER is the summary's ``ctc_wer``);
-4. ``salm``: encoder from ``ctc/encoder``, LLM from ``llm/hf``; ``--llm frozen`` (default) freezes it and trains
-   encoder + adapter, ``--llm trained`` fine-tunes all; validation gives the listening ratio every
-   ``eval_every`` steps, and the val split is decoded every ``decode_every`` validations (WER on the curve);
-5. eval: greedy transcripts of the val split with the SALM's export (``headrace.training.speech.eval``): the
-   summary's ``wer`` and ``listening_ratio``.
+   sentences, the same split whatever the line order), else train; the LLM's text: ``--text`` documents, else
+   documentation shipped with the install (``shipped_documents``), minus any document holding a held-out
+   transcript, plus the train transcripts, 2% of it held out for the LLM's perplexity; a BPE tokenizer (512
+   pieces, nearly characters: sub-words of unseen words still spell them) on that text; shards:
+   ``DIR/shards/{train,val,text,text_val}`` (``dataio shard``);
+2. ``llm``: a small Llama trained on the text shards (``model.kind: causal_lm``), its held-out loss logged;
+3. ``ctc``: the speech encoder trained alone with CTC over the tokenizer's pieces (``model.kind: ctc``,
+   ``ctc.units: tokens``; characters with ``--no-bridge``), validated by greedy decodes (its WER is the
+   summary's ``ctc_wer``);
+4. ``salm``: encoder from ``ctc/encoder``, LLM from ``llm/hf``, the ``ctc_bridge`` adapter over the CTC
+   stage's head (``headrace.training.speech.bridge``: the head's token posteriors through the LLM's embedding
+   table) with ``ctc_weight`` 0.3 on it; ``--llm trained`` (default) fine-tunes the LLM, ``lora`` trains LoRA
+   on its projections, ``frozen`` freezes it; validation gives the listening ratio every ``eval_every``
+   steps, and the val split is decoded every ``decode_every`` validations (WER on the curve);
+5. eval: greedy transcripts of the val split with the SALM's export (``headrace.training.speech.eval``), each
+   capped at the audio's duration times the train data's fastest token rate (+25%): the summary's ``wer``,
+   ``listening_ratio`` and ``ended``.
 
 The ``--minutes`` budget is the training wall time of stages 2-4 together (validation included), shared
-``SHARES``; each stage stops at the first step past its share (``trainer.max_minutes``), its LR schedule set
-over ``max_steps`` (so a stage the budget cuts short ends before its cosine's tail). Prints one JSON line and
-writes it to ``DIR/summary.json``: ``wer``, ``listening_ratio``, ``ctc_wer``, ``val_utterances``,
+``SHARES``; each stage stops at the first step past its share (``trainer.max_minutes``), its LR cosine run
+over that share's wall clock (``optim.schedule: minutes``). Prints one JSON line and writes it to
+``DIR/summary.json``: ``wer``, ``listening_ratio``, ``ctc_wer``, ``val_utterances``, ``ended``,
 ``train_minutes``.
 """
 
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VAL_PERCENT = 5
+TEXT_VAL = 0.02  # of the LLM's text documents (by their SHA-1), held out for its perplexity
 VOCAB_SIZE = 512
 SHARES = {"llm": 0.2, "ctc": 0.4, "salm": 0.4}  # of --minutes
 PROMPT = "<|audio|> text:"
@@ -60,10 +67,11 @@ SIZES = {
             activation_dropout=0.0,
         ),
         features=dict(kind="nemo", n_mels=80),
-        batch_seconds=60.0,
+        batch_seconds=40.0,
         seq_len=256,
         text_batch=16,
-        max_steps=3000,
+        documents=12000,
+        max_steps=100_000,
         eval_every=100,
         decode_every=2,
         precision="fp32",
@@ -88,7 +96,8 @@ SIZES = {
         batch_seconds=300.0,
         seq_len=512,
         text_batch=64,
-        max_steps=3000,
+        documents=12000,
+        max_steps=100_000,
         eval_every=100,
         decode_every=2,
         precision="bf16",
@@ -113,6 +122,7 @@ SIZES = {
         batch_seconds=8.0,
         seq_len=64,
         text_batch=4,
+        documents=200,
         max_steps=2,
         eval_every=2,
         decode_every=1,
@@ -129,7 +139,8 @@ class Recipe:
     minutes: float = 45.0
     size: str = "cpu"
     max_steps: int | None = None  # per stage; None: the preset's (the budget stops a stage first)
-    llm: str = "frozen"  # frozen | trained
+    llm: str = "trained"  # the SALM stage's LLM: frozen | lora | trained
+    bridge: bool = True  # the ctc_bridge adapter over the CTC stage's token head (else the plain mlp)
     eval_every: int | None = None  # validation interval of the speech stages; None: the preset's
 
 
@@ -193,26 +204,74 @@ def prepare(recipe: Recipe) -> dict[str, Path]:
     work = recipe.out / "data"
     work.mkdir(parents=True, exist_ok=True)
     parts = split_manifest(recipe.manifest, work)
-    texts = [r["text"] for r in parts["train"]]
-    if recipe.text is not None:
-        texts += [r["text"] for r in read_jsonl(recipe.text)]
-    (work / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    documents = read_jsonl(recipe.text) if recipe.text is not None else shipped_documents(SIZES[recipe.size])
+    texts = [r["text"] for r in parts["train"]] + without_held_out(
+        [d["text"] for d in documents], [r["text"] for r in parts["val"]]
+    )
+    held = set(sorted(texts, key=lambda t: hashlib.sha1(t.encode()).hexdigest())[: max(1, int(len(texts) * TEXT_VAL))])
+    for name, rows in (("text", [t for t in texts if t not in held]), ("text_val", sorted(held))):
+        (work / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows), encoding="utf-8")
     tokenizer = work / "tokenizer.json"
     if not tokenizer.exists():
         train_tokenizer(texts, VOCAB_SIZE, tokenizer)
     shards = recipe.out / "shards"
-    paths = {"tokenizer": tokenizer, "train": shards / "train", "val": shards / "val", "text": shards / "text"}
-    shard(work / "train.jsonl", paths["train"], "train", tokenizer)
-    shard(work / "val.jsonl", paths["val"], "val", tokenizer)
-    shard(work / "text.jsonl", paths["text"], "train", tokenizer)
-    return {**paths, "val_utterances": len(parts["val"])}
+    paths = {name: shards / name for name in ("train", "val", "text", "text_val")}
+    paths["tokenizer"] = tokenizer
+    for name in paths:
+        if name != "tokenizer":
+            shard(work / f"{name}.jsonl", paths[name], "val" if name.endswith("val") else "train", tokenizer)
+    return {
+        **paths,
+        "val_utterances": len(parts["val"]),
+        "tokens_per_second": tokens_per_second(parts["train"], tokenizer),
+        "vocab_size": vocab_size(tokenizer),
+    }
+
+
+def shipped_documents(size: dict) -> list[dict]:
+    """The LLM's text when ``--text`` is absent: documentation that ships with the install (the demo corpus's:
+    package READMEs and standard-library docstrings, ``headrace.dataio.bench.documents``), ``size["documents"]``
+    of them: far more language than the transcripts, so the LLM learns it instead of memorising them."""
+    from headrace.dataio.bench.documents import select_documents
+
+    return [{"text": d.text} for d in select_documents(size["documents"])]
+
+
+def without_held_out(documents: list[str], held_out: list[str]) -> list[str]:
+    """``documents`` minus every one that contains a held-out transcript (the demo corpus speaks sentences of
+    these very documents: the LLM must not have read the val sentences)."""
+    return [d for d in documents if not any(h in d for h in held_out)]
+
+
+def vocab_size(tokenizer: Path) -> int:
+    """The tokenizer's pieces (up to ``VOCAB_SIZE``; fewer on a small text): the LLM's vocabulary, so that the CTC
+    stage's token head (its units + blank) is the bridge's head over exactly the LLM's tokens."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+
+
+def tokens_per_second(rows: list[dict], tokenizer: Path) -> float:
+    """The generation cap's rate (``model.speech.max_tokens_per_second``): the fastest train utterance's answer
+    tokens a second, with a quarter more room."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    return 1.25 * max(len(tok.encode(r["text"]).ids) / max(r["duration"], 0.1) for r in rows)
 
 
 def common(recipe: Recipe, stage: str, lr: float) -> dict:
     size = SIZES[recipe.size]
     return dict(
         distributed=dict(strategy="fsdp2"),
-        optim=dict(lr=lr, warmup_steps=min(50, recipe.max_steps or 50), weight_decay=0.01, max_grad_norm=1.0),
+        optim=dict(
+            lr=lr,
+            warmup_steps=min(50, recipe.max_steps or 50),
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            schedule="minutes",  # the cosine ends with the stage's share of the budget, whatever its step rate
+            min_lr_ratio=0.05,
+        ),
         trainer=dict(
             max_steps=recipe.max_steps or size["max_steps"],
             max_minutes=recipe.minutes * SHARES[stage],
@@ -241,20 +300,24 @@ def speech_data(paths: dict, recipe: Recipe) -> dict:
 def llm_job(recipe: Recipe, paths: dict) -> dict:
     size = SIZES[recipe.size]
     model = dict(
-        model_type="llama", vocab_size=VOCAB_SIZE, max_position_embeddings=1024, tie_word_embeddings=True, **size["llm"]
+        model_type="llama",
+        vocab_size=paths["vocab_size"],
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        **size["llm"],
     )
     return dict(
         common(recipe, "llm", 3e-3),
         model=dict(config=model, tokenizer=str(paths["tokenizer"])),
         data=dict(
             datasets=[dict(path=str(paths["text"]))],
+            val=dict(datasets=[dict(path=str(paths["text_val"]), split="val")]),
             seq_len=size["seq_len"],
             batch_size=size["text_batch"],
             packing="best_fit",
             seed=0,
             num_workers=1,
         ),
-        trainer=dict(common(recipe, "llm", 3e-3)["trainer"], eval_every=0),
     )
 
 
@@ -265,30 +328,45 @@ def ctc_job(recipe: Recipe, paths: dict) -> dict:
         features=size["features"],
         spec_augment=dict(freq_masks=2, freq_width=15, time_masks=4, time_width=0.05),
     )
+    # the bridge reads the head's posteriors through the LLM's embedding table: its units are the LLM's tokens
+    units = (
+        dict(ctc=dict(units="tokens"), tokenizer=str(paths["tokenizer"]))
+        if recipe.bridge
+        else dict(ctc=dict(units="chars"))
+    )
     return dict(
         common(recipe, "ctc", 1.5e-3),
-        model=dict(kind="ctc", ctc=dict(units="chars"), speech=speech),
+        model=dict(kind="ctc", speech=speech, **units),
         data=speech_data(paths, recipe),
     )
 
 
 def salm_job(recipe: Recipe, paths: dict) -> dict:
     size = SIZES[recipe.size]
+    adapter = (
+        dict(kind="ctc_bridge", subsampling=2, head_path=str(recipe.out / "ctc" / "head"))
+        if recipe.bridge
+        else dict(subsampling=2)
+    )
     speech = dict(
         encoder=dict(kind="parakeet", pretrained_path=str(recipe.out / "ctc" / "encoder")),
-        adapter=dict(subsampling=2),
+        adapter=adapter,
         features=size["features"],
         prompt=PROMPT,
         freeze_llm=recipe.llm == "frozen",
+        ctc_weight=0.3 if recipe.bridge else 0.0,  # keeps the bridge's head a CTC head while the rest moves
         spec_augment=dict(freq_masks=2, freq_width=15, time_masks=2, time_width=0.05),
         max_new_tokens=96,
+        max_tokens_per_second=paths["tokens_per_second"],
         eval_split="val",
         eval_data=str(paths["val"]),
         eval_every=size["decode_every"] * (recipe.eval_every or size["eval_every"]),
         eval_batch_duration=120.0,
     )
+    peft = dict(peft=dict(target_modules=["*_proj"], dim=16, alpha=32)) if recipe.llm == "lora" else {}
     return dict(
         common(recipe, "salm", 1e-3),
+        **peft,
         model=dict(
             kind="salm",
             pretrained_path=str(recipe.out / "llm" / "hf"),
@@ -347,6 +425,7 @@ def run(recipe: Recipe) -> dict:
         "listening_ratio": result["listening_ratio"],
         "ctc_wer": last_val(ctc_records, "val_wer"),
         "val_utterances": result["utterances"],
+        "ended": result["ended"],
         "train_minutes": round(minutes, 2),
     }
     if result["utterances"] != paths["val_utterances"]:
@@ -370,9 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=45.0, help="training wall time of all stages together")
     parser.add_argument(
         "--llm",
-        choices=["frozen", "trained"],
-        default="frozen",
-        help="the SALM stage's LLM: frozen (encoder + adapter trained) or fine-tuned too",
+        choices=["frozen", "lora", "trained"],
+        default="trained",
+        help="the SALM stage's LLM: frozen (encoder + adapter trained), LoRA on its projections, or fine-tuned",
+    )
+    parser.add_argument(
+        "--no-bridge",
+        action="store_true",
+        help="the plain mlp adapter instead of the ctc_bridge (CTC over chars, no token posteriors to the LLM)",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu", help="model sizes (tiny: the smoke test's)")
     parser.add_argument(
@@ -401,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             size=args.size,
             max_steps=args.max_steps,
             llm=args.llm,
+            bridge=not args.no_bridge,
             eval_every=args.eval_every,
         )
     )

@@ -32,6 +32,7 @@ def read_curve(metrics: Path) -> list[dict]:
             points.append(
                 {
                     "step": r["step"],
+                    "minutes": r.get("minutes"),
                     "train_loss": sum(window) / len(window) if window else None,
                     "val_loss": r["val_loss"],
                     "val_mismatched_loss": r.get("val_mismatched_loss"),
@@ -45,6 +46,7 @@ def read_curve(metrics: Path) -> list[dict]:
 
 
 COLUMNS = (
+    ("minutes", "minutes"),  # wall time since the stage began (validation records carry it)
     ("train_loss", "train loss"),
     ("val_loss", "val loss (own audio)"),
     ("val_mismatched_loss", "val loss (mismatched audio)"),
@@ -70,7 +72,7 @@ def stage_curves(path: Path) -> dict[str, list[dict]]:
     if path.is_dir():
         return {
             stage: read_curve(path / stage / "metrics.jsonl")
-            for stage in ("ctc", "salm")
+            for stage in ("llm", "ctc", "salm")
             if (path / stage / "metrics.jsonl").is_file()
         }
     return {path.parent.name: read_curve(path)}

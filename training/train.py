@@ -54,6 +54,7 @@ from headrace.training.components.metrics import (
     peak_flops,
 )
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr
+from headrace.training.components.wall_clock import WallClock
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
 from headrace.training.config.job_config import JobConfig
@@ -117,9 +118,11 @@ class Trainer:
     first_loss: float | torch.Tensor | None = None
     saver: saver.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
     warned: bool = False  # the kind's ``val_warning`` was said (once a run)
+    clock: WallClock = field(init=False)  # trainer.max_minutes spent (the stop and optim.schedule: minutes)
 
     def __post_init__(self):
         self.saver = saver.Saver(self.cfg.checkpoint.async_mode)
+        self.clock = WallClock(None, self.device)
 
     @property
     def out_dir(self) -> Path:
@@ -226,7 +229,7 @@ def resume(trainer: Trainer, loader) -> None:
 def take_step(trainer: Trainer, micro_batches: list[dict], profiler: StepProfiler) -> dict:
     """Step ``trainer.step``: its learning rate, fresh per-step counters, then ``train_step`` (or the pipeline's)."""
     cfg, loss_mesh = trainer.cfg, trainer.dims.get_mesh("dp_cp")
-    set_lr(trainer.optimizer, lr_at(trainer.step, cfg.optim, cfg.trainer.max_steps))
+    set_lr(trainer.optimizer, lr_at(trainer.step, cfg.optim, cfg.trainer.max_steps, trainer.clock.fraction))
     moe.reset_step(trainer.model)
     reset_exchanged_bytes()  # cp_bytes_sent is per step
     with profiler.step(trainer.step):
@@ -337,7 +340,7 @@ def loop_steps(
     cfg = trainer.cfg
     max_steps = cfg.trainer.max_steps
     inputs = even_if_finite(batches, cfg)
-    out_of_time = time_budget(cfg.trainer.max_minutes, trainer.device)
+    trainer.clock = WallClock(cfg.trainer.max_minutes, trainer.device)
     last = False
     while not last and trainer.step < max_steps:
         try:
@@ -351,7 +354,7 @@ def loop_steps(
             stats = take_step(trainer, micro, profiler)
         window.add(micro, trainer.dims.dp * trainer.dims.cp)
         step = trainer.step
-        last = step == max_steps or out_of_time()
+        last = step == max_steps or trainer.clock.out_of_time()
         if last and step < max_steps:
             print_on_rank0(f"trainer.max_minutes {cfg.trainer.max_minutes:g} spent: step {step} is the last")
         if step % cfg.trainer.log_every == 0 or last:
@@ -369,7 +372,7 @@ def loop_steps(
                 logger.log_decoded(step, decoded)
         if validate is not None and (step % cfg.trainer.eval_every == 0 or last):
             with window.paused():  # validation time is not training throughput
-                record = {"step": step, **validate()}
+                record = {"step": step, "minutes": trainer.clock.minutes(), **validate()}
             logger.log_val(record)
             if trainer.kind.val_warning is not None and not trainer.warned:
                 if line := trainer.kind.val_warning(record, cfg):  # said once a run (a SALM not listening)
@@ -378,21 +381,6 @@ def loop_steps(
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and not last:
             with window.paused():  # checkpoint time is not training throughput
                 save_checkpoint(trainer, batches)
-
-
-def time_budget(minutes: float | None, device: torch.device) -> Callable[[], bool]:
-    """``out_of_time()``: whether ``minutes`` of wall time have passed since this call, on rank 0's clock (one
-    broadcast per call, so every rank stops after the same step); always False without a budget."""
-    if minutes is None:
-        return lambda: False
-    start = time.perf_counter()
-
-    def out_of_time() -> bool:
-        spent = torch.tensor([float(time.perf_counter() - start >= minutes * 60)], device=device)
-        dist.broadcast(spent, src=0)
-        return bool(spent.item())
-
-    return out_of_time
 
 
 def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:

@@ -52,12 +52,18 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, announce: bool = True) -
     )
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Linear warmup over ``warmup_steps`` (step 1 gets lr/warmup), then cosine down to ``lr * min_lr_ratio``."""
+def lr_at(step: int, cfg: OptimConfig, max_steps: int, budget_spent: float = 0.0) -> float:
+    """Linear warmup over ``warmup_steps`` (step 1 gets lr/warmup), then cosine down to ``lr * min_lr_ratio``:
+    over the steps after warmup (``schedule: steps``), or over the wall-clock budget (``schedule: minutes``:
+    ``budget_spent`` is the fraction of ``trainer.max_minutes`` gone, so a run the clock stops ends at the floor
+    whatever its step rate)."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    decay_steps = cfg.decay_steps or max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.schedule == "minutes":
+        progress = min(1.0, max(0.0, budget_spent))
+    else:
+        decay_steps = cfg.decay_steps or max(1, max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

@@ -156,6 +156,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 0
     decay_steps: int | None = None  # default: trainer.max_steps - warmup_steps
+    # what the cosine runs over: steps (max_steps or decay_steps) or minutes (trainer.max_minutes' wall clock, rank
+    # 0's: a run the budget stops ends at the floor whatever steps it got)
+    schedule: Literal["steps", "minutes"] = "steps"
     min_lr_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
 
@@ -187,7 +190,7 @@ class TrainerConfig:
     )
     # a wall-clock budget (validation and decodes included): the first step that ends past it is the last one (it
     # logs, validates, saves and exports as max_steps' would); rank 0's clock decides for every rank. The LR
-    # schedule still runs over max_steps: set max_steps near what the budget buys
+    # schedule runs over max_steps unless optim.schedule: minutes
     max_minutes: float | None = None
 
 

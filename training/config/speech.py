@@ -69,15 +69,21 @@ class AdapterConfig:
 
     # linear: one Linear, no stacking (Qwen2-Audio's projector). Unset here and below: the speech-LLM checkpoint's,
     # else mlp, subsampling 2 (1 for linear), bias true (``with_defaults``)
-    kind: Literal["mlp", "linear"] | None = None
+    # ctc_bridge: the mlp plus a CTC head over the LLM's tokens whose posteriors enter through the LLM's embedding
+    # table (headrace.training.speech.bridge)
+    kind: Literal["mlp", "linear", "ctc_bridge"] | None = None
     subsampling: int | None = None
     hidden_size: int | None = None  # of the middle layer; None: the LLM's hidden size
     bias: bool | None = None  # of the mlp's two Linears (Voxtral's projector has none)
     # a directory with model.safetensors (an export's adapter/), or a speech-LLM checkpoint (its projector)
     pretrained_path: str | None = None
+    # ctc_bridge: a model.kind ctc export's head/ (ctc.units: tokens, the SALM's tokenizer) to start the head from
+    head_path: str | None = None
     freeze: bool = False
 
     def __post_init__(self):
+        if self.head_path is not None and self.kind != "ctc_bridge":
+            raise ValueError(f"head_path is the ctc_bridge adapter's; kind is {self.kind}")
         if self.subsampling is not None and self.subsampling < 1:
             raise ValueError(f"subsampling must be >= 1, got {self.subsampling}")
         if self.kind == "linear" and self.subsampling not in (None, 1):
@@ -118,10 +124,13 @@ class SpeechConfig:
     ctc_weight: float = 0.0
     max_answer_tokens: int = 256  # longer answers are cut (counted in the step's metrics)
     max_new_tokens: int = 64  # greedy decoding length in eval
+    # and at most this many tokens a second of audio (+ 4): a hypothesis that does not end is cut near what was
+    # said (headrace.training.speech.eval.token_caps); 25 is above any speaking rate in characters
+    max_tokens_per_second: float = 25.0
     eval_every: int = 0  # decode the training dataset's eval_split every N steps, print the WER (0: never)
-    # the first validation at or past this step whose listening ratio is still >= 0.98 prints a warning, once
+    # the first validation at or past this step whose listening ratio is still >= 0.8 prints a warning, once
     # (headrace.training.speech.listening.not_listening_warning)
-    warn_not_listening_after: int = 500
+    warn_not_listening_after: int = 200
     eval_split: str = "val"
     eval_data: str | None = None  # the dataset folder eval_every decodes; None: the first training dataset's
     eval_batch_duration: float = 60.0  # seconds of padded audio per eval batch

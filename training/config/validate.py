@@ -69,6 +69,8 @@ def check_job(cfg) -> None:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}: must be {rule}, got {value!r}")
+    if cfg.optim.schedule == "minutes" and cfg.trainer.max_minutes is None:
+        raise ConfigError("optim.schedule: minutes runs the cosine over trainer.max_minutes, which is unset")
     if not KIND_CONFIGS[cfg.model.kind].has_llm:
         pass  # no LLM to find (the kind's encoder is checked where it is built)
     elif cfg.model.config is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -66,6 +67,14 @@ def corpus_wer(pairs: list[tuple[str, str]]) -> float:
     return errors / max(words, 1)
 
 
+def token_caps(audio_lens: torch.Tensor, sample_rate: int, tokens_per_second: float, max_new_tokens: int) -> list[int]:
+    """Each utterance's most answer tokens: ``ceil(seconds * tokens_per_second) + 4`` (a short utterance still
+    gets a few), never above ``max_new_tokens``. Speech cannot say more tokens than its duration holds, so a
+    model that does not stop is cut near the length of what it heard rather than at a fixed limit."""
+    seconds = audio_lens.double().cpu() / sample_rate
+    return [min(max_new_tokens, math.ceil(s * tokens_per_second) + 4) for s in seconds.tolist()]
+
+
 @torch.no_grad()
 def greedy_transcripts(
     model,
@@ -76,25 +85,30 @@ def greedy_transcripts(
     max_new_tokens: int,
     *,
     synced: bool = False,
-) -> list[str]:
-    """Greedy decoding of a batch of utterances. ``synced``: every rank keeps stepping until all ranks'
-    rows are done (``generate(synced_gpus=True)``), so FSDP2's per-layer collectives stay matched."""
+) -> list[tuple[str, bool]]:
+    """Greedy decoding of a batch of utterances: each one's text and whether it ended (the end token came
+    within its ``token_caps`` length, ``model.speech.max_tokens_per_second``). ``synced``: every rank keeps
+    stepping until all ranks' rows are done (``generate(synced_gpus=True)``), so FSDP2's per-layer collectives
+    stay matched (every rank then generates up to ``max_new_tokens``; the caps still cut each row)."""
+    caps = token_caps(audio_lens, model.cfg.sample_rate, model.cfg.max_tokens_per_second, max_new_tokens)
     prompt = build_batch(template, model.audio_slots(audio_lens), left_pad=True)
     prompt = {k: v.to(audio.device) for k, v in prompt.items()}
     embeds = model.llm.embed(prompt["input_ids"], model.encode(audio, audio_lens), prompt["audio_mask"])
     out = model.llm.causal_lm.generate(
         inputs_embeds=embeds,
         attention_mask=prompt["attention_mask"],
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens if synced else max(caps),
         do_sample=False,
         synced_gpus=synced,
         eos_token_id=template.eos_id,
         pad_token_id=template.pad_id,
     )
     texts = []
-    for row in out.tolist():
-        row = row[: row.index(template.eos_id)] if template.eos_id in row else row
-        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    for row, cap in zip(out.tolist(), caps):
+        row = row[: cap + 1]  # the cap's tokens and, if it came then, the end token
+        ended = template.eos_id in row
+        row = row[: row.index(template.eos_id)] if ended else row[:cap]
+        texts.append((tokenizer.decode(row, skip_special_tokens=True), ended))
     return texts
 
 
@@ -127,7 +141,7 @@ def decode_split(
 ) -> dict:
     """Decode every batch of ``loader`` and take its answer-token losses with its own and with mismatched
     audio (``headrace.training.speech.listening``); rank 0 gathers, writes the JSONL and returns ``{"wer",
-    "utterances", "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
+    "utterances", "ended" (hypotheses that ended with the end token), "words", "loss", "mismatched_loss", "listening_ratio"}`` (other ranks: ``{}``). A collective."""
     speech = SpeechBatches([], model, cfg, tokenizer_path)
     rows, sums = [], torch.zeros(3, dtype=torch.float64)
     for batch in loader:
@@ -143,13 +157,14 @@ def decode_split(
         )
         sums += listening_sums(model, speech.convert(batch), device)
         valid = batch.get("__valid__", [True] * len(hyps))
-        for key, ref, hyp, ok in zip(batch["__key__"], batch["text"], hyps, valid):
+        for key, ref, (hyp, ended), ok in zip(batch["__key__"], batch["text"], hyps, valid):
             if ok:  # not a rank's tail padding sample
                 rows.append(
                     {
                         "key": key,
                         "reference": ref,
                         "hypothesis": hyp,
+                        "ended": ended,
                         "errors": word_errors(normalize(ref), normalize(hyp)),
                         "words": len(normalize(ref)),
                     }
@@ -167,6 +182,7 @@ def decode_split(
     return {
         "wer": sum(r["errors"] for r in rows) / max(words, 1),
         "utterances": len(rows),
+        "ended": sum(r["ended"] for r in rows),
         "words": words,
         "loss": loss,
         "mismatched_loss": mismatched_loss,

@@ -38,6 +38,7 @@ from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.speech import SpeechConfig
 from headrace.training.models.build import build_meta_model, load_safetensors, materialize
 from headrace.training.models.loss import CausalLMLoss
+from headrace.training.speech.bridge import CTCBridge, token_embeddings
 from headrace.training.speech.checkpoints import part_prefix, salm_name
 from headrace.training.speech.encoders import front_end, masked_frames
 
@@ -87,20 +88,27 @@ class LinearAdapter(nn.Module):
         self.linear.reset_parameters()
 
 
-def build_adapter(cfg, in_size: int, out_size: int) -> Adapter | LinearAdapter:
-    """The adapter of ``model.speech.adapter.kind``."""
+def build_adapter(cfg, in_size: int, out_size: int, vocab_size: int) -> nn.Module:
+    """The adapter of ``model.speech.adapter.kind`` (``ctc_bridge``: ``headrace.training.speech.bridge``, its CTC
+    head over the LLM's ``vocab_size`` tokens + blank)."""
     if cfg.kind == "linear":
         return LinearAdapter(in_size, out_size)
-    return Adapter(in_size, out_size, cfg.subsampling, cfg.hidden_size, cfg.bias)
+    mlp = Adapter(in_size, out_size, cfg.subsampling, cfg.hidden_size, cfg.bias)
+    if cfg.kind == "ctc_bridge":
+        return CTCBridge(mlp, nn.Linear(in_size, vocab_size + 1))
+    return mlp
 
 
 class SpeechLMLoss(CausalLMLoss):
     """``CausalLMLoss`` whose inputs are prompt tokens plus audio frames written at ``audio_mask``."""
 
     sequence_mesh: DeviceMesh | None = None  # the tp mesh under sequence parallelism (set by parallelize)
+    token_mass: bool = False  # the audio frames carry a ``CTCBridge``'s token mass (set by build_meta_salm)
 
     def embed(self, input_ids: torch.Tensor, audio_embeds: torch.Tensor, audio_mask: torch.Tensor) -> torch.Tensor:
         embeds = self.model.embed_tokens(input_ids)
+        if self.token_mass:
+            audio_embeds = token_embeddings(audio_embeds, self.model.embed_tokens.weight)
         return embeds.masked_scatter(audio_mask[..., None], audio_embeds.to(embeds.dtype))
 
     def forward(
@@ -191,8 +199,9 @@ class SALM(nn.Module):
             audio_mask=audio_mask,
             position_ids=position_ids,
         )
-        if self.ctc_head is not None and self.training and labels is not None:
-            loss = loss + self.cfg.ctc_weight * ctc_loss_sum(self.ctc_head(hidden), covered, labels)
+        if self.cfg.ctc_weight > 0 and self.training and labels is not None:
+            head = self.adapter.head if self.ctc_head is None else self.ctc_head  # a CTCBridge's own head
+            loss = loss + self.cfg.ctc_weight * ctc_loss_sum(head(hidden), covered, labels)
         return loss
 
 
@@ -231,9 +240,13 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     llm = build_meta_model(llm_config)
     with torch.device("meta"):
         encoder = front.build(enc_config)
-        adapter = build_adapter(cfg.adapter, enc_config.hidden_size, llm_config.hidden_size)
-        ctc_head = nn.Linear(enc_config.hidden_size, llm_config.vocab_size + 1) if cfg.ctc_weight > 0 else None
+        adapter = build_adapter(cfg.adapter, enc_config.hidden_size, llm_config.hidden_size, llm_config.vocab_size)
+        bridged = isinstance(adapter, CTCBridge)
+        ctc_head = (
+            nn.Linear(enc_config.hidden_size, llm_config.vocab_size + 1) if cfg.ctc_weight > 0 and not bridged else None
+        )
     model = SALM(encoder, adapter, SpeechLMLoss(llm), cfg, front, ctc_head)
+    model.llm.token_mass = bridged
     for part, frozen in ((encoder, cfg.encoder.freeze), (adapter, cfg.adapter.freeze), (model.llm, cfg.freeze_llm)):
         if frozen:  # (not requires_grad_(True) otherwise: Whisper's sinusoidal positions stay fixed)
             part.requires_grad_(False)
@@ -260,6 +273,8 @@ def materialize_salm(model: SALM, device: torch.device, llm_path: str | None) ->
         load_safetensors(
             model.adapter, path, prefix=part_prefix(path, "adapter"), rename=lambda name: salm_name("adapter", name)
         )
+    elif path := model.cfg.adapter.head_path:  # a fresh bridge over a CTC stage's head (its units: tokens)
+        load_safetensors(model.adapter.head, path)
 
 
 __all__ = [
