@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from headrace.dataio.stream.refs import split_ref
 from headrace.training.errors import JobInputError
 
 
@@ -52,11 +53,13 @@ def skip_if_nonfinite(optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad
     return bad
 
 
-def sample_names(batch: dict) -> list:
-    """What names a batch's samples in the log: ``__key__``, else the packed rows' document references."""
+def sample_names(batch: dict) -> list[str]:
+    """What names a batch's samples in the log: ``__key__``, else each packed row's documents as
+    ``datasets[D]#I`` (the I-th sample of ``data.datasets[D]``'s index, ``headrace.dataio.stream.refs``)."""
     if "__key__" in batch:
         return list(batch["__key__"])
-    return sorted({ref for row in batch.get("__docs__", []) for ref, _, _ in row})
+    refs = sorted({ref for row in batch.get("__docs__", []) for ref, _, _ in row})
+    return ["datasets[{}]#{}".format(*split_ref(ref)) for ref in refs]
 
 
 class NonFiniteGuard:
