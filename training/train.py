@@ -55,6 +55,7 @@ from headrace.training.components.metrics import (
 )
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr
 from headrace.training.components.preemption import Preemption
+from headrace.training.components.save_buffers import allocate_save_buffers
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
 from headrace.training.config.job_config import JobConfig
@@ -351,7 +352,7 @@ def loop_steps(
     """``run_steps``'s loop (see there)."""
     cfg = trainer.cfg
     max_steps = cfg.trainer.max_steps
-    inputs = trainer.guard.watch(even_if_finite(batches, cfg))
+    inputs = trainer.guard.watch(window.stages.watch(even_if_finite(batches, cfg)))
     out_of_time = time_budget(cfg.trainer.max_minutes, trainer.device)
     last = False
     while not last and trainer.step < max_steps:
@@ -497,6 +498,7 @@ def run_job(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None, 
     loader = build_train_loader(trainer, make_loader)
     torch.manual_seed(seed_for_rank(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
     resume(trainer, loader)  # a resumed run restores its RNG too
+    allocate_save_buffers(trainer.saver, trainer.model, trainer.optimizer, cfg.peft is not None)  # off the step
     validate = make_validator(cfg, dims, device, trainer.model, trainer.pipe) if cfg.trainer.eval_every else None
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
