@@ -509,8 +509,12 @@ def run_job(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None, 
     batches.close()
     profiler.close()
     if stop.stopped_at is not None:  # preempted: the checkpoint of this step, then the stated exit code
+        start = time.perf_counter()
         save_final_checkpoint(trainer, batches, always=True)
-        print_on_rank0(f"preempted: step {trainer.step} saved; exit code {cfg.trainer.preemption.exit_code}")
+        print_on_rank0(
+            f"preempted: step {trainer.step} saved in {time.perf_counter() - start:.2f} s; "
+            f"exit code {cfg.trainer.preemption.exit_code}"
+        )
         logger.close()
         if held is not None:
             held.close()
