@@ -133,7 +133,7 @@ cmd="${@: -1}"
 bash -c "$cmd" &
 task=$!
 if [ ! -e "$WORK/signalled" ]; then
-  until [ "$(grep -c '"loss"' "$OUT/metrics.jsonl" 2>/dev/null || echo 0)" -ge "$SIGNAL_AFTER" ]; do
+  until n=$(grep -c '"loss"' "$OUT/metrics.jsonl" 2>/dev/null); [ "${n:-0}" -ge "$SIGNAL_AFTER" ]; do
     kill -0 $task 2>/dev/null || break; sleep 0.05
   done
   touch "$WORK/signalled"; kill -USR1 $task
@@ -177,6 +177,7 @@ def test_slurm_chain_resumes_from_the_preemption_checkpoint(work, tmp_path, proc
     script = (out / "slurm" / "headrace.sbatch").read_text()
     assert "#SBATCH --signal=USR1@60" in script and "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60" in script
     assert "SIGUSR1" in jobs[0] and "preempted: step" in jobs[0], jobs[0][-3000:]
+    assert (tmp_path / "srun.log").read_text().splitlines()[1] == "task exit 0"  # the second job ran to its end
     saved = int(jobs[0].split("preempted: step ")[1].split()[0])
     assert f"resumed from {out / 'checkpoints' / f'step-{saved:08d}'} at step {saved}" in jobs[1], jobs[1][-3000:]
     got = metrics(out)

@@ -46,10 +46,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # worker group reads the previous attempt's gloo/NCCL addresses and hangs in init_process_group
 # (pytorch/pytorch#135712; measured with torch 2.13: --max-restarts 1 never came back without it).
 # The agent forwards SIGUSR1 (SLURM's warning, ``--signal-lead``) to the trainers as it does SIGTERM, instead of dying of
-# it; the trainers then save and exit (``headrace.training.components.preemption``).
+# it; the trainers then save and exit (``headrace.training.components.preemption``). torchrun's ``--signals-to-handle``
+# read from its environment (PET_*): it overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its own default otherwise.
 ENV = {
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
 }
 
 
