@@ -24,6 +24,7 @@ from tests.helpers import REPO, child_env, free_port, torchrun
 from tests.loader_util import make_text_dataset
 
 STEPS = 8
+CHAIN_STEPS = 24  # the SLURM chain's, inside epoch 0 (30 steps of 4 documents): the signal lands well before the end
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_slurm_chain_resumes_from_the_preemption_checkpoint(work, tmp_path, proc
     proc = subprocess.run(
         [sys.executable, "-m", "headrace.training.launch", "--config", str(work / "job.yaml"), "--slurm", "--jobs",
          "2", "--nproc-per-node", "2", "--time", "00:10:00", "--signal-lead", "60", "--port",
-         str(free_port()), f"trainer.output_dir={out}"],  # fmt: skip
+         str(free_port()), f"trainer.output_dir={out}", f"trainer.max_steps={CHAIN_STEPS}"],  # fmt: skip
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     jobs = [(tmp_path / f"job-{n}.out").read_text() for n in (1, 2) if (tmp_path / f"job-{n}.out").exists()]
@@ -183,10 +184,11 @@ def test_slurm_chain_resumes_from_the_preemption_checkpoint(work, tmp_path, proc
     got = metrics(out)
     seed = json.loads((out / "slurm" / "jobs.jsonl").read_text().splitlines()[0])["data_seed"]
     reference = tmp_path / "reference"  # one process, the global batch of the two ranks, the first job's data seed
-    overrides = [f"trainer.output_dir={reference}", "data.batch_size=4", f"trainer.data_seed={seed}"]
+    overrides = [f"trainer.output_dir={reference}", "data.batch_size=4", f"trainer.data_seed={seed}",
+                 f"trainer.max_steps={CHAIN_STEPS}"]  # fmt: skip
     train(load_job_config(str(work / "job.yaml"), overrides))
     want = metrics(reference)
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert sorted(got) == sorted(want) == list(range(1, CHAIN_STEPS + 1))
     for step in want:
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=2e-5), step
 
