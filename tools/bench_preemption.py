@@ -7,7 +7,8 @@ round runs the demo job (``configs/demo.yaml``: 2 processes under torchrun, FSDP
 the launcher's environment (``headrace.training.launch.ENV``), no interval checkpoint, no validation, and sends
 SIGTERM to the torchrun agent once the job has logged ``--after`` steps, as a scheduler does. The agent forwards
 it; the trainers stop at the next step boundary, save (a blocking save) and exit 75. Printed per round (JSON): the
-signal-to-exit seconds, the mean step time of the logged steps (``step_time_mean``), the save's own seconds (the
+signal-to-exit seconds, the seconds until the trainers said the checkpoint was saved (the rest is the processes'
+teardown: loader workers, process group, interpreters, the agent), the mean step time of the logged steps (``step_time_mean``), the save's own seconds (the
 trainers' ``preempted: step N saved in S s`` line), and the target ``2 x step + save`` (issue 45).
 """
 
@@ -20,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,15 +69,22 @@ def one_round(work: Path, shards: Path, after: int, index: int) -> dict:
     ]  # fmt: skip
     env = dict(os.environ, **ENV, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []  # (when read, line): the trainers' output as it comes
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter(), line) for line in proc.stdout))
+    reader.start()
     metrics = out / "metrics.jsonl"
     while not metrics.is_file() or len(metrics.read_text().splitlines()) < after:
         if proc.poll() is not None:
-            raise SystemExit(proc.communicate()[0][-3000:])
+            reader.join()
+            raise SystemExit("".join(line for _, line in lines)[-3000:])
         time.sleep(0.02)
     sent = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
-    log, _ = proc.communicate(timeout=600)
+    proc.wait(timeout=600)
     exit_s = time.perf_counter() - sent
+    reader.join()
+    log = "".join(line for _, line in lines)
+    saved_at = next(t for t, line in lines if line.startswith("preempted: step"))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     saved = re.search(r"preempted: step (\d+) saved in ([0-9.]+) s", log)
     if saved is None:
@@ -84,6 +93,7 @@ def one_round(work: Path, shards: Path, after: int, index: int) -> dict:
     save_s = float(saved.group(2))
     return {
         "signal_to_exit_s": exit_s,
+        "signal_to_saved_s": saved_at - sent,  # the trainers' stop + save, without the processes' teardown
         "step_s": step_s,
         "save_s": save_s,
         "target_s": 2 * step_s + save_s,
