@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def build_data(work: Path) -> Path:
 
 def one_round(work: Path, shards: Path, after: int, index: int) -> dict:
     out = work / f"run{index}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: no checkpoint to resume, no earlier metrics
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
         "headrace.training", "--config", str(REPO / "configs" / "demo.yaml"), f"trainer.output_dir={out}",
