@@ -107,6 +107,11 @@ def test_text_every_peer_reads_the_same_samples(shards, tmp_path):
         assert run["latency_p99_ms"] >= run["latency_p50_ms"] > 0
     headrace = [r for r in result["runs"] if r["loader"] == "headrace"]
     assert [r["vs_headrace"] for r in headrace] == [1.0, 1.0]
+    for run in headrace:  # its loader stages (headrace.dataio.stagetimes), read by a worker or here
+        stages = run["stage_fractions"]
+        assert set(stages) == {"read", "decode", "pack", "collate", "h2d"} and stages["h2d"] == 0.0  # CPU: no copy
+        assert stages["read"] > 0 and all(v >= 0 for v in stages.values()), stages
+    assert all(r["stage_fractions"] is None for r in result["runs"] if not r["loader"].startswith("headrace"))
     assert result["page_cache"]["bytes"] > 0 and result["page_cache"]["samples_per_s"] > 0
     assert [t["workers"] for t in result["trainer"]] == [0, 1]
     for t in result["trainer"]:

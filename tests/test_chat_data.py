@@ -181,7 +181,7 @@ def test_packed_rows_label_only_the_assistants_tokens(tmp_path, tokdir, capsys):
 
 @pytest.mark.parametrize("policy", ["skip", "truncate", "error"])
 def test_long_conversations_policy(tmp_path, tokdir, capsys, policy):
-    from headrace.dataio.stream.decode import SampleDecodeError
+    from headrace.dataio.usererror import SampleDecodeError
 
     short, long = conversations(6, seed=4), conversations(2, seed=5, max_turns=8, words=(20, 30))
     convs = short[:3] + long[:1] + short[3:] + long[1:]
@@ -282,7 +282,7 @@ def test_chat_data_needs_a_tokenizer_directory_with_a_template(tmp_path, tokdir,
 
 def test_cp_split_carries_the_trained_labels(tmp_path, tokdir, capsys):
     """Each CP rank's labels are the trained labels of its chunks: together exactly the row's, none added."""
-    from headrace.dataio.batching.cp_split import cp_merge, cp_split
+    from headrace.dataio.feed.cp_split import cp_merge, cp_split
 
     write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(20, seed=11)])
     out = tmp_path / "shards"

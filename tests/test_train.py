@@ -113,7 +113,7 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
     checkpoint) is not elapsed time, data waits of batches before the window do not count, pack fill comes
     from packed batches' ``fill`` only (None for batches that are not packed rows: bucketed audio). Two FLOP counts:
     full row (``flops_per_token``) and document-masked (matmuls per token + attention per (query, key) pair, the
-    pairs summed over dp)."""
+    pairs summed over dp). Loader stage fractions: the stage seconds of the batches taken in the window."""
     from headrace.training.components import metrics
 
     now = [0.0]
@@ -133,6 +133,7 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
     waits.append(1.0)
     labels = torch.tensor([[0] * 8, [-100] * 8])
     window.add([{"input_ids": torch.zeros(2, 8), "labels": labels, "attention_pairs": 24}], token_ranks=2)
+    list(window.stages.watch([{"__times__": {"read": 1.0, "pack": 0.4}}, {"__times__": {"read": 1.0}}]))
     now[0] = 104.0  # 4 s of training in the window
     assert window.attention_pairs == 64
     figures, step_time = window.figures(6, attention_pairs=128)  # both dp ranks' pairs
@@ -146,6 +147,9 @@ def test_throughput_window_leaves_out_paused_time_and_earlier_waits(monkeypatch)
         "mfu_full_row": 0.5,
         "data_wait_frac": 0.5,
         "pack_fill": 0.75,
+        # the loader stages of the batches taken in the window (headrace.dataio.stagetimes), over its 4 s
+        **{"data_read_frac": 0.5, "data_decode_frac": 0.0, "data_pack_frac": 0.1, "data_collate_frac": 0.0},
+        "data_h2d_frac": 0.0,
     }
     assert step_time == 1.0  # (4 s - 2 s of data wait) / 2 steps
     window.restart(6)

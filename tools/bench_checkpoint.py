@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from headrace.training.checkpoint import layout, restore, saver
 from headrace.training.checkpoint.seal import verify_hashes
+from headrace.training.checkpoint.save_buffers import allocate_save_buffers
 
 
 def build(layers: int, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -50,6 +51,7 @@ def run_mode(mode: str, model, optimizer, batch, out: Path, steps: int, save_at:
     folder = out / mode
     shutil.rmtree(folder, ignore_errors=True)
     job_saver = saver.Saver(mode)
+    allocate_save_buffers(job_saver, model, optimizer, trainable_only=False)  # as the trainer does, before the steps
     times, in_flight = [], []
     for step in range(1, steps + 1):
         start = time.perf_counter()

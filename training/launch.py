@@ -17,6 +17,12 @@ node's ``torchrun``; type it on every machine with its own ``--node-rank``. ``--
 the node with rank 0 hosts the rendezvous store at ADDR, the others connect (torchrun then numbers the
 nodes itself); ``--rdzv static``: fixed node ranks with ``--master-addr``/``--master-port``.
 
+Preemption: the script asks SLURM for ``SIGUSR1`` ``--signal-lead`` seconds (default 120) before the time limit
+(``#SBATCH --signal=USR1@120``); the torchrun agents forward it to the trainers (``ENV``) and give them that long
+to end (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) before SIGKILL: every rank stops at the next step boundary, saves and
+exits (``trainer.preemption``), and the chain's next job resumes from that checkpoint. ``--signal-lead 0``: no
+signal asked for.
+
 Fault tolerance in both: ``--max-restarts M`` lets torchrun restart all workers of the job up to M times
 when one dies; the trainer then resumes from the newest complete checkpoint with the loader position
 saved in it.
@@ -39,7 +45,13 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # Workers get their own TCPStore instead of sharing the rendezvous one: with the shared store a restarted
 # worker group reads the previous attempt's gloo/NCCL addresses and hangs in init_process_group
 # (pytorch/pytorch#135712; measured with torch 2.13: --max-restarts 1 never came back without it).
-ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The agent forwards SIGUSR1 (SLURM's warning, ``--signal-lead``) to the trainers as it does SIGTERM, instead of dying of
+# it; the trainers then save and exit (``headrace.training.components.preemption``). torchrun's ``--signals-to-handle``
+# read from its environment (PET_*): it overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its own default otherwise.
+ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+}
 
 
 def trainer_args(config: str, overrides: list[str]) -> list[str]:
@@ -83,6 +95,8 @@ def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
         directives.append(f"--gpus-per-node={args.gpus_per_node}")
     if args.time:
         directives.append(f"--time={args.time}")
+    if args.signal_lead:
+        directives.append(f"--signal=USR1@{args.signal_lead}")
     directives += args.sbatch_arg
     for d in directives:
         if "\n" in d or "\r" in d:
@@ -125,6 +139,7 @@ def sbatch_script(args: argparse.Namespace, output_dir: Path) -> str:
             'export DATA_SEED="${1:?usage: sbatch this-script DATA_SEED}"',
             'export RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
             *(f"export {k}={v}" for k, v in ENV.items()),
+            *([f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={args.signal_lead}"] if args.signal_lead else []),
             f"cd {shlex.quote(str(Path.cwd()))}",
             f'echo "job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x {args.nproc_per_node}, '
             f'rendezvous $RDZV_HOST:{args.port}, data seed $DATA_SEED"',
@@ -196,6 +211,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     slurm.add_argument("--jobs", type=int, default=1, help="chain this many jobs (afterany), each a fresh seed")
     slurm.add_argument("--name", default="headrace", help="job name (default headrace)")
     slurm.add_argument(
+        "--signal-lead",
+        type=int,
+        default=120,
+        metavar="SECONDS",
+        help="ask for SIGUSR1 this long before the time limit: the trainers save and exit (default 120; 0: none)",
+    )
+    slurm.add_argument(
         "--sbatch-arg",
         action="append",
         default=[],
@@ -212,6 +234,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nproc_per_node is None:
         args.nproc_per_node = args.gpus_per_node or 1
+    if not 0 <= args.signal_lead <= 65535:
+        p.error(f"--signal-lead {args.signal_lead}: seconds in 0..65535 (SLURM's --signal limit)")
     for name in ("nodes", "jobs", "nnodes", "nproc_per_node"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -240,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join([*(f"{k}={v}" for k, v in ENV.items()), *cmd]))
             return 0
         os.execvpe(cmd[0], cmd, {**os.environ, **ENV})
+    if args.signal_lead and "SIGUSR1" not in cfg.trainer.preemption.signals:
+        print(
+            "error: --signal-lead asks SLURM for SIGUSR1, which trainer.preemption.signals does not list: add it, "
+            "or pass --signal-lead 0",
+            file=sys.stderr,
+        )
+        return 2
     output_dir = Path(cfg.trainer.output_dir).resolve()
     try:
         script = sbatch_script(args, output_dir)

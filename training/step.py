@@ -11,6 +11,8 @@ Gradients are reduced only on the last micro-step (``defer_fsdp_grad_sync``).
 ``forward_loss_sum`` is the causal LM's forward (its model kind picks a job's forward,
 ``headrace.training.protocols.model_kind``) and ``uses_autocast`` the bf16 rule; validation runs the same forward
 without autograd.
+The loss is all-reduced before the update: a step whose global loss or grad norm is not finite is skipped on every
+rank (``headrace.training.components.nonfinite``), and ``skipped`` (a device 0/1) says so.
 Cost per step: one all-reduce of the token count and one of the loss, besides the model's own collectives.
 """
 
@@ -29,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from headrace.kernels.hf_attention import packed_attention_kwargs
 from headrace.kernels.loss import IGNORE_INDEX
+from headrace.training.components.nonfinite import skip_if_nonfinite
 from headrace.training.components.optim import clip_grad_norm
 from headrace.training.config.job_config import JobConfig
 from headrace.training.distributed.pipeline import Pipeline, run_schedule
@@ -103,11 +106,16 @@ def train_step(
             loss = forward(model, mb, autocast)
             (loss * scale).backward()
         loss_sum += loss.detach()
+    dist.all_reduce(loss_sum, group=group)  # before the update: the non-finite guard reads the global loss
     grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
-    optimizer.step()
+    skipped = skip_if_nonfinite(optimizer, loss_sum, grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum, group=group)
-    return {"loss": loss_sum / global_tokens.clamp(min=1), "grad_norm": grad_norm, "tokens": global_tokens}
+    return {
+        "loss": loss_sum / global_tokens.clamp(min=1),
+        "grad_norm": grad_norm,
+        "tokens": global_tokens,
+        "skipped": skipped,
+    }
 
 
 def pipeline_train_step(
@@ -129,9 +137,6 @@ def pipeline_train_step(
     if pipe.scale_grads_in_schedule:  # the schedule divides every gradient by the microbatch count
         pipe.loss.scale *= pipe.n_microbatches
     losses = run_schedule(pipe, batch, train=True)
-    grad_norm = clip_grad_norm(pipe.part.parameters(), max_grad_norm, pp_group=pipe.pp_mesh.get_group())
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     loss_sum = (
         torch.stack(losses).detach().to(torch.float64).sum() / pipe.loss.scale
         if losses
@@ -139,12 +144,16 @@ def pipeline_train_step(
     )
     dist.all_reduce(loss_sum, group=loss_mesh.get_group())
     dist.all_reduce(loss_sum, group=pipe.pp_mesh.get_group())  # only the last stage's ranks hold losses
+    grad_norm = clip_grad_norm(pipe.part.parameters(), max_grad_norm, pp_group=pipe.pp_mesh.get_group())
+    skipped = skip_if_nonfinite(optimizer, loss_sum, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
     wall = time.perf_counter() - start
     pipe.stats = {"step_s": wall, "busy_s": pipe.timer.busy - busy_before}
     return {
         "loss": (loss_sum / global_tokens.clamp(min=1)).item(),
         "grad_norm": grad_norm,
         "tokens": int(global_tokens.item()),
+        "skipped": skipped,
     }
 
 

@@ -43,6 +43,7 @@ from headrace.dataio.feed.prefetch import DevicePrefetcher
 from headrace.dataio.loader import build_loader
 from headrace.dataio.stream.ordering.seeding import rank_seed
 from headrace.training.checkpoint import export, layout, restore, saver, store
+from headrace.training.components.nonfinite import NonFiniteGuard, check_finite_state
 from headrace.training.components.metrics import (
     MetricsLogger,
     ThroughputWindow,
@@ -55,6 +56,8 @@ from headrace.training.components.metrics import (
 )
 from headrace.training.components.optim import build_optimizer, lr_at, set_lr
 from headrace.training.components.wall_clock import WallClock
+from headrace.training.components.preemption import Preemption
+from headrace.training.checkpoint.save_buffers import allocate_save_buffers
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
 from headrace.training.config.job_config import JobConfig
@@ -117,12 +120,14 @@ class Trainer:
     # the run's first logged loss (kept across resumes: the summary's); a device scalar until read at a save
     first_loss: float | torch.Tensor | None = None
     saver: saver.Saver = field(init=False)  # blocking or background saves (checkpoint.async_mode)
+    guard: NonFiniteGuard = field(init=False)  # skipped non-finite steps: named, counted, bounded
     warned: bool = False  # the kind's ``val_warning`` was said (once a run)
     clock: WallClock = field(init=False)  # trainer.max_minutes spent (the stop and optim.schedule: minutes)
 
     def __post_init__(self):
         self.saver = saver.Saver(self.cfg.checkpoint.async_mode)
         self.clock = WallClock(None, self.device)
+        self.guard = NonFiniteGuard(self.cfg.trainer.max_bad_steps, self.device)
 
     @property
     def out_dir(self) -> Path:
@@ -280,7 +285,9 @@ def model_record(trainer: Trainer) -> dict:
 
 
 def save_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
-    """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on. Collective."""
+    """Checkpoint ``trainer.step`` with every dp rank's loader state as of the last batch trained on, once its
+    state is known finite. Collective."""
+    check_finite_state(trainer.model, trainer.optimizer, trainer.step)
     path = trainer.saver.save(
         trainer.checkpoints,
         trainer.step,
@@ -302,10 +309,12 @@ def run_steps(
     logger: MetricsLogger,
     profiler: StepProfiler,
     validate: Callable[[], dict] | None,
+    stop: Preemption,
 ) -> None:
-    """Steps until ``trainer.max_steps`` or the end of a finite stream. Logs every ``log_every`` steps, validates
-    every ``eval_every`` (the kind may also decode: a SALM every ``model.speech.eval_every``), saves every
-    ``checkpoint.interval`` steps before the last; the last step always logs and validates."""
+    """Steps until ``trainer.max_steps``, the end of a finite stream or a preemption signal (``stop``, agreed at
+    every step boundary). Logs every ``log_every`` steps, validates every ``eval_every`` (the kind may also decode:
+    a SALM every ``model.speech.eval_every``), saves every ``checkpoint.interval`` steps before the last; the last
+    step always logs and validates."""
     cfg = trainer.cfg
     if trainer.kind.config.has_llm:  # a SALM's: the LLM's matmuls only
         flops = {
@@ -319,9 +328,9 @@ def run_steps(
         batches.waits, trainer.step, peak=peak_flops(trainer.device), world=dist.get_world_size(), **flops
     )
     clock = ComputeClock(trainer.device)
-    records = DeferredRecords(trainer.device, logger.log)
+    records = DeferredRecords(trainer.device, trainer.guard.checked(logger.log))
     try:
-        loop_steps(trainer, batches, logger, profiler, validate, window, clock, records)
+        loop_steps(trainer, batches, logger, profiler, validate, window, clock, records, stop)
     finally:
         records.flush()
 
@@ -335,14 +344,18 @@ def loop_steps(
     window: ThroughputWindow,
     clock: ComputeClock,
     records: DeferredRecords,
+    stop: Preemption,
 ) -> None:
     """``run_steps``'s loop (see there)."""
     cfg = trainer.cfg
     max_steps = cfg.trainer.max_steps
-    inputs = even_if_finite(batches, cfg)
+    inputs = trainer.guard.watch(window.stages.watch(even_if_finite(batches, cfg)))
     trainer.clock = WallClock(cfg.trainer.max_minutes, trainer.device)
     last = False
     while not last and trainer.step < max_steps:
+        if stop.agreed(trainer.step):  # the step boundary: every rank stops here, saves and exits (train)
+            print_on_rank0(f"{stop.reason()} received: stopping after step {trainer.step} to save")
+            return
         try:
             micro = next_micro_batches(inputs, cfg.trainer.grad_accum)
         except StopIteration:  # a finite stream (data.epochs) ended: stop here, still save and export
@@ -352,6 +365,7 @@ def loop_steps(
         trainer.step += 1
         with clock.step():
             stats = take_step(trainer, micro, profiler)
+        trainer.guard.add(trainer.step, stats["skipped"], len(micro))
         window.add(micro, trainer.dims.dp * trainer.dims.cp)
         step = trainer.step
         last = step == max_steps or trainer.clock.out_of_time()
@@ -362,7 +376,8 @@ def loop_steps(
             throughput, step_time = window.figures(step, pairs)
             if window.skipped_conversations is not None:  # every rank reads the same datasets: all or none call
                 throughput["skipped_conversations"] = round(sum_over_dp(window.skipped_conversations, trainer.dims.dp))
-            records.push(step_record(trainer, stats, micro, throughput, step_time, clock.window_mean()))
+            record = step_record(trainer, stats, micro, throughput, step_time, clock.window_mean())
+            records.push(record | trainer.guard.window_figures(step))
             window.restart(step)
             if trainer.first_loss is None:
                 trainer.first_loss = stats["loss"]
@@ -379,17 +394,23 @@ def loop_steps(
                     print_on_rank0(line)
                     trainer.warned = True
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and not last:
-            with window.paused():  # checkpoint time is not training throughput
-                save_checkpoint(trainer, batches)
+            if not trainer.guard.ready_to_save():  # the newest checkpoint stays the last good one
+                print_on_rank0(
+                    f"checkpoint of step {step} not written: its last {trainer.guard.run_read} step(s) were skipped "
+                    "(non-finite); the next interval saves"
+                )
+            else:
+                with window.paused():  # checkpoint time is not training throughput
+                    save_checkpoint(trainer, batches)
 
 
-def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher) -> None:
-    """``checkpoint.save_final``: the last step's checkpoint, unless the interval already wrote it; returns once
-    every save is written."""
+def save_final_checkpoint(trainer: Trainer, batches: DevicePrefetcher, always: bool = False) -> None:
+    """``checkpoint.save_final`` (or ``always``: a preempted run's): the last step's checkpoint, unless the interval
+    already wrote it; returns once every save is written."""
     trainer.saver.wait(say=True)
     folder = trainer.checkpoints
     saved_already = layout.latest(folder) == layout.checkpoint_dir(folder, trainer.step)
-    if trainer.cfg.checkpoint.save_final and trainer.step > 0 and not saved_already:
+    if (trainer.cfg.checkpoint.save_final or always) and trainer.step > 0 and not saved_already:
         save_checkpoint(trainer, batches)
         trainer.saver.wait()
 
@@ -436,7 +457,17 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
 
     ``make_loader(dp_rank, dp_size)`` (an iterable of batch dicts with ``state_dict`` / ``load_state_dict``)
     replaces ``headrace.dataio.build_loader(cfg.data, dp_rank, dp_size)``; tests use it to feed hand-made batches.
+    A preemption signal (``trainer.preemption``) ends it with a checkpoint and ``Preempted`` (a ``SystemExit``).
     """
+    stop = Preemption(cfg.trainer.preemption)
+    try:
+        return run_job(cfg, make_loader, stop)
+    finally:
+        stop.release()
+
+
+def run_job(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None, stop: Preemption) -> list[dict]:
+    """``train``'s body; ``stop`` is installed before the loader starts (its workers fork with the handlers)."""
     check_job(cfg)  # every input rule, before any process group work (ConfigError: one line from rank 0)
     dims = ParallelDims.from_config(cfg.distributed, world_size())  # the degrees' rules
     cfg = model_kind(cfg).prepare_job(cfg)  # a SALM on a Qwen2-Audio / Voxtral checkpoint: its parts, prompt, tokenizer
@@ -447,18 +478,33 @@ def train(cfg: JobConfig, make_loader: Callable[[int, int], Iterable] | None = N
     held = lock_output_dir(Path(cfg.trainer.output_dir))  # rank 0 holds it until the job ends
     save_job_config(cfg)
     trainer = build_trainer(cfg, device, dims)
+    stop.install()
     loader = build_train_loader(trainer, make_loader)
     torch.manual_seed(rank_seed(cfg.trainer.seed, dims.get_mesh("dp").get_local_rank()))
     resume(trainer, loader)  # a resumed run restores its RNG too
+    allocate_save_buffers(
+        trainer.saver, trainer.model, trainer.optimizer, trainer.converters.trainable_only
+    )  # off the step
     validate = make_validator(cfg, dims, device, trainer.model, trainer.pipe) if cfg.trainer.eval_every else None
     logger = build_metrics_logger(cfg, dist.get_rank())
     profiler = StepProfiler(cfg.trainer.profile, trainer.out_dir, dist.get_rank(), device)
     batches = DevicePrefetcher(loader, device, transform=step_batch_transform(dims, device.type))
 
-    run_steps(trainer, batches, logger, profiler, validate)
+    run_steps(trainer, batches, logger, profiler, validate, stop)
 
     batches.close()
     profiler.close()
+    if stop.stopped_at is not None:  # preempted: the checkpoint of this step, then the stated exit code
+        start = time.perf_counter()
+        save_final_checkpoint(trainer, batches, always=True)
+        print_on_rank0(
+            f"preempted: step {trainer.step} saved in {time.perf_counter() - start:.2f} s; "
+            f"exit code {cfg.trainer.preemption.exit_code}"
+        )
+        logger.close()
+        if held is not None:
+            held.close()
+        raise stop.exit()
     save_final_checkpoint(trainer, batches)
     export_model(trainer)
     logger.summary(first_loss=host_float(trainer.first_loss))

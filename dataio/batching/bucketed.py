@@ -11,11 +11,13 @@ so onto another ``dp_size`` the new plan covers what the old layouts left of the
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import numpy as np
 import torch
 
+from headrace.dataio.stagetimes import TIMES, add_time
 from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
 from headrace.dataio.loader_state import MAX_COUNT, StateError
 from headrace.dataio.shards.formats import is_audio_member
@@ -37,8 +39,11 @@ class BucketBatch:
         self.reader, self.batches, self.token_ext = reader, batches, token_ext
 
     def __call__(self, b: int, alloc: Allocator) -> dict:
+        start, read_before = time.perf_counter(), self.reader.read_seconds
         refs = make_ref(0, self.batches[b])
         samples, keys, kept, bad = self.reader.read(refs)
+        collating = time.perf_counter()
+        read = self.reader.read_seconds - read_before
         rows = [
             {
                 "audio": _audio_member(s, k),
@@ -48,11 +53,14 @@ class BucketBatch:
             }
             for s, k in zip(samples, keys)
         ]
-        return {
+        batch = {
             **collate_audio(rows, tokens_key="tokens" if self.token_ext else None),
             "__ref__": torch.from_numpy(refs[kept]),
             "__bad__": bad,
+            TIMES: {"read": read, "decode": collating - start - read},  # the bucket plan is made once an epoch
         }
+        add_time(batch, "collate", collating)
+        return batch
 
 
 def _audio_member(sample: dict, key: str) -> torch.Tensor:

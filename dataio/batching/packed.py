@@ -20,6 +20,7 @@ to the new ranks (``reshard_states``).
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import numpy as np
@@ -35,6 +36,7 @@ from headrace.dataio.stream.reading.decode import decode_sample
 from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.rank import RankStream
 from headrace.dataio.stream.ordering.split import same_layout
+from headrace.dataio.stagetimes import TIMES, merge_times
 
 
 class PackedBatches:
@@ -49,6 +51,7 @@ class PackedBatches:
         ]
         self.packer = Packer(cfg.packing_config(), rows_per_batch=cfg.batch_size, masked=any(self.mask_exts))
         self.skipped_conversations = 0  # longer than seq_len under long_conversations: skip
+        self.times: dict = {}  # stage seconds of the chunks (and packing) the next packed batch ends
         if None in self.token_exts:
             bad = stream.sources[self.token_exts.index(None)].path  # a leaf, when an entry is a metadataset
             raise ValueError(
@@ -71,6 +74,19 @@ class PackedBatches:
         return self.packer.empty_batch()
 
     def _pack(self, chunk: dict) -> Iterator[dict]:
+        """The packed batches ``chunk``'s documents complete; each carries the stage seconds since the last one
+        (``headrace.dataio.stagetimes``: its chunks' read / decode / collate and the packing)."""
+        start = time.perf_counter()
+        merge_times(self.times, chunk.get(TIMES))
+        for packed in self._pack_chunk(chunk):
+            now = time.perf_counter()
+            self.times["pack"] = self.times.get("pack", 0.0) + now - start
+            packed[TIMES], self.times = self.times, {}
+            yield packed
+            start = time.perf_counter()
+        self.times["pack"] = self.times.get("pack", 0.0) + time.perf_counter() - start
+
+    def _pack_chunk(self, chunk: dict) -> Iterator[dict]:
         stream = self.stream
         refs, positions = chunk["__ref__"].tolist(), chunk["__pos__"].tolist()
         valid = chunk["__valid__"].tolist()

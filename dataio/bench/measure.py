@@ -11,6 +11,9 @@ ends or a limit (samples, batches, seconds) is reached. Per batch it times the `
 - ``main_cpu_us_per_batch``: CPU time of this (the training) process per batch after the first, all its
   threads but the sampler's own (``time.process_time`` less the sampler thread's ``time.thread_time``):
   what worker processes exist to take off the trainer;
+- ``stage_fractions``: headrace's batches carry the seconds each loader stage spent on them
+  (``headrace.dataio.stagetimes``): read / decode / pack / collate / h2d, summed over the batches after the
+  first, over the wall time after the first batch (None for a loader whose batches carry none);
 - with ``step_s``: the trainer sleeps ``step_s`` after each batch (a simulated compute step) and
   ``data_wait_fraction`` is the time spent inside ``next()`` over the wall time after the first batch.
 
@@ -34,6 +37,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from headrace.dataio.bench.extra import bench_import
+from headrace.dataio.stagetimes import STAGES, TIMES, merge_times
 
 
 class ProcessSampler:
@@ -114,6 +118,7 @@ def measure(
     samples = batches = first_n = 0
     units = first_units = 0.0
     latencies: list[float] = []  # next() of every batch after the first: their sum is the data wait
+    stages: dict[str, float] = {}  # loader stage seconds of the batches after the first (headrace's)
     with ProcessSampler() as sampler:
         start = time.perf_counter()
         iterator = open_batches()
@@ -126,6 +131,8 @@ def measure(
                 break
             now = time.perf_counter()
             n, u = count(batch)
+            if first_at is not None and isinstance(batch, dict):
+                merge_times(stages, batch.get(TIMES))
             del batch  # a held batch would pin its shared-memory block while the next one is made
             if first_at is None:
                 first_at, first_n, first_units = now, n, u
@@ -165,4 +172,5 @@ def measure(
         "cpu_util": sampler.cpu_seconds() / (end - start) if end > start else None,
         "main_cpu_us_per_batch": main_cpu / (batches - 1) * 1e6 if main_cpu is not None and batches > 1 else None,
         "data_wait_fraction": (sum(latencies) / steady if steady > 0 else None) if step_s else None,
+        "stage_fractions": {s: stages.get(s, 0.0) / steady for s in STAGES} if stages and steady > 0 else None,
     }

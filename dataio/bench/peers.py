@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from headrace.dataio.stagetimes import TIMES
 from headrace.dataio.bench import contract
 from headrace.dataio.bench.data import BenchData, count_full
 from headrace.dataio.bench.extra import INSTALL
@@ -194,6 +195,8 @@ def open_headrace(data: BenchData, workers: int, shuffle: bool, state: Any) -> I
     kind, field, rate = data.contract, data.field, data.decode.sample_rate
     for batch in open_headrace_full(data, workers, shuffle, state):
         out = contract.from_headrace(batch, field, kind, rate)
+        if TIMES in batch:  # the loader's stage seconds, for the run's stage fractions (not a batch field)
+            out[TIMES] = batch[TIMES]
         del batch  # held here, the batch would keep its memory (or ring bytes) while the next is made
         yield out
 

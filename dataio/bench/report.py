@@ -38,6 +38,7 @@ RUN_FIELDS = (
     "main_cpu_us_per_batch",
     "samples_per_cpu_s",
     "data_wait_fraction",
+    "stage_fractions",
     "vs_page_cache",
     "vs_headrace",
     "vs_best_peer",
@@ -133,6 +134,18 @@ def markdown(result: dict) -> str:
     ]
     for s in result["skipped"]:
         lines.append(f"| {s['loader']} | - | - | skipped: {s['reason']} |" + " |" * (len(header) - 4))
+    staged = [r for r in result["runs"] if r.get("stage_fractions")]
+    if staged:
+        lines += [
+            "",
+            "Loader stages (seconds each stage spent on the batches, over the run's time after the first batch):",
+            "",
+        ]
+        lines += [
+            f"- {r['loader']}, {_workers(r)} workers, batch {r['batch_size']}: "
+            + ", ".join(f"{stage} {fraction:.1%}" for stage, fraction in r["stage_fractions"].items())
+            for r in staged
+        ]
     auto = [r for r in result["runs"] if "auto" in r]
     if auto:
         lines += [

@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from headrace.dataio.stagetimes import add_time
+
 _DONE = object()
 
 
@@ -111,7 +113,12 @@ class DevicePrefetcher:
         """Queue the next batch; False once the stream ended or failed (both queued) or we are stopped."""
         try:
             batch, state = self._pull()
-            item = (pin(batch) if self._cuda else batch, state)
+            if self._cuda:
+                start = time.perf_counter()
+                batch = pin(batch)
+                if isinstance(batch, dict):
+                    add_time(batch, "h2d", start)
+            item = (batch, state)
         except StopIteration:
             self._put(_DONE)
             return False
@@ -150,8 +157,12 @@ class DevicePrefetcher:
         if item is None:
             return False
         batch, state = item
+        start = time.perf_counter()
         with torch.cuda.stream(self._stream):
-            self._in_flight.append((tree_map(lambda t: t.to(self.device, non_blocking=True), batch), state))
+            batch = tree_map(lambda t: t.to(self.device, non_blocking=True), batch)
+        if isinstance(batch, dict):
+            add_time(batch, "h2d", start)  # issuing the copies (they run on the side stream)
+        self._in_flight.append((batch, state))
         return True
 
     def _next_cuda(self) -> Any:

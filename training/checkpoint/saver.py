@@ -8,9 +8,9 @@ uploaded, and the state file uploaded last as the commit marker (``headrace.trai
 
 Saves (``Saver``): ``disabled`` writes in the step; ``async`` copies the state to fresh host memory and writes it
 from a background thread over a gloo group of its own while training goes on; ``async_with_pinned_mem`` copies
-into host buffers kept from the first save (page-locked where CUDA is), so a save costs the step one memcpy and
-no allocation. One save at a time (a second waits, said in the log), the final save waits, and a background
-failure is raised at the next step, naming the checkpoint.
+into host buffers allocated at start (``save_buffers``; page-locked where CUDA is), so every save, the first
+included, costs the step one memcpy and no allocation. One save at a time (a second waits, said in the log), the
+final save waits, and a background failure is raised at the next step, naming the checkpoint.
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ class Saver:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode: {async_mode!r} is not one of {', '.join(ASYNC_MODES)}")
         self.async_mode = async_mode
-        self._buffers: dict | None = {} if async_mode == "async_with_pinned_mem" else None
+        # async_with_pinned_mem's kept host buffers, by key (filled at start: ``save_buffers``)
+        self.buffers: dict | None = {} if async_mode == "async_with_pinned_mem" else None
         self._group = None  # the background writes' gloo group, made at the first async save (a collective)
         self._thread: threading.Thread | None = None
         self._writing: Path | None = None
@@ -201,7 +202,7 @@ class Saver:
             return write(folder, step, tensors, files, state, key, keep_last=keep_last, local=local)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        staged = stage(tensors, self._buffers, pin=self.async_mode == "async_with_pinned_mem")
+        staged = stage(tensors, self.buffers, pin=self.async_mode == "async_with_pinned_mem")
         self._writing = checkpoint_dir(folder, step)
         self._thread = threading.Thread(
             target=self._write_in_background,

@@ -1,6 +1,9 @@
 """Training metrics: throughput, MFU, data wait, pack fill, memory; to metrics.jsonl, the console, TensorBoard
 and, when ``logging.wandb`` is set, Weights & Biases (``headrace.training.components.wandb_run``).
 
+Loader stages (``data_read_frac`` .. ``data_h2d_frac``, ``headrace.dataio.stagetimes``): the seconds the window's
+batches spent in each stage over the window's time.
+
 Throughput figures cover a window: the steps since the last logged one (``ThroughputWindow``), less the
 time spent validating or checkpointing in it, which is not training.
 
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from headrace.config import to_dict
+from headrace.dataio.stagetimes import StageTotals
 from headrace.training.components import wandb_run
 from headrace.training.models.build import count_params
 
@@ -108,11 +112,13 @@ class ThroughputWindow:
         # conversations longer than seq_len left out so far (data.long_conversations: skip), this rank's running
         # count from the loader; None without conversation data
         self.skipped_conversations: int | None = None
+        self.stages = StageTotals()  # the loader's stage seconds of the batches taken (``stages.watch``)
         self.restart(step)
 
     def restart(self, step: int) -> None:
         """A new window, after ``step``."""
         self.start, self.first_batch, self.first_step = time.perf_counter(), len(self.waits), step
+        self.stages_at = dict(self.stages.seconds)
         self.tokens, self.fill, self.attention_pairs = 0, [], 0
 
     def add(self, micro_batches: list[dict], token_ranks: int) -> None:
@@ -145,6 +151,7 @@ class ThroughputWindow:
             "mfu_full_row": full_row / self.peak if self.peak else None,
             "data_wait_frac": wait / elapsed,
             "pack_fill": sum(self.fill) / len(self.fill) if self.fill else None,
+            **self.stages.fractions(self.stages_at, elapsed),
         }, (elapsed - wait) / (step - self.first_step)
 
     @contextlib.contextmanager

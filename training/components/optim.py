@@ -9,8 +9,10 @@ tensors (DDP, single process) are one group; a DTensor group is scaled through i
 scales the DTensor (the coefficient is the same on every rank).
 
 AdamW's kernel (``optimizer_impl``): ``fused`` (one kernel per parameter group and dtype) when every
-parameter is on CUDA and of one tensor type, else ``foreach``; a mix of DTensors and plain tensors
-(TP-only runs keep norms as plain tensors) allows neither and falls back to the per-parameter loop. The
+parameter is on one device type (CUDA or CPU) and of one tensor type, else ``foreach``; a mix of DTensors and
+plain tensors (TP-only runs keep norms as plain tensors) allows neither and falls back to the per-parameter loop.
+Fused is also what skips a non-finite step without a host read (its ``found_inf``,
+``headrace.training.components.nonfinite``). The
 choice and its reason are printed once by rank 0 (``build_optimizer``).
 """
 
@@ -30,9 +32,9 @@ def optimizer_impl(params: list[torch.Tensor]) -> tuple[str, str]:
     if len({type(p) for p in params}) > 1:
         return "for-loop", "parameters mix DTensors and plain tensors (foreach/fused kernels cannot take both)"
     devices = {p.device.type for p in params}
-    if devices != {"cuda"}:
-        return "foreach", f"fused AdamW is used on CUDA only (parameters on {', '.join(sorted(devices)) or 'none'})"
-    return "fused", "every parameter on CUDA, one tensor type"
+    if len(devices) != 1 or not devices <= {"cuda", "cpu"}:
+        return "foreach", f"fused AdamW needs one device type, CPU or CUDA (parameters on {', '.join(sorted(devices))})"
+    return "fused", f"every parameter on {devices.pop().upper()}, one tensor type"
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, announce: bool = True) -> torch.optim.Optimizer:

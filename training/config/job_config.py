@@ -173,6 +173,16 @@ class ProfileConfig:
 
 
 @dataclass(kw_only=True)
+class PreemptionConfig:
+    """``trainer.preemption``: the signals a scheduler sends ahead of a kill (SLURM ``--signal=USR1@120``,
+    SIGTERM from a cloud scheduler or ``scancel``). On one, every rank stops at the next step boundary, saves a
+    checkpoint and exits with ``exit_code`` (``headrace.training.components.preemption``)."""
+
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    exit_code: int = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, run again to continue
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The loop. Global batch = data batch per rank x grad_accum x dp_size."""
 
@@ -192,6 +202,11 @@ class TrainerConfig:
     # logs, validates, saves and exports as max_steps' would); rank 0's clock decides for every rank. The LR
     # schedule runs over max_steps unless optim.schedule: minutes
     max_minutes: float | None = None
+    # non-finite steps (loss or global grad norm NaN/Inf) in a row that stop the run; each one is skipped on every
+    # rank (headrace.training.components.nonfinite). 10: a bad document packed over several rows spans a few batches,
+    # a diverged model fails every step; 10 steps is little compute to lose before saying so
+    max_bad_steps: int = 10
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ released speech-LLM checkpoint it starts from live beside that mapping (``headra
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,12 @@ _RULES: dict[str, tuple[str, Callable]] = {
     "trainer.grad_accum": (">= 1", lambda v: v >= 1),
     "trainer.max_minutes": ("> 0 or null", lambda v: v is None or v > 0),
     "trainer.log_every": (">= 1", lambda v: v >= 1),
+    "trainer.max_bad_steps": (">= 1", lambda v: v >= 1),
+    "trainer.preemption.exit_code": ("in 0..255", lambda v: 0 <= v <= 255),
+    "trainer.preemption.signals": (
+        "signal names such as SIGTERM, SIGUSR1 (not SIGKILL / SIGSTOP, which cannot be caught)",
+        lambda v: all(catchable_signal(name) for name in v),
+    ),
     "optim.lr": ("> 0", lambda v: v > 0),
     "optim.eps": ("> 0", lambda v: v > 0),
     "optim.weight_decay": (">= 0", lambda v: v >= 0),
@@ -52,6 +59,11 @@ _RULES: dict[str, tuple[str, Callable]] = {
     "checkpoint.interval": (">= 0 (0: only at the end)", lambda v: v >= 0),
     "checkpoint.keep_last": (">= 1 or null", lambda v: v is None or v >= 1),
 }
+
+
+def catchable_signal(name: str) -> bool:
+    """``name`` is a signal a handler may be installed for."""
+    return name in signal.Signals.__members__ and name.startswith("SIG") and name not in ("SIGKILL", "SIGSTOP")
 
 
 def _get(cfg, dotted: str):

@@ -11,6 +11,7 @@ batch-level path of ``headrace.dataio.stream.reading.gather`` first.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from headrace.dataio.stream.ordering.refs import REF_BITS, REF_MASK, make_ref
 from headrace.dataio.stream.ordering.seeding import SeedSchedule
 from headrace.dataio.stream.sources.shard_source import ShardSource, by_value
 from headrace.dataio.stream.ordering.split import Layout
+from headrace.dataio.stagetimes import TIMES, add_time
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class SampleReader:
         self.cfg, self.sources = cfg, sources
         self.bad = bad_so_far  # this process's count; the main process keeps the rank's total
         self.token_exts = [token_ext(s) for s in sources]
+        self.read_seconds = 0.0  # time in the sources' reads, so far (the rest of ``read`` is decoding)
         self.batch_audio = None  # decode.audio: dali decodes each batch's audio at once (reading.dali)
         if cfg.decode.audio == "dali":
             self.batch_audio = BatchAudio(cfg.decode)
@@ -85,7 +88,10 @@ class SampleReader:
         a bad sample is dropped uncounted, as it is counted where it is read as itself)."""
         samples, keys, shards, kept, bad = [], [], [], [], 0
         pending = alloc is not None
-        for i, item in enumerate(self._raw(refs)):
+        start = time.perf_counter()
+        raw = self._raw(refs)
+        self.read_seconds += time.perf_counter() - start
+        for i, item in enumerate(raw):
             if not isinstance(item, SampleDecodeError):
                 key, shard, members = item
                 try:
@@ -223,7 +229,8 @@ class BatchMaker:
     def __call__(self, b: int, alloc: Allocator) -> dict:
         """The plain (collated) batch ``b`` in tensors from ``alloc``, with ``__pos__`` (rank-local
         positions), ``__bad__`` (samples skipped while making it) and ``__end__`` (the position after it)
-        for the main process."""
+        for the main process, and its read / decode / collate seconds (``__times__``)."""
+        start = time.perf_counter()
         end, local, positions = self._span(b)
         refs = self.refs(positions)
         batch = gather_tokens(self.sources, refs, end, alloc) if self.tokens_only and len(refs) else None
@@ -231,7 +238,9 @@ class BatchMaker:
             batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (reading.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
+            add_time(batch, "read", start)
             return self._with_subflavors(batch)
+        read_before, reading = self.reader.read_seconds, time.perf_counter()
         samples, keys, kept, bad = self.reader.read(refs, defer_npy=True, alloc=alloc)
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
@@ -239,9 +248,13 @@ class BatchMaker:
             samples, keys, kept, _ = self.reader.read(refs, defer_npy=True, alloc=alloc, padding=True)
             valid = torch.zeros(len(samples), dtype=torch.bool)
             local = np.full(len(samples), -1)
+        collating = time.perf_counter()
         batch = collate(samples, keys, torch.from_numpy(refs[kept]), valid, end=end, alloc=alloc)
         batch["__pos__"] = torch.from_numpy(local[kept])
         batch["__bad__"] = bad
+        read = self.reader.read_seconds - read_before
+        batch[TIMES] = {"read": reading - start + read, "decode": collating - reading - read}
+        add_time(batch, "collate", collating)
         return self._with_subflavors(batch)
 
     def task(self, first: int, count: int, alloc: Allocator) -> list[dict] | None:
@@ -253,6 +266,7 @@ class BatchMaker:
         makes them one by one."""
         if not self.tokens_only:
             return None
+        start = time.perf_counter()
         spans = [self._span(b) for b in range(first, first + count)]
         if min(len(local) for _, local, _ in spans) == 0:
             return None
@@ -271,6 +285,7 @@ class BatchMaker:
         ref, valid, lengths, pos = small
         subflavors = None if self.subflavors is None else [self.subflavors[d] for d in (refs >> REF_BITS).tolist()]
         out, at, offset = [], 0, 0
+        read = (time.perf_counter() - start) / len(spans)  # one read for all: an equal share each
         for end, part, _ in spans:
             n = len(part)
             own = counts[at : at + n]
@@ -280,7 +295,7 @@ class BatchMaker:
                 batch[ext], batch["__lengths__"] = tokens[offset : offset + size].view(n, own[0]), {}
             else:
                 batch[ext], batch["__lengths__"] = tokens[offset : offset + size], {ext: lengths[at : at + n]}
-            batch["__pos__"], batch["__bad__"] = pos[at : at + n], 0
+            batch["__pos__"], batch["__bad__"], batch[TIMES] = pos[at : at + n], 0, {"read": read}
             if subflavors is not None:
                 batch["__subflavors__"] = subflavors[at : at + n]
             out.append(batch)
