@@ -19,7 +19,7 @@ import torch
 from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
 from headrace.dataio.loader_state import MAX_COUNT, StateError
 from headrace.dataio.shards.formats import is_audio_member
-from headrace.dataio.stream.batches import SampleReader, token_ext
+from headrace.dataio.stream.batches import SampleReader, no_samples, token_ext
 from headrace.dataio.stream.decode import SampleDecodeError
 from headrace.dataio.stream.refs import make_ref
 from headrace.dataio.stream.collate import Allocator
@@ -39,6 +39,8 @@ class BucketBatch:
     def __call__(self, b: int, alloc: Allocator) -> dict:
         refs = make_ref(0, self.batches[b])
         samples, keys, kept, bad = self.reader.read(refs)
+        if not samples:  # every sample bad (counted): a batch of none, which the stage skips
+            return no_samples(0, bad)
         rows = [
             {
                 "audio": _audio_member(s, k),
@@ -90,6 +92,8 @@ class BucketedBatches:
             make = BucketBatch(reader, batches, token_ext=token_ext(stream.sources[0]))
             for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
                 self.step += 1
+                if not batch["__key__"]:  # its samples were all bad (counted): nothing stands in for them
+                    continue
                 yield batch
             self.epoch, self.history, self.step = self.epoch + 1, [], 0
 

@@ -57,6 +57,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from headrace.training.components import checkpoint_store as store
+from headrace.training.components.checkpoint_fields import checked_fields
+from headrace.training.components.checkpoint_prune import prune
+from headrace.training.dcp_logging import quiet_metadata_fallback
 from headrace.training.components.checkpoint_seal import (
     HashingFileSystem,
     Incomplete,
@@ -209,12 +212,12 @@ def write(
         _write_json(tmp / STATE_FILE, seal(state, {n: d for part in digests for n, d in part.items()}, key))
         if url:
             store.upload(tmp, [STATE_FILE], url)  # the commit marker, last
-            store.prune(str(folder), keep_last, STATE_FILE)
+            store.prune(str(folder), keep_last, STATE_FILE, written=url)
         else:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _prune(Path(folder), keep_last)
+            prune(Path(folder), keep_last, final, key, STATE_FILE)
     dist.barrier(group=group)
     if url:
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: its host's local copy
@@ -365,11 +368,16 @@ def seal_key_or_fail(*, create: bool) -> bytes | None:
 def export_errors(where: Path):
     """The file system's refusals while exporting ``where`` (a full disk, a file-size limit, a permission) as one
     ``JobInputError`` line naming it, as ``write_error`` does for a checkpoint save; other failures keep their
-    traceback. The checkpoint of the step was saved before the export, so nothing is lost."""
+    traceback. The checkpoint of the step was saved before the export, so nothing is lost; any failure removes
+    the export's temporary folder (``export_hf``'s ``hf.tmp``), so nothing partial stays behind."""
     from safetensors import SafetensorError
 
     try:
-        yield
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(where.with_name(where.name + ".tmp"), ignore_errors=True)
+            raise
     except CheckpointException as e:
         raise write_error(where, e) from e
     except OSError as e:
@@ -387,7 +395,7 @@ def sealed_state(path: Path) -> dict:
         key = seal_key(create=False)
     except UntrustedKey as e:
         raise NotSealed(str(e)) from None
-    return check(path, key, STATE_FILE)
+    return checked_fields(check(path, key, STATE_FILE), STATE_FILE, torch.get_rng_state().numel())
 
 
 def damaged(path: Path, state: dict) -> str | None:
@@ -517,7 +525,8 @@ def check_model_config(path: Path, saved: dict | None, current: dict) -> None:
 def read_tensors(path: Path, tensors: dict) -> None:
     """Fill ``tensors`` (a flat dict of tensors / DTensors) from the safetensors files of ``path``, resharded to
     their layout. Only tensors are asked for, so DCP reads headers and tensor bytes and never unpickles."""
-    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    with quiet_metadata_fallback():  # a header that does not parse is the CheckpointException's line, once
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
 
 
 def load(
@@ -666,14 +675,6 @@ def _write_json(path: Path, data) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _prune(folder: Path, keep_last: int | None) -> None:
-    if not keep_last:
-        return
-    done = sorted(p for p in folder.iterdir() if _STEP_DIR.match(p.name))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old)
 
 
 __all__ = [
