@@ -8,7 +8,9 @@ on a nearly full disk (a 1 MiB tmpfs; the target is left out where mounting one 
 finished run's checkpoint directory mutated then resumed and evaluated, pretrained directories (config, weights,
 a duplicate weights file, links out), Qwen2-Audio checkpoint directories through the converter (mutated files,
 looping chat templates, links out), the SLURM launcher's overrides with shell-active text (run through the
-per-node bash), and symbolic links at the names the trainer writes under output_dir. The property is the same
+per-node bash), and symbolic links at the names the trainer writes under output_dir; and (issue 46,
+``tests/fuzz_issue46.py``) the checkpoint reader on resealed damage, the LoRA adapter loader, the index files under
+``dataio verify`` / ``get``, and the speech recipe's manifest and ``--minutes``. The property is the same
 for each: the code under test returns a correct result, or raises the input's own error type (a
 format/sample/state/config error whose message names the place), never anything else -- and never
 hangs (``CASE_SECONDS`` per case, enforced by SIGALRM) nor grows without bound (the whole run lives
@@ -39,6 +41,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz_issue46 import issue46_targets
 from tests.hostile import flac_bytes, make_tar
 
 CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
@@ -57,6 +60,10 @@ SLOW_EXAMPLES = {
     "speechckpt": 6,
     "links": 4,
     "launcher": 20,
+    # issue 46: a checkpoint load / adapter load (one-rank group, in a child) or dataio verify + get per case
+    "ckptreader": 6,
+    "adapter": 6,
+    "indexfiles": 15,
 }
 
 
@@ -895,6 +902,7 @@ def targets(tmp: Path) -> dict:
         return in_child(fn)
 
     found.update(issue34_targets(tmp, guarded, guarded_run))
+    found.update(issue46_targets(tmp, guarded, guarded_run))
     if disk is not None:
         found["diskfull"] = (
             st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),

@@ -227,8 +227,9 @@ class MetricsLogger:
 
     def _write(self, record: dict, tb_tag) -> None:
         """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with naming(self.output_dir / "metrics.jsonl"):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -258,7 +259,7 @@ class MetricsLogger:
             "flops_per_s_full_row": mean("flops_per_s_full_row"),
         }
         if self.enabled:
-            with open(self.output_dir / "summary.json", "w") as f:
+            with naming(self.output_dir / "summary.json"), open(self.output_dir / "summary.json", "w") as f:
                 json.dump(result, f, indent=1)
             if self.wandb_run is not None:
                 self.wandb_run.summary.update(result)
@@ -287,6 +288,18 @@ class MetricsLogger:
                 self.tb.close()
             if self.wandb_run is not None:
                 wandb_run.finish(self.wandb_run)
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """A write's ``OSError`` (a full disk, a file-size limit) with ``path`` as its file name: a user's error, one
+    line naming the file (``headrace.dataio.usererror``), not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def build_metrics_logger(cfg, rank: int) -> MetricsLogger:
