@@ -120,3 +120,15 @@ def test_get_out_never_writes_onto_the_dataset_and_a_full_device_is_one_line(dat
     assert err.strip() == "dataio get: error: --out /dev/full: cannot write: No space left on device", err
     assert main(["get", str(root), key, "--member", "tokens.npy", "--out", str(tmp_path / "t.npy")]) == 0
     assert (tmp_path / "t.npy").read_bytes() == open_dataset(root)[key]["tokens.npy"]
+
+
+def test_shard_output_may_not_be_an_input(tmp_path, capsys):
+    """The same rule for ``dataio shard --output``: the input manifest given as the output folder is refused in one
+    line before anything is written."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"word {i}"}) + "\n" for i in range(5)))
+    before = docs.read_bytes()
+    assert main(["shard", str(docs), "--output", str(docs), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output {docs}: is the input {docs}" in err, err
+    assert docs.read_bytes() == before

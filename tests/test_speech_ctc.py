@@ -211,6 +211,7 @@ def test_a_salm_that_ignores_the_audio_is_warned_once(tmp_path, process_group, c
     [
         ({"ctc": {"units": "tokens"}}, "error: model.ctc.units: tokens needs model.tokenizer"),
         ({"speech_config": {"subsampling_factor": 0}}, "error: model.speech.encoder.config: math domain error"),
+        ({"text_data": True}, "error: data: bucketing: "),  # a text dataset for an audio job
     ],
 )
 def test_ctc_values_refused_after_the_process_group_starts_are_one_line(tmp_path, capsys, one_rank, edit, message):
@@ -223,6 +224,11 @@ def test_ctc_values_refused_after_the_process_group_starts_are_one_line(tmp_path
     job = ctc_job(tmp_path, write_speech_dataset(tmp_path / "speech", ["alpha", "bravo"]))
     job["model"].update({k: v for k, v in edit.items() if k == "ctc"})
     job["model"]["speech"]["encoder"]["config"] = {**TINY_ENCODER, **edit.get("speech_config", {})}
+    if edit.get("text_data"):
+        from tests.loader_util import make_text_dataset
+
+        make_text_dataset(tmp_path / "text", [10])
+        job["data"]["datasets"] = [{"path": str(tmp_path / "text")}]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["--config", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err

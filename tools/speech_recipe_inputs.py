@@ -59,12 +59,12 @@ def check_out(out: Path, inputs: list[Path], counts: dict[str, int]) -> None:
     from headrace.dataio.shards.index import load_index
     from headrace.dataio.usererror import CommandError
 
-    if out.exists() and not out.is_dir():
-        raise RecipeInputError(f"--out {out}: not a folder")
     try:
         refuse_input(out, inputs, "--out")
     except CommandError as e:
         raise RecipeInputError(str(e)) from None
+    if out.exists() and not out.is_dir():
+        raise RecipeInputError(f"--out {out}: not a folder")
     shards = out / "shards"
     if not shards.exists():
         return

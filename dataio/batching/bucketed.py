@@ -73,14 +73,14 @@ class BucketedBatches:
             raise ValueError(
                 "bucketing: needs exactly one dataset, packing: none and no seq_len (bucketing makes the batches)"
             )
+        exts = stream.sources[0].index.extensions
+        if not any(is_audio_member(e) for e in exts):  # at build, where the trainer says it in one line
+            raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         self.stream = stream
         self.epoch, self.history, self.step = 0, [], 0
 
     def __iter__(self) -> Iterator[dict]:
         stream, cfg = self.stream, self.stream.cfg
-        exts = stream.sources[0].index.extensions
-        if not any(is_audio_member(e) for e in exts):
-            raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         reader = stream.reader()
         while cfg.epochs is None or self.epoch < cfg.epochs:
             batches = self._plan(self.epoch, self.history)
