@@ -303,34 +303,41 @@ def test_a_killed_loader_worker_stops_the_trainer_in_one_line_naming_it(tmp_path
 
 
 def test_a_full_disk_while_logging_or_exporting_is_one_line_and_leaves_no_hf_tmp(tmp_path, capfd, one_rank):
-    """Issue 46 items 3, 10: ``metrics.jsonl`` on a full disk is one line naming it (it was a traceback); an ``hf/``
-    export that fills the disk is one line and leaves no ``hf.tmp`` behind. On an 8 MiB tmpfs (skipped where
-    mounting one is not allowed)."""
+    """Issue 46 items 3, 10: ``config.yaml`` and ``metrics.jsonl`` on a full disk are one line naming the file (they
+    were tracebacks); an ``hf/`` export that fills the disk is one line and leaves no ``hf.tmp`` behind. On an
+    8 MiB tmpfs (skipped where mounting one is not allowed)."""
     import subprocess
 
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs is not allowed here")
+    out = disk / "out"
+    args = [*BASE, f"trainer.output_dir={out}", datasets(tmp_path / "d"), "checkpoint.save_final=false"]
+
+    def fill(leave: int) -> None:
+        (disk / "filler").unlink(missing_ok=True)
+        st = os.statvfs(disk)
+        (disk / "filler").write_bytes(bytes(st.f_bavail * st.f_frsize - leave))
+
+    def refused(named: str, *extra: str) -> None:
+        assert main([*args, "trainer.max_steps=2", *extra]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and named in err, err
+        assert not (out / "hf.tmp").exists() and not (out / "hf").exists()
+
     try:
         make_text_dataset(tmp_path / "d", [40])
-        for leave, extra, named in (
-            (4096, ["checkpoint.export_hf=false"], "metrics.jsonl: No space left on device"),
-            (1 << 20, ["checkpoint.export_hf=true"], "checkpoint.export_hf: cannot write"),
-        ):
-            for p in disk.iterdir():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-            st = os.statvfs(disk)
-            (disk / "filler").write_bytes(bytes(st.f_bavail * st.f_frsize - leave))
-            args = [
-                *BASE,
-                f"trainer.output_dir={disk / 'out'}",
-                datasets(tmp_path / "d"),
-                "checkpoint.save_final=false",
-            ]
-            assert main([*args, "trainer.max_steps=2", "logging.tensorboard=false", *extra]) == 2
-            err = capfd.readouterr().err
-            assert err.count("\n") == 1 and named in err and str(disk / "out") in err, err
-            assert not (disk / "out" / "hf.tmp").exists() and not (disk / "out" / "hf").exists()
+        fill(0)
+        refused(f"{out / 'config.yaml'}: No space left on device")
+        (disk / "filler").unlink()
+        assert main([*args, "trainer.max_steps=1"]) == 0  # config.yaml's blocks, which the next run rewrites
+        for name in ("metrics.jsonl", "summary.json"):
+            (out / name).unlink()
+        fill(0)
+        refused(f"{out / 'metrics.jsonl'}: No space left on device")
+        shutil.rmtree(out)
+        fill(1 << 20)
+        refused(f"cannot write {out / 'hf'}", "checkpoint.export_hf=true")  # hf/, or its hf.tmp
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -29,4 +29,16 @@ def refused_as(where: str):
         raise JobInputError(f"{where}: {' '.join(str(e).split()) or type(e).__name__}") from None
 
 
-__all__ = ["JobInputError", "refused_as"]
+@contextlib.contextmanager
+def named_write(path):
+    """A write's ``OSError`` without a file name (a full disk, a file-size limit: raised by ``write``/``flush``) with
+    ``path`` as its file name: a user's error, one line naming the file (``headrace.dataio.usererror``)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+
+
+__all__ = ["JobInputError", "named_write", "refused_as"]

@@ -33,6 +33,7 @@ import torch
 
 from headrace.config import to_dict
 from headrace.training.components import wandb_run
+from headrace.training.errors import named_write
 from headrace.training.models.build import count_params
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
@@ -227,7 +228,7 @@ class MetricsLogger:
 
     def _write(self, record: dict, tb_tag) -> None:
         """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
-        with naming(self.output_dir / "metrics.jsonl"):
+        with named_write(self.output_dir / "metrics.jsonl"):
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.tb is not None:
@@ -259,7 +260,7 @@ class MetricsLogger:
             "flops_per_s_full_row": mean("flops_per_s_full_row"),
         }
         if self.enabled:
-            with naming(self.output_dir / "summary.json"), open(self.output_dir / "summary.json", "w") as f:
+            with named_write(self.output_dir / "summary.json"), open(self.output_dir / "summary.json", "w") as f:
                 json.dump(result, f, indent=1)
             if self.wandb_run is not None:
                 self.wandb_run.summary.update(result)
@@ -288,18 +289,6 @@ class MetricsLogger:
                 self.tb.close()
             if self.wandb_run is not None:
                 wandb_run.finish(self.wandb_run)
-
-
-@contextlib.contextmanager
-def naming(path: Path):
-    """A write's ``OSError`` (a full disk, a file-size limit) with ``path`` as its file name: a user's error, one
-    line naming the file (``headrace.dataio.usererror``), not a traceback."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def build_metrics_logger(cfg, rank: int) -> MetricsLogger:
