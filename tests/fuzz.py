@@ -1018,9 +1018,14 @@ def run_fast(tmp: Path, examples: int = FAST_EXAMPLES) -> None:
         _run(strategy, fn, max_examples=min(examples, SLOW_EXAMPLES.get(name, examples)), derandomize=True)
 
 
-def run_long(tmp: Path, minutes: float) -> dict:
-    """Fresh random cases until ``minutes`` are up; returns counts and the distinct failures found."""
+def run_long(tmp: Path, minutes: float, only: list[str] | None = None) -> dict:
+    """Fresh random cases until ``minutes`` are up (of the targets ``only`` names; None: all); returns counts and
+    the distinct failures found."""
     tests = targets(tmp)
+    if only:
+        if unknown := sorted(set(only) - tests.keys()):
+            raise SystemExit(f"fuzz: no target {', '.join(unknown)} (targets: {', '.join(tests)})")
+        tests = {name: test for name, test in tests.items() if name in only}
     start = time.monotonic()
     stop = start + minutes * 60
     found: dict[str, str] = {}
@@ -1056,6 +1061,7 @@ def main() -> int:
     parser.add_argument("--long", action="store_true", help="random cases until --minutes are up")
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--examples", type=int, default=FAST_EXAMPLES, help="cases per target without --long")
+    parser.add_argument("--only", default="", help="with --long: these targets only (comma-separated names)")
     args = parser.parse_args()
     limit_memory()
     with tempfile.TemporaryDirectory() as d:
@@ -1064,7 +1070,7 @@ def main() -> int:
                 run_fast(Path(d), args.examples)
                 print(f"fuzz: {args.examples} derandomized cases per target passed")
                 return 0
-            report = run_long(Path(d), args.minutes)
+            report = run_long(Path(d), args.minutes, [n for n in args.only.split(",") if n])
         finally:
             if (Path(d) / "disk").is_mount():
                 subprocess.run(["umount", "-l", str(Path(d) / "disk")], check=False)
