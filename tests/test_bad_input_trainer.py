@@ -303,8 +303,8 @@ def test_a_killed_loader_worker_stops_the_trainer_in_one_line_naming_it(tmp_path
 
 
 def test_a_full_disk_while_logging_or_exporting_is_one_line_and_leaves_no_hf_tmp(tmp_path, capfd, one_rank):
-    """Issue 46 items 3, 10: ``config.yaml`` and ``metrics.jsonl`` on a full disk are one line naming the file (they
-    were tracebacks); an ``hf/`` export that fills the disk is one line and leaves no ``hf.tmp`` behind. On an
+    """Issue 46 items 3, 10: the lock file, ``config.yaml`` and ``metrics.jsonl`` on a full disk are one line naming
+    the file (they were tracebacks); an ``hf/`` export that fills the disk is one line and leaves no ``hf.tmp`` behind. On an
     8 MiB tmpfs (skipped where mounting one is not allowed)."""
     import subprocess
 
@@ -329,6 +329,8 @@ def test_a_full_disk_while_logging_or_exporting_is_one_line_and_leaves_no_hf_tmp
     try:
         make_text_dataset(tmp_path / "d", [40])
         fill(0)
+        refused(f"trainer.output_dir: cannot write {out / '.headrace-train.lock'}: No space left on device")
+        fill(4096)  # the lock's one page
         refused(f"{out / 'config.yaml'}: No space left on device")
         (disk / "filler").unlink()
         assert main([*args, "trainer.max_steps=1"]) == 0  # config.yaml's blocks, which the next run rewrites

@@ -62,11 +62,15 @@ def lock_output_dir(out_dir: Path):
                 "finish or choose another output_dir"
             )
         else:
-            held.truncate(0)
-            held.write(
-                f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
-            )
-            held.flush()
+            try:
+                held.truncate(0)
+                held.write(
+                    f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
+                )
+                held.flush()
+            except OSError as e:  # a full disk: every rank learns it below (a raise here would leave them waiting)
+                held.close()
+                held, refusal = None, f"trainer.output_dir: cannot write {path}: {e.strerror or e}"
     box = [refusal]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
