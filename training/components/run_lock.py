@@ -10,6 +10,7 @@ Cost: one open, one ``fcntl`` call and one small broadcast per job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -69,7 +70,8 @@ def lock_output_dir(out_dir: Path):
                 )
                 held.flush()
             except OSError as e:  # a full disk: every rank learns it below (a raise here would leave them waiting)
-                held.close()
+                with contextlib.suppress(OSError):  # its buffer flushed again: the file closes all the same
+                    held.close()
                 held, refusal = None, f"trainer.output_dir: cannot write {path}: {e.strerror or e}"
     box = [refusal]
     dist.broadcast_object_list(box, src=0)
