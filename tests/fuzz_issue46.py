@@ -227,12 +227,22 @@ def apply_index_edit(folder: Path, edit: tuple) -> None:
         data[at : at + len(what)] = what
         path.write_bytes(bytes(data))
     elif kind == "json":
-        manifest = json.loads(path.read_text())
+        try:
+            manifest = json.loads(path.read_text())
+        except ValueError:  # an earlier edit of this case broke the file
+            return
+        if not isinstance(manifest, dict):
+            return
         manifest[what] = value
         path.write_text(json.dumps(manifest))
     else:
-        array = np.load(path)
-        if not len(array):
+        try:
+            array = np.load(path)
+        except Exception:  # an earlier edit of this case broke the file: that edit is the case
+            return
+        if not len(array) or array.ndim != 1 or (array.dtype.names is None) == (kind == "field"):
+            return  # an earlier edit changed its type: nothing of that kind to edit
+        if kind == "field" and what not in array.dtype.names:
             return
         if kind == "field":
             info = np.iinfo(array.dtype[what]) if array.dtype[what].kind in "iu" else None

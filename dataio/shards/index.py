@@ -36,6 +36,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from tokenize import TokenError
 
 import numpy as np
 
@@ -208,7 +209,8 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
     def load(name: str) -> np.ndarray:
         try:
             return np.load(d / name, mmap_mode=mode, allow_pickle=False)
-        except (ValueError, EOFError) as e:  # a header or length that does not parse, a pickled array
+        # a header that does not parse (numpy tokenizes and literal-evals it), a length past the file, a pickle
+        except (ValueError, EOFError, SyntaxError, TokenError, OverflowError, TypeError, KeyError) as e:
             raise IndexFormatError(f"{d / name}: not an index array ({' '.join(str(e).split())[:160]})") from None
 
     return index_from_files(manifest, str(manifest_path), load, lambda name: (d / name).exists())
