@@ -45,6 +45,18 @@ def _field(name: str, field: str, value):
     return _edit(name, set_value)
 
 
+def _overwrite(name: str, at: int, data: bytes):
+    """``data`` written over ``name``'s bytes at ``at`` (found by the fuzz target ``indexfiles``: a header numpy
+    cannot tokenize raised ``TokenError`` through ``dataio verify``)."""
+
+    def apply(index_dir):
+        raw = bytearray((index_dir / name).read_bytes())
+        raw[at : at + len(data)] = data
+        (index_dir / name).write_bytes(bytes(raw))
+
+    return apply
+
+
 def _reversed(array):
     return array[::-1].copy()
 
@@ -65,6 +77,8 @@ DAMAGE = {
     "keys_short": (_edit("keys.npy", lambda a: a[:2]), "keys.npy", "not 50 byte strings", True),
     "names_type": (_edit("shard_names.npy", lambda a: np.arange(2)), "shard_names.npy", "not names", True),
     "npy_garbage": (lambda d: (d / "members.npy").write_bytes(b"\x93NUMPY junk"), "members.npy", "index array", True),
+    "npy_header_untokenizable": (_overwrite("members.npy", 15, b"\0" * 8), "members.npy", "index array", True),
+    "npy_header_cut": (_overwrite("samples.npy", 154, b"\0"), "samples.npy", "index array", True),
     "manifest_deep": (_edit("manifest.json", lambda t: "[" * 100_000 + "]" * 100_000), "manifest.json", "JSON", True),
     "manifest_list": (_edit("manifest.json", lambda t: "[]"), "manifest.json", "JSON list", True),
     "manifest_extensions": (
