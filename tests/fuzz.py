@@ -8,7 +8,9 @@ on a nearly full disk (a 1 MiB tmpfs; the target is left out where mounting one 
 finished run's checkpoint directory mutated then resumed and evaluated, pretrained directories (config, weights,
 a duplicate weights file, links out), Qwen2-Audio checkpoint directories through the converter (mutated files,
 looping chat templates, links out), the SLURM launcher's overrides with shell-active text (run through the
-per-node bash), and symbolic links at the names the trainer writes under output_dir. The property is the same
+per-node bash), and symbolic links at the names the trainer writes under output_dir; and (issue 46,
+``tests/fuzz_issue46.py``) the checkpoint reader on resealed damage, the LoRA adapter loader, the index files under
+``dataio verify`` / ``get``, and the speech recipe's manifest and ``--minutes``. The property is the same
 for each: the code under test returns a correct result, or raises the input's own error type (a
 format/sample/state/config error whose message names the place), never anything else -- and never
 hangs (``CASE_SECONDS`` per case, enforced by SIGALRM) nor grows without bound (the whole run lives
@@ -39,6 +41,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz_issue46 import issue46_targets
 from tests.hostile import flac_bytes, make_tar
 
 CASE_SECONDS = 20  # generous: a loaded 2-core CI machine runs a normal case 10x slower than idle
@@ -57,6 +60,10 @@ SLOW_EXAMPLES = {
     "speechckpt": 6,
     "links": 4,
     "launcher": 20,
+    # issue 46: a checkpoint load / adapter load (one-rank group, in a child) or dataio verify + get per case
+    "ckptreader": 6,
+    "adapter": 6,
+    "indexfiles": 15,
 }
 
 
@@ -896,6 +903,7 @@ def targets(tmp: Path) -> dict:
         return in_child(fn)
 
     found.update(issue34_targets(tmp, guarded, guarded_run))
+    found.update(issue46_targets(tmp, guarded, guarded_run))
     if disk is not None:
         found["diskfull"] = (
             st.tuples(st.integers(0, 400), st.sampled_from(["shard", "index"])),
@@ -1011,9 +1019,14 @@ def run_fast(tmp: Path, examples: int = FAST_EXAMPLES) -> None:
         _run(strategy, fn, max_examples=min(examples, SLOW_EXAMPLES.get(name, examples)), derandomize=True)
 
 
-def run_long(tmp: Path, minutes: float) -> dict:
-    """Fresh random cases until ``minutes`` are up; returns counts and the distinct failures found."""
+def run_long(tmp: Path, minutes: float, only: list[str] | None = None) -> dict:
+    """Fresh random cases until ``minutes`` are up (of the targets ``only`` names; None: all); returns counts and
+    the distinct failures found."""
     tests = targets(tmp)
+    if only:
+        if unknown := sorted(set(only) - tests.keys()):
+            raise SystemExit(f"fuzz: no target {', '.join(unknown)} (targets: {', '.join(tests)})")
+        tests = {name: test for name, test in tests.items() if name in only}
     start = time.monotonic()
     stop = start + minutes * 60
     found: dict[str, str] = {}
@@ -1049,6 +1062,7 @@ def main() -> int:
     parser.add_argument("--long", action="store_true", help="random cases until --minutes are up")
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--examples", type=int, default=FAST_EXAMPLES, help="cases per target without --long")
+    parser.add_argument("--only", default="", help="with --long: these targets only (comma-separated names)")
     args = parser.parse_args()
     limit_memory()
     with tempfile.TemporaryDirectory() as d:
@@ -1057,7 +1071,7 @@ def main() -> int:
                 run_fast(Path(d), args.examples)
                 print(f"fuzz: {args.examples} derandomized cases per target passed")
                 return 0
-            report = run_long(Path(d), args.minutes)
+            report = run_long(Path(d), args.minutes, [n for n in args.only.split(",") if n])
         finally:
             if (Path(d) / "disk").is_mount():
                 subprocess.run(["umount", "-l", str(Path(d) / "disk")], check=False)

@@ -7,7 +7,10 @@ multi-rank checks (uneven val, finite stream, output_dir lock, tp heads) are in 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
+import pytest
 import webdataset as wds
 
 from tests.helpers import DEBUG_LLAMA_CLI, REPO
@@ -184,3 +187,159 @@ def test_rerun_of_a_finished_run_says_it_skips_the_current_export(tmp_path, capf
     assert f"exporting step 1 to {tmp_path / 'out' / 'hf'}" in capfd.readouterr().out
     assert main(args) == 0  # resumes at step 1 = max_steps: nothing to train, hf/ is current
     assert f"{tmp_path / 'out' / 'hf'} already holds step 1: export skipped" in capfd.readouterr().out
+
+
+def _reseal(step_dir, **fields) -> None:
+    """Re-seal ``step_dir``'s state with this user's key after setting ``fields`` and re-hashing every file (a
+    state its owner edited: the seal holds, what it says is checked on its own)."""
+    from headrace.training.checkpoint.seal import file_sha256, seal, seal_key
+
+    state = json.loads((step_dir / "trainer_state.json").read_text())
+    files = {n: (p.stat().st_size, file_sha256(p)) for n in state["files"] for p in [step_dir / n]}
+    plain = {k: v for k, v in state.items() if k not in ("seal", "files", "format")}
+    (step_dir / "trainer_state.json").write_text(json.dumps(seal({**plain, **fields}, files, seal_key(create=False))))
+
+
+def test_keep_last_prunes_only_sealed_older_checkpoints_and_resealed_damage_is_one_line(tmp_path, capfd, one_rank):
+    """Issue 46 items 1, 10, 12: ``keep_last`` never deletes the checkpoint just written nor anything it did not
+    seal (a stray higher step-N folder, a file and a link of that name); a resealed state whose step is not a number
+    is refused in one line; a resealed checkpoint whose safetensors header does not parse falls back to the
+    previous one without torch's traceback."""
+    make_text_dataset(tmp_path / "d", [60])
+    out = tmp_path / "out"
+    ckpts = out / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step-00000099").mkdir()  # a stray folder of a higher step (a copy cut short, another tool's)
+    (ckpts / "step-00000099" / "trainer_state.json").write_text("{}")
+    (ckpts / "step-00000098").write_text("a file")
+    (ckpts / "step-00000097").symlink_to(ckpts / "step-00000099")
+    args = [*BASE, f"trainer.output_dir={out}", datasets(tmp_path / "d"), "checkpoint.keep_last=1"]
+    assert main([*args, "trainer.max_steps=4", "checkpoint.interval=1", "checkpoint.resume=false"]) == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "step-00000004",
+        "step-00000097",
+        "step-00000098",
+        "step-00000099",
+    ]
+    (ckpts / "step-00000097").unlink()
+    (ckpts / "step-00000098").unlink()
+    shutil.rmtree(ckpts / "step-00000099")
+    assert main([*args, "trainer.max_steps=6", "checkpoint.interval=1", "checkpoint.keep_last=2"]) == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000005", "step-00000006"]
+    capfd.readouterr()
+
+    step6 = ckpts / "step-00000006"
+    saved = {p.name: p.read_bytes() for p in step6.iterdir()}
+    _reseal(step6, step="6")
+    assert main([*args, "trainer.max_steps=7"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "refused: trainer_state.json: field step is not a whole number" in err, err
+
+    for name, data in saved.items():
+        (step6 / name).write_bytes(data)
+    weights = next(step6.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[8:12] = b"\xff\xfe{{"  # the header's first bytes: no longer UTF-8 JSON
+    weights.write_bytes(bytes(data))
+    _reseal(step6)
+    assert main([*args, "trainer.max_steps=7"]) == 0
+    printed = capfd.readouterr()
+    assert f"checkpoint {step6} does not load (" in printed.out and "falling back to the previous one" in printed.out
+    assert "Traceback" not in printed.out + printed.err, printed.err[-2000:]
+    assert "resumed from" in printed.out and "step-00000005 at step 5" in printed.out
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_seal_key_that_is_not_a_regular_file_is_named_without_blocking(tmp_path, capfd, one_rank, monkeypatch, kind):
+    """Issue 46 item 9: a FIFO at the key's path used to block the first save forever; a directory gave an errno
+    line naming nothing."""
+    make_text_dataset(tmp_path / "d", [40])
+    key = tmp_path / "keys" / "seal-key"
+    key.parent.mkdir(mode=0o700)
+    os.mkfifo(key) if kind == "fifo" else key.mkdir()
+    monkeypatch.setenv("HEADRACE_SEAL_KEY", str(key))
+    args = [*BASE, f"trainer.output_dir={tmp_path / 'out'}", datasets(tmp_path / "d"), "checkpoint.interval=1"]
+    assert main(args) == 2
+    err = capfd.readouterr().err
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    assert err.strip().endswith(f"seal key {key}: not a regular file ({what}); remove it"), err
+    assert err.count("\n") == 1
+
+
+def test_a_killed_loader_worker_stops_the_trainer_in_one_line_naming_it(tmp_path, capfd, one_rank):
+    """Issue 46 item 13: a loader worker killed while the trainer runs (the OOM killer, a kill -9) stops the job at
+    its next batch with one line naming the worker and the signal; it used to train on without a word on what the
+    other worker and the dead one's buffered batches held."""
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    make_text_dataset(tmp_path / "d", [200])
+    killed = []
+
+    def kill_worker_1() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for proc in multiprocessing.active_children():
+                if proc.name == "headrace-worker-1" and proc.pid:
+                    time.sleep(1.0)  # the run is training on both workers' batches
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_worker_1, daemon=True)
+    killer.start()
+    out = tmp_path / "out"
+    args = [*BASE, f"trainer.output_dir={out}", datasets(tmp_path / "d"), "data.num_workers=2", "data.epochs=null"]
+    code = main([*args, "trainer.max_steps=100000", "trainer.max_minutes=3", "trainer.log_every=1"])
+    killer.join()
+    err = capfd.readouterr().err
+    assert killed and code == 2, (killed, code, err[-2000:])
+    assert err.strip().splitlines()[-1] == (
+        f"error (rank 0): worker 1 (pid {killed[0]}) exited unexpectedly (killed by signal SIGKILL: Killed)"
+    ), err[-2000:]
+
+
+def test_a_full_disk_while_logging_or_exporting_is_one_line_and_leaves_no_hf_tmp(tmp_path, capfd, one_rank):
+    """Issue 46 items 3, 10: the lock file, ``config.yaml`` and ``metrics.jsonl`` on a full disk are one line naming
+    the file (they were tracebacks); an ``hf/`` export that fills the disk is one line and leaves no ``hf.tmp`` behind. On an
+    8 MiB tmpfs (skipped where mounting one is not allowed)."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    out = disk / "out"
+    args = [*BASE, f"trainer.output_dir={out}", datasets(tmp_path / "d"), "checkpoint.save_final=false"]
+
+    def fill(leave: int) -> None:
+        (disk / "filler").unlink(missing_ok=True)
+        st = os.statvfs(disk)
+        (disk / "filler").write_bytes(bytes(st.f_bavail * st.f_frsize - leave))
+
+    def refused(named: str, *extra: str) -> None:
+        assert main([*args, "trainer.max_steps=2", *extra]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and named in err, err
+        assert not (out / "hf.tmp").exists() and not (out / "hf").exists()
+
+    try:
+        make_text_dataset(tmp_path / "d", [40])
+        fill(0)
+        refused(f"trainer.output_dir: cannot write {out / '.headrace-train.lock'}: No space left on device")
+        fill(4096)  # the lock's one page
+        refused(f"{out / 'config.yaml'}: No space left on device")
+        (disk / "filler").unlink()
+        assert main([*args, "trainer.max_steps=1"]) == 0  # config.yaml's blocks, which the next run rewrites
+        for name in ("metrics.jsonl", "summary.json"):
+            (out / name).unlink()
+        fill(0)
+        refused(f"{out / 'metrics.jsonl'}: No space left on device")
+        shutil.rmtree(out)
+        fill(1 << 20)
+        refused(f"cannot write {out / 'hf'}", "checkpoint.export_hf=true")  # hf/, or its hf.tmp
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -46,18 +46,22 @@ def manifest(tmp_path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_loader_counts_cuts_without_audio_and_names_them(manifest, workers, caplog):
+@pytest.mark.parametrize("batch_size", [5, 1])
+def test_loader_counts_cuts_without_audio_and_names_them(manifest, workers, batch_size, caplog):
+    """Bad cuts are counted and named; at batch_size 1 (issue 46) none is replaced by a repeat or an empty batch."""
     config = {
         "datasets": [{"path": str(manifest)}],
-        "batch_size": 5,
+        "batch_size": batch_size,
         "epochs": 1,
         "shuffle": False,
         "num_workers": workers,
         "max_bad_samples": 3,
     }
     loader = build_loader(config)
-    keys = [k for b in loader for k in b["__key__"]]
+    batches = list(loader)
+    keys = [k for b in batches for k in b["__key__"]]
     assert keys == ["rec0", "rec1"] and loader.state_dict()["bad_samples"] == 3
+    assert all(len(b["__key__"]) for b in batches)
     named = rf"shard '{manifest}', key '(rec2|rec3|no-recording)'.*max_bad_samples=2"
     with pytest.raises(SampleDecodeError, match=named):
         list(build_loader({**config, "max_bad_samples": 2}))

@@ -207,3 +207,32 @@ def test_a_salm_that_ignores_the_audio_is_warned_once(tmp_path, process_group, c
     out = capsys.readouterr().out
     assert out.count("not listening to the audio") == 1, out
     assert "warning: at step 2 " in out, out
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"ctc": {"units": "tokens"}}, "error: model.ctc.units: tokens needs model.tokenizer"),
+        ({"speech_config": {"subsampling_factor": 0}}, "error: model.speech.encoder.config: math domain error"),
+        ({"text_data": True}, "error: data: bucketing: "),  # a text dataset for an audio job
+    ],
+)
+def test_ctc_values_refused_after_the_process_group_starts_are_one_line(tmp_path, capsys, one_rank, edit, message):
+    """Issue 46 item 10: values the model build refuses (after the process group starts) are the same one line
+    and exit 2 as the config's own rules, not a ``[rank0]`` traceback; through ``python -m headrace.training``."""
+    import yaml
+
+    from headrace.training.__main__ import main
+
+    job = ctc_job(tmp_path, write_speech_dataset(tmp_path / "speech", ["alpha", "bravo"]))
+    job["model"].update({k: v for k, v in edit.items() if k == "ctc"})
+    job["model"]["speech"]["encoder"]["config"] = {**TINY_ENCODER, **edit.get("speech_config", {})}
+    if edit.get("text_data"):
+        from tests.loader_util import make_text_dataset
+
+        make_text_dataset(tmp_path / "text", [10])
+        job["data"]["datasets"] = [{"path": str(tmp_path / "text")}]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["--config", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(message) and "Traceback" not in err, err

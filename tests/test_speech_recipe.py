@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.dist.speech_common import WORDS
 
@@ -79,11 +80,6 @@ def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
     assert [r["val_wer_utterances"] for r in decoded if "val_wer" in r] == [2]  # the in-training decode of val
 
 
-def test_recipe_refuses_a_missing_manifest(tmp_path, capsys):
-    assert main(["--manifest", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "run")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
 def test_every_preset_builds_valid_stage_jobs(tmp_path):
     """The gpu preset (tools/gpu_check.sh's speech_recipe part) and the cpu one give typed, valid jobs for every
     stage, bridge or not, whatever the SALM stage does with its LLM (a GPU run is gpu_check's; here the configs)."""
@@ -105,3 +101,76 @@ def test_every_preset_builds_valid_stage_jobs(tmp_path):
             assert (salm_cfg.peft is not None) == (llm == "lora")
             assert salm_cfg.model.speech.max_tokens_per_second == 12.0
             assert llm_cfg.model.config["vocab_size"] == 512 and llm_cfg.data.val is not None
+
+
+def _bad_line(line: str):
+    def edit(root: Path, manifest: Path) -> None:
+        manifest.write_text(manifest.read_text() + line + "\n")
+
+    return edit
+
+
+def _out_shards(samples: int | None):
+    def edit(root: Path, manifest: Path) -> None:
+        from tests.loader_util import make_text_dataset
+
+        folder = root / "run" / "shards" / "train"
+        folder.mkdir(parents=True) if samples is None else make_text_dataset(folder, [samples])
+
+    return edit
+
+
+# (edit of the corpus folder and its manifest, extra arguments, words of the one line); {m}: the manifest, {run}: --out
+REFUSALS = {
+    "missing_manifest": (lambda r, m: m.unlink(), [], "{m}: does not exist"),
+    "manifest_is_a_folder": (lambda r, m: (m.unlink(), m.mkdir()), [], "{m}: not a file (a folder)"),
+    "bad_json_line": (_bad_line('{"audio_filepath": "a.flac",'), [], "{m}: line 8 is not JSON"),
+    "non_object_line": (_bad_line("[1, 2]"), [], "{m}: line 8 is a JSON list, not an object"),
+    "no_audio_filepath": (_bad_line('{"text": "x"}'), [], "{m}: line 8 has no string 'audio_filepath'"),
+    "no_text": (_bad_line('{"audio_filepath": "audio/x.flac"}'), [], "{m}: line 8 has no string 'text'"),
+    "out_is_a_file": (lambda r, m: (r / "run").write_text("x"), [], "--out {run}: not a folder"),
+    "out_is_the_manifest": (lambda r, m: None, ["--out", "{m}"], "--out {m}: is the input {m}"),
+    "minutes_0": (lambda r, m: None, ["--minutes", "0"], "--minutes 0.0: must be a finite number of minutes > 0"),
+    "minutes_negative": (lambda r, m: None, ["--minutes", "-5"], "--minutes -5.0: must be a finite number"),
+    "minutes_nan": (lambda r, m: None, ["--minutes", "nan"], "--minutes nan: must be a finite number"),
+    "minutes_inf": (lambda r, m: None, ["--minutes", "inf"], "--minutes inf: must be a finite number"),
+    "max_steps_0": (lambda r, m: None, ["--max-steps", "0"], "--max-steps 0: must be >= 1"),
+    "shards_cut_short": (_out_shards(None), [], "{run}/shards/train is not a complete dataset"),
+    "shards_of_other_inputs": (_out_shards(3), [], "{run}/shards/train holds 3 samples, these inputs give 5"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_recipe_refuses_its_inputs_first_in_one_line_exit_2(tmp_path, capsys, case):
+    """Issue 46 item 11: every input the recipe cannot use is refused before any stage runs (nothing written but
+    what the case made), one line, exit 2."""
+    edit, extra, words = REFUSALS[case]
+    manifest = write_manifest(tmp_path / "corpus")
+    edit(tmp_path, manifest)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    names = {"m": manifest, "run": tmp_path / "run"}
+    argv = ["--manifest", str(manifest), "--out", str(tmp_path / "run"), "--size", "tiny"]
+    assert main(argv + [a.format(**names) for a in extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and words.format(**names) in err, (words, err)
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+
+
+def test_the_wrapper_reads_relative_paths_from_the_callers_folder(tmp_path):
+    """``tools/speech_recipe.sh`` runs in the caller's folder: a relative --manifest is theirs (it used to be taken
+    from the checkout and "did not exist"); a folder given as --manifest is named as one."""
+    import subprocess
+
+    from tests.helpers import REPO
+
+    manifest = write_manifest(tmp_path / "corpus")
+    (tmp_path / "only_val.jsonl").write_text(
+        "".join(line + "\n" for line in manifest.read_text().splitlines() if is_val(json.loads(line)["audio_filepath"]))
+    )
+    script = str(REPO / "tools" / "speech_recipe.sh")
+    for given, words in (("only_val.jsonl", "0 train / 2 val utterances"), ("corpus", "not a file (a folder)")):
+        run = subprocess.run(
+            ["bash", script, "--manifest", given, "--out", "run"], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert run.returncode == 2 and f"error: --manifest {given}: " in run.stderr and words in run.stderr, run.stderr
+        assert not (tmp_path / "run").exists()

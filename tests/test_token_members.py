@@ -65,3 +65,31 @@ def test_loader_counts_the_bad_sample_and_batches_hold_no_negative_id(tmp_path, 
     ids = [int(v) for batch in loader for v in batch["input_ids"].reshape(-1)]
     assert loader.state_dict()["bad_samples"] == 1
     assert min(ids) >= 0 and 2**63 - 1 not in ids
+
+
+PLAIN_BAD = {**{k: BAD[k] for k in ("uint64_past_int64", "uint64_max")}, "not_npy": ("tokens.npy", b"garbage", "")}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_BAD))
+@pytest.mark.parametrize("workers", [0, 2])
+def test_plain_batches_of_one_count_the_bad_sample_and_serve_every_other_once(tmp_path, case, workers):
+    """Plain batches (no seq_len) of one sample (issue 46 items 5, 6): a uint64 id past int64 is refused as packing
+    refuses it (it used to wrap negative), and the bad sample is counted, never replaced by another sample nor
+    delivered as an empty batch."""
+    member, payload, _ = PLAIN_BAD[case]
+    _dataset(tmp_path / "d", member, payload)
+    loader = build_loader(
+        {
+            "datasets": [{"path": str(tmp_path / "d")}],
+            "batch_size": 1,
+            "epochs": 1,
+            "shuffle": False,
+            "num_workers": workers,
+            "max_bad_samples": 1,
+        }
+    )
+    batches = list(loader)
+    assert all(len(b["__key__"]) == 1 for b in batches)
+    assert [k for b in batches for k in b["__key__"]] == [f"k{i}" for i in range(6)]
+    assert all(int(b["tokens.npy"].numpy().max()) < 2**63 for b in batches)
+    assert loader.state_dict()["bad_samples"] == 1

@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.speech_recipe_inputs import RecipeInputError, check_inputs
+
 VAL_PERCENT = 5
 TEXT_VAL = 0.02  # of the LLM's text documents (by their SHA-1), held out for its perplexity
 VOCAB_SIZE = 512
@@ -472,10 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         help="validation interval of the CTC and SALM stages in steps (default: the size's)",
     )
     args = parser.parse_args(argv)
-    for path in (args.manifest, args.text):
-        if path is not None and not path.is_file():
-            print(f"error: {path} does not exist", file=sys.stderr)
-            return 2
+    try:
+        check_inputs(args, is_val, VAL_PERCENT)  # every input, before any stage writes (tools/speech_recipe_inputs)
+    except RecipeInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     summary = run(
         Recipe(
             manifest=args.manifest,

@@ -61,6 +61,7 @@ from headrace.training.checkpoint.save_buffers import allocate_save_buffers
 from headrace.training.components.profiling import StepProfiler
 from headrace.training.components.telemetry import ComputeClock, rank_spread, sum_over_dp
 from headrace.training.config.job_config import JobConfig
+from headrace.training.errors import named_write
 from headrace.training.components.data import open_data, shard_sources, worker_choice_line
 from headrace.training.config.validate import check_data_paths, check_job, check_vocab
 from headrace.training.distributed import moe
@@ -161,7 +162,7 @@ def save_job_config(cfg: JobConfig) -> None:
     if dist.get_rank() == 0:
         out_dir = Path(cfg.trainer.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        with open(out_dir / "config.yaml", "w") as f:
+        with named_write(out_dir / "config.yaml"), open(out_dir / "config.yaml", "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
 

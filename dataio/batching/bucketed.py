@@ -21,7 +21,7 @@ from headrace.dataio.stagetimes import TIMES, add_time
 from headrace.dataio.batching.bucketing import collate_audio, consumed_indices, plan_epoch
 from headrace.dataio.loader_state import MAX_COUNT, StateError
 from headrace.dataio.shards.formats import is_audio_member
-from headrace.dataio.stream.reading.batches import SampleReader, token_ext
+from headrace.dataio.stream.reading.batches import SampleReader, no_samples, token_ext
 from headrace.dataio.usererror import SampleDecodeError
 from headrace.dataio.stream.ordering.refs import make_ref
 from headrace.dataio.stream.reading.collate import Allocator
@@ -42,6 +42,8 @@ class BucketBatch:
         start, read_before = time.perf_counter(), self.reader.read_seconds
         refs = make_ref(0, self.batches[b])
         samples, keys, kept, bad = self.reader.read(refs)
+        if not samples:  # every sample bad (counted): a batch of none, which the stage skips
+            return no_samples(0, bad)
         collating = time.perf_counter()
         read = self.reader.read_seconds - read_before
         rows = [
@@ -79,14 +81,14 @@ class BucketedBatches:
             raise ValueError(
                 "bucketing: needs exactly one dataset, packing: none and no seq_len (bucketing makes the batches)"
             )
+        exts = stream.sources[0].index.extensions
+        if not any(is_audio_member(e) for e in exts):  # at build, where the trainer says it in one line
+            raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         self.stream = stream
         self.epoch, self.history, self.step = 0, [], 0
 
     def __iter__(self) -> Iterator[dict]:
         stream, cfg = self.stream, self.stream.cfg
-        exts = stream.sources[0].index.extensions
-        if not any(is_audio_member(e) for e in exts):
-            raise ValueError(f"bucketing: {cfg.datasets[0].path} has no audio members ({', '.join(exts)})")
         reader = stream.reader()
         while cfg.epochs is None or self.epoch < cfg.epochs:
             batches = self._plan(self.epoch, self.history)
@@ -98,6 +100,8 @@ class BucketedBatches:
             make = BucketBatch(reader, batches, token_ext=token_ext(stream.sources[0]))
             for batch in stream.run(make, first=self.step, last=len(batches), epoch=self.epoch):
                 self.step += 1
+                if not batch["__key__"]:  # its samples were all bad (counted): nothing stands in for them
+                    continue
                 yield batch
             self.epoch, self.history, self.step = self.epoch + 1, [], 0
 

@@ -18,11 +18,14 @@ class PlainBatches:
     def __iter__(self) -> Iterator[dict]:
         for batch in self.stream.plain():
             self.stream.consumed = batch.pop("__end__")
+            if not batch["__key__"]:  # its samples were all bad (counted): nothing stands in for them
+                continue
             yield batch
             del batch  # a worker's ring bytes come back once the consumer drops the batch too
 
     def __len__(self) -> int:
-        """Batches left in a finite stream; the same on every DP rank."""
+        """Batches left in a finite stream, the same on every DP rank: an upper bound, as a batch whose every
+        sample is bad is skipped, not delivered."""
         n = self.stream.num_batches()
         if n is None:
             raise TypeError("len() of an endless stream (epochs: null)")

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from headrace.dataio.outpath import refuse_input, write_file
 from headrace.dataio.usererror import CommandError
 
 
@@ -50,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
             f"{args.dir}: sample {args.key!r} has no member {args.member!r} (it has: {', '.join(sorted(members))})"
         )
     if args.out is not None:
-        args.out.write_bytes(members[args.member])
+        shards = [dataset.root / s.name for s in dataset.index.shards]  # a shard may be a link out of dir
+        refuse_input(args.out, [args.dir, *shards], "--out")
+        write_file(args.out, members[args.member], "--out")
     else:
         sys.stdout.buffer.write(members[args.member])
     return 0

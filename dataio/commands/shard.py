@@ -12,6 +12,7 @@ import dataclasses
 from functools import partial
 from pathlib import Path
 
+from headrace.dataio.outpath import refuse_input
 from headrace.dataio.usererror import CommandError
 
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from headrace.dataio.commands.progress import progress_bar
     from headrace.dataio.prepare.job import PrepareError, ShardOptions, shard_corpus
 
+    refuse_input(args.output, args.inputs, "--output")
     fields = {f.name for f in dataclasses.fields(ShardOptions)}
     opts = ShardOptions(**{k: v for k, v in vars(args).items() if k in fields})
     try:

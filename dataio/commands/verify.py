@@ -26,12 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported here, not at the top: `dataio --help` imports every verb's add_arguments, not its work
     from headrace.dataio.commands.progress import track
-    from headrace.dataio.shards.index import load_index
+    from headrace.dataio.shards.index import INDEX_DIR, load_index
+    from headrace.dataio.shards.index_check import check_contents
     from headrace.dataio.verify import verify_dir
 
     root = args.dir
     try:
         index = load_index(root, mmap=False)
+        check_contents(index, str(root / INDEX_DIR))  # the index files against each other, before any shard
     except (FileNotFoundError, ValueError) as e:
         raise CommandError(str(e)) from None
     start = time.perf_counter()

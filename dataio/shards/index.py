@@ -36,9 +36,11 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from tokenize import TokenError
 
 import numpy as np
 
+from headrace.dataio.shards.index_check import IndexFormatError, check_layout
 from headrace.dataio.shards.shardtable import ShardInfo, ShardTable, check_shard_names, split_ids
 from headrace.dataio.shards.writes import writing
 
@@ -197,15 +199,21 @@ def load_index(root: str | os.PathLike, *, mmap: bool = True) -> DatasetIndex:
         raise FileNotFoundError(
             f"{root}: no headrace index ({INDEX_DIR}/manifest.json); run `dataio index {root}` first"
         )
-    with open(manifest_path) as f:
-        manifest = json.load(f)
+    try:
+        with open(manifest_path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
+        raise IndexFormatError(f"{manifest_path}: not a JSON manifest ({' '.join(str(e).split())[:160]})") from None
     mode = "r" if mmap else None
-    return index_from_files(
-        manifest,
-        str(manifest_path),
-        lambda name: np.load(d / name, mmap_mode=mode, allow_pickle=False),
-        lambda name: (d / name).exists(),
-    )
+
+    def load(name: str) -> np.ndarray:
+        try:
+            return np.load(d / name, mmap_mode=mode, allow_pickle=False)
+        # a header that does not parse (numpy tokenizes and literal-evals it), a length past the file, a pickle
+        except (ValueError, EOFError, SyntaxError, TokenError, OverflowError, TypeError, KeyError) as e:
+            raise IndexFormatError(f"{d / name}: not an index array ({' '.join(str(e).split())[:160]})") from None
+
+    return index_from_files(manifest, str(manifest_path), load, lambda name: (d / name).exists())
 
 
 def index_from_files(
@@ -213,6 +221,8 @@ def index_from_files(
 ) -> DatasetIndex:
     """A ``DatasetIndex`` from its parsed ``manifest.json`` and a reader of its ``.npy`` files (mapped
     from a local directory, or fetched from a URL); ``where`` names the manifest in errors."""
+    if not isinstance(manifest, dict):
+        raise IndexFormatError(f"{where}: holds a JSON {type(manifest).__name__}, not the index manifest")
     version = manifest.get("version")
     if manifest.get("format") != "headrace-index" or version not in READABLE_VERSIONS:
         raise ValueError(
@@ -220,13 +230,19 @@ def index_from_files(
             f"(this headrace reads versions {', '.join(map(str, READABLE_VERSIONS))}; "
             f"run `dataio index DIR` with it to rewrite the index)"
         )
+    for field_name, needed in (("extensions", True), ("splits", version == 2)):
+        value = manifest.get(field_name)
+        if needed and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise IndexFormatError(f"{where}: '{field_name}' is not a list of names")
     if version == 1:
         shards: Sequence[ShardInfo] = shards_of(manifest, where)
     else:
         names = load("shard_names.npy")
+        if names.ndim != 1 or names.dtype.kind != "S":  # before the names are read (check_layout: the rest)
+            raise IndexFormatError(f"{where.rsplit('/', 1)[0]}/shard_names.npy: holds {names.dtype}, not names")
         check_shard_names(names, where)  # the loader opens dataset / name: never a path leaving the dataset
         shards = ShardTable(names, load("shards.npy"), manifest["splits"])
-    return DatasetIndex(
+    index = DatasetIndex(
         shards=shards,
         extensions=list(manifest["extensions"]),
         samples=load("samples.npy"),
@@ -236,6 +252,8 @@ def index_from_files(
         key_order=load("key_order.npy") if exists("key_order.npy") else None,
         digest=manifest.get("digest"),
     )
+    check_layout(index, where.rsplit("/", 1)[0])
+    return index
 
 
 def content_digest(index: DatasetIndex) -> str:

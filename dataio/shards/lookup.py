@@ -11,10 +11,11 @@ the same files).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
-from headrace.dataio.shards.index import DatasetIndex, load_index
+from headrace.dataio.shards.index import INDEX_DIR, DatasetIndex, load_index
 
 TAR_HEADER = 512
 
@@ -44,18 +45,35 @@ class Dataset:
         return isinstance(key, str) and self.index.find(key) is not None
 
     def __getitem__(self, key: str) -> dict[str, bytes]:
-        i = self.index.find(key)
-        if i is None:
-            raise SampleNotFound(f"{self.root}: no sample with key {key!r} ({len(self)} samples)")
-        return self.sample(i)
+        i = self._find(key)
+        with self._damage_named("samples.npy"):
+            return self.sample(i)
 
     def locate(self, key: str) -> tuple[str, int]:
         """``(shard name, byte offset of the sample's first tar header)`` of ``key``."""
-        i = self.index.find(key)
+        i = self._find(key)
+        with self._damage_named("samples.npy"):
+            row = self.index.samples[i]
+            return self.index.shards[int(row["shard"])].name, int(row["offset"])
+
+    def _find(self, key: str) -> int:
+        with self._damage_named("key_order.npy"):
+            i = self.index.find(key)
         if i is None:
             raise SampleNotFound(f"{self.root}: no sample with key {key!r} ({len(self)} samples)")
-        row = self.index.samples[i]
-        return self.index.shards[int(row["shard"])].name, int(row["offset"])
+        return i
+
+    @contextlib.contextmanager
+    def _damage_named(self, name: str):
+        """An entry of index file ``name`` pointing past the arrays it indexes (a damaged index) as one
+        ``IndexMismatch`` line naming the file, not an ``IndexError``."""
+        try:
+            yield
+        except IndexError:
+            raise IndexMismatch(
+                f"{self.root / INDEX_DIR / name}: points past the index's own arrays (damaged? `dataio verify "
+                f"{self.root}` checks every file; `dataio index {self.root}` rewrites them)"
+            ) from None
 
     def sample(self, i: int) -> dict[str, bytes]:
         """The members of sample ``i`` (global index order), read from its shard."""

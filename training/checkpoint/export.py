@@ -38,11 +38,16 @@ from headrace.training.checkpoint.layout import (
 def export_errors(where: Path):
     """The file system's refusals while exporting ``where`` (a full disk, a file-size limit, a permission) as one
     ``JobInputError`` line naming it, as ``write_error`` does for a checkpoint save; other failures keep their
-    traceback. The checkpoint of the step was saved before the export, so nothing is lost."""
+    traceback. The checkpoint of the step was saved before the export, so nothing is lost; any failure removes
+    the export's temporary folder (``export_hf``'s ``hf.tmp``), so nothing partial stays behind."""
     from safetensors import SafetensorError
 
     try:
-        yield
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(where.with_name(where.name + ".tmp"), ignore_errors=True)
+            raise
     except CheckpointException as e:
         raise write_error(where, e) from e
     except OSError as e:

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from headrace.training.checkpoint import store
+from headrace.training.checkpoint.fields import checked_fields
+from headrace.training.dcp_logging import quiet_metadata_fallback
 from headrace.training.checkpoint.seal import (
     Incomplete,
     NotSealed,
@@ -58,7 +60,7 @@ def sealed_state(path: Path) -> dict:
         key = seal_key(create=False)
     except UntrustedKey as e:
         raise NotSealed(str(e)) from None
-    return check(path, key, STATE_FILE)
+    return checked_fields(check(path, key, STATE_FILE), STATE_FILE, torch.get_rng_state().numel())
 
 
 def damaged(path: Path, state: dict) -> str | None:
@@ -135,7 +137,8 @@ def one_failure(e: CheckpointException) -> str:
 def read_tensors(path: Path, tensors: dict) -> None:
     """Fill ``tensors`` (a flat dict of tensors / DTensors) from the safetensors files of ``path``, resharded to
     their layout. Only tensors are asked for, so DCP reads headers and tensor bytes and never unpickles."""
-    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    with quiet_metadata_fallback():  # a header that does not parse is the CheckpointException's line, once
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
 
 
 def load(

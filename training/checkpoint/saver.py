@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from headrace.training.checkpoint import store
+from headrace.training.checkpoint.prune import prune
 from headrace.training.checkpoint.seal import (
     HashingFileSystem,
     UntrustedKey,
@@ -42,7 +43,6 @@ from headrace.training.errors import JobInputError
 from headrace.training.models.float8 import high_precision_weights
 from headrace.training.checkpoint.layout import (
     FLAT_OPTIONS,
-    STEP_DIR,
     STATE_FILE,
     TRAINABLE_OPTIONS,
     checkpoint_dir,
@@ -135,12 +135,12 @@ def write(
         write_json(tmp / STATE_FILE, seal(state, {n: d for part in digests for n, d in part.items()}, key))
         if url:
             store.upload(tmp, [STATE_FILE], url)  # the commit marker, last
-            store.prune(str(folder), keep_last, STATE_FILE)
+            store.prune(str(folder), keep_last, STATE_FILE, written=url)
         else:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _prune(Path(folder), keep_last)
+            prune(Path(folder), keep_last, final, key, STATE_FILE)
     dist.barrier(group=group)
     if url:
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: its host's local copy
@@ -275,14 +275,6 @@ def seal_key_or_fail(*, create: bool) -> bytes | None:
         return seal_key(create=create)
     except UntrustedKey as e:
         raise JobInputError(f"checkpoint: refused: {e}") from None
-
-
-def _prune(folder: Path, keep_last: int | None) -> None:
-    if not keep_last:
-        return
-    done = sorted(p for p in folder.iterdir() if STEP_DIR.match(p.name))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old)
 
 
 __all__ = [

@@ -84,6 +84,11 @@ def _refuse_unless_private(path: Path, st: os.stat_result, what: str) -> None:
         )
 
 
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a device")
+
+
 def seal_key(*, create: bool) -> bytes | None:
     """This user's key (``key_path``), made once when ``create``; None when absent and not ``create``.
     ``UntrustedKey`` when the file or its folder is not this user's alone."""
@@ -100,17 +105,19 @@ def seal_key(*, create: bool) -> bytes | None:
                 f.flush()
                 os.fsync(f.fileno())
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO planted at the path must not block the open (regular files ignore the flag)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as e:  # ELOOP: a symlink
         raise UntrustedKey(
             f"seal key {path}: does not open without following a link ({e.strerror}); remove it"
         ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UntrustedKey(f"seal key {path}: not a regular file ({_kind(st.st_mode)}); remove it")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrustedKey(f"seal key {path}: not a regular file")
         _refuse_unless_private(path, st, "file")
         _refuse_unless_private(path, os.stat(path.parent), "folder")
         key = f.read(KEY_BYTES + 1)
@@ -169,6 +176,22 @@ def seal(state: dict, digests: dict[str, tuple[int, str]], key: bytes) -> dict:
     """``state`` with its layout, ``files`` ({name: [size, sha256]}, from the writers) and ``seal`` (HMAC)."""
     state = {**state, "format": FORMAT, "files": {n: list(digests[n]) for n in sorted(digests)}}
     return {**state, "seal": _mac(key, state)}
+
+
+def sealed_by(step_dir: Path, key: bytes, state_file: str) -> bool:
+    """Whether ``step_dir`` holds a state file of this layout whose seal holds under ``key`` (its files unchecked:
+    what ``keep_last`` may prune)."""
+    try:
+        with open(step_dir / state_file, "rb") as f:
+            state = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (
+        isinstance(state, dict)
+        and state.get("format") == FORMAT
+        and isinstance(state.get("seal"), str)
+        and hmac.compare_digest(_mac(key, state), state["seal"])
+    )
 
 
 def check(step_dir: Path, key: bytes | None, state_file: str) -> dict:
@@ -236,5 +259,6 @@ __all__ = [
     "key_path",
     "seal",
     "seal_key",
+    "sealed_by",
     "verify_hashes",
 ]

@@ -98,10 +98,10 @@ def download(url: str, local_dir: Path) -> Path:
     return local_dir
 
 
-def prune(url: str, keep_last: int | None, state_file: str) -> None:
-    """Every step folder under ``url`` older than the newest ``keep_last`` complete ones (partial ones too; a
-    partial one newer than those stays: the run overwrites it when it saves that step)."""
-    complete = step_folders(url, state_file, complete_only=True)
+def prune(url: str, keep_last: int | None, state_file: str, *, written: str) -> None:
+    """Every step folder under ``url`` older than the newest ``keep_last`` complete ones up to ``written`` (the
+    one just saved, never deleted; partial ones too; a folder of a higher step than ``written`` stays)."""
+    complete = [c for c in step_folders(url, state_file, complete_only=True) if c <= written]
     if not keep_last or len(complete) <= keep_last:
         return
     oldest_kept = complete[-keep_last]

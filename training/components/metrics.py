@@ -37,6 +37,7 @@ import torch
 from headrace.config import to_dict
 from headrace.dataio.stagetimes import StageTotals
 from headrace.training.components import wandb_run
+from headrace.training.errors import named_write
 from headrace.training.models.build import count_params
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' data sheets (no sparsity).
@@ -240,8 +241,9 @@ class MetricsLogger:
 
     def _write(self, record: dict, tb_tag) -> None:
         """One metrics.jsonl line; every number but the step to TensorBoard under ``tb_tag(key)``."""
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with named_write(self.output_dir / "metrics.jsonl"):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -271,7 +273,7 @@ class MetricsLogger:
             "flops_per_s_full_row": mean("flops_per_s_full_row"),
         }
         if self.enabled:
-            with open(self.output_dir / "summary.json", "w") as f:
+            with named_write(self.output_dir / "summary.json"), open(self.output_dir / "summary.json", "w") as f:
                 json.dump(result, f, indent=1)
             if self.wandb_run is not None:
                 self.wandb_run.summary.update(result)

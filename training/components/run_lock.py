@@ -10,6 +10,7 @@ Cost: one open, one ``fcntl`` call and one small broadcast per job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -62,11 +63,16 @@ def lock_output_dir(out_dir: Path):
                 "finish or choose another output_dir"
             )
         else:
-            held.truncate(0)
-            held.write(
-                f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
-            )
-            held.flush()
+            try:
+                held.truncate(0)
+                held.write(
+                    f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()
+                )
+                held.flush()
+            except OSError as e:  # a full disk: every rank learns it below (a raise here would leave them waiting)
+                with contextlib.suppress(OSError):  # its buffer flushed again: the file closes all the same
+                    held.close()
+                held, refusal = None, f"trainer.output_dir: cannot write {path}: {e.strerror or e}"
     box = [refusal]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:

@@ -17,6 +17,7 @@ fails with one line naming it. ``headrace.training.models.lora`` applies the con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -53,7 +54,7 @@ class PeftConfig:
     none given: ``*_proj``; ``match_all_linear``: every ``nn.Linear`` but the ``lm_head`` (the loss reads its weight
     in chunks, headrace.training.models.loss)."""
 
-    target_modules: list[str] = field(default_factory=list)
+    target_modules: list[str] | None = None  # None: the default selection; [] selects nothing and is refused
     exclude_modules: list[str] = field(default_factory=list)
     match_all_linear: bool = False
     dim: int = 8  # the rank r
@@ -102,6 +103,15 @@ def check_peft(peft: PeftConfig | None, model_kind: str, kind_parts: tuple[str, 
         return
     if peft.dim < 1:
         raise ConfigError(f"peft.dim (r) must be >= 1, got {peft.dim}")
+    if not (math.isfinite(peft.alpha) and peft.alpha > 0):
+        raise ConfigError(
+            f"peft.alpha must be a finite number > 0, got {peft.alpha} (the adapter's output is scaled by "
+            "alpha / dim: at 0 training cannot change the model)"
+        )
+    if peft.target_modules == []:
+        raise ConfigError(
+            "peft.target_modules: [] selects no module; leave it out for the default (*_proj), or name modules"
+        )
     if not 0 <= peft.dropout < 1:
         raise ConfigError(f"peft.dropout must be in [0, 1), got {peft.dropout}")
     if peft.match_all_linear and peft.target_modules:

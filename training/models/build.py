@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from headrace.config import ConfigError
+from headrace.training.errors import refused_as
 
 from headrace.kernels.hf_attention import ATTENTION_NAME, register_varlen_attention
 from headrace.training.config.job_config import JobConfig, ModelConfig
@@ -76,12 +77,8 @@ def build_hf_config(cfg: ModelConfig, *, text_model: bool = False) -> Pretrained
 def config_or_error(make, where: str) -> PretrainedConfig:
     """``make()``; transformers' validation of a config value (wrong type, heads not dividing the hidden size)
     as one ConfigError line naming ``where``."""
-    from huggingface_hub.errors import StrictDataclassError
-
-    try:
+    with refused_as(where):
         return make()
-    except (StrictDataclassError, TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
 
 
 def causal_lm_class(config: PretrainedConfig) -> type:

@@ -25,7 +25,6 @@ Cost: r (in + out) parameters per adapted layer, two thin matmuls in its forward
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
@@ -35,9 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -46,11 +43,18 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from headrace.config import ConfigError, to_dict
 from headrace.training.config.peft import PeftConfig
 from headrace.training.errors import JobInputError
+from headrace.training.models.adapter_dir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config_file,
+    read_adapter_tensors,
+    read_config_object,
+    stored_keys,
+)
 from headrace.training.models.loss import CausalLMLoss, unwrap_ddp
 from headrace.training.protocols.model_converter import ModelConverter, StateTransform
 
 PEFT_PREFIX = "base_model.model."  # peft's names of the base model's modules in an adapter file
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 HEAD_NAMES = ("lm_head", "embed_out")  # the output embedding: the chunked loss reads its weight, not its forward
 DEFAULT_TARGETS = ["*_proj"]  # Automodel's default
 _ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
@@ -129,8 +133,8 @@ def selected_modules(model: nn.Module, cfg: PeftConfig) -> list[str]:
             if cfg.match_all_linear
             else any(wildcard(p, name) for p in targets)
         )
-        if not chosen or any(wildcard(p, name) for p in cfg.exclude_modules):
-            continue
+        if not name or not chosen or any(wildcard(p, name) for p in cfg.exclude_modules):
+            continue  # the root module (the loss wrapper) is never a target
         if name.rsplit(".", 1)[-1] in HEAD_NAMES:
             raise ConfigError(
                 f"peft: {name} is the output head, which the loss reads as a weight in chunks (not "
@@ -141,6 +145,8 @@ def selected_modules(model: nn.Module, cfg: PeftConfig) -> list[str]:
                 f"peft: {name} holds MoE experts (3-D grouped weights): LoRA on experts is not "
                 "supported; target the attention projections, e.g. target_modules: ['*.self_attn.*']"
             )
+        if not linear and not any(p == name or name.endswith("." + p) for p in targets):
+            continue  # a wildcard selects among the nn.Linear layers (NeMo Automodel's rule): "*" is every one
         if not linear:
             raise ConfigError(
                 f"peft: {name} is a {type(module).__name__}, not an nn.Linear: LoRA wraps "
@@ -159,8 +165,14 @@ def apply_lora(model: nn.Module, cfg: PeftConfig) -> list[str]:
             f"peft: target_modules {cfg.target_modules or DEFAULT_TARGETS} (exclude_modules "
             f"{cfg.exclude_modules}) select no nn.Linear of the model"
         )
-    model.requires_grad_(False)
     modules = dict(model.named_modules())
+    for name in names:  # before any adapter is made: a rank past a layer's own is refused, not allocated
+        if cfg.dim > min(modules[name].weight.shape):
+            raise ConfigError(
+                f"peft.dim {cfg.dim} exceeds the rank of {name} ({tuple(modules[name].weight.shape)}): an "
+                f"adapter's rank is at most min(in, out) = {min(modules[name].weight.shape)}"
+            )
+    model.requires_grad_(False)
     for name in names:
         add_adapter(modules[name], cfg)
     return names
@@ -194,16 +206,8 @@ def init_adapters(model: nn.Module, cfg: PeftConfig, label: str = "") -> None:
 
 def read_adapter_config(path: str | Path) -> dict:
     """``adapter_config.json`` of a peft adapter directory (plain JSON), after the rules this trainer needs."""
-    file = Path(path) / ADAPTER_CONFIG
-    if not file.is_file() or not (Path(path) / ADAPTER_WEIGHTS).is_file():
-        raise JobInputError(
-            f"peft.pretrained_path: {path} is not a peft adapter directory (needs {ADAPTER_CONFIG} "
-            f"and {ADAPTER_WEIGHTS}; .bin adapters are pickles and are not read)"
-        )
-    try:
-        config = json.loads(file.read_text())
-    except ValueError as e:
-        raise JobInputError(f"peft.pretrained_path: {file} is not JSON ({e})") from None
+    file = adapter_config_file(path)
+    config = read_config_object(file)
     if config.get("peft_type") != "LORA":
         raise JobInputError(f"peft.pretrained_path: {file} holds a {config.get('peft_type')} adapter, not LORA")
     unsupported = {
@@ -236,8 +240,7 @@ def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
             f"{config.get('lora_alpha')}; this job's peft has dim={cfg.dim}, alpha={cfg.alpha:g}"
         )
     state = {k: v for k, v in get_model_state_dict(model).items() if is_adapter_key(k)}
-    with safe_open(str(Path(path) / ADAPTER_WEIGHTS), "pt") as f:  # the header only
-        stored = set(f.keys())
+    stored = stored_keys(path)
     everyone = {k for keys in _from_every_rank(sorted(state)) for k in keys}  # pipeline stages hold parts
     wanted = {PEFT_PREFIX + k for k in everyone}
     if wanted != stored:
@@ -251,7 +254,7 @@ def load_adapter(model: nn.Module, cfg: PeftConfig, path: str | Path) -> None:
             f"{', '.join(differ)}; set peft.target_modules to the adapter's target_modules "
             f"{config.get('target_modules')}"
         )
-    dcp.load({PEFT_PREFIX + k: v for k, v in state.items()}, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    read_adapter_tensors({PEFT_PREFIX + k: v for k, v in state.items()}, path)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 

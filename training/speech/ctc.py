@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from headrace.dataio.stream.ordering.seeding import rank_seed
-from headrace.config import to_dict
+from headrace.config import ConfigError, to_dict
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.speech import SpeechConfig
 from headrace.training.distributed.dense import apply_ac, apply_ddp, apply_fsdp, uses_fsdp
 from headrace.training.distributed.parallel_dims import ParallelDims
+from headrace.training.errors import refused_as
 from headrace.training.models.build import load_safetensors, param_dtype
 from headrace.training.models.loss import bf16_autocast, unwrap_ddp
 from headrace.training.speech.encoders import front_end
@@ -95,7 +96,7 @@ class Units:
         self.kind, self.tokenizer = kind, None
         if kind == "tokens":
             if tokenizer_path is None:
-                raise ValueError("model.ctc.units: tokens needs model.tokenizer")
+                raise ConfigError("model.ctc.units: tokens needs model.tokenizer")
             from headrace.training.speech.prompt import load_tokenizer
 
             self.tokenizer = load_tokenizer(tokenizer_path)
@@ -154,7 +155,7 @@ def build_ctc(cfg, dims: ParallelDims, device: torch.device):
     front = front_end(speech.encoder.kind, speech.features)
     enc_config = front.config(speech.encoder)
     units = ctc_units(cfg.model)
-    with torch.device("meta"):
+    with torch.device("meta"), refused_as("model.speech.encoder.config"):  # e.g. a subsampling_factor of 0
         model = CTCModel(front.build(enc_config), nn.Linear(enc_config.hidden_size, units.size + 1), speech, front)
     apply_ac(model.encoder.layers, cfg.distributed)
     dtype = param_dtype(cfg.trainer.precision)

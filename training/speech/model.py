@@ -36,6 +36,7 @@ from transformers import PretrainedConfig
 from headrace.kernels.log_mel import spec_augment
 from headrace.kernels.loss import IGNORE_INDEX
 from headrace.training.config.speech import SpeechConfig
+from headrace.training.errors import refused_as
 from headrace.training.models.build import build_meta_model, load_safetensors, materialize
 from headrace.training.models.loss import CausalLMLoss
 from headrace.training.speech.bridge import CTCBridge, token_embeddings
@@ -239,7 +240,8 @@ def build_meta_salm(llm_config: PretrainedConfig, cfg: SpeechConfig) -> SALM:
     enc_config = front.config(cfg.encoder)
     llm = build_meta_model(llm_config)
     with torch.device("meta"):
-        encoder = front.build(enc_config)
+        with refused_as("model.speech.encoder.config"):  # e.g. a subsampling_factor of 0
+            encoder = front.build(enc_config)
         adapter = build_adapter(cfg.adapter, enc_config.hidden_size, llm_config.hidden_size, llm_config.vocab_size)
         bridged = isinstance(adapter, CTCBridge)
         ctc_head = (

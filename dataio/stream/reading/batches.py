@@ -25,6 +25,7 @@ from headrace.dataio.stream.reading.dali import BatchAudio
 from headrace.dataio.stream.reading.decode import (
     TOKEN_ID_LIMIT,
     SampleDecodeError,
+    check_fits_int64,
     check_token_document,
     decode_sample,
     member_error,
@@ -57,6 +58,16 @@ def check_documents(sample: dict, token: str | None, *, key: str, shard: str) ->
         if is_token_member(ext):
             try:
                 check_token_document(value)
+            except ValueError as e:
+                raise member_error(e, shard=shard, key=key, member=ext) from None
+
+
+def check_id_range(sample: dict, *, key: str, shard: str) -> None:
+    """SampleDecodeError naming the member when a token member holds a uint64 id that does not fit int64."""
+    for ext, value in sample.items():
+        if is_token_member(ext):
+            try:
+                check_fits_int64(value)
             except ValueError as e:
                 raise member_error(e, shard=shard, key=key, member=ext) from None
 
@@ -100,6 +111,8 @@ class SampleReader:
                     )
                     if self.cfg.thd:  # packing takes every .npy member for a document of token ids
                         check_documents(sample, self.token_exts[int(refs[i]) >> REF_BITS], key=key, shard=shard)
+                    else:  # plain batches: token ids must still fit the int64 the trainer reads them as
+                        check_id_range(sample, key=key, shard=shard)
                     samples.append(sample)
                     keys.append(key)
                     shards.append(shard)
@@ -234,7 +247,7 @@ class BatchMaker:
         end, local, positions = self._span(b)
         refs = self.refs(positions)
         batch = gather_tokens(self.sources, refs, end, alloc) if self.tokens_only and len(refs) else None
-        if batch is not None and self.reader.cfg.thd and _has_refused_id(batch):
+        if batch is not None and _has_refused_id(batch, packing=self.reader.cfg.thd):
             batch = None  # the general path names and counts the samples that packing cannot take
         if batch is not None:  # token batches: read, checked and collated per batch (reading.gather)
             batch["__pos__"], batch["__bad__"] = torch.from_numpy(local), 0
@@ -242,6 +255,8 @@ class BatchMaker:
             return self._with_subflavors(batch)
         read_before, reading = self.reader.read_seconds, time.perf_counter()
         samples, keys, kept, bad = self.reader.read(refs, defer_npy=True, alloc=alloc)
+        if not samples and bad:  # every sample bad (each counted): a batch of none, which no stage delivers
+            return self._with_subflavors(no_samples(end, bad))
         valid = torch.ones(len(samples), dtype=torch.bool)
         if not samples:  # a rank left without a sample at the tail: one flagged padding sample
             refs = self.refs(np.array([self.layout.start]))
@@ -273,7 +288,7 @@ class BatchMaker:
         local = np.concatenate([local for _, local, _ in spans])
         refs = self.refs(np.concatenate([positions for _, _, positions in spans]))
         union = gather_tokens(self.sources, refs, 0, alloc)
-        if union is None or (self.reader.cfg.thd and _has_refused_id(union)):
+        if union is None or _has_refused_id(union, packing=self.reader.cfg.thd):
             return None
         ext = next(k for k in union if is_token_member(k))
         tokens, lengths = union[ext], union["__lengths__"].get(ext)
@@ -308,6 +323,15 @@ class BatchMaker:
         return batch
 
 
+def no_samples(end: int, bad: int) -> dict:
+    """The batch of a read whose every sample was bad (``bad`` of them, counted): bookkeeping only, so the stage
+    advances its position past it and delivers nothing in its place (no other sample repeats, no empty batch)."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    batch = bookkeeping([], empty, torch.zeros(0, dtype=torch.bool), end)
+    batch.update({"__pos__": empty, "__bad__": bad, "__lengths__": {}})
+    return batch
+
+
 def _into(alloc: Allocator, t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in a tensor from ``alloc`` (a worker's ring: sent as a view, not pickled)."""
     out = alloc(tuple(t.shape), t.dtype)
@@ -315,17 +339,18 @@ def _into(alloc: Allocator, t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _has_refused_id(batch: dict) -> bool:
-    """Whether a gathered token batch holds what packing refuses (``decode.check_token_document``): floats, a negative
-    id, or a uint64 one that does not fit int64 (one reduction, signed and 64-bit unsigned dtypes only)."""
+def _has_refused_id(batch: dict, *, packing: bool) -> bool:
+    """Whether a gathered token batch holds a uint64 id that does not fit int64, or with ``packing`` anything else
+    packing refuses (``decode.check_token_document``): floats, a negative id (one reduction, signed and 64-bit
+    unsigned dtypes only)."""
     tokens = next(v for k, v in batch.items() if is_token_member(k))
     if tokens.dtype.is_floating_point:  # not token ids at all
-        return True
+        return packing
     if tokens.numel() == 0:
         return False
     if tokens.dtype == torch.uint64:  # torch has no max of uint64: numpy's, over the same memory
         return int(tokens.numpy().max()) >= TOKEN_ID_LIMIT
-    return tokens.dtype.is_signed and int(tokens.min()) < 0
+    return packing and tokens.dtype.is_signed and int(tokens.min()) < 0
 
 
-__all__ = ["BatchMaker", "SampleReader", "token_ext"]
+__all__ = ["BatchMaker", "SampleReader", "no_samples", "token_ext"]

@@ -362,11 +362,21 @@ def check_token_document(value: NpyView | torch.Tensor) -> None:
         raise ValueError(f"token ids must be a 1-D integer array, got {value.dtype} of shape {tuple(value.shape)}")
     if not len(value):
         return
-    if value.dtype == torch.uint64:  # torch has no max of uint64: numpy's, over the same memory
+    check_fits_int64(value)
+    if value.dtype.is_signed and int(value.min()) < 0:
+        raise ValueError(f"negative token id {int(value.min())}")
+
+
+def check_fits_int64(value: NpyView | torch.Tensor) -> None:
+    """ValueError when a ``uint64`` array holds a value at or past ``TOKEN_ID_LIMIT``: batches (plain or packed) and
+    the trainer hold int64 ids, where it would wrap to a negative one (values read for uint64 only)."""
+    if isinstance(value, NpyView):
+        if value.dtype != np.uint64:
+            return
+        value = value.tensor()
+    if value.dtype == torch.uint64 and value.numel():  # torch has no max of uint64: numpy's, over the same memory
         if (largest := int(value.numpy().max())) >= TOKEN_ID_LIMIT:
             raise ValueError(f"token id {largest} does not fit int64 (uint64 ids must stay below 2**63)")
-    elif value.dtype.is_signed and int(value.min()) < 0:
-        raise ValueError(f"negative token id {int(value.min())}")
 
 
 def member_error(e: Exception, *, shard: str | None, key: str | None, member: str) -> SampleDecodeError:

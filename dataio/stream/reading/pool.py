@@ -131,10 +131,21 @@ class WorkerPool:
             payload = self._receive(w)
             self._ask(w)
             t += 1
+            self._check_alive(t)
             if self.num_tasks is not None and t + self.num_workers > self.num_tasks:
                 self.requests[w].close()  # its last task is here (handles fetched): it may exit now
             yield payload
             del payload
+
+    def _check_alive(self, received: int) -> None:
+        """``WorkerDied`` for a worker gone (killed, crashed) while it still owes tasks, found at every task, not
+        only at its own turn: the payloads it made before it died can feed many steps meanwhile. A worker
+        exits on its own (status 0) after its last task, or after sending an error, which its turn raises in
+        order; any other status is a death. Cost: one ``waitpid(WNOHANG)`` a worker."""
+        for w, proc in enumerate(self.procs):
+            owes = self.num_tasks is None or received + (w - received) % self.num_workers < self.num_tasks
+            if owes and proc.exitcode not in (None, 0):
+                raise WorkerDied(_exit_message(proc, w))
 
     def close(self, clean: bool = True) -> None:
         """Close the pipes and join the workers (``clean``: give each ``JOIN_S`` to finish; else
