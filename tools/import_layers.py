@@ -26,7 +26,10 @@ H, D, T = "headrace", "headrace.dataio", "headrace.training"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config trees", (f"{H}.config",)),
     ("kernels", (f"{H}.kernels",)),
-    ("data errors and units", (f"{D}.usererror", f"{D}.interrupts", f"{D}.sizes", f"{D}.libsndfile")),
+    (
+        "data errors and units",
+        (f"{D}.usererror", f"{D}.interrupts", f"{D}.sizes", f"{D}.libsndfile", f"{D}.stagetimes"),
+    ),
     ("data config", (f"{D}.config", f"{D}.loader_state")),
     ("shard format", (f"{D}.shards",)),
     ("corpus preparation", (f"{D}.prepare",)),
@@ -37,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("batching", (f"{D}.batching",)),
     ("loader and feed", (f"{D}.loader", f"{D}.feed", f"{D}.worker_count", f"{D}.verify")),
     ("dataio tools", (D,)),  # bench, commands, cli: everything else of dataio
-    ("trainer base", (f"{T}.errors", f"{T}.dir_files", f"{T}.protocols")),
+    ("trainer base", (f"{T}.errors", f"{T}.dir_files", f"{T}.dcp_logging", f"{T}.protocols")),
     ("job config", (f"{T}.config",)),
     ("models", (f"{T}.models",)),
     ("parallelisms", (f"{T}.distributed",)),

@@ -41,6 +41,7 @@ from tokenize import TokenError
 import numpy as np
 
 from headrace.dataio.shards.index_check import IndexFormatError, check_layout
+from headrace.dataio.shards.index_rows import MEMBER_DTYPE, SAMPLE_DTYPE
 from headrace.dataio.shards.shardtable import ShardInfo, ShardTable, check_shard_names, split_ids
 from headrace.dataio.shards.writes import writing
 
@@ -50,18 +51,6 @@ PARTS_DIR = f"{META_DIR}/parts"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: the shard table as JSON in manifest.json
 
-SAMPLE_DTYPE = np.dtype(
-    [
-        ("shard", "<u4"),
-        ("offset", "<u8"),
-        ("size", "<u8"),
-        ("member_start", "<u8"),
-        ("member_count", "<u2"),
-        ("tokens", "<i8"),
-        ("duration", "<f4"),
-    ]
-)
-MEMBER_DTYPE = np.dtype([("ext", "<u2"), ("offset", "<u8"), ("size", "<u8")])
 LHOTSE_MANIFEST_SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".json.gz")  # a Lhotse manifest file's endings
 
 

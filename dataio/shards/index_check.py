@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from headrace.dataio.shards.index_rows import MEMBER_DTYPE, SAMPLE_DTYPE
+
 INDEX_FILES = ("samples.npy", "members.npy", "keys.npy", "key_order.npy", "shard_names.npy", "shards.npy")
 
 
@@ -26,7 +28,6 @@ def _refuse(where: str, name: str, rule: str) -> IndexFormatError:
 
 def check_layout(index, where: str) -> None:
     """O(1) rules: dtypes, dimensions, lengths that agree (``where``: the index folder, for messages)."""
-    from headrace.dataio.shards.index import MEMBER_DTYPE, SAMPLE_DTYPE
     from headrace.dataio.shards.shardtable import SHARD_DTYPE, ShardTable
 
     n = len(index.samples) if index.samples.ndim == 1 else -1
