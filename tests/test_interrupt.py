@@ -33,6 +33,12 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+def sigint_as_in_a_terminal() -> None:
+    """The child's SIGINT at its default, as a terminal's foreground job has it: a suite started in the background
+    (``pytest ... &``) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted_verb(module: str, name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", INTERRUPTED_VERB, module, name, *args],
@@ -41,6 +47,7 @@ def interrupted_verb(module: str, name: str, *args: str) -> subprocess.Completed
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=sigint_as_in_a_terminal,
     )
 
 
@@ -88,6 +95,7 @@ def test_trainer_with_loader_workers_says_interrupted(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     try:
         seen = []

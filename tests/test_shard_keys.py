@@ -1,6 +1,7 @@
 """Sample keys stay distinct (issue 34 item 21): ids that differ only in characters a key cannot hold ('文档' and
 '资料', ``a.b`` and ``a_b``, ``a//b`` and ``a/b``) are escaped, not collapsed, so such corpora shard; a NeMo manifest
-whose records carry an ``id`` is keyed by it, as the duplicate-key advice says. Through ``dataio shard`` and the
+whose records carry an ``id`` is keyed by it, as the duplicate-key advice says; without one, by the audio path
+relative to the manifest's folder, the same in any folder on any machine (issue 48). Through ``dataio shard`` and the
 loader reading the keys back."""
 
 from __future__ import annotations
@@ -43,3 +44,44 @@ def test_nemo_manifest_records_are_keyed_by_their_id(tmp_path, capsys):
         capsys.readouterr().err
     )
     assert _keys(tmp_path / "out") == ["utt0", "utt1", "utt2"]
+
+
+def _shard_keys(manifest, out, capsys) -> list[str]:
+    assert dataio(["shard", str(manifest), "-o", str(out), "--quiet"]) == 0, capsys.readouterr().err
+    return _keys(out)
+
+
+def _corpus(root, manifest_dir=None, absolute=False):
+    """``root/audio/spk{1,2}/u{0,1}.flac`` and a NeMo manifest of them (and one segment) in ``manifest_dir`` (default:
+    ``root``), audio paths relative to the manifest's folder or absolute."""
+    manifest_dir = manifest_dir or root
+    lines = []
+    for spk in ("spk1", "spk2"):
+        (root / "audio" / spk).mkdir(parents=True)
+        for u in range(2):
+            soundfile.write(root / "audio" / spk / f"u{u}.flac", np.full(3200, 0.1, np.float32), 16000)
+            path = root / "audio" / spk / f"u{u}.flac"
+            lines.append({"audio_filepath": str(path if absolute else path.relative_to(manifest_dir)), "duration": 0.2})
+    lines.append({**lines[0], "offset": 0.1, "duration": 0.1})
+    manifest_dir.mkdir(parents=True, exist_ok=True)
+    manifest = manifest_dir / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({**r, "text": "hi"}) + "\n" for r in lines))
+    return manifest
+
+
+def test_nemo_keys_are_relative_to_the_manifest_and_the_same_in_any_folder(tmp_path, capsys):
+    """The same corpus sharded from two machines' folders (relative paths, absolute ones, a folder reached through
+    a link) gives the same keys, holding none of the machine's folders; absolute paths outside the manifest's folder
+    keep their last folder and file name (was: the escaped absolute path, ``%2Fhome%2Fuser%2F...``)."""
+    inside = ["audio/spk1/u0", "audio/spk1/u0_100", "audio/spk1/u1", "audio/spk2/u0", "audio/spk2/u1"]
+    alice, mnt = tmp_path / "home" / "alice" / "asr", tmp_path / "mnt" / "data" / "asr"
+    assert _shard_keys(_corpus(alice), tmp_path / "a", capsys) == inside
+    assert _shard_keys(_corpus(mnt, absolute=True), tmp_path / "b", capsys) == inside
+    (tmp_path / "link").symlink_to(mnt)  # absolute paths written through a link to the manifest's folder
+    through_link = tmp_path / "link" / "through_link.jsonl"
+    through_link.write_text((mnt / "manifest.jsonl").read_text().replace(str(mnt), str(tmp_path / "link")))
+    assert _shard_keys(through_link, tmp_path / "c", capsys) == inside
+    outside = [k.removeprefix("audio/") for k in inside]
+    for name, root in (("d", tmp_path / "srv" / "asr"), ("e", tmp_path / "scratch" / "asr")):
+        manifest = _corpus(root, manifest_dir=tmp_path / "manifests" / name, absolute=True)
+        assert _shard_keys(manifest, tmp_path / name, capsys) == outside

@@ -75,7 +75,10 @@ def test_recipe_smoke_run_writes_the_summary(tmp_path, capsys):
     for stage in ("llm", "ctc", "salm"):  # each stage's own run folder, its config beside it
         assert (out / stage / "config.yaml").is_file()
     assert (out / "ctc" / "encoder" / "model.safetensors").is_file()
-    assert len((out / "salm" / "eval-val.jsonl").read_text().splitlines()) == 2
+    evaluated = [json.loads(line) for line in (out / "salm" / "eval-val.jsonl").read_text().splitlines()]
+    held_out = {json.loads(line)["audio_filepath"] for line in manifest.read_text().splitlines()}
+    # keyed as the manifest's own lines (relative to its folder), never the escaped absolute path the split wrote
+    assert len(evaluated) == 2 and {f"{r['key']}.flac" for r in evaluated} <= held_out, evaluated
     decoded = [json.loads(line) for line in (out / "salm" / "metrics.jsonl").read_text().splitlines()]
     assert [r["val_wer_utterances"] for r in decoded if "val_wer" in r] == [2]  # the in-training decode of val
 

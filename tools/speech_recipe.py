@@ -157,11 +157,19 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def split_manifest(manifest: Path, work: Path) -> dict[str, list[dict]]:
     """``work/{train,val}.jsonl``: the manifest's lines by ``is_val``, their audio paths made absolute (a
-    relative path is relative to the manifest's folder, as NeMo reads them)."""
+    relative path is relative to the manifest's folder, as NeMo reads them), each keyed (``id``) as ``dataio shard``
+    keys the manifest itself: relative to its folder, not to ``work``'s."""
+    from headrace.dataio.prepare.readers import nemo_key_name
+
+    folders = (str(manifest.parent.absolute()), str(manifest.parent.resolve()))
     parts: dict[str, list[dict]] = {"train": [], "val": []}
     for line in read_jsonl(manifest):
         audio = Path(line["audio_filepath"])
-        line = {**line, "audio_filepath": str(audio if audio.is_absolute() else (manifest.parent / audio).resolve())}
+        absolute = str(audio if audio.is_absolute() else (manifest.parent / audio).resolve())
+        try:
+            line = {"id": nemo_key_name(line, folders), **line, "audio_filepath": absolute}
+        except (TypeError, ValueError):  # a broken offset: left for `dataio shard` to report with its line
+            line = {**line, "audio_filepath": absolute}
         parts["val" if is_val(str(audio)) else "train"].append(line)
     if not parts["train"] or not parts["val"]:
         raise SystemExit(

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 venv=.venv-lock
 rm -rf "$venv"
 HEADRACE_VENV=$venv HEADRACE_LOCK=none bash tools/setup.sh
-OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q --timeout=600 "$@"
+OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q --timeout=600 -n 2 --dist loadfile "$@"  # as tools/test.sh
 "$venv/bin/python" -m tools.lockfile write constraints.txt
 echo "constraints.txt rewritten from $venv (transformers $(sed -n 's/^transformers==//p' constraints.txt)," \
      "torch $(sed -n 's/^torch==//p' constraints.txt)); review with git diff constraints.txt"

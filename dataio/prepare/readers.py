@@ -13,8 +13,9 @@ Every reader has two halves so a job can be planned once and written by many pro
 Supported inputs (``open_input`` picks one from the suffix and the first record):
 
 - NeMo-style audio manifests (JSONL: ``audio_filepath``, ``duration``, ``text``, optional ``offset``; other
-  fields kept; relative paths resolved against the manifest's folder). Key: the audio path relative
-  to the manifest without extension, plus ``_<offset ms>`` for segments.
+  fields kept; relative paths resolved against the manifest's folder). Key: the ``id`` field when present, else
+  the audio path relative to the manifest's folder without extension, plus ``_<offset ms>`` for segments (an
+  absolute path outside that folder: its last folder and file name); see ``nemo_key_name``.
 - Text JSONL (``--text-field``, default ``text``); key: the ``id`` field when present, else
   ``<file stem>-<line>``. Plain ``.txt``: one document per non-empty line.
 - Lhotse CutSet manifests (``.jsonl``/``.jsonl.gz`` of cuts); key: the cut id.
@@ -129,6 +130,23 @@ def make_key(name: str) -> str:
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"sample key longer than {MAX_KEY_BYTES} bytes: {key[:60]}...")
     return key
+
+
+def nemo_key_name(rec: dict, folders: tuple[str, ...]) -> str:
+    """The name a NeMo manifest line without ``id`` is keyed by (before ``make_key``), the same for the same corpus on
+    any machine: the audio path relative to the manifest's folder (``folders``: that folder as written and with its
+    links resolved), normalised as pathlib does, without extension, and ``_<offset ms>`` for a segment. An absolute
+    path outside the folder keeps its last folder and file name (``/data/asr/spk1/u1.flac`` -> ``spk1/u1``): never
+    the machine's folders; two files that still collide are the planner's duplicate keys (give each line an ``id``).
+    String operations only (one call per sample)."""
+    path = PurePosixPath(rec["audio_filepath"])
+    if path.is_absolute():
+        inside = [path.relative_to(f) for f in folders if path.is_relative_to(f)]
+        path = inside[0] if inside else PurePosixPath(*path.parts[1:][-2:])  # parts[0] is the root, '/'
+    name = str(path.with_suffix(""))
+    if "offset" in rec:
+        name += f"_{round(rec['offset'] * 1000)}"
+    return name
 
 
 def _audio_ext(path: str) -> str:
@@ -320,6 +338,7 @@ class NemoManifestInput(_LineInput):
     def __post_init__(self):
         super().__post_init__()
         self._root = os.path.dirname(os.path.realpath(self.path))
+        self._folders = (os.path.dirname(os.path.abspath(self.path)), self._root)
 
     def _audio_path(self, rec: dict) -> str:
         """The file to open: relative paths resolve against the manifest's folder (string ops: per sample)."""
@@ -353,20 +372,10 @@ class NemoManifestInput(_LineInput):
             )
 
     def _key(self, rec: dict) -> str:
-        """The record's ``id`` when it has one (as for text JSONL), else the audio path relative to the manifest's
-        folder, normalised as pathlib does, without extension (and the segment's offset in ms)."""
+        """The record's ``id`` when it has one (as for text JSONL), else ``nemo_key_name``, escaped by ``make_key``."""
         if "id" in rec:
             return make_key(str(rec["id"]))
-        path = PurePosixPath(rec["audio_filepath"])
-        if path.is_absolute():
-            try:
-                path = path.relative_to(self._root)
-            except ValueError:
-                pass
-        name = str(path.with_suffix(""))
-        if "offset" in rec:
-            name += f"_{round(rec['offset'] * 1000)}"
-        return make_key(name)
+        return make_key(nemo_key_name(rec, self._folders))
 
     def _plan(self, rec: dict, number: int, raw: bytes) -> tuple[str, int]:
         self._validate(rec)
