@@ -18,7 +18,8 @@ def _one_rank_group(device_type: str):
     saved = dict(os.environ)
     init_distributed(device_type)
     yield
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a CLI run inside the module may have closed it (its entry point's process_group_closed)
+        dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
 

@@ -323,6 +323,7 @@ def test_every_loader_returns_exactly_the_contract(shards, tmp_path):
     from headrace.dataio.config import DataConfig
     from headrace.config import from_dict
     from headrace.dataio.bench.peers import prepare
+    from headrace.dataio.stagetimes import TIMES
 
     data = describe(from_dict(DataConfig, {"datasets": [{"path": str(shards / "text")}], "batch_size": 8}), tmp_path)
     documents = {}
@@ -333,7 +334,8 @@ def test_every_loader_returns_exactly_the_contract(shards, tmp_path):
         state, _ = prepare(peer, data)
         docs = []
         for batch in peer.open(data, 0, False, state):
-            assert set(batch) == {"tokens", "lengths"}, name
+            # the contract's fields; headrace's batches also carry its stages' seconds (the run's stage fractions)
+            assert set(batch) - {TIMES} == {"tokens", "lengths"}, name
             tokens, lengths = batch["tokens"], batch["lengths"]
             assert tokens.ndim == 1 and tokens.dtype == torch.uint16 and lengths.dtype == torch.int64, name
             assert int(lengths.sum()) == tokens.numel() and len(lengths) <= 8, name

@@ -242,11 +242,11 @@ def run(workdir: Path, batches) -> None:
         sharded = model(input_ids=batch["input_ids"], **packed_attention_kwargs(batch))  # no labels: logits
     from transformers import AutoModelForCausalLM
 
-    for export in (workdir / "ep2" / "hf", workdir / "ep2_fused"):
-        hf = AutoModelForCausalLM.from_pretrained(export, attn_implementation=register_varlen_attention())
+    for folder in (workdir / "ep2" / "hf", workdir / "ep2_fused"):
+        hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=register_varlen_attention())
         with torch.no_grad():
             exported = hf(input_ids=batch["input_ids"], use_cache=False, **packed_attention_kwargs(batch)).logits
-        check_close(f"{export} logits", exported, sharded, 1e-5)
+        check_close(f"{folder} logits", exported, sharded, 1e-5)
     print("OK per-expert and fused hf exports reload with the sharded model's logits", flush=True)
 
 

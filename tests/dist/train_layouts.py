@@ -211,8 +211,8 @@ def run_layouts(workdir: Path, batches) -> None:
     # Resume across layouts on the same 4 ranks: the FSDP2 dp=4 run's step-2 checkpoint continues as HSDP
     # (2 replicas x 2 shards) and as dp=2 x tp=2 (+SP) with the uninterrupted losses.
     expected = [r["loss"] for r in results["fsdp2"]]
-    for name, layout in (("hsdp", "hsdp_ac"), ("dp2_tp2", "fsdp2_tp_sp")):
-        resume_step2(workdir, "fsdp2", f"from_fsdp2_{name}", *layouts[layout], batches, expected)
+    for name, layout_name in (("hsdp", "hsdp_ac"), ("dp2_tp2", "fsdp2_tp_sp")):
+        resume_step2(workdir, "fsdp2", f"from_fsdp2_{name}", *layouts[layout_name], batches, expected)
         print(f"OK fsdp2 dp=4 checkpoint resumes as {name}", flush=True)
 
     # Export == trained model: reload the final checkpoint into a sharded model and compare logits.

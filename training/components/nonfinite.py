@@ -123,12 +123,14 @@ class NonFiniteGuard:
         for (step, _, samples), bad in zip(window, flags):
             if bad:
                 self.skipped += 1
-                print(
+                line = (
                     f"rank {rank}: step {step}: non-finite loss or grad norm: update skipped on every rank "
                     f"(this rank's samples: {', '.join(map(str, samples[:16]))}"
-                    + (f" and {len(samples) - 16} more)" if len(samples) > 16 else ")"),
-                    flush=True,
+                    + (f" and {len(samples) - 16} more)" if len(samples) > 16 else ")")
                 )
+                # one write with its newline: every rank prints this at once, and under `python -u` print's
+                # separate write of the end would let another rank's line in between
+                print(line + "\n", end="", flush=True)
 
     def ready_to_save(self) -> bool:
         """Whether the last step was good (one read): an interval save in a run of bad steps waits for a good one."""

@@ -200,8 +200,9 @@ class SALM(nn.Module):
             audio_mask=audio_mask,
             position_ids=position_ids,
         )
-        if self.cfg.ctc_weight > 0 and self.training and labels is not None:
-            head = self.adapter.head if self.ctc_head is None else self.ctc_head  # a CTCBridge's own head
+        # the CTC loss's head: the model's own, or a CTCBridge's (which then keeps learning the token posteriors)
+        head = self.adapter.head if self.ctc_head is None and isinstance(self.adapter, CTCBridge) else self.ctc_head
+        if head is not None and self.cfg.ctc_weight > 0 and self.training and labels is not None:
             loss = loss + self.cfg.ctc_weight * ctc_loss_sum(head(hidden), covered, labels)
         return loss
 
